@@ -1,0 +1,107 @@
+//! Typed errors. Every message names the thing at fault and says how to fix it.
+
+/// Shape as written in messages: `[3072, 64]`.
+pub(crate) fn shape_str(s: &[usize]) -> String {
+    format!(
+        "[{}]",
+        s.iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: not a readable safetensors checkpoint: {message}")]
+    BadCheckpointFile { path: String, message: String },
+
+    #[error(
+        "checkpoint {checkpoint} lacks tensor `{name}` (expected shape {}): it does not hold \
+         this model ({model}); pick the checkpoint that matches the plan's model, or a \
+         model config that matches the checkpoint",
+        shape_str(expected)
+    )]
+    MissingTensor {
+        checkpoint: String,
+        model: String,
+        name: String,
+        expected: Vec<usize>,
+    },
+
+    #[error(
+        "checkpoint {checkpoint}: tensor `{name}` has shape {}, expected {} for this model \
+         ({model}); pick the checkpoint that matches the plan's model, or a model config \
+         that matches the checkpoint",
+        shape_str(found),
+        shape_str(expected)
+    )]
+    ShapeMismatch {
+        checkpoint: String,
+        model: String,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+
+    #[error(
+        "checkpoint {checkpoint}: tensor `{name}` is stored as {dtype}; exec reads F32, BF16 \
+         and F16 checkpoints: convert it (e.g. to bf16) first"
+    )]
+    UnsupportedTensorDtype {
+        checkpoint: String,
+        name: String,
+        dtype: String,
+    },
+
+    #[error("invalid model config: {0}")]
+    Config(String),
+
+    #[error("plan: {0}")]
+    Plan(String),
+
+    #[error("plan: part {part}: block range `{range}`: {message}")]
+    BadRange {
+        part: usize,
+        range: String,
+        message: String,
+    },
+
+    #[error(
+        "plan: part {part} is tensor parallel over {degree} devices, but {what}; use a \
+         degree that divides both the heads ({heads}) and the MLP width ({mlp})"
+    )]
+    TpDegree {
+        part: usize,
+        degree: usize,
+        heads: usize,
+        mlp: usize,
+        what: String,
+    },
+
+    #[error(
+        "plan: transformer dtype {0} is not supported by exec yet: plan with f32, bf16 or fp16"
+    )]
+    UnsupportedDtype(String),
+
+    #[error("device {device}: this build has no CUDA: rebuild with --features cuda")]
+    NoCuda { device: String },
+
+    #[error("device {device}: {message}")]
+    Device { device: String, message: String },
+
+    #[error("input: {0}")]
+    Input(String),
+
+    #[error("{0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T, E = ExecError> = std::result::Result<T, E>;

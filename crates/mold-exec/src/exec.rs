@@ -1,0 +1,701 @@
+//! The executor: runs the transformer component of a plan, part by part.
+
+use crate::checkpoint::Checkpoint;
+use crate::comm::{Comm, LocalComm};
+use crate::config::FluxConfig;
+use crate::error::{ExecError, Result};
+use crate::model::flux::{DoubleBlock, FinalLayer, SingleBlock, Stem};
+use crate::model::{ActivationMeter, Ctx, Shard};
+use crate::runtime::{self, Block, CheckpointSource, DeviceMap, DeviceMemory, Held};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use mold_plan::{DeviceId, Part, Plan, Residency};
+
+/// Inputs of one transformer call (BFL / candle `Flux::forward` argument order).
+#[derive(Clone, Debug)]
+pub struct FluxInputs {
+    /// Packed latent tokens `(b, L_img, in_channels)`.
+    pub img: Tensor,
+    /// `(b, L_img, 3)` positions (0, row, col).
+    pub img_ids: Tensor,
+    /// Text-encoder tokens `(b, L_txt, context_in_dim)`.
+    pub txt: Tensor,
+    /// `(b, L_txt, 3)`, zeros for FLUX.
+    pub txt_ids: Tensor,
+    /// `(b,)` in [0, 1].
+    pub timesteps: Tensor,
+    /// Pooled vector `(b, vec_in_dim)`.
+    pub y: Tensor,
+    /// `(b,)` distilled guidance; required by guidance-distilled models.
+    pub guidance: Option<Tensor>,
+}
+
+/// A block in execution order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockRef {
+    Double(usize),
+    Single(usize),
+}
+
+/// Maps a plan's transformer dtype to the compute dtype.
+pub fn compute_dtype(d: mold_plan::DType) -> Result<DType> {
+    match d {
+        mold_plan::DType::F32 => Ok(DType::F32),
+        mold_plan::DType::Bf16 => Ok(DType::BF16),
+        mold_plan::DType::Fp16 => Ok(DType::F16),
+        other => Err(ExecError::UnsupportedDtype(other.to_string())),
+    }
+}
+
+/// Checks the transformer parts of `plan` against `cfg` without loading anything: every
+/// block range names a known kind and lies inside the model, every block runs exactly
+/// once, doubles before singles in ascending order, and each tensor-parallel degree
+/// divides the heads and the MLP width. Returns each part's blocks in execution order.
+pub fn check_plan(cfg: &FluxConfig, plan: &Plan) -> Result<Vec<Vec<BlockRef>>> {
+    let comp = plan.transformer().ok_or_else(|| {
+        ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
+    })?;
+    check_parts(cfg, &comp.parts)
+}
+
+fn check_parts(cfg: &FluxConfig, parts: &[Part]) -> Result<Vec<Vec<BlockRef>>> {
+    let mut out = Vec::with_capacity(parts.len());
+    let mut owner: Vec<Option<(usize, String)>> = vec![None; cfg.depth + cfg.depth_single];
+    let mut order = Vec::new();
+    for (pi, p) in parts.iter().enumerate() {
+        let tp = p.devices.len();
+        let mlp = cfg.mlp_hidden();
+        if tp == 0 || cfg.heads % tp != 0 || mlp % tp != 0 {
+            let what = if tp == 0 {
+                "it names no device".to_string()
+            } else if cfg.heads % tp != 0 {
+                format!("{tp} does not divide the {} attention heads", cfg.heads)
+            } else {
+                format!("{tp} does not divide the MLP width {mlp}")
+            };
+            return Err(ExecError::TpDegree {
+                part: pi,
+                degree: tp,
+                heads: cfg.heads,
+                mlp,
+                what,
+            });
+        }
+        let mut steps = Vec::new();
+        for r in &p.blocks {
+            let bad = |message: String| ExecError::BadRange {
+                part: pi,
+                range: r.to_string(),
+                message,
+            };
+            let (n, base) = match r.kind.as_str() {
+                "double" => (cfg.depth, 0),
+                "single" => (cfg.depth_single, cfg.depth),
+                k => {
+                    return Err(bad(format!(
+                        "unknown block kind `{k}`: FLUX has `double` and `single` blocks"
+                    )))
+                }
+            };
+            if r.start >= r.end {
+                return Err(bad("empty: write start..end with start < end".into()));
+            }
+            if r.end as usize > n {
+                return Err(bad(format!(
+                    "goes past the model's {n} {} blocks (valid: {} 0..{n}): fix the range or regenerate the plan for this model",
+                    r.kind, r.kind
+                )));
+            }
+            for i in r.start as usize..r.end as usize {
+                if let Some((op, orange)) = &owner[base + i] {
+                    return Err(bad(format!(
+                        "block {} {i} is already run by part {op} (`{orange}`): each block runs exactly once",
+                        r.kind
+                    )));
+                }
+                owner[base + i] = Some((pi, r.to_string()));
+                order.push(base + i);
+                steps.push(if base == 0 {
+                    BlockRef::Double(i)
+                } else {
+                    BlockRef::Single(i)
+                });
+            }
+        }
+        out.push(steps);
+    }
+    let missing: Vec<String> = owner
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o.is_none())
+        .map(|(i, _)| {
+            if i < cfg.depth {
+                format!("double {i}")
+            } else {
+                format!("single {}", i - cfg.depth)
+            }
+        })
+        .collect();
+    if !missing.is_empty() {
+        return Err(ExecError::Plan(format!(
+            "no part runs block(s) {}: the transformer parts must cover double 0..{} and single 0..{}",
+            missing.join(", "),
+            cfg.depth,
+            cfg.depth_single
+        )));
+    }
+    if order.windows(2).any(|w| w[0] > w[1]) {
+        return Err(ExecError::Plan(format!(
+            "blocks must run in model order (double 0..{}, then single 0..{}) across parts: reorder the parts or ranges",
+            cfg.depth, cfg.depth_single
+        )));
+    }
+    Ok(out)
+}
+
+struct Rank {
+    id: DeviceId,
+    device: Device,
+    stem: Option<Stem>,
+    final_layer: Option<FinalLayer>,
+    blocks: Vec<Held>,
+    meter: ActivationMeter,
+    resident_bytes: u64,
+    stream_bytes: u64,
+    host_bytes: u64,
+}
+
+struct PartRt {
+    devices: Vec<DeviceId>,
+    steps: Vec<BlockRef>,
+    ranks: Vec<Rank>,
+}
+
+/// Activations between parts.
+#[derive(Clone)]
+enum Acts {
+    Double {
+        img: Tensor,
+        txt: Tensor,
+        vec: Tensor,
+        pe: Tensor,
+    },
+    Single {
+        x: Tensor,
+        vec: Tensor,
+        pe: Tensor,
+        txt_len: usize,
+    },
+    Out(Tensor),
+}
+
+impl Acts {
+    fn to_device(&self, d: &Device) -> candle_core::Result<Acts> {
+        Ok(match self {
+            Acts::Double { img, txt, vec, pe } => Acts::Double {
+                img: img.to_device(d)?,
+                txt: txt.to_device(d)?,
+                vec: vec.to_device(d)?,
+                pe: pe.to_device(d)?,
+            },
+            Acts::Single {
+                x,
+                vec,
+                pe,
+                txt_len,
+            } => Acts::Single {
+                x: x.to_device(d)?,
+                vec: vec.to_device(d)?,
+                pe: pe.to_device(d)?,
+                txt_len: *txt_len,
+            },
+            Acts::Out(t) => Acts::Out(t.to_device(d)?),
+        })
+    }
+}
+
+enum PartInput<'a> {
+    Inputs(&'a FluxInputs),
+    Acts(&'a Acts),
+}
+
+/// Aborts the rank's group if the rank's thread leaves without finishing (error or
+/// panic), so the other ranks do not wait forever.
+struct AbortGuard<'a>(&'a dyn Comm, bool);
+
+impl Drop for AbortGuard<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.abort();
+        }
+    }
+}
+
+/// Runs the transformer of a plan. Weights are loaded once by [`Executor::new`];
+/// [`Executor::forward`] can then be called once per denoising step.
+pub struct Executor {
+    cfg: FluxConfig,
+    dtype: DType,
+    parts: Vec<PartRt>,
+}
+
+impl std::fmt::Debug for Executor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("dtype", &self.dtype)
+            .field(
+                "parts",
+                &self.parts.iter().map(|p| &p.devices).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// A part as the executor builds it.
+struct PartSpec {
+    devices: Vec<DeviceId>,
+    residency: Residency,
+    steps: Vec<BlockRef>,
+}
+
+impl Executor {
+    /// Checks the config, the checkpoint headers and the plan (no tensor data read), then
+    /// loads each part's weights onto its devices (each rank reads only its own blocks
+    /// and shards) in the plan's transformer dtype.
+    pub fn new(cfg: &FluxConfig, plan: &Plan, ckpt: &Checkpoint) -> Result<Executor> {
+        cfg.validate().map_err(ExecError::Config)?;
+        let comp = plan.transformer().ok_or_else(|| {
+            ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
+        })?;
+        let dtype = compute_dtype(comp.dtype)?;
+        let steps = check_parts(cfg, &comp.parts)?;
+        ckpt.check(cfg, &plan.model.id)?;
+        let specs = comp
+            .parts
+            .iter()
+            .zip(steps)
+            .map(|(p, steps)| PartSpec {
+                devices: p.devices.clone(),
+                residency: p.residency,
+                steps,
+            })
+            .collect();
+        Self::build(cfg, ckpt, specs, dtype)
+    }
+
+    /// The reference: the same model, unsharded, every block resident on one device.
+    pub fn reference(
+        cfg: &FluxConfig,
+        ckpt: &Checkpoint,
+        device: &DeviceId,
+        dtype: DType,
+    ) -> Result<Executor> {
+        cfg.validate().map_err(ExecError::Config)?;
+        ckpt.check(cfg, "the given model config")?;
+        let steps = (0..cfg.depth)
+            .map(BlockRef::Double)
+            .chain((0..cfg.depth_single).map(BlockRef::Single))
+            .collect();
+        let spec = PartSpec {
+            devices: vec![device.clone()],
+            residency: Residency::Resident,
+            steps,
+        };
+        Self::build(cfg, ckpt, vec![spec], dtype)
+    }
+
+    fn build(
+        cfg: &FluxConfig,
+        ckpt: &Checkpoint,
+        specs: Vec<PartSpec>,
+        dtype: DType,
+    ) -> Result<Executor> {
+        let mut devmap = DeviceMap::default();
+        // Resolve every device before reading any weight.
+        for s in &specs {
+            for d in &s.devices {
+                devmap.get(d)?;
+            }
+        }
+        let src = CheckpointSource { ckpt, dtype };
+        let n = specs.len();
+        let mut parts = Vec::with_capacity(n);
+        for (pi, spec) in specs.into_iter().enumerate() {
+            let world = spec.devices.len();
+            let mut ranks = Vec::with_capacity(world);
+            for (rank, id) in spec.devices.iter().enumerate() {
+                let device = devmap.get(id)?;
+                let shard = Shard { rank, world };
+                let mut resident_bytes = 0;
+                let mut stream_bytes = 0;
+                let mut host_bytes = 0;
+                let stem = if pi == 0 {
+                    let s = Stem::load(&src, cfg)?.to_device(&device)?;
+                    resident_bytes += s.bytes();
+                    Some(s)
+                } else {
+                    None
+                };
+                let final_layer = if pi == n - 1 && rank == 0 {
+                    let f = FinalLayer::load(&src)?.to_device(&device)?;
+                    resident_bytes += f.bytes();
+                    Some(f)
+                } else {
+                    None
+                };
+                let mut blocks = Vec::with_capacity(spec.steps.len());
+                for step in &spec.steps {
+                    let b = match step {
+                        BlockRef::Double(i) => {
+                            Block::Double(DoubleBlock::load(&src, cfg, *i, shard)?)
+                        }
+                        BlockRef::Single(i) => {
+                            Block::Single(SingleBlock::load(&src, cfg, *i, shard)?)
+                        }
+                    };
+                    let bytes = b.bytes();
+                    blocks.push(match spec.residency {
+                        Residency::Resident => {
+                            resident_bytes += bytes;
+                            Held::Resident(b.to_device(&device)?)
+                        }
+                        Residency::Streamed => {
+                            host_bytes += bytes;
+                            stream_bytes = stream_bytes.max(bytes);
+                            Held::Streamed(b)
+                        }
+                    });
+                }
+                ranks.push(Rank {
+                    id: id.clone(),
+                    device,
+                    stem,
+                    final_layer,
+                    blocks,
+                    meter: ActivationMeter::default(),
+                    resident_bytes,
+                    stream_bytes,
+                    host_bytes,
+                });
+            }
+            parts.push(PartRt {
+                devices: spec.devices,
+                steps: spec.steps,
+                ranks,
+            });
+        }
+        Ok(Executor {
+            cfg: cfg.clone(),
+            dtype,
+            parts,
+        })
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// One transformer call. Inputs may live on any device and in any float dtype; they
+    /// are moved to the first part's devices and converted to the compute dtype. Returns
+    /// the predicted velocity `(b, L_img, in_channels)` on the last part's first device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        img: &Tensor,
+        img_ids: &Tensor,
+        txt: &Tensor,
+        txt_ids: &Tensor,
+        timesteps: &Tensor,
+        y: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.forward_inputs(&FluxInputs {
+            img: img.clone(),
+            img_ids: img_ids.clone(),
+            txt: txt.clone(),
+            txt_ids: txt_ids.clone(),
+            timesteps: timesteps.clone(),
+            y: y.clone(),
+            guidance: guidance.cloned(),
+        })
+    }
+
+    /// [`Executor::forward`] taking a [`FluxInputs`].
+    pub fn forward_inputs(&self, inputs: &FluxInputs) -> Result<Tensor> {
+        self.check_inputs(inputs)?;
+        let mut acts: Option<Acts> = None;
+        for part in &self.parts {
+            let input = match &acts {
+                None => PartInput::Inputs(inputs),
+                Some(a) => PartInput::Acts(a),
+            };
+            acts = Some(self.run_part(part, input)?);
+        }
+        match acts {
+            Some(Acts::Out(t)) => Ok(t),
+            _ => Err(ExecError::Plan("the last part produced no output".into())),
+        }
+    }
+
+    fn check_inputs(&self, x: &FluxInputs) -> Result<()> {
+        let c = &self.cfg;
+        fn bad<T>(m: String) -> Result<T> {
+            Err(ExecError::Input(m))
+        }
+        let (b, l_img, ch) = x.img.dims3().or_else(|_| {
+            bad(format!(
+                "img must be (batch, tokens, {}), got {:?}",
+                c.in_channels,
+                x.img.shape()
+            ))
+        })?;
+        if ch != c.in_channels {
+            return bad(format!(
+                "img has {ch} channels per token, the model takes {}",
+                c.in_channels
+            ));
+        }
+        let (tb, _, tc) = x.txt.dims3().or_else(|_| {
+            bad(format!(
+                "txt must be (batch, tokens, {}), got {:?}",
+                c.context_in_dim,
+                x.txt.shape()
+            ))
+        })?;
+        if tb != b || tc != c.context_in_dim {
+            return bad(format!(
+                "txt must be ({b}, tokens, {}), got {:?}",
+                c.context_in_dim,
+                x.txt.shape()
+            ));
+        }
+        if x.img_ids.dims() != [b, l_img, 3] {
+            return bad(format!(
+                "img_ids must be ({b}, {l_img}, 3), got {:?}",
+                x.img_ids.shape()
+            ));
+        }
+        if x.txt_ids.dims() != [b, x.txt.dim(1)?, 3] {
+            return bad(format!(
+                "txt_ids must be ({b}, {}, 3), got {:?}",
+                x.txt.dim(1)?,
+                x.txt_ids.shape()
+            ));
+        }
+        if x.y.dims() != [b, c.vec_in_dim] {
+            return bad(format!(
+                "y must be ({b}, {}), got {:?}",
+                c.vec_in_dim,
+                x.y.shape()
+            ));
+        }
+        if x.timesteps.dims() != [b] {
+            return bad(format!(
+                "timesteps must be ({b},), got {:?}",
+                x.timesteps.shape()
+            ));
+        }
+        match &x.guidance {
+            None if c.guidance_embed => {
+                bad("this model is guidance distilled: pass a guidance strength (e.g. 3.5)".into())
+            }
+            Some(g) if g.dims() != [b] => {
+                bad(format!("guidance must be ({b},), got {:?}", g.shape()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn run_part(&self, part: &PartRt, input: PartInput) -> Result<Acts> {
+        if part.ranks.len() == 1 {
+            return Ok(self.run_rank(part, &part.ranks[0], &LocalComm, &input)?);
+        }
+        let comms = runtime::make_group(&part.devices);
+        let results: Vec<std::thread::Result<candle_core::Result<Acts>>> =
+            std::thread::scope(|s| {
+                let handles: Vec<_> = part
+                    .ranks
+                    .iter()
+                    .zip(&comms)
+                    .map(|(rank, comm)| {
+                        let input = &input;
+                        s.spawn(move || {
+                            let mut guard = AbortGuard(comm.as_ref(), false);
+                            let r = self.run_rank(part, rank, comm.as_ref(), input);
+                            guard.1 = r.is_ok();
+                            r
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join()).collect()
+            });
+        let mut errors: Vec<(usize, String)> = Vec::new();
+        let mut out = None;
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(Ok(a)) if i == 0 => out = Some(a),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => errors.push((i, e.to_string())),
+                Err(_) => errors.push((i, "the rank's thread panicked".into())),
+            }
+        }
+        // Report the rank that failed first, not the ranks it released.
+        let primary = errors
+            .iter()
+            .find(|(_, m)| !m.contains("another rank"))
+            .or(errors.first());
+        match (primary, out) {
+            (Some((i, m)), _) => Err(ExecError::Device {
+                device: part.devices[*i].to_string(),
+                message: m.clone(),
+            }),
+            (None, Some(a)) => Ok(a),
+            (None, None) => Err(ExecError::Plan("rank 0 produced no result".into())),
+        }
+    }
+
+    fn run_rank(
+        &self,
+        part: &PartRt,
+        rank: &Rank,
+        comm: &dyn Comm,
+        input: &PartInput,
+    ) -> candle_core::Result<Acts> {
+        let dev = &rank.device;
+        let ctx = Ctx {
+            comm,
+            meter: &rank.meter,
+        };
+        let mut acts = match input {
+            PartInput::Acts(a) => a.to_device(dev)?,
+            PartInput::Inputs(x) => {
+                let stem = rank.stem.as_ref().expect("the first part holds the stem");
+                let mv = |t: &Tensor| t.to_device(dev)?.to_dtype(self.dtype);
+                // Positions, timesteps and guidance stay f32: the RoPE table and the
+                // sinusoidal embeddings are computed in f32, then cast.
+                let f32 = |t: &Tensor| t.to_device(dev)?.to_dtype(DType::F32);
+                let s = stem.forward(
+                    &mv(&x.img)?,
+                    &f32(&x.img_ids)?,
+                    &mv(&x.txt)?,
+                    &f32(&x.txt_ids)?,
+                    &f32(&x.timesteps)?,
+                    &mv(&x.y)?,
+                    x.guidance.as_ref().map(f32).transpose()?.as_ref(),
+                )?;
+                Acts::Double {
+                    img: s.img,
+                    txt: s.txt,
+                    vec: s.vec,
+                    pe: s.pe,
+                }
+            }
+        };
+        for (step, held) in part.steps.iter().zip(&rank.blocks) {
+            let block = held.fetch(dev)?;
+            acts = match (block.as_ref(), acts) {
+                (Block::Double(b), Acts::Double { img, txt, vec, pe }) => {
+                    let (img, txt) = b.forward(&img, &txt, &vec, &pe, &ctx)?;
+                    rank.meter.see(&img);
+                    Acts::Double { img, txt, vec, pe }
+                }
+                (Block::Single(b), a) => {
+                    let (x, vec, pe, txt_len) = match a {
+                        Acts::Double { img, txt, vec, pe } => {
+                            let txt_len = txt.dim(1)?;
+                            (Tensor::cat(&[&txt, &img], 1)?, vec, pe, txt_len)
+                        }
+                        Acts::Single {
+                            x,
+                            vec,
+                            pe,
+                            txt_len,
+                        } => (x, vec, pe, txt_len),
+                        Acts::Out(_) => candle_core::bail!("block {step:?} after the final layer"),
+                    };
+                    let x = b.forward(&x, &vec, &pe, &ctx)?;
+                    rank.meter.see(&x);
+                    Acts::Single {
+                        x,
+                        vec,
+                        pe,
+                        txt_len,
+                    }
+                }
+                (Block::Double(_), _) => {
+                    candle_core::bail!("double block {step:?} after single blocks")
+                }
+            };
+        }
+        if let Some(fl) = &rank.final_layer {
+            let (img, vec) = match acts {
+                Acts::Double { img, vec, .. } => (img, vec),
+                Acts::Single {
+                    x, vec, txt_len, ..
+                } => (x.i((.., txt_len..))?, vec),
+                Acts::Out(_) => candle_core::bail!("final layer run twice"),
+            };
+            let out = fl.forward(&img, &vec)?;
+            rank.meter.see(&out);
+            acts = Acts::Out(out);
+        }
+        Ok(acts)
+    }
+
+    /// Accounted memory per device, summed over the parts each device serves (in
+    /// first-use order). Activation sizes are known after a [`Executor::forward`].
+    pub fn memory_report(&self) -> Vec<DeviceMemory> {
+        let mut out: Vec<DeviceMemory> = Vec::new();
+        for part in &self.parts {
+            for r in &part.ranks {
+                let i = match out.iter().position(|m| m.device == r.id) {
+                    Some(i) => i,
+                    None => {
+                        out.push(DeviceMemory {
+                            device: r.id.clone(),
+                            resident_weight_bytes: 0,
+                            stream_buffer_bytes: 0,
+                            host_weight_bytes: 0,
+                            largest_activation_bytes: 0,
+                        });
+                        out.len() - 1
+                    }
+                };
+                let m = &mut out[i];
+                m.resident_weight_bytes += r.resident_bytes;
+                m.stream_buffer_bytes = m.stream_buffer_bytes.max(r.stream_bytes);
+                m.host_weight_bytes += r.host_bytes;
+                m.largest_activation_bytes = m.largest_activation_bytes.max(r.meter.largest());
+            }
+        }
+        out
+    }
+}
+
+/// Max relative error of `a` against the reference `b`:
+/// `max_i |a_i - b_i| / max(max_i |b_i|, 1e-12)`, computed in f32 on the host. It is
+/// relative to the reference's largest magnitude (not element-wise), so elements near
+/// zero do not blow it up.
+pub fn max_relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
+    if a.dims() != b.dims() {
+        return Err(ExecError::Input(format!(
+            "cannot compare shapes {:?} and {:?}",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    if a.elem_count() == 0 {
+        return Ok(0.0);
+    }
+    let a = a
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?;
+    let b = b
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?;
+    let diff = (&a - &b)?.abs()?.max(0)?.to_scalar::<f32>()? as f64;
+    let scale = b.abs()?.max(0)?.to_scalar::<f32>()? as f64;
+    Ok(diff / scale.max(1e-12))
+}

@@ -1,0 +1,595 @@
+//! The FLUX transformer (BFL `flux.model.Flux`), numerically following
+//! candle-transformers' `flux::model`, split into a stem, double-stream blocks,
+//! single-stream blocks and the final layer so a plan can place each on its devices.
+//!
+//! Tensor parallelism (Megatron style): attention is split by heads and the MLP by
+//! hidden columns. `qkv` and `linear1` are column parallel with q, k, v (and the MLP part
+//! of `linear1`) each sharded separately; `proj`, `mlp.2` and `linear2` are row parallel,
+//! followed by exactly one all-reduce each (a double block reduces img and txt together:
+//! one all-reduce after attention, one after the MLP). Modulations, norms, the stem and
+//! the final layer are replicated.
+
+use super::layers::{vector_bytes, ColumnParallel, Linear, RowParallel};
+use super::{ActivationMeter, Ctx, Shard, WeightSource};
+use crate::config::{FluxConfig, TIME_EMBED_DIM};
+use crate::error::Result;
+use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+use candle_nn::{LayerNorm, RmsNorm};
+
+type CResult<T> = candle_core::Result<T>;
+
+const EPS: f64 = 1e-6;
+
+/// LayerNorm without affine parameters (BFL `elementwise_affine=False`).
+fn layer_norm(x: &Tensor) -> CResult<Tensor> {
+    let ones = Tensor::ones(x.dim(D::Minus1)?, x.dtype(), x.device())?;
+    LayerNorm::new_no_bias(ones, EPS).forward(x)
+}
+
+fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, meter: &ActivationMeter) -> CResult<Tensor> {
+    let dim = q.dim(D::Minus1)?;
+    let scale = 1.0 / (dim as f64).sqrt();
+    let mut batch_dims = q.dims().to_vec();
+    batch_dims.pop();
+    batch_dims.pop();
+    let q = q.flatten_to(batch_dims.len() - 1)?;
+    let k = k.flatten_to(batch_dims.len() - 1)?;
+    let v = v.flatten_to(batch_dims.len() - 1)?;
+    let weights = (q.matmul(&k.t()?)? * scale)?;
+    meter.see(&weights);
+    let scores = candle_nn::ops::softmax_last_dim(&weights)?.matmul(&v)?;
+    batch_dims.push(scores.dim(D::Minus2)?);
+    batch_dims.push(scores.dim(D::Minus1)?);
+    scores.reshape(batch_dims)
+}
+
+/// RoPE rotation matrices for one position axis: `(b, n, dim/2, 2, 2)`.
+fn rope(pos: &Tensor, dim: usize, theta: f64) -> CResult<Tensor> {
+    let inv_freq: Vec<f32> = (0..dim)
+        .step_by(2)
+        .map(|i| 1f32 / theta.powf(i as f64 / dim as f64) as f32)
+        .collect();
+    let n = inv_freq.len();
+    let inv_freq = Tensor::from_vec(inv_freq, (1, 1, n), pos.device())?.to_dtype(pos.dtype())?;
+    let freqs = pos.unsqueeze(2)?.broadcast_mul(&inv_freq)?;
+    let cos = freqs.cos()?;
+    let sin = freqs.sin()?;
+    let out = Tensor::stack(&[&cos, &sin.neg()?, &sin, &cos], 3)?;
+    let (b, n, d, _) = out.dims4()?;
+    out.reshape((b, n, d, 2, 2))
+}
+
+fn apply_rope(x: &Tensor, pe: &Tensor) -> CResult<Tensor> {
+    let dims = x.dims().to_vec();
+    let (b, h, l, e) = x.dims4()?;
+    let x = x.reshape((b, h, l, e / 2, 2))?;
+    let x0 = x.narrow(D::Minus1, 0, 1)?;
+    let x1 = x.narrow(D::Minus1, 1, 1)?;
+    let f0 = pe.get_on_dim(D::Minus1, 0)?;
+    let f1 = pe.get_on_dim(D::Minus1, 1)?;
+    (f0.broadcast_mul(&x0)? + f1.broadcast_mul(&x1)?)?.reshape(dims)
+}
+
+/// Attention over this rank's heads: `q, k, v` are `(b, heads, L, head_dim)`; returns
+/// `(b, L, heads * head_dim)`.
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pe: &Tensor,
+    meter: &ActivationMeter,
+) -> CResult<Tensor> {
+    let q = apply_rope(q, pe)?.contiguous()?;
+    let k = apply_rope(k, pe)?.contiguous()?;
+    let x = sdpa(&q, &k, v, meter)?;
+    x.transpose(1, 2)?.flatten_from(2)
+}
+
+/// Sinusoidal embedding of `t` (scaled by 1000), `dim` wide, cos then sin.
+fn timestep_embedding(t: &Tensor, dim: usize, dtype: DType) -> CResult<Tensor> {
+    const TIME_FACTOR: f64 = 1000.;
+    const MAX_PERIOD: f64 = 10000.;
+    let half = dim / 2;
+    let dev = t.device();
+    let t = (t * TIME_FACTOR)?;
+    let arange = Tensor::arange(0, half as u32, dev)?.to_dtype(DType::F32)?;
+    let freqs = (arange * (-MAX_PERIOD.ln() / half as f64))?.exp()?;
+    let args = t
+        .unsqueeze(1)?
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&freqs.unsqueeze(0)?)?;
+    Tensor::cat(&[args.cos()?, args.sin()?], D::Minus1)?.to_dtype(dtype)
+}
+
+/// RoPE for all positions: `ids` is `(b, L, 3)`; returns `(b, 1, L, head_dim/2, 2, 2)`.
+pub fn positional_embedding(ids: &Tensor, axes_dim: &[usize; 3], theta: f64) -> CResult<Tensor> {
+    let mut emb = Vec::with_capacity(3);
+    for (i, d) in axes_dim.iter().enumerate() {
+        emb.push(rope(&ids.get_on_dim(D::Minus1, i)?, *d, theta)?);
+    }
+    Tensor::cat(&emb, 2)?.unsqueeze(1)
+}
+
+#[derive(Clone, Debug)]
+struct MlpEmbedder {
+    in_layer: Linear,
+    out_layer: Linear,
+}
+
+impl MlpEmbedder {
+    fn load(src: &dyn WeightSource, prefix: &str) -> Result<Self> {
+        Ok(MlpEmbedder {
+            in_layer: Linear::load(src, &format!("{prefix}.in_layer"))?,
+            out_layer: Linear::load(src, &format!("{prefix}.out_layer"))?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        self.out_layer.forward(&self.in_layer.forward(x)?.silu()?)
+    }
+    fn to_device(&self, d: &Device) -> CResult<Self> {
+        Ok(MlpEmbedder {
+            in_layer: self.in_layer.to_device(d)?,
+            out_layer: self.out_layer.to_device(d)?,
+        })
+    }
+    fn bytes(&self) -> u64 {
+        self.in_layer.bytes() + self.out_layer.bytes()
+    }
+}
+
+struct ModOut {
+    shift: Tensor,
+    scale: Tensor,
+    gate: Tensor,
+}
+
+impl ModOut {
+    fn scale_shift(&self, x: &Tensor) -> CResult<Tensor> {
+        x.broadcast_mul(&(&self.scale + 1.)?)?
+            .broadcast_add(&self.shift)
+    }
+    fn gate(&self, x: &Tensor) -> CResult<Tensor> {
+        self.gate.broadcast_mul(x)
+    }
+}
+
+/// SiLU then a replicated linear to `n` × (shift, scale, gate).
+#[derive(Clone, Debug)]
+struct Modulation(Linear);
+
+impl Modulation {
+    fn forward(&self, vec: &Tensor, n: usize) -> CResult<Vec<ModOut>> {
+        let ys = self
+            .0
+            .forward(&vec.silu()?)?
+            .unsqueeze(1)?
+            .chunk(3 * n, D::Minus1)?;
+        Ok(ys
+            .chunks(3)
+            .map(|c| ModOut {
+                shift: c[0].clone(),
+                scale: c[1].clone(),
+                gate: c[2].clone(),
+            })
+            .collect())
+    }
+}
+
+#[derive(Clone, Debug)]
+struct QkNorm {
+    query: RmsNorm,
+    key: RmsNorm,
+    query_scale: Tensor,
+    key_scale: Tensor,
+}
+
+impl QkNorm {
+    fn load(src: &dyn WeightSource, prefix: &str) -> Result<Self> {
+        let q = src.load(&format!("{prefix}.query_norm.scale"), None, None)?;
+        let k = src.load(&format!("{prefix}.key_norm.scale"), None, None)?;
+        Ok(Self::new(q, k))
+    }
+    fn new(q: Tensor, k: Tensor) -> Self {
+        QkNorm {
+            query: RmsNorm::new(q.clone(), EPS),
+            key: RmsNorm::new(k.clone(), EPS),
+            query_scale: q,
+            key_scale: k,
+        }
+    }
+    fn to_device(&self, d: &Device) -> CResult<Self> {
+        Ok(Self::new(
+            self.query_scale.to_device(d)?,
+            self.key_scale.to_device(d)?,
+        ))
+    }
+    fn bytes(&self) -> u64 {
+        vector_bytes(&self.query_scale) + vector_bytes(&self.key_scale)
+    }
+}
+
+/// Splits a `(b, L, 3 * heads * head_dim)` projection into normed `q`, `k` and `v`, each
+/// `(b, heads, L, head_dim)`.
+fn split_qkv(qkv: &Tensor, heads: usize, norm: &QkNorm) -> CResult<(Tensor, Tensor, Tensor)> {
+    let (b, l, _) = qkv.dims3()?;
+    let qkv = qkv.reshape((b, l, 3, heads, ()))?;
+    let q = qkv.i((.., .., 0))?.transpose(1, 2)?;
+    let k = qkv.i((.., .., 1))?.transpose(1, 2)?;
+    let v = qkv.i((.., .., 2))?.transpose(1, 2)?;
+    Ok((norm.query.forward(&q)?, norm.key.forward(&k)?, v))
+}
+
+/// The rows of a fused `[q; k; v]` (and optionally a trailing MLP segment) that belong to
+/// one shard: each part sharded on its own.
+fn qkv_rows(cfg: &FluxConfig, shard: Shard, with_mlp: bool) -> Vec<std::ops::Range<usize>> {
+    let h = cfg.hidden;
+    let mut rows = vec![
+        shard.segment(0, h),
+        shard.segment(h, h),
+        shard.segment(2 * h, h),
+    ];
+    if with_mlp {
+        rows.push(shard.segment(3 * h, cfg.mlp_hidden()));
+    }
+    rows
+}
+
+#[derive(Clone, Debug)]
+struct Stream {
+    modulation: Modulation,
+    qkv: ColumnParallel,
+    norm: QkNorm,
+    proj: RowParallel,
+    mlp0: ColumnParallel,
+    mlp2: RowParallel,
+}
+
+impl Stream {
+    fn load(src: &dyn WeightSource, p: &str, cfg: &FluxConfig, shard: Shard) -> Result<Self> {
+        let mlp = shard.range(cfg.mlp_hidden());
+        Ok(Stream {
+            modulation: Modulation(Linear::load(src, &format!("{p}_mod.lin"))?),
+            qkv: ColumnParallel::load(src, &format!("{p}_attn.qkv"), &qkv_rows(cfg, shard, false))?,
+            norm: QkNorm::load(src, &format!("{p}_attn.norm"))?,
+            proj: RowParallel::load(src, &format!("{p}_attn.proj"), &[shard.range(cfg.hidden)])?,
+            mlp0: ColumnParallel::load(src, &format!("{p}_mlp.0"), std::slice::from_ref(&mlp))?,
+            mlp2: RowParallel::load(src, &format!("{p}_mlp.2"), &[mlp])?,
+        })
+    }
+    fn to_device(&self, d: &Device) -> CResult<Self> {
+        Ok(Stream {
+            modulation: Modulation(self.modulation.0.to_device(d)?),
+            qkv: self.qkv.to_device(d)?,
+            norm: self.norm.to_device(d)?,
+            proj: self.proj.to_device(d)?,
+            mlp0: self.mlp0.to_device(d)?,
+            mlp2: self.mlp2.to_device(d)?,
+        })
+    }
+    fn bytes(&self) -> u64 {
+        self.modulation.0.bytes()
+            + self.qkv.bytes()
+            + self.norm.bytes()
+            + self.proj.bytes()
+            + self.mlp0.bytes()
+            + self.mlp2.bytes()
+    }
+}
+
+/// A double-stream block: separate img and txt weights, joint attention.
+#[derive(Clone, Debug)]
+pub struct DoubleBlock {
+    img: Stream,
+    txt: Stream,
+    /// Heads on this rank.
+    heads: usize,
+}
+
+impl DoubleBlock {
+    pub fn load(
+        src: &dyn WeightSource,
+        cfg: &FluxConfig,
+        index: usize,
+        shard: Shard,
+    ) -> Result<Self> {
+        let p = format!("double_blocks.{index}");
+        Ok(DoubleBlock {
+            img: Stream::load(src, &format!("{p}.img"), cfg, shard)?,
+            txt: Stream::load(src, &format!("{p}.txt"), cfg, shard)?,
+            heads: cfg.heads / shard.world,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        img: &Tensor,
+        txt: &Tensor,
+        vec: &Tensor,
+        pe: &Tensor,
+        ctx: &Ctx,
+    ) -> CResult<(Tensor, Tensor)> {
+        let im = self.img.modulation.forward(vec, 2)?;
+        let tm = self.txt.modulation.forward(vec, 2)?;
+        let img_qkv = self
+            .img
+            .qkv
+            .forward(&im[0].scale_shift(&layer_norm(img)?)?)?;
+        let txt_qkv = self
+            .txt
+            .qkv
+            .forward(&tm[0].scale_shift(&layer_norm(txt)?)?)?;
+        ctx.meter.see(&img_qkv);
+        let (iq, ik, iv) = split_qkv(&img_qkv, self.heads, &self.img.norm)?;
+        let (tq, tk, tv) = split_qkv(&txt_qkv, self.heads, &self.txt.norm)?;
+        let q = Tensor::cat(&[tq, iq], 2)?;
+        let k = Tensor::cat(&[tk, ik], 2)?;
+        let v = Tensor::cat(&[tv, iv], 2)?;
+        let attn = attention(&q, &k, &v, pe, ctx.meter)?;
+        let tl = txt.dim(1)?;
+        let il = attn.dim(1)? - tl;
+        let txt_attn = attn.narrow(1, 0, tl)?;
+        let img_attn = attn.narrow(1, tl, il)?;
+
+        // One all-reduce for both streams' attention projections.
+        let partial = Tensor::cat(
+            &[
+                self.txt.proj.partial(&txt_attn)?,
+                self.img.proj.partial(&img_attn)?,
+            ],
+            1,
+        )?;
+        ctx.meter.see(&partial);
+        let reduced = ctx.comm.all_reduce_sum(&partial)?;
+        let txt_proj = self.txt.proj.add_bias(&reduced.narrow(1, 0, tl)?)?;
+        let img_proj = self.img.proj.add_bias(&reduced.narrow(1, tl, il)?)?;
+        let img = (img + im[0].gate(&img_proj)?)?;
+        let txt = (txt + tm[0].gate(&txt_proj)?)?;
+
+        // One all-reduce for both streams' MLPs.
+        let img_h = self
+            .img
+            .mlp0
+            .forward(&im[1].scale_shift(&layer_norm(&img)?)?)?
+            .gelu()?;
+        let txt_h = self
+            .txt
+            .mlp0
+            .forward(&tm[1].scale_shift(&layer_norm(&txt)?)?)?
+            .gelu()?;
+        ctx.meter.see(&img_h);
+        let partial = Tensor::cat(
+            &[
+                self.txt.mlp2.partial(&txt_h)?,
+                self.img.mlp2.partial(&img_h)?,
+            ],
+            1,
+        )?;
+        let reduced = ctx.comm.all_reduce_sum(&partial)?;
+        let txt_mlp = self.txt.mlp2.add_bias(&reduced.narrow(1, 0, tl)?)?;
+        let img_mlp = self.img.mlp2.add_bias(&reduced.narrow(1, tl, il)?)?;
+        let img = (&img + im[1].gate(&img_mlp)?)?;
+        let txt = (&txt + tm[1].gate(&txt_mlp)?)?;
+        Ok((img, txt))
+    }
+
+    pub fn to_device(&self, d: &Device) -> CResult<Self> {
+        Ok(DoubleBlock {
+            img: self.img.to_device(d)?,
+            txt: self.txt.to_device(d)?,
+            heads: self.heads,
+        })
+    }
+
+    /// Bytes of this shard's weights.
+    pub fn bytes(&self) -> u64 {
+        self.img.bytes() + self.txt.bytes()
+    }
+}
+
+/// A single-stream block over the concatenated `[txt, img]` tokens.
+#[derive(Clone, Debug)]
+pub struct SingleBlock {
+    linear1: ColumnParallel,
+    linear2: RowParallel,
+    norm: QkNorm,
+    modulation: Modulation,
+    heads: usize,
+    /// Width of this rank's attention output and MLP hidden.
+    h_local: usize,
+    mlp_local: usize,
+}
+
+impl SingleBlock {
+    pub fn load(
+        src: &dyn WeightSource,
+        cfg: &FluxConfig,
+        index: usize,
+        shard: Shard,
+    ) -> Result<Self> {
+        let p = format!("single_blocks.{index}");
+        let h = cfg.hidden;
+        let m = cfg.mlp_hidden();
+        // linear2's input is [attn (h), mlp (m)]: this rank's columns of each.
+        let cols = [shard.segment(0, h), shard.segment(h, m)];
+        Ok(SingleBlock {
+            linear1: ColumnParallel::load(
+                src,
+                &format!("{p}.linear1"),
+                &qkv_rows(cfg, shard, true),
+            )?,
+            linear2: RowParallel::load(src, &format!("{p}.linear2"), &cols)?,
+            norm: QkNorm::load(src, &format!("{p}.norm"))?,
+            modulation: Modulation(Linear::load(src, &format!("{p}.modulation.lin"))?),
+            heads: cfg.heads / shard.world,
+            h_local: h / shard.world,
+            mlp_local: m / shard.world,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, vec: &Tensor, pe: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
+        let m = self.modulation.forward(vec, 1)?;
+        let x_mod = m[0].scale_shift(&layer_norm(x)?)?;
+        let x_mod = self.linear1.forward(&x_mod)?;
+        ctx.meter.see(&x_mod);
+        let qkv = x_mod.narrow(D::Minus1, 0, 3 * self.h_local)?;
+        let mlp = x_mod.narrow(D::Minus1, 3 * self.h_local, self.mlp_local)?;
+        let (q, k, v) = split_qkv(&qkv, self.heads, &self.norm)?;
+        let attn = attention(&q, &k, &v, pe, ctx.meter)?;
+        let out = Tensor::cat(&[attn, mlp.gelu()?], 2)?;
+        let reduced = ctx.comm.all_reduce_sum(&self.linear2.partial(&out)?)?;
+        let out = self.linear2.add_bias(&reduced)?;
+        x + m[0].gate(&out)?
+    }
+
+    pub fn to_device(&self, d: &Device) -> CResult<Self> {
+        Ok(SingleBlock {
+            linear1: self.linear1.to_device(d)?,
+            linear2: self.linear2.to_device(d)?,
+            norm: self.norm.to_device(d)?,
+            modulation: Modulation(self.modulation.0.to_device(d)?),
+            heads: self.heads,
+            h_local: self.h_local,
+            mlp_local: self.mlp_local,
+        })
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.linear1.bytes() + self.linear2.bytes() + self.norm.bytes() + self.modulation.0.bytes()
+    }
+}
+
+/// Embeddings before the blocks: `img_in`, `txt_in`, `time_in`, `vector_in`,
+/// `guidance_in`, and the RoPE table. Replicated.
+#[derive(Clone, Debug)]
+pub struct Stem {
+    img_in: Linear,
+    txt_in: Linear,
+    time_in: MlpEmbedder,
+    vector_in: MlpEmbedder,
+    guidance_in: Option<MlpEmbedder>,
+    axes_dim: [usize; 3],
+    theta: f64,
+}
+
+/// Activations entering the double blocks.
+pub struct StemOut {
+    pub img: Tensor,
+    pub txt: Tensor,
+    pub vec: Tensor,
+    pub pe: Tensor,
+}
+
+impl Stem {
+    pub fn load(src: &dyn WeightSource, cfg: &FluxConfig) -> Result<Self> {
+        Ok(Stem {
+            img_in: Linear::load(src, "img_in")?,
+            txt_in: Linear::load(src, "txt_in")?,
+            time_in: MlpEmbedder::load(src, "time_in")?,
+            vector_in: MlpEmbedder::load(src, "vector_in")?,
+            guidance_in: if cfg.guidance_embed {
+                Some(MlpEmbedder::load(src, "guidance_in")?)
+            } else {
+                None
+            },
+            axes_dim: cfg.axes_dim,
+            theta: cfg.theta,
+        })
+    }
+
+    /// `img`, `txt` and `y` are in the compute dtype; the ids, `timesteps` and `guidance`
+    /// may be f32 (the RoPE table and sinusoidal embeddings are computed in f32 and cast
+    /// to the compute dtype, as candle does for f32 inputs). `guidance` is required by
+    /// guidance-distilled models and ignored by others.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        img: &Tensor,
+        img_ids: &Tensor,
+        txt: &Tensor,
+        txt_ids: &Tensor,
+        timesteps: &Tensor,
+        y: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> CResult<StemOut> {
+        let dtype = img.dtype();
+        let ids = Tensor::cat(&[txt_ids, img_ids], 1)?;
+        let pe = positional_embedding(&ids.to_dtype(DType::F32)?, &self.axes_dim, self.theta)?
+            .to_dtype(dtype)?;
+        let txt = self.txt_in.forward(txt)?;
+        let img = self.img_in.forward(img)?;
+        let mut vec =
+            self.time_in
+                .forward(&timestep_embedding(timesteps, TIME_EMBED_DIM, dtype)?)?;
+        if let Some(g_in) = &self.guidance_in {
+            let g = guidance.ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "this model is guidance distilled: pass a guidance strength (e.g. 3.5)".into(),
+                )
+            })?;
+            vec = (vec + g_in.forward(&timestep_embedding(g, TIME_EMBED_DIM, dtype)?)?)?;
+        }
+        let vec = (vec + self.vector_in.forward(y)?)?;
+        Ok(StemOut { img, txt, vec, pe })
+    }
+
+    pub fn to_device(&self, d: &Device) -> CResult<Self> {
+        Ok(Stem {
+            img_in: self.img_in.to_device(d)?,
+            txt_in: self.txt_in.to_device(d)?,
+            time_in: self.time_in.to_device(d)?,
+            vector_in: self.vector_in.to_device(d)?,
+            guidance_in: self
+                .guidance_in
+                .as_ref()
+                .map(|g| g.to_device(d))
+                .transpose()?,
+            axes_dim: self.axes_dim,
+            theta: self.theta,
+        })
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.img_in.bytes()
+            + self.txt_in.bytes()
+            + self.time_in.bytes()
+            + self.vector_in.bytes()
+            + self.guidance_in.as_ref().map(|g| g.bytes()).unwrap_or(0)
+    }
+}
+
+/// `final_layer`: adaLN modulation then the output projection. Replicated.
+#[derive(Clone, Debug)]
+pub struct FinalLayer {
+    linear: Linear,
+    ada: Linear,
+}
+
+impl FinalLayer {
+    pub fn load(src: &dyn WeightSource) -> Result<Self> {
+        Ok(FinalLayer {
+            linear: Linear::load(src, "final_layer.linear")?,
+            ada: Linear::load(src, "final_layer.adaLN_modulation.1")?,
+        })
+    }
+
+    /// `img` is `(b, L_img, hidden)`; returns `(b, L_img, in_channels)`.
+    pub fn forward(&self, img: &Tensor, vec: &Tensor) -> CResult<Tensor> {
+        let chunks = self.ada.forward(&vec.silu()?)?.chunk(2, 1)?;
+        let (shift, scale) = (&chunks[0], &chunks[1]);
+        let x = layer_norm(img)?
+            .broadcast_mul(&(scale.unsqueeze(1)? + 1.0)?)?
+            .broadcast_add(&shift.unsqueeze(1)?)?;
+        self.linear.forward(&x)
+    }
+
+    pub fn to_device(&self, d: &Device) -> CResult<Self> {
+        Ok(FinalLayer {
+            linear: self.linear.to_device(d)?,
+            ada: self.ada.to_device(d)?,
+        })
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.linear.bytes() + self.ada.bytes()
+    }
+}

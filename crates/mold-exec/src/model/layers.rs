@@ -1,0 +1,110 @@
+//! Linear layers for tensor parallelism.
+//!
+//! - [`Linear`]: replicated (every rank holds all of it).
+//! - [`ColumnParallel`]: each rank holds some output features (rows of the `[out, in]`
+//!   weight, and the matching bias entries); no communication.
+//! - [`RowParallel`]: each rank holds some input features (columns of the weight); ranks
+//!   produce partial sums that are all-reduced, and the bias is added once, after the
+//!   reduce.
+
+use super::WeightSource;
+use crate::error::Result;
+use candle_core::{Device, Module, Tensor};
+use std::ops::Range;
+
+fn bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+fn lin_to_device(l: &candle_nn::Linear, d: &Device) -> candle_core::Result<candle_nn::Linear> {
+    Ok(candle_nn::Linear::new(
+        l.weight().to_device(d)?,
+        l.bias().map(|b| b.to_device(d)).transpose()?,
+    ))
+}
+
+fn lin_bytes(l: &candle_nn::Linear) -> u64 {
+    bytes(l.weight()) + l.bias().map(bytes).unwrap_or(0)
+}
+
+/// A replicated linear layer (`{prefix}.weight`, `{prefix}.bias`).
+#[derive(Clone, Debug)]
+pub struct Linear(candle_nn::Linear);
+
+impl Linear {
+    pub fn load(src: &dyn WeightSource, prefix: &str) -> Result<Self> {
+        let w = src.load(&format!("{prefix}.weight"), None, None)?;
+        let b = src.load(&format!("{prefix}.bias"), None, None)?;
+        Ok(Linear(candle_nn::Linear::new(w, Some(b))))
+    }
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.forward(x)
+    }
+    pub fn to_device(&self, d: &Device) -> candle_core::Result<Self> {
+        Ok(Linear(lin_to_device(&self.0, d)?))
+    }
+    pub fn bytes(&self) -> u64 {
+        lin_bytes(&self.0)
+    }
+}
+
+/// Output features `rows` of a linear layer (several ranges are concatenated, so a fused
+/// projection such as `qkv` is sharded per part, not as one slab).
+#[derive(Clone, Debug)]
+pub struct ColumnParallel(candle_nn::Linear);
+
+impl ColumnParallel {
+    pub fn load(src: &dyn WeightSource, prefix: &str, rows: &[Range<usize>]) -> Result<Self> {
+        let w = src.load(&format!("{prefix}.weight"), Some(rows), None)?;
+        let b = src.load(&format!("{prefix}.bias"), Some(rows), None)?;
+        Ok(ColumnParallel(candle_nn::Linear::new(w, Some(b))))
+    }
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.forward(x)
+    }
+    pub fn to_device(&self, d: &Device) -> candle_core::Result<Self> {
+        Ok(ColumnParallel(lin_to_device(&self.0, d)?))
+    }
+    pub fn bytes(&self) -> u64 {
+        lin_bytes(&self.0)
+    }
+}
+
+/// Input features `cols` of a linear layer; the full bias.
+#[derive(Clone, Debug)]
+pub struct RowParallel {
+    weight: candle_nn::Linear,
+    bias: Tensor,
+}
+
+impl RowParallel {
+    pub fn load(src: &dyn WeightSource, prefix: &str, cols: &[Range<usize>]) -> Result<Self> {
+        let w = src.load(&format!("{prefix}.weight"), None, Some(cols))?;
+        let b = src.load(&format!("{prefix}.bias"), None, None)?;
+        Ok(RowParallel {
+            weight: candle_nn::Linear::new(w, None),
+            bias: b,
+        })
+    }
+    /// This rank's partial product (no bias): all-reduce it, then [`Self::add_bias`].
+    pub fn partial(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.weight.forward(x)
+    }
+    pub fn add_bias(&self, reduced: &Tensor) -> candle_core::Result<Tensor> {
+        reduced.broadcast_add(&self.bias)
+    }
+    pub fn to_device(&self, d: &Device) -> candle_core::Result<Self> {
+        Ok(RowParallel {
+            weight: lin_to_device(&self.weight, d)?,
+            bias: self.bias.to_device(d)?,
+        })
+    }
+    pub fn bytes(&self) -> u64 {
+        lin_bytes(&self.weight) + bytes(&self.bias)
+    }
+}
+
+/// A replicated weight vector (e.g. an RMSNorm scale).
+pub(crate) fn vector_bytes(t: &Tensor) -> u64 {
+    bytes(t)
+}

@@ -1,0 +1,148 @@
+//! The runtime: plan devices → candle devices, tensor-parallel groups, weight residency
+//! (resident vs streamed from host memory) and memory accounting. Model code lives in
+//! [`crate::model`] and knows none of this.
+
+use crate::checkpoint::Checkpoint;
+use crate::comm::{Comm, ThreadComm};
+use crate::error::{ExecError, Result};
+use crate::model::flux::{DoubleBlock, SingleBlock};
+use crate::model::WeightSource;
+use candle_core::{DType, Device, Tensor};
+use mold_plan::DeviceId;
+use serde::Serialize;
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::ops::Range;
+
+/// Maps plan devices to candle devices, one candle device per plan device (so tensors
+/// of the same GPU compare as on the same device).
+#[derive(Default)]
+pub struct DeviceMap {
+    devices: HashMap<DeviceId, Device>,
+}
+
+impl DeviceMap {
+    /// `emu:N` and `host` → the CPU; `cuda:N` → GPU N (needs the `cuda` feature).
+    pub fn get(&mut self, id: &DeviceId) -> Result<Device> {
+        if let Some(d) = self.devices.get(id) {
+            return Ok(d.clone());
+        }
+        let d = match id {
+            DeviceId::Emu(_) | DeviceId::Host => Device::Cpu,
+            DeviceId::Cuda(n) => cuda_device(*n, id)?,
+        };
+        self.devices.insert(id.clone(), d.clone());
+        Ok(d)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(n: u32, id: &DeviceId) -> Result<Device> {
+    Device::new_cuda(n as usize).map_err(|e| ExecError::Device {
+        device: id.to_string(),
+        message: format!(
+            "cannot open it ({e}): check the GPU exists and is visible (CUDA_VISIBLE_DEVICES)"
+        ),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(_n: u32, id: &DeviceId) -> Result<Device> {
+    Err(ExecError::NoCuda {
+        device: id.to_string(),
+    })
+}
+
+/// Communicators for one tensor-parallel group over `devices`, one per rank in order.
+///
+/// Today every group uses [`ThreadComm`] (host-staged, deterministic). With the `nccl`
+/// feature, an all-CUDA group is where an NCCL communicator would be chosen (see
+/// [`crate::comm::nccl`]).
+pub fn make_group(devices: &[DeviceId]) -> Vec<Box<dyn Comm>> {
+    ThreadComm::group(devices.len())
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Comm>)
+        .collect()
+}
+
+/// Reads checkpoint slices into host memory in the compute dtype.
+pub(crate) struct CheckpointSource<'a> {
+    pub ckpt: &'a Checkpoint,
+    pub dtype: DType,
+}
+
+impl WeightSource for CheckpointSource<'_> {
+    fn load(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Tensor> {
+        self.ckpt.read_slice(name, rows, cols, self.dtype)
+    }
+}
+
+/// One transformer block of a rank.
+#[derive(Clone, Debug)]
+pub(crate) enum Block {
+    Double(DoubleBlock),
+    Single(SingleBlock),
+}
+
+impl Block {
+    pub fn to_device(&self, d: &Device) -> candle_core::Result<Block> {
+        Ok(match self {
+            Block::Double(b) => Block::Double(b.to_device(d)?),
+            Block::Single(b) => Block::Single(b.to_device(d)?),
+        })
+    }
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Block::Double(b) => b.bytes(),
+            Block::Single(b) => b.bytes(),
+        }
+    }
+}
+
+/// Where a block's weights live between uses.
+pub(crate) enum Held {
+    /// On the rank's device for the whole run.
+    Resident(Block),
+    /// In host memory; copied to the device right before the block runs and dropped
+    /// after.
+    Streamed(Block),
+}
+
+impl Held {
+    /// The block, on `device`, ready to run.
+    ///
+    /// This is the one place weights move for streamed parts: an asynchronous copy
+    /// stream with `stream_buffers` device buffers would prefetch block i+1 here while
+    /// block i runs, instead of copying synchronously.
+    pub fn fetch(&self, device: &Device) -> candle_core::Result<Cow<'_, Block>> {
+        match self {
+            Held::Resident(b) => Ok(Cow::Borrowed(b)),
+            Held::Streamed(b) => Ok(Cow::Owned(b.to_device(device)?)),
+        }
+    }
+}
+
+/// Measured memory of one device, summed over the parts it serves.
+///
+/// All figures are *accounted* bytes, computed from the shapes and dtypes of the tensors
+/// exec holds; they are not allocator peaks (on the CPU, for emulated devices, nothing
+/// else is available).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DeviceMemory {
+    pub device: DeviceId,
+    /// Weights kept on the device for the whole run (resident blocks, stem, final layer).
+    pub resident_weight_bytes: u64,
+    /// Device bytes for streamed block weights: the largest streamed block (this path
+    /// holds one streamed block at a time; double buffering will hold two).
+    pub stream_buffer_bytes: u64,
+    /// Host memory holding this device's streamed weights.
+    pub host_weight_bytes: u64,
+    /// The largest single activation tensor the model code recorded on this device
+    /// (attention weights are usually the largest).
+    pub largest_activation_bytes: u64,
+}

@@ -1,0 +1,229 @@
+//! Random-weight checkpoints with FLUX's real tensor names and shapes, and random inputs.
+//!
+//! Values depend only on the seed and the tensor name, so a sharded and a single-file
+//! checkpoint of the same seed hold the same weights. Files are written tensor by tensor,
+//! so memory stays bounded by one tensor even for full-size models.
+
+use crate::config::{FluxConfig, TensorSpec};
+use crate::error::{ExecError, Result};
+use crate::exec::FluxInputs;
+use candle_core::{DType, Device, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// File name of a single-file test checkpoint.
+pub const TESTDATA_FILE: &str = "flux-transformer.safetensors";
+/// File name of a sharded test checkpoint's weight map.
+pub const TESTDATA_INDEX: &str = "flux-transformer.safetensors.index.json";
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + '_ {
+    move |source| ExecError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// FNV-1a, for per-tensor seeds that do not depend on the std hasher.
+fn fnv(s: &str) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in s.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// Standard normal samples (Box–Muller), `n` of them.
+fn normals(rng: &mut StdRng, n: usize, mut f: impl FnMut(f32)) {
+    let mut i = 0;
+    while i < n {
+        let u1: f64 = rng.gen_range(f64::EPSILON..1.0);
+        let u2: f64 = rng.gen();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let th = 2.0 * std::f64::consts::PI * u2;
+        f((r * th.cos()) as f32);
+        i += 1;
+        if i < n {
+            f((r * th.sin()) as f32);
+            i += 1;
+        }
+    }
+}
+
+/// How a test tensor is filled: weights ~ N(0, 1/fan_in) (std 1/sqrt(fan_in)), biases
+/// ~ N(0, 0.02²), norm scales ~ 1 + N(0, 0.1²).
+fn fill(spec: &TensorSpec, seed: u64, mut f: impl FnMut(f32)) {
+    let mut rng = StdRng::seed_from_u64(seed ^ fnv(&spec.name));
+    let n: usize = spec.shape.iter().product();
+    let (mean, std) = if spec.name.ends_with(".scale") {
+        (1.0, 0.1)
+    } else if spec.name.ends_with(".bias") {
+        (0.0, 0.02)
+    } else {
+        (0.0, 1.0 / (spec.shape[1] as f32).sqrt())
+    };
+    normals(&mut rng, n, |x| f(mean + std * x));
+}
+
+fn st_dtype(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("F32"),
+        DType::BF16 => Ok("BF16"),
+        DType::F16 => Ok("F16"),
+        d => Err(ExecError::Input(format!(
+            "test checkpoints are f32, bf16 or f16, not {d:?}"
+        ))),
+    }
+}
+
+/// Writes `specs` into one safetensors file, tensor by tensor.
+fn write_file(path: &Path, specs: &[TensorSpec], seed: u64, dtype: DType) -> Result<()> {
+    let es = dtype.size_in_bytes();
+    let dt = st_dtype(dtype)?;
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for s in specs {
+        let n: usize = s.shape.iter().product::<usize>() * es;
+        header.insert(
+            s.name.clone(),
+            serde_json::json!({"dtype": dt, "shape": s.shape, "data_offsets": [offset, offset + n]}),
+        );
+        offset += n;
+    }
+    let mut h = serde_json::to_vec(&header).expect("json");
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let f = std::fs::File::create(path).map_err(io(path))?;
+    let mut w = BufWriter::with_capacity(1 << 20, f);
+    w.write_all(&(h.len() as u64).to_le_bytes())
+        .map_err(io(path))?;
+    w.write_all(&h).map_err(io(path))?;
+    let mut err = None;
+    for s in specs {
+        fill(s, seed, |x| {
+            let r = match dtype {
+                DType::F32 => w.write_all(&x.to_le_bytes()),
+                DType::BF16 => w.write_all(&half::bf16::from_f32(x).to_le_bytes()),
+                _ => w.write_all(&half::f16::from_f32(x).to_le_bytes()),
+            };
+            if let Err(e) = r {
+                err.get_or_insert(e);
+            }
+        });
+        if let Some(e) = err.take() {
+            return Err(io(path)(e));
+        }
+    }
+    w.flush().map_err(io(path))?;
+    Ok(())
+}
+
+/// Writes a random-weight checkpoint for `cfg` to `dir/flux-transformer.safetensors`
+/// (deterministic from `seed`) in `dtype` (f32, bf16 or f16) and returns its path.
+pub fn write_testdata(cfg: &FluxConfig, dir: &Path, seed: u64, dtype: DType) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let path = dir.join(TESTDATA_FILE);
+    write_file(&path, &cfg.tensor_specs(), seed, dtype)?;
+    Ok(path)
+}
+
+/// Like [`write_testdata`], split into files of at most `max_shard_bytes` (or one tensor
+/// when a tensor is larger) plus `flux-transformer.safetensors.index.json`; returns the
+/// index path. Same weights as [`write_testdata`] for the same seed.
+pub fn write_testdata_sharded(
+    cfg: &FluxConfig,
+    dir: &Path,
+    seed: u64,
+    dtype: DType,
+    max_shard_bytes: u64,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let es = dtype.size_in_bytes() as u64;
+    let mut shards: Vec<Vec<TensorSpec>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for s in cfg.tensor_specs() {
+        let n = s.shape.iter().product::<usize>() as u64 * es;
+        if size + n > max_shard_bytes && !shards.last().unwrap().is_empty() {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += n;
+        shards.last_mut().unwrap().push(s);
+    }
+    let total = shards.len();
+    let mut map = serde_json::Map::new();
+    let mut total_size = 0u64;
+    for (i, specs) in shards.iter().enumerate() {
+        let name = format!("flux-transformer-{:05}-of-{:05}.safetensors", i + 1, total);
+        write_file(&dir.join(&name), specs, seed, dtype)?;
+        for s in specs {
+            total_size += s.shape.iter().product::<usize>() as u64 * es;
+            map.insert(s.name.clone(), serde_json::Value::String(name.clone()));
+        }
+    }
+    let index = dir.join(TESTDATA_INDEX);
+    let body = serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": map});
+    std::fs::write(&index, serde_json::to_string_pretty(&body).expect("json"))
+        .map_err(io(&index))?;
+    Ok(index)
+}
+
+/// Deterministic random inputs for an image of `width` × `height` pixels
+/// (`(height/16) * (width/16)` latent tokens) and `txt_len` text tokens, as f32 on the
+/// CPU: latents, text and pooled vector ~ N(0, 1), image ids (0, row, col), text ids 0,
+/// timesteps uniform in [0, 1), guidance 3.5 when the model takes it.
+pub fn random_inputs(
+    cfg: &FluxConfig,
+    width: u32,
+    height: u32,
+    txt_len: usize,
+    batch: usize,
+    seed: u64,
+) -> Result<FluxInputs> {
+    let (h, w) = ((height / 16) as usize, (width / 16) as usize);
+    if h == 0 || w == 0 {
+        return Err(ExecError::Input(format!(
+            "{width}x{height} is smaller than one 16x16 latent patch"
+        )));
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    let dev = &Device::Cpu;
+    let mut randn = |shape: &[usize]| -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let mut v = Vec::with_capacity(n);
+        normals(&mut rng, n, |x| v.push(x));
+        Ok(Tensor::from_vec(v, shape, dev)?)
+    };
+    let img = randn(&[batch, h * w, cfg.in_channels])?;
+    let txt = randn(&[batch, txt_len, cfg.context_in_dim])?;
+    let y = randn(&[batch, cfg.vec_in_dim])?;
+    let mut ids = Vec::with_capacity(batch * h * w * 3);
+    for _ in 0..batch {
+        for r in 0..h {
+            for c in 0..w {
+                ids.extend_from_slice(&[0f32, r as f32, c as f32]);
+            }
+        }
+    }
+    let img_ids = Tensor::from_vec(ids, (batch, h * w, 3), dev)?;
+    let txt_ids = Tensor::zeros((batch, txt_len, 3), DType::F32, dev)?;
+    let ts: Vec<f32> = (0..batch).map(|_| rng.gen::<f32>()).collect();
+    let timesteps = Tensor::from_vec(ts, batch, dev)?;
+    let guidance = if cfg.guidance_embed {
+        Some(Tensor::full(3.5f32, batch, dev)?)
+    } else {
+        None
+    };
+    Ok(FluxInputs {
+        img,
+        img_ids,
+        txt,
+        txt_ids,
+        timesteps,
+        y,
+        guidance,
+    })
+}

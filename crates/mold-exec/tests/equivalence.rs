@@ -1,0 +1,287 @@
+//! Every placement of the tiny model gives the single-device reference's output.
+
+mod common;
+
+use common::*;
+use mold_exec::*;
+use proptest::prelude::*;
+
+const TOL: f64 = 1e-5;
+const SEEDS: [u64; 3] = [1, 7, 42];
+
+fn check(parts: impl Fn() -> Vec<mold_plan::Part>) {
+    for seed in SEEDS {
+        let ckpt = tiny_checkpoint(seed);
+        let err = error_vs_reference(&ckpt, &plan(parts()), seed);
+        assert!(
+            err <= TOL,
+            "seed {seed}: max relative error {err:e} > {TOL:e}"
+        );
+    }
+}
+
+#[test]
+fn one_device() {
+    check(|| vec![part(&["emu:0"], &["double 0..2", "single 0..3"], false)]);
+}
+
+#[test]
+fn split_two_inside_double_blocks() {
+    check(|| {
+        vec![
+            part(&["emu:0"], &["double 0..1"], false),
+            part(&["emu:1"], &["double 1..2", "single 0..3"], false),
+        ]
+    });
+}
+
+#[test]
+fn split_three_crossing_double_to_single() {
+    check(|| {
+        vec![
+            part(&["emu:0"], &["double 0..1"], false),
+            part(&["emu:1"], &["double 1..2", "single 0..2"], false),
+            part(&["emu:2"], &["single 2..3"], false),
+        ]
+    });
+}
+
+#[test]
+fn split_three_at_the_boundary() {
+    check(|| {
+        vec![
+            part(&["emu:0"], &["double 0..2"], false),
+            part(&["emu:1"], &["single 0..1"], false),
+            part(&["emu:2"], &["single 1..3"], false),
+        ]
+    });
+}
+
+#[test]
+fn tensor_parallel_2() {
+    check(|| {
+        vec![part(
+            &["emu:0", "emu:1"],
+            &["double 0..2", "single 0..3"],
+            false,
+        )]
+    });
+}
+
+#[test]
+fn tensor_parallel_4() {
+    check(|| {
+        vec![part(
+            &["emu:0", "emu:1", "emu:2", "emu:3"],
+            &["double 0..2", "single 0..3"],
+            false,
+        )]
+    });
+}
+
+#[test]
+fn tensor_parallel_2_times_split_2() {
+    check(|| {
+        vec![
+            part(&["emu:0", "emu:1"], &["double 0..2", "single 0..1"], false),
+            part(&["emu:2", "emu:3"], &["single 1..3"], false),
+        ]
+    });
+}
+
+#[test]
+fn streamed_parts() {
+    check(|| {
+        vec![
+            part(&["emu:0"], &["double 0..1"], true),
+            part(&["emu:1"], &["double 1..2", "single 0..3"], true),
+        ]
+    });
+}
+
+#[test]
+fn mixed() {
+    check(|| {
+        vec![
+            part(&["emu:0", "emu:1"], &["double 0..2"], true),
+            part(&["host"], &["single 0..1"], false),
+            part(
+                &["emu:0", "emu:1", "emu:2", "emu:3"],
+                &["single 1..3"],
+                true,
+            ),
+        ]
+    });
+}
+
+#[test]
+fn plan_from_yaml() {
+    let mut p = plan(vec![]);
+    p.components[0].parts = vec![
+        part(&["emu:0", "emu:1"], &["double 0..2"], false),
+        part(&["emu:2"], &["single 0..3"], true),
+    ];
+    let yaml = p.to_yaml();
+    let parsed = mold_plan::Plan::from_yaml(&yaml, "test.yaml").unwrap();
+    let ckpt = tiny_checkpoint(3);
+    assert!(error_vs_reference(&ckpt, &parsed, 3) <= TOL);
+}
+
+#[test]
+fn sharded_checkpoint_matches_single_file() {
+    let cfg = FluxConfig::flux_tiny();
+    let dir = tmpdir("sharded");
+    let index = write_testdata_sharded(&cfg, &dir, 5, DType::F32, 200_000).unwrap();
+    let sharded = Checkpoint::open(&index).unwrap();
+    assert!(sharded.files().len() > 3, "{:?}", sharded.files());
+    // The directory form finds the index too.
+    assert_eq!(
+        Checkpoint::open(&dir).unwrap().files().len(),
+        sharded.files().len()
+    );
+    let single = tiny_checkpoint(5);
+    let x = tiny_inputs(5);
+    let p = plan(vec![part(
+        &["emu:0", "emu:1"],
+        &["double 0..2", "single 0..3"],
+        false,
+    )]);
+    let a = Executor::new(&cfg, &p, &sharded)
+        .unwrap()
+        .forward_inputs(&x)
+        .unwrap();
+    let b = Executor::new(&cfg, &p, &single)
+        .unwrap()
+        .forward_inputs(&x)
+        .unwrap();
+    assert_eq!(max_relative_error(&a, &b).unwrap(), 0.0);
+}
+
+#[test]
+fn bf16_checkpoint_and_compute() {
+    let cfg = FluxConfig::flux_tiny();
+    let dir = tmpdir("bf16");
+    let path = write_testdata(&cfg, &dir, 9, DType::BF16).unwrap();
+    let ckpt = Checkpoint::open(&path).unwrap();
+    assert_eq!(ckpt.tensors()["img_in.weight"].dtype, "BF16");
+    let x = tiny_inputs(9);
+    let reference = Executor::reference(&cfg, &ckpt, &mold_plan::DeviceId::Host, DType::F32)
+        .unwrap()
+        .forward_inputs(&x)
+        .unwrap();
+    let p = plan_with(
+        vec![part(
+            &["emu:0", "emu:1"],
+            &["double 0..2", "single 0..3"],
+            false,
+        )],
+        mold_plan::DType::Bf16,
+    );
+    let exec = Executor::new(&cfg, &p, &ckpt).unwrap();
+    assert_eq!(exec.dtype(), DType::BF16);
+    let out = exec.forward_inputs(&x).unwrap();
+    assert_eq!(out.dtype(), DType::BF16);
+    let err = max_relative_error(&out, &reference).unwrap();
+    assert!(err < 0.05, "bf16 vs f32: {err}");
+}
+
+#[test]
+fn memory_report_accounts_weights_streams_and_activations() {
+    let cfg = FluxConfig::flux_tiny();
+    let ckpt = tiny_checkpoint(11);
+    let x = tiny_inputs(11);
+    let whole = Executor::reference(&cfg, &ckpt, &mold_plan::DeviceId::Host, DType::F32).unwrap();
+    let total = whole.memory_report()[0].resident_weight_bytes;
+    assert_eq!(total, cfg.param_count() * 4);
+
+    let p = plan(vec![
+        part(&["emu:0", "emu:1"], &["double 0..2"], false),
+        part(&["emu:2"], &["single 0..3"], true),
+    ]);
+    let exec = Executor::new(&cfg, &p, &ckpt).unwrap();
+    exec.forward_inputs(&x).unwrap();
+    let m = exec.memory_report();
+    assert_eq!(m.len(), 3);
+    let ids: Vec<String> = m.iter().map(|d| d.device.to_string()).collect();
+    assert_eq!(ids, ["emu:0", "emu:1", "emu:2"]);
+    // The TP ranks hold the same number of bytes (replicated stem + halves of blocks).
+    assert_eq!(m[0].resident_weight_bytes, m[1].resident_weight_bytes);
+    assert_eq!(m[0].stream_buffer_bytes, 0);
+    // The streamed part keeps its blocks in host memory, one block's worth on device.
+    assert!(m[2].host_weight_bytes > 0);
+    assert_eq!(m[2].host_weight_bytes, 3 * m[2].stream_buffer_bytes);
+    // Everything is accounted once, except what TP ranks replicate: the stem, and in
+    // each block the modulation, the QK-norm scales and the row-parallel biases.
+    let (h, d) = (cfg.hidden as u64, cfg.head_dim as u64);
+    let bytes_of = |prefix: &str| -> u64 {
+        cfg.tensor_specs()
+            .iter()
+            .filter(|s| s.name.starts_with(prefix))
+            .map(|s| s.shape.iter().product::<usize>() as u64 * 4)
+            .sum()
+    };
+    let stem = ["img_in", "txt_in", "time_in", "vector_in", "guidance_in"]
+        .iter()
+        .map(|p| bytes_of(p))
+        .sum::<u64>();
+    let replicated_per_double = 2 * ((6 * h * h + 6 * h) + 2 * d + 2 * h) * 4;
+    let sum: u64 = m
+        .iter()
+        .map(|d| d.resident_weight_bytes + d.host_weight_bytes)
+        .sum();
+    assert_eq!(sum, total + stem + cfg.depth as u64 * replicated_per_double);
+    // Attention weights: (batch 2, heads 4/2, 19 tokens, 19 tokens) f32 on the TP ranks.
+    assert_eq!(
+        m[0].largest_activation_bytes.max(2 * 12 * 256 * 4),
+        m[0].largest_activation_bytes
+    );
+    assert!(m.iter().all(|d| d.largest_activation_bytes > 0));
+}
+
+/// Random partitions of the 5 blocks (2 double, 3 single) into 1–3 parts, each with a
+/// random tensor-parallel degree and residency.
+fn arb_parts() -> impl Strategy<Value = Vec<mold_plan::Part>> {
+    (
+        proptest::collection::btree_set(1usize..5, 0..=2),
+        proptest::collection::vec(
+            (prop_oneof![Just(1usize), Just(2), Just(4)], any::<bool>()),
+            3,
+        ),
+    )
+        .prop_map(|(cuts, shapes)| {
+            let mut bounds = vec![0];
+            bounds.extend(cuts);
+            bounds.push(5);
+            let mut parts = Vec::new();
+            let mut next_dev = 0;
+            for (i, w) in bounds.windows(2).enumerate() {
+                let (a, b) = (w[0], w[1]);
+                let mut blocks = Vec::new();
+                if a < 2 {
+                    blocks.push(format!("double {a}..{}", b.min(2)));
+                }
+                if b > 2 {
+                    blocks.push(format!("single {}..{}", a.max(2) - 2, b - 2));
+                }
+                let (tp, streamed) = shapes[i];
+                let devices: Vec<String> = (0..tp)
+                    .map(|k| format!("emu:{}", (next_dev + k) % 6))
+                    .collect();
+                next_dev += tp;
+                let d: Vec<&str> = devices.iter().map(|s| s.as_str()).collect();
+                let bl: Vec<&str> = blocks.iter().map(|s| s.as_str()).collect();
+                parts.push(part(&d, &bl, streamed));
+            }
+            parts
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, .. ProptestConfig::default() })]
+    #[test]
+    fn any_placement_matches_reference(seed in 0u64..1000, parts in arb_parts()) {
+        let ckpt = tiny_checkpoint(seed);
+        let err = error_vs_reference(&ckpt, &plan(parts.clone()), seed);
+        prop_assert!(err <= TOL, "max relative error {:e} for {:?}", err, parts);
+    }
+}

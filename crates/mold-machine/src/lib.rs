@@ -1,0 +1,517 @@
+//! Machine profiles: the devices of a box, their memory and speed, and the links
+//! between them and the host. YAML files in `sim/machines/`; `mold devices --save` writes
+//! one for the box it runs on. A profile is plain data: valid on any machine.
+
+use mold_plan::{ByteSize, DeviceId, DeviceIdentity, MachineIdentity};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    #[error("{source_name}: {message}")]
+    Parse {
+        source_name: String,
+        message: String,
+    },
+    #[error("{source_name}: {field}: {message}")]
+    Invalid {
+        source_name: String,
+        field: String,
+        message: String,
+    },
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+    #[error("{0}")]
+    Select(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Machine {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub description: String,
+    /// Where the figures come from, and when.
+    pub calibration: Calibration,
+    pub host: Host,
+    pub devices: Vec<Device>,
+    pub links: Links,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Calibration {
+    /// `spec-sheet`, `figures.md`, or `measured`.
+    pub source: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mold_version: Option<String>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub notes: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Host {
+    pub memory: ByteSize,
+    /// Most page-locked memory mold may take for streamed weights.
+    pub pinned_limit: ByteSize,
+    /// CPU throughput for components placed on the host (TFLOP/s, their dtype).
+    pub tflops: f64,
+    pub mem_bandwidth_gbps: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    pub id: DeviceId,
+    pub name: String,
+    pub memory: ByteSize,
+    /// Memory mold may use on this device by default (total less the CUDA context and
+    /// what other processes hold); `--max-vram` caps it further.
+    pub budget: ByteSize,
+    /// Kept free inside the budget for allocator fragmentation and library workspaces.
+    #[serde(default = "default_headroom")]
+    pub headroom: ByteSize,
+    /// Dense bf16 matrix throughput reached by real kernels (TFLOP/s).
+    pub bf16_tflops: f64,
+    /// f32 throughput, if different from bf16 (CPU-emulated devices, f32 weights).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f32_tflops: Option<f64>,
+    pub mem_bandwidth_gbps: f64,
+    /// Whether attention runs fused (no materialised scores).
+    #[serde(default = "yes")]
+    pub fused_attention: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_bus: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_capability: Option<String>,
+}
+
+fn default_headroom() -> ByteSize {
+    ByteSize(mold_plan::GIB)
+}
+fn yes() -> bool {
+    true
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Links {
+    /// Host→device copy from page-locked memory, per device (GB/s).
+    pub host_pinned_gbps: f64,
+    /// Host→device copy from ordinary (pageable) memory (GB/s).
+    pub host_pageable_gbps: f64,
+    /// Groups of devices that reach each other directly (NVLink, PCIe peer-to-peer).
+    #[serde(default)]
+    pub peer: Vec<PeerDomain>,
+    /// All-reduce between devices without peer access, staged through host memory.
+    #[serde(default = "default_staged")]
+    pub host_staged_allreduce: Collective,
+}
+
+fn default_staged() -> Collective {
+    Collective {
+        latency_us: 80.0,
+        gbps: 6.0,
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Collective {
+    pub latency_us: f64,
+    /// Bus bandwidth: an all-reduce of S bytes over n ranks takes
+    /// latency + 2(n−1)/n · S / gbps.
+    pub gbps: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkKind {
+    Nvlink,
+    Pcie,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerDomain {
+    pub devices: Vec<DeviceId>,
+    pub kind: LinkKind,
+    /// Peer copy bandwidth between two devices of the domain (GB/s).
+    pub gbps: f64,
+    pub allreduce: Collective,
+}
+
+/// How a group of devices talks: through a peer domain or staged through the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupLink {
+    pub collective: Collective,
+    pub staged: bool,
+    pub kind: Option<LinkKind>,
+}
+
+impl Collective {
+    /// Seconds for an all-reduce of `bytes` over `n` ranks.
+    pub fn allreduce_s(&self, bytes: u64, n: usize) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let n = n as f64;
+        self.latency_us * 1e-6 + 2.0 * (n - 1.0) / n * bytes as f64 / (self.gbps * 1e9)
+    }
+}
+
+impl Device {
+    pub fn tflops(&self, dtype: mold_plan::DType) -> f64 {
+        match dtype {
+            mold_plan::DType::F32 => self.f32_tflops.unwrap_or(self.bf16_tflops / 2.0),
+            _ => self.bf16_tflops,
+        }
+    }
+}
+
+impl Machine {
+    pub fn from_yaml(text: &str, source_name: &str) -> Result<Machine, MachineError> {
+        let m: Machine = serde_yaml_ng::from_str(text).map_err(|e| MachineError::Parse {
+            source_name: source_name.into(),
+            message: e.to_string(),
+        })?;
+        m.validate(source_name)?;
+        Ok(m)
+    }
+
+    pub fn load(path: &Path) -> Result<Machine, MachineError> {
+        let text = std::fs::read_to_string(path).map_err(|e| MachineError::Io {
+            path: path.display().to_string(),
+            message: format!("cannot read the machine profile: {e}"),
+        })?;
+        Machine::from_yaml(&text, &path.display().to_string())
+    }
+
+    pub fn to_yaml(&self) -> String {
+        serde_yaml_ng::to_string(self).expect("a machine always serializes")
+    }
+
+    pub fn validate(&self, source_name: &str) -> Result<(), MachineError> {
+        let bad = |field: String, message: String| MachineError::Invalid {
+            source_name: source_name.into(),
+            field,
+            message,
+        };
+        if self.devices.is_empty() {
+            return Err(bad(
+                "devices".into(),
+                "a machine needs at least one device".into(),
+            ));
+        }
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        for (i, d) in self.devices.iter().enumerate() {
+            let f = format!("devices[{i}]");
+            if d.id.is_host() {
+                return Err(bad(
+                    format!("{f}.id"),
+                    "`host` is not a device: describe it under `host:`".into(),
+                ));
+            }
+            if self.devices[..i].iter().any(|o| o.id == d.id) {
+                return Err(bad(format!("{f}.id"), format!("{} is listed twice", d.id)));
+            }
+            if d.budget > d.memory {
+                return Err(bad(
+                    format!("{f}.budget"),
+                    format!(
+                        "{} is more than the device's memory {}: lower it",
+                        d.budget, d.memory
+                    ),
+                ));
+            }
+            if d.headroom >= d.budget {
+                return Err(bad(
+                    format!("{f}.headroom"),
+                    format!("{} leaves nothing of the budget {}", d.headroom, d.budget),
+                ));
+            }
+            for (name, v) in [
+                ("bf16_tflops", d.bf16_tflops),
+                ("mem_bandwidth_gbps", d.mem_bandwidth_gbps),
+            ] {
+                if !pos(v) {
+                    return Err(bad(
+                        format!("{f}.{name}"),
+                        format!("{v}: must be a positive number"),
+                    ));
+                }
+            }
+            if let Some(v) = d.f32_tflops {
+                if !pos(v) {
+                    return Err(bad(
+                        format!("{f}.f32_tflops"),
+                        format!("{v}: must be a positive number"),
+                    ));
+                }
+            }
+        }
+        for (name, v) in [
+            ("host.tflops", self.host.tflops),
+            ("host.mem_bandwidth_gbps", self.host.mem_bandwidth_gbps),
+            ("links.host_pinned_gbps", self.links.host_pinned_gbps),
+            ("links.host_pageable_gbps", self.links.host_pageable_gbps),
+            (
+                "links.host_staged_allreduce.gbps",
+                self.links.host_staged_allreduce.gbps,
+            ),
+        ] {
+            if !pos(v) {
+                return Err(bad(name.into(), format!("{v}: must be a positive number")));
+            }
+        }
+        if self.host.pinned_limit > self.host.memory {
+            return Err(bad(
+                "host.pinned_limit".into(),
+                format!(
+                    "{} is more than host memory {}",
+                    self.host.pinned_limit, self.host.memory
+                ),
+            ));
+        }
+        for (i, p) in self.links.peer.iter().enumerate() {
+            let f = format!("links.peer[{i}]");
+            if p.devices.len() < 2 {
+                return Err(bad(
+                    format!("{f}.devices"),
+                    "a peer domain joins at least two devices".into(),
+                ));
+            }
+            for d in &p.devices {
+                if self.device(d).is_none() {
+                    return Err(bad(
+                        format!("{f}.devices"),
+                        format!(
+                            "{d} is not one of this machine's devices ({})",
+                            self.device_list()
+                        ),
+                    ));
+                }
+            }
+            if !pos(p.gbps) || !pos(p.allreduce.gbps) || p.allreduce.latency_us < 0.0 {
+                return Err(bad(f, "gbps and allreduce figures must be positive".into()));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn device(&self, id: &DeviceId) -> Option<&Device> {
+        self.devices.iter().find(|d| &d.id == id)
+    }
+
+    pub fn device_list(&self) -> String {
+        self.devices
+            .iter()
+            .map(|d| d.id.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// sha256 over each device's name and memory, in order.
+    pub fn fingerprint(&self) -> String {
+        let mut h = Sha256::new();
+        for d in &self.devices {
+            h.update(format!("{}|{}|{};", d.id, d.name, d.memory.0).as_bytes());
+        }
+        let hex = format!("{:x}", h.finalize());
+        format!("sha256:{}", &hex[..16])
+    }
+
+    pub fn identity(&self) -> MachineIdentity {
+        MachineIdentity {
+            name: self.name.clone(),
+            fingerprint: self.fingerprint(),
+            devices: self
+                .devices
+                .iter()
+                .map(|d| DeviceIdentity {
+                    id: d.id.clone(),
+                    name: d.name.clone(),
+                    memory: d.memory,
+                })
+                .collect(),
+        }
+    }
+
+    /// The fastest peer domain joining every device of `group`.
+    pub fn domain_of(&self, group: &[DeviceId]) -> Option<&PeerDomain> {
+        self.links
+            .peer
+            .iter()
+            .filter(|p| group.iter().all(|d| p.devices.contains(d)))
+            .max_by(|a, b| a.allreduce.gbps.total_cmp(&b.allreduce.gbps))
+    }
+
+    /// How `group` all-reduces: its peer domain, or staged through the host.
+    pub fn group_link(&self, group: &[DeviceId]) -> GroupLink {
+        match self.domain_of(group) {
+            Some(p) => GroupLink {
+                collective: p.allreduce,
+                staged: false,
+                kind: Some(p.kind),
+            },
+            None => GroupLink {
+                collective: self.links.host_staged_allreduce,
+                staged: true,
+                kind: None,
+            },
+        }
+    }
+
+    /// Copy bandwidth from device `a` to `b` (GB/s): peer, or through pinned host memory
+    /// (device→host then host→device).
+    pub fn transfer_gbps(&self, a: &DeviceId, b: &DeviceId) -> f64 {
+        if a == b {
+            return f64::INFINITY;
+        }
+        if a.is_host() || b.is_host() {
+            return self.links.host_pinned_gbps;
+        }
+        match self.domain_of(&[a.clone(), b.clone()]) {
+            Some(p) => p.gbps,
+            None => self.links.host_pinned_gbps / 2.0,
+        }
+    }
+
+    /// Keeps only the named devices (in the given order), with their links.
+    pub fn select(&self, ids: &[DeviceId]) -> Result<Machine, MachineError> {
+        let mut m = self.clone();
+        m.devices.clear();
+        for id in ids {
+            let d = self.device(id).ok_or_else(|| {
+                MachineError::Select(format!(
+                    "--devices: {id} is not a device of machine `{}` (it has {})",
+                    self.name,
+                    self.device_list()
+                ))
+            })?;
+            if m.devices.iter().any(|x| &x.id == id) {
+                return Err(MachineError::Select(format!(
+                    "--devices: {id} is named twice"
+                )));
+            }
+            m.devices.push(d.clone());
+        }
+        for p in m.links.peer.iter_mut() {
+            p.devices.retain(|d| ids.contains(d));
+        }
+        m.links.peer.retain(|p| p.devices.len() >= 2);
+        Ok(m)
+    }
+
+    /// Lowers a device's budget (`--max-vram cuda:0=20GiB`).
+    pub fn cap_budget(&mut self, id: &DeviceId, cap: ByteSize) -> Result<(), MachineError> {
+        let list = self.device_list();
+        let name = self.name.clone();
+        let d = self
+            .devices
+            .iter_mut()
+            .find(|d| &d.id == id)
+            .ok_or_else(|| {
+                MachineError::Select(format!(
+                    "--max-vram: {id} is not a device of machine `{name}` (it has {list})"
+                ))
+            })?;
+        if cap <= d.headroom {
+            return Err(MachineError::Select(format!(
+                "--max-vram: {id}={cap} leaves nothing once the {} headroom is kept: allow more",
+                d.headroom
+            )));
+        }
+        d.budget = d.budget.min(cap);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub const TWO: &str = r#"
+name: test-2
+calibration: {source: spec-sheet}
+host: {memory: 64GiB, pinned_limit: 32GiB, tflops: 1.0, mem_bandwidth_gbps: 50}
+devices:
+- {id: cuda:0, name: GPU A, memory: 24GiB, budget: 23GiB, bf16_tflops: 100, mem_bandwidth_gbps: 1000}
+- {id: cuda:1, name: GPU A, memory: 24GiB, budget: 23GiB, bf16_tflops: 100, mem_bandwidth_gbps: 1000}
+links:
+  host_pinned_gbps: 25
+  host_pageable_gbps: 10
+  peer:
+  - {devices: [cuda:0, cuda:1], kind: nvlink, gbps: 100, allreduce: {latency_us: 10, gbps: 80}}
+"#;
+
+    #[test]
+    fn parses_and_links() {
+        let m = Machine::from_yaml(TWO, "t.yaml").unwrap();
+        let g = m.group_link(&[DeviceId::Cuda(0), DeviceId::Cuda(1)]);
+        assert!(!g.staged);
+        assert_eq!(
+            m.transfer_gbps(&DeviceId::Cuda(0), &DeviceId::Cuda(1)),
+            100.0
+        );
+        let one = m.select(&[DeviceId::Cuda(1)]).unwrap();
+        assert!(one.links.peer.is_empty());
+        assert!(one.group_link(&[DeviceId::Cuda(1)]).staged);
+        assert_ne!(one.fingerprint(), m.fingerprint());
+        let back = Machine::from_yaml(&m.to_yaml(), "again").unwrap();
+        assert_eq!(back, m);
+    }
+
+    #[test]
+    fn allreduce_formula() {
+        let c = Collective {
+            latency_us: 10.0,
+            gbps: 100.0,
+        };
+        // latency + 2(n−1)/n · S / bandwidth
+        let s = c.allreduce_s(1_000_000_000, 4);
+        assert!((s - (10e-6 + 1.5 * 0.01)).abs() < 1e-12);
+        assert_eq!(c.allreduce_s(123, 1), 0.0);
+    }
+
+    #[test]
+    fn errors_name_fields() {
+        for (from, to, want) in [
+            (
+                "budget: 23GiB, bf16",
+                "budget: 25GiB, bf16",
+                "devices[0].budget",
+            ),
+            (
+                "bf16_tflops: 100, mem",
+                "bf16_tflops: -1, mem",
+                "devices[0].bf16_tflops",
+            ),
+            (
+                "[cuda:0, cuda:1], kind",
+                "[cuda:0, cuda:7], kind",
+                "links.peer[0].devices",
+            ),
+            (
+                "pinned_limit: 32GiB",
+                "pinned_limit: 32GiB, pinned: 1",
+                "unknown field `pinned`",
+            ),
+            ("{id: cuda:1,", "{id: cuda:0,", "devices[1].id"),
+        ] {
+            let bad = TWO.replacen(from, to, 1);
+            assert_ne!(bad, TWO);
+            let e = Machine::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+            assert!(e.contains(want), "{to}: {e}");
+        }
+        let m = Machine::from_yaml(TWO, "t.yaml").unwrap();
+        let e = m.select(&[DeviceId::Cuda(3)]).unwrap_err().to_string();
+        assert!(e.contains("cuda:3") && e.contains("cuda:0, cuda:1"), "{e}");
+    }
+}

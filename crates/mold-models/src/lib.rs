@@ -1,0 +1,385 @@
+//! The model catalogue: what mold knows about each diffusion model's components.
+//!
+//! Parameter counts are derived from the architecture configs (hidden size, heads, MLP
+//! width, block counts), not copied from file sizes, so that per-block weights, FLOPs and
+//! activations follow from the same numbers. `checkpoint` refines the weight bytes from a
+//! safetensors header when the user gives one.
+
+mod catalogue;
+pub mod checkpoint;
+
+pub use catalogue::builtin;
+use mold_plan::{ComponentRole, DType, Workload};
+use serde::Serialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("unknown model `{id}`: known models are {known}")]
+    Unknown { id: String, known: String },
+    #[error("{field}: {message}")]
+    Workload { field: String, message: String },
+    #[error("{path}: {message}")]
+    Checkpoint { path: String, message: String },
+}
+
+/// How a block's attention is wired, which decides its attention FLOPs and scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Attention {
+    /// One attention over the concatenated text and image tokens (FLUX, MMDiT).
+    Joint,
+    /// Self-attention over image tokens only.
+    Image,
+    /// Self-attention over text tokens only.
+    Text,
+    /// Self-attention over image tokens, then cross-attention image→text (LTX-Video).
+    ImageCrossText,
+}
+
+/// One kind of transformer block (FLUX has `double` and `single`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BlockKind {
+    pub name: String,
+    pub count: u32,
+    pub hidden: u64,
+    pub heads: u32,
+    pub head_dim: u32,
+    pub mlp_hidden: u64,
+    /// Linear weights applied to each image token (sharded under tensor parallel).
+    pub img_params: u64,
+    /// Linear weights applied to each text token (sharded under tensor parallel).
+    pub txt_params: u64,
+    /// Linear weights applied to every token of the concatenated stream (sharded).
+    pub joint_params: u64,
+    /// Weights applied once per sample (modulation) and norm scales: replicated.
+    pub replicated_params: u64,
+    pub attention: Attention,
+    /// Row-parallel projections per block: all-reduces per block under tensor parallel.
+    pub allreduces: u32,
+    /// Residual streams carried through the block (2 for dual-stream, 1 for single).
+    pub streams: u32,
+    /// Exact bytes of one block from a checkpoint header (largest block of this kind),
+    /// replacing the dtype-derived figure when set.
+    pub checkpoint_bytes: Option<u64>,
+}
+
+impl BlockKind {
+    pub fn sharded_params(&self) -> u64 {
+        self.img_params + self.txt_params + self.joint_params
+    }
+    pub fn params(&self) -> u64 {
+        self.sharded_params() + self.replicated_params
+    }
+    /// Weight bytes of one block on one device of a tensor-parallel group of `tp`.
+    pub fn weight_bytes(&self, dtype: DType, tp: u32) -> u64 {
+        let tp = tp.max(1) as u64;
+        match self.checkpoint_bytes {
+            Some(total) => {
+                // Same split between sharded and replicated weights as the architecture.
+                let rep = total as u128 * self.replicated_params as u128 / self.params() as u128;
+                let shard = (total as u128 - rep).div_ceil(tp as u128);
+                (rep + shard) as u64
+            }
+            None => {
+                dtype.weight_bytes(self.sharded_params().div_ceil(tp))
+                    + dtype.weight_bytes(self.replicated_params)
+            }
+        }
+    }
+    /// FLOPs of one block for `batch` samples on one rank of a group of `tp`.
+    pub fn flops(&self, t: Tokens, batch: u64, tp: u32) -> f64 {
+        let tp = tp.max(1) as f64;
+        let (ti, tt) = (t.img as f64, t.txt as f64);
+        let lin = 2.0
+            * (self.img_params as f64 * ti
+                + self.txt_params as f64 * tt
+                + self.joint_params as f64 * (ti + tt));
+        let hd = self.heads as f64 * self.head_dim as f64;
+        let attn = 4.0
+            * hd
+            * match self.attention {
+                Attention::Joint => (ti + tt) * (ti + tt),
+                Attention::Image => ti * ti,
+                Attention::Text => tt * tt,
+                Attention::ImageCrossText => ti * ti + ti * tt,
+            };
+        let vec = 2.0 * self.replicated_params as f64;
+        batch as f64 * ((lin + attn) / tp + vec)
+    }
+    /// Tokens this block's residual stream carries.
+    pub fn stream_tokens(&self, t: Tokens) -> u64 {
+        match self.attention {
+            Attention::Joint => t.img + t.txt,
+            Attention::Image | Attention::ImageCrossText => t.img,
+            Attention::Text => t.txt,
+        }
+    }
+    /// (query tokens, key tokens) of the largest attention in the block.
+    pub fn attention_shape(&self, t: Tokens) -> (u64, u64) {
+        match self.attention {
+            Attention::Joint => (t.img + t.txt, t.img + t.txt),
+            Attention::Image | Attention::ImageCrossText => (t.img, t.img),
+            Attention::Text => (t.txt, t.txt),
+        }
+    }
+    /// Peak live activation bytes while one block runs on one rank of a group of `tp`:
+    /// the residual and its modulated copy, q/k/v and attention output shards, the MLP
+    /// hidden shard, and — when attention is not fused — the f32 scores and softmax.
+    pub fn activation_bytes(&self, t: Tokens, batch: u64, act: u64, tp: u32, fused: bool) -> u64 {
+        let tp = tp.max(1) as u64;
+        let tok = self.stream_tokens(t);
+        let h = self.hidden;
+        let per_token = 2 * h + (4 * h).div_ceil(tp) + self.mlp_hidden.div_ceil(tp);
+        let mut bytes = batch * tok * per_token * act;
+        if !fused {
+            let (q, k) = self.attention_shape(t);
+            bytes += 2 * batch * (self.heads as u64).div_ceil(tp) * q * k * 4;
+        }
+        bytes
+    }
+    /// Bytes of the hidden state handed between parts or all-reduced once.
+    pub fn hidden_bytes(&self, t: Tokens, batch: u64, act: u64) -> u64 {
+        batch * self.stream_tokens(t) * self.hidden * act
+    }
+}
+
+/// Token counts of one sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Tokens {
+    pub img: u64,
+    pub txt: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TransformerSpec {
+    /// Block kinds in execution order.
+    pub kinds: Vec<BlockKind>,
+    /// Embeddings and final layer (input/output projections, timestep, guidance, vector
+    /// embeddings): replicated on the devices that run them.
+    pub stem_params: u64,
+    /// Exact stem bytes from a checkpoint header.
+    pub stem_checkpoint_bytes: Option<u64>,
+    pub default_dtype: DType,
+}
+
+impl TransformerSpec {
+    pub fn kind(&self, name: &str) -> Option<(usize, &BlockKind)> {
+        self.kinds.iter().enumerate().find(|(_, k)| k.name == name)
+    }
+    pub fn total_blocks(&self) -> u32 {
+        self.kinds.iter().map(|k| k.count).sum()
+    }
+    pub fn stem_bytes(&self, dtype: DType) -> u64 {
+        self.stem_checkpoint_bytes
+            .unwrap_or_else(|| dtype.weight_bytes(self.stem_params))
+    }
+    pub fn weight_bytes(&self, dtype: DType) -> u64 {
+        self.stem_bytes(dtype)
+            + self
+                .kinds
+                .iter()
+                .map(|k| k.count as u64 * k.weight_bytes(dtype, 1))
+                .sum::<u64>()
+    }
+    pub fn params(&self) -> u64 {
+        self.stem_params
+            + self
+                .kinds
+                .iter()
+                .map(|k| k.count as u64 * k.params())
+                .sum::<u64>()
+    }
+    /// Tensor-parallel degrees every block kind can be split into (heads divisible).
+    pub fn tp_divides(&self, degree: u32) -> bool {
+        self.kinds.iter().all(|k| k.heads % degree == 0)
+    }
+    pub fn heads(&self) -> u32 {
+        self.kinds.iter().map(|k| k.heads).min().unwrap_or(1)
+    }
+}
+
+/// What an encoder or VAE costs.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub enum Workkind {
+    /// A text encoder over the prompt tokens: FLOPs 2·params per token.
+    TextEncoder {
+        hidden: u64,
+        mlp_hidden: u64,
+        heads: u32,
+    },
+    /// A VAE decoder: FLOPs and activation per output pixel (per frame).
+    VaeDecoder {
+        flops_per_pixel: f64,
+        /// Channels of the full-resolution feature maps.
+        top_channels: u64,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ComponentSpec {
+    pub name: String,
+    pub role: ComponentRole,
+    pub description: String,
+    pub params: u64,
+    pub default_dtype: DType,
+    pub work: Workkind,
+}
+
+impl ComponentSpec {
+    pub fn weight_bytes(&self, dtype: DType) -> u64 {
+        dtype.weight_bytes(self.params)
+    }
+    /// FLOPs of one request through this component.
+    pub fn flops(&self, model: &ModelSpec, w: &Workload) -> f64 {
+        let b = w.effective_batch() as f64;
+        match &self.work {
+            Workkind::TextEncoder { .. } => 2.0 * self.params as f64 * model.text_tokens as f64 * b,
+            Workkind::VaeDecoder {
+                flops_per_pixel, ..
+            } => {
+                flops_per_pixel
+                    * w.width as f64
+                    * w.height as f64
+                    * w.frames as f64
+                    * w.batch as f64
+            }
+        }
+    }
+    /// Peak activation bytes while this component runs.
+    pub fn activation_bytes(&self, model: &ModelSpec, w: &Workload, act: u64) -> u64 {
+        match &self.work {
+            Workkind::TextEncoder {
+                hidden,
+                mlp_hidden,
+                heads,
+            } => {
+                let t = model.text_tokens as u64;
+                let b = w.effective_batch();
+                b * t * (4 * hidden + mlp_hidden) * act + 2 * b * *heads as u64 * t * t * 4
+            }
+            Workkind::VaeDecoder { top_channels, .. } => {
+                // About six full-resolution feature maps live at once (resnet input,
+                // two conv outputs, group-norm temporaries, skip).
+                6 * top_channels
+                    * w.width as u64
+                    * w.height as u64
+                    * w.frames as u64
+                    * w.batch as u64
+                    * act
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LatentSpec {
+    pub channels: u32,
+    /// Spatial downsampling of the VAE.
+    pub spatial_down: u32,
+    /// Temporal downsampling (video models), 1 for images.
+    pub temporal_down: u32,
+    /// Patch size of the transformer's patchify.
+    pub patch: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModelSpec {
+    pub id: String,
+    pub description: String,
+    /// Text encoders and VAE (the transformer is in `transformer`).
+    pub components: Vec<ComponentSpec>,
+    pub transformer: TransformerSpec,
+    pub latent: LatentSpec,
+    /// Prompt tokens the transformer attends to (padding length where the pipeline pads).
+    pub text_tokens: u32,
+    pub video: bool,
+    pub default_workload: Workload,
+}
+
+impl ModelSpec {
+    pub fn component(&self, name: &str) -> Option<&ComponentSpec> {
+        self.components.iter().find(|c| c.name == name)
+    }
+
+    /// Image (or video) tokens and text tokens for one sample of the workload.
+    pub fn tokens(&self, w: &Workload) -> Tokens {
+        let s = (self.latent.spatial_down * self.latent.patch) as u64;
+        let frames = if self.video {
+            (w.frames as u64 - 1) / self.latent.temporal_down as u64 + 1
+        } else {
+            1
+        };
+        Tokens {
+            img: frames * (w.width as u64 / s) * (w.height as u64 / s),
+            txt: self.text_tokens as u64,
+        }
+    }
+
+    /// Refuses sizes the model cannot run, suggesting the nearest valid ones.
+    pub fn check_workload(&self, w: &Workload) -> Result<(), ModelError> {
+        let m = self.latent.spatial_down * self.latent.patch;
+        for (field, v) in [("width", w.width), ("height", w.height)] {
+            if v == 0 || v % m != 0 {
+                let lo = (v / m) * m;
+                let hi = lo + m;
+                let near = if lo == 0 {
+                    format!("{hi}")
+                } else {
+                    format!("{lo} or {hi}")
+                };
+                return Err(ModelError::Workload {
+                    field: format!("workload.{field}"),
+                    message: format!(
+                        "{v} is not a multiple of {m}, which {} needs: use {near}",
+                        self.id
+                    ),
+                });
+            }
+        }
+        if self.video {
+            let t = self.latent.temporal_down;
+            if w.frames == 0 || (w.frames - 1) % t != 0 {
+                let lo = (w.frames.saturating_sub(1) / t) * t + 1;
+                return Err(ModelError::Workload {
+                    field: "workload.frames".into(),
+                    message: format!(
+                        "{} frames: {} needs {t}·k + 1 frames: use {lo} or {}",
+                        w.frames,
+                        self.id,
+                        lo + t
+                    ),
+                });
+            }
+        } else if w.frames != 1 {
+            return Err(ModelError::Workload {
+                field: "workload.frames".into(),
+                message: format!("{} makes images: frames must be 1", self.id),
+            });
+        }
+        if w.steps == 0 || w.batch == 0 {
+            return Err(ModelError::Workload {
+                field: "workload.steps".into(),
+                message: "steps and batch must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Looks a model up in the built-in catalogue.
+pub fn find(id: &str) -> Result<ModelSpec, ModelError> {
+    builtin()
+        .into_iter()
+        .find(|m| m.id == id)
+        .ok_or_else(|| ModelError::Unknown {
+            id: id.to_string(),
+            known: builtin()
+                .iter()
+                .map(|m| m.id.clone())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+#[cfg(test)]
+mod tests;

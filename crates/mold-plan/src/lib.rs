@@ -1,0 +1,225 @@
+//! The placement plan: mold's contract between `plan`, `sim` and `exec`.
+//!
+//! A plan is YAML with `version: 1`; unknown fields are refused. It records the model,
+//! the workload, the machine it was made for, where each component's parts run, and what
+//! the planner predicted. Semantic checks that need the model catalogue or the machine
+//! (block coverage, device existence, tensor-parallel divisibility) live with the cost
+//! model; this crate checks what can be checked from the plan alone.
+
+mod bytes;
+mod types;
+
+pub use bytes::{ByteSize, ByteSizeError, GIB, KIB, MIB};
+pub use types::*;
+
+use std::path::Path;
+
+/// The plan schema version this build reads and writes.
+pub const PLAN_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("{source_name}: {message}")]
+    Parse {
+        source_name: String,
+        message: String,
+    },
+    #[error("{source_name}: version: this plan is version {found}; this mold reads version {PLAN_VERSION}: regenerate it with `mold plan`")]
+    Version { source_name: String, found: u64 },
+    #[error("{source_name}: {field}: {message}")]
+    Invalid {
+        source_name: String,
+        field: String,
+        message: String,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Plan {
+    /// Parses a plan from YAML text. `source_name` (a file name) prefixes every error.
+    pub fn from_yaml(text: &str, source_name: &str) -> Result<Plan, PlanError> {
+        // Check the version first, so an old or future plan gets the version message
+        // rather than a confusing complaint about a field this version does not know.
+        let value: serde_yaml_ng::Value =
+            serde_yaml_ng::from_str(text).map_err(|e| PlanError::Parse {
+                source_name: source_name.to_string(),
+                message: format!("not valid YAML: {e}"),
+            })?;
+        let map = value.as_mapping().ok_or_else(|| PlanError::Parse {
+            source_name: source_name.to_string(),
+            message: "a plan is a YAML mapping starting with `version: 1`".into(),
+        })?;
+        match map.get("version") {
+            None => {
+                return Err(PlanError::Invalid {
+                    source_name: source_name.into(),
+                    field: "version".into(),
+                    message: format!("missing: add `version: {PLAN_VERSION}` at the top"),
+                })
+            }
+            Some(v) => match v.as_u64() {
+                Some(n) if n == PLAN_VERSION as u64 => {}
+                Some(n) => {
+                    return Err(PlanError::Version {
+                        source_name: source_name.into(),
+                        found: n,
+                    })
+                }
+                None => {
+                    return Err(PlanError::Invalid {
+                        source_name: source_name.into(),
+                        field: "version".into(),
+                        message: format!("must be the integer {PLAN_VERSION}"),
+                    })
+                }
+            },
+        }
+        let plan: Plan = serde_yaml_ng::from_value(value).map_err(|e| PlanError::Parse {
+            source_name: source_name.to_string(),
+            message: e.to_string(),
+        })?;
+        plan.check_structure(source_name)?;
+        Ok(plan)
+    }
+
+    pub fn load(path: &Path) -> Result<Plan, PlanError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Plan::from_yaml(&text, &path.display().to_string())
+    }
+
+    pub fn to_yaml(&self) -> String {
+        let body = serde_yaml_ng::to_string(self).expect("a plan always serializes");
+        format!("# mold placement plan: review it, then `mold sim` or `mold exec` it\n{body}")
+    }
+
+    /// Checks that need nothing but the plan itself.
+    pub fn check_structure(&self, source_name: &str) -> Result<(), PlanError> {
+        let invalid = |field: String, message: String| PlanError::Invalid {
+            source_name: source_name.into(),
+            field,
+            message,
+        };
+        if self.version != PLAN_VERSION {
+            return Err(PlanError::Version {
+                source_name: source_name.into(),
+                found: self.version as u64,
+            });
+        }
+        let w = &self.workload;
+        if w.width == 0 || w.height == 0 || w.frames == 0 || w.batch == 0 || w.steps == 0 {
+            return Err(invalid(
+                "workload".into(),
+                "width, height, frames, batch and steps must all be at least 1".into(),
+            ));
+        }
+        if self.components.is_empty() {
+            return Err(invalid(
+                "components".into(),
+                "a plan needs at least one component".into(),
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (ci, c) in self.components.iter().enumerate() {
+            if !seen.insert(c.name.as_str()) {
+                return Err(invalid(
+                    format!("components[{ci}].name"),
+                    format!("component `{}` appears twice: keep one entry", c.name),
+                ));
+            }
+            if c.parts.is_empty() {
+                return Err(invalid(
+                    format!("components[{ci}].parts"),
+                    format!("component `{}` has no parts: give it at least one", c.name),
+                ));
+            }
+            for (pi, p) in c.parts.iter().enumerate() {
+                let field = format!("components[{ci}].parts[{pi}]");
+                if p.devices.is_empty() {
+                    return Err(invalid(
+                        format!("{field}.devices"),
+                        "empty: name at least one device, e.g. [cuda:0]".into(),
+                    ));
+                }
+                let mut ds = std::collections::BTreeSet::new();
+                for d in &p.devices {
+                    if !ds.insert(d) {
+                        return Err(invalid(
+                            format!("{field}.devices"),
+                            format!("device {d} is listed twice"),
+                        ));
+                    }
+                }
+                if p.devices.len() > 1 && p.devices.iter().any(|d| d.is_host()) {
+                    return Err(invalid(
+                        format!("{field}.devices"),
+                        "the host cannot be part of a tensor-parallel group".into(),
+                    ));
+                }
+                match (p.residency, p.stream_buffers) {
+                    (Residency::Streamed, Some(b)) if b < 2 => {
+                        return Err(invalid(
+                            format!("{field}.stream_buffers"),
+                            format!("{b}: streaming needs at least 2 buffers (double buffering)"),
+                        ))
+                    }
+                    (Residency::Resident, Some(_)) => {
+                        return Err(invalid(
+                            format!("{field}.stream_buffers"),
+                            "only streamed parts have stream buffers: remove it or set `residency: streamed`".into(),
+                        ))
+                    }
+                    _ => {}
+                }
+                if p.residency == Residency::Streamed && p.devices.iter().any(|d| d.is_host()) {
+                    return Err(invalid(
+                        format!("{field}.residency"),
+                        "a part that runs on the host is not streamed: use `residency: resident`"
+                            .into(),
+                    ));
+                }
+                for (bi, r) in p.blocks.iter().enumerate() {
+                    if r.start >= r.end {
+                        return Err(invalid(
+                            format!("{field}.blocks[{bi}]"),
+                            format!("`{r}` is empty: a range is start..end with start < end"),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The transformer component, if the plan has one.
+    pub fn transformer(&self) -> Option<&ComponentPlan> {
+        self.components
+            .iter()
+            .find(|c| c.role == ComponentRole::Transformer)
+    }
+
+    /// Every device the plan uses, in first-use order (host excluded).
+    pub fn devices_used(&self) -> Vec<DeviceId> {
+        let mut out: Vec<DeviceId> = Vec::new();
+        for c in &self.components {
+            for p in &c.parts {
+                for d in &p.devices {
+                    if !d.is_host() && !out.contains(d) {
+                        out.push(d.clone());
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

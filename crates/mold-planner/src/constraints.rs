@@ -1,0 +1,254 @@
+//! User constraints: from flags (`--pin`, `--tp`, `--no-stream`, …) or a YAML file
+//! (`--constraints`), with the same meaning.
+
+use crate::{Objective, PlanError};
+use mold_machine::Machine;
+use mold_models::ModelSpec;
+use mold_plan::{ByteSize, DeviceId};
+use serde::{Deserialize, Deserializer};
+use std::collections::BTreeMap;
+use std::str::FromStr;
+
+/// Tensor-parallel choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TpChoice {
+    /// Any degree that divides the heads.
+    #[default]
+    Auto,
+    /// No tensor parallel.
+    Off,
+    /// Tensor-parallel groups of exactly this degree (single devices still allowed).
+    Degree(u32),
+}
+
+impl FromStr for TpChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(TpChoice::Auto),
+            "off" | "1" => Ok(TpChoice::Off),
+            n => match n.parse::<u32>() {
+                Ok(d) if d >= 2 => Ok(TpChoice::Degree(d)),
+                _ => Err(format!(
+                    "`{s}` is not a tensor-parallel choice: use auto, off, or a degree such as 2"
+                )),
+            },
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TpChoice {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = serde_yaml_ng::Value::deserialize(d)?;
+        let s = match &v {
+            serde_yaml_ng::Value::String(s) => s.clone(),
+            serde_yaml_ng::Value::Number(n) => n.to_string(),
+            serde_yaml_ng::Value::Bool(false) => "off".into(),
+            _ => {
+                return Err(serde::de::Error::custom(
+                    "tp: use auto, off, or a degree such as 2",
+                ))
+            }
+        };
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Planner constraints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Constraints {
+    /// Component → the devices it may use (`host` allowed for encoders and VAE).
+    pub pins: BTreeMap<String, Vec<DeviceId>>,
+    pub tp: TpChoice,
+    /// Allow host-streamed transformer blocks.
+    pub stream: bool,
+    /// Allow encoders and VAE to run on the host CPU.
+    pub host_components: bool,
+    /// Device buffers per streamed part (double buffering = 2).
+    pub stream_buffers: u32,
+}
+
+impl Default for Constraints {
+    fn default() -> Self {
+        Constraints {
+            pins: BTreeMap::new(),
+            tp: TpChoice::Auto,
+            stream: true,
+            host_components: true,
+            stream_buffers: 2,
+        }
+    }
+}
+
+/// The constraints file (`--constraints my.yaml`). Every key is optional; flags given on
+/// the command line win over the file.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConstraintsFile {
+    #[serde(default)]
+    pub devices: Option<Vec<DeviceId>>,
+    #[serde(default)]
+    pub max_vram: BTreeMap<DeviceId, ByteSize>,
+    #[serde(default)]
+    pub pin: BTreeMap<String, OneOrMany>,
+    #[serde(default)]
+    pub tp: Option<TpChoice>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub host_components: Option<bool>,
+    #[serde(default)]
+    pub stream_buffers: Option<u32>,
+    #[serde(default)]
+    pub objective: Option<ObjectiveName>,
+}
+
+/// A device, or a list of devices.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(DeviceId),
+    Many(Vec<DeviceId>),
+}
+
+impl OneOrMany {
+    pub fn devices(&self) -> Vec<DeviceId> {
+        match self {
+            OneOrMany::One(d) => vec![d.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ObjectiveName {
+    Latency,
+    Memory,
+}
+
+impl From<ObjectiveName> for Objective {
+    fn from(o: ObjectiveName) -> Objective {
+        match o {
+            ObjectiveName::Latency => Objective::Latency,
+            ObjectiveName::Memory => Objective::Memory,
+        }
+    }
+}
+
+impl ConstraintsFile {
+    pub fn from_yaml(text: &str, source_name: &str) -> Result<ConstraintsFile, PlanError> {
+        let f: ConstraintsFile = serde_yaml_ng::from_str(text)
+            .map_err(|e| PlanError::Constraint(format!("{source_name}: {e}")))?;
+        if let Some(b) = f.stream_buffers {
+            if b < 2 {
+                return Err(PlanError::Constraint(format!(
+                    "{source_name}: stream_buffers: {b}: streaming needs at least 2 buffers"
+                )));
+            }
+        }
+        Ok(f)
+    }
+}
+
+/// Parses `NAME=DEV[,DEV…]` (for `--pin`).
+pub fn parse_pin(s: &str) -> Result<(String, Vec<DeviceId>), String> {
+    let (name, devs) = s
+        .split_once('=')
+        .ok_or_else(|| format!("--pin `{s}`: write COMPONENT=DEVICE, e.g. t5=cuda:1"))?;
+    let devs = devs
+        .split(',')
+        .map(|d| {
+            d.parse::<DeviceId>()
+                .map_err(|e| format!("--pin {name}: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((name.trim().to_string(), devs))
+}
+
+/// Parses `DEV=SIZE` (for `--max-vram`).
+pub fn parse_cap(s: &str) -> Result<(DeviceId, ByteSize), String> {
+    let (d, size) = s
+        .split_once('=')
+        .ok_or_else(|| format!("--max-vram `{s}`: write DEVICE=SIZE, e.g. cuda:0=20GiB"))?;
+    let d: DeviceId = d.parse().map_err(|e| format!("--max-vram: {e}"))?;
+    let size: ByteSize = size.parse().map_err(|e| format!("--max-vram {d}: {e}"))?;
+    Ok((d, size))
+}
+
+impl Constraints {
+    /// Checks names against the model and machine before solving.
+    pub fn check(&self, model: &ModelSpec, machine: &Machine) -> Result<(), PlanError> {
+        for (name, devs) in &self.pins {
+            let is_transformer = name == "transformer";
+            if !is_transformer && model.component(name).is_none() {
+                return Err(PlanError::Constraint(format!(
+                    "--pin {name}: {} has no component `{name}` (it has {}, transformer)",
+                    model.id,
+                    model
+                        .components
+                        .iter()
+                        .map(|c| c.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+            if devs.is_empty() {
+                return Err(PlanError::Constraint(format!(
+                    "--pin {name}: name at least one device"
+                )));
+            }
+            for d in devs {
+                if d.is_host() {
+                    if is_transformer {
+                        return Err(PlanError::Constraint(
+                            "--pin transformer=host: the transformer runs on GPUs; its weights can stay on the host with streaming".into(),
+                        ));
+                    }
+                    if !self.host_components {
+                        return Err(PlanError::Constraint(format!(
+                            "--pin {name}=host conflicts with host components being disallowed"
+                        )));
+                    }
+                } else if machine.device(d).is_none() {
+                    return Err(PlanError::Constraint(format!(
+                        "--pin {name}: {d} is not a device of machine `{}` (it has {})",
+                        machine.name,
+                        machine.device_list()
+                    )));
+                }
+            }
+        }
+        if let TpChoice::Degree(d) = self.tp {
+            if !model.transformer.tp_divides(d) {
+                return Err(PlanError::Constraint(format!(
+                    "--tp {d}: {} has {} attention heads, which {d} does not divide: use a divisor of {}",
+                    model.id,
+                    model.transformer.heads(),
+                    model.transformer.heads()
+                )));
+            }
+            if d as usize > machine.devices.len() {
+                return Err(PlanError::Constraint(format!(
+                    "--tp {d}: machine `{}` has only {} devices",
+                    machine.name,
+                    machine.devices.len()
+                )));
+            }
+        }
+        if self.stream_buffers < 2 {
+            return Err(PlanError::Constraint(
+                "stream buffers: streaming needs at least 2 buffers (double buffering)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Devices component `name` may use.
+    pub fn allowed(&self, name: &str, id: &DeviceId) -> bool {
+        match self.pins.get(name) {
+            Some(devs) => devs.contains(id),
+            None => !id.is_host() || self.host_components,
+        }
+    }
+}

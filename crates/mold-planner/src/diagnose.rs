@@ -1,0 +1,119 @@
+//! Why no plan fits, in numbers, and the cheapest relaxation that would make one fit.
+
+use crate::{ilp, Request, TpChoice};
+use mold_cost::Ctx;
+use mold_plan::ByteSize;
+
+fn gb(b: u64) -> String {
+    format!("{:.1} GB", b as f64 / 1e9)
+}
+
+/// A one-paragraph explanation: what does not fit where, by how much, and what to relax.
+pub fn explain(req: &Request) -> String {
+    let ctx = Ctx::new(&req.model, &req.machine, &req.workload);
+    let dtype = req.dtype("transformer");
+    let t = &req.model.transformer;
+    let total = t.weight_bytes(dtype);
+    let caps: Vec<(String, u64)> = req
+        .machine
+        .devices
+        .iter()
+        .filter(|d| req.constraints.allowed("transformer", &d.id))
+        .map(|d| (d.id.to_string(), d.budget.0.saturating_sub(d.headroom.0)))
+        .collect();
+    let (big_id, big) = caps
+        .iter()
+        .max_by_key(|c| c.1)
+        .cloned()
+        .unwrap_or(("none".into(), 0));
+    let sum: u64 = caps.iter().map(|c| c.1).sum();
+    let mut facts = vec![format!(
+        "transformer needs {} resident ({dtype}); largest budget {} ({big_id}){}",
+        gb(total),
+        gb(big),
+        if caps.len() > 1 {
+            format!(", all {} allowed devices together {}", caps.len(), gb(sum))
+        } else {
+            String::new()
+        }
+    )];
+    // The least a device needs to run the transformer at all: stem, stream buffers and
+    // the largest block's activations.
+    let one = [req.machine.devices[0].id.clone()];
+    let (buf, act) = t.kinds.iter().fold((0u64, 0u64), |(b, a), k| {
+        let bc = ctx.block(k, &one, dtype);
+        (b.max(bc.weight_bytes), a.max(bc.activation_bytes))
+    });
+    let floor = t.stem_bytes(dtype) + req.constraints.stream_buffers as u64 * buf + act;
+    if floor > big {
+        facts.push(format!(
+            "even streaming every block needs {} on one device (stem, {} block buffers, activations at {}x{}) > {}",
+            gb(floor),
+            req.constraints.stream_buffers,
+            req.workload.width,
+            req.workload.height,
+            gb(big)
+        ));
+    }
+    for c in &req.model.components {
+        let d = req.dtype(&c.name);
+        let need = c.weight_bytes(d) + ctx.component_activation(c, d);
+        if need > big && !req.constraints.allowed(&c.name, &mold_plan::DeviceId::Host) {
+            facts.push(format!(
+                "{} needs {} and may not run on the host",
+                c.name,
+                gb(need)
+            ));
+        }
+    }
+    let pinned = req.machine.host.pinned_limit.0;
+    if total > sum && total - sum > pinned {
+        facts.push(format!(
+            "streaming the {} that no device holds exceeds the host pinned limit {}",
+            gb(total - sum),
+            ByteSize(pinned)
+        ));
+    }
+
+    // Relaxations, cheapest first; the first that yields a plan is suggested.
+    let mut tries: Vec<(&str, Request)> = Vec::new();
+    if !req.constraints.stream {
+        let mut r = req.clone();
+        r.constraints.stream = true;
+        tries.push(("allow streaming (drop --no-stream)", r));
+    }
+    if req.constraints.tp != TpChoice::Auto {
+        let mut r = req.clone();
+        r.constraints.tp = TpChoice::Auto;
+        tries.push(("allow any tensor-parallel degree (--tp auto)", r));
+    }
+    if !req.constraints.pins.is_empty() {
+        let mut r = req.clone();
+        r.constraints.pins.clear();
+        tries.push(("drop the --pin placements", r));
+    }
+    if !req.constraints.host_components {
+        let mut r = req.clone();
+        r.constraints.host_components = true;
+        tries.push(("let encoders run on the host", r));
+    }
+    let mut all = req.clone();
+    all.constraints.stream = true;
+    all.constraints.tp = TpChoice::Auto;
+    all.constraints.pins.clear();
+    all.constraints.host_components = true;
+    if tries.len() > 1 {
+        tries.push(("lift every constraint (streaming, --tp auto, no pins)", all));
+    }
+    let mut advice = None;
+    for (what, r) in &tries {
+        if let Ok(Some(_)) = ilp::solve(r, None) {
+            advice = Some(format!("cheapest relaxation: {what}"));
+            break;
+        }
+    }
+    let advice = advice.unwrap_or_else(|| {
+        "add a device or memory (--max-vram/--devices may be limiting), lower the size or batch, or use a smaller dtype (--dtype transformer=q8)".into()
+    });
+    format!("{}; {advice}", facts.join("; "))
+}

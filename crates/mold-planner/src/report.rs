@@ -1,0 +1,245 @@
+//! The human summary `mold plan` prints.
+
+use crate::{Family, Outcome};
+use mold_plan::{ByteSize, ComponentRole, DeviceId, Plan, Residency};
+use std::fmt::Write;
+
+fn secs(s: f64) -> String {
+    if s >= 100.0 {
+        format!("{s:.0} s")
+    } else if s >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.1} ms", s * 1e3)
+    }
+}
+
+/// Where each component and block range runs, one line a part.
+pub fn placement(plan: &Plan) -> String {
+    placement_on(plan, None)
+}
+
+/// Devices as `cuda:0`, `cuda:0+cuda:1`, or `cuda:0-7` for a consecutive run.
+pub fn device_list(devs: &[DeviceId]) -> String {
+    let consecutive = devs.len() > 2
+        && devs.windows(2).all(|w| match (&w[0], &w[1]) {
+            (DeviceId::Cuda(a), DeviceId::Cuda(b)) | (DeviceId::Emu(a), DeviceId::Emu(b)) => {
+                b == &(a + 1)
+            }
+            _ => false,
+        });
+    if consecutive {
+        let last = devs.last().and_then(|d| d.ordinal()).unwrap_or(0);
+        format!("{}-{last}", devs[0])
+    } else {
+        devs.iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+}
+
+/// Like [`placement`], naming each tensor-parallel group's link when `machine` is given.
+pub fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String {
+    let mut out = String::new();
+    for c in &plan.components {
+        for (i, p) in c.parts.iter().enumerate() {
+            let name = if i == 0 { c.name.as_str() } else { "" };
+            let dtype = if i == 0 {
+                c.dtype.to_string()
+            } else {
+                String::new()
+            };
+            let blocks = p
+                .blocks
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            let devs = device_list(&p.devices);
+            let how = match (c.role, p.residency, p.devices.len()) {
+                (ComponentRole::Transformer, Residency::Streamed, n) if n > 1 => {
+                    format!(
+                        "tensor parallel ×{n}{}, streamed ({} buffers)",
+                        link(machine, &p.devices),
+                        p.buffers()
+                    )
+                }
+                (ComponentRole::Transformer, Residency::Streamed, _) => {
+                    format!("streamed from host ({} buffers)", p.buffers())
+                }
+                (ComponentRole::Transformer, _, n) if n > 1 => {
+                    format!("tensor parallel ×{n}{}", link(machine, &p.devices))
+                }
+                (ComponentRole::Transformer, _, _) => "resident".into(),
+                _ => String::new(),
+            };
+            let _ =
+                writeln!(out, "  {name:<12} {dtype:<5} {devs:<14} {blocks:<28} {how}").map(|_| ());
+        }
+    }
+    out.lines()
+        .map(|l| l.trim_end().to_string() + "\n")
+        .collect()
+}
+
+/// The whole summary: placement, prediction, memory, solver, and the family table.
+pub fn summary(o: &Outcome) -> String {
+    let p = &o.plan;
+    let e = &o.evaluation;
+    let w = &p.workload;
+    let mut s = String::new();
+    let size = if w.frames > 1 {
+        format!("{}x{}x{} frames", w.width, w.height, w.frames)
+    } else {
+        format!("{}x{}", w.width, w.height)
+    };
+    let _ = writeln!(
+        s,
+        "{} on {} ({} device{}), {size}, {} steps, batch {}{}",
+        p.model.id,
+        p.machine.name,
+        p.machine.devices.len(),
+        if p.machine.devices.len() == 1 {
+            ""
+        } else {
+            "s"
+        },
+        w.steps,
+        w.batch,
+        if w.cfg_scale.is_some() {
+            " (CFG: 2 passes a step)"
+        } else {
+            ""
+        }
+    );
+    let _ = writeln!(
+        s,
+        "\nplacement — strategy: {} ({})",
+        p.solver.strategy,
+        family_desc(&p.solver.strategy)
+    );
+    s += &placement_on(p, Some(&o.machine));
+    if let Some(t) = p.transformer() {
+        let total: u32 = t.parts.iter().map(|x| x.block_count()).sum();
+        let streamed: u32 = t
+            .parts
+            .iter()
+            .filter(|x| x.residency == Residency::Streamed)
+            .map(|x| x.block_count())
+            .sum();
+        if streamed == 0 {
+            let _ = writeln!(s, "  streaming: none, every block resident");
+        } else {
+            let _ = writeln!(
+                s,
+                "  streaming: {streamed} of {total} blocks stream from host memory, {} a step over {:.1} GB/s pinned",
+                ByteSize(e.streamed_per_step).human(),
+                0.0f64.max(e.streamed_per_step as f64 / 1e9 / e.parts.iter().map(|x| x.copy_s).sum::<f64>().max(1e-12))
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\npredicted: step {}, request {} = encode {} + {} steps × {} + decode {}",
+        secs(e.step_s),
+        secs(e.request_s),
+        secs(e.encode_s),
+        w.steps,
+        secs(e.step_s),
+        secs(e.decode_s)
+    );
+    let _ = writeln!(s, "\nmemory        peak + headroom / budget");
+    for d in &e.devices {
+        let used = d.peak + d.headroom;
+        let _ = writeln!(
+            s,
+            "  {:<10} {:>10} + {:>8} / {:>10}  {:>3.0}%{}",
+            d.device.to_string(),
+            ByteSize(d.peak).human(),
+            ByteSize(d.headroom).human(),
+            ByteSize(d.budget).human(),
+            100.0 * used as f64 / d.budget as f64,
+            if d.peak == 0 { "  (unused)" } else { "" }
+        );
+    }
+    let _ = writeln!(
+        s,
+        "  host pinned {} / {}",
+        ByteSize(e.host_pinned).human(),
+        ByteSize(e.host_pinned_limit).human()
+    );
+    let _ = writeln!(
+        s,
+        "\nsolver: {}, {}, objective {} = {:.4}, {:.1} ms for {} strategy families",
+        p.solver.solver,
+        p.solver.status,
+        p.solver.objective,
+        p.solver.objective_value,
+        o.solve_time_ms,
+        o.families.len()
+    );
+    let _ = writeln!(s, "\nbest plan of each strategy family:");
+    let _ = writeln!(
+        s,
+        "  {:<24} {:>10} {:>10} {:>12} {:>9}  status",
+        "family", "step", "request", "peak/budget", "streamed"
+    );
+    for f in &o.families {
+        let mark = if f.family.name() == p.solver.strategy {
+            "*"
+        } else {
+            " "
+        };
+        match (f.step_time_s, f.request_time_s) {
+            (Some(st), Some(rq)) => {
+                let _ = writeln!(
+                    s,
+                    "{mark} {:<24} {:>10} {:>10} {:>11.0}% {:>9}  {} ({:.1} ms)",
+                    f.family.describe(),
+                    secs(st),
+                    secs(rq),
+                    100.0 * f.max_peak_fraction.unwrap_or(0.0),
+                    f.streamed_blocks.unwrap_or(0),
+                    f.status,
+                    f.solve_time_ms
+                );
+            }
+            _ => {
+                let _ = writeln!(
+                    s,
+                    "{mark} {:<24} {:>10} {:>10} {:>12} {:>9}  {}",
+                    f.family.describe(),
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    f.status
+                );
+            }
+        }
+    }
+    s
+}
+
+fn link(machine: Option<&mold_machine::Machine>, devs: &[DeviceId]) -> String {
+    match machine.map(|m| m.group_link(devs)) {
+        Some(l) if l.staged => " (all-reduce staged through host)".into(),
+        Some(l) => format!(
+            " (all-reduce over {})",
+            match l.kind {
+                Some(mold_machine::LinkKind::Nvlink) => "NVLink",
+                _ => "PCIe peer",
+            }
+        ),
+        None => String::new(),
+    }
+}
+
+fn family_desc(name: &str) -> &'static str {
+    Family::ALL
+        .iter()
+        .find(|f| f.name() == name)
+        .map(|f| f.describe())
+        .unwrap_or("")
+}

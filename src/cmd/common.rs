@@ -1,0 +1,71 @@
+use anyhow::{Context, Result};
+use mold_machine::Machine;
+use mold_models::ModelSpec;
+use mold_plan::{CheckpointRef, DType, Plan};
+use std::path::Path;
+
+/// Loads a machine profile from a path. (`local`, the box as queried now, needs a CUDA
+/// build.)
+pub fn load_machine(spec: &str) -> Result<Machine> {
+    if spec == "local" {
+        anyhow::bail!(
+            "--machine local: this build has no CUDA, so it cannot query this box's GPUs; pass a profile such as sim/machines/2x-h200.yaml"
+        );
+    }
+    let path = Path::new(spec);
+    if !path.exists() {
+        let hint = if !spec.contains('/') && !spec.ends_with(".yaml") {
+            format!(" (did you mean sim/machines/{spec}.yaml?)")
+        } else {
+            String::new()
+        };
+        anyhow::bail!("--machine {spec}: no such file{hint}");
+    }
+    Ok(Machine::load(path)?)
+}
+
+/// A model named by catalogue id, or a checkpoint path whose header gives exact sizes.
+pub struct LoadedModel {
+    pub spec: ModelSpec,
+    pub checkpoint: Option<CheckpointRef>,
+    pub dtype: Option<DType>,
+}
+
+pub fn load_model(spec: &str, hint: Option<&str>) -> Result<LoadedModel> {
+    let looks_like_path =
+        spec.contains('/') || spec.ends_with(".safetensors") || spec.ends_with(".json");
+    if looks_like_path || Path::new(spec).exists() {
+        let path = Path::new(spec);
+        let r = mold_models::checkpoint::refine(path, hint)?;
+        return Ok(LoadedModel {
+            spec: r.model,
+            checkpoint: Some(CheckpointRef {
+                path: spec.to_string(),
+                header_sha256: r.header_sha256,
+            }),
+            dtype: Some(r.dtype),
+        });
+    }
+    Ok(LoadedModel {
+        spec: mold_models::find(spec)?,
+        checkpoint: None,
+        dtype: None,
+    })
+}
+
+/// Loads a plan, naming the file in every error.
+pub fn load_plan(path: &Path) -> Result<Plan> {
+    Plan::load(path).with_context(|| format!("cannot use plan {}", path.display()))
+}
+
+/// Model of a plan: the catalogue entry, refined by the recorded checkpoint if it is
+/// still there.
+pub fn model_of(plan: &Plan) -> Result<ModelSpec> {
+    if let Some(c) = &plan.model.checkpoint {
+        if Path::new(&c.path).exists() {
+            let r = mold_models::checkpoint::refine(Path::new(&c.path), Some(&plan.model.id))?;
+            return Ok(r.model);
+        }
+    }
+    Ok(mold_models::find(&plan.model.id).context("model.id")?)
+}

@@ -1,0 +1,7 @@
+//! One module per subcommand; `common` holds what several share (loading machines,
+//! models and plans with errors that name the input).
+
+pub mod common;
+pub mod exec;
+pub mod plan;
+pub mod sim;
