@@ -19,7 +19,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Solve for a placement of a model on a machine and write a YAML plan.
-    Plan(cmd::plan::Args),
+    Plan(Box<cmd::plan::Args>),
     /// Predict a plan's per-device memory and step time; check plans and scenarios.
     Sim(cmd::sim::Args),
     /// Run a plan's transformer on its devices (CUDA, or emulated devices on the CPU).
@@ -33,7 +33,7 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Plan(a) => cmd::plan::run(a),
+        Command::Plan(a) => cmd::plan::run(*a),
         Command::Sim(a) => cmd::sim::run(a),
         Command::Exec(a) => cmd::exec::run(a),
         Command::Testdata(a) => cmd::exec::testdata(a),

@@ -67,5 +67,5 @@ pub fn model_of(plan: &Plan) -> Result<ModelSpec> {
             return Ok(r.model);
         }
     }
-    Ok(mold_models::find(&plan.model.id).context("model.id")?)
+    mold_models::find(&plan.model.id).context("model.id")
 }

@@ -146,9 +146,14 @@ fn tensor_parallel_pays_allreduce() {
     let ar = 10e-6 + 2.0 * 0.5 * s as f64 / 50e9; // latency + 2(n−1)/n · S / bandwidth
     let want = (2.0 * 2.0 + 3.0) * ar;
     assert!((e.parts[0].allreduce_s - want).abs() < 1e-12);
+    let comps: u64 = model
+        .components
+        .iter()
+        .map(|c| c.weight_bytes(c.default_dtype))
+        .sum();
     assert_eq!(
-        e.devices[0].weights,
-        e.devices[1].weights - 0,
+        e.devices[0].weights - comps,
+        e.devices[1].weights,
         "TP shards evenly"
     );
 }

@@ -272,8 +272,8 @@ impl Checkpoint {
                 })
             }
         };
-        let all_rows = [0..n_rows];
-        let rows = rows.unwrap_or(&all_rows);
+        let all_rows = 0..n_rows;
+        let rows = rows.unwrap_or(std::slice::from_ref(&all_rows));
         let out_rows: usize = rows.iter().map(|r| r.len()).sum();
         let out_cols: usize = match cols {
             None => n_cols,

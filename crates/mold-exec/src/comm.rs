@@ -5,7 +5,8 @@
 //! - [`ThreadComm`]: ranks are threads of this process; tensors are staged through host
 //!   memory and summed in rank order, so every rank gets bit-identical results. It is
 //!   the implementation for emulated devices and works (slowly) for any candle device.
-//! - NCCL (feature `nccl`): **not implemented yet**; see [`nccl`] for the boundary.
+//! - NCCL (feature `nccl`): **not implemented yet**; the `nccl` module (compiled
+//!   only with that feature) marks the boundary.
 
 use candle_core::{Device, Result, Tensor};
 use std::sync::{Arc, Condvar, Mutex};

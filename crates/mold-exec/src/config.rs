@@ -39,7 +39,7 @@ pub struct TensorSpec {
 }
 
 impl FluxConfig {
-    /// FLUX.1 [dev] (12B, guidance distilled).
+    /// FLUX.1 \[dev\] (12B, guidance distilled).
     pub fn flux_dev() -> Self {
         FluxConfig {
             in_channels: 64,
@@ -57,7 +57,7 @@ impl FluxConfig {
         }
     }
 
-    /// FLUX.1 [schnell]: dev's shapes without the guidance embedder.
+    /// FLUX.1 \[schnell\]: dev's shapes without the guidance embedder.
     pub fn flux_schnell() -> Self {
         FluxConfig {
             guidance_embed: false,

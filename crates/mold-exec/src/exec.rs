@@ -64,10 +64,10 @@ fn check_parts(cfg: &FluxConfig, parts: &[Part]) -> Result<Vec<Vec<BlockRef>>> {
     for (pi, p) in parts.iter().enumerate() {
         let tp = p.devices.len();
         let mlp = cfg.mlp_hidden();
-        if tp == 0 || cfg.heads % tp != 0 || mlp % tp != 0 {
+        if tp == 0 || !cfg.heads.is_multiple_of(tp) || !mlp.is_multiple_of(tp) {
             let what = if tp == 0 {
                 "it names no device".to_string()
-            } else if cfg.heads % tp != 0 {
+            } else if !cfg.heads.is_multiple_of(tp) {
                 format!("{tp} does not divide the {} attention heads", cfg.heads)
             } else {
                 format!("{tp} does not divide the MLP width {mlp}")
@@ -396,7 +396,9 @@ impl Executor {
     }
 
     /// One transformer call. Inputs may live on any device and in any float dtype; they
-    /// are moved to the first part's devices and converted to the compute dtype. Returns
+    /// are moved to the first part's devices; `img`, `txt` and `y` are converted to the
+    /// compute dtype, the ids, `timesteps` and `guidance` to f32 (RoPE and the sinusoidal
+    /// embeddings are computed in f32, then cast). Returns
     /// the predicted velocity `(b, L_img, in_channels)` on the last part's first device.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(

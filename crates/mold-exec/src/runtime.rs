@@ -57,7 +57,7 @@ fn cuda_device(_n: u32, id: &DeviceId) -> Result<Device> {
 ///
 /// Today every group uses [`ThreadComm`] (host-staged, deterministic). With the `nccl`
 /// feature, an all-CUDA group is where an NCCL communicator would be chosen (see
-/// [`crate::comm::nccl`]).
+/// the `comm::nccl` module).
 pub fn make_group(devices: &[DeviceId]) -> Vec<Box<dyn Comm>> {
     ThreadComm::group(devices.len())
         .into_iter()

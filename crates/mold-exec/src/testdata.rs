@@ -93,7 +93,7 @@ fn write_file(path: &Path, specs: &[TensorSpec], seed: u64, dtype: DType) -> Res
         offset += n;
     }
     let mut h = serde_json::to_vec(&header).expect("json");
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let f = std::fs::File::create(path).map_err(io(path))?;

@@ -177,10 +177,11 @@ impl Device {
 
 impl Machine {
     pub fn from_yaml(text: &str, source_name: &str) -> Result<Machine, MachineError> {
-        let m: Machine = serde_yaml_ng::from_str(text).map_err(|e| MachineError::Parse {
-            source_name: source_name.into(),
-            message: e.to_string(),
-        })?;
+        let m: Machine =
+            mold_plan::from_yaml_with_path(text).map_err(|message| MachineError::Parse {
+                source_name: source_name.into(),
+                message,
+            })?;
         m.validate(source_name)?;
         Ok(m)
     }

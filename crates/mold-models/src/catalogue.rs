@@ -49,6 +49,7 @@ fn flux_single(count: u32, h: u64, heads: u32, head_dim: u32, mlp: u64) -> Block
 
 /// A pre-norm DiT layer with attention (4h²) and a SwiGLU MLP (3·h·mlp) over one token
 /// set (Z-Image), with a small adaLN of `adaln` params.
+#[allow(clippy::too_many_arguments)] // one argument per architecture dimension
 fn swiglu_layer(
     name: &str,
     count: u32,
@@ -167,6 +168,7 @@ fn clip_g() -> ComponentSpec {
 }
 
 /// A decoder-only LM used as a text encoder: `layers` × (attention with GQA + SwiGLU).
+#[allow(clippy::too_many_arguments)] // one argument per architecture dimension
 fn lm_encoder(
     name: &str,
     description: &str,
@@ -441,7 +443,8 @@ fn z_image_turbo() -> ModelSpec {
                 1024,
                 9728,
                 151936,
-                0,
+                // q and o project to 32 heads × 128 = 4096, wider than the 2560 hidden size
+                36 * 2 * 2560 * (4096 - 2560),
                 32,
             ),
             flux_vae(83_819_683, DType::Bf16, "FLUX autoencoder"),

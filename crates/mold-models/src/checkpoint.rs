@@ -185,6 +185,7 @@ fn dtype_of(st: &str) -> Option<DType> {
 
 /// A catalogue model refined by a checkpoint: exact bytes per block kind (largest block)
 /// and for the stem, the checkpoint's dominant dtype, and the header hash.
+#[derive(Debug)]
 pub struct Refined {
     pub model: ModelSpec,
     pub dtype: DType,

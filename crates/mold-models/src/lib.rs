@@ -259,13 +259,10 @@ impl ComponentSpec {
             }
             Workkind::VaeDecoder { top_channels, .. } => {
                 // About six full-resolution feature maps live at once (resnet input,
-                // two conv outputs, group-norm temporaries, skip).
-                6 * top_channels
-                    * w.width as u64
-                    * w.height as u64
-                    * w.frames as u64
-                    * w.batch as u64
-                    * act
+                // two conv outputs, group-norm temporaries, skip). Video VAEs decode one
+                // latent frame (temporal_down output frames) at a time.
+                let frames = (w.frames as u64).min(model.latent.temporal_down as u64);
+                6 * top_channels * w.width as u64 * w.height as u64 * frames * w.batch as u64 * act
             }
         }
     }
@@ -338,7 +335,7 @@ impl ModelSpec {
         }
         if self.video {
             let t = self.latent.temporal_down;
-            if w.frames == 0 || (w.frames - 1) % t != 0 {
+            if w.frames == 0 || !(w.frames - 1).is_multiple_of(t) {
                 let lo = (w.frames.saturating_sub(1) / t) * t + 1;
                 return Err(ModelError::Workload {
                     field: "workload.frames".into(),

@@ -54,7 +54,7 @@ impl fmt::Display for ByteSize {
             (MIB, "MiB"),
             (KIB, "KiB"),
         ] {
-            if b % unit == 0 {
+            if b.is_multiple_of(unit) {
                 return write!(f, "{}{}", b / unit, name);
             }
         }
@@ -116,7 +116,7 @@ impl FromStr for ByteSize {
 
 impl Serialize for ByteSize {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        if self.0 != 0 && self.0 % KIB == 0 {
+        if self.0 != 0 && self.0.is_multiple_of(KIB) {
             s.serialize_str(&self.to_string())
         } else {
             s.serialize_u64(self.0)

@@ -79,9 +79,9 @@ impl Plan {
                 }
             },
         }
-        let plan: Plan = serde_yaml_ng::from_value(value).map_err(|e| PlanError::Parse {
+        let plan: Plan = from_value_with_path(value).map_err(|message| PlanError::Parse {
             source_name: source_name.to_string(),
-            message: e.to_string(),
+            message,
         })?;
         plan.check_structure(source_name)?;
         Ok(plan)
@@ -219,6 +219,28 @@ impl Plan {
         }
         out
     }
+}
+
+/// Deserializes a YAML value, prefixing any error with the path of the field at fault
+/// (`components[1].parts[0].devices: …`).
+pub fn from_value_with_path<T: serde::de::DeserializeOwned>(
+    value: serde_yaml_ng::Value,
+) -> Result<T, String> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." || path.is_empty() {
+            e.into_inner().to_string()
+        } else {
+            format!("{path}: {}", e.into_inner())
+        }
+    })
+}
+
+/// Parses YAML text into `T`, naming the field at fault in any error.
+pub fn from_yaml_with_path<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
+    let value: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(text).map_err(|e| format!("not valid YAML: {e}"))?;
+    from_value_with_path(value)
 }
 
 #[cfg(test)]

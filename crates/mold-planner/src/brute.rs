@@ -179,13 +179,13 @@ pub fn best(req: &Request, family: Option<Family>) -> (Option<Choice>, u64) {
                     let mut t = steps * step;
                     for (ci, (_, opts)) in comps.iter().enumerate() {
                         let o = &opts[p[ci]];
-                        t += o.1;
-                        match devs.iter().position(|d| d.id == o.0) {
+                        t += o.seconds;
+                        match devs.iter().position(|d| d.id == o.at) {
                             Some(di) => {
-                                m[di] += o.2;
-                                a[di] = a[di].max(o.3);
+                                m[di] += o.weight_bytes;
+                                a[di] = a[di].max(o.activation_bytes);
                             }
-                            None => host += o.2 + o.3,
+                            None => host += o.weight_bytes + o.activation_bytes,
                         }
                     }
                     let fits = host <= req.machine.host.memory.0
@@ -209,7 +209,7 @@ pub fn best(req: &Request, family: Option<Family>) -> (Option<Choice>, u64) {
                     if best.as_ref().is_none_or(|b| obj < b.objective) {
                         let mut placement = BTreeMap::new();
                         for (ci, (name, opts)) in comps.iter().enumerate() {
-                            placement.insert(name.clone(), opts[p[ci]].0.clone());
+                            placement.insert(name.clone(), opts[p[ci]].at.clone());
                         }
                         best = Some(Choice {
                             groups: (0..groups.len())

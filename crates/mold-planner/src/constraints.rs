@@ -138,7 +138,7 @@ impl From<ObjectiveName> for Objective {
 
 impl ConstraintsFile {
     pub fn from_yaml(text: &str, source_name: &str) -> Result<ConstraintsFile, PlanError> {
-        let f: ConstraintsFile = serde_yaml_ng::from_str(text)
+        let f: ConstraintsFile = mold_plan::from_yaml_with_path(text)
             .map_err(|e| PlanError::Constraint(format!("{source_name}: {e}")))?;
         if let Some(b) = f.stream_buffers {
             if b < 2 {

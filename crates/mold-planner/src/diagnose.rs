@@ -27,9 +27,18 @@ pub fn explain(req: &Request) -> String {
         .cloned()
         .unwrap_or(("none".into(), 0));
     let sum: u64 = caps.iter().map(|c| c.1).sum();
+    let one = [req.machine.devices[0].id.clone()];
+    let (buf, act) = t.kinds.iter().fold((0u64, 0u64), |(b, a), k| {
+        let bc = ctx.block(k, &one, dtype);
+        (b.max(bc.weight_bytes), a.max(bc.activation_bytes))
+    });
     let mut facts = vec![format!(
-        "transformer needs {} resident ({dtype}); largest budget {} ({big_id}){}",
+        "transformer needs {} resident ({} {dtype} weights + {} activations at {}x{}); largest budget {} ({big_id}){}",
+        gb(total + act),
         gb(total),
+        gb(act),
+        req.workload.width,
+        req.workload.height,
         gb(big),
         if caps.len() > 1 {
             format!(", all {} allowed devices together {}", caps.len(), gb(sum))
@@ -39,11 +48,6 @@ pub fn explain(req: &Request) -> String {
     )];
     // The least a device needs to run the transformer at all: stem, stream buffers and
     // the largest block's activations.
-    let one = [req.machine.devices[0].id.clone()];
-    let (buf, act) = t.kinds.iter().fold((0u64, 0u64), |(b, a), k| {
-        let bc = ctx.block(k, &one, dtype);
-        (b.max(bc.weight_bytes), a.max(bc.activation_bytes))
-    });
     let floor = t.stem_bytes(dtype) + req.constraints.stream_buffers as u64 * buf + act;
     if floor > big {
         facts.push(format!(

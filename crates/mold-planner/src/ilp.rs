@@ -98,11 +98,17 @@ pub fn block_costs(req: &Request, ctx: &Ctx, groups: &[Vec<DeviceId>]) -> Vec<Ve
         .collect()
 }
 
+/// One place a component may run, and what it costs there.
+#[derive(Clone, Debug)]
+pub struct ComponentOption {
+    pub at: DeviceId,
+    pub seconds: f64,
+    pub weight_bytes: u64,
+    pub activation_bytes: u64,
+}
+
 /// Where each component may run, and what it costs there (seconds, bytes, activation).
-pub fn component_options(
-    req: &Request,
-    ctx: &Ctx,
-) -> Vec<(String, Vec<(DeviceId, f64, u64, u64)>)> {
+pub fn component_options(req: &Request, ctx: &Ctx) -> Vec<(String, Vec<ComponentOption>)> {
     let mut locs: Vec<DeviceId> = req.machine.devices.iter().map(|d| d.id.clone()).collect();
     locs.push(DeviceId::Host);
     req.model
@@ -113,13 +119,11 @@ pub fn component_options(
             let opts = locs
                 .iter()
                 .filter(|l| req.constraints.allowed(&c.name, l))
-                .map(|l| {
-                    (
-                        l.clone(),
-                        ctx.component_s(c, l, dtype),
-                        c.weight_bytes(dtype),
-                        ctx.component_activation(c, dtype),
-                    )
+                .map(|l| ComponentOption {
+                    at: l.clone(),
+                    seconds: ctx.component_s(c, l, dtype),
+                    weight_bytes: c.weight_bytes(dtype),
+                    activation_bytes: ctx.component_activation(c, dtype),
                 })
                 .collect();
             (c.name.clone(), opts)
@@ -206,7 +210,7 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
     let mut comp_time = Expression::from(0.0);
     for (ci, (_, opts)) in comps.iter().enumerate() {
         for (oi, o) in opts.iter().enumerate() {
-            comp_time += o.1 * x[ci][oi];
+            comp_time += o.seconds * x[ci][oi];
         }
     }
     let mut step = Expression::from(-handoff);
@@ -228,8 +232,8 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
         let mut e = Expression::from(0.0);
         for (ci, (_, opts)) in comps.iter().enumerate() {
             for (oi, o) in opts.iter().enumerate() {
-                if o.0 == d.id {
-                    e += gib(o.2) * x[ci][oi];
+                if o.at == d.id {
+                    e += gib(o.weight_bytes) * x[ci][oi];
                 }
             }
         }
@@ -306,8 +310,9 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
         }
         for (ci, (_, opts)) in comps.iter().enumerate() {
             for (oi, o) in opts.iter().enumerate() {
-                if o.0 == d.id {
-                    problem = problem.with(constraint!(act[di] >= gib(o.3) * x[ci][oi]));
+                if o.at == d.id {
+                    problem =
+                        problem.with(constraint!(act[di] >= gib(o.activation_bytes) * x[ci][oi]));
                 }
             }
         }
@@ -331,8 +336,8 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
             sum(x[ci].iter().map(|v| Expression::from(*v))) == 1.0
         ));
         for (oi, o) in opts.iter().enumerate() {
-            if o.0.is_host() {
-                host += gib(o.2 + o.3) * x[ci][oi];
+            if o.at.is_host() {
+                host += gib(o.weight_bytes + o.activation_bytes) * x[ci][oi];
             }
         }
     }
@@ -386,7 +391,7 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
         let oi = (0..opts.len())
             .max_by(|a, b| sol.value(x[ci][*a]).total_cmp(&sol.value(x[ci][*b])))
             .expect("a component has at least one allowed place");
-        placement.insert(name.clone(), opts[oi].0.clone());
+        placement.insert(name.clone(), opts[oi].at.clone());
     }
     Ok(Some(Choice {
         groups: chosen,

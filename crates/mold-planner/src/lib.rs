@@ -20,7 +20,7 @@ mod layout;
 pub mod report;
 
 pub use constraints::{parse_cap, parse_pin, Constraints, ConstraintsFile, OneOrMany, TpChoice};
-pub use ilp::Choice;
+pub use ilp::{candidate_groups, Choice, GroupChoice};
 pub use layout::plan_from_choice;
 
 use mold_machine::Machine;
@@ -252,6 +252,12 @@ fn why_empty(req: &Request, fam: Family) -> String {
         Family::Single if singles == 0 => "no device allowed".into(),
         _ => "does not fit".into(),
     }
+}
+
+/// Solves one strategy family (or, with `None`, all plans at once): the best choice, or
+/// `None` when nothing of that family fits.
+pub fn solve_family(req: &Request, family: Option<Family>) -> Result<Option<Choice>, PlanError> {
+    ilp::solve(req, family)
 }
 
 /// Device groups used by a plan's transformer, for reports.

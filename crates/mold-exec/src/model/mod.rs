@@ -1,7 +1,7 @@
 //! The model: FLUX blocks built from replicated, column-parallel and row-parallel
 //! layers. Nothing here knows about plans, devices, residency or threads: a block is
 //! loaded for one [`Shard`] (rank `r` of a group of `world`) from a [`WeightSource`], and
-//! its forward pass talks to its group only through [`Comm`](crate::comm::Comm).
+//! its forward pass talks to its group only through [`crate::comm::Comm`].
 
 pub mod flux;
 pub mod layers;

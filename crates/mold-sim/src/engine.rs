@@ -1,0 +1,1133 @@
+//! The event simulation: one request, list-scheduled in the executor's issue order on
+//! per-device streams, then a sweep over each device's allocations for its memory.
+
+use crate::{
+    DeviceReport, Event, EventKind, HostReport, Lane, Live, Overflow, SimError, SimOptions,
+    SimReport,
+};
+use mold_cost::{BlockCost, Ctx};
+use mold_machine::Machine;
+use mold_models::{ModelSpec, Workkind};
+use mold_plan::{ByteSize, ComponentRole, DType, DeviceId, Plan, Residency};
+use std::collections::HashMap;
+
+/// Steps simulated event by event: the first (the copy stream starts idle), then enough
+/// for the pipeline to repeat; later steps repeat the last simulated one.
+const SIMULATED_STEPS: u32 = 3;
+
+/// Free times of one device's streams.
+#[derive(Clone, Debug)]
+struct Streams {
+    id: DeviceId,
+    compute: f64,
+    copy: f64,
+    comm: f64,
+}
+
+/// Bytes live on a device from `start` to `end` (`None`: to the end of the request).
+#[derive(Clone, Debug)]
+struct Alloc {
+    dev: usize,
+    start: f64,
+    end: Option<f64>,
+    bytes: u64,
+    what: String,
+    moment: String,
+}
+
+/// A block kind on a group, from the cost model, with each rank's own compute time.
+#[derive(Clone, Debug)]
+struct BlockInfo {
+    cost: BlockCost,
+    per_rank_s: Vec<f64>,
+    hidden: u64,
+    allreduces: u32,
+}
+
+/// Streaming state of one device group across the run: its buffers are shared by its
+/// streamed parts, and block j's copy waits for block j−buffers to finish.
+#[derive(Clone, Debug)]
+struct GroupStream {
+    buffers: usize,
+    /// When each streamed block (run-wide index) finished on each rank.
+    done: Vec<Vec<f64>>,
+    /// Earliest start of this step's copies, per rank.
+    gate: Vec<f64>,
+    seen_this_step: bool,
+}
+
+struct Sim<'a> {
+    plan: &'a Plan,
+    model: &'a ModelSpec,
+    machine: &'a Machine,
+    ctx: Ctx<'a>,
+    opts: SimOptions,
+    devs: Vec<Streams>,
+    events: Vec<Event>,
+    allocs: Vec<Alloc>,
+    cache: HashMap<(String, Vec<DeviceId>), BlockInfo>,
+    host_ram: u64,
+    host_pinned: u64,
+    pinned_parts: Vec<Live>,
+    host_ram_items: Vec<Live>,
+    streamed_per_step: u64,
+    weights: Vec<u64>,
+    buffers: Vec<u64>,
+}
+
+pub(crate) fn human(b: u64) -> String {
+    ByteSize(b).human()
+}
+
+/// Seconds, in a unit that suits them.
+pub(crate) fn secs(s: f64) -> String {
+    if s == 0.0 {
+        "0 s".into()
+    } else if s.abs() < 1e-3 {
+        format!("{:.1} µs", s * 1e6)
+    } else if s.abs() < 1.0 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{s:.3} s")
+    }
+}
+
+fn gbps_text(g: f64) -> String {
+    if g.is_finite() {
+        format!("{g:.0} GB/s")
+    } else {
+        "same device".into()
+    }
+}
+
+/// Simulates one request with the given refinements (see [`SimOptions`]).
+pub fn simulate_with(
+    plan: &Plan,
+    model: &ModelSpec,
+    machine: &Machine,
+    opts: SimOptions,
+) -> Result<SimReport, SimError> {
+    mold_cost::validate(plan, model, machine).map_err(|e| SimError::Invalid(e.to_string()))?;
+    let mut devs: Vec<Streams> = machine
+        .devices
+        .iter()
+        .map(|d| Streams {
+            id: d.id.clone(),
+            compute: 0.0,
+            copy: 0.0,
+            comm: 0.0,
+        })
+        .collect();
+    devs.push(Streams {
+        id: DeviceId::Host,
+        compute: 0.0,
+        copy: 0.0,
+        comm: 0.0,
+    });
+    let n = devs.len();
+    let mut sim = Sim {
+        plan,
+        model,
+        machine,
+        ctx: Ctx::new(model, machine, &plan.workload),
+        opts,
+        devs,
+        events: Vec::new(),
+        allocs: Vec::new(),
+        cache: HashMap::new(),
+        host_ram: 0,
+        host_pinned: 0,
+        pinned_parts: Vec::new(),
+        host_ram_items: Vec::new(),
+        streamed_per_step: 0,
+        weights: vec![0; n],
+        buffers: vec![0; n],
+    };
+    Ok(sim.run())
+}
+
+impl<'a> Sim<'a> {
+    fn di(&self, d: &DeviceId) -> usize {
+        self.devs
+            .iter()
+            .position(|s| &s.id == d)
+            .expect("validated: the plan names only the machine's devices")
+    }
+
+    fn host(&self) -> usize {
+        self.devs.len() - 1
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn event(
+        &mut self,
+        dev: usize,
+        lane: Lane,
+        kind: EventKind,
+        start: f64,
+        end: f64,
+        what: String,
+        phase: &str,
+    ) {
+        self.events.push(Event {
+            device: self.devs[dev].id.clone(),
+            lane,
+            kind,
+            start_s: start,
+            end_s: end,
+            what,
+            phase: phase.to_string(),
+        });
+    }
+
+    fn alloc(
+        &mut self,
+        dev: usize,
+        start: f64,
+        end: Option<f64>,
+        bytes: u64,
+        what: String,
+        moment: &str,
+    ) {
+        if bytes == 0 {
+            return;
+        }
+        if dev == self.host() {
+            return;
+        }
+        self.allocs.push(Alloc {
+            dev,
+            start,
+            end,
+            bytes,
+            what,
+            moment: moment.to_string(),
+        });
+    }
+
+    /// A block kind on a group: the cost model's figures, and each rank's own compute
+    /// time (the cost model's time for a group of that rank alone at the same degree, so
+    /// the group's figure is the slowest rank's).
+    fn info(&mut self, kind_name: &str, group: &[DeviceId], dtype: DType) -> BlockInfo {
+        let key = (kind_name.to_string(), group.to_vec());
+        if let Some(i) = self.cache.get(&key) {
+            return i.clone();
+        }
+        let (_, kind) = self
+            .model
+            .transformer
+            .kind(kind_name)
+            .expect("validated: known block kind");
+        let cost = self.ctx.block(kind, group, dtype);
+        let per_rank_s: Vec<f64> = group
+            .iter()
+            .map(|d| {
+                let alone = vec![d.clone(); group.len()];
+                self.ctx.block(kind, &alone, dtype).compute_s
+            })
+            .collect();
+        debug_assert!(
+            (per_rank_s.iter().cloned().fold(0.0, f64::max) - cost.compute_s).abs()
+                <= 1e-12 * cost.compute_s.max(1.0)
+        );
+        let info = BlockInfo {
+            cost,
+            per_rank_s,
+            hidden: kind.hidden_bytes(self.ctx.tokens, self.ctx.batch, dtype.activation_bytes()),
+            allreduces: kind.allreduces,
+        };
+        self.cache.insert(key, info.clone());
+        info
+    }
+
+    /// The source rank with the fastest link to `to`.
+    fn best_source(&self, from: &[DeviceId], to: &DeviceId) -> (DeviceId, f64) {
+        let mut best = (from[0].clone(), self.machine.transfer_gbps(&from[0], to));
+        for s in &from[1..] {
+            let g = self.machine.transfer_gbps(s, to);
+            if g > best.1 {
+                best = (s.clone(), g);
+            }
+        }
+        best
+    }
+
+    /// Conditioning bytes one text encoder hands the transformer.
+    fn conditioning_bytes(&self, name: &str, dtype: DType) -> u64 {
+        match self.model.component(name).map(|c| &c.work) {
+            Some(Workkind::TextEncoder { hidden, .. }) => {
+                self.ctx.batch * self.model.text_tokens as u64 * hidden * dtype.activation_bytes()
+            }
+            _ => 0,
+        }
+    }
+
+    /// Bytes of the latents (f32) between steps and into the VAE.
+    fn latent_bytes(&self) -> u64 {
+        let l = &self.model.latent;
+        self.ctx.batch * self.ctx.tokens.img * (l.channels * l.patch * l.patch) as u64 * 4
+    }
+
+    /// Weights, stream buffers and pinned host memory: live for the whole request.
+    fn load(&mut self) {
+        let plan = self.plan;
+        for c in &plan.components {
+            if c.role == ComponentRole::Transformer {
+                continue;
+            }
+            let spec = self.model.component(&c.name).expect("validated");
+            let on = self.di(&c.parts[0].devices[0]);
+            let w = spec.weight_bytes(c.dtype);
+            if on == self.host() {
+                let act = self.ctx.component_activation(spec, c.dtype);
+                self.host_ram += w + act;
+                self.host_ram_items.push(crate::Live {
+                    what: format!("{} weights and activations", c.name),
+                    bytes: w + act,
+                });
+            } else {
+                self.weights[on] += w;
+                self.alloc(on, 0.0, None, w, format!("{} weights", c.name), "load");
+            }
+        }
+        let Some(tc) = plan.transformer() else { return };
+        let dtype = tc.dtype;
+        let n = self.devs.len();
+        let mut resident = vec![0u64; n];
+        let mut resident_ranges: Vec<Vec<String>> = vec![Vec::new(); n];
+        let mut groups: Vec<Vec<DeviceId>> = Vec::new();
+        let mut group_buffers: Vec<(u64, u32, u64)> = Vec::new();
+        for (pi, p) in tc.parts.iter().enumerate() {
+            let gi = match groups.iter().position(|g| g == &p.devices) {
+                Some(i) => i,
+                None => {
+                    groups.push(p.devices.clone());
+                    group_buffers.push((0, 0, 0));
+                    groups.len() - 1
+                }
+            };
+            let mut largest = 0u64;
+            for r in &p.blocks {
+                let info = self.info(&r.kind, &p.devices, dtype);
+                let wb = info.cost.weight_bytes;
+                match p.residency {
+                    Residency::Resident => {
+                        for d in &p.devices {
+                            let i = self.di(d);
+                            resident[i] += r.len() as u64 * wb;
+                            resident_ranges[i].push(r.to_string());
+                        }
+                    }
+                    Residency::Streamed => {
+                        largest = largest.max(wb);
+                        let bytes = r.len() as u64 * wb * p.devices.len() as u64;
+                        self.host_pinned += bytes;
+                        self.streamed_per_step += bytes;
+                        self.pinned_parts.push(Live {
+                            what: format!(
+                                "streamed weights of part {} ({r} on {})",
+                                pi + 1,
+                                list(&p.devices)
+                            ),
+                            bytes,
+                        });
+                    }
+                }
+            }
+            let set = p.buffers() as u64 * largest;
+            if set > group_buffers[gi].0 {
+                group_buffers[gi] = (set, p.buffers(), largest);
+            }
+        }
+        let stem = self.model.transformer.stem_bytes(dtype);
+        for i in 0..n {
+            if resident[i] > 0 {
+                self.weights[i] += resident[i];
+                let what = format!("transformer blocks {}", resident_ranges[i].join(", "));
+                self.alloc(i, 0.0, None, resident[i], what, "load");
+            }
+        }
+        for (g, (set, count, each)) in groups.iter().zip(group_buffers) {
+            for d in g {
+                let i = self.di(d);
+                if set > 0 {
+                    self.buffers[i] += set;
+                    let what = format!("stream buffers ({count} × {})", human(each));
+                    self.alloc(i, 0.0, None, set, what, "load");
+                }
+            }
+        }
+        let mut stemmed = vec![false; n];
+        for g in &groups {
+            for d in g {
+                let i = self.di(d);
+                if !stemmed[i] {
+                    stemmed[i] = true;
+                    self.weights[i] += stem;
+                    self.alloc(i, 0.0, None, stem, "transformer stem".into(), "load");
+                }
+            }
+        }
+    }
+
+    fn run(&mut self) -> SimReport {
+        let plan = self.plan;
+        self.load();
+        self.host_ram += self.host_pinned;
+
+        // Encode: each encoder on its device, then its conditioning to the
+        // transformer's first devices.
+        let first: Vec<DeviceId> = plan
+            .transformer()
+            .map(|t| t.parts[0].devices.clone())
+            .unwrap_or_default();
+        let mut cond_ready = vec![0.0f64; self.devs.len()];
+        let mut cond_allocs: Vec<usize> = Vec::new();
+        for c in &plan.components {
+            if c.role != ComponentRole::Encoder {
+                continue;
+            }
+            let spec = self.model.component(&c.name).expect("validated");
+            let on_id = c.parts[0].devices[0].clone();
+            let on = self.di(&on_id);
+            let start = self.devs[on].compute;
+            let end = start + self.ctx.component_s(spec, &on_id, c.dtype);
+            self.devs[on].compute = end;
+            let phase = format!("encode: {}", c.name);
+            self.event(
+                on,
+                Lane::Compute,
+                EventKind::Encoder,
+                start,
+                end,
+                c.name.clone(),
+                &phase,
+            );
+            let act = self.ctx.component_activation(spec, c.dtype);
+            self.alloc(
+                on,
+                start,
+                Some(end),
+                act,
+                format!("{} activations", c.name),
+                &phase,
+            );
+            let bytes = self.conditioning_bytes(&c.name, c.dtype);
+            for d in &first {
+                let di = self.di(d);
+                let (s, e) = if d == &on_id {
+                    (end, end)
+                } else {
+                    let g = self.machine.transfer_gbps(&on_id, d);
+                    let s = end.max(self.devs[di].comm);
+                    let e = s + bytes as f64 / (g * 1e9);
+                    self.devs[di].comm = e;
+                    let what = format!(
+                        "conditioning from {} ({}, {} from {})",
+                        c.name,
+                        human(bytes),
+                        gbps_text(g),
+                        on_id
+                    );
+                    self.event(di, Lane::Comm, EventKind::Transfer, s, e, what, "encode");
+                    (s, e)
+                };
+                cond_ready[di] = cond_ready[di].max(e);
+                if self.opts.transfer_buffers && bytes > 0 && di != self.host() {
+                    cond_allocs.push(self.allocs.len());
+                    self.alloc(
+                        di,
+                        s,
+                        None,
+                        bytes,
+                        format!("conditioning from {}", c.name),
+                        &phase,
+                    );
+                }
+            }
+        }
+
+        let steps = plan.workload.steps;
+        let sim_steps = steps.min(SIMULATED_STEPS);
+        let mut denoise_start = 0.0f64;
+        let mut step_ends: Vec<f64> = Vec::new();
+        let mut last_group: Vec<DeviceId> = first.clone();
+        let mut ready = cond_ready.clone();
+        if let Some(tc) = plan.transformer() {
+            denoise_start = first
+                .iter()
+                .map(|d| cond_ready[self.di(d)])
+                .fold(0.0, f64::max);
+            for d in &first {
+                let i = self.di(d);
+                ready[i] = denoise_start;
+            }
+            let dtype = tc.dtype;
+            let mut groups: Vec<Vec<DeviceId>> = Vec::new();
+            let mut streams: Vec<GroupStream> = Vec::new();
+            let mut group_of = Vec::new();
+            for p in &tc.parts {
+                let gi = match groups.iter().position(|g| g == &p.devices) {
+                    Some(i) => i,
+                    None => {
+                        groups.push(p.devices.clone());
+                        streams.push(GroupStream {
+                            buffers: 0,
+                            done: vec![Vec::new(); p.devices.len()],
+                            gate: vec![denoise_start; p.devices.len()],
+                            seen_this_step: false,
+                        });
+                        groups.len() - 1
+                    }
+                };
+                if p.residency == Residency::Streamed {
+                    streams[gi].buffers = streams[gi].buffers.max(p.buffers() as usize);
+                }
+                group_of.push(gi);
+            }
+            let hand_bytes = self.ctx.handoff_bytes(dtype);
+            let latent = self.latent_bytes();
+            let last_devs = tc.parts.last().unwrap().devices.clone();
+            for s in 1..=sim_steps {
+                for st in streams.iter_mut() {
+                    st.seen_this_step = false;
+                }
+                for (pi, p) in tc.parts.iter().enumerate() {
+                    let phase = format!("step {s}, part {}", pi + 1);
+                    let g = group_of[pi];
+                    // The part's input.
+                    if pi == 0 {
+                        if s > 1 {
+                            self.step_input(&last_devs, &p.devices, latent, &mut ready, &phase);
+                        }
+                    } else if tc.parts[pi - 1].devices != p.devices {
+                        let prev = tc.parts[pi - 1].devices.clone();
+                        self.handoff(&prev, &p.devices, hand_bytes, dtype, &mut ready, &phase);
+                    }
+                    if p.residency == Residency::Streamed && !streams[g].seen_this_step {
+                        streams[g].seen_this_step = true;
+                        if !self.opts.prefetch {
+                            for (li, d) in p.devices.iter().enumerate() {
+                                streams[g].gate[li] = ready[self.di(d)];
+                            }
+                        }
+                    }
+                    for r in &p.blocks {
+                        let info = self.info(&r.kind, &p.devices, dtype);
+                        for b in r.start..r.end {
+                            let what = format!("{} {b}", r.kind);
+                            let moment = format!("{phase}, {what}");
+                            self.block(
+                                p,
+                                &info,
+                                &what,
+                                &moment,
+                                &phase,
+                                &mut streams[g],
+                                &mut ready,
+                            );
+                        }
+                    }
+                    last_group = p.devices.clone();
+                }
+                let end = last_group
+                    .iter()
+                    .map(|d| ready[self.di(d)])
+                    .fold(0.0, f64::max);
+                step_ends.push(end);
+            }
+        }
+        let denoise_end = step_ends.last().copied().unwrap_or(denoise_start);
+        for i in cond_allocs {
+            self.allocs[i].end = Some(denoise_end);
+        }
+
+        // Decode: latents to the VAE's device, then the VAE.
+        let mut sim_end = denoise_end;
+        for c in &plan.components {
+            if c.role != ComponentRole::Vae {
+                continue;
+            }
+            let spec = self.model.component(&c.name).expect("validated");
+            let on_id = c.parts[0].devices[0].clone();
+            let on = self.di(&on_id);
+            let phase = format!("decode: {}", c.name);
+            let latent = self.latent_bytes();
+            let arrive = if plan.transformer().is_none() || last_group.contains(&on_id) {
+                denoise_end
+            } else {
+                let (src, g) = self.best_source(&last_group, &on_id);
+                let s = denoise_end.max(self.devs[on].comm);
+                let e = s + latent as f64 / (g * 1e9);
+                self.devs[on].comm = e;
+                let what = format!("latents from {src} ({}, {})", human(latent), gbps_text(g));
+                self.event(on, Lane::Comm, EventKind::Transfer, s, e, what, &phase);
+                e
+            };
+            let start = arrive.max(self.devs[on].compute);
+            let end = start + self.ctx.component_s(spec, &on_id, c.dtype);
+            self.devs[on].compute = end;
+            self.event(
+                on,
+                Lane::Compute,
+                EventKind::Vae,
+                start,
+                end,
+                c.name.clone(),
+                &phase,
+            );
+            if self.opts.transfer_buffers {
+                self.alloc(
+                    on,
+                    denoise_end.min(arrive),
+                    Some(end),
+                    latent,
+                    "latents".into(),
+                    &phase,
+                );
+            }
+            let act = self.ctx.component_activation(spec, c.dtype);
+            self.alloc(
+                on,
+                start,
+                Some(end),
+                act,
+                format!("{} activations", c.name),
+                &phase,
+            );
+            sim_end = sim_end.max(end);
+        }
+        for s in &self.devs {
+            sim_end = sim_end.max(s.compute).max(s.copy).max(s.comm);
+        }
+        self.finish(denoise_start, step_ends, sim_end, sim_steps)
+    }
+
+    /// Moves the next step's input to the first part's devices.
+    fn step_input(
+        &mut self,
+        last: &[DeviceId],
+        first: &[DeviceId],
+        bytes: u64,
+        ready: &mut [f64],
+        phase: &str,
+    ) {
+        let done = last.iter().map(|d| ready[self.di(d)]).fold(0.0, f64::max);
+        for d in first {
+            let i = self.di(d);
+            if last.contains(d) {
+                continue;
+            }
+            if !self.opts.latent_return {
+                ready[i] = ready[i].max(done);
+                continue;
+            }
+            let (src, g) = self.best_source(last, d);
+            let s = ready[self.di(&src)].max(self.devs[i].comm);
+            let e = s + bytes as f64 / (g * 1e9);
+            self.devs[i].comm = e;
+            let what = format!("latents from {src} ({}, {})", human(bytes), gbps_text(g));
+            self.event(i, Lane::Comm, EventKind::Transfer, s, e, what, phase);
+            if self.opts.transfer_buffers {
+                self.alloc(i, s, Some(e), bytes, "latents (next step)".into(), phase);
+            }
+            ready[i] = e;
+        }
+    }
+
+    /// Hands the hidden state from one part's group to the next part's, to every rank.
+    #[allow(clippy::too_many_arguments)]
+    fn handoff(
+        &mut self,
+        from: &[DeviceId],
+        to: &[DeviceId],
+        bytes: u64,
+        dtype: DType,
+        ready: &mut [f64],
+        phase: &str,
+    ) {
+        let moment = format!("{phase}, hand-off");
+        if !self.opts.exact_handoff {
+            // The planner's price: the slowest device-to-device path, for any change of
+            // group.
+            let done = from.iter().map(|d| ready[self.di(d)]).fold(0.0, f64::max);
+            let t = self.ctx.handoff_s(dtype);
+            for d in to {
+                let i = self.di(d);
+                let e = done + t;
+                if t > 0.0 {
+                    self.event(
+                        i,
+                        Lane::Comm,
+                        EventKind::HandOff,
+                        done,
+                        e,
+                        format!("hand-off ({}, slowest link)", human(bytes)),
+                        phase,
+                    );
+                    self.devs[i].comm = self.devs[i].comm.max(e);
+                }
+                if self.opts.transfer_buffers {
+                    self.alloc(i, done, Some(e), bytes, "hand-off in".into(), &moment);
+                }
+                ready[i] = ready[i].max(e);
+            }
+            return;
+        }
+        for d in to {
+            if from.contains(d) {
+                continue;
+            }
+            let i = self.di(d);
+            let (src, g) = self.best_source(from, d);
+            let si = self.di(&src);
+            let s = ready[si].max(self.devs[i].comm);
+            let e = s + bytes as f64 / (g * 1e9);
+            self.devs[i].comm = e;
+            let how = if self.machine.domain_of(&[src.clone(), d.clone()]).is_some() {
+                "peer"
+            } else {
+                "staged through host"
+            };
+            let what = format!(
+                "hand-off from {src} ({}, {how}, {})",
+                human(bytes),
+                gbps_text(g)
+            );
+            self.event(i, Lane::Comm, EventKind::HandOff, s, e, what, phase);
+            if self.opts.transfer_buffers {
+                self.alloc(
+                    i,
+                    s,
+                    Some(e),
+                    bytes,
+                    format!("hand-off in from {src}"),
+                    &moment,
+                );
+                self.alloc(
+                    si,
+                    ready[si],
+                    Some(e),
+                    bytes,
+                    format!("hand-off out to {d}"),
+                    &moment,
+                );
+            }
+            ready[i] = e;
+        }
+    }
+
+    /// One block on its group: copy (streamed), compute on each rank, all-reduce.
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &mut self,
+        p: &mold_plan::Part,
+        info: &BlockInfo,
+        what: &str,
+        moment: &str,
+        phase: &str,
+        st: &mut GroupStream,
+        ready: &mut [f64],
+    ) {
+        let group = &p.devices;
+        let streamed = p.residency == Residency::Streamed;
+        let bc = info.cost;
+        let mut starts = Vec::with_capacity(group.len());
+        let mut ends = Vec::with_capacity(group.len());
+        for (li, d) in group.iter().enumerate() {
+            let i = self.di(d);
+            let mut copied = 0.0f64;
+            if streamed {
+                let j = st.done[li].len();
+                let buffer_free = if j >= st.buffers {
+                    st.done[li][j - st.buffers]
+                } else {
+                    0.0
+                };
+                let s = self.devs[i].copy.max(st.gate[li]).max(buffer_free);
+                let e = s + bc.copy_s;
+                self.devs[i].copy = e;
+                self.event(
+                    i,
+                    Lane::Copy,
+                    EventKind::Copy,
+                    s,
+                    e,
+                    format!("copy {what} ({})", human(bc.weight_bytes)),
+                    phase,
+                );
+                copied = e;
+            }
+            let s = self.devs[i].compute.max(ready[i]).max(copied);
+            let e = s + info.per_rank_s[li];
+            self.devs[i].compute = e;
+            let kind = if streamed {
+                EventKind::StreamedBlock
+            } else {
+                EventKind::Block
+            };
+            self.event(i, Lane::Compute, kind, s, e, what.to_string(), phase);
+            starts.push(s);
+            ends.push(e);
+        }
+        let mut done = ends.clone();
+        if group.len() > 1 && bc.allreduce_s > 0.0 {
+            // The collective joins the group: it starts when the slowest rank is ready.
+            let mut s = 0.0f64;
+            for (li, d) in group.iter().enumerate() {
+                s = s.max(ends[li]).max(self.devs[self.di(d)].comm);
+            }
+            let e = s + bc.allreduce_s;
+            let link = self.machine.group_link(group);
+            let via = match (link.staged, link.kind) {
+                (true, _) => "staged through host".to_string(),
+                (false, Some(k)) => format!("{k:?}").to_lowercase(),
+                (false, None) => "peer".to_string(),
+            };
+            for (li, d) in group.iter().enumerate() {
+                let i = self.di(d);
+                self.devs[i].comm = e;
+                let w = format!(
+                    "all-reduce ×{} after {what} ({} each, {via})",
+                    info.allreduces,
+                    human(info.hidden)
+                );
+                self.event(i, Lane::Comm, EventKind::AllReduce, s, e, w, phase);
+                if self.opts.transfer_buffers {
+                    self.alloc(
+                        i,
+                        s,
+                        Some(e),
+                        info.hidden,
+                        "all-reduce buffer".into(),
+                        moment,
+                    );
+                }
+                done[li] = e;
+            }
+        }
+        for (li, d) in group.iter().enumerate() {
+            let i = self.di(d);
+            self.alloc(
+                i,
+                starts[li],
+                Some(done[li]),
+                bc.activation_bytes,
+                format!("activations of {what}"),
+                moment,
+            );
+            ready[i] = done[li];
+            if streamed {
+                st.done[li].push(done[li]);
+            }
+        }
+    }
+
+    fn finish(
+        &mut self,
+        denoise_start: f64,
+        step_ends: Vec<f64>,
+        sim_end: f64,
+        sim_steps: u32,
+    ) -> SimReport {
+        let plan = self.plan;
+        let steps = plan.workload.steps;
+        let mut step_times = Vec::new();
+        let mut prev = denoise_start;
+        for e in &step_ends {
+            step_times.push(e - prev);
+            prev = *e;
+        }
+        let first_step = step_times.first().copied().unwrap_or(0.0);
+        let step = step_times.last().copied().unwrap_or(0.0);
+        let denoise_end = step_ends.last().copied().unwrap_or(denoise_start);
+        let extra_steps = steps.saturating_sub(sim_steps) as f64;
+        let request = sim_end + extra_steps * step;
+        let window = if step_ends.len() >= 2 {
+            (step_ends[step_ends.len() - 2], denoise_end)
+        } else {
+            (denoise_start, denoise_end)
+        };
+
+        let mut devices = Vec::new();
+        let mut overflows = Vec::new();
+        for (i, d) in self.machine.devices.iter().enumerate() {
+            let (peak, at, moment, live, curve) = self.sweep(i, sim_end);
+            let busy = |lane: Lane, lo: f64, hi: f64| -> f64 {
+                self.events
+                    .iter()
+                    .filter(|e| e.device == d.id && e.lane == lane)
+                    .map(|e| (e.end_s.min(hi) - e.start_s.max(lo)).max(0.0))
+                    .sum()
+            };
+            let (lo, hi) = window;
+            let (sc, sy, sm) = (
+                busy(Lane::Compute, lo, hi),
+                busy(Lane::Copy, lo, hi),
+                busy(Lane::Comm, lo, hi),
+            );
+            let total =
+                |lane: Lane, s: f64| busy(lane, f64::NEG_INFINITY, f64::INFINITY) + extra_steps * s;
+            let compute_s = total(Lane::Compute, sc);
+            let r = DeviceReport {
+                device: d.id.clone(),
+                name: d.name.clone(),
+                budget: d.budget.0,
+                headroom: d.headroom.0,
+                weights: self.weights[i],
+                stream_buffers: self.buffers[i],
+                peak,
+                peak_at_s: at,
+                peak_moment: moment.clone(),
+                peak_live: live.clone(),
+                compute_s,
+                copy_s: total(Lane::Copy, sy),
+                comm_s: total(Lane::Comm, sm),
+                busy_pct: if request > 0.0 {
+                    100.0 * compute_s / request
+                } else {
+                    0.0
+                },
+                step_compute_s: sc,
+                step_copy_s: sy,
+                step_comm_s: sm,
+                curve,
+            };
+            if !r.fits() {
+                let need = peak + r.headroom;
+                let message = format!(
+                    "{}: over budget by {} at {moment} (t={}): peak {} + headroom {} > budget {}; live: {}",
+                    d.id,
+                    human(need - r.budget),
+                    secs(at),
+                    human(peak),
+                    human(r.headroom),
+                    human(r.budget),
+                    live_list(&live)
+                );
+                overflows.push(Overflow {
+                    device: d.id.to_string(),
+                    moment,
+                    at_s: at,
+                    need,
+                    limit: r.budget,
+                    live,
+                    message,
+                });
+            }
+            devices.push(r);
+        }
+        let h = &self.machine.host;
+        if self.host_pinned > h.pinned_limit.0 {
+            let mut live = self.pinned_parts.clone();
+            live.sort_by_key(|l| std::cmp::Reverse(l.bytes));
+            overflows.push(Overflow {
+                device: "host".into(),
+                moment: "load (pinning streamed weights)".into(),
+                at_s: 0.0,
+                need: self.host_pinned,
+                limit: h.pinned_limit.0,
+                message: format!(
+                    "host: pinned memory for streamed weights {} > pinned_limit {} (over by {}) at load; live: {}",
+                    human(self.host_pinned),
+                    human(h.pinned_limit.0),
+                    human(self.host_pinned - h.pinned_limit.0),
+                    live_list(&live)
+                ),
+                live,
+            });
+        }
+        if self.host_ram > h.memory.0 {
+            let mut live = self.host_ram_items.clone();
+            live.extend(self.pinned_parts.iter().cloned());
+            live.sort_by_key(|l| std::cmp::Reverse(l.bytes));
+            overflows.push(Overflow {
+                device: "host".into(),
+                moment: "load".into(),
+                at_s: 0.0,
+                need: self.host_ram,
+                limit: h.memory.0,
+                message: format!(
+                    "host: memory {} > host memory {} (over by {}) at load; live: {}",
+                    human(self.host_ram),
+                    human(h.memory.0),
+                    human(self.host_ram - h.memory.0),
+                    live_list(&live)
+                ),
+                live,
+            });
+        }
+        let host_compute: f64 = self
+            .events
+            .iter()
+            .filter(|e| e.device.is_host() && e.lane == Lane::Compute)
+            .map(|e| e.duration_s())
+            .sum();
+        let bottleneck = bottleneck(&devices, step, &self.events, window);
+        let mut events = std::mem::take(&mut self.events);
+        events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+        SimReport {
+            model: self.model.id.clone(),
+            machine: self.machine.name.clone(),
+            workload: plan.workload.clone(),
+            options: self.opts,
+            steps,
+            simulated_steps: sim_steps,
+            first_step_s: first_step,
+            step_s: step,
+            first_step_differs: (first_step - step).abs() > 1e-9 * step.max(1e-9) + 1e-12,
+            step_times_s: step_times,
+            encode_s: denoise_start,
+            denoise_s: first_step + (steps.saturating_sub(1)) as f64 * step,
+            decode_s: sim_end - denoise_end,
+            request_s: request,
+            devices,
+            host: HostReport {
+                pinned: self.host_pinned,
+                pinned_limit: h.pinned_limit.0,
+                ram: self.host_ram,
+                memory: h.memory.0,
+                compute_s: host_compute,
+            },
+            overflows,
+            bottleneck,
+            streamed_per_step: self.streamed_per_step,
+            events,
+            sim_end_s: sim_end,
+            step_ends_s: step_ends,
+            denoise_start_s: denoise_start,
+        }
+    }
+
+    /// Sweeps a device's allocations: (peak, when, moment, live at the peak, curve).
+    #[allow(clippy::type_complexity)]
+    fn sweep(&self, dev: usize, sim_end: f64) -> (u64, f64, String, Vec<Live>, Vec<(f64, u64)>) {
+        let idx: Vec<usize> = (0..self.allocs.len())
+            .filter(|&k| self.allocs[k].dev == dev)
+            .collect();
+        // (time, 0 = free / 1 = allocate, alloc index): frees first at equal times.
+        let mut points: Vec<(f64, u8, usize)> = Vec::new();
+        for &k in &idx {
+            let a = &self.allocs[k];
+            points.push((a.start, 1, k));
+            points.push((a.end.unwrap_or(sim_end).max(a.start), 0, k));
+        }
+        points.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let mut live: Vec<usize> = Vec::new();
+        let mut sum = 0u64;
+        let mut peak = 0u64;
+        let mut at = 0.0;
+        let mut moment = "load".to_string();
+        let mut snapshot: Vec<usize> = Vec::new();
+        let mut curve = vec![(0.0, 0u64)];
+        for (t, kind, k) in points {
+            let a = &self.allocs[k];
+            if kind == 1 {
+                sum += a.bytes;
+                live.push(k);
+                if sum > peak {
+                    peak = sum;
+                    at = t;
+                    moment = a.moment.clone();
+                    snapshot = live.clone();
+                }
+            } else {
+                sum -= a.bytes;
+                live.retain(|&x| x != k);
+            }
+            curve.push((t, sum));
+        }
+        let mut grouped: Vec<Live> = Vec::new();
+        for k in snapshot {
+            let a = &self.allocs[k];
+            match grouped.iter_mut().find(|l| l.what == a.what) {
+                Some(l) => l.bytes += a.bytes,
+                None => grouped.push(Live {
+                    what: a.what.clone(),
+                    bytes: a.bytes,
+                }),
+            }
+        }
+        grouped.sort_by_key(|l| std::cmp::Reverse(l.bytes));
+        (peak, at, moment, grouped, curve)
+    }
+}
+
+pub(crate) fn list(ds: &[DeviceId]) -> String {
+    ds.iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join("+")
+}
+
+pub(crate) fn live_list(live: &[Live]) -> String {
+    live.iter()
+        .map(|l| format!("{} {}", l.what, human(l.bytes)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// What limits the steady step: the busiest stream, in words.
+fn bottleneck(devices: &[DeviceReport], step: f64, events: &[Event], window: (f64, f64)) -> String {
+    if step <= 0.0 {
+        return "no denoising step".into();
+    }
+    let mut best: Option<(f64, &DeviceReport, Lane)> = None;
+    for d in devices {
+        for (lane, t) in [
+            (Lane::Compute, d.step_compute_s),
+            (Lane::Copy, d.step_copy_s),
+            (Lane::Comm, d.step_comm_s),
+        ] {
+            if best.map(|b| t > b.0).unwrap_or(t > 0.0) {
+                best = Some((t, d, lane));
+            }
+        }
+    }
+    let Some((t, d, lane)) = best else {
+        return "nothing runs in the step".into();
+    };
+    let pct = 100.0 * t / step;
+    let (lo, hi) = window;
+    match lane {
+        Lane::Compute => {
+            let others: Vec<String> = devices
+                .iter()
+                .filter(|o| o.device != d.device && o.step_compute_s > 0.0)
+                .map(|o| format!("{} {:.0}%", o.device, 100.0 * o.step_compute_s / step))
+                .collect();
+            let mut s = format!(
+                "compute on {} ({}): {} of the {} step ({pct:.0}%)",
+                d.device,
+                d.name,
+                secs(t),
+                secs(step)
+            );
+            if !others.is_empty() {
+                s.push_str(&format!("; other devices compute {}", others.join(", ")));
+            }
+            s
+        }
+        Lane::Copy => format!(
+            "host→device copies of streamed blocks on {}: {} of the {} step ({pct:.0}%): streaming is copy-bound, compute on it {}",
+            d.device,
+            secs(t),
+            secs(step),
+            secs(d.step_compute_s)
+        ),
+        Lane::Comm => {
+            let ar: f64 = events
+                .iter()
+                .filter(|e| e.device == d.device && e.kind == EventKind::AllReduce)
+                .map(|e| (e.end_s.min(hi) - e.start_s.max(lo)).max(0.0))
+                .sum();
+            format!(
+                "communication on {}: {} of the {} step ({pct:.0}%), all-reduces {}",
+                d.device,
+                secs(t),
+                secs(step),
+                secs(ar)
+            )
+        }
+    }
+}

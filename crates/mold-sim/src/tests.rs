@@ -1,0 +1,458 @@
+//! Pins the simulator's arithmetic on a toy model whose figures are round numbers.
+//!
+//! Toy block: 250 M joint weights (bf16: 500 MB), 2 heads of dim 1, 2 all-reduces; the
+//! workload is 16x16 with 1 text token, so 1 image + 1 text token (T = 2). FLOPs per
+//! block on one device: 2·P·T + 4·(heads·head_dim)·T² = 1e9 + 32. A device of 1 TFLOP/s
+//! and 1000 GB/s runs it in ~1 ms (reading 500 MB takes 0.5 ms: compute-bound).
+
+use super::*;
+use mold_cost::Evaluation;
+use mold_models::{Attention, BlockKind, LatentSpec, TransformerSpec};
+use mold_plan::{
+    BlockRange, ComponentPlan, ComponentRole, DType, ModelRef, Part, Residency, SolverRecord,
+};
+
+const P: u64 = 250_000_000;
+
+fn toy_model(count: u32) -> ModelSpec {
+    let w = Workload {
+        width: 16,
+        height: 16,
+        frames: 1,
+        batch: 1,
+        steps: 1,
+        guidance: None,
+        cfg_scale: None,
+    };
+    ModelSpec {
+        id: "toy".into(),
+        description: "toy".into(),
+        components: vec![],
+        transformer: TransformerSpec {
+            kinds: vec![BlockKind {
+                name: "blk".into(),
+                count,
+                hidden: 1_000_000,
+                heads: 2,
+                head_dim: 1,
+                mlp_hidden: 4_000_000,
+                img_params: 0,
+                txt_params: 0,
+                joint_params: P,
+                replicated_params: 0,
+                attention: Attention::Joint,
+                allreduces: 2,
+                streams: 1,
+                checkpoint_bytes: None,
+            }],
+            stem_params: 0,
+            stem_checkpoint_bytes: None,
+            default_dtype: DType::Bf16,
+        },
+        latent: LatentSpec {
+            channels: 16,
+            spatial_down: 8,
+            temporal_down: 1,
+            patch: 2,
+        },
+        text_tokens: 1,
+        video: false,
+        default_workload: w,
+    }
+}
+
+/// cuda:0 1 TFLOP/s, cuda:1 0.5 TFLOP/s (for heterogeneous groups), cuda:2 like
+/// cuda:0; cuda:0 and cuda:1 share a peer domain (10 µs + 100 GB/s all-reduce), cuda:2
+/// reaches the others through the host.
+fn toy_machine(pinned_gbps: f64, budget: u64) -> Machine {
+    let yaml = format!(
+        r#"
+name: toy
+calibration: {{source: spec-sheet}}
+host: {{memory: 64GiB, pinned_limit: 32GiB, tflops: 1.0, mem_bandwidth_gbps: 50}}
+devices:
+- {{id: cuda:0, name: A, memory: 80GiB, budget: {budget}, headroom: 1000000, bf16_tflops: 1, mem_bandwidth_gbps: 1000}}
+- {{id: cuda:1, name: B, memory: 80GiB, budget: {budget}, headroom: 1000000, bf16_tflops: 0.5, mem_bandwidth_gbps: 1000}}
+- {{id: cuda:2, name: A, memory: 80GiB, budget: {budget}, headroom: 1000000, bf16_tflops: 1, mem_bandwidth_gbps: 1000}}
+links:
+  host_pinned_gbps: {pinned_gbps}
+  host_pageable_gbps: 10
+  peer:
+  - {{devices: [cuda:0, cuda:1], kind: nvlink, gbps: 100, allreduce: {{latency_us: 10, gbps: 100}}}}
+"#
+    );
+    Machine::from_yaml(&yaml, "toy.yaml").unwrap()
+}
+
+fn part(blocks: (u32, u32), devices: &[u32], streamed: Option<u32>) -> Part {
+    Part {
+        blocks: vec![BlockRange::new("blk", blocks.0, blocks.1)],
+        devices: devices.iter().map(|&d| DeviceId::Cuda(d)).collect(),
+        residency: if streamed.is_some() {
+            Residency::Streamed
+        } else {
+            Residency::Resident
+        },
+        stream_buffers: streamed,
+    }
+}
+
+fn toy_plan(model: &ModelSpec, machine: &Machine, parts: Vec<Part>, steps: u32) -> Plan {
+    let mut w = model.default_workload.clone();
+    w.steps = steps;
+    Plan {
+        version: 1,
+        model: ModelRef {
+            id: model.id.clone(),
+            checkpoint: None,
+        },
+        workload: w,
+        machine: machine.identity(),
+        components: vec![ComponentPlan {
+            name: "transformer".into(),
+            role: ComponentRole::Transformer,
+            dtype: DType::Bf16,
+            parts,
+        }],
+        predicted: Evaluation::default_prediction(),
+        solver: SolverRecord {
+            solver: "test".into(),
+            status: "test".into(),
+            objective: "none".into(),
+            objective_value: 0.0,
+            strategy: "test".into(),
+            solve_time_ms: 0.0,
+        },
+    }
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-12 + 1e-9 * b.abs()
+}
+
+/// Compute seconds of one toy block on `tflops`, at tensor-parallel degree `tp`:
+/// (2·P·T + 4·(heads·head_dim)·T²) / tp / (tflops·1e12), with T = 2.
+fn compute(tflops: f64, tp: f64) -> f64 {
+    (2.0 * P as f64 * 2.0 + 4.0 * 2.0 * 4.0) / tp / (tflops * 1e12)
+}
+
+fn events(r: &SimReport, dev: u32, lane: Lane, step: u32) -> Vec<&Event> {
+    let tag = format!("step {step},");
+    r.events
+        .iter()
+        .filter(|e| e.device == DeviceId::Cuda(dev) && e.lane == lane && e.phase.starts_with(&tag))
+        .collect()
+}
+
+#[test]
+fn resident_chain_is_the_sum_of_its_blocks() {
+    let m = toy_model(4);
+    let mc = toy_machine(250.0, 60_000_000_000);
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], None)], 1);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    let c = compute(1.0, 1.0);
+    assert!(close(c, 1.000000032e-3), "{c}");
+    assert!(close(r.step_s, 4.0 * c), "{} vs {}", r.step_s, 4.0 * c);
+    let ev = events(&r, 0, Lane::Compute, 1);
+    assert_eq!(ev.len(), 4);
+    for (i, e) in ev.iter().enumerate() {
+        assert!(close(e.start_s, i as f64 * c));
+    }
+    // The closed form agrees exactly on a resident chain.
+    let eval = mold_cost::evaluate(&plan, &m, &mc);
+    assert!(close(r.step_s, eval.step_s));
+    assert!(!r.first_step_differs);
+    assert!(r.fits());
+}
+
+#[test]
+fn streaming_copy_bound_exposes_only_the_first_copy() {
+    // 500 MB at 250 GB/s: copy 2 ms > compute 1 ms.
+    let m = toy_model(4);
+    let mc = toy_machine(250.0, 60_000_000_000);
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], Some(2))], 1);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    let (k, c): (f64, f64) = (2e-3, compute(1.0, 1.0));
+    // First copy exposed, then max(copy, compute) a block, then the last compute.
+    let want = k + 3.0 * k.max(c) + c;
+    assert!(close(r.step_s, want), "{} vs {want}", r.step_s);
+    // Compute of block i starts when its copy lands: (i+1)·k.
+    for (i, e) in events(&r, 0, Lane::Compute, 1).iter().enumerate() {
+        assert!(
+            close(e.start_s, (i + 1) as f64 * k),
+            "block {i}: {}",
+            e.start_s
+        );
+    }
+    // The planner's closed form: n·max + min(copy, compute).
+    let eval = mold_cost::evaluate(&plan, &m, &mc);
+    assert!(close(eval.step_s, 4.0 * k + c));
+    assert!(close(r.step_s, eval.step_s));
+}
+
+#[test]
+fn streaming_compute_bound_hides_copies_after_the_first() {
+    // 500 MB at 1000 GB/s: copy 0.5 ms < compute 1 ms.
+    let m = toy_model(4);
+    let mc = toy_machine(1000.0, 60_000_000_000);
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], Some(2))], 1);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    let (k, c) = (0.5e-3, compute(1.0, 1.0));
+    assert!(close(r.step_s, k + 4.0 * c), "{}", r.step_s);
+    // Two buffers: block 2's copy waits for block 0's compute to free its buffer.
+    let copies = events(&r, 0, Lane::Copy, 1);
+    assert!(close(copies[1].start_s, k));
+    assert!(close(copies[2].start_s, k + c), "{}", copies[2].start_s);
+    // Three buffers: it starts as soon as the copy stream is free.
+    let plan3 = toy_plan(&m, &mc, vec![part((0, 4), &[0], Some(3))], 1);
+    let r3 = simulate(&plan3, &m, &mc).unwrap();
+    let copies = events(&r3, 0, Lane::Copy, 1);
+    assert!(close(copies[2].start_s, 2.0 * k));
+    assert!(close(copies[3].start_s, k + c), "{}", copies[3].start_s);
+}
+
+#[test]
+fn earlier_compute_hides_the_first_streamed_copy() {
+    // Resident blocks 0..2, then streamed 2..4 on the same device: the copy stream is
+    // idle during the resident blocks, so the streamed copies are done before they run.
+    let m = toy_model(4);
+    let mc = toy_machine(1000.0, 60_000_000_000);
+    let plan = toy_plan(
+        &m,
+        &mc,
+        vec![part((0, 2), &[0], None), part((2, 4), &[0], Some(2))],
+        1,
+    );
+    let r = simulate(&plan, &m, &mc).unwrap();
+    let (k, c) = (0.5e-3, compute(1.0, 1.0));
+    assert!(close(r.step_s, 4.0 * c), "{}", r.step_s);
+    // The planner charges the fill; the planner-model replay does too.
+    let eval = mold_cost::evaluate(&plan, &m, &mc);
+    assert!(close(eval.step_s, 4.0 * c + k));
+    let coarse = simulate_with(&plan, &m, &mc, SimOptions::planner()).unwrap();
+    assert!(close(coarse.step_s, eval.step_s), "{}", coarse.step_s);
+    let cmp = {
+        let mut p = plan.clone();
+        p.predicted.step_time_s = eval.step_s;
+        compare(&p, &m, &mc).unwrap()
+    };
+    assert!(
+        cmp.explain().contains("streamed copies run ahead"),
+        "{}",
+        cmp.explain()
+    );
+}
+
+#[test]
+fn allreduce_waits_for_the_slowest_rank() {
+    // TP over cuda:0 (1 TFLOP/s) and cuda:1 (0.5 TFLOP/s): each computes half.
+    let m = toy_model(1);
+    let mc = toy_machine(250.0, 60_000_000_000);
+    let plan = toy_plan(&m, &mc, vec![part((0, 1), &[0, 1], None)], 1);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    let fast = compute(1.0, 2.0);
+    let slow = compute(0.5, 2.0);
+    // One all-reduce of S = T·hidden·2 bytes over n = 2 ranks:
+    // latency + 2(n−1)/n · S / bandwidth.
+    let s_bytes = 2.0 * 1e6 * 2.0;
+    let one = 10e-6 + 2.0 * (2.0 - 1.0) / 2.0 * s_bytes / 100e9;
+    assert!(close(one, 50e-6));
+    let c0 = events(&r, 0, Lane::Compute, 1);
+    let c1 = events(&r, 1, Lane::Compute, 1);
+    assert!(close(c0[0].duration_s(), fast));
+    assert!(close(c1[0].duration_s(), slow));
+    for d in [0, 1] {
+        let ar = events(&r, d, Lane::Comm, 1);
+        assert_eq!(ar.len(), 1);
+        assert_eq!(ar[0].kind, EventKind::AllReduce);
+        assert!(
+            close(ar[0].start_s, slow),
+            "all-reduce starts at {}",
+            ar[0].start_s
+        );
+        assert!(close(ar[0].duration_s(), 2.0 * one));
+    }
+    assert!(close(r.step_s, slow + 2.0 * one));
+    // The all-reduce buffer is live beside the block's activations at the peak.
+    let d0 = r.device(&DeviceId::Cuda(0)).unwrap();
+    assert!(d0.peak_live.iter().any(|l| l.what == "all-reduce buffer"));
+}
+
+#[test]
+fn handoff_uses_the_actual_link() {
+    let m = toy_model(2);
+    let mc = toy_machine(250.0, 60_000_000_000);
+    let c = compute(1.0, 1.0);
+    let hb = 2.0 * 1e6 * 2.0; // (img + txt) · hidden · 2 bytes
+                              // cuda:0 → cuda:2: no peer path, staged through host at pinned / 2 = 125 GB/s.
+    let plan = toy_plan(
+        &m,
+        &mc,
+        vec![part((0, 1), &[0], None), part((1, 2), &[2], None)],
+        1,
+    );
+    let r = simulate(&plan, &m, &mc).unwrap();
+    assert!(close(r.step_s, 2.0 * c + hb / 125e9), "{}", r.step_s);
+    // cuda:0 → cuda:1 over the peer domain at 100 GB/s; the planner prices the slowest
+    // path of the machine (125 GB/s staged is faster here, but cuda:1 computes slower).
+    let plan = toy_plan(
+        &m,
+        &mc,
+        vec![part((0, 1), &[0], None), part((1, 2), &[1], None)],
+        1,
+    );
+    let r = simulate(&plan, &m, &mc).unwrap();
+    assert!(
+        close(r.step_s, c + hb / 100e9 + compute(0.5, 1.0)),
+        "{}",
+        r.step_s
+    );
+    let h = events(&r, 1, Lane::Comm, 1);
+    assert_eq!(h[0].kind, EventKind::HandOff);
+    assert!(h[0].what.contains("peer"), "{}", h[0].what);
+    let eval = mold_cost::evaluate(&plan, &m, &mc);
+    let coarse = simulate_with(&plan, &m, &mc, SimOptions::planner()).unwrap();
+    assert!(
+        close(coarse.step_s, eval.step_s),
+        "{} vs {}",
+        coarse.step_s,
+        eval.step_s
+    );
+}
+
+#[test]
+fn overrun_names_device_moment_and_what_was_live() {
+    // Weights 4 × 500 MB = 2 GB; activations of a block 2 · (2h + 4h + mlp) · 2 = 40 MB.
+    let m = toy_model(4);
+    let budget = 2_020_000_000u64;
+    let mc = toy_machine(250.0, budget);
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], None)], 3);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    assert!(!r.fits());
+    assert_eq!(r.overflows.len(), 1);
+    let o = &r.overflows[0];
+    assert_eq!(o.device, "cuda:0");
+    assert_eq!(o.moment, "step 1, part 1, blk 0");
+    assert!(
+        o.message.starts_with("cuda:0: over budget"),
+        "{}",
+        o.message
+    );
+    assert!(o.message.contains("step 1, part 1, blk 0"), "{}", o.message);
+    assert!(
+        o.message.contains("transformer blocks blk 0..4"),
+        "{}",
+        o.message
+    );
+    assert!(o.message.contains("activations of blk 0"), "{}", o.message);
+    let d = r.device(&DeviceId::Cuda(0)).unwrap();
+    assert_eq!(d.peak, 2_000_000_000 + 40_000_000);
+    // Memory with the planner's accounting matches the closed form exactly.
+    let eval = mold_cost::evaluate(&plan, &m, &mc);
+    let coarse = simulate_with(&plan, &m, &mc, SimOptions::planner()).unwrap();
+    assert_eq!(coarse.devices[0].peak, eval.devices[0].peak);
+}
+
+#[test]
+fn host_pinned_overrun_names_host() {
+    let m = toy_model(4);
+    let mut mc = toy_machine(250.0, 60_000_000_000);
+    mc.host.pinned_limit = mold_plan::ByteSize(1_000_000_000);
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], Some(2))], 1);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    assert_eq!(r.host.pinned, 2_000_000_000);
+    let o = r.overflows.iter().find(|o| o.device == "host").unwrap();
+    assert!(
+        o.message.starts_with("host: pinned memory"),
+        "{}",
+        o.message
+    );
+    assert!(
+        o.message.contains("streamed weights of part 1"),
+        "{}",
+        o.message
+    );
+}
+
+#[test]
+fn steps_after_the_first_repeat_and_request_extrapolates() {
+    let m = toy_model(4);
+    let mc = toy_machine(250.0, 60_000_000_000);
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], Some(2))], 10);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    assert_eq!(r.simulated_steps, 3);
+    let (k, c): (f64, f64) = (2e-3, compute(1.0, 1.0));
+    // Copy-bound: the copy stream runs ahead into the next step, so only the first
+    // step pays the pipeline fill.
+    assert!(close(r.first_step_s, 4.0 * k + c));
+    assert!(close(r.step_s, 4.0 * k), "{}", r.step_s);
+    assert!(r.first_step_differs);
+    assert!(
+        close(r.request_s, r.first_step_s + 9.0 * r.step_s),
+        "{}",
+        r.request_s
+    );
+    assert!(r.steps_note().contains("first step differs"));
+}
+
+#[test]
+fn invalid_plans_are_one_line_errors() {
+    let m = toy_model(4);
+    let mc = toy_machine(250.0, 60_000_000_000);
+    let plan = toy_plan(
+        &m,
+        &mc,
+        vec![part((0, 1), &[0], None), part((2, 4), &[0], None)],
+        1,
+    );
+    let e = simulate(&plan, &m, &mc).unwrap_err().to_string();
+    assert!(e.contains("leaves a gap") && !e.contains('\n'), "{e}");
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[7], None)], 1);
+    let e = simulate(&plan, &m, &mc).unwrap_err().to_string();
+    assert!(e.contains("cuda:7 is not a device"), "{e}");
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0, 1, 2], None)], 1);
+    let e = simulate(&plan, &m, &mc).unwrap_err().to_string();
+    assert!(e.contains("does not divide"), "{e}");
+    let mut plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], None)], 1);
+    plan.model.id = "nope".into();
+    let e = prepare(&plan, &mc, false).unwrap_err().to_string();
+    assert!(e.contains("unknown model `nope`"), "{e}");
+    // Another machine: an error, or a warning with force.
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], None)], 1);
+    let other = mc.select(&[DeviceId::Cuda(0)]).unwrap();
+    let e = mold_cost::check_machine(&plan, &other, false).unwrap_err();
+    assert!(e.to_string().contains("--force"));
+}
+
+#[test]
+fn svg_has_lanes_memory_and_axis() {
+    let m = toy_model(4);
+    let mc = toy_machine(250.0, 60_000_000_000);
+    let plan = toy_plan(
+        &m,
+        &mc,
+        vec![part((0, 2), &[0, 1], None), part((2, 4), &[2], Some(2))],
+        5,
+    );
+    let r = simulate(&plan, &m, &mc).unwrap();
+    let svg = r.svg();
+    assert!(svg.starts_with("<svg"));
+    assert!(svg.trim_end().ends_with("</svg>"));
+    for want in [
+        r#"data-lane="compute""#,
+        r#"data-lane="copy""#,
+        r#"data-lane="comm""#,
+        r#"id="dev-cuda-0""#,
+        r#"id="dev-cuda-2""#,
+        "budget",
+        "time (ms)",
+        "steps 4–5 repeat step 3",
+    ] {
+        assert!(svg.contains(want), "missing {want}");
+    }
+    assert_eq!(svg.matches("<g").count(), svg.matches("</g>").count());
+    let t = r.table();
+    assert!(t.contains("cuda:0") && t.contains("bottleneck:"), "{t}");
+    let j: serde_json::Value = serde_json::from_str(&r.to_json(None)).unwrap();
+    assert_eq!(j["fits"], true);
+}

@@ -1,0 +1,377 @@
+use crate::util::*;
+
+fn plan_ok(args: &[&str], out: &std::path::Path) -> String {
+    let mut a = vec!["plan"];
+    a.extend_from_slice(args);
+    a.extend_from_slice(&["-o", out.to_str().unwrap()]);
+    let o = mold(&a);
+    assert!(o.status.success(), "mold {a:?}: {}", stderr(&o));
+    stdout(&o)
+}
+
+fn plan_err(args: &[&str]) -> String {
+    let mut a = vec!["plan"];
+    a.extend_from_slice(args);
+    a.extend_from_slice(&["-o", "/nonexistent-dir/never-written.yaml"]);
+    let o = mold(&a);
+    assert!(!o.status.success(), "mold {a:?} should fail");
+    stderr(&o)
+}
+
+#[test]
+fn summary_two_l40s() {
+    let d = tempdir("l40s");
+    let s = plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            "sim/machines/2x-l40s.yaml",
+            "--size",
+            "1024x1024",
+        ],
+        &d.join("p.yaml"),
+    );
+    insta::assert_snapshot!(stable(&s.replace(d.to_str().unwrap(), "TMP")));
+    // The plan written is the plan summarised, and round-trips.
+    let p = mold_plan::Plan::load(&d.join("p.yaml")).unwrap();
+    assert_eq!(
+        mold_plan::Plan::from_yaml(&p.to_yaml(), "again").unwrap(),
+        p
+    );
+    insta::assert_snapshot!(
+        "plan_yaml_flux_dev_2x_l40s",
+        stable(&read(&d.join("p.yaml")))
+    );
+}
+
+#[test]
+fn summary_streaming_and_host_staged_tp() {
+    let d = tempdir("4090");
+    let s = plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            "sim/machines/1x-rtx4090.yaml",
+        ],
+        &d.join("p.yaml"),
+    );
+    assert!(s.contains("blocks stream from host memory"), "{s}");
+    insta::assert_snapshot!(
+        "summary_1x_rtx4090",
+        stable(&s.replace(d.to_str().unwrap(), "TMP"))
+    );
+    let s = plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            "sim/machines/2x-rtx4090.yaml",
+        ],
+        &d.join("q.yaml"),
+    );
+    assert!(s.contains("staged through host"), "{s}");
+}
+
+#[test]
+fn json_output_is_the_same_outcome() {
+    let d = tempdir("json");
+    let s = plan_ok(
+        &[
+            "--model",
+            "qwen-image",
+            "--machine",
+            "sim/machines/8x-h100.yaml",
+            "--objective",
+            "latency",
+            "--json",
+        ],
+        &d.join("p.yaml"),
+    );
+    let v: serde_json::Value = serde_json::from_str(&s).unwrap();
+    assert_eq!(v["outcome"]["plan"]["model"]["id"], "qwen-image");
+    assert_eq!(v["outcome"]["families"].as_array().unwrap().len(), 4);
+    let yaml = mold_plan::Plan::load(&d.join("p.yaml")).unwrap();
+    assert_eq!(
+        v["outcome"]["plan"]["predicted"]["step_time_s"]
+            .as_f64()
+            .unwrap(),
+        yaml.predicted.step_time_s
+    );
+}
+
+#[test]
+fn infeasible_names_what_and_the_relaxation() {
+    let e = plan_err(&[
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/1x-rtx4090.yaml",
+        "--no-stream",
+    ]);
+    assert!(
+        e.contains("transformer needs 24.1 GB resident (23.8 GB bf16 weights"),
+        "{e}"
+    );
+    assert!(e.contains("largest budget"), "{e}");
+    assert!(e.contains("allow streaming (drop --no-stream)"), "{e}");
+    insta::assert_snapshot!("infeasible_no_stream", e);
+}
+
+#[test]
+fn flag_errors_name_the_flag() {
+    let m = "sim/machines/2x-l40s.yaml";
+    for (args, want) in [
+        (
+            vec!["--model", "flux-pro", "--machine", m],
+            "unknown model `flux-pro`",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", "2x-l40s"],
+            "did you mean sim/machines/2x-l40s.yaml",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--size", "1000x1000"],
+            "992 or 1008",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--size", "big"],
+            "WIDTHxHEIGHT",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--tp", "5"],
+            "--tp 5",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--tp", "many"],
+            "not a tensor-parallel choice",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--pin", "t6=cuda:0"],
+            "no component `t6`",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--pin", "t5=cuda:7"],
+            "cuda:7 is not a device",
+        ),
+        (
+            vec![
+                "--model",
+                "flux-dev",
+                "--machine",
+                m,
+                "--devices",
+                "cuda:0,cuda:4",
+            ],
+            "--devices: cuda:4",
+        ),
+        (
+            vec![
+                "--model",
+                "flux-dev",
+                "--machine",
+                m,
+                "--max-vram",
+                "cuda:0=lots",
+            ],
+            "not a size",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--encoder-gpu", "3"],
+            "--encoder-gpu 3",
+        ),
+        (
+            vec![
+                "--model",
+                "flux-dev",
+                "--machine",
+                m,
+                "--dtype",
+                "transformer=int3",
+            ],
+            "unknown dtype",
+        ),
+        (
+            vec![
+                "--model",
+                "flux-dev",
+                "--machine",
+                m,
+                "--objective",
+                "cheap",
+            ],
+            "unknown objective",
+        ),
+    ] {
+        let e = plan_err(&args);
+        assert!(e.contains(want), "{args:?}: {e}");
+    }
+}
+
+#[test]
+fn constraints_file_equals_flags() {
+    let d = tempdir("constraints");
+    let m = "sim/machines/2x-l40s.yaml";
+    plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            m,
+            "--pin",
+            "t5=cuda:1",
+            "--max-vram",
+            "cuda:0=20GiB",
+            "--tp",
+            "off",
+            "--no-stream",
+        ],
+        &d.join("flags.yaml"),
+    );
+    let c = d.join("c.yaml");
+    std::fs::write(
+        &c,
+        "pin: {t5: cuda:1}\nmax_vram: {cuda:0: 20GiB}\ntp: off\nstream: false\n",
+    )
+    .unwrap();
+    plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            m,
+            "--constraints",
+            c.to_str().unwrap(),
+        ],
+        &d.join("file.yaml"),
+    );
+    let (a, b) = (
+        stable(&read(&d.join("flags.yaml"))),
+        stable(&read(&d.join("file.yaml"))),
+    );
+    assert_eq!(a, b);
+    let p = mold_plan::Plan::load(&d.join("file.yaml")).unwrap();
+    assert!(p.predicted.devices[0].budget.0 <= 20 << 30);
+    assert!(p
+        .transformer()
+        .unwrap()
+        .parts
+        .iter()
+        .all(|x| x.devices.len() == 1));
+    // Unknown keys in the file are refused by name.
+    std::fs::write(&c, "pins: {t5: cuda:1}\n").unwrap();
+    let e = plan_err(&[
+        "--model",
+        "flux-dev",
+        "--machine",
+        m,
+        "--constraints",
+        c.to_str().unwrap(),
+    ]);
+    assert!(e.contains("unknown field `pins`"), "{e}");
+}
+
+#[test]
+fn gpu_shorthands_are_pins() {
+    let d = tempdir("shorthand");
+    let m = "sim/machines/2x-l40s.yaml";
+    plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            m,
+            "--encoder-gpu",
+            "0",
+            "--transformer-gpu",
+            "1",
+            "--vae-gpu",
+            "1",
+        ],
+        &d.join("a.yaml"),
+    );
+    plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            m,
+            "--pin",
+            "t5=cuda:0",
+            "--pin",
+            "clip=cuda:0",
+            "--pin",
+            "transformer=cuda:1",
+            "--pin",
+            "vae=cuda:1",
+        ],
+        &d.join("b.yaml"),
+    );
+    assert_eq!(
+        stable(&read(&d.join("a.yaml"))),
+        stable(&read(&d.join("b.yaml")))
+    );
+    let p = mold_plan::Plan::load(&d.join("a.yaml")).unwrap();
+    for c in &p.components {
+        let want = if c.role == mold_plan::ComponentRole::Encoder {
+            "cuda:0"
+        } else {
+            "cuda:1"
+        };
+        assert!(
+            c.parts
+                .iter()
+                .all(|x| x.devices.iter().all(|d| d.to_string() == want)),
+            "{}",
+            c.name
+        );
+    }
+}
+
+#[test]
+fn checkpoint_sizes_come_from_the_header() {
+    let d = tempdir("ckpt");
+    // A flux-tiny checkpoint written by `mold testdata`, then planned from its header.
+    let o = mold(&["testdata", "flux-tiny", d.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ck = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.extension().is_some_and(|x| x == "safetensors")
+                && p.to_string_lossy().contains("transformer")
+        })
+        .expect("a transformer checkpoint");
+    plan_ok(
+        &[
+            "--model",
+            ck.to_str().unwrap(),
+            "--machine",
+            "sim/machines/cpu-emu-4.yaml",
+        ],
+        &d.join("p.yaml"),
+    );
+    let p = mold_plan::Plan::load(&d.join("p.yaml")).unwrap();
+    assert_eq!(p.model.id, "flux-tiny");
+    let c = p.model.checkpoint.unwrap();
+    assert_eq!(c.header_sha256.len(), 64);
+}
+
+#[test]
+fn models_lists_the_catalogue() {
+    let o = mold(&["models"]);
+    let s = stdout(&o);
+    for m in [
+        "flux-dev",
+        "flux-schnell",
+        "qwen-image",
+        "sd3.5-large",
+        "z-image-turbo",
+        "ltx-video-2b",
+        "ltx-video-13b",
+        "flux-tiny",
+    ] {
+        assert!(s.contains(m), "{m}");
+    }
+}

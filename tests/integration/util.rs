@@ -1,0 +1,70 @@
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs the built `mold` binary from the repository root.
+pub fn mold(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mold"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("run mold")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A fresh temporary directory for one test.
+pub fn tempdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("mold-it-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Replaces timings that change from run to run.
+pub fn stable(s: &str) -> String {
+    let mut out = String::new();
+    for line in s.lines() {
+        let mut l = line.to_string();
+        if let Some(i) = l.find("solve_time_ms:") {
+            l.truncate(i);
+            l.push_str("solve_time_ms: [redacted]");
+        }
+        // "(0.4 ms)" and "1.2 ms for 4 strategy families" in summaries.
+        let mut res = String::new();
+        let mut rest = l.as_str();
+        while let Some(i) = rest.find(" ms") {
+            let head = &rest[..i];
+            let start = head
+                .rfind(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .map(|j| j + 1)
+                .unwrap_or(0);
+            let is_solver = rest[i..].starts_with(" ms)") || rest[i..].starts_with(" ms for");
+            if is_solver && start < head.len() {
+                res.push_str(&head[..start]);
+                res.push_str("[t]");
+            } else {
+                res.push_str(head);
+            }
+            res.push_str(" ms");
+            rest = &rest[i + 3..];
+        }
+        res.push_str(rest);
+        out.push_str(&res);
+        out.push('\n');
+    }
+    out
+}
+
+pub fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
