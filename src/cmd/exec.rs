@@ -27,7 +27,7 @@ pub struct Args {
     /// The machine this runs on (default: sim/machines/<plan's machine>.yaml).
     #[arg(long)]
     pub machine: Option<String>,
-    /// Run a plan made for another machine, or one predicted not to fit.
+    /// Run a plan made for another machine (its predictions do not hold here).
     #[arg(long)]
     pub force: bool,
 }

@@ -1,6 +1,7 @@
 //! mold's one integration test binary (as in ripgrep): the CLI end to end, the shipped
 //! plans, and the parsers under fuzzing.
 
+mod cli_exec;
 mod cli_plan;
 mod cli_sim;
 mod parsers;
