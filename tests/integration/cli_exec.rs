@@ -4,13 +4,22 @@ use crate::util::*;
 
 fn ok(args: &[&str]) -> String {
     let o = mold(args);
-    assert!(o.status.success(), "mold {args:?}: {}{}", stdout(&o), stderr(&o));
+    assert!(
+        o.status.success(),
+        "mold {args:?}: {}{}",
+        stdout(&o),
+        stderr(&o)
+    );
     stdout(&o)
 }
 
 fn fails(args: &[&str]) -> String {
     let o = mold(args);
-    assert!(!o.status.success(), "mold {args:?} should fail: {}", stdout(&o));
+    assert!(
+        !o.status.success(),
+        "mold {args:?} should fail: {}",
+        stdout(&o)
+    );
     stderr(&o)
 }
 
@@ -20,10 +29,22 @@ fn testdata_plan_exec_verify() {
     let w = d.join("w");
     let w = w.to_str().unwrap();
     ok(&["testdata", "flux-tiny", w]);
-    for (name, extra) in [("tp2", vec!["--tp", "2"]), ("tp4", vec!["--tp", "4"]), ("one", vec!["--tp", "off"])] {
+    for (name, extra) in [
+        ("tp2", vec!["--tp", "2"]),
+        ("tp4", vec!["--tp", "4"]),
+        ("one", vec!["--tp", "off"]),
+    ] {
         let p = d.join(format!("{name}.yaml"));
         let p = p.to_str().unwrap();
-        let mut args = vec!["plan", "--model", "flux-tiny", "--machine", "sim/machines/cpu-emu-4.yaml", "-o", p];
+        let mut args = vec![
+            "plan",
+            "--model",
+            "flux-tiny",
+            "--machine",
+            "sim/machines/cpu-emu-4.yaml",
+            "-o",
+            p,
+        ];
         args.extend(extra);
         ok(&args);
         let s = ok(&["exec", p, "--weights", w, "--steps", "4"]);
@@ -34,7 +55,14 @@ fn testdata_plan_exec_verify() {
         assert!(s.contains("max relative error"), "{s}");
     }
     // A tensor-parallel plan really spreads over its devices.
-    let s = ok(&["exec", d.join("tp4.yaml").to_str().unwrap(), "--weights", w, "--steps", "1"]);
+    let s = ok(&[
+        "exec",
+        d.join("tp4.yaml").to_str().unwrap(),
+        "--weights",
+        w,
+        "--steps",
+        "1",
+    ]);
     for dev in ["emu:1", "emu:2", "emu:3"] {
         assert!(s.contains(dev), "{dev}: {s}");
     }
@@ -48,19 +76,47 @@ fn exec_refusals_name_the_problem() {
     ok(&["testdata", "flux-tiny", ws]);
     let p = d.join("p.yaml");
     let ps = p.to_str().unwrap();
-    ok(&["plan", "--model", "flux-tiny", "--machine", "sim/machines/cpu-emu-4.yaml", "--tp", "2", "-o", ps]);
+    ok(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        "sim/machines/cpu-emu-4.yaml",
+        "--tp",
+        "2",
+        "-o",
+        ps,
+    ]);
 
     // Another machine: refused unless --force.
-    let e = fails(&["exec", ps, "--weights", ws, "--machine", "sim/machines/2x-l40s.yaml"]);
-    assert!(e.contains("made for machine `cpu-emu-4`") && e.contains("--force"), "{e}");
+    let e = fails(&[
+        "exec",
+        ps,
+        "--weights",
+        ws,
+        "--machine",
+        "sim/machines/2x-l40s.yaml",
+    ]);
+    assert!(
+        e.contains("made for machine `cpu-emu-4`") && e.contains("--force"),
+        "{e}"
+    );
 
     // The same box with budgets too small: the simulator refuses before any weight is
     // read (the weights path does not even exist).
     let small = d.join("cpu-emu-4.yaml");
-    let profile = read(&root().join("sim/machines/cpu-emu-4.yaml")).replace("budget: 4GiB", "budget: 65MiB");
+    let profile =
+        read(&root().join("sim/machines/cpu-emu-4.yaml")).replace("budget: 4GiB", "budget: 65MiB");
     assert!(profile.contains("65MiB"));
     std::fs::write(&small, profile).unwrap();
-    let e = fails(&["exec", ps, "--weights", "/nonexistent/weights", "--machine", small.to_str().unwrap()]);
+    let e = fails(&[
+        "exec",
+        ps,
+        "--weights",
+        "/nonexistent/weights",
+        "--machine",
+        small.to_str().unwrap(),
+    ]);
     assert!(e.contains("cannot fit") && e.contains("emu:0"), "{e}");
 
     // A checkpoint of another shape: the tensor and both shapes are named.
@@ -70,11 +126,22 @@ fn exec_refusals_name_the_problem() {
     std::fs::create_dir_all(&other).unwrap();
     mold_exec::write_testdata(&cfg, &other, 1, mold_exec::DType::F32).unwrap();
     let e = fails(&["exec", ps, "--weights", other.to_str().unwrap()]);
-    assert!(e.contains("img_mlp.0.weight") && e.contains("256") && e.contains("128"), "{e}");
+    assert!(
+        e.contains("img_mlp.0.weight") && e.contains("256") && e.contains("128"),
+        "{e}"
+    );
 
     // A model mold cannot execute yet is named.
     let q = d.join("q.yaml");
-    ok(&["plan", "--model", "qwen-image", "--machine", "sim/machines/8x-h100.yaml", "-o", q.to_str().unwrap()]);
+    ok(&[
+        "plan",
+        "--model",
+        "qwen-image",
+        "--machine",
+        "sim/machines/8x-h100.yaml",
+        "-o",
+        q.to_str().unwrap(),
+    ]);
     let e = fails(&["exec", q.to_str().unwrap(), "--weights", ws]);
     assert!(e.contains("qwen-image") && e.contains("FLUX-family"), "{e}");
 }
