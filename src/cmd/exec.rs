@@ -30,11 +30,32 @@ pub struct Args {
     /// Run a plan made for another machine (its predictions do not hold here).
     #[arg(long)]
     pub force: bool,
+    /// Text to image: run the whole FLUX pipeline (T5, CLIP, transformer, VAE) for this
+    /// prompt, each component where the plan places it; --weights is then a weights
+    /// directory (README: "Weights directory layout"). Without it, exec runs the
+    /// transformer alone on random inputs.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Distilled guidance strength, with --prompt (FLUX dev; default: the plan's, else 3.5).
+    #[arg(long)]
+    pub guidance: Option<f64>,
+    /// Image width in pixels, with --prompt (default: the plan's; another size is
+    /// re-checked with the simulator before anything loads).
+    #[arg(long)]
+    pub width: Option<u32>,
+    /// Image height in pixels, with --prompt (default: the plan's).
+    #[arg(long)]
+    pub height: Option<u32>,
+    /// The PNG to write, with --prompt (default: out.png).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct TestdataArgs {
-    /// A FLUX-family model: flux-tiny, flux-dev or flux-schnell.
+    /// A FLUX-family model: flux-tiny, flux-dev or flux-schnell (the transformer); or
+    /// flux-tiny-pipeline: a whole tiny weights directory (T5, CLIP, VAE, tokenizers,
+    /// transformer) for `mold exec --prompt`.
     pub name: String,
     /// Directory to write into (created if missing).
     pub dir: PathBuf,
@@ -55,6 +76,9 @@ fn flux_config(id: &str) -> Result<FluxConfig> {
 }
 
 pub fn testdata(a: TestdataArgs) -> Result<i32> {
+    if a.name == "flux-tiny-pipeline" {
+        return testdata_pipeline(a);
+    }
     let cfg = flux_config(&a.name)?;
     let dtype = match a.dtype.as_deref() {
         None if a.name == "flux-tiny" => mold_exec::DType::F32,
@@ -75,6 +99,26 @@ pub fn testdata(a: TestdataArgs) -> Result<i32> {
         cfg.param_count(),
         a.seed,
         t.elapsed().as_secs_f64()
+    );
+    Ok(0)
+}
+
+/// `mold testdata flux-tiny-pipeline DIR`: every component of a tiny FLUX pipeline.
+fn testdata_pipeline(a: TestdataArgs) -> Result<i32> {
+    if a.dtype.as_deref().is_some_and(|d| d != "f32") || a.shard_size.is_some() {
+        bail!("flux-tiny-pipeline is written in f32, one file per component: drop --dtype and --shard-size");
+    }
+    let t = Instant::now();
+    let files = mold_pipeline::testdata::write_tiny_pipeline(&a.dir, a.seed)
+        .with_context(|| format!("cannot write the tiny pipeline into {}", a.dir.display()))?;
+    for f in &files {
+        println!("wrote {}", f.display());
+    }
+    println!(
+        "tiny FLUX pipeline (seed {}) in {:.1} s: plan flux-tiny, then `mold exec PLAN --weights {} --prompt \"...\"`",
+        a.seed,
+        t.elapsed().as_secs_f64(),
+        a.dir.display()
     );
     Ok(0)
 }
@@ -151,12 +195,27 @@ fn sample(
         let v = forward(&x)?;
         let v = v.to_device(x.img.device())?;
         x.img = (&x.img + v.affine(t_next - t, 0.0)?)?;
+        // GPU kernels run asynchronously: wait for them before reading the clock.
+        x.img.device().synchronize()?;
         on_step(i, start.elapsed().as_secs_f64());
     }
     Ok(x.img)
 }
 
 pub fn run(a: Args) -> Result<i32> {
+    if let Some(prompt) = a.prompt.clone() {
+        return run_pipeline(&a, &prompt);
+    }
+    for (flag, set) in [
+        ("--guidance", a.guidance.is_some()),
+        ("--width", a.width.is_some()),
+        ("--height", a.height.is_some()),
+        ("--out", a.out.is_some()),
+    ] {
+        if set {
+            bail!("{flag} is for text to image: add --prompt \"...\" (and point --weights at a weights directory)");
+        }
+    }
     let plan = load_plan(&a.plan)?;
     let (cfg, ckpt, _machine) = preflight(&plan, &a)?;
     let steps = a.steps.unwrap_or(plan.workload.steps);
@@ -242,5 +301,166 @@ pub fn run(a: Args) -> Result<i32> {
             return Ok(1);
         }
     }
+    Ok(0)
+}
+
+/// What the plan (or, for another size, the simulator) predicts for this request.
+struct Predicted {
+    step_s: f64,
+    encode_s: f64,
+    decode_s: f64,
+    /// Peak per device.
+    peaks: Vec<(mold_plan::DeviceId, u64)>,
+    source: &'static str,
+}
+
+/// `mold exec PLAN --weights DIR --prompt ...`: the whole text-to-image pipeline.
+fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
+    if a.verify || a.tolerance.is_some() {
+        bail!("--verify compares the transformer alone with a 1-device reference: drop --prompt to use it");
+    }
+    let plan = load_plan(&a.plan)?;
+    let width = a.width.unwrap_or(plan.workload.width);
+    let height = a.height.unwrap_or(plan.workload.height);
+    // Sizes first: nothing else is worth checking for an image FLUX cannot make.
+    mold_pipeline::check_size(width, height)?;
+    let steps = a.steps.unwrap_or(plan.workload.steps);
+    if steps == 0 {
+        bail!("--steps 0: give at least 1 denoising step");
+    }
+    flux_config(&plan.model.id)?;
+    let model = model_of(&plan)?;
+    let machine = machine_for(&plan, &a.machine)?;
+    match mold_cost::check_machine(&plan, &machine, a.force)? {
+        mold_cost::MachineCheck::Same => {}
+        mold_cost::MachineCheck::Warn(w) => eprintln!("warning: {w}"),
+    }
+    // The plan with this request's workload: another size changes activations (and
+    // tokens), so the simulator re-checks it before anything loads.
+    let resized = width != plan.workload.width || height != plan.workload.height;
+    let mut run_plan = plan.clone();
+    run_plan.workload.width = width;
+    run_plan.workload.height = height;
+    run_plan.workload.steps = steps;
+    if a.guidance.is_some() {
+        run_plan.workload.guidance = a.guidance;
+    }
+    mold_cost::validate(&run_plan, &model, &machine)
+        .context("the plan does not match its model or machine")?;
+    let sim = mold_sim::simulate(&run_plan, &model, &machine)?;
+    if !sim.fits() {
+        let why: Vec<&str> = sim.overflows.iter().map(|o| o.message.as_str()).collect();
+        let size = if resized {
+            format!(
+                " at {width}x{height} (the plan was made for {}x{})",
+                plan.workload.width, plan.workload.height
+            )
+        } else {
+            String::new()
+        };
+        let msg = format!(
+            "the simulator says this plan cannot fit{size}: {}",
+            why.join("; ")
+        );
+        if a.force {
+            eprintln!("warning: {msg} (going on: --force)");
+        } else {
+            bail!("{msg}; re-plan for this size, or pass --force to try anyway");
+        }
+    }
+    let predicted = if resized {
+        eprintln!(
+            "note: {width}x{height} differs from the plan's {}x{}: the simulator re-checked it and its predictions are shown",
+            plan.workload.width, plan.workload.height
+        );
+        Predicted {
+            step_s: sim.step_s,
+            encode_s: sim.encode_s,
+            decode_s: sim.decode_s,
+            peaks: sim
+                .devices
+                .iter()
+                .map(|d| (d.device.clone(), d.peak))
+                .collect(),
+            source: "sim",
+        }
+    } else {
+        let p = &plan.predicted;
+        Predicted {
+            step_s: p.step_time_s,
+            encode_s: p.encode_time_s,
+            decode_s: p.decode_time_s,
+            peaks: p
+                .devices
+                .iter()
+                .map(|d| (d.device.clone(), d.peak.0))
+                .collect(),
+            source: "plan",
+        }
+    };
+    let prep = mold_pipeline::prepare(&run_plan, &a.weights)?;
+    if let Some(c) = &plan.model.checkpoint {
+        let h = mold_models::checkpoint::read_header(&prep.layout.transformer)?;
+        if h.sha256 != c.header_sha256 {
+            eprintln!(
+                "warning: {} has a different header than the checkpoint the plan was made from ({}): sizes may differ from the plan's",
+                prep.layout.transformer.display(),
+                c.path
+            );
+        }
+    }
+    let req = mold_pipeline::Request {
+        prompt: prompt.to_string(),
+        seed: a.seed,
+        steps,
+        guidance: a.guidance,
+        width,
+        height,
+    };
+    let out = mold_pipeline::generate(&run_plan, &prep, &req, &mut |p| eprintln!("{p}"))?;
+    let path = a.out.clone().unwrap_or_else(|| PathBuf::from("out.png"));
+    mold_pipeline::write_png(&path, &out.image, &out.metadata)?;
+    println!(
+        "wrote {} ({}x{}, seed {}, {} steps)",
+        path.display(),
+        out.image.width,
+        out.image.height,
+        a.seed,
+        steps
+    );
+    let t = &out.timings;
+    let median = {
+        let mut s = t.step_s.clone();
+        s.sort_by(f64::total_cmp);
+        s[s.len() / 2]
+    };
+    let src = predicted.source;
+    let mut peaks = Vec::new();
+    for p in &out.peaks {
+        let want = predicted
+            .peaks
+            .iter()
+            .find(|(d, _)| d == &p.device)
+            .map(|(_, b)| ByteSize(*b).human())
+            .unwrap_or_else(|| "-".into());
+        peaks.push(format!(
+            "{} {} ({src} {want})",
+            p.device,
+            ByteSize(p.peak_bytes).human()
+        ));
+    }
+    println!(
+        "done in {:.2} s: load {:.2} s | encode {:.3} s ({src} {:.3} s) | denoise {:.3} s, median step {:.4} s ({src} {:.4} s) | decode {:.3} s ({src} {:.3} s) | peak memory, accounted: {}",
+        t.total_s,
+        t.load_s,
+        t.encode_s,
+        predicted.encode_s,
+        t.denoise_s,
+        median,
+        predicted.step_s,
+        t.decode_s,
+        predicted.decode_s,
+        peaks.join(", ")
+    );
     Ok(0)
 }

@@ -53,9 +53,13 @@ fn normals(rng: &mut StdRng, n: usize, mut f: impl FnMut(f32)) {
 }
 
 /// How a test tensor is filled: weights ~ N(0, 1/fan_in) (std 1/sqrt(fan_in)), biases
-/// ~ N(0, 0.02²), norm scales ~ 1 + N(0, 0.1²).
-fn fill(spec: &TensorSpec, seed: u64, mut f: impl FnMut(f32)) {
-    let mut rng = StdRng::seed_from_u64(seed ^ fnv(&spec.name));
+/// ~ N(0, 0.02²), norm scales ~ 1 + N(0, 0.1²). The tensor is cut into chunks of
+/// `CHUNK` values, each drawn from its own generator seeded by (seed, name, chunk), and
+/// the chunks are filled on every core: a full-size FLUX checkpoint takes seconds, not
+/// minutes, and the values do not depend on the number of threads.
+fn fill_bytes(spec: &TensorSpec, seed: u64, dtype: DType) -> Vec<u8> {
+    const CHUNK: usize = 1 << 16;
+    let es = dtype.size_in_bytes();
     let n: usize = spec.shape.iter().product();
     let (mean, std) = if spec.name.ends_with(".scale") {
         (1.0, 0.1)
@@ -64,7 +68,42 @@ fn fill(spec: &TensorSpec, seed: u64, mut f: impl FnMut(f32)) {
     } else {
         (0.0, 1.0 / (spec.shape[1] as f32).sqrt())
     };
-    normals(&mut rng, n, |x| f(mean + std * x));
+    let base = seed ^ fnv(&spec.name);
+    let mut out = vec![0u8; n * es];
+    let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(CHUNK * es).enumerate().collect();
+    let threads = std::thread::available_parallelism()
+        .map(|t| t.get())
+        .unwrap_or(1)
+        .min(chunks.len().max(1));
+    let mut lanes: Vec<Vec<(usize, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, c) in chunks {
+        lanes[i % threads].push((i, c));
+    }
+    std::thread::scope(|sc| {
+        for lane in lanes {
+            sc.spawn(move || {
+                for (i, buf) in lane {
+                    let mut rng = StdRng::seed_from_u64(
+                        base.wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                    );
+                    let mut k = 0;
+                    normals(&mut rng, buf.len() / es, |x| {
+                        let v = mean + std * x;
+                        let dst = &mut buf[k * es..(k + 1) * es];
+                        match dtype {
+                            DType::F32 => dst.copy_from_slice(&v.to_le_bytes()),
+                            DType::BF16 => {
+                                dst.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes())
+                            }
+                            _ => dst.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+                        }
+                        k += 1;
+                    });
+                }
+            });
+        }
+    });
+    out
 }
 
 fn st_dtype(dtype: DType) -> Result<&'static str> {
@@ -101,21 +140,8 @@ fn write_file(path: &Path, specs: &[TensorSpec], seed: u64, dtype: DType) -> Res
     w.write_all(&(h.len() as u64).to_le_bytes())
         .map_err(io(path))?;
     w.write_all(&h).map_err(io(path))?;
-    let mut err = None;
     for s in specs {
-        fill(s, seed, |x| {
-            let r = match dtype {
-                DType::F32 => w.write_all(&x.to_le_bytes()),
-                DType::BF16 => w.write_all(&half::bf16::from_f32(x).to_le_bytes()),
-                _ => w.write_all(&half::f16::from_f32(x).to_le_bytes()),
-            };
-            if let Err(e) = r {
-                err.get_or_insert(e);
-            }
-        });
-        if let Some(e) = err.take() {
-            return Err(io(path)(e));
-        }
+        w.write_all(&fill_bytes(s, seed, dtype)).map_err(io(path))?;
     }
     w.flush().map_err(io(path))?;
     Ok(())
