@@ -28,6 +28,10 @@ enum Command {
     Testdata(cmd::exec::TestdataArgs),
     /// List the models mold knows.
     Models(cmd::plan::ModelsArgs),
+    /// List this box's GPUs, save a machine profile, calibrate it.
+    Devices(cmd::devices::Args),
+    /// Information about this box (`mold info --gpus` = `mold devices`).
+    Info(cmd::devices::InfoArgs),
 }
 
 fn main() {
@@ -38,6 +42,8 @@ fn main() {
         Command::Exec(a) => cmd::exec::run(a),
         Command::Testdata(a) => cmd::exec::testdata(a),
         Command::Models(a) => cmd::plan::models(a),
+        Command::Devices(a) => cmd::devices::run(a),
+        Command::Info(a) => cmd::devices::info(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -304,6 +304,17 @@ pub fn run(a: Args) -> Result<i32> {
     Ok(0)
 }
 
+/// Seconds for people: `1.23 s`, `45.6 ms`, `0.030 ms`.
+fn secs(x: f64) -> String {
+    if x >= 1.0 {
+        format!("{x:.2} s")
+    } else if x >= 1e-3 {
+        format!("{:.1} ms", x * 1e3)
+    } else {
+        format!("{:.3} ms", x * 1e3)
+    }
+}
+
 /// What the plan (or, for another size, the simulator) predicts for this request.
 struct Predicted {
     step_s: f64,
@@ -450,16 +461,16 @@ fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
         ));
     }
     println!(
-        "done in {:.2} s: load {:.2} s | encode {:.3} s ({src} {:.3} s) | denoise {:.3} s, median step {:.4} s ({src} {:.4} s) | decode {:.3} s ({src} {:.3} s) | peak memory, accounted: {}",
-        t.total_s,
-        t.load_s,
-        t.encode_s,
-        predicted.encode_s,
-        t.denoise_s,
-        median,
-        predicted.step_s,
-        t.decode_s,
-        predicted.decode_s,
+        "done in {}: load {} | encode {} ({src} {}) | denoise {}, median step {} ({src} {}) | decode {} ({src} {}) | peak memory, accounted: {}",
+        secs(t.total_s),
+        secs(t.load_s),
+        secs(t.encode_s),
+        secs(predicted.encode_s),
+        secs(t.denoise_s),
+        secs(median),
+        secs(predicted.step_s),
+        secs(t.decode_s),
+        secs(predicted.decode_s),
         peaks.join(", ")
     );
     Ok(0)

@@ -2,6 +2,7 @@
 //! models and plans with errors that name the input).
 
 pub mod common;
+pub mod devices;
 pub mod exec;
 pub mod plan;
 pub mod sim;

@@ -1,6 +1,9 @@
 use super::common::{load_machine, load_model};
+use super::devices;
 use anyhow::{bail, Context, Result};
-use mold_plan::{DType, DeviceId};
+use mold_config::{Layer, Origin, Setting, Val};
+use mold_machine::Machine;
+use mold_plan::{ByteSize, DType, DeviceId};
 use mold_planner::{parse_cap, parse_pin, ConstraintsFile, Objective, Request, TpChoice};
 use std::path::PathBuf;
 
@@ -13,9 +16,10 @@ pub struct Args {
     /// Which catalogue model a checkpoint is, when its tensor names do not say.
     #[arg(long)]
     pub model_id: Option<String>,
-    /// Machine profile (YAML, e.g. sim/machines/2x-l40s.yaml).
+    /// Machine profile (YAML, e.g. sim/machines/2x-l40s.yaml), or `local`: this box's
+    /// GPUs as queried now (CUDA builds). Default: MOLD_MACHINE, config `machine`.
     #[arg(long)]
-    pub machine: String,
+    pub machine: Option<String>,
     /// Output size WIDTHxHEIGHT (default: the model's).
     #[arg(long)]
     pub size: Option<String>,
@@ -32,10 +36,12 @@ pub struct Args {
     /// Classifier-free guidance scale (doubles the batch); `--cfg 0` turns it off.
     #[arg(long)]
     pub cfg: Option<f64>,
-    /// latency (default) or memory.
+    /// latency (default) or memory. Default: MOLD_OBJECTIVE, config `objective`.
     #[arg(long)]
     pub objective: Option<String>,
-    /// Cap a device's budget: DEVICE=SIZE, e.g. cuda:0=20GiB (repeatable).
+    /// Cap a device's budget: DEVICE=SIZE, e.g. cuda:0=20GiB (repeatable). Also
+    /// MOLD_MAX_VRAM=cuda:0=20GiB,cuda:1=30GiB and config `[max_vram]`; a flag wins for
+    /// the devices it names.
     #[arg(long = "max-vram", value_name = "DEV=SIZE")]
     pub max_vram: Vec<String>,
     /// Place a component: NAME=DEVICE[,DEVICE…], e.g. t5=cuda:1 (repeatable).
@@ -54,8 +60,20 @@ pub struct Args {
     #[arg(long)]
     pub tp: Option<String>,
     /// Use only these devices: cuda:0,cuda:2.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["gpus", "gpu"])]
     pub devices: Option<Vec<String>>,
+    /// Use only these GPUs, by ordinal: 1,2 = cuda:1,cuda:2. Default: MOLD_GPUS (or
+    /// MOLD_GPU), config `gpus`.
+    #[arg(long, value_name = "N,N", conflicts_with = "gpu")]
+    pub gpus: Option<String>,
+    /// Use only this GPU: 1 = cuda:1.
+    #[arg(long, value_name = "N")]
+    pub gpu: Option<u32>,
+    /// Kept free on every device: SIZE, e.g. 2GiB. Default: MOLD_HEADROOM, config
+    /// `headroom`, else the profile's (with --machine local: from the activation model at
+    /// the requested size).
+    #[arg(long, value_name = "SIZE")]
+    pub headroom: Option<String>,
     /// Shorthand for --pin ENCODER=cuda:N for every text encoder.
     #[arg(long)]
     pub encoder_gpu: Option<u32>,
@@ -98,30 +116,155 @@ fn gpu(machine: &mold_machine::Machine, n: u32, flag: &str) -> Result<DeviceId> 
         })
 }
 
-/// Builds the planner request from flags, the constraints file and the profile.
-pub fn request(a: &Args) -> Result<(Request, String)> {
-    let file = match &a.constraints {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("--constraints {}", p.display()))?;
-            ConstraintsFile::from_yaml(&text, &p.display().to_string())?
-        }
-        None => ConstraintsFile::default(),
+/// The configuration (environment, config file) under the flags that have a config
+/// key: --machine, --gpus/--gpu, --headroom. (--max-vram and --objective are applied in
+/// their own order: flags, then the constraints file, then these.)
+fn settings(a: &Args) -> Result<mold_config::Settings> {
+    let mut flags = Layer::default();
+    if let Some(m) = &a.machine {
+        flags.machine = Some(Val::new(m.clone(), "--machine"));
+    }
+    if let Some(g) = &a.gpus {
+        let key = format!("--gpus {g}");
+        flags.gpus = Some(Val::new(mold_config::parse_gpu_list(g, &key)?, key));
+    }
+    if let Some(n) = a.gpu {
+        flags.gpus = Some(Val::new(vec![n], format!("--gpu {n}")));
+    }
+    if let Some(h) = &a.headroom {
+        let size: ByteSize = h
+            .parse()
+            .map_err(|e: mold_plan::ByteSizeError| anyhow::anyhow!("--headroom: {e}"))?;
+        flags.headroom = Some(Val::new(size, "--headroom"));
+    }
+    Ok(mold_config::load(flags)?)
+}
+
+/// GPU ordinals as the machine names them (cuda:N, or emu:N on an emulated machine).
+fn gpus_of(machine: &Machine, ordinals: &[u32], source: &str) -> Result<Vec<DeviceId>> {
+    ordinals
+        .iter()
+        .map(|&n| {
+            machine
+                .devices
+                .iter()
+                .find(|d| d.id.ordinal() == Some(n))
+                .map(|d| d.id.clone())
+                .with_context(|| {
+                    format!(
+                        "{source}: machine `{}` has no device cuda:{n} (it has {})",
+                        machine.name,
+                        machine.device_list()
+                    )
+                })
+        })
+        .collect()
+}
+
+/// The machine to plan for, after device selection, headroom and budget caps; and the
+/// line saying which profile it is.
+fn machine_for(
+    a: &Args,
+    file: &ConstraintsFile,
+    settings: &mold_config::Settings,
+    model: &mold_models::ModelSpec,
+    w: &mold_plan::Workload,
+) -> Result<(Machine, String, String)> {
+    let spec = match &settings.machine {
+        Some(s) => s.clone(),
+        None if cfg!(feature = "cuda") => Setting {
+            value: "local".into(),
+            origin: Origin::Default,
+            key: "machine".into(),
+        },
+        None => bail!(
+            "name a machine: --machine PROFILE (e.g. sim/machines/2x-l40s.yaml), MOLD_MACHINE, or `machine = \"...\"` in {}",
+            settings
+                .file
+                .as_ref()
+                .map(|p| format!("the config file {}", p.display()))
+                .unwrap_or_else(|| "a config file ($MOLD_CONFIG or ~/.config/mold/config.toml)".into())
+        ),
     };
-    let mut machine = load_machine(&a.machine)?;
-    let profile_line = format!(
-        "machine profile: {} ({}{})",
-        a.machine,
-        machine.calibration.source,
+    let from = if spec.origin == Origin::Flag {
+        String::new()
+    } else {
+        format!(" [from {}]", spec.source())
+    };
+    let headroom = settings.headroom.as_ref().map(|h| (h.value, h.source()));
+    let (mut machine, profile_line) = if spec.value == "local" {
+        let (h, hsrc) = headroom.clone().unwrap_or_else(|| {
+            (
+                devices::default_headroom(model, w),
+                format!("activation model at {}x{}", w.width, w.height),
+            )
+        });
+        let m =
+            devices::local_machine(h).with_context(|| format!("machine from {}", spec.source()))?;
+        let line = format!(
+            "machine profile: local (queried now: {}; headroom {h} from {hsrc}){from}",
+            m.device_list()
+        );
+        (m, line)
+    } else {
+        let m = if spec.origin == Origin::Flag {
+            load_machine(&spec.value)?
+        } else {
+            load_machine(&spec.value).with_context(|| format!("machine from {}", spec.source()))?
+        };
+        let line = format!(
+            "machine profile: {} ({}{}){from}",
+            spec.value,
+            m.calibration.source,
+            m.calibration
+                .date
+                .as_deref()
+                .map(|d| format!(", {d}"))
+                .unwrap_or_default()
+        );
+        (m, line)
+    };
+    if let Some((h, src)) = &headroom {
+        for d in machine.devices.iter_mut() {
+            if *h >= d.budget {
+                bail!(
+                    "{src}: headroom {h} leaves nothing of {}'s budget {}",
+                    d.id,
+                    d.budget
+                );
+            }
+            d.headroom = *h;
+        }
+    }
+    // Caps from the environment and the config file, on the whole machine (a device not
+    // selected below may be named); a --max-vram flag wins for the devices it names.
+    let flagged: Vec<DeviceId> = a
+        .max_vram
+        .iter()
+        .filter_map(|s| parse_cap(s).ok().map(|(d, _)| d))
+        .collect();
+    for (d, cap) in &settings.max_vram {
+        if flagged.contains(d) {
+            continue;
+        }
+        if machine.device(d).is_none() {
+            bail!(
+                "{}: {d} is not a device of machine `{}` (it has {})",
+                cap.source(),
+                machine.name,
+                machine.device_list()
+            );
+        }
         machine
-            .calibration
-            .date
-            .as_deref()
-            .map(|d| format!(", {d}"))
-            .unwrap_or_default()
-    );
-    let devices: Option<Vec<DeviceId>> = match &a.devices {
-        Some(v) => Some(
+            .cap_budget(d, cap.value)
+            .with_context(|| format!("max_vram from {}", cap.source()))?;
+    }
+    // Selection: --devices or --gpus/--gpu, then the constraints file, then
+    // MOLD_GPUS/MOLD_GPU, then config `gpus`.
+    let gpus = settings.gpus.as_ref();
+    let flag_gpus = gpus.filter(|g| g.origin == Origin::Flag);
+    let devices: Option<Vec<DeviceId>> = match (&a.devices, flag_gpus, &file.devices, gpus) {
+        (Some(v), ..) => Some(
             v.iter()
                 .map(|d| {
                     d.parse::<DeviceId>()
@@ -129,7 +272,10 @@ pub fn request(a: &Args) -> Result<(Request, String)> {
                 })
                 .collect::<Result<_>>()?,
         ),
-        None => file.devices.clone(),
+        (None, Some(g), ..) => Some(gpus_of(&machine, &g.value, &g.source())?),
+        (None, None, Some(d), _) => Some(d.clone()),
+        (None, None, None, Some(g)) => Some(gpus_of(&machine, &g.value, &g.source())?),
+        (None, None, None, None) => None,
     };
     if let Some(ids) = &devices {
         machine = machine.select(ids)?;
@@ -141,7 +287,20 @@ pub fn request(a: &Args) -> Result<(Request, String)> {
         let (d, cap) = parse_cap(s).map_err(anyhow::Error::msg)?;
         machine.cap_budget(&d, cap)?;
     }
+    Ok((machine, profile_line, spec.value))
+}
 
+/// Builds the planner request from flags, the constraints file, the environment, the
+/// config file and the profile; also the profile line and the machine named.
+pub fn request(a: &Args) -> Result<(Request, String, String)> {
+    let file = match &a.constraints {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("--constraints {}", p.display()))?;
+            ConstraintsFile::from_yaml(&text, &p.display().to_string())?
+        }
+        None => ConstraintsFile::default(),
+    };
     let loaded = load_model(&a.model, a.model_id.as_deref())?;
     let model = loaded.spec;
     let mut w = model.default_workload.clone();
@@ -174,6 +333,9 @@ pub fn request(a: &Args) -> Result<(Request, String)> {
         w.cfg_scale = (c > 0.0).then_some(c);
     }
     model.check_workload(&w)?;
+
+    let settings = settings(a)?;
+    let (machine, profile_line, machine_name) = machine_for(a, &file, &settings, &model, &w)?;
 
     let mut req = Request::new(model, machine, w);
     req.checkpoint = loaded.checkpoint;
@@ -250,19 +412,22 @@ pub fn request(a: &Args) -> Result<(Request, String)> {
     req.objective = match (&a.objective, file.objective) {
         (Some(o), _) => o.parse::<Objective>().map_err(anyhow::Error::msg)?,
         (None, Some(o)) => o.into(),
-        (None, None) => Objective::Latency,
+        (None, None) => match settings.objective.value {
+            mold_config::Objective::Latency => Objective::Latency,
+            mold_config::Objective::Memory => Objective::Memory,
+        },
     };
-    Ok((req, profile_line))
+    Ok((req, profile_line, machine_name))
 }
 
 pub fn run(a: Args) -> Result<i32> {
-    let (req, profile_line) = request(&a)?;
+    let (req, profile_line, machine_name) = request(&a)?;
     let outcome = mold_planner::plan(&req)?;
     std::fs::write(&a.out, outcome.plan.to_yaml())
         .with_context(|| format!("-o {}", a.out.display()))?;
     if a.json {
         let v = serde_json::json!({
-            "machine_profile": a.machine,
+            "machine_profile": machine_name,
             "plan_file": a.out,
             "outcome": outcome,
         });

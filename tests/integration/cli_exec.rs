@@ -48,7 +48,7 @@ fn testdata_plan_exec_verify() {
         args.extend(extra);
         ok(&args);
         let s = ok(&["exec", p, "--weights", w, "--steps", "4"]);
-        assert_eq!(s.matches("step ").count() >= 4, true, "{s}");
+        assert!(s.matches("step ").count() >= 4, "{s}");
         assert!(s.contains("plan predicted"), "{s}");
         assert!(s.contains("emu:0"), "{s}");
         let s = ok(&["exec", p, "--weights", w, "--steps", "2", "--verify"]);

@@ -1,7 +1,9 @@
 //! mold's one integration test binary (as in ripgrep): the CLI end to end, the shipped
 //! plans, and the parsers under fuzzing.
 
+mod cli_devices;
 mod cli_exec;
+mod cli_pipeline;
 mod cli_plan;
 mod cli_sim;
 mod parsers;

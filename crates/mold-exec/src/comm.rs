@@ -5,8 +5,9 @@
 //! - [`ThreadComm`]: ranks are threads of this process; tensors are staged through host
 //!   memory and summed in rank order, so every rank gets bit-identical results. It is
 //!   the implementation for emulated devices and works (slowly) for any candle device.
-//! - NCCL (feature `nccl`): **not implemented yet**; the `nccl` module (compiled
-//!   only with that feature) marks the boundary.
+//! - [`nccl::NcclComm`] (feature `nccl`): ranks are threads of this process, one GPU
+//!   each; all-reduce through NCCL on candle's compute stream, with a watchdog
+//!   (`MOLD_NCCL_TIMEOUT_S`) that aborts the group instead of hanging. See [`nccl`].
 
 use candle_core::{Device, Result, Tensor};
 use std::sync::{Arc, Condvar, Mutex};
@@ -161,14 +162,11 @@ impl Comm for ThreadComm {
     }
 }
 
-/// Boundary for an NCCL implementation of [`Comm`] (feature `nccl`).
-///
-/// **Not implemented.** An implementation goes here: one `cudarc::nccl::Comm` per rank,
-/// created once per tensor-parallel group from a shared `Id`, `all_reduce_sum` calling
-/// `all_reduce(.., ReduceOp::Sum)` on the tensor's CUDA slice on the device's stream.
-/// `runtime::make_group` is the one place that picks the implementation for a group.
+/// NCCL implementation of [`Comm`] (feature `nccl`). `runtime::make_group` is the one
+/// place that picks the implementation for a group.
 #[cfg(feature = "nccl")]
-pub mod nccl {}
+#[path = "nccl.rs"]
+pub mod nccl;
 
 #[cfg(test)]
 mod tests {

@@ -55,14 +55,51 @@ fn cuda_device(_n: u32, id: &DeviceId) -> Result<Device> {
 
 /// Communicators for one tensor-parallel group over `devices`, one per rank in order.
 ///
-/// Today every group uses [`ThreadComm`] (host-staged, deterministic). With the `nccl`
-/// feature, an all-CUDA group is where an NCCL communicator would be chosen (see
-/// the `comm::nccl` module).
+/// With the `nccl` feature, a group of two or more distinct `cuda:N` devices uses NCCL
+/// ([`crate::comm::nccl`]; communicators are created once and reused across calls).
+/// Every other group uses [`ThreadComm`] (host-staged, deterministic); with `cuda` but
+/// not `nccl`, a CUDA group says so once on stderr.
 pub fn make_group(devices: &[DeviceId]) -> Vec<Box<dyn Comm>> {
+    #[cfg(feature = "nccl")]
+    if let Some(ordinals) = distinct_cuda_ordinals(devices) {
+        return crate::comm::nccl::group(&ordinals)
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Comm>)
+            .collect();
+    }
+    #[cfg(all(feature = "cuda", not(feature = "nccl")))]
+    if devices.len() > 1 && devices.iter().any(|d| matches!(d, DeviceId::Cuda(_))) {
+        static WARN: std::sync::Once = std::sync::Once::new();
+        WARN.call_once(|| {
+            eprintln!(
+                "warning: tensor parallelism over CUDA devices without NCCL: all-reduces are \
+                 staged through host memory (slow); build with `--features nccl`"
+            )
+        });
+    }
     ThreadComm::group(devices.len())
         .into_iter()
         .map(|c| Box::new(c) as Box<dyn Comm>)
         .collect()
+}
+
+/// The GPU ordinals of a group of two or more distinct `cuda:N` devices, else `None`.
+#[cfg(feature = "nccl")]
+fn distinct_cuda_ordinals(devices: &[DeviceId]) -> Option<Vec<usize>> {
+    if devices.len() < 2 {
+        return None;
+    }
+    let ordinals: Vec<usize> = devices
+        .iter()
+        .map(|d| match d {
+            DeviceId::Cuda(n) => Some(*n as usize),
+            _ => None,
+        })
+        .collect::<Option<_>>()?;
+    let mut sorted = ordinals.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    (sorted.len() == ordinals.len()).then_some(ordinals)
 }
 
 /// Reads checkpoint slices into host memory in the compute dtype.

@@ -2,6 +2,8 @@
 //! between them and the host. YAML files in `sim/machines/`; `mold devices --save` writes
 //! one for the box it runs on. A profile is plain data: valid on any machine.
 
+pub mod inventory;
+
 use mold_plan::{ByteSize, DeviceId, DeviceIdentity, MachineIdentity};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

@@ -1,0 +1,628 @@
+//! NCCL implementation of [`Comm`] (feature `nccl`): one communicator per rank of a
+//! tensor-parallel group whose ranks are threads of this process, one GPU each.
+//!
+//! # Design
+//!
+//! - **Creation.** [`group`] makes the communicators of a group eagerly: `ncclCommInitRank`
+//!   blocks until every rank has joined, so it is called from one helper thread per rank,
+//!   concurrently, with one shared `ncclUniqueId`. The caller waits at most the watchdog
+//!   timeout; a rank that fails or does not join turns the whole group into a failed one,
+//!   whose every collective returns an error naming the rank (helper threads stuck in
+//!   `ncclCommInitRank` are left behind; a late communicator is aborted).
+//! - **Reuse.** The executor asks for a group on every forward pass; creating NCCL
+//!   communicators costs seconds, so a healthy group goes back to a process-wide pool when
+//!   its last handle drops and is handed out again for the same devices (a group is used
+//!   by one set of rank threads at a time). A group that saw any failure is not reused.
+//! - **Streams.** The all-reduce is enqueued on candle's own stream of the tensor's device
+//!   (`CudaDevice::cuda_stream()`; in candle 0.11 the per-thread default stream of the
+//!   calling thread), from the rank's thread, so it is ordered after the kernels that
+//!   produced the tensor and before the ones that consume the result. The result goes to
+//!   a new buffer (the input may be shared); bf16, f16, f32 and f64 are supported.
+//! - **Watchdog.** After enqueueing, the rank records an event on that stream and polls
+//!   it, together with `ncclCommGetAsyncError` and the group's failure flag, for at most
+//!   `MOLD_NCCL_TIMEOUT_S` seconds (default 120). On a timeout or an NCCL error the rank
+//!   marks the group failed and aborts its communicator (`ncclCommAbort`, which also stops
+//!   its kernels); the other ranks see the flag within their next poll, abort theirs and
+//!   return "another rank of the tensor-parallel group failed". [`Comm::abort`] (called by
+//!   the executor when a rank errors or panics) does the same for the failing rank.
+//!   Each rank aborts only its own communicator, from its own thread, so no communicator
+//!   is freed while another thread is inside an NCCL call on it.
+//!   `MOLD_NCCL_TIMEOUT_S=0` turns the watchdog off: collectives are then fully
+//!   asynchronous (no host wait per all-reduce) and a hang is not detected.
+//! - **Environment.** `NCCL_NVLS_ENABLE=0` (no NVLink multicast) is set in the process
+//!   environment before the first NCCL call unless the user set it.
+//!
+//! The safe `cudarc::nccl::Comm` is not used directly: its `Drop` aborts the communicator
+//! (a second abort after a watchdog abort would be a double free) and it is neither `Send`
+//! nor `Sync`; the raw handle from `cudarc::nccl::result` lets each abort happen exactly
+//! once, under the rank's lock.
+
+use super::Comm;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use cudarc::driver::{CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::nccl::{result as nccl, sys};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Default watchdog timeout (seconds) for group creation and for each collective.
+pub const DEFAULT_TIMEOUT_S: f64 = 120.0;
+
+/// The watchdog timeout: `MOLD_NCCL_TIMEOUT_S` (seconds, may be fractional; 0 = no
+/// watchdog), default [`DEFAULT_TIMEOUT_S`].
+/// Read once per process.
+pub fn timeout() -> Option<Duration> {
+    static TIMEOUT: OnceLock<Option<Duration>> = OnceLock::new();
+    *TIMEOUT.get_or_init(|| {
+        let secs = match std::env::var("MOLD_NCCL_TIMEOUT_S") {
+            Err(_) => DEFAULT_TIMEOUT_S,
+            Ok(v) => match v.trim().parse::<f64>() {
+                Ok(s) if s.is_finite() && s >= 0.0 => s,
+                _ => {
+                    eprintln!(
+                        "warning: MOLD_NCCL_TIMEOUT_S={v:?} is not a number of seconds; \
+                         using {DEFAULT_TIMEOUT_S}"
+                    );
+                    DEFAULT_TIMEOUT_S
+                }
+            },
+        };
+        (secs > 0.0).then(|| Duration::from_secs_f64(secs))
+    })
+}
+
+/// Sets `NCCL_NVLS_ENABLE=0` unless the user set it: NVLink multicast (NVLS) is off on
+/// the shared machines this runs on. Done once, before the first NCCL call.
+fn set_nccl_env() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+            std::env::set_var("NCCL_NVLS_ENABLE", "0");
+        }
+    });
+}
+
+/// NCCL's text for a result code.
+fn nccl_err_str(r: sys::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string.
+    let s = unsafe { sys::ncclGetErrorString(r) };
+    if s.is_null() {
+        format!("{r:?}")
+    } else {
+        // SAFETY: non-null, NUL-terminated, static.
+        unsafe { std::ffi::CStr::from_ptr(s) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// NCCL's last error message for `comm` (may be empty).
+fn nccl_last_error(comm: sys::ncclComm_t) -> String {
+    // SAFETY: comm is a live communicator (callers hold it); the string is NCCL's.
+    let s = unsafe { sys::ncclGetLastError(comm) };
+    if s.is_null() {
+        String::new()
+    } else {
+        // SAFETY: non-null, NUL-terminated.
+        unsafe { std::ffi::CStr::from_ptr(s) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+fn describe(e: &nccl::NcclError, comm: Option<sys::ncclComm_t>) -> String {
+    let mut m = nccl_err_str(e.0);
+    if let Some(c) = comm {
+        let last = nccl_last_error(c);
+        if !last.is_empty() {
+            m = format!("{m}: {last}");
+        }
+    }
+    m
+}
+
+/// A raw communicator handle. NCCL communicators may be used from any thread as long as
+/// calls on one communicator do not overlap; [`RankSlot`]'s mutex guarantees that.
+struct RawComm(sys::ncclComm_t);
+// SAFETY: see above; the handle is only used under the slot's lock.
+unsafe impl Send for RawComm {}
+
+/// One rank's communicator. `comm` is `None` once aborted.
+struct RankSlot {
+    ordinal: usize,
+    comm: Option<RawComm>,
+    /// Keeps the GPU's primary context alive as long as the communicator.
+    ctx: Option<Arc<CudaContext>>,
+}
+
+impl RankSlot {
+    /// Aborts the communicator (once); stops its kernels and frees its resources.
+    fn abort(&mut self) {
+        if let Some(c) = self.comm.take() {
+            if let Some(ctx) = &self.ctx {
+                let _ = ctx.bind_to_thread();
+            }
+            // SAFETY: the handle is live (taken out of the slot, so aborted only once) and
+            // no other call on it is in flight (we hold the slot's lock).
+            let _ = unsafe { nccl::comm_abort(c.0) };
+        }
+    }
+}
+
+/// The shared state of one NCCL group.
+struct Group {
+    /// GPU ordinals of ranks 0..world (the pool key).
+    ordinals: Vec<usize>,
+    slots: Vec<Mutex<RankSlot>>,
+    /// Set when any rank failed; the others stop and abort.
+    failed: AtomicBool,
+    /// The first failure, for messages.
+    failure: Mutex<Option<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Group {
+    fn world(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Records the first failure and raises the flag.
+    fn fail(&self, msg: String) {
+        let mut f = lock(&self.failure);
+        if f.is_none() {
+            *f = Some(msg);
+        }
+        self.failed.store(true, Ordering::SeqCst);
+    }
+
+    fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// The error a rank returns when another rank failed. Contains "another rank" so the
+    /// executor reports the rank that failed first.
+    fn peer_failed_error(&self, rank: usize) -> candle_core::Error {
+        let why = lock(&self.failure)
+            .clone()
+            .unwrap_or_else(|| "unknown reason".into());
+        candle_core::Error::Msg(format!(
+            "NCCL rank {rank} (cuda:{}): another rank of the tensor-parallel group failed \
+             ({why}); this rank's communicator was aborted",
+            self.ordinals[rank]
+        ))
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // Not pooled (failed, or the process is tearing the group down): no thread uses
+        // it any more, abort whatever is left.
+        for s in &self.slots {
+            lock(s).abort();
+        }
+    }
+}
+
+/// Process-wide pool of healthy groups, keyed by their GPU ordinals.
+static POOL: Mutex<Vec<Arc<Group>>> = Mutex::new(Vec::new());
+
+/// A group handed out by [`group`]; back to the pool when the last rank handle drops.
+struct Lease(Option<Arc<Group>>);
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(g) = self.0.take() {
+            if !g.is_failed() {
+                lock(&POOL).push(g);
+            }
+        }
+    }
+}
+
+/// The [`Comm`] of one rank of an NCCL group.
+pub struct NcclComm {
+    rank: usize,
+    group: Arc<Group>,
+    _lease: Arc<Lease>,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclComm(rank {} of {}, cuda:{})",
+            self.rank,
+            self.group.world(),
+            self.group.ordinals[self.rank]
+        )
+    }
+}
+
+/// Communicators for a group over GPUs `ordinals` (rank i on GPU `ordinals[i]`; distinct
+/// ordinals), reused from the pool when a healthy group over the same GPUs is free.
+///
+/// Never fails: if creation fails, every handle of the returned group reports the error
+/// (naming the rank at fault) from its first collective.
+pub fn group(ordinals: &[usize]) -> Vec<NcclComm> {
+    assert!(!ordinals.is_empty(), "a group needs at least one rank");
+    let pooled = {
+        let mut pool = lock(&POOL);
+        pool.iter()
+            .position(|g| g.ordinals == ordinals)
+            .map(|i| pool.swap_remove(i))
+    };
+    let group = pooled.unwrap_or_else(|| Arc::new(create(ordinals)));
+    let lease = Arc::new(Lease(Some(group.clone())));
+    (0..ordinals.len())
+        .map(|rank| NcclComm {
+            rank,
+            group: group.clone(),
+            _lease: lease.clone(),
+        })
+        .collect()
+}
+
+type InitResult = std::result::Result<(RawComm, Arc<CudaContext>), String>;
+
+/// Creates the communicators: one helper thread per rank calls `ncclCommInitRank`
+/// concurrently (it blocks until all ranks have joined).
+fn create(ordinals: &[usize]) -> Group {
+    set_nccl_env();
+    let world = ordinals.len();
+    let mut slots: Vec<RankSlot> = ordinals
+        .iter()
+        .map(|&ordinal| RankSlot {
+            ordinal,
+            comm: None,
+            ctx: None,
+        })
+        .collect();
+    let finish = |slots: Vec<RankSlot>, failure: Option<String>| Group {
+        ordinals: ordinals.to_vec(),
+        slots: slots.into_iter().map(Mutex::new).collect(),
+        failed: AtomicBool::new(failure.is_some()),
+        failure: Mutex::new(failure),
+    };
+
+    let id = match nccl::get_uniqueid() {
+        Ok(id) => id,
+        Err(e) => {
+            return finish(
+                slots,
+                Some(format!("ncclGetUniqueId failed: {}", describe(&e, None))),
+            )
+        }
+    };
+    let (tx, rx) = mpsc::channel::<(usize, InitResult)>();
+    for (rank, &ordinal) in ordinals.iter().enumerate() {
+        let tx = tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("nccl-init-{rank}"))
+            .spawn(move || {
+                let r = init_rank(ordinal, rank, world, id);
+                if let Err(mpsc::SendError((_, Ok((c, ctx))))) = tx.send((rank, r)) {
+                    // Nobody waits any more (the group timed out): don't leak it live.
+                    let mut s = RankSlot {
+                        ordinal,
+                        comm: Some(c),
+                        ctx: Some(ctx),
+                    };
+                    s.abort();
+                }
+            });
+        if let Err(e) = spawned {
+            // The ranks already started wait for this one: their helper threads stay
+            // blocked; the group is failed.
+            return finish(
+                slots,
+                Some(format!(
+                    "rank {rank} (cuda:{ordinal}): cannot start a thread to create its \
+                     NCCL communicator: {e}"
+                )),
+            );
+        }
+    }
+    drop(tx);
+
+    let limit = timeout();
+    let start = Instant::now();
+    let mut errors: Vec<String> = Vec::new();
+    let mut done = 0;
+    while done < world {
+        let msg = match limit {
+            None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            Some(l) => rx.recv_timeout(l.saturating_sub(start.elapsed())),
+        };
+        match msg {
+            Ok((rank, Ok((c, ctx)))) => {
+                slots[rank].comm = Some(c);
+                slots[rank].ctx = Some(ctx);
+                done += 1;
+            }
+            Ok((rank, Err(e))) => {
+                errors.push(format!("rank {rank} (cuda:{}): {e}", ordinals[rank]));
+                // The others wait in ncclCommInitRank for this rank: give them a moment
+                // to fail too (for their messages), but don't wait for the full timeout.
+                if done + 1 < world {
+                    std::thread::sleep(Duration::from_millis(200));
+                    while let Ok((r, res)) = rx.try_recv() {
+                        match res {
+                            Ok((c, ctx)) => {
+                                slots[r].comm = Some(c);
+                                slots[r].ctx = Some(ctx);
+                            }
+                            Err(e) => errors.push(format!("rank {r} (cuda:{}): {e}", ordinals[r])),
+                        }
+                    }
+                }
+                break;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                errors.push("a thread creating an NCCL communicator died".into());
+                break;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let missing: Vec<String> = slots
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.comm.is_none())
+                    .map(|(r, s)| format!("rank {r} (cuda:{})", s.ordinal))
+                    .collect();
+                errors.push(format!(
+                    "creating the NCCL communicators timed out after {:.0} s waiting for {} \
+                     (set MOLD_NCCL_TIMEOUT_S to wait longer)",
+                    start.elapsed().as_secs_f64(),
+                    missing.join(", ")
+                ));
+                break;
+            }
+        }
+    }
+    if errors.is_empty() {
+        finish(slots, None)
+    } else {
+        // Group::drop (when the handles go) aborts the communicators that were made.
+        finish(
+            slots,
+            Some(format!(
+                "creating the NCCL group over GPUs {ordinals:?} failed: {}",
+                errors.join("; ")
+            )),
+        )
+    }
+}
+
+fn init_rank(ordinal: usize, rank: usize, world: usize, id: sys::ncclUniqueId) -> InitResult {
+    let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open the GPU: {e:?}"))?;
+    // ncclCommInitRank uses the calling thread's current device.
+    ctx.bind_to_thread()
+        .map_err(|e| format!("cannot make the GPU current: {e:?}"))?;
+    let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+    // SAFETY: `comm` is a valid out pointer; rank < world; every rank gets the same id.
+    unsafe { nccl::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
+        .map_err(|e| format!("ncclCommInitRank failed: {}", describe(&e, None)))?;
+    Ok((RawComm(comm), ctx))
+}
+
+/// The all-reduce as a candle op: reads the (contiguous) input, writes a new buffer.
+struct AllReduceOp {
+    comm: sys::ncclComm_t,
+    rank: usize,
+}
+
+impl AllReduceOp {
+    fn run<T>(&self, s: &CudaStorage, l: &Layout, dtype: sys::ncclDataType_t) -> Result<CudaStorage>
+    where
+        T: candle_core::cuda::CudaDType + cudarc::driver::DeviceRepr,
+    {
+        let (start, end) = l.contiguous_offsets().ok_or_else(|| {
+            candle_core::Error::Msg("NCCL all-reduce: input is not contiguous".into())
+        })?;
+        let dev = s.device().clone();
+        let stream = dev.cuda_stream();
+        let src = s.as_cuda_slice::<T>()?.slice(start..end);
+        let n = end - start;
+        // SAFETY: every element is written by the all-reduce before anyone reads it.
+        let mut dst: CudaSlice<T> = unsafe { dev.alloc::<T>(n) }?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| candle_core::Error::Msg(format!("NCCL all-reduce: {e:?}")))?;
+        {
+            let (src_ptr, _src_guard) = src.device_ptr(&stream);
+            let (dst_ptr, _dst_guard) = dst.device_ptr_mut(&stream);
+            // SAFETY: both buffers hold `n` elements of the type `dtype` names, on this
+            // communicator's GPU; the stream is that GPU's candle stream; the guards
+            // record the use on the stream when dropped (after the enqueue).
+            unsafe {
+                nccl::all_reduce(
+                    src_ptr as *const std::ffi::c_void,
+                    dst_ptr as *mut std::ffi::c_void,
+                    n,
+                    dtype,
+                    sys::ncclRedOp_t::ncclSum,
+                    self.comm,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            }
+            .map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "NCCL all-reduce on rank {} failed: {}",
+                    self.rank,
+                    describe(&e, Some(self.comm))
+                ))
+            })?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
+    }
+}
+
+impl CustomOp1 for AllReduceOp {
+    fn name(&self) -> &'static str {
+        "nccl-all-reduce-sum"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("NCCL all-reduce needs a CUDA tensor, got a CPU one")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        use half::{bf16, f16};
+        use sys::ncclDataType_t as D;
+        let out = match s.dtype() {
+            DType::BF16 => self.run::<bf16>(s, l, D::ncclBfloat16)?,
+            DType::F16 => self.run::<f16>(s, l, D::ncclFloat16)?,
+            DType::F32 => self.run::<f32>(s, l, D::ncclFloat32)?,
+            DType::F64 => self.run::<f64>(s, l, D::ncclFloat64)?,
+            dt => candle_core::bail!("NCCL all-reduce: unsupported dtype {dt:?}"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+}
+
+impl NcclComm {
+    fn err(&self, what: String) -> candle_core::Error {
+        candle_core::Error::Msg(format!(
+            "NCCL rank {} (cuda:{}): {what}",
+            self.rank, self.group.ordinals[self.rank]
+        ))
+    }
+
+    /// Marks the group failed with `msg`, aborts this rank's communicator, returns the
+    /// error for this rank.
+    fn fail(&self, slot: &mut RankSlot, msg: String) -> candle_core::Error {
+        let e = self.err(msg);
+        self.group.fail(e.to_string());
+        slot.abort();
+        e
+    }
+
+    /// Waits for the all-reduce just enqueued on `t`'s stream, with the watchdog.
+    fn wait(&self, slot: &mut RankSlot, t: &Tensor, limit: Duration) -> Result<()> {
+        let stream = t.device().as_cuda_device()?.cuda_stream();
+        let event = stream
+            .record_event(None)
+            .map_err(|e| self.fail(slot, format!("cannot record a CUDA event: {e:?}")))?;
+        let comm = slot.comm.as_ref().map(|c| c.0).expect("live communicator");
+        let start = Instant::now();
+        let mut polls: u32 = 0;
+        loop {
+            match event.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    return Err(self.fail(
+                        slot,
+                        format!("CUDA error while waiting for the all-reduce: {e:?}"),
+                    ))
+                }
+            }
+            let mut async_err = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: live communicator, valid out pointer.
+            let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut async_err) };
+            for e in [r, async_err] {
+                if !matches!(
+                    e,
+                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+                ) {
+                    let m = format!(
+                        "NCCL reported an error during the all-reduce: {}{}",
+                        nccl_err_str(e),
+                        match nccl_last_error(comm) {
+                            s if s.is_empty() => String::new(),
+                            s => format!(": {s}"),
+                        }
+                    );
+                    return Err(self.fail(slot, m));
+                }
+            }
+            if self.group.is_failed() {
+                slot.abort();
+                return Err(self.group.peer_failed_error(self.rank));
+            }
+            let waited = start.elapsed();
+            if waited > limit {
+                return Err(self.fail(
+                    slot,
+                    format!(
+                        "all-reduce timed out after {:.1} s (watchdog MOLD_NCCL_TIMEOUT_S={}): \
+                         a rank did not join or the GPUs are stuck; the group was aborted",
+                        waited.as_secs_f64(),
+                        limit.as_secs_f64()
+                    ),
+                ));
+            }
+            polls += 1;
+            if polls < 256 {
+                std::thread::yield_now();
+            } else {
+                let us = (50u64 << ((polls - 256) / 64).min(5)).min(1000);
+                std::thread::sleep(Duration::from_micros(us));
+            }
+        }
+    }
+}
+
+impl Comm for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.world()
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let ordinal = self.group.ordinals[self.rank];
+        if self.group.is_failed() {
+            let mut slot = lock(&self.group.slots[self.rank]);
+            slot.abort();
+            return Err(self.group.peer_failed_error(self.rank));
+        }
+        match t.device().location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } if gpu_id == ordinal => {}
+            loc => {
+                let mut slot = lock(&self.group.slots[self.rank]);
+                return Err(self.fail(
+                    &mut slot,
+                    format!("all_reduce_sum got a tensor on {loc:?}, expected this rank's GPU"),
+                ));
+            }
+        }
+        let t = t.contiguous()?;
+        let mut slot = lock(&self.group.slots[self.rank]);
+        let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
+            return Err(self.group.peer_failed_error(self.rank));
+        };
+        let op = AllReduceOp {
+            comm,
+            rank: self.rank,
+        };
+        let out = match t.apply_op1_no_bwd(&op) {
+            Ok(o) => o,
+            Err(e) => return Err(self.fail(&mut slot, e.to_string())),
+        };
+        if let Some(limit) = timeout() {
+            self.wait(&mut slot, &out, limit)?;
+        }
+        Ok(out)
+    }
+
+    /// Marks the group failed (releasing ranks waiting in a collective) and aborts this
+    /// rank's communicator if no call on it is in flight.
+    fn abort(&self) {
+        self.group.fail(format!(
+            "rank {} (cuda:{}) failed",
+            self.rank, self.group.ordinals[self.rank]
+        ));
+        if let Ok(mut slot) = self.group.slots[self.rank].try_lock() {
+            slot.abort();
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! PNG output with the prompt and settings as tEXt chunks.
+
+use crate::error::{PipelineError, Result};
+use std::io::Write;
+use std::path::Path;
+
+/// An 8-bit RGB image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RgbImage {
+    pub width: u32,
+    pub height: u32,
+    /// Row-major, interleaved R, G, B.
+    pub data: Vec<u8>,
+}
+
+/// Encodes `img` as a PNG with one tEXt chunk per `(keyword, text)`. tEXt is Latin-1:
+/// characters outside it are written as `?` (PNG readers show the rest as is).
+pub fn encode_png(img: &RgbImage, text: &[(String, String)]) -> Result<Vec<u8>> {
+    let err = |e: png::EncodingError| PipelineError::Png {
+        path: "<memory>".into(),
+        message: e.to_string(),
+    };
+    let mut out = Vec::new();
+    {
+        let mut enc = png::Encoder::new(&mut out, img.width, img.height);
+        enc.set_color(png::ColorType::Rgb);
+        enc.set_depth(png::BitDepth::Eight);
+        for (k, v) in text {
+            let latin1: String = v
+                .chars()
+                .map(|c| if (c as u32) < 256 { c } else { '?' })
+                .collect();
+            enc.add_text_chunk(k.clone(), latin1).map_err(err)?;
+        }
+        let mut w = enc.write_header().map_err(err)?;
+        w.write_image_data(&img.data).map_err(err)?;
+        w.finish().map_err(err)?;
+    }
+    Ok(out)
+}
+
+/// Writes `img` to `path` as a PNG (see [`encode_png`]).
+pub fn write_png(path: &Path, img: &RgbImage, text: &[(String, String)]) -> Result<()> {
+    let bytes = encode_png(img, text).map_err(|e| match e {
+        PipelineError::Png { message, .. } => PipelineError::Png {
+            path: path.display().to_string(),
+            message,
+        },
+        e => e,
+    })?;
+    let mut f = std::fs::File::create(path).map_err(PipelineError::io(path))?;
+    f.write_all(&bytes).map_err(PipelineError::io(path))?;
+    Ok(())
+}
+
+/// Reads a PNG back: the image (8-bit RGB only) and its tEXt chunks. For tests and tools.
+pub fn read_png(path: &Path) -> Result<(RgbImage, Vec<(String, String)>)> {
+    let bad = |m: String| PipelineError::Png {
+        path: path.display().to_string(),
+        message: m,
+    };
+    let f = std::fs::File::open(path).map_err(PipelineError::io(path))?;
+    let mut reader = png::Decoder::new(std::io::BufReader::new(f))
+        .read_info()
+        .map_err(|e| bad(e.to_string()))?;
+    let mut buf = vec![0; reader.output_buffer_size().unwrap_or(0)];
+    let info = reader
+        .next_frame(&mut buf)
+        .map_err(|e| bad(e.to_string()))?;
+    if info.color_type != png::ColorType::Rgb || info.bit_depth != png::BitDepth::Eight {
+        return Err(bad("not an 8-bit RGB PNG".into()));
+    }
+    buf.truncate(info.buffer_size());
+    let text = reader
+        .info()
+        .uncompressed_latin1_text
+        .iter()
+        .map(|c| (c.keyword.clone(), c.text.clone()))
+        .collect();
+    Ok((
+        RgbImage {
+            width: info.width,
+            height: info.height,
+            data: buf,
+        },
+        text,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_chunks_round_trip() {
+        let img = RgbImage {
+            width: 2,
+            height: 1,
+            data: vec![255, 0, 0, 0, 0, 255],
+        };
+        let d = std::env::temp_dir().join(format!("mold-pipeline-png-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let p = d.join("x.png");
+        let text = vec![("prompt".to_string(), "a red fox in snow".to_string())];
+        write_png(&p, &img, &text).unwrap();
+        let (back, t) = read_png(&p).unwrap();
+        assert_eq!(back, img);
+        assert_eq!(t, text);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

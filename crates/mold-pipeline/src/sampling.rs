@@ -1,0 +1,185 @@
+//! The FLUX sampler's pieces: image sizes, seeded noise, 2×2 latent patch packing, the
+//! (shifted) rectified-flow schedule.
+
+use crate::error::{PipelineError, Result};
+use candle_core::{DType, Device, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Image sides must be multiples of this: 8× VAE down-sampling, then 2×2 latent patches.
+pub const SIZE_MULTIPLE: u32 = 16;
+
+/// Latent channels of the FLUX autoencoder.
+pub const LATENT_CHANNELS: usize = 16;
+
+/// The multiples of 16 either side of `v` (just the one above when below 16).
+fn neighbours(v: u32) -> (Option<u32>, u32) {
+    let lo = v / SIZE_MULTIPLE * SIZE_MULTIPLE;
+    let hi = lo + SIZE_MULTIPLE;
+    ((lo > 0).then_some(lo), hi)
+}
+
+/// The multiple of 16 nearest `v` (ties round up; at least 16).
+pub fn nearest_valid(v: u32) -> u32 {
+    if v.is_multiple_of(SIZE_MULTIPLE) && v > 0 {
+        return v;
+    }
+    match neighbours(v) {
+        (Some(lo), hi) if v - lo < hi - v => lo,
+        (_, hi) => hi,
+    }
+}
+
+/// Refuses image sizes FLUX cannot make, naming the nearest valid ones.
+pub fn check_size(width: u32, height: u32) -> Result<()> {
+    let mut bad = Vec::new();
+    for (what, v) in [("width", width), ("height", height)] {
+        if v == 0 || !v.is_multiple_of(SIZE_MULTIPLE) {
+            let near = match neighbours(v) {
+                (Some(lo), hi) => format!("{lo} or {hi}"),
+                (None, hi) => format!("{hi}"),
+            };
+            bad.push(format!("{what} {v} is not a multiple of 16 (use {near})"));
+        }
+    }
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(PipelineError::Size(format!(
+        "image size {width}x{height}: {}; FLUX needs multiples of 16 (8x VAE down-sampling, then 2x2 latent patches): the nearest valid size is {}x{}",
+        bad.join(", "),
+        nearest_valid(width),
+        nearest_valid(height)
+    )))
+}
+
+/// Standard normal f32 samples (Box–Muller) from a seeded [`StdRng`]: the same on every
+/// device and every run.
+fn normals(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        let u1: f64 = rng.gen_range(f64::EPSILON..1.0);
+        let u2: f64 = rng.gen();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let th = 2.0 * std::f64::consts::PI * u2;
+        v.push((r * th.cos()) as f32);
+        if v.len() < n {
+            v.push((r * th.sin()) as f32);
+        }
+    }
+    v
+}
+
+/// Initial latent noise `(batch, 16, height/8, width/8)`, f32 on the CPU, from `seed`.
+pub fn noise(seed: u64, batch: usize, width: u32, height: u32) -> Result<Tensor> {
+    let (h, w) = (height as usize / 8, width as usize / 8);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = batch * LATENT_CHANNELS * h * w;
+    Ok(Tensor::from_vec(
+        normals(&mut rng, n),
+        (batch, LATENT_CHANNELS, h, w),
+        &Device::Cpu,
+    )?)
+}
+
+/// Packs latents `(b, c, h, w)` into 2×2 patch tokens `(b, h/2 · w/2, 4c)` (BFL's
+/// `rearrange(img, "b c (h ph) (w pw) -> b (h w) (c ph pw)", ph=2, pw=2)`).
+pub fn pack(x: &Tensor) -> Result<Tensor> {
+    let (b, c, h, w) = x.dims4()?;
+    Ok(x.reshape((b, c, h / 2, 2, w / 2, 2))?
+        .permute((0, 2, 4, 1, 3, 5))?
+        .reshape((b, h / 2 * w / 2, c * 4))?)
+}
+
+/// The inverse of [`pack`] for an image of `width` × `height` pixels:
+/// `(b, L, 64)` → `(b, 16, height/8, width/8)`.
+pub fn unpack(x: &Tensor, width: u32, height: u32) -> Result<Tensor> {
+    Ok(candle_transformers::models::flux::sampling::unpack(
+        &x.contiguous()?,
+        height as usize,
+        width as usize,
+    )?)
+}
+
+/// Image token positions `(b, h/16 · w/16, 3)`: (0, row, col), f32 on the CPU.
+pub fn img_ids(batch: usize, width: u32, height: u32) -> Result<Tensor> {
+    let (h, w) = (height as usize / 16, width as usize / 16);
+    let mut ids = Vec::with_capacity(batch * h * w * 3);
+    for _ in 0..batch {
+        for r in 0..h {
+            for c in 0..w {
+                ids.extend_from_slice(&[0f32, r as f32, c as f32]);
+            }
+        }
+    }
+    Ok(Tensor::from_vec(ids, (batch, h * w, 3), &Device::Cpu)?)
+}
+
+/// Text token positions: zeros `(b, len, 3)`.
+pub fn txt_ids(batch: usize, len: usize) -> Result<Tensor> {
+    Ok(Tensor::zeros((batch, len, 3), DType::F32, &Device::Cpu)?)
+}
+
+/// The timesteps from 1 to 0, `steps + 1` of them. With `shift` (FLUX dev), they are
+/// shifted toward 1 by the image's token count: mu goes linearly from 0.5 at 256 tokens
+/// to 1.15 at 4096 (candle-transformers' `get_schedule`, BFL's `get_schedule`).
+pub fn schedule(steps: u32, image_tokens: usize, shift: bool) -> Vec<f64> {
+    candle_transformers::models::flux::sampling::get_schedule(
+        steps as usize,
+        shift.then_some((image_tokens, 0.5, 1.15)),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert!(check_size(1024, 768).is_ok());
+        let e = check_size(1000, 1024).unwrap_err().to_string();
+        assert!(e.contains("width 1000") && e.contains("992 or 1008"), "{e}");
+        assert!(e.contains("1008x1024"), "{e}");
+        let e = check_size(8, 0).unwrap_err().to_string();
+        assert!(e.contains("use 16") && e.contains("16x16"), "{e}");
+        assert_eq!(nearest_valid(1000), 1008);
+        assert_eq!(nearest_valid(999), 992);
+        assert_eq!(nearest_valid(1001), 1008);
+        assert_eq!(nearest_valid(995), 992);
+    }
+
+    #[test]
+    fn pack_unpack_round_trip() {
+        let x = noise(3, 1, 64, 32).unwrap();
+        assert_eq!(x.dims(), [1, 16, 4, 8]);
+        let p = pack(&x).unwrap();
+        assert_eq!(p.dims(), [1, 2 * 4, 64]);
+        let y = unpack(&p, 64, 32).unwrap();
+        let d = (x - y).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+        assert_eq!(img_ids(1, 64, 32).unwrap().dims(), [1, 8, 3]);
+    }
+
+    #[test]
+    fn noise_is_seeded() {
+        let a = noise(7, 1, 32, 32).unwrap().flatten_all().unwrap();
+        let b = noise(7, 1, 32, 32).unwrap().flatten_all().unwrap();
+        let c = noise(8, 1, 32, 32).unwrap().flatten_all().unwrap();
+        assert_eq!(a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
+        assert_ne!(a.to_vec1::<f32>().unwrap(), c.to_vec1::<f32>().unwrap());
+    }
+
+    #[test]
+    fn schedule_shift() {
+        let s = schedule(4, 4096, false);
+        assert_eq!(s, vec![1.0, 0.75, 0.5, 0.25, 0.0]);
+        let s = schedule(4, 4096, true);
+        assert_eq!(s.len(), 5);
+        assert_eq!(s[0], 1.0);
+        assert_eq!(s[4], 0.0);
+        // mu = 1.15 at 4096 tokens: t' = e^mu / (e^mu + 1/t - 1).
+        let e = 1.15f64.exp();
+        assert!((s[2] - e / (e + 1.0)).abs() < 1e-12);
+        assert!(s[1] > 0.75 && s[3] > 0.25);
+    }
+}

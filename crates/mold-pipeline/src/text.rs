@@ -1,0 +1,227 @@
+//! The text encoders: T5 (per-token conditioning) and CLIP-L (the pooled vector), with
+//! their tokenizers, as FLUX uses them.
+//!
+//! - T5: `max_length` tokens (512 dev, 256 schnell), truncated, padded with `<pad>`,
+//!   `</s>` appended by the tokenizer; the encoder attends over the padding (BFL passes no
+//!   attention mask). Output `(1, max_length, d_model)`.
+//! - CLIP: 77 tokens (the model's positions), `<|startoftext|> … <|endoftext|>`, padded
+//!   with `<|endoftext|>`; the pooled output is the final-layer-normed hidden state at the
+//!   first end-of-text token (the first maximum id, as HF's `CLIPTextModel` pools).
+//!   Output `(1, hidden)`.
+
+use crate::error::{PipelineError, Result};
+use crate::layout::EncoderFiles;
+use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::clip::text_model::{
+    Activation, ClipTextConfig, ClipTextTransformer,
+};
+use candle_transformers::models::t5;
+use std::path::Path;
+use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(PipelineError::io(path))?;
+    serde_json::from_str(&text).map_err(|e| PipelineError::Config {
+        path: path.display().to_string(),
+        message: format!("not JSON: {e}"),
+    })
+}
+
+/// Loads `tokenizer.json` set to pad and truncate to exactly `len` tokens, padding with
+/// the first of `pad_tokens` the vocabulary has (else id 0).
+pub fn load_tokenizer(path: &Path, len: usize, pad_tokens: &[&str]) -> Result<Tokenizer> {
+    let bad = |message: String| PipelineError::Tokenizer {
+        path: path.display().to_string(),
+        message,
+    };
+    let mut tok = Tokenizer::from_file(path).map_err(|e| bad(e.to_string()))?;
+    let (pad_token, pad_id) = pad_tokens
+        .iter()
+        .find_map(|t| tok.token_to_id(t).map(|id| (t.to_string(), id)))
+        .unwrap_or_else(|| (tok.id_to_token(0).unwrap_or_default(), 0));
+    tok.with_truncation(Some(TruncationParams {
+        max_length: len,
+        ..Default::default()
+    }))
+    .map_err(|e| bad(e.to_string()))?;
+    tok.with_padding(Some(PaddingParams {
+        strategy: PaddingStrategy::Fixed(len),
+        pad_id,
+        pad_token,
+        ..Default::default()
+    }));
+    Ok(tok)
+}
+
+/// Token ids of `prompt`, exactly the tokenizer's fixed length.
+pub fn tokenize(tok: &Tokenizer, path: &Path, prompt: &str) -> Result<Vec<u32>> {
+    let enc = tok
+        .encode(prompt, true)
+        .map_err(|e| PipelineError::Tokenizer {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// Sum of the bytes the tensors named by `keep` take in `dtype`, from the headers.
+pub(crate) fn weight_bytes(
+    files: &[std::path::PathBuf],
+    dtype: DType,
+    keep: impl Fn(&str) -> bool,
+) -> Result<u64> {
+    let mut n = 0u64;
+    for f in files {
+        for (name, (_, shape)) in mold_exec::checkpoint::read_header(f)? {
+            if keep(&name) {
+                n += shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64;
+            }
+        }
+    }
+    Ok(n)
+}
+
+fn var_builder<'a>(
+    files: &[std::path::PathBuf],
+    dtype: DType,
+    dev: &Device,
+) -> Result<VarBuilder<'a>> {
+    // SAFETY: the files are mapped read-only and must not change while loading.
+    Ok(unsafe { VarBuilder::from_mmaped_safetensors(files, dtype, dev)? })
+}
+
+/// T5's config, read before loading.
+pub fn t5_config(files: &EncoderFiles) -> Result<t5::Config> {
+    let v = read_json(&files.config)?;
+    serde_json::from_value(v).map_err(|e| PipelineError::Config {
+        path: files.config.display().to_string(),
+        message: format!("not a T5 config: {e}"),
+    })
+}
+
+/// The T5 encoder with its tokenizer.
+pub struct T5 {
+    model: t5::T5EncoderModel,
+    tok: Tokenizer,
+    tok_path: std::path::PathBuf,
+    pub weight_bytes: u64,
+}
+
+impl T5 {
+    pub fn load(files: &EncoderFiles, len: usize, dtype: DType, dev: &Device) -> Result<T5> {
+        let cfg = t5_config(files)?;
+        let tok = load_tokenizer(&files.tokenizer, len, &["<pad>"])?;
+        let weight_bytes = weight_bytes(&files.weights, dtype, |n| {
+            n.starts_with("shared.") || n.starts_with("encoder.")
+        })?;
+        let vb = var_builder(&files.weights, dtype, dev)?;
+        let model = t5::T5EncoderModel::load(vb, &cfg).map_err(|e| PipelineError::Component {
+            component: "t5".into(),
+            message: format!("cannot load {:?}: {e}", files.weights),
+        })?;
+        Ok(T5 {
+            model,
+            tok,
+            tok_path: files.tokenizer.clone(),
+            weight_bytes,
+        })
+    }
+
+    /// `(1, len, d_model)` in the model's dtype, on its device.
+    pub fn encode(&mut self, prompt: &str) -> Result<Tensor> {
+        let ids = tokenize(&self.tok, &self.tok_path, prompt)?;
+        let ids = Tensor::new(ids.as_slice(), self.model.device())?.unsqueeze(0)?;
+        Ok(self.model.forward(&ids)?)
+    }
+}
+
+/// CLIP's text config from an HF `config.json` (`CLIPTextModel`, or a `CLIPModel` one
+/// with a `text_config`).
+pub fn clip_config(files: &EncoderFiles) -> Result<ClipTextConfig> {
+    let path = &files.config;
+    let v = read_json(path)?;
+    let v = v.get("text_config").cloned().unwrap_or(v);
+    let bad = |m: String| PipelineError::Config {
+        path: path.display().to_string(),
+        message: m,
+    };
+    let get = |k: &str| -> Result<usize> {
+        v.get(k)
+            .and_then(|x| x.as_u64())
+            .map(|x| x as usize)
+            .ok_or_else(|| bad(format!("not a CLIP text config: no integer `{k}`")))
+    };
+    match v.get("hidden_act").and_then(|a| a.as_str()) {
+        None | Some("quick_gelu") => {}
+        Some(a) => {
+            return Err(bad(format!(
+                "hidden_act `{a}`: the CLIP text model here supports quick_gelu (CLIP-L)"
+            )))
+        }
+    }
+    let hidden = get("hidden_size")?;
+    Ok(ClipTextConfig {
+        vocab_size: get("vocab_size")?,
+        embed_dim: hidden,
+        activation: Activation::QuickGelu,
+        intermediate_size: get("intermediate_size")?,
+        max_position_embeddings: get("max_position_embeddings")?,
+        pad_with: None,
+        num_hidden_layers: get("num_hidden_layers")?,
+        num_attention_heads: get("num_attention_heads")?,
+        projection_dim: v
+            .get("projection_dim")
+            .and_then(|x| x.as_u64())
+            .map(|x| x as usize)
+            .unwrap_or(hidden),
+    })
+}
+
+/// The CLIP text model with its tokenizer.
+pub struct Clip {
+    model: ClipTextTransformer,
+    tok: Tokenizer,
+    tok_path: std::path::PathBuf,
+    device: Device,
+    pub weight_bytes: u64,
+}
+
+impl Clip {
+    pub fn load(files: &EncoderFiles, dtype: DType, dev: &Device) -> Result<Clip> {
+        let cfg = clip_config(files)?;
+        let tok = load_tokenizer(
+            &files.tokenizer,
+            cfg.max_position_embeddings,
+            &["<|endoftext|>", "<pad>"],
+        )?;
+        let weight_bytes = weight_bytes(&files.weights, dtype, |n| {
+            n.starts_with("text_model.") && !n.ends_with("position_ids")
+        })?;
+        let vb = var_builder(&files.weights, dtype, dev)?;
+        let model = ClipTextTransformer::new(vb.pp("text_model"), &cfg).map_err(|e| {
+            PipelineError::Component {
+                component: "clip".into(),
+                message: format!("cannot load {:?}: {e}", files.weights),
+            }
+        })?;
+        Ok(Clip {
+            model,
+            tok,
+            tok_path: files.tokenizer.clone(),
+            device: dev.clone(),
+            weight_bytes,
+        })
+    }
+
+    /// The pooled vector `(1, hidden)` in the model's dtype, on its device.
+    pub fn encode(&self, prompt: &str) -> Result<Tensor> {
+        let ids = tokenize(&self.tok, &self.tok_path, prompt)?;
+        // HF pools at `input_ids.argmax(-1)`: the first end-of-text token, the largest id.
+        let max = ids.iter().copied().max().unwrap_or(0);
+        let pos = ids.iter().position(|&i| i == max).unwrap_or(0);
+        let ids = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
+        let hidden = self.model.forward_with_mask(&ids, usize::MAX)?;
+        Ok(hidden.i((.., pos))?)
+    }
+}
