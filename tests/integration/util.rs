@@ -7,7 +7,15 @@ pub fn root() -> PathBuf {
 
 /// Runs the built `mold` binary from the repository root.
 pub fn mold(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mold"))
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mold"));
+    // The tests must not see the developer's own configuration.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("MOLD_") {
+            c.env_remove(k);
+        }
+    }
+    c.env("XDG_CONFIG_HOME", root().join("target/no-such-config-dir"))
+        .env("HOME", root().join("target/no-such-home"))
         .args(args)
         .current_dir(root())
         .output()

@@ -620,7 +620,7 @@ pub fn apply_measurements(m: &mut Machine, r: &Measurements, date: &str, mold_ve
                 .join(", ")
         )),
         _ => not.push(
-            "all-reduce: not measured (needs a build with the nccl feature); the peer \
+            "all-reduce: not measured (calibration has no NCCL path yet); the peer \
              domains' and host-staged all-reduce figures are estimates"
                 .into(),
         ),
@@ -750,7 +750,10 @@ mod cuda {
         use sys::CUdevice_attribute as A;
         for i in 0..n as usize {
             let ctx = CudaContext::new(i).map_err(err)?;
-            let (free, total) = ctx.mem_get_info().map_err(err)?;
+            // Free as this device's own context sees it; total as cuDeviceTotalMem (and
+            // nvidia-smi) report it, which is a little more than cuMemGetInfo's total.
+            let (free, _) = ctx.mem_get_info().map_err(err)?;
+            let total = ctx.total_mem().map_err(err)?;
             let (major, minor) = ctx.compute_capability().map_err(err)?;
             let uuid = ctx.uuid().map_err(err)?;
             let bytes: [u8; 16] = uuid.bytes.map(|b| b as u8);
@@ -1006,11 +1009,8 @@ mod cuda {
                 gbps: bytes as f64 / s / 1e9,
             });
         }
+        // All-reduce needs NCCL; `apply_measurements` records it as not measured.
         out.allreduce = None;
-        out.not_measured.push(
-            "all-reduce latency and bandwidth per group size (calibration has no NCCL path yet)"
-                .into(),
-        );
         Ok(out)
     }
 }
