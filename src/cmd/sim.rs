@@ -44,8 +44,8 @@ pub fn run(a: Args) -> Result<i32> {
         _ => bail!("name one plan (several paths are for --check)"),
     };
     let plan = load_plan(path)?;
-    let machine = match &a.machine {
-        Some(m) => load_machine(m)?,
+    let (machine, profile) = match &a.machine {
+        Some(m) => (load_machine(m)?, m.clone()),
         None => {
             let p = a.machines.join(format!("{}.yaml", plan.machine.name));
             if !p.exists() {
@@ -56,9 +56,22 @@ pub fn run(a: Args) -> Result<i32> {
                     p.display()
                 );
             }
-            load_machine(&p.display().to_string())?
+            (
+                load_machine(&p.display().to_string())?,
+                p.display().to_string(),
+            )
         }
     };
+    let profile_line = format!(
+        "machine profile: {profile} ({}{})",
+        machine.calibration.source,
+        machine
+            .calibration
+            .date
+            .as_deref()
+            .map(|d| format!(", {d}"))
+            .unwrap_or_default()
+    );
     let model = model_of(&plan)?;
     match mold_cost::check_machine(&plan, &machine, a.force) {
         Ok(mold_cost::MachineCheck::Same) => {}
@@ -80,6 +93,7 @@ pub fn run(a: Args) -> Result<i32> {
     if a.json {
         println!("{}", report.to_json(comparison.as_ref()));
     } else {
+        println!("{profile_line}");
         print!("{}", report.table());
         if let Some(c) = &comparison {
             print!("{}", c.table());

@@ -19,7 +19,14 @@ const PLAN: &str = "sim/scenarios/plans/flux-dev-one-l40s.yaml";
 fn simulates_a_plan_on_its_machine() {
     let (code, out, err) = run(&[PLAN]);
     assert_eq!(code, 0, "{out}{err}");
-    for want in ["cuda:0", "bottleneck:", "request", "vs plan:", "fits"] {
+    for want in [
+        "machine profile: sim/machines/",
+        "cuda:0",
+        "bottleneck:",
+        "request",
+        "vs plan:",
+        "fits",
+    ] {
         assert!(out.contains(want), "missing {want}: {out}");
     }
 }
