@@ -193,7 +193,8 @@ fn sample(
         x.timesteps = x.timesteps.ones_like()?.affine(t, 0.0)?;
         let start = Instant::now();
         let v = forward(&x)?;
-        let v = v.to_device(x.img.device())?;
+        // The model computes in the plan's dtype; the latents stay in theirs.
+        let v = v.to_device(x.img.device())?.to_dtype(x.img.dtype())?;
         x.img = (&x.img + v.affine(t_next - t, 0.0)?)?;
         // GPU kernels run asynchronously: wait for them before reading the clock.
         x.img.device().synchronize()?;

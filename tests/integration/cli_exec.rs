@@ -68,6 +68,32 @@ fn testdata_plan_exec_verify() {
     }
 }
 
+/// A bf16 checkpoint and plan: the model output is bf16 while the latents are f32.
+#[test]
+fn bf16_plan_runs_and_verifies() {
+    let d = tempdir("exec-bf16");
+    let w = d.join("w");
+    let w = w.to_str().unwrap();
+    ok(&["testdata", "flux-tiny", w, "--dtype", "bf16"]);
+    let p = d.join("p.yaml");
+    let p = p.to_str().unwrap();
+    ok(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        "sim/machines/cpu-emu-4.yaml",
+        "--tp",
+        "2",
+        "--dtype",
+        "transformer=bf16",
+        "-o",
+        p,
+    ]);
+    let s = ok(&["exec", p, "--weights", w, "--steps", "2", "--verify"]);
+    assert!(s.contains("max relative error"), "{s}");
+}
+
 #[test]
 fn exec_refusals_name_the_problem() {
     let d = tempdir("exec-refuse");

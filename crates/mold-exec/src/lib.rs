@@ -8,8 +8,8 @@
 //!   talks to its group only through the [`comm::Comm`] trait. It knows nothing of plans,
 //!   devices or residency.
 //! - [`comm`] is collective communication: [`comm::LocalComm`] (a group of one) and
-//!   [`comm::ThreadComm`] (ranks as threads, deterministic rank-order sums); the NCCL
-//!   implementation will sit behind the `nccl` feature ([`comm`] marks the boundary).
+//!   [`comm::ThreadComm`] (ranks as threads, deterministic rank-order sums); and, behind the `nccl`
+//!   feature, an NCCL implementation on candle's compute streams.
 //! - [`runtime`] maps plan devices to candle devices (`emu:N` and `host` → CPU, `cuda:N`
 //!   → GPU with the `cuda` feature), picks communicators, holds weights resident or
 //!   streamed from host memory, and accounts memory ([`DeviceMemory`]).

@@ -43,9 +43,9 @@ use candle_core::cuda::cudarc;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// Default watchdog timeout (seconds) for group creation and for each collective.
@@ -130,12 +130,81 @@ struct RawComm(sys::ncclComm_t);
 // SAFETY: see above; the handle is only used under the slot's lock.
 unsafe impl Send for RawComm {}
 
+/// What each rank is doing, for the monitor: which NCCL host call it is inside (a call
+/// that never returns cannot be timed out by the rank itself) and how many all-reduces
+/// it has issued.
+struct Tracker {
+    epoch: Instant,
+    /// Per rank: ms since `epoch` + 1 when it entered an NCCL host call, 0 when outside.
+    busy_since: Vec<AtomicU64>,
+    /// Per rank: index into [`CALLS`] of that call.
+    busy_call: Vec<AtomicUsize>,
+    /// Per rank: all-reduces enqueued so far.
+    issued: Vec<AtomicU64>,
+    /// ms since `epoch` + 1 when the group failed, 0 while healthy.
+    failed_at: AtomicU64,
+}
+
+const CALLS: [&str; 2] = ["ncclAllReduce", "ncclCommAbort"];
+const CALL_ALL_REDUCE: usize = 0;
+const CALL_ABORT: usize = 1;
+
+impl Tracker {
+    fn new(world: usize) -> Tracker {
+        Tracker {
+            epoch: Instant::now(),
+            busy_since: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            busy_call: (0..world).map(|_| AtomicUsize::new(0)).collect(),
+            issued: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            failed_at: AtomicU64::new(0),
+        }
+    }
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+    /// Runs `f` (an NCCL host call of `rank`) marked busy.
+    fn busy<R>(&self, rank: usize, call: usize, f: impl FnOnce() -> R) -> R {
+        self.busy_call[rank].store(call, Ordering::SeqCst);
+        self.busy_since[rank].store(self.now(), Ordering::SeqCst);
+        let r = f();
+        self.busy_since[rank].store(0, Ordering::SeqCst);
+        r
+    }
+    /// One line per rank, for diagnostics.
+    fn dump(&self, ordinals: &[usize]) -> String {
+        let now = self.now();
+        ordinals
+            .iter()
+            .enumerate()
+            .map(|(r, o)| {
+                let since = self.busy_since[r].load(Ordering::SeqCst);
+                let state = if since == 0 {
+                    "not inside an NCCL call".to_string()
+                } else {
+                    format!(
+                        "inside {} for {:.1} s",
+                        CALLS[self.busy_call[r].load(Ordering::SeqCst)],
+                        now.saturating_sub(since) as f64 / 1e3
+                    )
+                };
+                format!(
+                    "  rank {r} (cuda:{o}): {} all-reduces issued, {state}",
+                    self.issued[r].load(Ordering::SeqCst)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
 /// One rank's communicator. `comm` is `None` once aborted.
 struct RankSlot {
+    rank: usize,
     ordinal: usize,
     comm: Option<RawComm>,
     /// Keeps the GPU's primary context alive as long as the communicator.
     ctx: Option<Arc<CudaContext>>,
+    tracker: Option<Arc<Tracker>>,
 }
 
 impl RankSlot {
@@ -147,7 +216,13 @@ impl RankSlot {
             }
             // SAFETY: the handle is live (taken out of the slot, so aborted only once) and
             // no other call on it is in flight (we hold the slot's lock).
-            let _ = unsafe { nccl::comm_abort(c.0) };
+            let abort = || {
+                let _ = unsafe { nccl::comm_abort(c.0) };
+            };
+            match &self.tracker {
+                Some(t) => t.busy(self.rank, CALL_ABORT, abort),
+                None => abort(),
+            }
         }
     }
 }
@@ -161,6 +236,7 @@ struct Group {
     failed: AtomicBool,
     /// The first failure, for messages.
     failure: Mutex<Option<String>>,
+    tracker: Arc<Tracker>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -177,6 +253,12 @@ impl Group {
         let mut f = lock(&self.failure);
         if f.is_none() {
             *f = Some(msg);
+            let _ = self.tracker.failed_at.compare_exchange(
+                0,
+                self.tracker.now(),
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            );
         }
         self.failed.store(true, Ordering::SeqCst);
     }
@@ -257,7 +339,16 @@ pub fn group(ordinals: &[usize]) -> Vec<NcclComm> {
             .position(|g| g.ordinals == ordinals)
             .map(|i| pool.swap_remove(i))
     };
-    let group = pooled.unwrap_or_else(|| Arc::new(create(ordinals)));
+    let group = pooled.unwrap_or_else(|| {
+        let g = Arc::new(create(ordinals));
+        if let Some(limit) = timeout() {
+            let weak = Arc::downgrade(&g);
+            let _ = std::thread::Builder::new()
+                .name("nccl-monitor".into())
+                .spawn(move || monitor(weak, limit));
+        }
+        g
+    });
     let lease = Arc::new(Lease(Some(group.clone())));
     (0..ordinals.len())
         .map(|rank| NcclComm {
@@ -268,6 +359,55 @@ pub fn group(ordinals: &[usize]) -> Vec<NcclComm> {
         .collect()
 }
 
+/// Watches a group for what the ranks cannot time out themselves, and ends the process
+/// (with a report naming the ranks) rather than let it hang:
+/// - a rank inside an NCCL host call (e.g. `ncclAllReduce` blocked in connection setup,
+///   or `ncclCommAbort`) for longer than `limit`;
+/// - a failed group whose ranks have not all let go of it `limit` after the failure (a
+///   rank stuck outside NCCL keeps the executor waiting for it).
+///
+/// Stops when the group is dropped.
+fn monitor(group: Weak<Group>, limit: Duration) {
+    let limit_ms = limit.as_millis() as u64;
+    loop {
+        std::thread::sleep(Duration::from_millis(500).min(limit));
+        let Some(g) = group.upgrade() else { return };
+        let t = &g.tracker;
+        let now = t.now();
+        let stuck_in_call = (0..g.world()).find(|&r| {
+            let since = t.busy_since[r].load(Ordering::SeqCst);
+            since != 0 && now.saturating_sub(since) > limit_ms
+        });
+        let failed_at = t.failed_at.load(Ordering::SeqCst);
+        let stuck_after_failure = failed_at != 0 && now.saturating_sub(failed_at) > limit_ms;
+        if stuck_in_call.is_none() && !stuck_after_failure {
+            continue;
+        }
+        let what = match stuck_in_call {
+            Some(r) => format!(
+                "NCCL rank {r} (cuda:{}) has been inside {} for more than {:.0} s \
+                 (MOLD_NCCL_TIMEOUT_S)",
+                g.ordinals[r],
+                CALLS[t.busy_call[r].load(Ordering::SeqCst)],
+                limit.as_secs_f64()
+            ),
+            None => format!(
+                "the NCCL group over GPUs {:?} failed ({}) and its ranks have not stopped \
+                 {:.0} s later",
+                g.ordinals,
+                lock(&g.failure).clone().unwrap_or_default(),
+                limit.as_secs_f64()
+            ),
+        };
+        eprintln!(
+            "error: {what}; ending the process instead of hanging.\n{}\n\
+             (NCCL_DEBUG=INFO shows NCCL's side; MOLD_NCCL_TIMEOUT_S sets the limit)",
+            t.dump(&g.ordinals)
+        );
+        std::process::abort();
+    }
+}
+
 type InitResult = std::result::Result<(RawComm, Arc<CudaContext>), String>;
 
 /// Creates the communicators: one helper thread per rank calls `ncclCommInitRank`
@@ -275,12 +415,16 @@ type InitResult = std::result::Result<(RawComm, Arc<CudaContext>), String>;
 fn create(ordinals: &[usize]) -> Group {
     set_nccl_env();
     let world = ordinals.len();
+    let tracker = Arc::new(Tracker::new(world));
     let mut slots: Vec<RankSlot> = ordinals
         .iter()
-        .map(|&ordinal| RankSlot {
+        .enumerate()
+        .map(|(rank, &ordinal)| RankSlot {
+            rank,
             ordinal,
             comm: None,
             ctx: None,
+            tracker: Some(tracker.clone()),
         })
         .collect();
     let finish = |slots: Vec<RankSlot>, failure: Option<String>| Group {
@@ -288,6 +432,7 @@ fn create(ordinals: &[usize]) -> Group {
         slots: slots.into_iter().map(Mutex::new).collect(),
         failed: AtomicBool::new(failure.is_some()),
         failure: Mutex::new(failure),
+        tracker: tracker.clone(),
     };
 
     let id = match nccl::get_uniqueid() {
@@ -309,9 +454,11 @@ fn create(ordinals: &[usize]) -> Group {
                 if let Err(mpsc::SendError((_, Ok((c, ctx))))) = tx.send((rank, r)) {
                     // Nobody waits any more (the group timed out): don't leak it live.
                     let mut s = RankSlot {
+                        rank,
                         ordinal,
                         comm: Some(c),
                         ctx: Some(ctx),
+                        tracker: None,
                     };
                     s.abort();
                 }
@@ -411,12 +558,13 @@ fn init_rank(ordinal: usize, rank: usize, world: usize, id: sys::ncclUniqueId) -
 }
 
 /// The all-reduce as a candle op: reads the (contiguous) input, writes a new buffer.
-struct AllReduceOp {
+struct AllReduceOp<'a> {
     comm: sys::ncclComm_t,
     rank: usize,
+    tracker: &'a Tracker,
 }
 
-impl AllReduceOp {
+impl AllReduceOp<'_> {
     fn run<T>(&self, s: &CudaStorage, l: &Layout, dtype: sys::ncclDataType_t) -> Result<CudaStorage>
     where
         T: candle_core::cuda::CudaDType + cudarc::driver::DeviceRepr,
@@ -440,30 +588,32 @@ impl AllReduceOp {
             // SAFETY: both buffers hold `n` elements of the type `dtype` names, on this
             // communicator's GPU; the stream is that GPU's candle stream; the guards
             // record the use on the stream when dropped (after the enqueue).
-            unsafe {
-                nccl::all_reduce(
-                    src_ptr as *const std::ffi::c_void,
-                    dst_ptr as *mut std::ffi::c_void,
-                    n,
-                    dtype,
-                    sys::ncclRedOp_t::ncclSum,
-                    self.comm,
-                    stream.cu_stream() as sys::cudaStream_t,
-                )
-            }
-            .map_err(|e| {
-                candle_core::Error::Msg(format!(
-                    "NCCL all-reduce on rank {} failed: {}",
-                    self.rank,
-                    describe(&e, Some(self.comm))
-                ))
-            })?;
+            self.tracker.issued[self.rank].fetch_add(1, Ordering::SeqCst);
+            self.tracker
+                .busy(self.rank, CALL_ALL_REDUCE, || unsafe {
+                    nccl::all_reduce(
+                        src_ptr as *const std::ffi::c_void,
+                        dst_ptr as *mut std::ffi::c_void,
+                        n,
+                        dtype,
+                        sys::ncclRedOp_t::ncclSum,
+                        self.comm,
+                        stream.cu_stream() as sys::cudaStream_t,
+                    )
+                })
+                .map_err(|e| {
+                    candle_core::Error::Msg(format!(
+                        "NCCL all-reduce on rank {} failed: {}",
+                        self.rank,
+                        describe(&e, Some(self.comm))
+                    ))
+                })?;
         }
         Ok(CudaStorage::wrap_cuda_slice(dst, dev))
     }
 }
 
-impl CustomOp1 for AllReduceOp {
+impl CustomOp1 for AllReduceOp<'_> {
     fn name(&self) -> &'static str {
         "nccl-all-reduce-sum"
     }
@@ -603,6 +753,7 @@ impl Comm for NcclComm {
         let op = AllReduceOp {
             comm,
             rank: self.rank,
+            tracker: &self.group.tracker,
         };
         let out = match t.apply_op1_no_bwd(&op) {
             Ok(o) => o,
