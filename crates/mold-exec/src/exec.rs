@@ -523,7 +523,12 @@ impl Executor {
                         let input = &input;
                         s.spawn(move || {
                             let mut guard = AbortGuard(comm.as_ref(), false);
-                            let r = self.run_rank(part, rank, comm.as_ref(), input);
+                            // Finish this rank's kernels before its thread hands the
+                            // result on: work queued from another thread is not ordered
+                            // with it otherwise (a no-op on the CPU).
+                            let r = self
+                                .run_rank(part, rank, comm.as_ref(), input)
+                                .and_then(|a| rank.device.synchronize().map(|_| a));
                             guard.1 = r.is_ok();
                             r
                         })
