@@ -2,25 +2,9 @@
 
 use crate::util::*;
 
+/// The command's stdout; it must succeed.
 fn ok(args: &[&str]) -> String {
-    let o = mold(args);
-    assert!(
-        o.status.success(),
-        "mold {args:?}: {}{}",
-        stdout(&o),
-        stderr(&o)
-    );
-    stdout(&o)
-}
-
-fn fails(args: &[&str]) -> String {
-    let o = mold(args);
-    assert!(
-        !o.status.success(),
-        "mold {args:?} should fail: {}",
-        stdout(&o)
-    );
-    stderr(&o)
+    mold_ok(args).0
 }
 
 #[test]
@@ -115,7 +99,7 @@ fn exec_refusals_name_the_problem() {
     ]);
 
     // Another machine: refused unless --force.
-    let e = fails(&[
+    let e = mold_fails(&[
         "exec",
         ps,
         "--weights",
@@ -135,7 +119,7 @@ fn exec_refusals_name_the_problem() {
         read(&root().join("sim/machines/cpu-emu-4.yaml")).replace("budget: 4GiB", "budget: 65MiB");
     assert!(profile.contains("65MiB"));
     std::fs::write(&small, profile).unwrap();
-    let e = fails(&[
+    let e = mold_fails(&[
         "exec",
         ps,
         "--weights",
@@ -151,7 +135,7 @@ fn exec_refusals_name_the_problem() {
     let other = d.join("other");
     std::fs::create_dir_all(&other).unwrap();
     mold_exec::write_testdata(&cfg, &other, 1, mold_exec::DType::F32).unwrap();
-    let e = fails(&["exec", ps, "--weights", other.to_str().unwrap()]);
+    let e = mold_fails(&["exec", ps, "--weights", other.to_str().unwrap()]);
     assert!(
         e.contains("img_mlp.0.weight") && e.contains("256") && e.contains("128"),
         "{e}"
@@ -168,6 +152,6 @@ fn exec_refusals_name_the_problem() {
         "-o",
         q.to_str().unwrap(),
     ]);
-    let e = fails(&["exec", q.to_str().unwrap(), "--weights", ws]);
+    let e = mold_fails(&["exec", q.to_str().unwrap(), "--weights", ws]);
     assert!(e.contains("qwen-image") && e.contains("FLUX-family"), "{e}");
 }

@@ -4,27 +4,6 @@
 use crate::util::*;
 use std::path::{Path, PathBuf};
 
-fn ok(args: &[&str]) -> (String, String) {
-    let o = mold(args);
-    assert!(
-        o.status.success(),
-        "mold {args:?}: {}{}",
-        stdout(&o),
-        stderr(&o)
-    );
-    (stdout(&o), stderr(&o))
-}
-
-fn fails(args: &[&str]) -> String {
-    let o = mold(args);
-    assert!(
-        !o.status.success(),
-        "mold {args:?} should fail: {}",
-        stdout(&o)
-    );
-    stderr(&o)
-}
-
 /// `mold plan --model flux-tiny --machine cpu-emu-4` with `extra`, written to `d/name.yaml`.
 fn plan(d: &Path, name: &str, extra: &[&str]) -> PathBuf {
     let p = d.join(format!("{name}.yaml"));
@@ -38,7 +17,7 @@ fn plan(d: &Path, name: &str, extra: &[&str]) -> PathBuf {
         p.to_str().unwrap(),
     ];
     args.extend(extra);
-    ok(&args);
+    mold_ok(&args);
     p
 }
 
@@ -66,7 +45,7 @@ fn generate(plan: &Path, w: &Path, out: &Path, extra: &[&str]) -> (Vec<u8>, Stri
     ];
     args.extend(seed);
     args.extend(extra);
-    let (so, se) = ok(&args);
+    let (so, se) = mold_ok(&args);
     (std::fs::read(out).unwrap(), so, se)
 }
 
@@ -74,7 +53,7 @@ fn generate(plan: &Path, w: &Path, out: &Path, extra: &[&str]) -> (Vec<u8>, Stri
 fn text_to_image_is_deterministic_and_placement_independent() {
     let d = tempdir("pipeline-e2e");
     let w = d.join("w");
-    ok(&["testdata", "flux-tiny-pipeline", w.to_str().unwrap()]);
+    mold_ok(&["testdata", "flux-tiny-pipeline", w.to_str().unwrap()]);
 
     let one = plan(&d, "one", &["--tp", "off"]);
     // Budgets of 65 MiB (64 MiB headroom) force the planner to split the transformer over
@@ -175,7 +154,7 @@ fn text_to_image_is_deterministic_and_placement_independent() {
     // Another seed, or another prompt: another image.
     let (e, _, _) = generate(&one, &w, &d.join("seed.png"), &["--seed", "7"]);
     assert!(e != a);
-    let o = ok(&[
+    let o = mold_ok(&[
         "exec",
         one.to_str().unwrap(),
         "--weights",
@@ -211,13 +190,13 @@ fn pipeline_refusals_name_the_problem() {
     let d = tempdir("pipeline-refuse");
     let w = d.join("w");
     let ws = w.to_str().unwrap();
-    ok(&["testdata", "flux-tiny-pipeline", ws]);
+    mold_ok(&["testdata", "flux-tiny-pipeline", ws]);
     let p = plan(&d, "p", &["--tp", "2"]);
     let ps = p.to_str().unwrap();
 
     // A size FLUX cannot make: refused with the nearest valid sizes, before anything
     // else (the weights path does not even exist).
-    let e = fails(&[
+    let e = mold_fails(&[
         "exec",
         ps,
         "--weights",
@@ -236,10 +215,10 @@ fn pipeline_refusals_name_the_problem() {
 
     // Missing files: every one is named, relative to the directory.
     let broken = d.join("broken");
-    ok(&["testdata", "flux-tiny-pipeline", broken.to_str().unwrap()]);
+    mold_ok(&["testdata", "flux-tiny-pipeline", broken.to_str().unwrap()]);
     std::fs::remove_file(broken.join("clip/tokenizer.json")).unwrap();
     std::fs::remove_file(broken.join("ae.safetensors")).unwrap();
-    let e = fails(&[
+    let e = mold_fails(&[
         "exec",
         ps,
         "--weights",
@@ -255,11 +234,11 @@ fn pipeline_refusals_name_the_problem() {
 
     // A T5 of the wrong width for the transformer.
     let bad = d.join("bad");
-    ok(&["testdata", "flux-tiny-pipeline", bad.to_str().unwrap()]);
+    mold_ok(&["testdata", "flux-tiny-pipeline", bad.to_str().unwrap()]);
     let cfg = bad.join("t5/config.json");
     let text = read(&cfg).replace("\"d_model\": 32", "\"d_model\": 48");
     std::fs::write(&cfg, text).unwrap();
-    let e = fails(&[
+    let e = mold_fails(&[
         "exec",
         ps,
         "--weights",
@@ -277,7 +256,7 @@ fn pipeline_refusals_name_the_problem() {
     let profile =
         read(&root().join("sim/machines/cpu-emu-4.yaml")).replace("budget: 4GiB", "budget: 70MiB");
     std::fs::write(&small, profile).unwrap();
-    let e = fails(&[
+    let e = mold_fails(&[
         "exec",
         ps,
         "--weights",
@@ -297,8 +276,8 @@ fn pipeline_refusals_name_the_problem() {
     );
 
     // Pipeline flags without --prompt, and --verify with it.
-    let e = fails(&["exec", ps, "--weights", ws, "--width", "64"]);
+    let e = mold_fails(&["exec", ps, "--weights", ws, "--width", "64"]);
     assert!(e.contains("--width") && e.contains("--prompt"), "{e}");
-    let e = fails(&["exec", ps, "--weights", ws, "--prompt", "x", "--verify"]);
+    let e = mold_fails(&["exec", ps, "--weights", ws, "--prompt", "x", "--verify"]);
     assert!(e.contains("--verify"), "{e}");
 }

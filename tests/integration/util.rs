@@ -76,3 +76,26 @@ pub fn stable(s: &str) -> String {
 pub fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
+
+/// Runs mold and insists it succeeds: (stdout, stderr).
+pub fn mold_ok(args: &[&str]) -> (String, String) {
+    let o = mold(args);
+    assert!(
+        o.status.success(),
+        "mold {args:?}: {}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    (stdout(&o), stderr(&o))
+}
+
+/// Runs mold and insists it fails: its stderr.
+pub fn mold_fails(args: &[&str]) -> String {
+    let o = mold(args);
+    assert!(
+        !o.status.success(),
+        "mold {args:?} should fail: {}",
+        stdout(&o)
+    );
+    stderr(&o)
+}
