@@ -100,8 +100,9 @@ pub struct ModelsArgs {
     pub json: bool,
 }
 
-/// A GPU shorthand (`--encoder-gpu 1`) as the machine names that device.
-fn gpu(machine: &mold_machine::Machine, n: u32, flag: &str) -> Result<DeviceId> {
+/// GPU ordinal `n` as the machine names it (cuda:N, or emu:N on an emulated machine);
+/// `source` (a flag with its value, an env variable, a config key) prefixes the error.
+fn gpu(machine: &Machine, n: u32, source: &str) -> Result<DeviceId> {
     machine
         .devices
         .iter()
@@ -109,7 +110,7 @@ fn gpu(machine: &mold_machine::Machine, n: u32, flag: &str) -> Result<DeviceId> 
         .map(|d| d.id.clone())
         .with_context(|| {
             format!(
-                "{flag} {n}: machine `{}` has no device {n} (it has {})",
+                "{source}: machine `{}` has no device cuda:{n} (it has {})",
                 machine.name,
                 machine.device_list()
             )
@@ -140,25 +141,9 @@ fn settings(a: &Args) -> Result<mold_config::Settings> {
     Ok(mold_config::load(flags)?)
 }
 
-/// GPU ordinals as the machine names them (cuda:N, or emu:N on an emulated machine).
+/// GPU ordinals as the machine names them.
 fn gpus_of(machine: &Machine, ordinals: &[u32], source: &str) -> Result<Vec<DeviceId>> {
-    ordinals
-        .iter()
-        .map(|&n| {
-            machine
-                .devices
-                .iter()
-                .find(|d| d.id.ordinal() == Some(n))
-                .map(|d| d.id.clone())
-                .with_context(|| {
-                    format!(
-                        "{source}: machine `{}` has no device cuda:{n} (it has {})",
-                        machine.name,
-                        machine.device_list()
-                    )
-                })
-        })
-        .collect()
+    ordinals.iter().map(|&n| gpu(machine, n, source)).collect()
 }
 
 /// The machine to plan for, after device selection, headroom and budget caps; and the
@@ -389,7 +374,7 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
         c.pins.insert(name, devs);
     }
     if let Some(n) = a.encoder_gpu {
-        let d = gpu(&req.machine, n, "--encoder-gpu")?;
+        let d = gpu(&req.machine, n, &format!("--encoder-gpu {n}"))?;
         for comp in &req.model.components {
             if comp.role == mold_plan::ComponentRole::Encoder {
                 req.constraints
@@ -401,12 +386,12 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
     if let Some(v) = &a.transformer_gpu {
         let ds = v
             .iter()
-            .map(|n| gpu(&req.machine, *n, "--transformer-gpu"))
+            .map(|n| gpu(&req.machine, *n, &format!("--transformer-gpu {n}")))
             .collect::<Result<Vec<_>>>()?;
         req.constraints.pins.insert("transformer".into(), ds);
     }
     if let Some(n) = a.vae_gpu {
-        let d = gpu(&req.machine, n, "--vae-gpu")?;
+        let d = gpu(&req.machine, n, &format!("--vae-gpu {n}"))?;
         req.constraints.pins.insert("vae".into(), vec![d]);
     }
     req.objective = match (&a.objective, file.objective) {
