@@ -5,7 +5,8 @@ use crate::comm::{Comm, LocalComm};
 use crate::config::FluxConfig;
 use crate::error::{ExecError, Result};
 use crate::model::flux::{DoubleBlock, FinalLayer, SingleBlock, Stem};
-use crate::model::{ActivationMeter, Ctx, Shard};
+use crate::model::attention::AttentionMode;
+use crate::model::{ActivationMeter, Ctx, Profiler, Shard};
 use crate::runtime::{self, Block, CheckpointSource, DeviceMap, DeviceMemory, Held};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use mold_plan::{DeviceId, Part, Plan, Residency};
@@ -159,6 +160,7 @@ struct Rank {
     final_layer: Option<FinalLayer>,
     blocks: Vec<Held>,
     meter: ActivationMeter,
+    profile: Profiler,
     resident_bytes: u64,
     stream_bytes: u64,
     host_bytes: u64,
@@ -236,6 +238,8 @@ pub struct Executor {
     cfg: FluxConfig,
     dtype: DType,
     parts: Vec<PartRt>,
+    attention: AttentionMode,
+    profiling: bool,
 }
 
 impl std::fmt::Debug for Executor {
@@ -372,6 +376,7 @@ impl Executor {
                     final_layer,
                     blocks,
                     meter: ActivationMeter::default(),
+                    profile: Profiler::default(),
                     resident_bytes,
                     stream_bytes,
                     host_bytes,
@@ -387,7 +392,46 @@ impl Executor {
             cfg: cfg.clone(),
             dtype,
             parts,
+            attention: AttentionMode::from_env(),
+            profiling: Profiler::requested(),
         })
+    }
+
+    /// Chooses the attention implementation (default: `MOLD_ATTENTION`, else the fused
+    /// kernel where supported). `--verify` runs its reference unfused, so the comparison
+    /// also checks the fused kernel.
+    pub fn with_attention(mut self, mode: AttentionMode) -> Self {
+        self.attention = mode;
+        self
+    }
+
+    /// Turns phase profiling on or off (default: `MOLD_PROFILE`).
+    pub fn with_profiling(mut self, on: bool) -> Self {
+        self.profiling = on;
+        self
+    }
+
+    /// Whether phases are being timed.
+    pub fn profiling(&self) -> bool {
+        self.profiling
+    }
+
+    /// Time per phase and device since the last [`Executor::clear_profile`]: for each
+    /// rank, `(label, seconds, marks)`, largest first. Empty unless profiling.
+    pub fn profile_report(&self) -> Vec<(DeviceId, Vec<(&'static str, f64, u64)>)> {
+        self.parts
+            .iter()
+            .flat_map(|p| p.ranks.iter())
+            .map(|r| (r.id.clone(), r.profile.report()))
+            .filter(|(_, v)| !v.is_empty())
+            .collect()
+    }
+
+    /// Forgets the phase times so far (e.g. the warm-up step's).
+    pub fn clear_profile(&self) {
+        for r in self.parts.iter().flat_map(|p| p.ranks.iter()) {
+            r.profile.clear();
+        }
     }
 
     /// The compute dtype.
@@ -572,6 +616,8 @@ impl Executor {
         let ctx = Ctx {
             comm,
             meter: &rank.meter,
+            attention: self.attention,
+            profile: self.profiling.then_some(&rank.profile),
         };
         let mut acts = match input {
             PartInput::Acts(a) => a.to_device(dev)?,
@@ -590,6 +636,7 @@ impl Executor {
                     &mv(&x.y)?,
                     x.guidance.as_ref().map(f32).transpose()?.as_ref(),
                 )?;
+                ctx.mark("stem", &s.img);
                 Acts::Double {
                     img: s.img,
                     txt: s.txt,
@@ -599,7 +646,13 @@ impl Executor {
             }
         };
         for (step, held) in part.steps.iter().zip(&rank.blocks) {
+            if let Some(p) = ctx.profile {
+                p.mark(None, &Tensor::zeros(1, DType::F32, dev)?);
+            }
             let block = held.fetch(dev)?;
+            if let Some(p) = ctx.profile {
+                p.mark(Some("weight fetch (streamed)"), &Tensor::zeros(1, DType::F32, dev)?);
+            }
             acts = match (block.as_ref(), acts) {
                 (Block::Double(b), Acts::Double { img, txt, vec, pe }) => {
                     let (img, txt) = b.forward(&img, &txt, &vec, &pe, &ctx)?;
@@ -642,7 +695,9 @@ impl Executor {
                 } => (x.i((.., txt_len..))?, vec),
                 Acts::Out(_) => candle_core::bail!("final layer run twice"),
             };
+            ctx.mark_start(&img);
             let out = fl.forward(&img, &vec)?;
+            ctx.mark("final layer", &out);
             rank.meter.see(&out);
             acts = Acts::Out(out);
         }

@@ -10,37 +10,23 @@
 //! the final layer are replicated.
 
 use super::layers::{vector_bytes, ColumnParallel, Linear, RowParallel};
-use super::{ActivationMeter, Ctx, Shard, WeightSource};
+use super::{Ctx, Shard, WeightSource};
 use crate::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
-use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
-use candle_nn::{LayerNorm, RmsNorm};
+use candle_core::{DType, Device, IndexOp, Tensor, D};
 
 type CResult<T> = candle_core::Result<T>;
 
 const EPS: f64 = 1e-6;
 
-/// LayerNorm without affine parameters (BFL `elementwise_affine=False`).
+/// LayerNorm without affine parameters (BFL `elementwise_affine=False`), through
+/// candle's fused layer-norm kernel (candle-nn's `LayerNorm` takes a slow composed path,
+/// with f32 copies, when there is no bias).
 fn layer_norm(x: &Tensor) -> CResult<Tensor> {
-    let ones = Tensor::ones(x.dim(D::Minus1)?, x.dtype(), x.device())?;
-    LayerNorm::new_no_bias(ones, EPS).forward(x)
-}
-
-fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, meter: &ActivationMeter) -> CResult<Tensor> {
-    let dim = q.dim(D::Minus1)?;
-    let scale = 1.0 / (dim as f64).sqrt();
-    let mut batch_dims = q.dims().to_vec();
-    batch_dims.pop();
-    batch_dims.pop();
-    let q = q.flatten_to(batch_dims.len() - 1)?;
-    let k = k.flatten_to(batch_dims.len() - 1)?;
-    let v = v.flatten_to(batch_dims.len() - 1)?;
-    let weights = (q.matmul(&k.t()?)? * scale)?;
-    meter.see(&weights);
-    let scores = candle_nn::ops::softmax_last_dim(&weights)?.matmul(&v)?;
-    batch_dims.push(scores.dim(D::Minus2)?);
-    batch_dims.push(scores.dim(D::Minus1)?);
-    scores.reshape(batch_dims)
+    let h = x.dim(D::Minus1)?;
+    let ones = Tensor::ones(h, x.dtype(), x.device())?;
+    let zeros = Tensor::zeros(h, x.dtype(), x.device())?;
+    candle_nn::ops::layer_norm(&x.contiguous()?, &ones, &zeros, EPS as f32)
 }
 
 /// RoPE rotation matrices for one position axis: `(b, n, dim/2, 2, 2)`.
@@ -59,30 +45,31 @@ fn rope(pos: &Tensor, dim: usize, theta: f64) -> CResult<Tensor> {
     out.reshape((b, n, d, 2, 2))
 }
 
+/// RoPE on `(b, h, L, d)` with the table from [`positional_embedding`]: BFL rotates
+/// interleaved pairs `(x[2i], x[2i+1])` by the matrix `[[cos, -sin], [sin, cos]]`, which is
+/// candle's fused `rope_i` with the table's `cos` and `sin` entries.
 fn apply_rope(x: &Tensor, pe: &Tensor) -> CResult<Tensor> {
-    let dims = x.dims().to_vec();
-    let (b, h, l, e) = x.dims4()?;
-    let x = x.reshape((b, h, l, e / 2, 2))?;
-    let x0 = x.narrow(D::Minus1, 0, 1)?;
-    let x1 = x.narrow(D::Minus1, 1, 1)?;
-    let f0 = pe.get_on_dim(D::Minus1, 0)?;
-    let f1 = pe.get_on_dim(D::Minus1, 1)?;
-    (f0.broadcast_mul(&x0)? + f1.broadcast_mul(&x1)?)?.reshape(dims)
+    let (cos, sin) = rope_cos_sin(pe, x.dtype())?;
+    candle_nn::rotary_emb::rope_i(&x.contiguous()?, &cos, &sin)
+}
+
+/// `cos` and `sin`, each `(b, L, head_dim/2)` and contiguous, from the rotation table.
+fn rope_cos_sin(pe: &Tensor, dtype: DType) -> CResult<(Tensor, Tensor)> {
+    let pe = pe.i((.., 0))?; // (b, L, d/2, 2, 2)
+    let cos = pe.i((.., .., .., 0, 0))?.to_dtype(dtype)?.contiguous()?;
+    let sin = pe.i((.., .., .., 1, 0))?.to_dtype(dtype)?.contiguous()?;
+    Ok((cos, sin))
 }
 
 /// Attention over this rank's heads: `q, k, v` are `(b, heads, L, head_dim)`; returns
 /// `(b, L, heads * head_dim)`.
-fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    pe: &Tensor,
-    meter: &ActivationMeter,
-) -> CResult<Tensor> {
-    let q = apply_rope(q, pe)?.contiguous()?;
-    let k = apply_rope(k, pe)?.contiguous()?;
-    let x = sdpa(&q, &k, v, meter)?;
-    x.transpose(1, 2)?.flatten_from(2)
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, pe: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
+    let q = apply_rope(q, pe)?;
+    let k = apply_rope(k, pe)?;
+    ctx.mark("rope", &k);
+    let out = super::attention::attention_with(ctx.attention, &q, &k, v, ctx.meter)?;
+    ctx.mark("attention", &out);
+    Ok(out)
 }
 
 /// Sinusoidal embedding of `t` (scaled by 1000), `dim` wide, cos then sin.
@@ -177,8 +164,6 @@ impl Modulation {
 
 #[derive(Clone, Debug)]
 struct QkNorm {
-    query: RmsNorm,
-    key: RmsNorm,
     query_scale: Tensor,
     key_scale: Tensor,
 }
@@ -191,8 +176,6 @@ impl QkNorm {
     }
     fn new(q: Tensor, k: Tensor) -> Self {
         QkNorm {
-            query: RmsNorm::new(q.clone(), EPS),
-            key: RmsNorm::new(k.clone(), EPS),
             query_scale: q,
             key_scale: k,
         }
@@ -213,10 +196,12 @@ impl QkNorm {
 fn split_qkv(qkv: &Tensor, heads: usize, norm: &QkNorm) -> CResult<(Tensor, Tensor, Tensor)> {
     let (b, l, _) = qkv.dims3()?;
     let qkv = qkv.reshape((b, l, 3, heads, ()))?;
-    let q = qkv.i((.., .., 0))?.transpose(1, 2)?;
-    let k = qkv.i((.., .., 1))?.transpose(1, 2)?;
-    let v = qkv.i((.., .., 2))?.transpose(1, 2)?;
-    Ok((norm.query.forward(&q)?, norm.key.forward(&k)?, v))
+    // (b, heads, L, head_dim), contiguous: the fused RMSNorm, RoPE and attention
+    // kernels need it.
+    let part = |i: usize| qkv.i((.., .., i))?.transpose(1, 2)?.contiguous();
+    let q = candle_nn::ops::rms_norm(&part(0)?, &norm.query_scale, EPS as f32)?;
+    let k = candle_nn::ops::rms_norm(&part(1)?, &norm.key_scale, EPS as f32)?;
+    Ok((q, k, part(2)?))
 }
 
 /// The rows of a fused `[q; k; v]` (and optionally a trailing MLP segment) that belong to
@@ -308,8 +293,10 @@ impl DoubleBlock {
         pe: &Tensor,
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
+        ctx.mark_start(img);
         let im = self.img.modulation.forward(vec, 2)?;
         let tm = self.txt.modulation.forward(vec, 2)?;
+        ctx.mark("modulation", &tm[1].gate);
         let img_qkv = self
             .img
             .qkv
@@ -319,12 +306,15 @@ impl DoubleBlock {
             .qkv
             .forward(&tm[0].scale_shift(&layer_norm(txt)?)?)?;
         ctx.meter.see(&img_qkv);
+        ctx.mark("norm + qkv linear", &txt_qkv);
         let (iq, ik, iv) = split_qkv(&img_qkv, self.heads, &self.img.norm)?;
         let (tq, tk, tv) = split_qkv(&txt_qkv, self.heads, &self.txt.norm)?;
+        ctx.mark("qk norm + layout", &tv);
         let q = Tensor::cat(&[tq, iq], 2)?;
         let k = Tensor::cat(&[tk, ik], 2)?;
         let v = Tensor::cat(&[tv, iv], 2)?;
-        let attn = attention(&q, &k, &v, pe, ctx.meter)?;
+        ctx.mark("txt/img concat", &v);
+        let attn = attention(&q, &k, &v, pe, ctx)?;
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
         let txt_attn = attn.narrow(1, 0, tl)?;
@@ -339,11 +329,14 @@ impl DoubleBlock {
             1,
         )?;
         ctx.meter.see(&partial);
+        ctx.mark("attn out linear", &partial);
         let reduced = ctx.comm.all_reduce_sum(&partial)?;
+        ctx.mark("all-reduce", &reduced);
         let txt_proj = self.txt.proj.add_bias(&reduced.narrow(1, 0, tl)?)?;
         let img_proj = self.img.proj.add_bias(&reduced.narrow(1, tl, il)?)?;
         let img = (img + im[0].gate(&img_proj)?)?;
         let txt = (txt + tm[0].gate(&txt_proj)?)?;
+        ctx.mark("bias + gate + residual", &txt);
 
         // One all-reduce for both streams' MLPs.
         let img_h = self
@@ -357,6 +350,7 @@ impl DoubleBlock {
             .forward(&tm[1].scale_shift(&layer_norm(&txt)?)?)?
             .gelu()?;
         ctx.meter.see(&img_h);
+        ctx.mark("norm + mlp in + gelu", &txt_h);
         let partial = Tensor::cat(
             &[
                 self.txt.mlp2.partial(&txt_h)?,
@@ -364,11 +358,14 @@ impl DoubleBlock {
             ],
             1,
         )?;
+        ctx.mark("mlp out linear", &partial);
         let reduced = ctx.comm.all_reduce_sum(&partial)?;
+        ctx.mark("all-reduce", &reduced);
         let txt_mlp = self.txt.mlp2.add_bias(&reduced.narrow(1, 0, tl)?)?;
         let img_mlp = self.img.mlp2.add_bias(&reduced.narrow(1, tl, il)?)?;
         let img = (&img + im[1].gate(&img_mlp)?)?;
         let txt = (&txt + tm[1].gate(&txt_mlp)?)?;
+        ctx.mark("bias + gate + residual", &txt);
         Ok((img, txt))
     }
 
@@ -427,18 +424,28 @@ impl SingleBlock {
     }
 
     pub fn forward(&self, x: &Tensor, vec: &Tensor, pe: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
+        ctx.mark_start(x);
         let m = self.modulation.forward(vec, 1)?;
+        ctx.mark("modulation", &m[0].gate);
         let x_mod = m[0].scale_shift(&layer_norm(x)?)?;
         let x_mod = self.linear1.forward(&x_mod)?;
         ctx.meter.see(&x_mod);
+        ctx.mark("norm + qkv/mlp linear", &x_mod);
         let qkv = x_mod.narrow(D::Minus1, 0, 3 * self.h_local)?;
         let mlp = x_mod.narrow(D::Minus1, 3 * self.h_local, self.mlp_local)?;
         let (q, k, v) = split_qkv(&qkv, self.heads, &self.norm)?;
-        let attn = attention(&q, &k, &v, pe, ctx.meter)?;
+        ctx.mark("qk norm + layout", &v);
+        let attn = attention(&q, &k, &v, pe, ctx)?;
         let out = Tensor::cat(&[attn, mlp.gelu()?], 2)?;
-        let reduced = ctx.comm.all_reduce_sum(&self.linear2.partial(&out)?)?;
+        ctx.mark("gelu + concat", &out);
+        let partial = self.linear2.partial(&out)?;
+        ctx.mark("out linear", &partial);
+        let reduced = ctx.comm.all_reduce_sum(&partial)?;
+        ctx.mark("all-reduce", &reduced);
         let out = self.linear2.add_bias(&reduced)?;
-        x + m[0].gate(&out)?
+        let out = (x + m[0].gate(&out)?)?;
+        ctx.mark("bias + gate + residual", &out);
+        Ok(out)
     }
 
     pub fn to_device(&self, d: &Device) -> CResult<Self> {

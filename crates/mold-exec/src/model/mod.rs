@@ -3,14 +3,18 @@
 //! loaded for one [`Shard`] (rank `r` of a group of `world`) from a [`WeightSource`], and
 //! its forward pass talks to its group only through [`crate::comm::Comm`].
 
+pub mod attention;
 pub mod flux;
 pub mod layers;
 
 use crate::comm::Comm;
 use crate::error::Result;
 use candle_core::Tensor;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
 
 /// Which slice of a tensor-parallel group a set of weights is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,8 +68,77 @@ impl ActivationMeter {
     }
 }
 
+/// Per-rank wall time of the model's phases (`MOLD_PROFILE=1`): each [`Ctx::mark`]
+/// waits for the device, then adds the time since the previous mark to its label. The
+/// waits serialise host and device, so a profiled step is slower than a plain one; the
+/// split between phases is what it is for.
+#[derive(Debug, Default)]
+pub struct Profiler {
+    state: Mutex<ProfState>,
+}
+
+#[derive(Debug, Default)]
+struct ProfState {
+    last: Option<Instant>,
+    /// label → (seconds, marks)
+    acc: BTreeMap<&'static str, (f64, u64)>,
+}
+
+impl Profiler {
+    /// Whether `MOLD_PROFILE` asks for profiling.
+    pub fn requested() -> bool {
+        matches!(std::env::var("MOLD_PROFILE").as_deref(), Ok(v) if !v.is_empty() && v != "0")
+    }
+
+    /// Waits for `t`'s device and charges the time since the last mark to `label`
+    /// (`None`: restarts the clock without charging anything).
+    pub fn mark(&self, label: Option<&'static str>, t: &Tensor) {
+        let _ = t.device().synchronize();
+        let now = Instant::now();
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some(label), Some(last)) = (label, st.last) {
+            let e = st.acc.entry(label).or_insert((0.0, 0));
+            e.0 += (now - last).as_secs_f64();
+            e.1 += 1;
+        }
+        st.last = Some(now);
+    }
+
+    /// `(label, seconds, marks)`, largest time first.
+    pub fn report(&self) -> Vec<(&'static str, f64, u64)> {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<_> = st.acc.iter().map(|(k, (s, n))| (*k, *s, *n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v
+    }
+
+    pub fn clear(&self) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        *st = ProfState::default();
+    }
+}
+
 /// What a block's forward pass may use besides its inputs.
 pub struct Ctx<'a> {
     pub comm: &'a dyn Comm,
     pub meter: &'a ActivationMeter,
+    /// Which attention implementation the blocks use.
+    pub attention: attention::AttentionMode,
+    /// Phase timing, when profiling.
+    pub profile: Option<&'a Profiler>,
+}
+
+impl Ctx<'_> {
+    /// Ends phase `label` once `t` is computed (no-op unless profiling).
+    pub fn mark(&self, label: &'static str, t: &Tensor) {
+        if let Some(p) = self.profile {
+            p.mark(Some(label), t);
+        }
+    }
+    /// Starts timing from now (no-op unless profiling).
+    pub fn mark_start(&self, t: &Tensor) {
+        if let Some(p) = self.profile {
+            p.mark(None, t);
+        }
+    }
 }

@@ -1,0 +1,305 @@
+//! Scaled-dot-product attention: `softmax(q kᵀ / √d) v` over `(b, heads, L, d)` inputs,
+//! returned as `(b, L, heads · d)` — the layout the projection after it needs.
+//!
+//! On CUDA, for bf16/f16 and head dimensions 64 and 128, a fused kernel (mold's own
+//! FlashAttention-2 style forward, `kernels/flash_attn.cu`, compiled to PTX by build.rs)
+//! computes it without materialising the `L × L` scores and writes the output directly
+//! in `(b, L, heads, d)` order. Everywhere else (CPU, f32, other head sizes) the same
+//! function runs the unfused composition of candle ops, which is the reference the fused
+//! kernel is tested against.
+//!
+//! `MOLD_ATTENTION=unfused` forces the unfused path (for comparisons and debugging);
+//! `fused` makes an unsupported case an error instead of a silent fallback.
+
+use super::ActivationMeter;
+use candle_core::{Tensor, D};
+use std::sync::OnceLock;
+
+type CResult<T> = candle_core::Result<T>;
+
+/// Which attention implementation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionMode {
+    /// The fused kernel where supported, else unfused.
+    Auto,
+    /// Always the fused kernel; unsupported cases are errors.
+    Fused,
+    /// Always the composition of candle ops.
+    Unfused,
+}
+
+impl AttentionMode {
+    /// From `MOLD_ATTENTION` (`auto`, `fused`, `unfused`); read once per process.
+    pub fn from_env() -> AttentionMode {
+        static MODE: OnceLock<AttentionMode> = OnceLock::new();
+        *MODE.get_or_init(|| match std::env::var("MOLD_ATTENTION").as_deref() {
+            Ok("fused") => AttentionMode::Fused,
+            Ok("unfused") => AttentionMode::Unfused,
+            _ => AttentionMode::Auto,
+        })
+    }
+}
+
+/// Whether the fused kernel handles these inputs (device, dtype, head size).
+pub fn fused_supported(q: &Tensor) -> bool {
+    fused_supported_impl(q)
+}
+
+#[cfg(feature = "cuda")]
+fn fused_supported_impl(q: &Tensor) -> bool {
+    use candle_core::DType;
+    q.device().is_cuda()
+        && matches!(q.dtype(), DType::BF16 | DType::F16)
+        && matches!(q.dim(D::Minus1), Ok(64) | Ok(128))
+        && q.rank() == 4
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_supported_impl(_q: &Tensor) -> bool {
+    false
+}
+
+/// Attention with the implementation `MOLD_ATTENTION` selects.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, meter: &ActivationMeter) -> CResult<Tensor> {
+    attention_with(AttentionMode::from_env(), q, k, v, meter)
+}
+
+/// Attention with an explicit implementation choice.
+pub fn attention_with(
+    mode: AttentionMode,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    meter: &ActivationMeter,
+) -> CResult<Tensor> {
+    let fused = match mode {
+        AttentionMode::Unfused => false,
+        AttentionMode::Auto => fused_supported(q),
+        AttentionMode::Fused => {
+            if !fused_supported(q) {
+                candle_core::bail!(
+                    "MOLD_ATTENTION=fused: the fused kernel needs a CUDA build, a CUDA device, \
+                     bf16/f16 and head size 64 or 128; got {:?} {:?} on {:?} \
+                     (unset MOLD_ATTENTION to fall back to the unfused path)",
+                    q.dims(),
+                    q.dtype(),
+                    q.device().location()
+                );
+            }
+            true
+        }
+    };
+    if fused {
+        fused_attention(q, k, v, meter)
+    } else {
+        unfused_attention(q, k, v, meter)
+    }
+}
+
+/// The composition of candle ops (materialises the `L × L` scores).
+pub fn unfused_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    meter: &ActivationMeter,
+) -> CResult<Tensor> {
+    let dim = q.dim(D::Minus1)?;
+    let scale = 1.0 / (dim as f64).sqrt();
+    let mut batch_dims = q.dims().to_vec();
+    batch_dims.pop();
+    batch_dims.pop();
+    let q = q.flatten_to(batch_dims.len() - 1)?;
+    let k = k.flatten_to(batch_dims.len() - 1)?;
+    let v = v.flatten_to(batch_dims.len() - 1)?;
+    let weights = (q.matmul(&k.t()?)? * scale)?;
+    meter.see(&weights);
+    let scores = candle_nn::ops::softmax_last_dim(&weights)?.matmul(&v)?;
+    batch_dims.push(scores.dim(D::Minus2)?);
+    batch_dims.push(scores.dim(D::Minus1)?);
+    scores.reshape(batch_dims)?.transpose(1, 2)?.flatten_from(2)
+}
+
+#[cfg(feature = "cuda")]
+fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, meter: &ActivationMeter) -> CResult<Tensor> {
+    let (_, _, _, d) = q.dims4()?;
+    let scale_log2 = (1.0 / (d as f64).sqrt() * std::f64::consts::LOG2_E) as f32;
+    let out = q.contiguous()?.apply_op3_no_bwd(
+        &k.contiguous()?,
+        &v.contiguous()?,
+        &cuda::FlashAttn { scale_log2 },
+    )?;
+    meter.see(&out);
+    out.flatten_from(2)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, meter: &ActivationMeter) -> CResult<Tensor> {
+    unfused_attention(q, k, v, meter)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute_enum;
+    use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::{CudaDType, CudaStorage, WrapErr};
+    use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape};
+    use half::{bf16, f16};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
+    const MODULE: &str = "mold_flash_attn";
+    /// Must match kernels/flash_attn.cu.
+    const BLOCK_M: usize = 128;
+    const BLOCK_N: usize = 64;
+    const THREADS: u32 = 256;
+
+    pub struct FlashAttn {
+        pub scale_log2: f32,
+    }
+
+    impl CustomOp3 for FlashAttn {
+        fn name(&self) -> &'static str {
+            "mold-flash-attention"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            candle_core::bail!("mold-flash-attention runs on CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            q: &CudaStorage,
+            ql: &Layout,
+            k: &CudaStorage,
+            kl: &Layout,
+            v: &CudaStorage,
+            vl: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            match q.dtype() {
+                DType::BF16 => self.launch::<bf16>("bf16", q, ql, k, kl, v, vl),
+                DType::F16 => self.launch::<f16>("f16", q, ql, k, kl, v, vl),
+                dt => candle_core::bail!("mold-flash-attention: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    impl FlashAttn {
+        #[allow(clippy::too_many_arguments)]
+        fn launch<T: CudaDType + DeviceRepr>(
+            &self,
+            tname: &str,
+            q: &CudaStorage,
+            ql: &Layout,
+            k: &CudaStorage,
+            kl: &Layout,
+            v: &CudaStorage,
+            vl: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            let (b, h, lq, d) = ql.shape().dims4()?;
+            let (kb, kh, lk, kd) = kl.shape().dims4()?;
+            if (kb, kh, kd) != (b, h, d) || vl.shape() != kl.shape() {
+                candle_core::bail!(
+                    "mold-flash-attention: q {:?}, k {:?}, v {:?} do not agree",
+                    ql.shape(),
+                    kl.shape(),
+                    vl.shape()
+                );
+            }
+            for (n, l) in [("q", ql), ("k", kl), ("v", vl)] {
+                if !l.is_contiguous() {
+                    candle_core::bail!("mold-flash-attention: {n} is not contiguous");
+                }
+            }
+            let dev = &q.device;
+            let func = dev
+                .get_or_load_custom_func(&format!("mold_flash_fwd_{tname}_d{d}"), MODULE, PTX)?
+                .into_cuda_function();
+            let smem = (BLOCK_M + 4 * BLOCK_N) * d * 2;
+            func.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .w()?;
+            let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
+            let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
+            let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+            // SAFETY: every element is written by the kernel (rows < lq, all d).
+            let out = unsafe { dev.alloc::<T>(b * lq * h * d)? };
+            let cfg = LaunchConfig {
+                grid_dim: (lq.div_ceil(BLOCK_M) as u32, h as u32, b as u32),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let (hi, lqi, lki) = (h as i32, lq as i32, lk as i32);
+            let stream = dev.cuda_stream();
+            let mut args = stream.launch_builder(&func);
+            args.arg(&qs)
+                .arg(&ks)
+                .arg(&vs)
+                .arg(&out)
+                .arg(&hi)
+                .arg(&lqi)
+                .arg(&lki)
+                .arg(&self.scale_log2);
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe { args.launch(cfg) }.w()?;
+            Ok((
+                CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                Shape::from((b, lq, h, d)),
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn unfused_matches_naive_softmax() {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1., (1, 2, 5, 4), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1., (1, 2, 7, 4), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1., (1, 2, 7, 4), &dev).unwrap();
+        let meter = ActivationMeter::default();
+        let out = attention(&q, &k, &v, &meter).unwrap();
+        assert_eq!(out.dims(), &[1, 5, 8]);
+        // Row (h=1, i=3) by hand.
+        let qv: Vec<f32> = q.get(0).unwrap().get(1).unwrap().get(3).unwrap().to_vec1().unwrap();
+        let kv: Vec<Vec<f32>> = k.get(0).unwrap().get(1).unwrap().to_vec2().unwrap();
+        let vv: Vec<Vec<f32>> = v.get(0).unwrap().get(1).unwrap().to_vec2().unwrap();
+        let s: Vec<f32> = kv
+            .iter()
+            .map(|kr| kr.iter().zip(&qv).map(|(a, b)| a * b).sum::<f32>() / 2.0)
+            .collect();
+        let m = s.iter().cloned().fold(f32::MIN, f32::max);
+        let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+        let z: f32 = e.iter().sum();
+        let want: Vec<f32> = (0..4)
+            .map(|c| e.iter().zip(&vv).map(|(p, vr)| p * vr[c]).sum::<f32>() / z)
+            .collect();
+        let got: Vec<f32> = out.get(0).unwrap().get(3).unwrap().to_vec1().unwrap();
+        for c in 0..4 {
+            assert!((got[4 + c] - want[c]).abs() < 1e-5, "{got:?} vs {want:?}");
+        }
+        assert_eq!(meter.largest(), 2 * 5 * 7 * 4);
+        let _ = DType::F32;
+    }
+
+    #[test]
+    fn forced_fused_is_refused_where_unsupported() {
+        let q = Tensor::zeros((1, 1, 3, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let meter = ActivationMeter::default();
+        let err = attention_with(AttentionMode::Fused, &q, &q, &q, &meter).unwrap_err();
+        assert!(err.to_string().contains("MOLD_ATTENTION=fused"), "{err}");
+    }
+}
