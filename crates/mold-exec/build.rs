@@ -8,6 +8,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=kernels/flash_attn.cu");
+    println!("cargo:rerun-if-changed=kernels/elementwise.cu");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -23,19 +24,19 @@ fn main() {
             .filter(|p| std::path::Path::new(p).exists())
             .unwrap_or_else(|| "nvcc".into())
     });
-    let ptx = out.join("flash_attn.ptx");
-    let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", "--use_fast_math", "-std=c++17"])
-        .arg(format!("-arch=sm_{cap}"))
-        .arg("-o")
-        .arg(&ptx)
-        .arg("kernels/flash_attn.cu")
-        .status()
-        .unwrap_or_else(|e| {
-            panic!("mold-exec: cannot run nvcc ({nvcc}): {e}; build CUDA with scripts/build-cuda")
-        });
-    assert!(
-        status.success(),
-        "mold-exec: nvcc failed on kernels/flash_attn.cu"
-    );
+    for name in ["flash_attn", "elementwise"] {
+        let ptx = out.join(format!("{name}.ptx"));
+        let src = format!("kernels/{name}.cu");
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "--use_fast_math", "-std=c++17"])
+            .arg(format!("-arch=sm_{cap}"))
+            .arg("-o")
+            .arg(&ptx)
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| {
+                panic!("mold-exec: cannot run nvcc ({nvcc}): {e}; build CUDA with scripts/build-cuda")
+            });
+        assert!(status.success(), "mold-exec: nvcc failed on {src}");
+    }
 }

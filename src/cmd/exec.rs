@@ -294,10 +294,11 @@ pub fn run(a: Args) -> Result<i32> {
             .devices[0]
             .clone();
         let dtype = mold_exec::compute_dtype(plan.transformer().unwrap().dtype)?;
-        // Unfused attention in the reference: on CUDA the run above used the fused kernel,
-        // so the comparison checks it as well as the split/sharding.
+        // candle's ops in the reference: on CUDA the run above used mold's fused kernels
+        // (attention, element-wise), so the comparison checks them as well as the
+        // split/sharding.
         let reference = Executor::reference(&cfg, &ckpt, &first, dtype)?
-            .with_attention(mold_exec::AttentionMode::Unfused);
+            .with_kernels(mold_exec::Kernels::Candle);
         let want = sample(
             &|x| Ok(reference.forward_inputs(x)?),
             &inputs,
@@ -312,7 +313,7 @@ pub fn run(a: Args) -> Result<i32> {
                 1e-2
             },
         );
-        println!("\nverify: max relative error {err:.3e} against the single-device reference on {first}, unfused attention (tolerance {tol:.0e})");
+        println!("\nverify: max relative error {err:.3e} against the single-device reference on {first}, candle ops (tolerance {tol:.0e})");
         if err > tol {
             eprintln!("error: max relative error {err:.3e} is above the tolerance {tol:.0e}");
             return Ok(1);

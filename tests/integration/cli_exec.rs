@@ -155,3 +155,46 @@ fn exec_refusals_name_the_problem() {
     let e = mold_fails(&["exec", q.to_str().unwrap(), "--weights", ws]);
     assert!(e.contains("qwen-image") && e.contains("FLUX-family"), "{e}");
 }
+
+/// A rank that fails (error or panic) in the middle of a tensor-parallel step brings the
+/// whole group down: the command exits non-zero, promptly, naming the failed device.
+#[test]
+fn failing_rank_stops_the_group_and_is_named() {
+    let d = tempdir("exec-fault");
+    let w = d.join("w");
+    let w = w.to_str().unwrap();
+    ok(&["testdata", "flux-tiny", w]);
+    let p = d.join("tp2.yaml");
+    let p = p.to_str().unwrap();
+    ok(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        "sim/machines/cpu-emu-4.yaml",
+        "--tp",
+        "2",
+        "-o",
+        p,
+    ]);
+    for kind in ["error", "panic"] {
+        let fault = format!("emu:1@single 1:{kind}");
+        let t0 = std::time::Instant::now();
+        let o = mold_env(
+            &["exec", p, "--weights", w, "--steps", "2"],
+            &[("MOLD_FAULT", fault.as_str())],
+        );
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{kind}: should fail: {}", stdout(&o));
+        assert!(err.contains("emu:1"), "{kind}: {err}");
+        assert!(err.contains("injected"), "{kind}: {err}");
+        assert!(t0.elapsed().as_secs() < 60, "{kind}: took {:?}", t0.elapsed());
+    }
+    // A malformed MOLD_FAULT is reported, not silently taken.
+    let o = mold_env(
+        &["exec", p, "--weights", w, "--steps", "1"],
+        &[("MOLD_FAULT", "emu:1@triple 1")],
+    );
+    assert!(o.status.success());
+    assert!(stderr(&o).contains("MOLD_FAULT must be"), "{}", stderr(&o));
+}

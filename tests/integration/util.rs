@@ -7,6 +7,12 @@ pub fn root() -> PathBuf {
 
 /// Runs the built `mold` binary from the repository root.
 pub fn mold(args: &[&str]) -> Output {
+    mold_env(args, &[])
+}
+
+/// Runs mold with extra environment variables (set after the developer's `MOLD_*` ones
+/// are removed).
+pub fn mold_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_mold"));
     // The tests must not see the developer's own configuration.
     for (k, _) in std::env::vars() {
@@ -16,6 +22,7 @@ pub fn mold(args: &[&str]) -> Output {
     }
     c.env("XDG_CONFIG_HOME", root().join("target/no-such-config-dir"))
         .env("HOME", root().join("target/no-such-home"))
+        .envs(env.iter().copied())
         .args(args)
         .current_dir(root())
         .output()

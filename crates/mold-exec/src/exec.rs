@@ -5,7 +5,7 @@ use crate::comm::{Comm, LocalComm};
 use crate::config::FluxConfig;
 use crate::error::{ExecError, Result};
 use crate::model::flux::{DoubleBlock, FinalLayer, SingleBlock, Stem};
-use crate::model::attention::AttentionMode;
+use crate::model::ops::Kernels;
 use crate::model::{ActivationMeter, Ctx, Profiler, Shard};
 use crate::runtime::{self, Block, CheckpointSource, DeviceMap, DeviceMemory, Held};
 use candle_core::{DType, Device, IndexOp, Tensor};
@@ -238,7 +238,7 @@ pub struct Executor {
     cfg: FluxConfig,
     dtype: DType,
     parts: Vec<PartRt>,
-    attention: AttentionMode,
+    kernels: Kernels,
     profiling: bool,
 }
 
@@ -392,16 +392,16 @@ impl Executor {
             cfg: cfg.clone(),
             dtype,
             parts,
-            attention: AttentionMode::from_env(),
+            kernels: Kernels::from_env(),
             profiling: Profiler::requested(),
         })
     }
 
-    /// Chooses the attention implementation (default: `MOLD_ATTENTION`, else the fused
-    /// kernel where supported). `--verify` runs its reference unfused, so the comparison
-    /// also checks the fused kernel.
-    pub fn with_attention(mut self, mode: AttentionMode) -> Self {
-        self.attention = mode;
+    /// Chooses fused CUDA kernels or candle's ops (default: `MOLD_KERNELS`, else the
+    /// fused kernels where they apply). `--verify` runs its reference with candle's ops,
+    /// so the comparison also checks the fused kernels.
+    pub fn with_kernels(mut self, kernels: Kernels) -> Self {
+        self.kernels = kernels;
         self
     }
 
@@ -616,7 +616,7 @@ impl Executor {
         let ctx = Ctx {
             comm,
             meter: &rank.meter,
-            attention: self.attention,
+            kernels: self.kernels,
             profile: self.profiling.then_some(&rank.profile),
         };
         let mut acts = match input {
@@ -646,6 +646,9 @@ impl Executor {
             }
         };
         for (step, held) in part.steps.iter().zip(&rank.blocks) {
+            if let Some(f) = Fault::from_env() {
+                f.trigger(&rank.id, *step)?;
+            }
             if let Some(p) = ctx.profile {
                 p.mark(None, &Tensor::zeros(1, DType::F32, dev)?);
             }
@@ -760,4 +763,86 @@ pub fn max_relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
     let diff = (&a - &b)?.abs()?.max(0)?.to_scalar::<f32>()? as f64;
     let scale = b.abs()?.max(0)?.to_scalar::<f32>()? as f64;
     Ok(diff / scale.max(1e-12))
+}
+
+/// A fault injected on purpose (`MOLD_FAULT=DEVICE@BLOCK[:KIND]`, e.g. `cuda:1@single 3`
+/// or `emu:1@double 0:panic`), to test that a failing rank brings its group down cleanly:
+/// when the rank on DEVICE reaches BLOCK it returns an error (`error`, the default),
+/// panics (`panic`), or stops making progress (`hang`, until the watchdog acts).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fault {
+    pub device: DeviceId,
+    pub block: BlockRef,
+    pub kind: FaultKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    Error,
+    Panic,
+    Hang,
+}
+
+impl Fault {
+    /// Parses `DEVICE@BLOCK[:KIND]`; BLOCK is `double N` or `single N`.
+    pub fn parse(s: &str) -> std::result::Result<Fault, String> {
+        let usage = "MOLD_FAULT must be DEVICE@BLOCK[:error|panic|hang], e.g. cuda:1@single 3";
+        let (dev, rest) = s.split_once('@').ok_or(usage)?;
+        let device: DeviceId = dev
+            .trim()
+            .parse()
+            .map_err(|e| format!("{usage}: device: {e}"))?;
+        let (block, kind) = match rest.rsplit_once(':') {
+            Some((b, k)) => (b, k.trim()),
+            None => (rest, "error"),
+        };
+        let kind = match kind {
+            "error" => FaultKind::Error,
+            "panic" => FaultKind::Panic,
+            "hang" => FaultKind::Hang,
+            k => return Err(format!("{usage}: unknown kind '{k}'")),
+        };
+        let mut it = block.split_whitespace();
+        let block = match (it.next(), it.next().map(str::parse::<usize>), it.next()) {
+            (Some("double"), Some(Ok(i)), None) => BlockRef::Double(i),
+            (Some("single"), Some(Ok(i)), None) => BlockRef::Single(i),
+            _ => return Err(format!("{usage}: block '{}'", block.trim())),
+        };
+        Ok(Fault {
+            device,
+            block,
+            kind,
+        })
+    }
+
+    /// `MOLD_FAULT`, parsed once; a malformed value is reported once and ignored.
+    pub fn from_env() -> Option<&'static Fault> {
+        static F: std::sync::OnceLock<Option<Fault>> = std::sync::OnceLock::new();
+        F.get_or_init(|| {
+            let v = std::env::var("MOLD_FAULT").ok()?;
+            match Fault::parse(&v) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    eprintln!("warning: {e}; no fault injected");
+                    None
+                }
+            }
+        })
+        .as_ref()
+    }
+
+    fn trigger(&self, device: &DeviceId, block: BlockRef) -> candle_core::Result<()> {
+        if *device != self.device || block != self.block {
+            return Ok(());
+        }
+        match self.kind {
+            FaultKind::Error => candle_core::bail!(
+                "injected fault (MOLD_FAULT) on {device} at {block:?}"
+            ),
+            FaultKind::Panic => panic!("injected panic (MOLD_FAULT) on {device} at {block:?}"),
+            FaultKind::Hang => loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            },
+        }
+    }
 }

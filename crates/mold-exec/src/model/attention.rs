@@ -8,37 +8,14 @@
 //! function runs the unfused composition of candle ops, which is the reference the fused
 //! kernel is tested against.
 //!
-//! `MOLD_ATTENTION=unfused` forces the unfused path (for comparisons and debugging);
+//! `MOLD_KERNELS=candle` forces the unfused path (for comparisons and debugging);
 //! `fused` makes an unsupported case an error instead of a silent fallback.
 
 use super::ActivationMeter;
 use candle_core::{Tensor, D};
-use std::sync::OnceLock;
+use super::ops::Kernels;
 
 type CResult<T> = candle_core::Result<T>;
-
-/// Which attention implementation runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttentionMode {
-    /// The fused kernel where supported, else unfused.
-    Auto,
-    /// Always the fused kernel; unsupported cases are errors.
-    Fused,
-    /// Always the composition of candle ops.
-    Unfused,
-}
-
-impl AttentionMode {
-    /// From `MOLD_ATTENTION` (`auto`, `fused`, `unfused`); read once per process.
-    pub fn from_env() -> AttentionMode {
-        static MODE: OnceLock<AttentionMode> = OnceLock::new();
-        *MODE.get_or_init(|| match std::env::var("MOLD_ATTENTION").as_deref() {
-            Ok("fused") => AttentionMode::Fused,
-            Ok("unfused") => AttentionMode::Unfused,
-            _ => AttentionMode::Auto,
-        })
-    }
-}
 
 /// Whether the fused kernel handles these inputs (device, dtype, head size).
 pub fn fused_supported(q: &Tensor) -> bool {
@@ -59,37 +36,20 @@ fn fused_supported_impl(_q: &Tensor) -> bool {
     false
 }
 
-/// Attention with the implementation `MOLD_ATTENTION` selects.
+/// Attention with the implementation `MOLD_KERNELS` selects.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, meter: &ActivationMeter) -> CResult<Tensor> {
-    attention_with(AttentionMode::from_env(), q, k, v, meter)
+    attention_with(Kernels::from_env(), q, k, v, meter)
 }
 
 /// Attention with an explicit implementation choice.
 pub fn attention_with(
-    mode: AttentionMode,
+    kernels: Kernels,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     meter: &ActivationMeter,
 ) -> CResult<Tensor> {
-    let fused = match mode {
-        AttentionMode::Unfused => false,
-        AttentionMode::Auto => fused_supported(q),
-        AttentionMode::Fused => {
-            if !fused_supported(q) {
-                candle_core::bail!(
-                    "MOLD_ATTENTION=fused: the fused kernel needs a CUDA build, a CUDA device, \
-                     bf16/f16 and head size 64 or 128; got {:?} {:?} on {:?} \
-                     (unset MOLD_ATTENTION to fall back to the unfused path)",
-                    q.dims(),
-                    q.dtype(),
-                    q.device().location()
-                );
-            }
-            true
-        }
-    };
-    if fused {
+    if kernels.use_fused(fused_supported(q), "attention (head size 64 or 128, bf16/f16)")? {
         fused_attention(q, k, v, meter)
     } else {
         unfused_attention(q, k, v, meter)
@@ -299,7 +259,7 @@ mod tests {
     fn forced_fused_is_refused_where_unsupported() {
         let q = Tensor::zeros((1, 1, 3, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
         let meter = ActivationMeter::default();
-        let err = attention_with(AttentionMode::Fused, &q, &q, &q, &meter).unwrap_err();
-        assert!(err.to_string().contains("MOLD_ATTENTION=fused"), "{err}");
+        let err = attention_with(Kernels::Fused, &q, &q, &q, &meter).unwrap_err();
+        assert!(err.to_string().contains("MOLD_KERNELS=fused"), "{err}");
     }
 }

@@ -10,6 +10,7 @@
 //! the final layer are replicated.
 
 use super::layers::{vector_bytes, ColumnParallel, Linear, RowParallel};
+use super::ops::{self, Kernels};
 use super::{Ctx, Shard, WeightSource};
 use crate::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
@@ -67,7 +68,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, pe: &Tensor, ctx: &Ctx) -> CRes
     let q = apply_rope(q, pe)?;
     let k = apply_rope(k, pe)?;
     ctx.mark("rope", &k);
-    let out = super::attention::attention_with(ctx.attention, &q, &k, v, ctx.meter)?;
+    let out = super::attention::attention_with(ctx.kernels, &q, &k, v, ctx.meter)?;
     ctx.mark("attention", &out);
     Ok(out)
 }
@@ -131,12 +132,13 @@ struct ModOut {
 }
 
 impl ModOut {
-    fn scale_shift(&self, x: &Tensor) -> CResult<Tensor> {
-        x.broadcast_mul(&(&self.scale + 1.)?)?
-            .broadcast_add(&self.shift)
+    /// `x * (1 + scale) + shift`.
+    fn scale_shift(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
+        ops::modulate(x, &self.scale, &self.shift, k)
     }
-    fn gate(&self, x: &Tensor) -> CResult<Tensor> {
-        self.gate.broadcast_mul(x)
+    /// `res + gate * x`.
+    fn gate_residual(&self, res: &Tensor, x: &Tensor, k: Kernels) -> CResult<Tensor> {
+        ops::gate_residual(res, x, &self.gate, k)
     }
 }
 
@@ -297,14 +299,15 @@ impl DoubleBlock {
         let im = self.img.modulation.forward(vec, 2)?;
         let tm = self.txt.modulation.forward(vec, 2)?;
         ctx.mark("modulation", &tm[1].gate);
+        let kn = ctx.kernels;
         let img_qkv = self
             .img
             .qkv
-            .forward(&im[0].scale_shift(&layer_norm(img)?)?)?;
+            .forward(&im[0].scale_shift(&layer_norm(img)?, kn)?, kn)?;
         let txt_qkv = self
             .txt
             .qkv
-            .forward(&tm[0].scale_shift(&layer_norm(txt)?)?)?;
+            .forward(&tm[0].scale_shift(&layer_norm(txt)?, kn)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (iq, ik, iv) = split_qkv(&img_qkv, self.heads, &self.img.norm)?;
@@ -332,23 +335,21 @@ impl DoubleBlock {
         ctx.mark("attn out linear", &partial);
         let reduced = ctx.comm.all_reduce_sum(&partial)?;
         ctx.mark("all-reduce", &reduced);
-        let txt_proj = self.txt.proj.add_bias(&reduced.narrow(1, 0, tl)?)?;
-        let img_proj = self.img.proj.add_bias(&reduced.narrow(1, tl, il)?)?;
-        let img = (img + im[0].gate(&img_proj)?)?;
-        let txt = (txt + tm[0].gate(&txt_proj)?)?;
+        let txt_proj = self.txt.proj.add_bias(&reduced.narrow(1, 0, tl)?, kn)?;
+        let img_proj = self.img.proj.add_bias(&reduced.narrow(1, tl, il)?, kn)?;
+        let img = im[0].gate_residual(img, &img_proj, kn)?;
+        let txt = tm[0].gate_residual(txt, &txt_proj, kn)?;
         ctx.mark("bias + gate + residual", &txt);
 
         // One all-reduce for both streams' MLPs.
         let img_h = self
             .img
             .mlp0
-            .forward(&im[1].scale_shift(&layer_norm(&img)?)?)?
-            .gelu()?;
+            .forward_gelu(&im[1].scale_shift(&layer_norm(&img)?, kn)?, kn)?;
         let txt_h = self
             .txt
             .mlp0
-            .forward(&tm[1].scale_shift(&layer_norm(&txt)?)?)?
-            .gelu()?;
+            .forward_gelu(&tm[1].scale_shift(&layer_norm(&txt)?, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let partial = Tensor::cat(
@@ -361,10 +362,10 @@ impl DoubleBlock {
         ctx.mark("mlp out linear", &partial);
         let reduced = ctx.comm.all_reduce_sum(&partial)?;
         ctx.mark("all-reduce", &reduced);
-        let txt_mlp = self.txt.mlp2.add_bias(&reduced.narrow(1, 0, tl)?)?;
-        let img_mlp = self.img.mlp2.add_bias(&reduced.narrow(1, tl, il)?)?;
-        let img = (&img + im[1].gate(&img_mlp)?)?;
-        let txt = (&txt + tm[1].gate(&txt_mlp)?)?;
+        let txt_mlp = self.txt.mlp2.add_bias(&reduced.narrow(1, 0, tl)?, kn)?;
+        let img_mlp = self.img.mlp2.add_bias(&reduced.narrow(1, tl, il)?, kn)?;
+        let img = im[1].gate_residual(&img, &img_mlp, kn)?;
+        let txt = tm[1].gate_residual(&txt, &txt_mlp, kn)?;
         ctx.mark("bias + gate + residual", &txt);
         Ok((img, txt))
     }
@@ -427,8 +428,9 @@ impl SingleBlock {
         ctx.mark_start(x);
         let m = self.modulation.forward(vec, 1)?;
         ctx.mark("modulation", &m[0].gate);
-        let x_mod = m[0].scale_shift(&layer_norm(x)?)?;
-        let x_mod = self.linear1.forward(&x_mod)?;
+        let kn = ctx.kernels;
+        let x_mod = m[0].scale_shift(&layer_norm(x)?, kn)?;
+        let x_mod = self.linear1.forward(&x_mod, kn)?;
         ctx.meter.see(&x_mod);
         ctx.mark("norm + qkv/mlp linear", &x_mod);
         let qkv = x_mod.narrow(D::Minus1, 0, 3 * self.h_local)?;
@@ -436,14 +438,14 @@ impl SingleBlock {
         let (q, k, v) = split_qkv(&qkv, self.heads, &self.norm)?;
         ctx.mark("qk norm + layout", &v);
         let attn = attention(&q, &k, &v, pe, ctx)?;
-        let out = Tensor::cat(&[attn, mlp.gelu()?], 2)?;
+        let out = Tensor::cat(&[attn, ops::bias_act(&mlp, None, true, kn)?], 2)?;
         ctx.mark("gelu + concat", &out);
         let partial = self.linear2.partial(&out)?;
         ctx.mark("out linear", &partial);
         let reduced = ctx.comm.all_reduce_sum(&partial)?;
         ctx.mark("all-reduce", &reduced);
-        let out = self.linear2.add_bias(&reduced)?;
-        let out = (x + m[0].gate(&out)?)?;
+        let out = self.linear2.add_bias(&reduced, kn)?;
+        let out = m[0].gate_residual(x, &out, kn)?;
         ctx.mark("bias + gate + residual", &out);
         Ok(out)
     }

@@ -7,6 +7,7 @@
 //!   produce partial sums that are all-reduced, and the bias is added once, after the
 //!   reduce.
 
+use super::ops::{bias_act, Kernels};
 use super::WeightSource;
 use crate::error::Result;
 use candle_core::{Device, Module, Tensor};
@@ -51,22 +52,36 @@ impl Linear {
 /// Output features `rows` of a linear layer (several ranges are concatenated, so a fused
 /// projection such as `qkv` is sharded per part, not as one slab).
 #[derive(Clone, Debug)]
-pub struct ColumnParallel(candle_nn::Linear);
+pub struct ColumnParallel {
+    /// The weight alone: the bias is added by [`bias_act`] (fused on CUDA).
+    weight: candle_nn::Linear,
+    bias: Tensor,
+}
 
 impl ColumnParallel {
     pub fn load(src: &dyn WeightSource, prefix: &str, rows: &[Range<usize>]) -> Result<Self> {
         let w = src.load(&format!("{prefix}.weight"), Some(rows), None)?;
         let b = src.load(&format!("{prefix}.bias"), Some(rows), None)?;
-        Ok(ColumnParallel(candle_nn::Linear::new(w, Some(b))))
+        Ok(ColumnParallel {
+            weight: candle_nn::Linear::new(w, None),
+            bias: b,
+        })
     }
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.0.forward(x)
+    pub fn forward(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
+        bias_act(&self.weight.forward(x)?, Some(&self.bias), false, k)
+    }
+    /// `gelu(x Wᵀ + b)` (tanh approximation), bias and activation in one pass.
+    pub fn forward_gelu(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
+        bias_act(&self.weight.forward(x)?, Some(&self.bias), true, k)
     }
     pub fn to_device(&self, d: &Device) -> candle_core::Result<Self> {
-        Ok(ColumnParallel(lin_to_device(&self.0, d)?))
+        Ok(ColumnParallel {
+            weight: lin_to_device(&self.weight, d)?,
+            bias: self.bias.to_device(d)?,
+        })
     }
     pub fn bytes(&self) -> u64 {
-        lin_bytes(&self.0)
+        lin_bytes(&self.weight) + bytes(&self.bias)
     }
 }
 
@@ -90,8 +105,8 @@ impl RowParallel {
     pub fn partial(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.weight.forward(x)
     }
-    pub fn add_bias(&self, reduced: &Tensor) -> candle_core::Result<Tensor> {
-        reduced.broadcast_add(&self.bias)
+    pub fn add_bias(&self, reduced: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
+        bias_act(reduced, Some(&self.bias), false, k)
     }
     pub fn to_device(&self, d: &Device) -> candle_core::Result<Self> {
         Ok(RowParallel {

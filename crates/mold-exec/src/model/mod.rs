@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod flux;
 pub mod layers;
+pub mod ops;
 
 use crate::comm::Comm;
 use crate::error::Result;
@@ -122,8 +123,8 @@ impl Profiler {
 pub struct Ctx<'a> {
     pub comm: &'a dyn Comm,
     pub meter: &'a ActivationMeter,
-    /// Which attention implementation the blocks use.
-    pub attention: attention::AttentionMode,
+    /// Fused CUDA kernels or candle's ops, for attention and element-wise work.
+    pub kernels: ops::Kernels,
     /// Phase timing, when profiling.
     pub profile: Option<&'a Profiler>,
 }

@@ -1,0 +1,518 @@
+//! Element-wise operations of the FLUX blocks, each in two implementations:
+//!
+//! - **candle**: compositions of candle ops — the reference, and what runs on CPU;
+//! - **fused** (CUDA builds, CUDA tensors): mold's kernels from `kernels/elementwise.cu`,
+//!   one pass over memory each, f32 arithmetic, one rounding. candle's broadcast kernels
+//!   compute each element's source index with 64-bit divisions, which on FLUX-sized
+//!   tensors costs several times the memory traffic.
+//!
+//! [`Kernels`] chooses (`MOLD_KERNELS=auto|fused|candle`); the fused attention kernel
+//! follows the same switch ([`super::attention`]).
+
+use candle_core::{Tensor, D};
+use std::sync::OnceLock;
+
+type CResult<T> = candle_core::Result<T>;
+
+/// Which implementation of attention and the element-wise operations runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// mold's fused CUDA kernels where they apply, candle's ops elsewhere.
+    Auto,
+    /// Always the fused kernels; a case they do not handle is an error.
+    Fused,
+    /// Always candle's ops (the reference `--verify` compares against).
+    Candle,
+}
+
+impl Kernels {
+    /// From `MOLD_KERNELS` (`auto`, `fused`, `candle`); read once per process.
+    pub fn from_env() -> Kernels {
+        static MODE: OnceLock<Kernels> = OnceLock::new();
+        *MODE.get_or_init(|| match std::env::var("MOLD_KERNELS").as_deref() {
+            Ok("fused") => Kernels::Fused,
+            Ok("candle") => Kernels::Candle,
+            _ => Kernels::Auto,
+        })
+    }
+
+    /// Whether to take the fused path, given whether it supports the inputs.
+    pub(crate) fn use_fused(self, supported: bool, what: &str) -> CResult<bool> {
+        match self {
+            Kernels::Candle => Ok(false),
+            Kernels::Auto => Ok(supported),
+            Kernels::Fused if supported => Ok(true),
+            Kernels::Fused => candle_core::bail!(
+                "MOLD_KERNELS=fused: no fused kernel for this {what} (it needs a CUDA build, \
+                 a CUDA tensor and a supported shape/dtype); unset MOLD_KERNELS to fall back \
+                 to candle's ops"
+            ),
+        }
+    }
+}
+
+/// Rows of `(b, l, n)` with unit column stride and uniform row stride; `n` even.
+fn rows_ok(x: &Tensor) -> bool {
+    if !cfg!(feature = "cuda") || !x.device().is_cuda() || x.rank() != 3 {
+        return false;
+    }
+    let (b, l, n) = match x.dims3() {
+        Ok(d) => d,
+        Err(_) => return false,
+    };
+    let s = x.stride();
+    n % 2 == 0 && s[2] == 1 && (b == 1 || s[0] == l * s[1]) && (l == 1 || s[1] >= n)
+}
+
+/// A per-batch vector `(b, 1, n)` or `(n)` with unit column stride.
+fn vec_ok(v: &Tensor, x: &Tensor) -> bool {
+    v.dtype() == x.dtype()
+        && v.device().same_device(x.device())
+        && match v.rank() {
+            1 => v.stride()[0] == 1 && v.dim(0).ok() == x.dim(D::Minus1).ok(),
+            3 => {
+                v.stride()[2] == 1
+                    && v.dim(1).ok() == Some(1)
+                    && v.dim(0).ok() == x.dim(0).ok()
+                    && v.dim(2).ok() == x.dim(2).ok()
+            }
+            _ => false,
+        }
+}
+
+/// `x + bias`, then tanh-GELU when `gelu`; `bias` broadcast over the last dimension.
+pub fn bias_act(x: &Tensor, bias: Option<&Tensor>, gelu: bool, k: Kernels) -> CResult<Tensor> {
+    let supported = rows_ok(x) && bias.is_none_or(|b| b.rank() == 1 && vec_ok(b, x));
+    if k.use_fused(supported, "bias/GELU")? {
+        return fused::bias_act(x, bias, gelu);
+    }
+    let y = match bias {
+        Some(b) => x.broadcast_add(b)?,
+        None => x.clone(),
+    };
+    if gelu {
+        y.gelu()
+    } else {
+        Ok(y)
+    }
+}
+
+/// `x * (1 + scale) + shift`, `scale` and `shift` `(b, 1, n)`.
+pub fn modulate(x: &Tensor, scale: &Tensor, shift: &Tensor, k: Kernels) -> CResult<Tensor> {
+    let supported = rows_ok(x) && vec_ok(scale, x) && vec_ok(shift, x);
+    if k.use_fused(supported, "modulation")? {
+        return fused::modulate(x, scale, shift);
+    }
+    x.broadcast_mul(&(scale + 1.)?)?.broadcast_add(shift)
+}
+
+/// `res + gate * x`, `gate` `(b, 1, n)`.
+pub fn gate_residual(res: &Tensor, x: &Tensor, gate: &Tensor, k: Kernels) -> CResult<Tensor> {
+    let supported = rows_ok(res)
+        && rows_ok(x)
+        && res.dims() == x.dims()
+        && res.dtype() == x.dtype()
+        && vec_ok(gate, x);
+    if k.use_fused(supported, "gated residual")? {
+        return fused::gate_residual(res, x, gate);
+    }
+    res + gate.broadcast_mul(x)?
+}
+
+#[cfg(not(feature = "cuda"))]
+mod fused {
+    use super::CResult;
+    use candle_core::Tensor;
+    // Never reached: `rows_ok` is false without the `cuda` feature.
+    pub fn bias_act(_: &Tensor, _: Option<&Tensor>, _: bool) -> CResult<Tensor> {
+        candle_core::bail!("fused kernels need a CUDA build")
+    }
+    pub fn modulate(_: &Tensor, _: &Tensor, _: &Tensor) -> CResult<Tensor> {
+        candle_core::bail!("fused kernels need a CUDA build")
+    }
+    pub fn gate_residual(_: &Tensor, _: &Tensor, _: &Tensor) -> CResult<Tensor> {
+        candle_core::bail!("fused kernels need a CUDA build")
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod fused {
+    use super::CResult;
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+    use candle_core::{
+        CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor,
+    };
+    use half::{bf16, f16};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/elementwise.ptx"));
+    const MODULE: &str = "mold_elementwise";
+    const THREADS: u32 = 256;
+
+    fn suffix(dt: DType) -> CResult<&'static str> {
+        Ok(match dt {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::F32 => "f32",
+            dt => candle_core::bail!("mold fused kernels: unsupported dtype {dt:?}"),
+        })
+    }
+
+    /// rows, n, row stride of a `(b, l, n)` layout.
+    fn rows(l: &Layout) -> CResult<(usize, usize, i64)> {
+        let (b, len, n) = l.shape().dims3()?;
+        let ld = if len > 1 { l.stride()[1] } else { n };
+        Ok((b * len, n, ld as i64))
+    }
+
+    /// Batch stride of a `(b, 1, n)` or `(n)` vector.
+    fn batch_stride(l: &Layout) -> i64 {
+        if l.shape().rank() == 3 && l.dims()[0] > 1 {
+            l.stride()[0] as i64
+        } else {
+            0
+        }
+    }
+
+    fn config(rows: usize, n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, (n / 2).div_ceil(THREADS as usize) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> CResult<CudaView<'a, T>> {
+        Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+    }
+
+    fn func(
+        dev: &CudaDevice,
+        name: &str,
+        dt: DType,
+    ) -> CResult<candle_core::cuda::cudarc::driver::CudaFunction> {
+        Ok(dev
+            .get_or_load_custom_func(&format!("{name}_{}", suffix(dt)?), MODULE, PTX)?
+            .into_cuda_function())
+    }
+
+    fn out<T: CudaDType + DeviceRepr>(dev: &CudaDevice, len: usize) -> CResult<CudaSlice<T>> {
+        // SAFETY: every element is written by the kernel.
+        unsafe { dev.alloc::<T>(len) }
+    }
+
+    fn cpu_refused() -> CResult<(CpuStorage, Shape)> {
+        candle_core::bail!("mold fused kernels run on CUDA only")
+    }
+
+    // ---- bias + activation ----------------------------------------------------------
+
+    struct BiasAct {
+        gelu: bool,
+    }
+
+    impl BiasAct {
+        fn name(&self) -> &'static str {
+            if self.gelu {
+                "mold_bias_gelu"
+            } else {
+                "mold_bias_add"
+            }
+        }
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            b: Option<(&CudaStorage, &Layout)>,
+        ) -> CResult<(CudaStorage, Shape)> {
+            let dev = &x.device;
+            let (r, n, ld) = rows(xl)?;
+            let f = func(dev, self.name(), x.dtype())?;
+            let y = out::<T>(dev, r * n)?;
+            let xv = view::<T>(x, xl)?;
+            let null: u64 = 0;
+            let bv = b.map(|(s, l)| view::<T>(s, l)).transpose()?;
+            let n32 = n as i32;
+            let stream = dev.cuda_stream();
+            let mut a = stream.launch_builder(&f);
+            a.arg(&xv);
+            match &bv {
+                Some(v) => a.arg(v),
+                None => a.arg(&null),
+            };
+            a.arg(&y).arg(&n32).arg(&ld);
+            // SAFETY: argument order and types match the kernel.
+            unsafe { a.launch(config(r, n)) }.w()?;
+            Ok((
+                CudaStorage::wrap_cuda_slice(y, dev.clone()),
+                xl.shape().clone(),
+            ))
+        }
+    }
+
+    macro_rules! by_dtype {
+        ($dt:expr, $f:ident, $($arg:expr),*) => {
+            match $dt {
+                DType::BF16 => $f::<bf16>($($arg),*),
+                DType::F16 => $f::<f16>($($arg),*),
+                DType::F32 => $f::<f32>($($arg),*),
+                dt => candle_core::bail!("mold fused kernels: unsupported dtype {dt:?}"),
+            }
+        };
+    }
+
+    impl CustomOp1 for BiasAct {
+        fn name(&self) -> &'static str {
+            "mold-bias-act"
+        }
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
+            cpu_refused()
+        }
+        fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> CResult<(CudaStorage, Shape)> {
+            match x.dtype() {
+                DType::BF16 => self.run::<bf16>(x, xl, None),
+                DType::F16 => self.run::<f16>(x, xl, None),
+                DType::F32 => self.run::<f32>(x, xl, None),
+                dt => candle_core::bail!("mold fused kernels: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    impl CustomOp2 for BiasAct {
+        fn name(&self) -> &'static str {
+            "mold-bias-act"
+        }
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<(CpuStorage, Shape)> {
+            cpu_refused()
+        }
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            b: &CudaStorage,
+            bl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            match x.dtype() {
+                DType::BF16 => self.run::<bf16>(x, xl, Some((b, bl))),
+                DType::F16 => self.run::<f16>(x, xl, Some((b, bl))),
+                DType::F32 => self.run::<f32>(x, xl, Some((b, bl))),
+                dt => candle_core::bail!("mold fused kernels: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    pub fn bias_act(x: &Tensor, bias: Option<&Tensor>, gelu: bool) -> CResult<Tensor> {
+        let op = BiasAct { gelu };
+        match bias {
+            Some(b) => x.apply_op2_no_bwd(b, &op),
+            None => x.apply_op1_no_bwd(&op),
+        }
+    }
+
+    // ---- modulation -----------------------------------------------------------------
+
+    struct Modulate;
+
+    fn modulate_run<T: CudaDType + DeviceRepr>(
+        x: &CudaStorage,
+        xl: &Layout,
+        s: &CudaStorage,
+        sl: &Layout,
+        h: &CudaStorage,
+        hl: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let dev = &x.device;
+        let (r, n, ld) = rows(xl)?;
+        let len = xl.dims()[1] as i32;
+        let f = func(dev, "mold_modulate", x.dtype())?;
+        let y = out::<T>(dev, r * n)?;
+        let (xv, sv, hv) = (view::<T>(x, xl)?, view::<T>(s, sl)?, view::<T>(h, hl)?);
+        let (n32, ss, hs) = (n as i32, batch_stride(sl), batch_stride(hl));
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(&xv)
+            .arg(&sv)
+            .arg(&hv)
+            .arg(&y)
+            .arg(&n32)
+            .arg(&ld)
+            .arg(&len)
+            .arg(&ss)
+            .arg(&hs);
+        // SAFETY: argument order and types match the kernel.
+        unsafe { a.launch(config(r, n)) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            xl.shape().clone(),
+        ))
+    }
+
+    impl CustomOp3 for Modulate {
+        fn name(&self) -> &'static str {
+            "mold-modulate"
+        }
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<(CpuStorage, Shape)> {
+            cpu_refused()
+        }
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            s: &CudaStorage,
+            sl: &Layout,
+            h: &CudaStorage,
+            hl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            by_dtype!(x.dtype(), modulate_run, x, xl, s, sl, h, hl)
+        }
+    }
+
+    pub fn modulate(x: &Tensor, scale: &Tensor, shift: &Tensor) -> CResult<Tensor> {
+        x.apply_op3_no_bwd(scale, shift, &Modulate)
+    }
+
+    // ---- gated residual -------------------------------------------------------------
+
+    struct GateResidual;
+
+    fn gate_run<T: CudaDType + DeviceRepr>(
+        res: &CudaStorage,
+        rl: &Layout,
+        x: &CudaStorage,
+        xl: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let dev = &x.device;
+        let (r, n, ldx) = rows(xl)?;
+        let (_, _, ldr) = rows(rl)?;
+        let len = xl.dims()[1] as i32;
+        let f = func(dev, "mold_gate_residual", x.dtype())?;
+        let y = out::<T>(dev, r * n)?;
+        let (rv, xv, gv) = (view::<T>(res, rl)?, view::<T>(x, xl)?, view::<T>(g, gl)?);
+        let (n32, gs) = (n as i32, batch_stride(gl));
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(&rv)
+            .arg(&xv)
+            .arg(&gv)
+            .arg(&y)
+            .arg(&n32)
+            .arg(&ldr)
+            .arg(&ldx)
+            .arg(&len)
+            .arg(&gs);
+        // SAFETY: argument order and types match the kernel.
+        unsafe { a.launch(config(r, n)) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            xl.shape().clone(),
+        ))
+    }
+
+    impl CustomOp3 for GateResidual {
+        fn name(&self) -> &'static str {
+            "mold-gate-residual"
+        }
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<(CpuStorage, Shape)> {
+            cpu_refused()
+        }
+        fn cuda_fwd(
+            &self,
+            res: &CudaStorage,
+            rl: &Layout,
+            x: &CudaStorage,
+            xl: &Layout,
+            g: &CudaStorage,
+            gl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            by_dtype!(x.dtype(), gate_run, res, rl, x, xl, g, gl)
+        }
+    }
+
+    pub fn gate_residual(res: &Tensor, x: &Tensor, gate: &Tensor) -> CResult<Tensor> {
+        res.apply_op3_no_bwd(x, gate, &GateResidual)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn t(shape: &[usize]) -> Tensor {
+        Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn candle_paths_compute_the_formulas() {
+        let x = t(&[2, 3, 4]);
+        let s = t(&[2, 1, 4]);
+        let h = t(&[2, 1, 4]);
+        let g = t(&[2, 1, 4]);
+        let r = t(&[2, 3, 4]);
+        let b = t(&[4]);
+        let xv: Vec<Vec<Vec<f32>>> = x.to_vec3().unwrap();
+        let sv: Vec<Vec<Vec<f32>>> = s.to_vec3().unwrap();
+        let hv: Vec<Vec<Vec<f32>>> = h.to_vec3().unwrap();
+        let gv: Vec<Vec<Vec<f32>>> = g.to_vec3().unwrap();
+        let rv: Vec<Vec<Vec<f32>>> = r.to_vec3().unwrap();
+        let bv: Vec<f32> = b.to_vec1().unwrap();
+        let m: Vec<Vec<Vec<f32>>> = modulate(&x, &s, &h, Kernels::Auto)
+            .unwrap()
+            .to_vec3()
+            .unwrap();
+        let gr: Vec<Vec<Vec<f32>>> = gate_residual(&r, &x, &g, Kernels::Auto)
+            .unwrap()
+            .to_vec3()
+            .unwrap();
+        let ba: Vec<Vec<Vec<f32>>> = bias_act(&x, Some(&b), false, Kernels::Auto)
+            .unwrap()
+            .to_vec3()
+            .unwrap();
+        for i in 0..2 {
+            for j in 0..3 {
+                for c in 0..4 {
+                    let want = xv[i][j][c] * (1. + sv[i][0][c]) + hv[i][0][c];
+                    assert!((m[i][j][c] - want).abs() < 1e-6);
+                    let want = rv[i][j][c] + gv[i][0][c] * xv[i][j][c];
+                    assert!((gr[i][j][c] - want).abs() < 1e-6);
+                    assert!((ba[i][j][c] - (xv[i][j][c] + bv[c])).abs() < 1e-6);
+                }
+            }
+        }
+        let _ = DType::F32;
+    }
+
+    #[test]
+    fn forced_fused_is_refused_on_cpu() {
+        let x = t(&[1, 2, 4]);
+        let err = bias_act(&x, None, true, Kernels::Fused).unwrap_err();
+        assert!(err.to_string().contains("MOLD_KERNELS=fused"), "{err}");
+    }
+}
