@@ -35,7 +35,9 @@ fn main() {
             .arg(&src)
             .status()
             .unwrap_or_else(|e| {
-                panic!("mold-exec: cannot run nvcc ({nvcc}): {e}; build CUDA with scripts/build-cuda")
+                panic!(
+                    "mold-exec: cannot run nvcc ({nvcc}): {e}; build CUDA with scripts/build-cuda"
+                )
             });
         assert!(status.success(), "mold-exec: nvcc failed on {src}");
     }

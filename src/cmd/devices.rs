@@ -21,8 +21,9 @@ pub struct Args {
     /// Write a machine profile of this box here (e.g. sim/machines/my-box.yaml).
     #[arg(long, value_name = "YAML")]
     pub save: Option<PathBuf>,
-    /// Measure the devices (bf16 matmul, memory bandwidth, host and peer copies) and write
-    /// the figures into the saved profile.
+    /// Measure the devices (bf16 matmul, memory bandwidth, host and peer copies; NCCL
+    /// all-reduce on builds with the `nccl` feature) and write the figures into the saved
+    /// profile.
     #[arg(long, requires = "save")]
     pub calibrate: bool,
     /// The profile's name (default: the file name of --save without .yaml).
@@ -189,6 +190,8 @@ fn save(
     })?;
     if a.calibrate {
         let r = inventory::calibrate(inv, &mut |s| eprintln!("calibrating: {s}"))?;
+        #[cfg(feature = "nccl")]
+        let r = calibrate_allreduce(inv, r);
         inventory::apply_measurements(&mut m, &r, &date, version);
         if !a.json {
             println!("\nmeasured:\n{}", serde_yaml_ng::to_string(&r)?);
@@ -207,6 +210,38 @@ fn save(
         }
     );
     Ok(())
+}
+
+/// `r` with NCCL all-reduce measured over this box's GPUs (`r.allreduce`); a failure does
+/// not end the calibration: it is noted in `r.not_measured` and the profile keeps
+/// estimates.
+#[cfg(feature = "nccl")]
+fn calibrate_allreduce(inv: &Inventory, mut r: inventory::Measurements) -> inventory::Measurements {
+    let ordinals: Vec<usize> = inv.devices.iter().map(|g| g.ordinal as usize).collect();
+    if ordinals.len() < 2 {
+        r.not_measured
+            .push("all-reduce: not measured (fewer than two GPUs)".into());
+        return r;
+    }
+    // The large message: 256 MiB, or an eighth of the least free memory where that is less.
+    let min_free = inv.devices.iter().map(|g| g.free.0).min().unwrap_or(0);
+    let bench = mold_exec::comm::nccl::AllreduceBench {
+        large_bytes: (min_free / 8 / MIB * MIB).clamp(MIB, 256 * MIB) as usize,
+        ..Default::default()
+    };
+    match mold_exec::comm::nccl::measure_allreduce(&ordinals, &bench, &mut |s| {
+        eprintln!("calibrating: {s}")
+    }) {
+        Ok(a) => r.allreduce = Some(a),
+        Err(e) => {
+            eprintln!("calibrating: all-reduce not measured: {e}");
+            r.not_measured.push(format!(
+                "all-reduce: not measured (NCCL failed: {e}); the peer domains' and \
+                 host-staged all-reduce figures are estimates"
+            ));
+        }
+    }
+    r
 }
 
 pub fn info(a: InfoArgs) -> Result<i32> {

@@ -1,7 +1,7 @@
 use super::common::{load_machine, load_plan, model_of};
 use anyhow::{bail, Context, Result};
 use mold_exec::{Checkpoint, Executor, FluxConfig, FluxInputs, Tensor};
-use mold_plan::{ByteSize, Plan};
+use mold_plan::{ByteSize, DeviceId, Plan};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -140,6 +140,31 @@ fn machine_for(plan: &Plan, flag: &Option<String>) -> Result<mold_machine::Machi
     }
 }
 
+/// On CUDA builds, compares the GPUs of this box (queried now) with the ones the plan
+/// was made for, and warns about each difference: the plan's predictions (and maybe its
+/// fit) do not hold on other hardware.
+fn warn_if_box_differs(plan: &Plan) {
+    use mold_machine::inventory;
+    let uses_cuda = plan
+        .machine
+        .devices
+        .iter()
+        .any(|d| matches!(d.id, DeviceId::Cuda(_)));
+    if !inventory::CUDA || !uses_cuda {
+        return;
+    }
+    match inventory::query() {
+        Ok(inv) => {
+            for d in inventory::differences_from_plan(&inv, &plan.machine) {
+                eprintln!("warning: {d}; the plan's predictions do not hold on this box (re-plan with `mold plan --machine local`)");
+            }
+        }
+        Err(e) => {
+            eprintln!("warning: cannot query this box's GPUs to compare them with the plan's: {e}")
+        }
+    }
+}
+
 /// Everything `exec` refuses happens here, before any weight is read.
 pub fn preflight(plan: &Plan, a: &Args) -> Result<(FluxConfig, Checkpoint, mold_machine::Machine)> {
     let model = model_of(plan)?;
@@ -149,6 +174,7 @@ pub fn preflight(plan: &Plan, a: &Args) -> Result<(FluxConfig, Checkpoint, mold_
         mold_cost::MachineCheck::Same => {}
         mold_cost::MachineCheck::Warn(w) => eprintln!("warning: {w}"),
     }
+    warn_if_box_differs(plan);
     mold_cost::validate(plan, &model, &machine)
         .context("the plan does not match its model or machine")?;
     let sim = mold_sim::simulate(plan, &model, &machine)?;
@@ -364,6 +390,7 @@ fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
         mold_cost::MachineCheck::Same => {}
         mold_cost::MachineCheck::Warn(w) => eprintln!("warning: {w}"),
     }
+    warn_if_box_differs(&plan);
     // The plan with this request's workload: another size changes activations (and
     // tokens), so the simulator re-checks it before anything loads.
     let resized = width != plan.workload.width || height != plan.workload.height;

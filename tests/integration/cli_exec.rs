@@ -188,7 +188,11 @@ fn failing_rank_stops_the_group_and_is_named() {
         assert!(!o.status.success(), "{kind}: should fail: {}", stdout(&o));
         assert!(err.contains("emu:1"), "{kind}: {err}");
         assert!(err.contains("injected"), "{kind}: {err}");
-        assert!(t0.elapsed().as_secs() < 60, "{kind}: took {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "{kind}: took {:?}",
+            t0.elapsed()
+        );
     }
     // A malformed MOLD_FAULT is reported, not silently taken.
     let o = mold_env(

@@ -101,3 +101,79 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 MOLD_EW_ALL(bf16, __nv_bfloat16)
 MOLD_EW_ALL(f16, __half)
 MOLD_EW_ALL(f32, float)
+
+// q/k/v preparation for attention, one warp per (token, head, which ∈ {q, k, v}):
+// reads a row segment of the fused projection `qkv` (row = token, [q | k | v] each
+// heads × D wide, row stride `ld`), applies RMSNorm (scale q_scale / k_scale, f32) and
+// RoPE (interleaved pairs, tables cos/sin (len_tot, D/2) per batch, f32) to q and k,
+// and writes q, k, v transposed into out = (3, B, heads, len_tot, D) at sequence offset
+// l_off — so txt and img segments land concatenated without a copy.
+// Launch: grid (ceil(len * heads * 3 / 4), B), block 128.
+namespace mold_ew {
+template <typename T, int D>
+__device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, int l_off,
+                                         int len_tot, int heads, const T *q_scale,
+                                         const T *k_scale, const float *cos_t,
+                                         const float *sin_t, long long cs_batch, T *out,
+                                         float eps) {
+    constexpr int E = D / 32; // elements per lane (even)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long idx = static_cast<long long>(blockIdx.x) * 4 + warp;
+    const int which = idx % 3;
+    const int h = (idx / 3) % heads;
+    const long long l = idx / (3LL * heads);
+    if (l >= len) return;
+    const int b = blockIdx.y;
+    const int B = gridDim.y;
+    const T *src = qkv + (static_cast<long long>(b) * len + l) * ld +
+                   static_cast<long long>(which) * heads * D + static_cast<long long>(h) * D +
+                   lane * E;
+    float x[E];
+#pragma unroll
+    for (int e = 0; e < E; e += 2) {
+        const float2 v = load2<T>(src + e);
+        x[e] = v.x;
+        x[e + 1] = v.y;
+    }
+    if (which < 2) {
+        float ss = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) ss += x[e] * x[e];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        const float r = rsqrtf(ss / D + eps);
+        const T *scale = which == 0 ? q_scale : k_scale;
+        const long long pos = l_off + l;
+        const float *c = cos_t + b * cs_batch + pos * (D / 2) + lane * (E / 2);
+        const float *s = sin_t + b * cs_batch + pos * (D / 2) + lane * (E / 2);
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            const float2 w = load2<T>(scale + lane * E + e);
+            const float x0 = x[e] * r * w.x, x1 = x[e + 1] * r * w.y;
+            const float cc = c[e / 2], sn = s[e / 2];
+            x[e] = x0 * cc - x1 * sn;
+            x[e + 1] = x0 * sn + x1 * cc;
+        }
+    }
+    T *dst = out + ((static_cast<long long>(which) * B + b) * heads + h) * len_tot * D +
+             (l_off + l) * D + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; e += 2) store2<T>(dst + e, make_float2(x[e], x[e + 1]));
+}
+} // namespace mold_ew
+
+#define MOLD_QKV_PREP(NAME, T, D)                                                              \
+    extern "C" __global__ void NAME(const T *qkv, long long ld, int len, int l_off,            \
+                                    int len_tot, int heads, const T *q_scale,                  \
+                                    const T *k_scale, const float *cos_t, const float *sin_t,  \
+                                    long long cs_batch, T *out, float eps) {                   \
+        mold_ew::qkv_prep<T, D>(qkv, ld, len, l_off, len_tot, heads, q_scale, k_scale, cos_t,   \
+                                sin_t, cs_batch, out, eps);                                    \
+    }
+
+MOLD_QKV_PREP(mold_qkv_prep_bf16_d128, __nv_bfloat16, 128)
+MOLD_QKV_PREP(mold_qkv_prep_bf16_d64, __nv_bfloat16, 64)
+MOLD_QKV_PREP(mold_qkv_prep_f16_d128, __half, 128)
+MOLD_QKV_PREP(mold_qkv_prep_f16_d64, __half, 64)
+MOLD_QKV_PREP(mold_qkv_prep_f32_d128, float, 128)
+MOLD_QKV_PREP(mold_qkv_prep_f32_d64, float, 64)

@@ -30,6 +30,9 @@ pub struct FluxInputs {
     pub guidance: Option<Tensor>,
 }
 
+/// One profiled phase: `(label, seconds, marks)`.
+pub type PhaseTime = (&'static str, f64, u64);
+
 /// A block in execution order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlockRef {
@@ -418,7 +421,7 @@ impl Executor {
 
     /// Time per phase and device since the last [`Executor::clear_profile`]: for each
     /// rank, `(label, seconds, marks)`, largest first. Empty unless profiling.
-    pub fn profile_report(&self) -> Vec<(DeviceId, Vec<(&'static str, f64, u64)>)> {
+    pub fn profile_report(&self) -> Vec<(DeviceId, Vec<PhaseTime>)> {
         self.parts
             .iter()
             .flat_map(|p| p.ranks.iter())
@@ -654,7 +657,10 @@ impl Executor {
             }
             let block = held.fetch(dev)?;
             if let Some(p) = ctx.profile {
-                p.mark(Some("weight fetch (streamed)"), &Tensor::zeros(1, DType::F32, dev)?);
+                p.mark(
+                    Some("weight fetch (streamed)"),
+                    &Tensor::zeros(1, DType::F32, dev)?,
+                );
             }
             acts = match (block.as_ref(), acts) {
                 (Block::Double(b), Acts::Double { img, txt, vec, pe }) => {
@@ -836,9 +842,9 @@ impl Fault {
             return Ok(());
         }
         match self.kind {
-            FaultKind::Error => candle_core::bail!(
-                "injected fault (MOLD_FAULT) on {device} at {block:?}"
-            ),
+            FaultKind::Error => {
+                candle_core::bail!("injected fault (MOLD_FAULT) on {device} at {block:?}")
+            }
             FaultKind::Panic => panic!("injected panic (MOLD_FAULT) on {device} at {block:?}"),
             FaultKind::Hang => loop {
                 std::thread::sleep(std::time::Duration::from_secs(3600));

@@ -49,10 +49,10 @@ pub mod testdata;
 pub use checkpoint::{Checkpoint, TensorHeader};
 pub use config::{FluxConfig, TensorSpec};
 pub use error::ExecError;
-pub use model::ops::Kernels;
 pub use exec::{
     check_plan, compute_dtype, max_relative_error, BlockRef, Executor, Fault, FaultKind, FluxInputs,
 };
+pub use model::ops::Kernels;
 pub use runtime::DeviceMemory;
 pub use testdata::{random_inputs, write_testdata, write_testdata_sharded};
 

@@ -31,6 +31,8 @@
 //!   asynchronous (no host wait per all-reduce) and a hang is not detected.
 //! - **Environment.** `NCCL_NVLS_ENABLE=0` (no NVLink multicast) is set in the process
 //!   environment before the first NCCL call unless the user set it.
+//! - **Measurement.** [`measure_allreduce`] times all-reduces over groups of 2, 4, 8, …
+//!   GPUs for `mold devices --calibrate` (latency and nccl-tests' bus bandwidth).
 //!
 //! The safe `cudarc::nccl::Comm` is not used directly: its `Drop` aborts the communicator
 //! (a second abort after a watchdog abort would be a double free) and it is neither `Send`
@@ -41,8 +43,11 @@ use super::Comm;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use cudarc::driver::{CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys};
+use half::bf16;
+use mold_machine::inventory::{allreduce_bus_gbps, allreduce_group_sizes, AllreduceMeasurement};
+use mold_plan::ByteSize;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock, Weak};
@@ -653,9 +658,8 @@ impl NcclComm {
         e
     }
 
-    /// Waits for the all-reduce just enqueued on `t`'s stream, with the watchdog.
-    fn wait(&self, slot: &mut RankSlot, t: &Tensor, limit: Duration) -> Result<()> {
-        let stream = t.device().as_cuda_device()?.cuda_stream();
+    /// Waits for the all-reduce just enqueued on `stream`, with the watchdog.
+    fn wait(&self, slot: &mut RankSlot, stream: &CudaStream, limit: Duration) -> Result<()> {
         let event = stream
             .record_event(None)
             .map_err(|e| self.fail(slot, format!("cannot record a CUDA event: {e:?}")))?;
@@ -760,7 +764,8 @@ impl Comm for NcclComm {
             Err(e) => return Err(self.fail(&mut slot, e.to_string())),
         };
         if let Some(limit) = timeout() {
-            self.wait(&mut slot, &out, limit)?;
+            let stream = out.device().as_cuda_device()?.cuda_stream();
+            self.wait(&mut slot, &stream, limit)?;
         }
         Ok(out)
     }
@@ -774,6 +779,278 @@ impl Comm for NcclComm {
         ));
         if let Ok(mut slot) = self.group.slots[self.rank].try_lock() {
             slot.abort();
+        }
+    }
+}
+
+// All-reduce measurement, for `mold devices --save X.yaml --calibrate`.
+
+/// What [`measure_allreduce`] times.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllreduceBench {
+    /// Bytes of the small message, whose time is the latency.
+    pub small_bytes: usize,
+    /// Bytes of the large message, whose time gives the bus bandwidth.
+    pub large_bytes: usize,
+    /// Untimed all-reduces of each message before its timed loop (NCCL sets up its
+    /// connections and buffers on first use).
+    pub warmup: usize,
+    /// Timed all-reduces of the small message.
+    pub small_iters: usize,
+    /// Timed all-reduces of the large message.
+    pub large_iters: usize,
+}
+
+impl Default for AllreduceBench {
+    /// 8 KiB and 256 MiB of bf16; 5 warm-ups; 100 and 20 timed all-reduces.
+    fn default() -> Self {
+        AllreduceBench {
+            small_bytes: 8 << 10,
+            large_bytes: 256 << 20,
+            warmup: 5,
+            small_iters: 100,
+            large_iters: 20,
+        }
+    }
+}
+
+/// Measures NCCL all-reduce over the GPUs `ordinals` (distinct): for each group size of
+/// [`allreduce_group_sizes`] (2, 4, 8, … and all of them), over the first that many GPUs.
+///
+/// Each group gets its communicators from [`group`] and one thread per rank. A rank
+/// allocates a bf16 buffer per message size on a stream of its own and enqueues
+/// `warmup` in-place sum all-reduces of it; then a one-element all-reduce, waited for,
+/// lines the ranks up (it completes on a rank only once every rank has enqueued it, after
+/// its warm-ups); then it enqueues the timed all-reduces back to back (no host wait in
+/// between, as nccl-tests does) and waits for its stream. A message's time is the slowest
+/// rank's wall time over the timed loop divided by its iterations.
+///
+/// `latency_us` is the small message's time; `gbps` is the bus bandwidth of the large
+/// one, [`allreduce_bus_gbps`]: `2(n−1)/n · bytes / time / 1e9` (nccl-tests' "busbw"),
+/// which is what [`mold_machine::Collective`] holds.
+///
+/// The watchdog ([`timeout`]) bounds every wait, and `NCCL_NVLS_ENABLE=0` is set unless
+/// the user set it. An error on any rank aborts the group and comes back naming the rank
+/// that failed first. The measured groups' communicators are destroyed afterwards (not
+/// kept in the pool).
+pub fn measure_allreduce(
+    ordinals: &[usize],
+    bench: &AllreduceBench,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<AllreduceMeasurement>> {
+    let mut seen = ordinals.to_vec();
+    seen.sort_unstable();
+    seen.dedup();
+    if seen.len() != ordinals.len() {
+        candle_core::bail!("measuring all-reduce: GPU ordinals {ordinals:?} are not distinct");
+    }
+    if bench.small_iters == 0 || bench.large_iters == 0 {
+        candle_core::bail!("measuring all-reduce: needs at least one timed iteration");
+    }
+    set_nccl_env();
+    let elems = |bytes: usize| (bytes / std::mem::size_of::<bf16>()).max(1);
+    let (small, large) = (elems(bench.small_bytes), elems(bench.large_bytes));
+    let bytes = |n: usize| ByteSize((n * std::mem::size_of::<bf16>()) as u64);
+    let mut out = Vec::new();
+    for n in allreduce_group_sizes(ordinals.len()) {
+        let gpus = &ordinals[..n];
+        progress(&format!(
+            "NCCL all-reduce over {}: bf16, {} ({} times) and {} ({} times)",
+            gpus.iter()
+                .map(|o| format!("cuda:{o}"))
+                .collect::<Vec<_>>()
+                .join(","),
+            bytes(small),
+            bench.small_iters,
+            bytes(large),
+            bench.large_iters
+        ));
+        let s = bench_group(
+            gpus,
+            &[(small, bench.small_iters), (large, bench.large_iters)],
+            bench.warmup,
+        )?;
+        out.push(AllreduceMeasurement {
+            group_size: n as u32,
+            latency_us: s[0] * 1e6,
+            gbps: allreduce_bus_gbps(n, bytes(large).0, s[1]),
+        });
+    }
+    Ok(out)
+}
+
+/// Aborts the rank's communicator (releasing the other ranks) unless marked done.
+struct AbortUnlessDone<'a>(&'a NcclComm, bool);
+
+impl Drop for AbortUnlessDone<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            Comm::abort(self.0);
+        }
+    }
+}
+
+/// Seconds per all-reduce for each `(elements, iterations)` of `loops` over the GPUs
+/// `ordinals`: the slowest rank's.
+fn bench_group(ordinals: &[usize], loops: &[(usize, usize)], warmup: usize) -> Result<Vec<f64>> {
+    let comms = group(ordinals);
+    let results: Vec<std::result::Result<Vec<f64>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                std::thread::Builder::new()
+                    .name(format!("nccl-bench-{}", comm.rank))
+                    .spawn_scoped(s, move || {
+                        let mut guard = AbortUnlessDone(comm, false);
+                        let r = comm.bench_rank(loops, warmup);
+                        guard.1 = r.is_ok();
+                        r
+                    })
+                    .map_err(|e| {
+                        // The ranks already started are released by the abort.
+                        Comm::abort(comm);
+                        comm.err(format!("cannot start a thread for this rank: {e}"))
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .zip(&comms)
+            .map(|(h, comm)| match h {
+                Err(e) => Err(e.to_string()),
+                Ok(h) => match h.join() {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err(comm.err("the measuring thread panicked".into()).to_string()),
+                },
+            })
+            .collect()
+    });
+    drop(comms);
+    release(ordinals);
+    let errors: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    // Report the rank that failed first, not the ranks it released.
+    if let Some(e) = errors
+        .iter()
+        .find(|m| !m.contains("another rank"))
+        .or(errors.first())
+    {
+        candle_core::bail!("measuring all-reduce over GPUs {ordinals:?}: {e}");
+    }
+    let per_rank: Vec<Vec<f64>> = results.into_iter().filter_map(|r| r.ok()).collect();
+    Ok((0..loops.len())
+        .map(|i| per_rank.iter().map(|r| r[i]).fold(0.0, f64::max))
+        .collect())
+}
+
+/// Destroys the pooled group over exactly `ordinals`, if any.
+fn release(ordinals: &[usize]) {
+    let gone: Vec<Arc<Group>> = {
+        let mut pool = lock(&POOL);
+        let (gone, keep) = pool.drain(..).partition(|g| g.ordinals == ordinals);
+        *pool = keep;
+        gone
+    };
+    // Group::drop aborts the communicators, outside the pool's lock.
+    drop(gone);
+}
+
+impl NcclComm {
+    /// This rank's part of [`bench_group`].
+    fn bench_rank(&self, loops: &[(usize, usize)], warmup: usize) -> Result<Vec<f64>> {
+        let ordinal = self.group.ordinals[self.rank];
+        let cuda =
+            |what: String, e: cudarc::driver::DriverError| self.err(format!("{what}: {e:?}"));
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda("cannot open the GPU".into(), e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda("cannot create a CUDA stream".into(), e))?;
+        let alloc = |n: usize| {
+            stream
+                .alloc_zeros::<bf16>(n)
+                .map_err(|e| cuda(format!("cannot allocate {}", ByteSize((2 * n) as u64)), e))
+        };
+        let mut token = alloc(1)?;
+        // The buffers are only used on `stream`; the guards (dropped after the last use)
+        // record that use for cudarc's event tracking, once rather than per all-reduce.
+        let (token_ptr, _token_guard) = token.device_ptr_mut(&stream);
+        let mut out = Vec::with_capacity(loops.len());
+        for &(elems, iters) in loops {
+            // Zeros: the sums stay zero however often they are repeated.
+            let mut buf = alloc(elems)?;
+            let (ptr, _guard) = buf.device_ptr_mut(&stream);
+            for _ in 0..warmup {
+                self.enqueue_in_place(ptr, elems, &stream)?;
+            }
+            self.enqueue_in_place(token_ptr, 1, &stream)?;
+            self.finish(&stream)?;
+            let start = Instant::now();
+            for _ in 0..iters {
+                self.enqueue_in_place(ptr, elems, &stream)?;
+            }
+            self.finish(&stream)?;
+            out.push(start.elapsed().as_secs_f64() / iters.max(1) as f64);
+        }
+        Ok(out)
+    }
+
+    /// Enqueues an in-place bf16 sum all-reduce of the `n` elements at `ptr` on `stream`
+    /// without waiting for it (for timing: no allocation and no host wait, unlike
+    /// [`Comm::all_reduce_sum`]).
+    fn enqueue_in_place(
+        &self,
+        ptr: cudarc::driver::sys::CUdeviceptr,
+        n: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let mut slot = lock(&self.group.slots[self.rank]);
+        if self.group.is_failed() {
+            slot.abort();
+            return Err(self.group.peer_failed_error(self.rank));
+        }
+        let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
+            return Err(self.group.peer_failed_error(self.rank));
+        };
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| self.fail(&mut slot, format!("cannot make the GPU current: {e:?}")))?;
+        let tracker = &self.group.tracker;
+        tracker.issued[self.rank].fetch_add(1, Ordering::SeqCst);
+        // SAFETY: the caller's buffer at `ptr` holds `n` bf16 on this communicator's GPU
+        // (send and receive buffer alike: in place) and is freed in the stream's order,
+        // after the all-reduce (cudarc's `CudaSlice::drop`); the stream is one of that GPU.
+        let r = tracker.busy(self.rank, CALL_ALL_REDUCE, || unsafe {
+            nccl::all_reduce(
+                ptr as *const std::ffi::c_void,
+                ptr as *mut std::ffi::c_void,
+                n,
+                sys::ncclDataType_t::ncclBfloat16,
+                sys::ncclRedOp_t::ncclSum,
+                comm,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        });
+        r.map(|_| ()).map_err(|e| {
+            let m = format!("NCCL all-reduce failed: {}", describe(&e, Some(comm)));
+            self.fail(&mut slot, m)
+        })
+    }
+
+    /// Waits until `stream` has finished its work, with the watchdog.
+    fn finish(&self, stream: &CudaStream) -> Result<()> {
+        let mut slot = lock(&self.group.slots[self.rank]);
+        if self.group.is_failed() || slot.comm.is_none() {
+            slot.abort();
+            return Err(self.group.peer_failed_error(self.rank));
+        }
+        match timeout() {
+            Some(limit) => self.wait(&mut slot, stream, limit),
+            None => stream.synchronize().map_err(|e| {
+                self.fail(
+                    &mut slot,
+                    format!("CUDA error while waiting for the all-reduces: {e:?}"),
+                )
+            }),
         }
     }
 }

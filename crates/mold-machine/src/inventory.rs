@@ -513,6 +513,40 @@ fn estimated_link(kind: LinkKind, arch_major: u32) -> (f64, Collective) {
     }
 }
 
+/// How the GPUs of this box differ from the ones a plan was made for (its recorded
+/// machine): one line per difference, empty when every CUDA device of the plan is here
+/// with the same name and total memory. Host devices and emulated devices are ignored.
+pub fn differences_from_plan(inv: &Inventory, planned: &mold_plan::MachineIdentity) -> Vec<String> {
+    let mut out = Vec::new();
+    for d in &planned.devices {
+        let DeviceId::Cuda(ord) = d.id else { continue };
+        match inv.devices.iter().find(|g| g.ordinal == ord) {
+            None => out.push(format!(
+                "{}: the plan's {} ({}) is not on this box ({} CUDA device(s) here)",
+                d.id,
+                d.name,
+                d.memory.human(),
+                inv.devices.len()
+            )),
+            Some(g) => {
+                // Profiles record total memory rounded to MiB; allow 1 GiB of slack.
+                let diff = g.total.0.abs_diff(d.memory.0);
+                if g.name != d.name || diff > GIB {
+                    out.push(format!(
+                        "{}: this box has {} ({}), the plan was made for {} ({})",
+                        d.id,
+                        g.name,
+                        g.total.human(),
+                        d.name,
+                        d.memory.human()
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
 /// What `--calibrate` measured.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Measurements {
@@ -553,8 +587,37 @@ pub struct PeerCopy {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AllreduceMeasurement {
     pub group_size: u32,
+    /// Time of one small all-reduce (microseconds).
     pub latency_us: f64,
+    /// Bus bandwidth of a large all-reduce ([`allreduce_bus_gbps`]), the figure
+    /// [`Collective::gbps`] holds.
     pub gbps: f64,
+}
+
+/// Bus bandwidth (GB/s) of an all-reduce of `bytes` over `n` ranks that took `seconds`:
+/// `2(n−1)/n · bytes / seconds / 1e9`, the "busbw" of nccl-tests. A ring all-reduce moves
+/// `2(n−1)/n · bytes` through each rank's link, so the figure is comparable across group
+/// sizes and is what [`Collective::allreduce_s`] divides by. 0 for fewer than two ranks
+/// or a non-positive time.
+pub fn allreduce_bus_gbps(n: usize, bytes: u64, seconds: f64) -> f64 {
+    if n < 2 || seconds <= 0.0 || !seconds.is_finite() {
+        return 0.0;
+    }
+    let n = n as f64;
+    2.0 * (n - 1.0) / n * bytes as f64 / seconds / 1e9
+}
+
+/// The group sizes calibration measures all-reduce for over `count` devices (the first
+/// `size` of them each): 2, 4, 8, … up to `count`, and `count` itself (a peer domain of
+/// all the devices) when it is not a power of two. Empty for fewer than two devices.
+pub fn allreduce_group_sizes(count: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = std::iter::successors(Some(2usize), |n| n.checked_mul(2))
+        .take_while(|&n| n <= count)
+        .collect();
+    if count >= 2 && !count.is_power_of_two() {
+        v.push(count);
+    }
+    v
 }
 
 /// Writes measured figures into `m` and marks it `calibration: {source: measured, date,
@@ -612,16 +675,22 @@ pub fn apply_measurements(m: &mut Machine, r: &Measurements, date: &str, mold_ve
     }
     let mut not = r.not_measured.clone();
     match &r.allreduce {
-        Some(a) if !a.is_empty() => measured.push(format!(
-            "all-reduce latency and bus bandwidth for group sizes {}",
-            a.iter()
-                .map(|a| a.group_size.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )),
+        Some(a) if !a.is_empty() => {
+            measured.push(format!(
+                "NCCL all-reduce latency (small message) and bus bandwidth (large message) \
+                 for group sizes {}",
+                a.iter()
+                    .map(|a| a.group_size.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            not.push("host-staged all-reduce: estimate".into());
+        }
+        // The caller said why (e.g. NCCL failed, or one GPU).
+        _ if not.iter().any(|s| s.starts_with("all-reduce")) => {}
         _ => not.push(
-            "all-reduce: not measured (calibration has no NCCL path yet); the peer \
-             domains' and host-staged all-reduce figures are estimates"
+            "all-reduce: not measured (this build has no NCCL: build with --features nccl); \
+             the peer domains' and host-staged all-reduce figures are estimates"
                 .into(),
         ),
     }
@@ -1073,6 +1142,35 @@ mod tests {
         }
     }
 
+    #[test]
+    fn live_box_is_compared_with_the_plan_machine() {
+        use mold_plan::{DeviceIdentity, MachineIdentity};
+        let dev = |i: u32, name: &str, gib: u64| DeviceIdentity {
+            id: DeviceId::Cuda(i),
+            name: name.into(),
+            memory: ByteSize(gib * GIB),
+        };
+        let h100 = "NVIDIA H100 80GB HBM3";
+        let mut planned = MachineIdentity {
+            name: "4x-h100".into(),
+            fingerprint: "x".into(),
+            devices: vec![dev(0, h100, 80), dev(1, h100, 80)],
+        };
+        assert!(differences_from_plan(&four(), &planned).is_empty());
+        planned.devices.push(dev(7, h100, 80));
+        planned.devices[1] = dev(1, "NVIDIA H200", 141);
+        let d = differences_from_plan(&four(), &planned);
+        assert_eq!(d.len(), 2, "{d:?}");
+        assert!(
+            d[0].starts_with("cuda:1: this box has NVIDIA H100"),
+            "{d:?}"
+        );
+        assert!(
+            d[1].contains("cuda:7") && d[1].contains("not on this box"),
+            "{d:?}"
+        );
+    }
+
     fn opts() -> ProfileOptions {
         ProfileOptions {
             name: "my-box".into(),
@@ -1231,6 +1329,51 @@ mod tests {
         apply_measurements(&mut m, &r2, "2026-02-03", "0.1.0");
         assert_eq!(m.links.peer[0].allreduce.gbps, 311.8);
         assert!(!m.calibration.notes.contains("all-reduce: not measured"));
+        assert!(m
+            .calibration
+            .notes
+            .contains("host-staged all-reduce: estimate"));
+
+        // A reason from the caller replaces the no-NCCL note.
+        let r3 = Measurements {
+            allreduce: None,
+            not_measured: vec!["all-reduce: not measured (NCCL failed: boom)".into()],
+            ..r2
+        };
+        apply_measurements(&mut m, &r3, "2026-02-03", "0.1.0");
+        let notes = &m.calibration.notes;
+        assert!(notes.contains("NCCL failed: boom"), "{notes}");
+        assert!(!notes.contains("no NCCL"), "{notes}");
+    }
+
+    #[test]
+    fn allreduce_bus_bandwidth_inverts_the_cost_model() {
+        // 2 ranks: busbw = algbw (each rank sends and receives half twice).
+        assert_eq!(allreduce_bus_gbps(2, 1_000_000_000, 1.0), 1.0);
+        // 8 ranks: 2·7/8.
+        assert!((allreduce_bus_gbps(8, 1_000_000_000, 1.0) - 1.75).abs() < 1e-12);
+        assert_eq!(allreduce_bus_gbps(1, GIB, 1.0), 0.0);
+        assert_eq!(allreduce_bus_gbps(4, GIB, 0.0), 0.0);
+        for n in [2, 3, 4, 8] {
+            let c = Collective {
+                latency_us: 0.0,
+                gbps: 311.8,
+            };
+            let bytes = 256 * MIB;
+            let gbps = allreduce_bus_gbps(n, bytes, c.allreduce_s(bytes, n));
+            assert!((gbps - 311.8).abs() < 1e-9, "{n}: {gbps}");
+        }
+    }
+
+    #[test]
+    fn allreduce_group_sizes_are_powers_of_two_and_all() {
+        assert!(allreduce_group_sizes(0).is_empty());
+        assert!(allreduce_group_sizes(1).is_empty());
+        assert_eq!(allreduce_group_sizes(2), vec![2]);
+        assert_eq!(allreduce_group_sizes(3), vec![2, 3]);
+        assert_eq!(allreduce_group_sizes(4), vec![2, 4]);
+        assert_eq!(allreduce_group_sizes(6), vec![2, 4, 6]);
+        assert_eq!(allreduce_group_sizes(8), vec![2, 4, 8]);
     }
 
     #[test]

@@ -11,9 +11,9 @@
 //! `MOLD_KERNELS=candle` forces the unfused path (for comparisons and debugging);
 //! `fused` makes an unsupported case an error instead of a silent fallback.
 
+use super::ops::Kernels;
 use super::ActivationMeter;
 use candle_core::{Tensor, D};
-use super::ops::Kernels;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -49,7 +49,10 @@ pub fn attention_with(
     v: &Tensor,
     meter: &ActivationMeter,
 ) -> CResult<Tensor> {
-    if kernels.use_fused(fused_supported(q), "attention (head size 64 or 128, bf16/f16)")? {
+    if kernels.use_fused(
+        fused_supported(q),
+        "attention (head size 64 or 128, bf16/f16)",
+    )? {
         fused_attention(q, k, v, meter)
     } else {
         unfused_attention(q, k, v, meter)
@@ -99,9 +102,9 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, meter: &ActivationMeter) 
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute_enum;
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-    use candle_core::backend::BackendStorage;
     use candle_core::cuda::{CudaDType, CudaStorage, WrapErr};
     use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape};
     use half::{bf16, f16};
@@ -234,7 +237,15 @@ mod tests {
         let out = attention(&q, &k, &v, &meter).unwrap();
         assert_eq!(out.dims(), &[1, 5, 8]);
         // Row (h=1, i=3) by hand.
-        let qv: Vec<f32> = q.get(0).unwrap().get(1).unwrap().get(3).unwrap().to_vec1().unwrap();
+        let qv: Vec<f32> = q
+            .get(0)
+            .unwrap()
+            .get(1)
+            .unwrap()
+            .get(3)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let kv: Vec<Vec<f32>> = k.get(0).unwrap().get(1).unwrap().to_vec2().unwrap();
         let vv: Vec<Vec<f32>> = v.get(0).unwrap().get(1).unwrap().to_vec2().unwrap();
         let s: Vec<f32> = kv

@@ -62,15 +62,60 @@ fn rope_cos_sin(pe: &Tensor, dtype: DType) -> CResult<(Tensor, Tensor)> {
     Ok((cos, sin))
 }
 
-/// Attention over this rank's heads: `q, k, v` are `(b, heads, L, head_dim)`; returns
-/// `(b, L, heads * head_dim)`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, pe: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
-    let q = apply_rope(q, pe)?;
-    let k = apply_rope(k, pe)?;
-    ctx.mark("rope", &k);
-    let out = super::attention::attention_with(ctx.kernels, &q, &k, v, ctx.meter)?;
+/// Attention over this rank's heads: `q, k, v` are `(b, heads, L, head_dim)`, already
+/// normed and rotated; returns `(b, L, heads * head_dim)`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
+    let out = super::attention::attention_with(ctx.kernels, q, k, v, ctx.meter)?;
     ctx.mark("attention", &out);
     Ok(out)
+}
+
+/// q, k, v for attention from the fused projections of the sequence segments in order
+/// (double blocks: txt then img, each with its own q/k norms; single blocks: one): q/k
+/// RMSNorm, RoPE, `(b, heads, L, head_dim)` layout, segments concatenated along L. On CUDA
+/// one fused kernel per segment; elsewhere candle's ops.
+fn prepare_qkv(
+    segs: &[(&Tensor, &QkNorm)],
+    heads: usize,
+    pe: &Tensor,
+    ctx: &Ctx,
+) -> CResult<(Tensor, Tensor, Tensor)> {
+    let fsegs: Vec<ops::QkvSegment> = segs
+        .iter()
+        .map(|(x, n)| ops::QkvSegment {
+            qkv: x,
+            q_scale: &n.query_scale,
+            k_scale: &n.key_scale,
+        })
+        .collect();
+    let supported = ops::qkv_prep_supported(&fsegs, heads);
+    if ctx.kernels.use_fused(supported, "q/k/v preparation")? {
+        let (cos, sin) = rope_cos_sin(pe, DType::F32)?;
+        let t = ops::qkv_prep_fused(&fsegs, heads, &cos, &sin, EPS as f32)?;
+        ctx.mark("qk norm + rope + layout", &t);
+        return Ok((t.i(0)?, t.i(1)?, t.i(2)?));
+    }
+    let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
+    for (x, norm) in segs {
+        let d = norm.query_scale.dims1()?;
+        let (q, k, v) = split_qkv(&x.narrow(D::Minus1, 0, 3 * heads * d)?, heads, norm)?;
+        qs.push(q);
+        ks.push(k);
+        vs.push(v);
+    }
+    let cat = |t: Vec<Tensor>| {
+        if t.len() == 1 {
+            Ok(t[0].clone())
+        } else {
+            Tensor::cat(&t, 2)
+        }
+    };
+    let (q, k, v) = (cat(qs)?, cat(ks)?, cat(vs)?);
+    ctx.mark("qk norm + layout", &v);
+    let q = apply_rope(&q, pe)?;
+    let k = apply_rope(&k, pe)?;
+    ctx.mark("rope", &k);
+    Ok((q, k, v))
 }
 
 /// Sinusoidal embedding of `t` (scaled by 1000), `dim` wide, cos then sin.
@@ -310,14 +355,13 @@ impl DoubleBlock {
             .forward(&tm[0].scale_shift(&layer_norm(txt)?, kn)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
-        let (iq, ik, iv) = split_qkv(&img_qkv, self.heads, &self.img.norm)?;
-        let (tq, tk, tv) = split_qkv(&txt_qkv, self.heads, &self.txt.norm)?;
-        ctx.mark("qk norm + layout", &tv);
-        let q = Tensor::cat(&[tq, iq], 2)?;
-        let k = Tensor::cat(&[tk, ik], 2)?;
-        let v = Tensor::cat(&[tv, iv], 2)?;
-        ctx.mark("txt/img concat", &v);
-        let attn = attention(&q, &k, &v, pe, ctx)?;
+        let (q, k, v) = prepare_qkv(
+            &[(&txt_qkv, &self.txt.norm), (&img_qkv, &self.img.norm)],
+            self.heads,
+            pe,
+            ctx,
+        )?;
+        let attn = attention(&q, &k, &v, ctx)?;
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
         let txt_attn = attn.narrow(1, 0, tl)?;
@@ -433,11 +477,9 @@ impl SingleBlock {
         let x_mod = self.linear1.forward(&x_mod, kn)?;
         ctx.meter.see(&x_mod);
         ctx.mark("norm + qkv/mlp linear", &x_mod);
-        let qkv = x_mod.narrow(D::Minus1, 0, 3 * self.h_local)?;
         let mlp = x_mod.narrow(D::Minus1, 3 * self.h_local, self.mlp_local)?;
-        let (q, k, v) = split_qkv(&qkv, self.heads, &self.norm)?;
-        ctx.mark("qk norm + layout", &v);
-        let attn = attention(&q, &k, &v, pe, ctx)?;
+        let (q, k, v) = prepare_qkv(&[(&x_mod, &self.norm)], self.heads, pe, ctx)?;
+        let attn = attention(&q, &k, &v, ctx)?;
         let out = Tensor::cat(&[attn, ops::bias_act(&mlp, None, true, kn)?], 2)?;
         ctx.mark("gelu + concat", &out);
         let partial = self.linear2.partial(&out)?;

@@ -119,8 +119,62 @@ pub fn gate_residual(res: &Tensor, x: &Tensor, gate: &Tensor, k: Kernels) -> CRe
     res + gate.broadcast_mul(x)?
 }
 
+/// One sequence segment for [`qkv_prep_fused`]: the fused projection `(b, len, ≥ 3·heads·d)`
+/// (q | k | v first) and the q/k RMSNorm scales `(d)`.
+pub struct QkvSegment<'a> {
+    pub qkv: &'a Tensor,
+    pub q_scale: &'a Tensor,
+    pub k_scale: &'a Tensor,
+}
+
+/// Whether [`qkv_prep_fused`] handles these segments.
+pub fn qkv_prep_supported(segs: &[QkvSegment], heads: usize) -> bool {
+    let Some(first) = segs.first() else {
+        return false;
+    };
+    let d = match first.q_scale.dims1() {
+        Ok(d @ (64 | 128)) => d,
+        _ => return false,
+    };
+    segs.iter().all(|s| {
+        rows_ok(s.qkv)
+            && s.qkv.dtype() == first.qkv.dtype()
+            && s.qkv.dim(0).ok() == first.qkv.dim(0).ok()
+            && s.qkv.dim(2).is_ok_and(|w| w >= 3 * heads * d)
+            && [s.q_scale, s.k_scale].iter().all(|v| {
+                v.dims1().ok() == Some(d)
+                    && v.stride()[0] == 1
+                    && v.dtype() == s.qkv.dtype()
+                    && v.device().same_device(s.qkv.device())
+            })
+    })
+}
+
+/// q, k, v for attention in one pass per segment: RMSNorm and RoPE (tables `cos`, `sin`,
+/// f32, `(b or 1, L, d/2)`) on q and k, all three transposed to `(b, heads, L, d)` with the
+/// segments concatenated along the sequence. Returns `(3, b, heads, L, d)`. Callers check
+/// [`qkv_prep_supported`] first (CUDA builds only).
+pub fn qkv_prep_fused(
+    segs: &[QkvSegment],
+    heads: usize,
+    cos: &Tensor,
+    sin: &Tensor,
+    eps: f32,
+) -> CResult<Tensor> {
+    fused::qkv_prep(segs, heads, cos, sin, eps)
+}
+
 #[cfg(not(feature = "cuda"))]
 mod fused {
+    pub fn qkv_prep(
+        _: &[super::QkvSegment],
+        _: usize,
+        _: &Tensor,
+        _: &Tensor,
+        _: f32,
+    ) -> CResult<Tensor> {
+        candle_core::bail!("fused kernels need a CUDA build")
+    }
     use super::CResult;
     use candle_core::Tensor;
     // Never reached: `rows_ok` is false without the `cuda` feature.
@@ -143,9 +197,7 @@ mod fused {
         CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, WrapErr};
-    use candle_core::{
-        CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor,
-    };
+    use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
     use half::{bf16, f16};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/elementwise.ptx"));
@@ -457,6 +509,120 @@ mod fused {
 
     pub fn gate_residual(res: &Tensor, x: &Tensor, gate: &Tensor) -> CResult<Tensor> {
         res.apply_op3_no_bwd(x, gate, &GateResidual)
+    }
+
+    // ---- q/k/v preparation ----------------------------------------------------------
+
+    fn cuda_view<'a, T: CudaDType>(
+        st: &'a candle_core::Storage,
+        l: &Layout,
+    ) -> CResult<CudaView<'a, T>> {
+        match st {
+            candle_core::Storage::Cuda(c) => view::<T>(c, l),
+            _ => candle_core::bail!("mold qkv-prep: a tensor is not on a CUDA device"),
+        }
+    }
+
+    fn qkv_prep_t<T: CudaDType + DeviceRepr>(
+        segs: &[super::QkvSegment],
+        heads: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+        eps: f32,
+    ) -> CResult<Tensor> {
+        let first = segs[0].qkv;
+        let dev = match first.device() {
+            candle_core::Device::Cuda(d) => d.clone(),
+            _ => candle_core::bail!("mold qkv-prep: not a CUDA tensor"),
+        };
+        let d = segs[0].q_scale.dims1()?;
+        let b = first.dim(0)?;
+        let len_tot: usize = segs.iter().map(|s| s.qkv.dim(1)).sum::<CResult<usize>>()?;
+        let (cd0, cl, ch) = cos.dims3()?;
+        if cl != len_tot || ch != d / 2 || sin.dims() != cos.dims() || (cd0 != 1 && cd0 != b) {
+            candle_core::bail!(
+                "mold qkv-prep: RoPE tables {:?} do not fit {len_tot} tokens of head size {d}",
+                cos.dims()
+            );
+        }
+        let cos = cos.to_dtype(DType::F32)?.contiguous()?;
+        let sin = sin.to_dtype(DType::F32)?.contiguous()?;
+        let cs_batch: i64 = if cd0 == 1 {
+            0
+        } else {
+            (len_tot * d / 2) as i64
+        };
+        let name = format!("mold_qkv_prep_{}_d{d}", suffix(first.dtype())?);
+        let f = dev
+            .get_or_load_custom_func(&name, MODULE, PTX)?
+            .into_cuda_function();
+        let y = out::<T>(&dev, 3 * b * heads * len_tot * d)?;
+        let (cs, csl) = cos.storage_and_layout();
+        let (sn, snl) = sin.storage_and_layout();
+        let cv = cuda_view::<f32>(&cs, csl)?;
+        let sv = cuda_view::<f32>(&sn, snl)?;
+        let stream = dev.cuda_stream();
+        let mut l_off = 0usize;
+        for seg in segs {
+            let (st, sl) = seg.qkv.storage_and_layout();
+            let (qs, qsl) = seg.q_scale.storage_and_layout();
+            let (ks, ksl) = seg.k_scale.storage_and_layout();
+            let len = seg.qkv.dim(1)?;
+            let ld: i64 = if len > 1 {
+                sl.stride()[1] as i64
+            } else {
+                seg.qkv.dim(2)? as i64
+            };
+            let xv = cuda_view::<T>(&st, sl)?;
+            let qv = cuda_view::<T>(&qs, qsl)?;
+            let kv = cuda_view::<T>(&ks, ksl)?;
+            let (len32, off32, tot32, h32) =
+                (len as i32, l_off as i32, len_tot as i32, heads as i32);
+            let warps = len * heads * 3;
+            let cfg = LaunchConfig {
+                grid_dim: (warps.div_ceil(4) as u32, b as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut a = stream.launch_builder(&f);
+            a.arg(&xv)
+                .arg(&ld)
+                .arg(&len32)
+                .arg(&off32)
+                .arg(&tot32)
+                .arg(&h32)
+                .arg(&qv)
+                .arg(&kv)
+                .arg(&cv)
+                .arg(&sv)
+                .arg(&cs_batch)
+                .arg(&y)
+                .arg(&eps);
+            // SAFETY: argument order and types match the kernel.
+            unsafe { a.launch(cfg) }.w()?;
+            l_off += len;
+        }
+        Ok(Tensor::from_storage(
+            candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(y, dev)),
+            (3, b, heads, len_tot, d),
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
+    }
+
+    pub fn qkv_prep(
+        segs: &[super::QkvSegment],
+        heads: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+        eps: f32,
+    ) -> CResult<Tensor> {
+        match segs[0].qkv.dtype() {
+            DType::BF16 => qkv_prep_t::<bf16>(segs, heads, cos, sin, eps),
+            DType::F16 => qkv_prep_t::<f16>(segs, heads, cos, sin, eps),
+            DType::F32 => qkv_prep_t::<f32>(segs, heads, cos, sin, eps),
+            dt => candle_core::bail!("mold fused kernels: unsupported dtype {dt:?}"),
+        }
     }
 }
 
