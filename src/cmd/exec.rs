@@ -536,3 +536,17 @@ fn step_median(times: &[f64]) -> (f64, String) {
     v.sort_by(f64::total_cmp);
     (v.get(v.len() / 2).copied().unwrap_or(0.0), what)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::step_median;
+
+    #[test]
+    fn step_median_leaves_out_the_warm_up_step() {
+        let (m, what) = step_median(&[9.0, 0.3, 0.1, 0.2]);
+        assert_eq!(m, 0.2);
+        assert!(what.contains("steps 2..4"), "{what}");
+        assert_eq!(step_median(&[0.5]).0, 0.5);
+        assert_eq!(step_median(&[]).0, 0.0);
+    }
+}

@@ -7,6 +7,26 @@ fn ok(args: &[&str]) -> String {
     mold_ok(args).0
 }
 
+/// Random flux-tiny weights in `d/w` and a tensor-parallel ×2 plan on the emulated
+/// 4-device profile in `d/tp2.yaml`: (weights, plan).
+fn tiny_tp2(d: &std::path::Path) -> (String, String) {
+    let w = d.join("w").to_str().unwrap().to_string();
+    let p = d.join("tp2.yaml").to_str().unwrap().to_string();
+    ok(&["testdata", "flux-tiny", &w]);
+    ok(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        "sim/machines/cpu-emu-4.yaml",
+        "--tp",
+        "2",
+        "-o",
+        &p,
+    ]);
+    (w, p)
+}
+
 #[test]
 fn testdata_plan_exec_verify() {
     let d = tempdir("exec-e2e");
@@ -161,22 +181,8 @@ fn exec_refusals_name_the_problem() {
 #[test]
 fn failing_rank_stops_the_group_and_is_named() {
     let d = tempdir("exec-fault");
-    let w = d.join("w");
-    let w = w.to_str().unwrap();
-    ok(&["testdata", "flux-tiny", w]);
-    let p = d.join("tp2.yaml");
-    let p = p.to_str().unwrap();
-    ok(&[
-        "plan",
-        "--model",
-        "flux-tiny",
-        "--machine",
-        "sim/machines/cpu-emu-4.yaml",
-        "--tp",
-        "2",
-        "-o",
-        p,
-    ]);
+    let (w, p) = tiny_tp2(&d);
+    let (w, p) = (w.as_str(), p.as_str());
     for kind in ["error", "panic"] {
         let fault = format!("emu:1@single 1:{kind}");
         let t0 = std::time::Instant::now();
@@ -201,4 +207,35 @@ fn failing_rank_stops_the_group_and_is_named() {
     );
     assert!(o.status.success());
     assert!(stderr(&o).contains("MOLD_FAULT must be"), "{}", stderr(&o));
+    // `hang` has no watchdog to end it off NCCL: refused there, naming the way out.
+    let o = mold_env(
+        &["exec", p, "--weights", w, "--steps", "1"],
+        &[("MOLD_FAULT", "emu:1@single 1:hang")],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("use `error` or `panic`"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// `MOLD_PROFILE=1` prints per-phase times for every rank; without it, nothing.
+#[test]
+fn profile_reports_phases_per_device() {
+    let d = tempdir("exec-profile");
+    let (w, p) = tiny_tp2(&d);
+    let args = ["exec", p.as_str(), "--weights", w.as_str(), "--steps", "2"];
+    let s = stdout(&mold_env(&args, &[("MOLD_PROFILE", "1")]));
+    assert!(s.contains("profile (MOLD_PROFILE"), "{s}");
+    for want in [
+        "emu:0:",
+        "emu:1:",
+        "attention",
+        "all-reduce",
+        "qk norm + layout",
+    ] {
+        assert!(s.contains(want), "{want}: {s}");
+    }
+    assert!(!ok(&args).contains("profile (MOLD_PROFILE"));
 }

@@ -653,14 +653,11 @@ impl Executor {
                 f.trigger(&rank.id, *step)?;
             }
             if let Some(p) = ctx.profile {
-                p.mark(None, &Tensor::zeros(1, DType::F32, dev)?);
+                p.mark(None, dev);
             }
             let block = held.fetch(dev)?;
             if let Some(p) = ctx.profile {
-                p.mark(
-                    Some("weight fetch (streamed)"),
-                    &Tensor::zeros(1, DType::F32, dev)?,
-                );
+                p.mark(Some("weight fetch (streamed)"), dev);
             }
             acts = match (block.as_ref(), acts) {
                 (Block::Double(b), Acts::Double { img, txt, vec, pe }) => {
@@ -774,7 +771,8 @@ pub fn max_relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// A fault injected on purpose (`MOLD_FAULT=DEVICE@BLOCK[:KIND]`, e.g. `cuda:1@single 3`
 /// or `emu:1@double 0:panic`), to test that a failing rank brings its group down cleanly:
 /// when the rank on DEVICE reaches BLOCK it returns an error (`error`, the default),
-/// panics (`panic`), or stops making progress (`hang`, until the watchdog acts).
+/// panics (`panic`), or stops making progress (`hang`, CUDA devices only: NCCL's watchdog
+/// ends it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fault {
     pub device: DeviceId,
@@ -846,6 +844,12 @@ impl Fault {
                 candle_core::bail!("injected fault (MOLD_FAULT) on {device} at {block:?}")
             }
             FaultKind::Panic => panic!("injected panic (MOLD_FAULT) on {device} at {block:?}"),
+            // Only NCCL groups have a watchdog that ends a hang; elsewhere it would hang
+            // the test for good.
+            FaultKind::Hang if !matches!(device, DeviceId::Cuda(_)) => candle_core::bail!(
+                "MOLD_FAULT: `hang` needs a CUDA device (NCCL's watchdog ends it); {device} \
+                 has no watchdog: use `error` or `panic`"
+            ),
             FaultKind::Hang => loop {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },

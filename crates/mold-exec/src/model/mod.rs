@@ -91,10 +91,10 @@ impl Profiler {
         matches!(std::env::var("MOLD_PROFILE").as_deref(), Ok(v) if !v.is_empty() && v != "0")
     }
 
-    /// Waits for `t`'s device and charges the time since the last mark to `label`
+    /// Waits for `device` and charges the time since the last mark to `label`
     /// (`None`: restarts the clock without charging anything).
-    pub fn mark(&self, label: Option<&'static str>, t: &Tensor) {
-        let _ = t.device().synchronize();
+    pub fn mark(&self, label: Option<&'static str>, device: &candle_core::Device) {
+        let _ = device.synchronize();
         let now = Instant::now();
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let (Some(label), Some(last)) = (label, st.last) {
@@ -133,13 +133,13 @@ impl Ctx<'_> {
     /// Ends phase `label` once `t` is computed (no-op unless profiling).
     pub fn mark(&self, label: &'static str, t: &Tensor) {
         if let Some(p) = self.profile {
-            p.mark(Some(label), t);
+            p.mark(Some(label), t.device());
         }
     }
     /// Starts timing from now (no-op unless profiling).
     pub fn mark_start(&self, t: &Tensor) {
         if let Some(p) = self.profile {
-            p.mark(None, t);
+            p.mark(None, t.device());
         }
     }
 }

@@ -26,13 +26,28 @@ pub enum Kernels {
 }
 
 impl Kernels {
-    /// From `MOLD_KERNELS` (`auto`, `fused`, `candle`); read once per process.
+    /// `auto`, `fused` or `candle`.
+    pub fn parse(s: &str) -> Result<Kernels, String> {
+        match s.trim() {
+            "auto" | "" => Ok(Kernels::Auto),
+            "fused" => Ok(Kernels::Fused),
+            "candle" => Ok(Kernels::Candle),
+            other => Err(format!(
+                "MOLD_KERNELS={other}: expected auto, fused or candle"
+            )),
+        }
+    }
+
+    /// From `MOLD_KERNELS`, read once per process; a bad value is reported once and the
+    /// default (`auto`) used.
     pub fn from_env() -> Kernels {
         static MODE: OnceLock<Kernels> = OnceLock::new();
-        *MODE.get_or_init(|| match std::env::var("MOLD_KERNELS").as_deref() {
-            Ok("fused") => Kernels::Fused,
-            Ok("candle") => Kernels::Candle,
-            _ => Kernels::Auto,
+        *MODE.get_or_init(|| match std::env::var("MOLD_KERNELS") {
+            Err(_) => Kernels::Auto,
+            Ok(v) => Kernels::parse(&v).unwrap_or_else(|e| {
+                eprintln!("warning: {e}; using auto");
+                Kernels::Auto
+            }),
         })
     }
 
@@ -629,7 +644,7 @@ mod fused {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device};
+    use candle_core::Device;
 
     fn t(shape: &[usize]) -> Tensor {
         Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap()
@@ -672,7 +687,18 @@ mod tests {
                 }
             }
         }
-        let _ = DType::F32;
+    }
+
+    #[test]
+    fn kernels_setting_parses_and_names_bad_values() {
+        assert_eq!(Kernels::parse("candle"), Ok(Kernels::Candle));
+        assert_eq!(Kernels::parse(" fused"), Ok(Kernels::Fused));
+        assert_eq!(Kernels::parse("auto"), Ok(Kernels::Auto));
+        let e = Kernels::parse("fast").unwrap_err();
+        assert!(
+            e.contains("MOLD_KERNELS=fast") && e.contains("auto, fused or candle"),
+            "{e}"
+        );
     }
 
     #[test]
