@@ -49,6 +49,19 @@ pub struct Args {
     /// The PNG to write, with --prompt (default: out.png).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// How streamed blocks reach their GPU: pinned (page-locked host memory, a copy
+    /// stream, the plan's stream buffers; pageable with a warning if pinning is refused),
+    /// pageable (the same pipeline from pageable memory) or sync (the baseline: copy,
+    /// compute, synchronize, free per block). Default: MOLD_STREAMING, else pinned.
+    #[arg(long, value_parser = mold_exec::Streaming::parse)]
+    pub streaming: Option<mold_exec::Streaming>,
+}
+
+fn streaming_of(a: &Args) -> Result<mold_exec::Streaming> {
+    Ok(match a.streaming {
+        Some(s) => s,
+        None => mold_exec::Streaming::from_env()?,
+    })
 }
 
 #[derive(clap::Args, Debug)]
@@ -244,12 +257,13 @@ pub fn run(a: Args) -> Result<i32> {
         }
     }
     let plan = load_plan(&a.plan)?;
+    let streaming = streaming_of(&a)?;
     let (cfg, ckpt, _machine) = preflight(&plan, &a)?;
     let steps = a.steps.unwrap_or(plan.workload.steps);
     let model = model_of(&plan)?;
     let tokens = model.tokens(&plan.workload);
     let t0 = Instant::now();
-    let exec = Executor::new(&cfg, &plan, &ckpt)?;
+    let exec = Executor::new_with_streaming(&cfg, &plan, &ckpt, streaming)?;
     println!(
         "loaded {} in {:.2} s",
         a.weights.display(),
@@ -312,6 +326,7 @@ pub fn run(a: Args) -> Result<i32> {
             ByteSize(m.largest_activation_bytes).human(),
         );
     }
+    print_streaming(&exec);
     if a.verify {
         let first = plan
             .transformer()
@@ -346,6 +361,34 @@ pub fn run(a: Args) -> Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// One line per device that streams: mode, buffers, host memory, copies.
+pub fn print_streaming(exec: &Executor) {
+    for m in exec.memory_report() {
+        if m.stream_buffers == 0 {
+            continue;
+        }
+        let host = if m.host_pinned {
+            "page-locked"
+        } else {
+            "pageable"
+        };
+        let ring = exec
+            .streaming_report()
+            .into_iter()
+            .find(|(d, _)| d == &m.device)
+            .map(|(_, r)| format!(", {} block copies, {} ring fill(s)", r.copies, r.restarts))
+            .unwrap_or_default();
+        println!(
+            "  {:<10} streams ({}): {} in {host} host memory, {} stream buffer(s) ({} on the device){ring}",
+            m.device.to_string(),
+            exec.streaming(),
+            ByteSize(m.host_weight_bytes).human(),
+            m.stream_buffers,
+            ByteSize(m.stream_buffer_bytes).human(),
+        );
+    }
 }
 
 /// Seconds for people: `1.23 s`, `45.6 ms`, `0.030 ms`.
@@ -472,6 +515,7 @@ fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
         guidance: a.guidance,
         width,
         height,
+        streaming: streaming_of(a)?,
     };
     let out = mold_pipeline::generate(&run_plan, &prep, &req, &mut |p| eprintln!("{p}"))?;
     let path = a.out.clone().unwrap_or_else(|| PathBuf::from("out.png"));

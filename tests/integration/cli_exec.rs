@@ -239,3 +239,104 @@ fn profile_reports_phases_per_device() {
     }
     assert!(!ok(&args).contains("profile (MOLD_PROFILE"));
 }
+
+/// A plan the planner made partially resident (a tight budget): every streaming mode
+/// runs it and matches the 1-device reference; the output names the mode, the buffers
+/// and the host memory; host memory too small is refused before loading, with numbers.
+#[test]
+fn streamed_plan_runs_in_every_mode_and_host_memory_is_checked() {
+    let d = tempdir("exec-stream");
+    let w = d.join("w").to_str().unwrap().to_string();
+    let p = d.join("stream.yaml").to_str().unwrap().to_string();
+    ok(&["testdata", "flux-tiny", &w]);
+    // The emulated box with small device budgets.
+    let m = d.join("cpu-emu-4.yaml");
+    let profile =
+        read(&root().join("sim/machines/cpu-emu-4.yaml")).replace("budget: 4GiB", "budget: 66MiB");
+    std::fs::write(&m, profile).unwrap();
+    let m = m.to_str().unwrap().to_string();
+    ok(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        &m,
+        "--devices",
+        "emu:0",
+        "-o",
+        &p,
+    ]);
+    let plan = read(std::path::Path::new(&p));
+    assert!(
+        plan.contains("residency: streamed") && plan.contains("residency: resident"),
+        "the budget should make the plan partially resident: {plan}"
+    );
+    for mode in ["pinned", "pageable", "sync"] {
+        let s = ok(&[
+            "exec",
+            &p,
+            "--machine",
+            &m,
+            "--weights",
+            &w,
+            "--steps",
+            "3",
+            "--verify",
+            "--streaming",
+            mode,
+        ]);
+        assert!(s.contains("max relative error"), "{mode}: {s}");
+        assert!(s.contains(&format!("streams ({mode})")), "{mode}: {s}");
+        if mode == "sync" {
+            assert!(s.contains("1 stream buffer(s)"), "{s}");
+        } else {
+            // Emulated devices have no page-locked memory; one fill, then one copy
+            // per streamed block and step.
+            assert!(
+                s.contains("in pageable host memory, 2 stream buffer(s)"),
+                "{s}"
+            );
+            assert!(s.contains("1 ring fill(s)"), "{s}");
+        }
+    }
+    // The environment picks the mode when the flag does not; bad values are named.
+    let o = mold_env(
+        &["exec", &p, "--machine", &m, "--weights", &w, "--steps", "1"],
+        &[("MOLD_STREAMING", "sync")],
+    );
+    assert!(stdout(&o).contains("streams (sync)"), "{}", stdout(&o));
+    let o = mold_env(
+        &["exec", &p, "--machine", &m, "--weights", &w, "--steps", "1"],
+        &[("MOLD_STREAMING", "turbo")],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("MOLD_STREAMING: `turbo`"),
+        "{}",
+        stderr(&o)
+    );
+    let e = mold_fails(&[
+        "exec",
+        &p,
+        "--machine",
+        &m,
+        "--weights",
+        &w,
+        "--streaming",
+        "fast",
+    ]);
+    assert!(e.contains("`fast` is not a streaming mode"), "{e}");
+    // Too little host memory for the streamed weights: refused with the figures.
+    let o = mold_env(
+        &["exec", &p, "--machine", &m, "--weights", &w, "--steps", "1"],
+        &[("MOLD_HOST_MEMORY", "4KiB")],
+    );
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("host memory") && e.contains("only 4KiB is available (MOLD_HOST_MEMORY)"),
+        "{e}"
+    );
+    assert!(e.contains("nothing was loaded"), "{e}");
+    assert!(!stdout(&o).contains("loaded"), "{}", stdout(&o));
+}

@@ -4,7 +4,7 @@
 use crate::{invalid, CostError};
 use mold_machine::Machine;
 use mold_models::ModelSpec;
-use mold_plan::{ComponentRole, Plan};
+use mold_plan::{ComponentRole, DeviceId, Plan};
 
 /// Checks that the plan's components, block ranges, devices and tensor-parallel groups
 /// make sense for `model` on `machine`.
@@ -226,6 +226,15 @@ pub fn check_machine(
 ) -> Result<MachineCheck, CostError> {
     let fp = machine.fingerprint();
     if plan.machine.fingerprint == fp {
+        return Ok(MachineCheck::Same);
+    }
+    // A plan made for some of this box's devices (`--devices`, `--gpus`): the same
+    // devices here are the same machine for it.
+    let ids: Vec<DeviceId> = plan.machine.devices.iter().map(|d| d.id.clone()).collect();
+    if !ids.is_empty()
+        && ids.iter().all(|i| machine.device(i).is_some())
+        && plan.machine.fingerprint == machine.fingerprint_of(&ids)
+    {
         return Ok(MachineCheck::Same);
     }
     let msg = format!(

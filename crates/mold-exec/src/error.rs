@@ -100,6 +100,19 @@ pub enum ExecError {
     #[error("input: {0}")]
     Input(String),
 
+    #[error(
+        "host memory: the plan streams {blocks} block(s) whose weights take {need} of host \
+         memory, but only {available} is available ({source_}); nothing was loaded. Make \
+         more blocks resident (re-plan with more device memory or more devices), free host \
+         memory, or set MOLD_HOST_MEMORY if this figure is wrong"
+    )]
+    HostMemory {
+        blocks: usize,
+        need: mold_plan::ByteSize,
+        available: mold_plan::ByteSize,
+        source_: String,
+    },
+
     #[error("{0}")]
     Candle(#[from] candle_core::Error),
 }

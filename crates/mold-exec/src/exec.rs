@@ -8,8 +8,11 @@ use crate::model::flux::{DoubleBlock, FinalLayer, SingleBlock, Stem};
 use crate::model::ops::Kernels;
 use crate::model::{ActivationMeter, Ctx, Profiler, Shard};
 use crate::runtime::{self, Block, CheckpointSource, DeviceMap, DeviceMemory, Held};
+use crate::streaming::{self, Ring, Streaming};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use mold_plan::{DeviceId, Part, Plan, Residency};
+use std::borrow::Cow;
+use std::sync::Mutex;
 
 /// Inputs of one transformer call (BFL / candle `Flux::forward` argument order).
 #[derive(Clone, Debug)]
@@ -165,8 +168,9 @@ struct Rank {
     meter: ActivationMeter,
     profile: Profiler,
     resident_bytes: u64,
-    stream_bytes: u64,
-    host_bytes: u64,
+    /// `sync` streaming: the largest streamed block and the host bytes of all of them.
+    sync_stream_bytes: u64,
+    sync_host_bytes: u64,
 }
 
 struct PartRt {
@@ -243,6 +247,9 @@ pub struct Executor {
     parts: Vec<PartRt>,
     kernels: Kernels,
     profiling: bool,
+    streaming: Streaming,
+    /// One per device that runs streamed blocks (pipelined streaming).
+    rings: Vec<(DeviceId, Mutex<Ring>)>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -261,14 +268,61 @@ impl std::fmt::Debug for Executor {
 struct PartSpec {
     devices: Vec<DeviceId>,
     residency: Residency,
+    buffers: usize,
     steps: Vec<BlockRef>,
+}
+
+/// Weight elements that block `step` of a rank in a group of `world` holds: tensor-
+/// parallel layers hold 1/world of theirs, replicated ones (modulations, q/k norms, the
+/// biases of row-parallel layers) all of theirs.
+fn block_elems(cfg: &FluxConfig, step: BlockRef, world: usize) -> u64 {
+    let prefix = match step {
+        BlockRef::Double(i) => format!("double_blocks.{i}."),
+        BlockRef::Single(i) => format!("single_blocks.{i}."),
+    };
+    const REPLICATED: [&str; 7] = [
+        "_mod.lin.",
+        "modulation.lin.",
+        "_norm.scale",
+        "proj.bias",
+        "mlp.2.bias",
+        "linear2.bias",
+        "norm.key_norm",
+    ];
+    cfg.tensor_specs()
+        .iter()
+        .filter(|t| t.name.starts_with(&prefix))
+        .map(|t| {
+            let n = t.shape.iter().product::<usize>() as u64;
+            if REPLICATED.iter().any(|r| t.name.contains(r)) {
+                n
+            } else {
+                n / world as u64
+            }
+        })
+        .sum()
 }
 
 impl Executor {
     /// Checks the config, the checkpoint headers and the plan (no tensor data read), then
     /// loads each part's weights onto its devices (each rank reads only its own blocks
     /// and shards) in the plan's transformer dtype.
+    ///
+    /// Streamed parts stream as `MOLD_STREAMING` says (default: pinned); see
+    /// [`Executor::new_with_streaming`].
     pub fn new(cfg: &FluxConfig, plan: &Plan, ckpt: &Checkpoint) -> Result<Executor> {
+        Self::new_with_streaming(cfg, plan, ckpt, Streaming::from_env()?)
+    }
+
+    /// [`Executor::new`] with an explicit way of streaming host-resident blocks. Refuses,
+    /// before reading any weight, a plan whose streamed weights do not fit the host
+    /// memory available ([`streaming::host_memory_available`]).
+    pub fn new_with_streaming(
+        cfg: &FluxConfig,
+        plan: &Plan,
+        ckpt: &Checkpoint,
+        streaming: Streaming,
+    ) -> Result<Executor> {
         cfg.validate().map_err(ExecError::Config)?;
         let comp = plan.transformer().ok_or_else(|| {
             ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
@@ -283,10 +337,11 @@ impl Executor {
             .map(|(p, steps)| PartSpec {
                 devices: p.devices.clone(),
                 residency: p.residency,
+                buffers: p.buffers().max(1) as usize,
                 steps,
             })
             .collect();
-        Self::build(cfg, ckpt, specs, dtype)
+        Self::build(cfg, ckpt, specs, dtype, streaming)
     }
 
     /// The reference: the same model, unsharded, every block resident on one device.
@@ -305,9 +360,36 @@ impl Executor {
         let spec = PartSpec {
             devices: vec![device.clone()],
             residency: Residency::Resident,
+            buffers: 0,
             steps,
         };
-        Self::build(cfg, ckpt, vec![spec], dtype)
+        Self::build(cfg, ckpt, vec![spec], dtype, Streaming::default())
+    }
+
+    /// Refuses streamed weights that the host cannot hold, before anything is read.
+    fn check_host_memory(cfg: &FluxConfig, specs: &[PartSpec], dtype: DType) -> Result<()> {
+        let mut need = 0u64;
+        let mut blocks = 0usize;
+        for s in specs.iter().filter(|s| s.residency == Residency::Streamed) {
+            let world = s.devices.len();
+            for step in &s.steps {
+                need +=
+                    world as u64 * block_elems(cfg, *step, world) * dtype.size_in_bytes() as u64;
+                blocks += 1;
+            }
+        }
+        if need == 0 {
+            return Ok(());
+        }
+        match streaming::host_memory_available()? {
+            Some((available, from)) if need > available => Err(ExecError::HostMemory {
+                blocks,
+                need: mold_plan::ByteSize(need),
+                available: mold_plan::ByteSize(available),
+                source_: from.to_string(),
+            }),
+            _ => Ok(()),
+        }
     }
 
     fn build(
@@ -315,6 +397,7 @@ impl Executor {
         ckpt: &Checkpoint,
         specs: Vec<PartSpec>,
         dtype: DType,
+        streaming: Streaming,
     ) -> Result<Executor> {
         let mut devmap = DeviceMap::default();
         // Resolve every device before reading any weight.
@@ -323,6 +406,8 @@ impl Executor {
                 devmap.get(d)?;
             }
         }
+        Self::check_host_memory(cfg, &specs, dtype)?;
+        let mut rings: Vec<(DeviceId, Ring)> = Vec::new();
         let src = CheckpointSource { ckpt, dtype };
         let n = specs.len();
         let mut parts = Vec::with_capacity(n);
@@ -333,8 +418,8 @@ impl Executor {
                 let device = devmap.get(id)?;
                 let shard = Shard { rank, world };
                 let mut resident_bytes = 0;
-                let mut stream_bytes = 0;
-                let mut host_bytes = 0;
+                let mut sync_stream_bytes = 0;
+                let mut sync_host_bytes = 0;
                 let stem = if pi == 0 {
                     let s = Stem::load(&src, cfg)?.to_device(&device)?;
                     resident_bytes += s.bytes();
@@ -365,10 +450,25 @@ impl Executor {
                             resident_bytes += bytes;
                             Held::Resident(b.to_device(&device)?)
                         }
+                        Residency::Streamed if streaming == Streaming::Sync => {
+                            sync_host_bytes += bytes;
+                            sync_stream_bytes = sync_stream_bytes.max(bytes);
+                            Held::Sync(b)
+                        }
                         Residency::Streamed => {
-                            host_bytes += bytes;
-                            stream_bytes = stream_bytes.max(bytes);
-                            Held::Streamed(b)
+                            let ri = match rings.iter().position(|(d, _)| d == id) {
+                                Some(i) => i,
+                                None => {
+                                    rings.push((
+                                        id.clone(),
+                                        Ring::new(device.clone(), dtype, streaming, spec.buffers),
+                                    ));
+                                    rings.len() - 1
+                                }
+                            };
+                            let ring = &mut rings[ri].1;
+                            ring.want_buffers(spec.buffers);
+                            Held::Streamed(ri, ring.add(&b)?)
                         }
                     });
                 }
@@ -381,8 +481,8 @@ impl Executor {
                     meter: ActivationMeter::default(),
                     profile: Profiler::default(),
                     resident_bytes,
-                    stream_bytes,
-                    host_bytes,
+                    sync_stream_bytes,
+                    sync_host_bytes,
                 });
             }
             parts.push(PartRt {
@@ -391,12 +491,24 @@ impl Executor {
                 ranks,
             });
         }
+        for (id, ring) in rings.iter_mut() {
+            ring.finish()?;
+            if let Some(why) = ring.pinned_failed() {
+                eprintln!(
+                    "warning: {id}: page-locking {} of host memory for streamed weights failed ({why}): \
+                     streaming from pageable memory instead (slower copies, and the host waits for each)",
+                    mold_plan::ByteSize(ring.info().host_bytes)
+                );
+            }
+        }
         Ok(Executor {
             cfg: cfg.clone(),
             dtype,
             parts,
             kernels: Kernels::from_env(),
             profiling: Profiler::requested(),
+            streaming,
+            rings: rings.into_iter().map(|(d, r)| (d, Mutex::new(r))).collect(),
         })
     }
 
@@ -442,6 +554,22 @@ impl Executor {
         self.dtype
     }
 
+    /// How streamed blocks reach their devices.
+    pub fn streaming(&self) -> Streaming {
+        self.streaming
+    }
+
+    /// Each streaming device's ring: buffers, host memory, copies and restarts so far.
+    pub fn streaming_report(&self) -> Vec<(DeviceId, streaming::RingInfo)> {
+        (0..self.rings.len())
+            .map(|i| (self.rings[i].0.clone(), self.ring(i).info()))
+            .collect()
+    }
+
+    fn ring(&self, i: usize) -> std::sync::MutexGuard<'_, Ring> {
+        self.rings[i].1.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// One transformer call. Inputs may live on any device and in any float dtype; they
     /// are moved to the first part's devices; `img`, `txt` and `y` are converted to the
     /// compute dtype, the ids, `timesteps` and `guidance` to f32 (RoPE and the sinusoidal
@@ -472,6 +600,11 @@ impl Executor {
     /// [`Executor::forward`] taking a [`FluxInputs`].
     pub fn forward_inputs(&self, inputs: &FluxInputs) -> Result<Tensor> {
         self.check_inputs(inputs)?;
+        // Start the first copies of every streaming device now: they overlap the stem
+        // and whatever runs before each device's first streamed block.
+        for i in 0..self.rings.len() {
+            self.ring(i).prime()?;
+        }
         let mut acts: Option<Acts> = None;
         for part in &self.parts {
             let input = match &acts {
@@ -655,7 +788,12 @@ impl Executor {
             if let Some(p) = ctx.profile {
                 p.mark(None, dev);
             }
-            let block = held.fetch(dev)?;
+            let ring_err = |e: ExecError| candle_core::Error::Msg(e.to_string());
+            let block: Cow<Block> = match held {
+                Held::Resident(b) => Cow::Borrowed(b),
+                Held::Streamed(ri, k) => Cow::Owned(self.ring(*ri).fetch(*k).map_err(ring_err)?),
+                Held::Sync(b) => Cow::Owned(b.to_device(dev)?),
+            };
             if let Some(p) = ctx.profile {
                 p.mark(Some("weight fetch (streamed)"), dev);
             }
@@ -692,6 +830,16 @@ impl Executor {
                     candle_core::bail!("double block {step:?} after single blocks")
                 }
             };
+            match held {
+                Held::Resident(_) => {}
+                // The buffer is refilled once this block's kernels are done.
+                Held::Streamed(ri, _) => self.ring(*ri).release().map_err(ring_err)?,
+                // The baseline: wait for the block, then free its weights.
+                Held::Sync(_) => {
+                    dev.synchronize()?;
+                    drop(block);
+                }
+            }
         }
         if let Some(fl) = &rank.final_layer {
             let (img, vec) = match acts {
@@ -723,7 +871,9 @@ impl Executor {
                             device: r.id.clone(),
                             resident_weight_bytes: 0,
                             stream_buffer_bytes: 0,
+                            stream_buffers: 0,
                             host_weight_bytes: 0,
+                            host_pinned: false,
                             largest_activation_bytes: 0,
                         });
                         out.len() - 1
@@ -731,9 +881,21 @@ impl Executor {
                 };
                 let m = &mut out[i];
                 m.resident_weight_bytes += r.resident_bytes;
-                m.stream_buffer_bytes = m.stream_buffer_bytes.max(r.stream_bytes);
-                m.host_weight_bytes += r.host_bytes;
+                if r.sync_stream_bytes > 0 {
+                    m.stream_buffer_bytes = m.stream_buffer_bytes.max(r.sync_stream_bytes);
+                    m.stream_buffers = 1;
+                }
+                m.host_weight_bytes += r.sync_host_bytes;
                 m.largest_activation_bytes = m.largest_activation_bytes.max(r.meter.largest());
+            }
+        }
+        for (i, (id, _)) in self.rings.iter().enumerate() {
+            let info = self.ring(i).info();
+            if let Some(m) = out.iter_mut().find(|m| &m.device == id) {
+                m.stream_buffer_bytes = info.buffer_bytes;
+                m.stream_buffers = info.buffers;
+                m.host_weight_bytes += info.host_bytes;
+                m.host_pinned = info.pinned;
             }
         }
         out

@@ -44,6 +44,7 @@ pub mod error;
 mod exec;
 pub mod model;
 pub mod runtime;
+pub mod streaming;
 pub mod testdata;
 
 pub use checkpoint::{Checkpoint, TensorHeader};
@@ -54,6 +55,7 @@ pub use exec::{
 };
 pub use model::ops::Kernels;
 pub use runtime::DeviceMemory;
+pub use streaming::Streaming;
 pub use testdata::{random_inputs, write_testdata, write_testdata_sharded};
 
 /// Re-exported so callers need not depend on candle directly.

@@ -10,7 +10,6 @@ use crate::model::WeightSource;
 use candle_core::{DType, Device, Tensor};
 use mold_plan::DeviceId;
 use serde::Serialize;
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -139,29 +138,28 @@ impl Block {
             Block::Single(b) => b.bytes(),
         }
     }
+    /// The block with `f` applied to each weight tensor, in a fixed order.
+    pub fn map_tensors(
+        &self,
+        f: &mut crate::model::layers::TensorMap,
+    ) -> candle_core::Result<Block> {
+        Ok(match self {
+            Block::Double(b) => Block::Double(b.map_tensors(f)?),
+            Block::Single(b) => Block::Single(b.map_tensors(f)?),
+        })
+    }
 }
 
 /// Where a block's weights live between uses.
 pub(crate) enum Held {
     /// On the rank's device for the whole run.
     Resident(Block),
-    /// In host memory; copied to the device right before the block runs and dropped
-    /// after.
-    Streamed(Block),
-}
-
-impl Held {
-    /// The block, on `device`, ready to run.
-    ///
-    /// This is the one place weights move for streamed parts: an asynchronous copy
-    /// stream with `stream_buffers` device buffers would prefetch block i+1 here while
-    /// block i runs, instead of copying synchronously.
-    pub fn fetch(&self, device: &Device) -> candle_core::Result<Cow<'_, Block>> {
-        match self {
-            Held::Resident(b) => Ok(Cow::Borrowed(b)),
-            Held::Streamed(b) => Ok(Cow::Owned(b.to_device(device)?)),
-        }
-    }
+    /// Block `.1` of ring `.0` ([`crate::streaming::Ring`]): host memory, copied ahead into
+    /// one of the device's stream buffers.
+    Streamed(usize, usize),
+    /// [`crate::streaming::Streaming::Sync`]: in pageable host memory, copied to a fresh
+    /// allocation right before the block runs, freed after it.
+    Sync(Block),
 }
 
 /// Measured memory of one device, summed over the parts it serves.
@@ -174,11 +172,16 @@ pub struct DeviceMemory {
     pub device: DeviceId,
     /// Weights kept on the device for the whole run (resident blocks, stem, final layer).
     pub resident_weight_bytes: u64,
-    /// Device bytes for streamed block weights: the largest streamed block (this path
-    /// holds one streamed block at a time; double buffering will hold two).
+    /// Device bytes for streamed block weights: the device's stream buffers (one set per
+    /// device, shared by its streamed parts), or the largest streamed block in `sync`
+    /// streaming.
     pub stream_buffer_bytes: u64,
+    /// How many stream buffers (0: nothing streams here, 1: `sync` streaming).
+    pub stream_buffers: usize,
     /// Host memory holding this device's streamed weights.
     pub host_weight_bytes: u64,
+    /// Whether that host memory is page-locked.
+    pub host_pinned: bool,
     /// The largest single activation tensor the model code recorded on this device
     /// (attention weights are usually the largest).
     pub largest_activation_bytes: u64,

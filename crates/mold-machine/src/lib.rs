@@ -322,8 +322,20 @@ impl Machine {
 
     /// sha256 over each device's name and memory, in order.
     pub fn fingerprint(&self) -> String {
+        self.fingerprint_of(
+            &self
+                .devices
+                .iter()
+                .map(|d| d.id.clone())
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    /// [`Machine::fingerprint`] of the devices `ids` only (a plan made with `--devices`
+    /// or `--gpus` records the devices it may use).
+    pub fn fingerprint_of(&self, ids: &[DeviceId]) -> String {
         let mut h = Sha256::new();
-        for d in &self.devices {
+        for d in self.devices.iter().filter(|d| ids.contains(&d.id)) {
             h.update(format!("{}|{}|{};", d.id, d.name, d.memory.0).as_bytes());
         }
         let hex = format!("{:x}", h.finalize());

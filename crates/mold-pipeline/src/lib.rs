@@ -52,6 +52,8 @@ pub struct Request {
     pub guidance: Option<f64>,
     pub width: u32,
     pub height: u32,
+    /// How the transformer's streamed blocks reach their devices.
+    pub streaming: mold_exec::Streaming,
 }
 
 /// Progress, reported as the pipeline goes.
@@ -438,7 +440,7 @@ pub fn generate(
         devices: tf_devices.clone(),
     });
     let t = Instant::now();
-    let exec = Executor::new(flux, plan, &prep.ckpt)?;
+    let exec = Executor::new_with_streaming(flux, plan, &prep.ckpt, req.streaming)?;
     let load_s = t.elapsed().as_secs_f64();
     times.load_s += load_s;
     let report = exec.memory_report();

@@ -9,7 +9,7 @@
 //! one all-reduce after attention, one after the MLP). Modulations, norms, the stem and
 //! the final layer are replicated.
 
-use super::layers::{vector_bytes, ColumnParallel, Linear, RowParallel};
+use super::layers::{vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use super::ops::{self, Kernels};
 use super::{Ctx, Shard, WeightSource};
 use crate::config::{FluxConfig, TIME_EMBED_DIM};
@@ -227,11 +227,9 @@ impl QkNorm {
             key_scale: k,
         }
     }
-    fn to_device(&self, d: &Device) -> CResult<Self> {
-        Ok(Self::new(
-            self.query_scale.to_device(d)?,
-            self.key_scale.to_device(d)?,
-        ))
+    fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
+        let q = f(&self.query_scale)?;
+        Ok(Self::new(q, f(&self.key_scale)?))
     }
     fn bytes(&self) -> u64 {
         vector_bytes(&self.query_scale) + vector_bytes(&self.key_scale)
@@ -288,14 +286,14 @@ impl Stream {
             mlp2: RowParallel::load(src, &format!("{p}_mlp.2"), &[mlp])?,
         })
     }
-    fn to_device(&self, d: &Device) -> CResult<Self> {
+    fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
         Ok(Stream {
-            modulation: Modulation(self.modulation.0.to_device(d)?),
-            qkv: self.qkv.to_device(d)?,
-            norm: self.norm.to_device(d)?,
-            proj: self.proj.to_device(d)?,
-            mlp0: self.mlp0.to_device(d)?,
-            mlp2: self.mlp2.to_device(d)?,
+            modulation: Modulation(self.modulation.0.map_tensors(f)?),
+            qkv: self.qkv.map_tensors(f)?,
+            norm: self.norm.map_tensors(f)?,
+            proj: self.proj.map_tensors(f)?,
+            mlp0: self.mlp0.map_tensors(f)?,
+            mlp2: self.mlp2.map_tensors(f)?,
         })
     }
     fn bytes(&self) -> u64 {
@@ -414,12 +412,17 @@ impl DoubleBlock {
         Ok((img, txt))
     }
 
-    pub fn to_device(&self, d: &Device) -> CResult<Self> {
+    /// The block with `f` applied to each weight tensor, in a fixed order.
+    pub fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
         Ok(DoubleBlock {
-            img: self.img.to_device(d)?,
-            txt: self.txt.to_device(d)?,
+            img: self.img.map_tensors(f)?,
+            txt: self.txt.map_tensors(f)?,
             heads: self.heads,
         })
+    }
+
+    pub fn to_device(&self, d: &Device) -> CResult<Self> {
+        self.map_tensors(&mut |t| t.to_device(d))
     }
 
     /// Bytes of this shard's weights.
@@ -492,16 +495,21 @@ impl SingleBlock {
         Ok(out)
     }
 
-    pub fn to_device(&self, d: &Device) -> CResult<Self> {
+    /// The block with `f` applied to each weight tensor, in a fixed order.
+    pub fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
         Ok(SingleBlock {
-            linear1: self.linear1.to_device(d)?,
-            linear2: self.linear2.to_device(d)?,
-            norm: self.norm.to_device(d)?,
-            modulation: Modulation(self.modulation.0.to_device(d)?),
+            linear1: self.linear1.map_tensors(f)?,
+            linear2: self.linear2.map_tensors(f)?,
+            norm: self.norm.map_tensors(f)?,
+            modulation: Modulation(self.modulation.0.map_tensors(f)?),
             heads: self.heads,
             h_local: self.h_local,
             mlp_local: self.mlp_local,
         })
+    }
+
+    pub fn to_device(&self, d: &Device) -> CResult<Self> {
+        self.map_tensors(&mut |t| t.to_device(d))
     }
 
     pub fn bytes(&self) -> u64 {

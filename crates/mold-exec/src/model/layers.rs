@@ -17,11 +17,15 @@ fn bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
-fn lin_to_device(l: &candle_nn::Linear, d: &Device) -> candle_core::Result<candle_nn::Linear> {
-    Ok(candle_nn::Linear::new(
-        l.weight().to_device(d)?,
-        l.bias().map(|b| b.to_device(d)).transpose()?,
-    ))
+/// A function applied to every weight tensor of a layer or block, in a fixed order (the
+/// runtime uses it to move weights, to lay them out in one buffer, and to view them
+/// back out of one).
+pub type TensorMap<'a> = dyn FnMut(&Tensor) -> candle_core::Result<Tensor> + 'a;
+
+fn lin_map(l: &candle_nn::Linear, f: &mut TensorMap) -> candle_core::Result<candle_nn::Linear> {
+    let w = f(l.weight())?;
+    let b = l.bias().map(&mut *f).transpose()?;
+    Ok(candle_nn::Linear::new(w, b))
 }
 
 fn lin_bytes(l: &candle_nn::Linear) -> u64 {
@@ -41,8 +45,11 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.0.forward(x)
     }
+    pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
+        Ok(Linear(lin_map(&self.0, f)?))
+    }
     pub fn to_device(&self, d: &Device) -> candle_core::Result<Self> {
-        Ok(Linear(lin_to_device(&self.0, d)?))
+        self.map_tensors(&mut |t| t.to_device(d))
     }
     pub fn bytes(&self) -> u64 {
         lin_bytes(&self.0)
@@ -74,10 +81,10 @@ impl ColumnParallel {
     pub fn forward_gelu(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
         bias_act(&self.weight.forward(x)?, Some(&self.bias), true, k)
     }
-    pub fn to_device(&self, d: &Device) -> candle_core::Result<Self> {
+    pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
         Ok(ColumnParallel {
-            weight: lin_to_device(&self.weight, d)?,
-            bias: self.bias.to_device(d)?,
+            weight: lin_map(&self.weight, f)?,
+            bias: f(&self.bias)?,
         })
     }
     pub fn bytes(&self) -> u64 {
@@ -108,10 +115,10 @@ impl RowParallel {
     pub fn add_bias(&self, reduced: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
         bias_act(reduced, Some(&self.bias), false, k)
     }
-    pub fn to_device(&self, d: &Device) -> candle_core::Result<Self> {
+    pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
         Ok(RowParallel {
-            weight: lin_to_device(&self.weight, d)?,
-            bias: self.bias.to_device(d)?,
+            weight: lin_map(&self.weight, f)?,
+            bias: f(&self.bias)?,
         })
     }
     pub fn bytes(&self) -> u64 {
