@@ -92,6 +92,9 @@ pub fn testdata(a: TestdataArgs) -> Result<i32> {
     if a.name == "flux-tiny-pipeline" {
         return testdata_pipeline(a);
     }
+    if let Some(model) = a.name.strip_suffix("-pipeline") {
+        return testdata_full_pipeline(&a, model);
+    }
     let cfg = flux_config(&a.name)?;
     let dtype = match a.dtype.as_deref() {
         None if a.name == "flux-tiny" => mold_exec::DType::F32,
@@ -112,6 +115,31 @@ pub fn testdata(a: TestdataArgs) -> Result<i32> {
         cfg.param_count(),
         a.seed,
         t.elapsed().as_secs_f64()
+    );
+    Ok(0)
+}
+
+/// `mold testdata flux-dev-pipeline DIR`: a full-size pipeline with random weights.
+fn testdata_full_pipeline(a: &TestdataArgs, model: &str) -> Result<i32> {
+    let dtype = match a.dtype.as_deref() {
+        None | Some("bf16") => mold_exec::DType::BF16,
+        Some("f32") => mold_exec::DType::F32,
+        Some(o) => bail!("--dtype {o}: testdata writes f32 or bf16"),
+    };
+    if a.shard_size.is_some() {
+        bail!("{}: the transformer is written in 5 GB shards, the others one file each: drop --shard-size", a.name);
+    }
+    let t = Instant::now();
+    let files = mold_pipeline::testdata::write_full_pipeline(&a.dir, model, a.seed, dtype)
+        .with_context(|| format!("cannot write the {model} pipeline into {}", a.dir.display()))?;
+    for f in &files {
+        println!("wrote {}", f.display());
+    }
+    println!(
+        "{model} pipeline, random weights ({dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {} --prompt \"...\"`",
+        a.seed,
+        t.elapsed().as_secs_f64(),
+        a.dir.display()
     );
     Ok(0)
 }

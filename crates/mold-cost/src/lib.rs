@@ -12,9 +12,11 @@
 //!   slowest device sets the pace), is never faster than reading its weights from
 //!   device memory, and pays `allreduces` all-reduces of its hidden state over the
 //!   group's link (peer domain, or staged through the host);
-//! - a streamed block costs max(copy, compute) with double buffering, plus, once per
-//!   device group that streams, the largest min(copy, compute) of its streamed blocks
-//!   (the pipeline fill: the group's copy stream runs ahead across its parts);
+//! - the blocks of one kind on one device group cost max(their compute, the copies of
+//!   the streamed ones) ([`BlockCost::group_kind_s`]: the copy stream runs beside the
+//!   compute stream, and the planner spreads streamed blocks among resident ones), plus,
+//!   once per device group that streams, the largest min(copy, compute) of its streamed
+//!   blocks (the pipeline fill: the group's copy stream runs ahead across its parts);
 //! - each change of device group between consecutive parts hands the hidden state over
 //!   the machine's slowest device-to-device path;
 //! - a device holds the weights of its components and resident blocks, its stream
@@ -74,6 +76,18 @@ impl BlockCost {
     /// The part of the first streamed block that no earlier copy hides.
     pub fn fill_s(&self) -> f64 {
         self.copy_s.min(self.resident_s())
+    }
+    /// Time of `resident` + `streamed` blocks of this kind on one group, in a step:
+    /// the copy stream works while the compute stream runs every block of the kind, so
+    /// the slower of the two sets the pace — max(all blocks' compute, streamed blocks'
+    /// copies). With the streamed blocks spread among the resident ones (as the planner
+    /// lays them out) the executor gets there; bunched together they cost more, which the
+    /// simulator, replaying the actual order, shows. (Every streamed: n · max(copy,
+    /// compute), the double-buffering figure.)
+    pub fn group_kind_s(&self, resident: u64, streamed: u64) -> f64 {
+        let compute = (resident + streamed) as f64 * self.resident_s();
+        let copies = streamed as f64 * self.copy_s;
+        compute.max(copies)
     }
 }
 
@@ -355,6 +369,8 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
         // Stream buffers, once per device group: its streamed parts reuse them.
         let mut group_buffers: Vec<u64> = Vec::new();
         let mut transitions = 0usize;
+        // Per (group, kind): the kind's cost there and its resident and streamed counts.
+        let mut per_kind: Vec<(usize, String, BlockCost, u64, u64)> = Vec::new();
         for (pi, p) in tc.parts.iter().enumerate() {
             let gi = match groups.iter().position(|g| g == &p.devices) {
                 Some(i) => i,
@@ -383,6 +399,20 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
                 let (_, kind) = model.transformer.kind(&r.kind).expect("validated");
                 let bc = ctx.block(kind, &p.devices, dtype);
                 let n = r.len() as f64;
+                let at = match per_kind
+                    .iter()
+                    .position(|(g, k, ..)| *g == gi && *k == kind.name)
+                {
+                    Some(i) => i,
+                    None => {
+                        per_kind.push((gi, kind.name.clone(), bc, 0, 0));
+                        per_kind.len() - 1
+                    }
+                };
+                match p.residency {
+                    Residency::Resident => per_kind[at].3 += r.len() as u64,
+                    Residency::Streamed => per_kind[at].4 += r.len() as u64,
+                }
                 pt.compute_s += n * bc.compute_s;
                 pt.allreduce_s += n * bc.allreduce_s;
                 for d in &p.devices {
@@ -412,9 +442,12 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
                 }
             }
             group_buffers[gi] = group_buffers[gi].max(p.buffers() as u64 * buffer);
-            step_s += pt.total_s;
             parts.push(pt);
         }
+        step_s += per_kind
+            .iter()
+            .map(|(_, _, bc, r, s)| bc.group_kind_s(*r, *s))
+            .sum::<f64>();
         fill_s = fills.iter().sum();
         for (g, b) in groups.iter().zip(&group_buffers) {
             for d in g {

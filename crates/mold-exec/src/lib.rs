@@ -56,7 +56,7 @@ pub use exec::{
 pub use model::ops::Kernels;
 pub use runtime::DeviceMemory;
 pub use streaming::Streaming;
-pub use testdata::{random_inputs, write_testdata, write_testdata_sharded};
+pub use testdata::{random_inputs, write_safetensors, write_testdata, write_testdata_sharded};
 
 /// Re-exported so callers need not depend on candle directly.
 pub use candle_core::{DType, Device, Tensor};

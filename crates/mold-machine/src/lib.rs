@@ -83,6 +83,12 @@ pub struct Device {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub f32_tflops: Option<f64>,
     pub mem_bandwidth_gbps: f64,
+    /// The fraction of `bf16_tflops` (`f32_tflops` for f32) a model's kernels reach end
+    /// to end on this device: the predicted compute time of a resident `mold exec` step
+    /// at 1.0 divided by the measured one (BENCHMARKS.md). Absent: 1.0, the
+    /// matrix-product rate itself, which under-predicts real steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_efficiency: Option<f64>,
     /// Whether attention runs fused (no materialised scores).
     #[serde(default = "yes")]
     pub fused_attention: bool,
@@ -169,11 +175,14 @@ impl Collective {
 }
 
 impl Device {
+    /// The throughput a model reaches here: the profile's matrix-product rate for
+    /// `dtype` times [`Device::model_efficiency`].
     pub fn tflops(&self, dtype: mold_plan::DType) -> f64 {
-        match dtype {
+        let peak = match dtype {
             mold_plan::DType::F32 => self.f32_tflops.unwrap_or(self.bf16_tflops / 2.0),
             _ => self.bf16_tflops,
-        }
+        };
+        peak * self.model_efficiency.unwrap_or(1.0)
     }
 }
 
@@ -255,6 +264,14 @@ impl Machine {
                     return Err(bad(
                         format!("{f}.f32_tflops"),
                         format!("{v}: must be a positive number"),
+                    ));
+                }
+            }
+            if let Some(v) = d.model_efficiency {
+                if !(v > 0.0 && v <= 1.0) {
+                    return Err(bad(
+                        format!("{f}.model_efficiency"),
+                        format!("{v}: must be in (0, 1]: the measured fraction of bf16_tflops a model reaches (leave it out for 1)"),
                     ));
                 }
             }

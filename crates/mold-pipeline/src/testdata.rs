@@ -309,12 +309,265 @@ pub fn write_tiny_pipeline(dir: &Path, seed: u64) -> Result<Vec<PathBuf>> {
     Ok(written)
 }
 
+/// A [`SimpleBackend`](candle_nn::var_builder::SimpleBackend) that records the names
+/// and shapes a model asks for and hands out broadcast zeros (nothing allocated), so a
+/// full-size model can be listed without building it.
+struct Recorder(std::sync::Mutex<Vec<(String, Vec<usize>)>>);
+
+impl candle_nn::var_builder::SimpleBackend for Recorder {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0
+            .lock()
+            .expect("recorder")
+            .push((name.to_string(), s.dims().to_vec()));
+        Tensor::zeros((), dtype, dev)?.broadcast_as(s)
+    }
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("{name}: the recorder needs shapes")
+    }
+    fn contains_tensor(&self, _name: &str) -> bool {
+        true
+    }
+}
+
+/// The tensors (`name`, shape) `build` asks for, renamed, in name order.
+fn list_tensors(
+    rename: impl Fn(&str) -> String,
+    build: impl FnOnce(VarBuilder) -> candle_core::Result<()>,
+) -> Result<Vec<mold_exec::TensorSpec>> {
+    let rec = std::sync::Arc::new(Recorder(std::sync::Mutex::new(Vec::new())));
+    struct Shared(std::sync::Arc<Recorder>);
+    impl candle_nn::var_builder::SimpleBackend for Shared {
+        fn get(
+            &self,
+            s: candle_core::Shape,
+            name: &str,
+            h: candle_nn::Init,
+            dtype: DType,
+            dev: &Device,
+        ) -> candle_core::Result<Tensor> {
+            self.0.get(s, name, h, dtype, dev)
+        }
+        fn get_unchecked(&self, name: &str, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
+            self.0.get_unchecked(name, d, dev)
+        }
+        fn contains_tensor(&self, name: &str) -> bool {
+            self.0.contains_tensor(name)
+        }
+    }
+    let backend: Box<dyn candle_nn::var_builder::SimpleBackend> = Box::new(Shared(rec.clone()));
+    build(VarBuilder::from_backend(backend, DType::F32, Device::Cpu))?;
+    let mut seen = std::collections::BTreeMap::new();
+    for (n, shape) in rec.0.lock().expect("recorder").iter() {
+        seen.insert(rename(n), shape.clone());
+    }
+    Ok(seen
+        .into_iter()
+        .map(|(name, shape)| mold_exec::TensorSpec { name, shape })
+        .collect())
+}
+
+/// T5 v1.1 XXL (the encoder FLUX uses), as its `config.json` says.
+pub fn t5_xxl_config() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["T5EncoderModel"],
+        "model_type": "t5",
+        "vocab_size": 32128,
+        "d_model": 4096,
+        "d_kv": 64,
+        "d_ff": 10240,
+        "num_layers": 24,
+        "num_heads": 64,
+        "relative_attention_num_buckets": 32,
+        "relative_attention_max_distance": 128,
+        "dropout_rate": 0.1,
+        "layer_norm_epsilon": 1e-6,
+        "initializer_factor": 1.0,
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": false,
+        "is_encoder_decoder": true,
+        "use_cache": true,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0
+    })
+}
+
+/// CLIP ViT-L/14's text model (FLUX's pooled conditioning).
+pub fn clip_l_config() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["CLIPTextModel"],
+        "model_type": "clip_text_model",
+        "vocab_size": 49408,
+        "hidden_size": 768,
+        "projection_dim": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "max_position_embeddings": 77,
+        "hidden_act": "quick_gelu",
+        "layer_norm_eps": 1e-5
+    })
+}
+
+/// Writes a full-size pipeline weights directory for `model` (`flux-dev` or
+/// `flux-schnell`) with random weights in `dtype` (bf16 or f32): the transformer in 5 GB
+/// shards, T5-XXL, CLIP-L and FLUX's autoencoder with their configs, and word-level
+/// tokenizers over a small vocabulary (the ids they produce are valid for the real
+/// vocabularies). Every file is written tensor by tensor on all cores (~40 GB in bf16:
+/// a minute or two on a GPU machine's disk). For benchmarks of the whole pipeline: the
+/// images are noise.
+pub fn write_full_pipeline(
+    dir: &Path,
+    model: &str,
+    seed: u64,
+    dtype: DType,
+) -> Result<Vec<PathBuf>> {
+    let flux = FluxConfig::by_name(model)
+        .filter(|_| model != "flux-tiny")
+        .ok_or_else(|| PipelineError::Component {
+            component: "testdata".into(),
+            message: format!("`{model}`: full-size pipelines are flux-dev or flux-schnell"),
+        })?;
+    let mut written = Vec::new();
+    for d in [dir.to_path_buf(), dir.join("t5"), dir.join("clip")] {
+        std::fs::create_dir_all(&d).map_err(PipelineError::io(&d))?;
+    }
+    written.push(mold_exec::write_testdata_sharded(
+        &flux,
+        dir,
+        seed,
+        dtype,
+        5_000_000_000,
+    )?);
+
+    let t5_dir = dir.join("t5");
+    let cfg_json = t5_xxl_config();
+    let cfg: t5::Config = serde_json::from_value(cfg_json.clone()).expect("t5 config");
+    write_json(&t5_dir.join("config.json"), &cfg_json)?;
+    let specs = list_tensors(
+        |n| {
+            if n == "encoder.embed_tokens.weight" {
+                "shared.weight".into()
+            } else {
+                n.to_string()
+            }
+        },
+        |vb| t5::T5EncoderModel::load(vb, &cfg).map(|_| ()),
+    )?;
+    let p = t5_dir.join("model.safetensors");
+    mold_exec::write_safetensors(&p, &specs, seed ^ 0x75, dtype)?;
+    written.push(p);
+    let p = t5_dir.join("tokenizer.json");
+    write_tokenizer(
+        &p,
+        &["<pad>", "</s>", "<unk>"],
+        None,
+        "<unk>",
+        "$A </s>",
+        &["</s>"],
+    )?;
+    written.extend([t5_dir.join("config.json"), p]);
+
+    let clip_dir = dir.join("clip");
+    write_json(&clip_dir.join("config.json"), &clip_l_config())?;
+    let ccfg = ClipTextConfig {
+        vocab_size: 49408,
+        embed_dim: 768,
+        activation: Activation::QuickGelu,
+        intermediate_size: 3072,
+        max_position_embeddings: 77,
+        pad_with: None,
+        num_hidden_layers: 12,
+        num_attention_heads: 12,
+        projection_dim: 768,
+    };
+    let specs = list_tensors(
+        |n| n.to_string(),
+        |vb| ClipTextTransformer::new(vb.pp("text_model"), &ccfg).map(|_| ()),
+    )?;
+    let p = clip_dir.join("model.safetensors");
+    mold_exec::write_safetensors(&p, &specs, seed ^ 0xc1, dtype)?;
+    written.push(p);
+    let p = clip_dir.join("tokenizer.json");
+    write_tokenizer(
+        &p,
+        &["<|startoftext|>", "<unk>"],
+        Some("<|endoftext|>"),
+        "<unk>",
+        "<|startoftext|> $A <|endoftext|>",
+        &["<|startoftext|>", "<|endoftext|>"],
+    )?;
+    written.extend([clip_dir.join("config.json"), p]);
+
+    let cc = AeConfig::flux().to_candle();
+    let specs = list_tensors(
+        |n| n.to_string(),
+        |vb| Decoder::new(&cc, vb.pp("decoder")).map(|_| ()),
+    )?;
+    let p = dir.join("ae.safetensors");
+    mold_exec::write_safetensors(&p, &specs, seed ^ 0xae, dtype)?;
+    written.push(p);
+    Ok(written)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::text::{Clip, T5};
     use crate::vae::Vae;
     use crate::WeightsLayout;
+
+    #[test]
+    fn recorder_lists_what_the_varmap_lists() {
+        let flux = FluxConfig::flux_tiny();
+        let cfg: t5::Config = serde_json::from_value(tiny_t5_config(&flux)).unwrap();
+        let listed = list_tensors(
+            |n| n.to_string(),
+            |vb| t5::T5EncoderModel::load(vb, &cfg).map(|_| ()),
+        )
+        .unwrap();
+        let vm = VarMap::new();
+        t5::T5EncoderModel::load(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg)
+            .unwrap();
+        let data = vm.data().lock().unwrap();
+        let mut want: Vec<(String, Vec<usize>)> = data
+            .iter()
+            .map(|(k, v)| {
+                // An empty VarMap has no `shared.weight`, so T5 falls back to this name;
+                // the recorder claims every name, as a real checkpoint has `shared`.
+                let k = if k == "encoder.embed_tokens.weight" {
+                    "shared.weight"
+                } else {
+                    k
+                };
+                (k.to_string(), v.as_tensor().dims().to_vec())
+            })
+            .collect();
+        want.sort();
+        let got: Vec<(String, Vec<usize>)> =
+            listed.into_iter().map(|s| (s.name, s.shape)).collect();
+        assert_eq!(got, want);
+        // Full size, without allocating it: T5-XXL has 4.76 B parameters in the encoder.
+        let xxl: t5::Config = serde_json::from_value(t5_xxl_config()).unwrap();
+        let specs = list_tensors(
+            |n| n.to_string(),
+            |vb| t5::T5EncoderModel::load(vb, &xxl).map(|_| ()),
+        )
+        .unwrap();
+        let params: usize = specs
+            .iter()
+            .map(|s| s.shape.iter().product::<usize>())
+            .sum();
+        assert!((4_700_000_000..4_800_000_000).contains(&params), "{params}");
+    }
 
     #[test]
     fn tiny_pipeline_loads_and_runs_each_component() {

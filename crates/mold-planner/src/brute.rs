@@ -139,7 +139,7 @@ pub fn best(req: &Request, family: Option<Family>) -> (Option<Choice>, u64) {
                 let mut buf = 0u64;
                 for k in 0..nk {
                     let b = &bc[g][k];
-                    step += res[g][k] as f64 * b.resident_s() + st[g][k] as f64 * b.streamed_s();
+                    step += b.group_kind_s(res[g][k] as u64, st[g][k] as u64);
                     if st[g][k] > 0 {
                         fill = fill.max(b.fill_s());
                         buf = buf.max(nbuf * b.weight_bytes);

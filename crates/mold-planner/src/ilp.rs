@@ -15,7 +15,8 @@
 //! Per device d: components' weights + resident blocks + buffers + stem (if d runs any
 //! transformer part) + the largest activation A[d] + headroom ≤ budget.
 //! Host: streamed weights ≤ pinned limit; host components + pinned ≤ host memory.
-//! Objective (latency): Σ component times + steps · (Σ blocks' times + Σ fill + hand-offs
+//!   t[g,k] ≥ compute(g,k) · (nr+ns), t[g,k] ≥ copy(g,k) · ns   kind k's time on g
+//! Objective (latency): Σ component times + steps · (Σ t + Σ fill + hand-offs
 //! · (groups used − 1)) — `mold_cost::evaluate`'s request time, term for term.
 
 use crate::{Family, Objective, PlanError, Request, TpChoice};
@@ -141,7 +142,26 @@ fn sum<I: IntoIterator<Item = Expression>>(it: I) -> Expression {
 
 /// Solves the program restricted to `family` (or unrestricted); `None` when no plan of
 /// that family fits.
+///
+/// Ties (identical devices, say) are broken by a second solve that keeps the optimum and
+/// prefers fewer device groups and lower device indices, so equal machines get the plan
+/// a person would write (`cuda:0` before `cuda:3`).
 pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, PlanError> {
+    let Some(first) = solve_with(req, family, None)? else {
+        return Ok(None);
+    };
+    // The second solve is a nicety: if the solver trips on it, keep the first answer.
+    let tidy = solve_with(req, family, Some(first.objective))
+        .ok()
+        .flatten();
+    Ok(Some(tidy.unwrap_or(first)))
+}
+
+fn solve_with(
+    req: &Request,
+    family: Option<Family>,
+    optimum: Option<f64>,
+) -> Result<Option<Choice>, PlanError> {
     let ctx = Ctx::new(&req.model, &req.machine, &req.workload);
     let groups = candidate_groups(req);
     let single: Vec<bool> = groups.iter().map(|g| g.len() == 1).collect();
@@ -213,12 +233,21 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
             comp_time += o.seconds * x[ci][oi];
         }
     }
+    // Kind k on group g: max(compute of all its blocks, copies of the streamed ones)
+    // (`BlockCost::group_kind_s`), as t[g][k] ≥ both.
+    let t: Vec<Vec<Option<Variable>>> = (0..groups.len())
+        .map(|g| {
+            (0..nk)
+                .map(|k| ns[g][k].map(|_| vars.add(variable().min(0))))
+                .collect()
+        })
+        .collect();
     let mut step = Expression::from(-handoff);
     for g in 0..groups.len() {
         for k in 0..nk {
-            step += bc[g][k].resident_s() * nr[g][k];
-            if let Some(v) = ns[g][k] {
-                step += bc[g][k].streamed_s() * v;
+            match t[g][k] {
+                Some(tv) => step += tv,
+                None => step += bc[g][k].resident_s() * nr[g][k],
             }
         }
         step += fill[g];
@@ -254,7 +283,24 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
         Objective::Latency => latency.clone(),
         Objective::Memory => sum(dev_mem.iter().cloned()) + MEMORY_LATENCY_WEIGHT * latency.clone(),
     };
-    let mut problem = vars.minimise(objective.clone()).using(microlp);
+    // The tie-break: a group or placement costs 1 + the indices of its devices (the host
+    // counts as the last).
+    let index = |id: &DeviceId| devs.iter().position(|d| &d.id == id).unwrap_or(devs.len()) as f64;
+    let mut tiebreak = Expression::from(0.0);
+    for (g, grp) in groups.iter().enumerate() {
+        tiebreak += (1.0 + grp.iter().map(index).sum::<f64>()) * used[g];
+    }
+    for (ci, (_, opts)) in comps.iter().enumerate() {
+        for (oi, o) in opts.iter().enumerate() {
+            tiebreak += (1.0 + index(&o.at)) * x[ci][oi];
+        }
+    }
+    let mut problem = match optimum {
+        None => vars.minimise(objective.clone()).using(microlp),
+        Some(v) => vars.minimise(tiebreak).using(microlp).with(constraint!(
+            objective.clone() <= v + 1e-8 * v.abs().max(1e-9)
+        )),
+    };
 
     for (k, c) in counts.iter().enumerate() {
         problem = problem.with(constraint!(
@@ -266,7 +312,9 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
             problem = problem.with(constraint!(blocks_of(g, k) <= counts[k] * u[g][k]));
             problem = problem.with(constraint!(u[g][k] <= blocks_of(g, k)));
             problem = problem.with(constraint!(used[g] >= u[g][k]));
-            if let (Some(sv), Some(nv)) = (s[g][k], ns[g][k]) {
+            if let (Some(sv), Some(nv), Some(tv)) = (s[g][k], ns[g][k], t[g][k]) {
+                problem = problem.with(constraint!(tv >= bc[g][k].resident_s() * (nr[g][k] + nv)));
+                problem = problem.with(constraint!(tv >= bc[g][k].copy_s * nv));
                 problem = problem.with(constraint!(nv <= counts[k] * sv));
                 problem = problem.with(constraint!(sv <= nv));
                 problem = problem.with(constraint!(

@@ -9,8 +9,11 @@ use mold_plan::{
 
 /// Orders groups so each runs one contiguous range: by the first kind they run, then by
 /// the last (a group that continues into the next kind comes last among its kind's).
-/// Within a group, streamed blocks of its first kind come first and streamed blocks of
-/// its last kind come last, so resident blocks stay together.
+/// Within a group, each kind's streamed blocks are spread evenly among its resident ones:
+/// the executor's copy stream then fills a buffer with the next streamed block while the
+/// resident blocks before it compute, so copies hide behind compute wherever the link
+/// allows (streamed blocks bunched together would leave the copies nothing to hide
+/// behind but each other's compute). Memory is the same either way.
 pub fn layout(req: &Request, choice: &Choice) -> Vec<Part> {
     let kinds = &req.model.transformer.kinds;
     let span = |g: &crate::ilp::GroupChoice| {
@@ -29,13 +32,11 @@ pub fn layout(req: &Request, choice: &Choice) -> Vec<Part> {
         // (kind, count, residency) runs in order for this group.
         let mut runs: Vec<(usize, u32, Residency)> = Vec::new();
         for k in first..=last {
-            let (r, s) = (g.resident[k], g.streamed[k]);
-            if k == first && k != last {
-                runs.push((k, s, Residency::Streamed));
-                runs.push((k, r, Residency::Resident));
-            } else {
-                runs.push((k, r, Residency::Resident));
-                runs.push((k, s, Residency::Streamed));
+            for res in spread(g.resident[k], g.streamed[k]) {
+                match runs.last_mut() {
+                    Some((rk, n, rr)) if *rk == k && *rr == res => *n += 1,
+                    _ => runs.push((k, 1, res)),
+                }
             }
         }
         for (k, n, res) in runs {
@@ -56,6 +57,24 @@ pub fn layout(req: &Request, choice: &Choice) -> Vec<Part> {
         }
     }
     parts
+}
+
+/// `resident + streamed` residencies in order with the streamed ones spread evenly, the
+/// first block resident (it overlaps the copy of the first streamed one) whenever any is.
+pub(crate) fn spread(resident: u32, streamed: u32) -> Vec<Residency> {
+    let n = resident + streamed;
+    (0..n)
+        .map(|i| {
+            // Block i is streamed when the running share of streamed blocks steps up.
+            let before = (i as u64 * streamed as u64) / n as u64;
+            let after = ((i as u64 + 1) * streamed as u64) / n as u64;
+            if after > before {
+                Residency::Streamed
+            } else {
+                Residency::Resident
+            }
+        })
+        .collect()
 }
 
 /// Builds the plan for a solver choice, with its evaluated prediction.
@@ -121,4 +140,36 @@ pub fn plan_from_choice(
     let ev = mold_cost::evaluate(&plan, &req.model, &req.machine);
     plan.predicted = ev.prediction();
     plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn show(v: &[Residency]) -> String {
+        v.iter()
+            .map(|r| if *r == Residency::Streamed { 'S' } else { 'r' })
+            .collect()
+    }
+
+    #[test]
+    fn streamed_blocks_are_spread_evenly() {
+        assert_eq!(show(&spread(3, 0)), "rrr");
+        assert_eq!(show(&spread(0, 3)), "SSS");
+        assert_eq!(show(&spread(2, 2)), "rSrS");
+        assert_eq!(show(&spread(4, 2)), "rrSrrS");
+        assert_eq!(show(&spread(1, 3)), "rSSS");
+        for (r, s) in [(21, 17), (16, 22), (0, 38), (37, 1)] {
+            let v = spread(r, s);
+            assert_eq!(v.len() as u32, r + s);
+            assert_eq!(
+                v.iter().filter(|x| **x == Residency::Streamed).count() as u32,
+                s
+            );
+            // No two streamed blocks in a row while resident ones remain to put between.
+            if r >= s {
+                assert!(!show(&v).contains("SS"), "{r} {s}: {}", show(&v));
+            }
+        }
+    }
 }

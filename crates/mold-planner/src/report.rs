@@ -43,13 +43,67 @@ pub fn device_list(devs: &[DeviceId]) -> String {
 pub fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String {
     let mut out = String::new();
     for c in &plan.components {
-        for (i, p) in c.parts.iter().enumerate() {
+        let mut i = 0;
+        while i < c.parts.len() {
+            let p = &c.parts[i];
             let name = if i == 0 { c.name.as_str() } else { "" };
             let dtype = if i == 0 {
                 c.dtype.to_string()
             } else {
                 String::new()
             };
+            // Streamed parts spread among resident ones on the same devices: one line.
+            let run = c.parts[i..]
+                .iter()
+                .take_while(|q| q.devices == p.devices)
+                .count();
+            let mixed = c.role == ComponentRole::Transformer
+                && run > 2
+                && c.parts[i..i + run]
+                    .iter()
+                    .any(|q| q.residency == Residency::Streamed);
+            if mixed {
+                let parts = &c.parts[i..i + run];
+                let mut ranges: Vec<mold_plan::BlockRange> = Vec::new();
+                for r in parts.iter().flat_map(|q| q.blocks.iter()) {
+                    match ranges.last_mut() {
+                        Some(l) if l.kind == r.kind && l.end == r.start => l.end = r.end,
+                        _ => ranges.push(r.clone()),
+                    }
+                }
+                let count = |res: Residency| -> u32 {
+                    parts
+                        .iter()
+                        .filter(|q| q.residency == res)
+                        .map(|q| q.block_count())
+                        .sum()
+                };
+                let buffers = parts.iter().map(|q| q.buffers()).max().unwrap_or(0);
+                let tp = if p.devices.len() > 1 {
+                    format!(
+                        "tensor parallel ×{}{}, ",
+                        p.devices.len(),
+                        link(machine, &p.devices)
+                    )
+                } else {
+                    String::new()
+                };
+                let blocks = ranges
+                    .iter()
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let _ = writeln!(
+                    out,
+                    "  {name:<12} {dtype:<5} {:<14} {blocks:<28} {tp}{} resident, {} streamed from host spread among them ({buffers} buffers; {} parts in the plan)",
+                    device_list(&p.devices),
+                    count(Residency::Resident),
+                    count(Residency::Streamed),
+                    run
+                );
+                i += run;
+                continue;
+            }
             let blocks = p
                 .blocks
                 .iter()
@@ -76,6 +130,7 @@ pub fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> Str
             };
             let _ =
                 writeln!(out, "  {name:<12} {dtype:<5} {devs:<14} {blocks:<28} {how}").map(|_| ());
+            i += 1;
         }
     }
     out.lines()

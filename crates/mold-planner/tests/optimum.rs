@@ -127,6 +127,7 @@ fn build(inst: &Instance) -> Request {
                 headroom: ByteSize(headroom),
                 bf16_tflops: *tf,
                 f32_tflops: Some(*tf / 2.0),
+                model_efficiency: None,
                 mem_bandwidth_gbps: *bw,
                 fused_attention: *fused,
                 uuid: None,
