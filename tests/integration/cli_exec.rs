@@ -326,7 +326,15 @@ fn streamed_plan_runs_in_every_mode_and_host_memory_is_checked() {
         "fast",
     ]);
     assert!(e.contains("`fast` is not a streaming mode"), "{e}");
-    // Too little host memory for the streamed weights: refused with the figures.
+    // Too little host memory for the streamed weights: refused with the figures, the
+    // need sized exactly as the loaded run accounts it.
+    let s = ok(&["exec", &p, "--machine", &m, "--weights", &w, "--steps", "1"]);
+    let host = s
+        .split("streams (pinned): ")
+        .nth(1)
+        .and_then(|r| r.split(" in pageable").next())
+        .unwrap_or_else(|| panic!("no host figure: {s}"))
+        .to_string();
     let o = mold_env(
         &["exec", &p, "--machine", &m, "--weights", &w, "--steps", "1"],
         &[("MOLD_HOST_MEMORY", "4KiB")],
@@ -334,9 +342,10 @@ fn streamed_plan_runs_in_every_mode_and_host_memory_is_checked() {
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("host memory") && e.contains("only 4KiB is available (MOLD_HOST_MEMORY)"),
-        "{e}"
+        e.contains(&format!("take {host} of host memory")),
+        "{host}: {e}"
     );
+    assert!(e.contains("is available (MOLD_HOST_MEMORY)"), "{e}");
     assert!(e.contains("nothing was loaded"), "{e}");
     assert!(!stdout(&o).contains("loaded"), "{}", stdout(&o));
 }

@@ -101,10 +101,12 @@ pub enum ExecError {
     Input(String),
 
     #[error(
-        "host memory: the plan streams {blocks} block(s) whose weights take {need} of host \
-         memory, but only {available} is available ({source_}); nothing was loaded. Make \
+        "host memory: the plan streams {blocks} block(s) whose weights take {} of host \
+         memory, but only {} is available ({source_}); nothing was loaded. Make \
          more blocks resident (re-plan with more device memory or more devices), free host \
-         memory, or set MOLD_HOST_MEMORY if this figure is wrong"
+         memory, or set MOLD_HOST_MEMORY if this figure is wrong",
+        .need.human(),
+        .available.human()
     )]
     HostMemory {
         blocks: usize,

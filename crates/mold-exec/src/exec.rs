@@ -272,37 +272,6 @@ struct PartSpec {
     steps: Vec<BlockRef>,
 }
 
-/// Weight elements that block `step` of a rank in a group of `world` holds: tensor-
-/// parallel layers hold 1/world of theirs, replicated ones (modulations, q/k norms, the
-/// biases of row-parallel layers) all of theirs.
-fn block_elems(cfg: &FluxConfig, step: BlockRef, world: usize) -> u64 {
-    let prefix = match step {
-        BlockRef::Double(i) => format!("double_blocks.{i}."),
-        BlockRef::Single(i) => format!("single_blocks.{i}."),
-    };
-    const REPLICATED: [&str; 7] = [
-        "_mod.lin.",
-        "modulation.lin.",
-        "_norm.scale",
-        "proj.bias",
-        "mlp.2.bias",
-        "linear2.bias",
-        "norm.key_norm",
-    ];
-    cfg.tensor_specs()
-        .iter()
-        .filter(|t| t.name.starts_with(&prefix))
-        .map(|t| {
-            let n = t.shape.iter().product::<usize>() as u64;
-            if REPLICATED.iter().any(|r| t.name.contains(r)) {
-                n
-            } else {
-                n / world as u64
-            }
-        })
-        .sum()
-}
-
 impl Executor {
     /// Checks the config, the checkpoint headers and the plan (no tensor data read), then
     /// loads each part's weights onto its devices (each rank reads only its own blocks
@@ -366,17 +335,30 @@ impl Executor {
         Self::build(cfg, ckpt, vec![spec], dtype, Streaming::default())
     }
 
-    /// Refuses streamed weights that the host cannot hold, before anything is read.
-    fn check_host_memory(cfg: &FluxConfig, specs: &[PartSpec], dtype: DType) -> Result<()> {
+    /// Refuses streamed weights that the host cannot hold, before anything is read: each
+    /// streamed block is sized per rank from the checkpoint's headers
+    /// ([`runtime::ShapeSource`]).
+    fn check_host_memory(
+        cfg: &FluxConfig,
+        ckpt: &Checkpoint,
+        specs: &[PartSpec],
+        dtype: DType,
+    ) -> Result<()> {
+        let shapes = runtime::ShapeSource { ckpt, dtype };
         let mut need = 0u64;
         let mut blocks = 0usize;
         for s in specs.iter().filter(|s| s.residency == Residency::Streamed) {
             let world = s.devices.len();
-            for step in &s.steps {
-                need +=
-                    world as u64 * block_elems(cfg, *step, world) * dtype.size_in_bytes() as u64;
-                blocks += 1;
+            for rank in 0..world {
+                let shard = Shard { rank, world };
+                for step in &s.steps {
+                    need += match step {
+                        BlockRef::Double(i) => DoubleBlock::load(&shapes, cfg, *i, shard)?.bytes(),
+                        BlockRef::Single(i) => SingleBlock::load(&shapes, cfg, *i, shard)?.bytes(),
+                    };
+                }
             }
+            blocks += s.steps.len();
         }
         if need == 0 {
             return Ok(());
@@ -406,7 +388,7 @@ impl Executor {
                 devmap.get(d)?;
             }
         }
-        Self::check_host_memory(cfg, &specs, dtype)?;
+        Self::check_host_memory(cfg, ckpt, &specs, dtype)?;
         let mut rings: Vec<(DeviceId, Ring)> = Vec::new();
         let src = CheckpointSource { ckpt, dtype };
         let n = specs.len();
@@ -781,6 +763,7 @@ impl Executor {
                 }
             }
         };
+        let ring_err = |e: ExecError| candle_core::Error::Msg(e.to_string());
         for (step, held) in part.steps.iter().zip(&rank.blocks) {
             if let Some(f) = Fault::from_env() {
                 f.trigger(&rank.id, *step)?;
@@ -788,7 +771,6 @@ impl Executor {
             if let Some(p) = ctx.profile {
                 p.mark(None, dev);
             }
-            let ring_err = |e: ExecError| candle_core::Error::Msg(e.to_string());
             let block: Cow<Block> = match held {
                 Held::Resident(b) => Cow::Borrowed(b),
                 Held::Streamed(ri, k) => Cow::Owned(self.ring(*ri).fetch(*k).map_err(ring_err)?),

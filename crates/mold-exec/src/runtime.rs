@@ -118,6 +118,36 @@ impl WeightSource for CheckpointSource<'_> {
     }
 }
 
+/// Shapes only: what [`CheckpointSource`] would read, as broadcast zeros (nothing read
+/// or allocated). Loading a block from it gives the block's exact per-rank size, by the
+/// model's own sharding, before any weight is touched.
+pub(crate) struct ShapeSource<'a> {
+    pub ckpt: &'a Checkpoint,
+    pub dtype: DType,
+}
+
+impl WeightSource for ShapeSource<'_> {
+    fn load(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Tensor> {
+        let h = self.ckpt.tensors().get(name).ok_or_else(|| {
+            ExecError::Plan(format!("tensor `{name}` is not in {}", self.ckpt.path()))
+        })?;
+        let len = |r: &[Range<usize>]| r.iter().map(|x| x.len()).sum::<usize>();
+        let mut shape = h.shape.clone();
+        if let (Some(r), Some(d)) = (rows, shape.first_mut()) {
+            *d = len(r);
+        }
+        if let (Some(c), Some(d)) = (cols, shape.get_mut(1)) {
+            *d = len(c);
+        }
+        Ok(Tensor::zeros((), self.dtype, &Device::Cpu)?.broadcast_as(shape)?)
+    }
+}
+
 /// One transformer block of a rank.
 #[derive(Clone, Debug)]
 pub(crate) enum Block {

@@ -130,10 +130,6 @@ fn st_dtype(dtype: DType) -> Result<&'static str> {
 /// bounded by one tensor), deterministic from `seed` and each name: matrices and kernels
 /// ~ N(0, 1/fan_in), biases ~ N(0, 0.02²), norm scales ~ 1 + N(0, 0.1²).
 pub fn write_safetensors(path: &Path, specs: &[TensorSpec], seed: u64, dtype: DType) -> Result<()> {
-    write_file(path, specs, seed, dtype)
-}
-
-fn write_file(path: &Path, specs: &[TensorSpec], seed: u64, dtype: DType) -> Result<()> {
     let es = dtype.size_in_bytes();
     let dt = st_dtype(dtype)?;
     let mut header = serde_json::Map::new();
@@ -167,7 +163,7 @@ fn write_file(path: &Path, specs: &[TensorSpec], seed: u64, dtype: DType) -> Res
 pub fn write_testdata(cfg: &FluxConfig, dir: &Path, seed: u64, dtype: DType) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let path = dir.join(TESTDATA_FILE);
-    write_file(&path, &cfg.tensor_specs(), seed, dtype)?;
+    write_safetensors(&path, &cfg.tensor_specs(), seed, dtype)?;
     Ok(path)
 }
 
@@ -199,7 +195,7 @@ pub fn write_testdata_sharded(
     let mut total_size = 0u64;
     for (i, specs) in shards.iter().enumerate() {
         let name = format!("flux-transformer-{:05}-of-{:05}.safetensors", i + 1, total);
-        write_file(&dir.join(&name), specs, seed, dtype)?;
+        write_safetensors(&dir.join(&name), specs, seed, dtype)?;
         for s in specs {
             total_size += s.shape.iter().product::<usize>() as u64 * es;
             map.insert(s.name.clone(), serde_json::Value::String(name.clone()));

@@ -513,6 +513,20 @@ links:
     }
 
     #[test]
+    fn model_efficiency_scales_the_matmul_rate() {
+        let m = Machine::from_yaml(TWO, "t.yaml").unwrap();
+        assert_eq!(m.devices[0].tflops(mold_plan::DType::Bf16), 100.0);
+        let e = TWO.replacen(
+            "bf16_tflops: 100, mem",
+            "bf16_tflops: 100, model_efficiency: 0.5, mem",
+            1,
+        );
+        let m = Machine::from_yaml(&e, "t.yaml").unwrap();
+        assert_eq!(m.devices[0].tflops(mold_plan::DType::Bf16), 50.0);
+        assert_eq!(m.devices[0].tflops(mold_plan::DType::F32), 25.0);
+    }
+
+    #[test]
     fn errors_name_fields() {
         for (from, to, want) in [
             (
@@ -536,6 +550,11 @@ links:
                 "unknown field `pinned`",
             ),
             ("{id: cuda:1,", "{id: cuda:0,", "devices[1].id"),
+            (
+                "bf16_tflops: 100, mem",
+                "bf16_tflops: 100, model_efficiency: 1.5, mem",
+                "devices[0].model_efficiency",
+            ),
         ] {
             let bad = TWO.replacen(from, to, 1);
             assert_ne!(bad, TWO);

@@ -1,25 +1,22 @@
-//! A complete tiny pipeline weights directory with random weights: T5, CLIP and VAE
-//! (with configs and tokenizers) shaped for `FluxConfig::flux_tiny`, and the tiny
-//! transformer, so CI runs the whole pipeline in seconds.
+//! Pipeline weights directories with random weights: T5, CLIP and VAE (with configs and
+//! tokenizers) and the transformer, either tiny (shaped for `FluxConfig::flux_tiny`, so
+//! CI runs the whole pipeline in seconds) or full size (for GPU benchmarks).
 //!
 //! Tensor names and shapes come from candle-transformers' own loaders (each model is
-//! built once over a [`VarMap`] to list them), so the files load exactly as real ones do.
-//! Values depend only on the seed and the tensor name.
+//! built once over a recording backend that allocates nothing), so the files load
+//! exactly as real ones do. Values depend only on the seed and the tensor name.
 
 use crate::error::{PipelineError, Result};
 use crate::vae::AeConfig;
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{VarBuilder, VarMap};
-use candle_transformers::models::clip::text_model::{
-    Activation, ClipTextConfig, ClipTextTransformer,
-};
+use candle_nn::VarBuilder;
+use candle_transformers::models::clip::text_model::ClipTextTransformer;
 use candle_transformers::models::flux::autoencoder::Decoder;
 use candle_transformers::models::t5;
 use mold_exec::FluxConfig;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::normalizers::Lowercase;
 use tokenizers::pre_tokenizers::whitespace::Whitespace;
@@ -36,65 +33,6 @@ const WORDS: &[&str] = &[
 
 /// Vocabulary size of the tiny encoders' embeddings (the tokenizers use fewer ids).
 pub const TINY_VOCAB: usize = 1000;
-
-fn fnv(s: &str) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in s.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    h
-}
-
-/// Deterministic values for a tensor: norm weights ~ 1 + N(0, 0.1²), biases and norm
-/// biases ~ N(0, 0.02²), matrices and kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1).
-fn fill(name: &str, shape: &[usize], seed: u64) -> Result<Tensor> {
-    let mut rng = StdRng::seed_from_u64(seed ^ fnv(name));
-    let n: usize = shape.iter().product();
-    let is_norm = name.contains("norm");
-    let (mean, std) = if is_norm && name.ends_with(".weight") {
-        (1.0, 0.1)
-    } else if name.ends_with(".bias") {
-        (0.0, 0.02)
-    } else if name.contains("embed") || name.starts_with("shared.") {
-        (0.0, 1.0)
-    } else {
-        let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
-        (0.0, 1.0 / (fan_in as f32).sqrt())
-    };
-    let mut v = Vec::with_capacity(n);
-    while v.len() < n {
-        let u1: f64 = rng.gen_range(f64::EPSILON..1.0);
-        let u2: f64 = rng.gen();
-        let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-        v.push(mean + std * z as f32);
-    }
-    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
-}
-
-/// Lists the tensors `build` asks a [`VarBuilder`] for, fills them, renames per
-/// `rename`, and saves them to `path`.
-fn save_random(
-    path: &Path,
-    seed: u64,
-    rename: impl Fn(&str) -> String,
-    build: impl FnOnce(VarBuilder) -> candle_core::Result<()>,
-) -> Result<()> {
-    let vm = VarMap::new();
-    build(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
-    let data = vm.data().lock().expect("varmap lock");
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    let mut out: HashMap<String, Tensor> = HashMap::new();
-    for name in names {
-        let shape = data[name].as_tensor().dims().to_vec();
-        let name = rename(name);
-        let t = fill(&name, &shape, seed)?;
-        out.insert(name, t);
-    }
-    candle_core::safetensors::save(&out, path)?;
-    Ok(())
-}
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
     std::fs::write(path, serde_json::to_string_pretty(v).expect("json"))
@@ -214,27 +152,44 @@ pub fn tiny_clip_config(flux: &FluxConfig) -> serde_json::Value {
     })
 }
 
-/// Writes a whole tiny pipeline into `dir` (the layout of [`crate::WeightsLayout`]) and
-/// returns the files written.
-pub fn write_tiny_pipeline(dir: &Path, seed: u64) -> Result<Vec<PathBuf>> {
-    let flux = FluxConfig::flux_tiny();
+/// What a test pipeline directory holds.
+struct PipelineSpec {
+    flux: FluxConfig,
+    dtype: DType,
+    t5: serde_json::Value,
+    clip: serde_json::Value,
+    ae: AeConfig,
+    /// Write `ae.json` (an autoencoder shaped unlike FLUX's needs it).
+    ae_json: bool,
+    /// Shard the transformer into files of at most this many bytes.
+    shard_bytes: Option<u64>,
+}
+
+/// Writes a pipeline directory (the layout of [`crate::WeightsLayout`]) with random
+/// weights: the transformer, T5 and CLIP (configs, weights, word-level tokenizers over a
+/// small vocabulary whose ids are valid for the real ones) and the autoencoder. Tensor
+/// names and shapes come from candle-transformers' own loaders ([`list_tensors`]), so
+/// the files load exactly as real ones do; values depend only on the seed and the name.
+fn write_pipeline(dir: &Path, seed: u64, spec: &PipelineSpec) -> Result<Vec<PathBuf>> {
     let mut written = Vec::new();
     for d in [dir.to_path_buf(), dir.join("t5"), dir.join("clip")] {
         std::fs::create_dir_all(&d).map_err(PipelineError::io(&d))?;
     }
-
-    // Transformer.
-    written.push(mold_exec::write_testdata(&flux, dir, seed, DType::F32)?);
+    written.push(match spec.shard_bytes {
+        Some(max) => mold_exec::write_testdata_sharded(&spec.flux, dir, seed, spec.dtype, max)?,
+        None => mold_exec::write_testdata(&spec.flux, dir, seed, spec.dtype)?,
+    });
 
     // T5 encoder (HF T5EncoderModel names: shared.weight, encoder.block.N...).
     let t5_dir = dir.join("t5");
-    let cfg_json = tiny_t5_config(&flux);
-    let cfg: t5::Config = serde_json::from_value(cfg_json.clone()).expect("t5 config");
-    write_json(&t5_dir.join("config.json"), &cfg_json)?;
-    let p = t5_dir.join("model.safetensors");
-    save_random(
-        &p,
-        seed ^ 0x75,
+    let files = crate::layout::EncoderFiles {
+        config: t5_dir.join("config.json"),
+        weights: vec![t5_dir.join("model.safetensors")],
+        tokenizer: t5_dir.join("tokenizer.json"),
+    };
+    write_json(&files.config, &spec.t5)?;
+    let cfg = crate::text::t5_config(&files)?;
+    let specs = list_tensors(
         |n| {
             if n == "encoder.embed_tokens.weight" {
                 "shared.weight".into()
@@ -244,75 +199,83 @@ pub fn write_tiny_pipeline(dir: &Path, seed: u64) -> Result<Vec<PathBuf>> {
         },
         |vb| t5::T5EncoderModel::load(vb, &cfg).map(|_| ()),
     )?;
-    written.push(p);
-    let p = t5_dir.join("tokenizer.json");
+    mold_exec::write_safetensors(&files.weights[0], &specs, seed ^ 0x75, spec.dtype)?;
     write_tokenizer(
-        &p,
+        &files.tokenizer,
         &["<pad>", "</s>", "<unk>"],
         None,
         "<unk>",
         "$A </s>",
         &["</s>"],
     )?;
-    written.extend([t5_dir.join("config.json"), p]);
+    written.extend([files.weights[0].clone(), files.config, files.tokenizer]);
 
     // CLIP text model (HF CLIPTextModel names: text_model.*).
     let clip_dir = dir.join("clip");
-    let cfg_json = tiny_clip_config(&flux);
-    write_json(&clip_dir.join("config.json"), &cfg_json)?;
-    let ccfg = ClipTextConfig {
-        vocab_size: TINY_VOCAB,
-        embed_dim: flux.vec_in_dim,
-        activation: Activation::QuickGelu,
-        intermediate_size: 64,
-        max_position_embeddings: 77,
-        pad_with: None,
-        num_hidden_layers: 2,
-        num_attention_heads: 2,
-        projection_dim: flux.vec_in_dim,
+    let files = crate::layout::EncoderFiles {
+        config: clip_dir.join("config.json"),
+        weights: vec![clip_dir.join("model.safetensors")],
+        tokenizer: clip_dir.join("tokenizer.json"),
     };
-    let p = clip_dir.join("model.safetensors");
-    save_random(
-        &p,
-        seed ^ 0xc1,
+    write_json(&files.config, &spec.clip)?;
+    let ccfg = crate::text::clip_config(&files)?;
+    let specs = list_tensors(
         |n| n.to_string(),
         |vb| ClipTextTransformer::new(vb.pp("text_model"), &ccfg).map(|_| ()),
     )?;
-    written.push(p);
-    let p = clip_dir.join("tokenizer.json");
+    mold_exec::write_safetensors(&files.weights[0], &specs, seed ^ 0xc1, spec.dtype)?;
     // End-of-text is the highest id, as in CLIP's vocabulary: pooling finds it by argmax.
     write_tokenizer(
-        &p,
+        &files.tokenizer,
         &["<|startoftext|>", "<unk>"],
         Some("<|endoftext|>"),
         "<unk>",
         "<|startoftext|> $A <|endoftext|>",
         &["<|startoftext|>", "<|endoftext|>"],
     )?;
-    written.extend([clip_dir.join("config.json"), p]);
+    written.extend([files.weights[0].clone(), files.config, files.tokenizer]);
 
-    // Autoencoder: the decoder's tensors under `decoder.` (as in BFL's ae.safetensors),
-    // and ae.json since the shape is not FLUX's.
-    let ae = AeConfig::tiny();
-    let p = dir.join("ae.safetensors");
-    let cc = ae.to_candle();
-    save_random(
-        &p,
-        seed ^ 0xae,
+    // Autoencoder: the decoder's tensors under `decoder.` (as in BFL's ae.safetensors).
+    let cc = spec.ae.to_candle();
+    let specs = list_tensors(
         |n| n.to_string(),
         |vb| Decoder::new(&cc, vb.pp("decoder")).map(|_| ()),
     )?;
+    let p = dir.join("ae.safetensors");
+    mold_exec::write_safetensors(&p, &specs, seed ^ 0xae, spec.dtype)?;
     written.push(p);
-    let p = dir.join(crate::layout::AE_CONFIG);
-    write_json(&p, &serde_json::to_value(&ae).expect("json"))?;
-    written.push(p);
+    if spec.ae_json {
+        let p = dir.join(crate::layout::AE_CONFIG);
+        write_json(&p, &serde_json::to_value(&spec.ae).expect("json"))?;
+        written.push(p);
+    }
     Ok(written)
+}
+
+/// Writes a whole tiny pipeline (f32, shaped for `FluxConfig::flux_tiny`) into `dir`
+/// and returns the files written.
+pub fn write_tiny_pipeline(dir: &Path, seed: u64) -> Result<Vec<PathBuf>> {
+    let flux = FluxConfig::flux_tiny();
+    let spec = PipelineSpec {
+        t5: tiny_t5_config(&flux),
+        clip: tiny_clip_config(&flux),
+        flux,
+        dtype: DType::F32,
+        ae: AeConfig::tiny(),
+        ae_json: true,
+        shard_bytes: None,
+    };
+    write_pipeline(dir, seed, &spec)
 }
 
 /// A [`SimpleBackend`](candle_nn::var_builder::SimpleBackend) that records the names
 /// and shapes a model asks for and hands out broadcast zeros (nothing allocated), so a
 /// full-size model can be listed without building it.
-struct Recorder(std::sync::Mutex<Vec<(String, Vec<usize>)>>);
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<Seen>>>);
+
+/// A tensor's name and shape, as asked for.
+type Seen = (String, Vec<usize>);
 
 impl candle_nn::var_builder::SimpleBackend for Recorder {
     fn get(
@@ -342,32 +305,19 @@ fn list_tensors(
     rename: impl Fn(&str) -> String,
     build: impl FnOnce(VarBuilder) -> candle_core::Result<()>,
 ) -> Result<Vec<mold_exec::TensorSpec>> {
-    let rec = std::sync::Arc::new(Recorder(std::sync::Mutex::new(Vec::new())));
-    struct Shared(std::sync::Arc<Recorder>);
-    impl candle_nn::var_builder::SimpleBackend for Shared {
-        fn get(
-            &self,
-            s: candle_core::Shape,
-            name: &str,
-            h: candle_nn::Init,
-            dtype: DType,
-            dev: &Device,
-        ) -> candle_core::Result<Tensor> {
-            self.0.get(s, name, h, dtype, dev)
-        }
-        fn get_unchecked(&self, name: &str, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
-            self.0.get_unchecked(name, d, dev)
-        }
-        fn contains_tensor(&self, name: &str) -> bool {
-            self.0.contains_tensor(name)
-        }
-    }
-    let backend: Box<dyn candle_nn::var_builder::SimpleBackend> = Box::new(Shared(rec.clone()));
-    build(VarBuilder::from_backend(backend, DType::F32, Device::Cpu))?;
-    let mut seen = std::collections::BTreeMap::new();
-    for (n, shape) in rec.0.lock().expect("recorder").iter() {
-        seen.insert(rename(n), shape.clone());
-    }
+    let rec = Recorder::default();
+    build(VarBuilder::from_backend(
+        Box::new(rec.clone()),
+        DType::F32,
+        Device::Cpu,
+    ))?;
+    let seen: BTreeMap<String, Vec<usize>> = rec
+        .0
+        .lock()
+        .expect("recorder")
+        .iter()
+        .map(|(n, shape)| (rename(n), shape.clone()))
+        .collect();
     Ok(seen
         .into_iter()
         .map(|(name, shape)| mold_exec::TensorSpec { name, shape })
@@ -419,11 +369,8 @@ pub fn clip_l_config() -> serde_json::Value {
 
 /// Writes a full-size pipeline weights directory for `model` (`flux-dev` or
 /// `flux-schnell`) with random weights in `dtype` (bf16 or f32): the transformer in 5 GB
-/// shards, T5-XXL, CLIP-L and FLUX's autoencoder with their configs, and word-level
-/// tokenizers over a small vocabulary (the ids they produce are valid for the real
-/// vocabularies). Every file is written tensor by tensor on all cores (~40 GB in bf16:
-/// a minute or two on a GPU machine's disk). For benchmarks of the whole pipeline: the
-/// images are noise.
+/// shards, T5-XXL, CLIP-L and FLUX's autoencoder (~38 GB in bf16: about half a minute
+/// on a GPU machine). For benchmarks of the whole pipeline: the images are noise.
 pub fn write_full_pipeline(
     dir: &Path,
     model: &str,
@@ -434,88 +381,20 @@ pub fn write_full_pipeline(
         .filter(|_| model != "flux-tiny")
         .ok_or_else(|| PipelineError::Component {
             component: "testdata".into(),
-            message: format!("`{model}`: full-size pipelines are flux-dev or flux-schnell"),
+            message: format!(
+                "`{model}`: full-size pipelines are flux-dev or flux-schnell (flux-tiny-pipeline for the tiny one)"
+            ),
         })?;
-    let mut written = Vec::new();
-    for d in [dir.to_path_buf(), dir.join("t5"), dir.join("clip")] {
-        std::fs::create_dir_all(&d).map_err(PipelineError::io(&d))?;
-    }
-    written.push(mold_exec::write_testdata_sharded(
-        &flux,
-        dir,
-        seed,
+    let spec = PipelineSpec {
+        flux,
         dtype,
-        5_000_000_000,
-    )?);
-
-    let t5_dir = dir.join("t5");
-    let cfg_json = t5_xxl_config();
-    let cfg: t5::Config = serde_json::from_value(cfg_json.clone()).expect("t5 config");
-    write_json(&t5_dir.join("config.json"), &cfg_json)?;
-    let specs = list_tensors(
-        |n| {
-            if n == "encoder.embed_tokens.weight" {
-                "shared.weight".into()
-            } else {
-                n.to_string()
-            }
-        },
-        |vb| t5::T5EncoderModel::load(vb, &cfg).map(|_| ()),
-    )?;
-    let p = t5_dir.join("model.safetensors");
-    mold_exec::write_safetensors(&p, &specs, seed ^ 0x75, dtype)?;
-    written.push(p);
-    let p = t5_dir.join("tokenizer.json");
-    write_tokenizer(
-        &p,
-        &["<pad>", "</s>", "<unk>"],
-        None,
-        "<unk>",
-        "$A </s>",
-        &["</s>"],
-    )?;
-    written.extend([t5_dir.join("config.json"), p]);
-
-    let clip_dir = dir.join("clip");
-    write_json(&clip_dir.join("config.json"), &clip_l_config())?;
-    let ccfg = ClipTextConfig {
-        vocab_size: 49408,
-        embed_dim: 768,
-        activation: Activation::QuickGelu,
-        intermediate_size: 3072,
-        max_position_embeddings: 77,
-        pad_with: None,
-        num_hidden_layers: 12,
-        num_attention_heads: 12,
-        projection_dim: 768,
+        t5: t5_xxl_config(),
+        clip: clip_l_config(),
+        ae: AeConfig::flux(),
+        ae_json: false,
+        shard_bytes: Some(5_000_000_000),
     };
-    let specs = list_tensors(
-        |n| n.to_string(),
-        |vb| ClipTextTransformer::new(vb.pp("text_model"), &ccfg).map(|_| ()),
-    )?;
-    let p = clip_dir.join("model.safetensors");
-    mold_exec::write_safetensors(&p, &specs, seed ^ 0xc1, dtype)?;
-    written.push(p);
-    let p = clip_dir.join("tokenizer.json");
-    write_tokenizer(
-        &p,
-        &["<|startoftext|>", "<unk>"],
-        Some("<|endoftext|>"),
-        "<unk>",
-        "<|startoftext|> $A <|endoftext|>",
-        &["<|startoftext|>", "<|endoftext|>"],
-    )?;
-    written.extend([clip_dir.join("config.json"), p]);
-
-    let cc = AeConfig::flux().to_candle();
-    let specs = list_tensors(
-        |n| n.to_string(),
-        |vb| Decoder::new(&cc, vb.pp("decoder")).map(|_| ()),
-    )?;
-    let p = dir.join("ae.safetensors");
-    mold_exec::write_safetensors(&p, &specs, seed ^ 0xae, dtype)?;
-    written.push(p);
-    Ok(written)
+    write_pipeline(dir, seed, &spec)
 }
 
 #[cfg(test)]
@@ -524,6 +403,7 @@ mod tests {
     use crate::text::{Clip, T5};
     use crate::vae::Vae;
     use crate::WeightsLayout;
+    use candle_nn::VarMap;
 
     #[test]
     fn recorder_lists_what_the_varmap_lists() {
@@ -567,6 +447,22 @@ mod tests {
             .map(|s| s.shape.iter().product::<usize>())
             .sum();
         assert!((4_700_000_000..4_800_000_000).contains(&params), "{params}");
+        // The full-size configs go through the same parsers as real ones.
+        let d = std::env::temp_dir().join(format!("mold-full-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let files = crate::layout::EncoderFiles {
+            config: d.join("config.json"),
+            weights: vec![],
+            tokenizer: d.join("tokenizer.json"),
+        };
+        write_json(&files.config, &clip_l_config()).unwrap();
+        let c = crate::text::clip_config(&files).unwrap();
+        assert_eq!(
+            (c.embed_dim, c.num_hidden_layers, c.vocab_size),
+            (768, 12, 49408)
+        );
+        write_json(&files.config, &t5_xxl_config()).unwrap();
+        assert_eq!(crate::text::t5_config(&files).unwrap().d_model, 4096);
     }
 
     #[test]
