@@ -207,7 +207,11 @@ fn warn_if_box_differs(plan: &Plan) {
 }
 
 /// Everything `exec` refuses happens here, before any weight is read.
-pub fn preflight(plan: &Plan, a: &Args) -> Result<(FluxConfig, Checkpoint, mold_machine::Machine)> {
+pub fn preflight(
+    plan: &Plan,
+    a: &Args,
+    multi_process: bool,
+) -> Result<(FluxConfig, Checkpoint, mold_machine::Machine)> {
     let model = model_of(plan)?;
     let cfg = flux_config(&plan.model.id)?;
     let machine = machine_for(plan, &a.machine)?;
@@ -215,7 +219,10 @@ pub fn preflight(plan: &Plan, a: &Args) -> Result<(FluxConfig, Checkpoint, mold_
         mold_cost::MachineCheck::Same => {}
         mold_cost::MachineCheck::Warn(w) => eprintln!("warning: {w}"),
     }
-    warn_if_box_differs(plan);
+    // In a multi-process run each process sees only its own share of the GPUs.
+    if !multi_process {
+        warn_if_box_differs(plan);
+    }
     mold_cost::validate(plan, &model, &machine)
         .context("the plan does not match its model or machine")?;
     let sim = mold_sim::simulate(plan, &model, &machine)?;
@@ -270,8 +277,43 @@ fn sample(
     Ok(x.img)
 }
 
+/// FNV-1a over the output's values as f32 bits: equal digests, equal outputs (printed
+/// so that runs on different placements or process counts can be compared exactly).
+fn digest(t: &Tensor) -> Result<u64> {
+    let v = t
+        .to_device(&mold_exec::Device::Cpu)?
+        .to_dtype(mold_exec::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for x in v {
+        for b in x.to_bits().to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    Ok(h)
+}
+
+/// A short fingerprint of a file's text, for processes to check they run the same plan.
+fn text_fingerprint(text: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
 pub fn run(a: Args) -> Result<i32> {
+    let launch = mold_exec::dist::Launch::from_env()?;
     if let Some(prompt) = a.prompt.clone() {
+        if let Some(l) = &launch {
+            bail!(
+                "MOLD_WORLD_SIZE={}: text to image (--prompt) runs in one process; a \
+                 multi-process launch runs the transformer (drop --prompt), or unset \
+                 MOLD_WORLD_SIZE/MOLD_RANK/MOLD_MASTER_ADDR",
+                l.world
+            );
+        }
         return run_pipeline(&a, &prompt);
     }
     for (flag, set) in [
@@ -286,12 +328,51 @@ pub fn run(a: Args) -> Result<i32> {
     }
     let plan = load_plan(&a.plan)?;
     let streaming = streaming_of(&a)?;
-    let (cfg, ckpt, _machine) = preflight(&plan, &a)?;
+    let (cfg, ckpt, _machine) = preflight(&plan, &a, launch.is_some())?;
     let steps = a.steps.unwrap_or(plan.workload.steps);
     let model = model_of(&plan)?;
     let tokens = model.tokens(&plan.workload);
+    // A multi-process run: which devices are this process's, then the rendezvous (every
+    // process must run the same plan and arguments), all before any weight is read.
+    let mesh = match &launch {
+        None => None,
+        Some(l) => {
+            let own = Executor::ownership(&plan, l.world)?;
+            let share = own.share(l.rank);
+            let local: Vec<String> = share
+                .iter()
+                .filter_map(|d| own.local_id(l.rank, d).map(|x| format!("{d} as {x}")))
+                .collect();
+            println!(
+                "process {} of {}: runs {} (master {})",
+                l.rank,
+                l.world,
+                local.join(", "),
+                l.master
+            );
+            let plan_text = std::fs::read_to_string(&a.plan).unwrap_or_default();
+            let run = [
+                ("plan", text_fingerprint(&plan_text)),
+                ("steps", steps.to_string()),
+                ("seed", a.seed.to_string()),
+                ("verify", a.verify.to_string()),
+                ("streaming", streaming.to_string()),
+            ];
+            let t = Instant::now();
+            let mesh = mold_exec::dist::Mesh::connect(l, &run, mold_exec::dist::timeout()?)?;
+            println!(
+                "all {} processes joined in {:.2} s",
+                l.world,
+                t.elapsed().as_secs_f64()
+            );
+            Some((std::sync::Arc::new(mesh), own))
+        }
+    };
     let t0 = Instant::now();
-    let exec = Executor::new_with_streaming(&cfg, &plan, &ckpt, streaming)?;
+    let exec = match &mesh {
+        None => Executor::new_with_streaming(&cfg, &plan, &ckpt, streaming)?,
+        Some((m, _)) => Executor::new_multi_process(&cfg, &plan, &ckpt, streaming, m.clone())?,
+    };
     println!(
         "loaded {} in {:.2} s",
         a.weights.display(),
@@ -321,6 +402,7 @@ pub fn run(a: Args) -> Result<i32> {
     })?;
     let (median, over) = step_median(&times);
     println!("step time: median {median:.4} s over {over}; plan predicted {predicted:.4} s");
+    println!("output digest: {:016x}", digest(&out)?);
     if exec.profiling() {
         let measured = times.len().saturating_sub(1).max(1) as f64;
         println!("\nprofile (MOLD_PROFILE: device synchronised at each mark, so slower than a plain step), per step:");
@@ -356,12 +438,22 @@ pub fn run(a: Args) -> Result<i32> {
     }
     print_streaming(&exec);
     if a.verify {
-        let first = plan
+        let mut first = plan
             .transformer()
             .context("the plan has no transformer")?
             .parts[0]
             .devices[0]
             .clone();
+        if let Some((m, own)) = &mesh {
+            // The reference runs once, in the process that runs the first device.
+            match own.local_id(m.rank(), &first) {
+                Some(local) => first = local,
+                None => {
+                    println!("\nverify: done by the process that runs {first}");
+                    return Ok(0);
+                }
+            }
+        }
         let dtype = mold_exec::compute_dtype(plan.transformer().unwrap().dtype)?;
         // candle's ops in the reference: on CUDA the run above used mold's fused kernels
         // (attention, element-wise), so the comparison checks them as well as the

@@ -3,6 +3,7 @@
 
 mod cli_devices;
 mod cli_exec;
+mod cli_multiprocess;
 mod cli_pipeline;
 mod cli_plan;
 mod cli_sim;

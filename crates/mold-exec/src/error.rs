@@ -115,6 +115,14 @@ pub enum ExecError {
         source_: String,
     },
 
+    /// `MOLD_RANK` / `MOLD_WORLD_SIZE` / `MOLD_MASTER_ADDR` are wrong or incomplete.
+    #[error("multi-process launch: {0}")]
+    Launch(String),
+
+    /// Another process of a multi-process run failed, or cannot be reached.
+    #[error("multi-process run: {0}")]
+    Dist(String),
+
     #[error("{0}")]
     Candle(#[from] candle_core::Error),
 }

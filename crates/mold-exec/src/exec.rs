@@ -3,6 +3,7 @@
 use crate::checkpoint::Checkpoint;
 use crate::comm::{Comm, LocalComm};
 use crate::config::FluxConfig;
+use crate::dist::{self, Mesh, Ownership, TcpComm};
 use crate::error::{ExecError, Result};
 use crate::model::flux::{DoubleBlock, FinalLayer, SingleBlock, Stem};
 use crate::model::ops::Kernels;
@@ -12,7 +13,8 @@ use crate::streaming::{self, Ring, Streaming};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use mold_plan::{DeviceId, Part, Plan, Residency};
 use std::borrow::Cow;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Inputs of one transformer call (BFL / candle `Flux::forward` argument order).
 #[derive(Clone, Debug)]
@@ -161,6 +163,8 @@ fn check_parts(cfg: &FluxConfig, parts: &[Part]) -> Result<Vec<Vec<BlockRef>>> {
 
 struct Rank {
     id: DeviceId,
+    /// This rank's index in its part's group.
+    index: usize,
     device: Device,
     stem: Option<Stem>,
     final_layer: Option<FinalLayer>,
@@ -174,9 +178,23 @@ struct Rank {
 }
 
 struct PartRt {
+    /// Every device of the part (the group), in rank order.
     devices: Vec<DeviceId>,
     steps: Vec<BlockRef>,
+    /// The ranks this process runs (all of them in a one-process run).
     ranks: Vec<Rank>,
+    /// How this process opens each of `ranks` (`cuda:K` of its own GPUs).
+    local_ids: Vec<DeviceId>,
+    /// Communicators of `ranks`, made once, for a group that spans processes.
+    comms: Option<Vec<Box<dyn Comm>>>,
+}
+
+/// A multi-process run: this process's mesh and which process runs which device.
+struct DistRt {
+    mesh: Arc<Mesh>,
+    own: Ownership,
+    /// Forward calls so far (names the messages of each).
+    calls: AtomicU64,
 }
 
 /// Activations between parts.
@@ -250,6 +268,7 @@ pub struct Executor {
     streaming: Streaming,
     /// One per device that runs streamed blocks (pipelined streaming).
     rings: Vec<(DeviceId, Mutex<Ring>)>,
+    dist: Option<DistRt>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -292,6 +311,41 @@ impl Executor {
         ckpt: &Checkpoint,
         streaming: Streaming,
     ) -> Result<Executor> {
+        Self::new_in(cfg, plan, ckpt, streaming, None)
+    }
+
+    /// This process's share of a multi-process run ([`crate::dist`]): loads and runs only
+    /// the ranks on the devices [`Ownership`] gives this process (opened as its own
+    /// `cuda:0, cuda:1, …`); activations cross processes over `mesh`, and every process's
+    /// [`Executor::forward`] returns the same output (on the host in the processes that
+    /// do not run the final layer). Every process must call it, then `forward` with the
+    /// same inputs, in the same order.
+    pub fn new_multi_process(
+        cfg: &FluxConfig,
+        plan: &Plan,
+        ckpt: &Checkpoint,
+        streaming: Streaming,
+        mesh: Arc<Mesh>,
+    ) -> Result<Executor> {
+        Self::new_in(cfg, plan, ckpt, streaming, Some(mesh))
+    }
+
+    /// The devices each process of a `world`-process run of `plan` runs.
+    pub fn ownership(plan: &Plan, world: usize) -> Result<Ownership> {
+        let comp = plan.transformer().ok_or_else(|| {
+            ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
+        })?;
+        let devices: Vec<DeviceId> = comp.parts.iter().flat_map(|p| p.devices.clone()).collect();
+        Ownership::split(&devices, world)
+    }
+
+    fn new_in(
+        cfg: &FluxConfig,
+        plan: &Plan,
+        ckpt: &Checkpoint,
+        streaming: Streaming,
+        mesh: Option<Arc<Mesh>>,
+    ) -> Result<Executor> {
         cfg.validate().map_err(ExecError::Config)?;
         let comp = plan.transformer().ok_or_else(|| {
             ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
@@ -310,7 +364,15 @@ impl Executor {
                 steps,
             })
             .collect();
-        Self::build(cfg, ckpt, specs, dtype, streaming)
+        let dist = match mesh {
+            None => None,
+            Some(mesh) => Some(DistRt {
+                own: Self::ownership(plan, mesh.world())?,
+                mesh,
+                calls: AtomicU64::new(0),
+            }),
+        };
+        Self::build(cfg, ckpt, specs, dtype, streaming, dist)
     }
 
     /// The reference: the same model, unsharded, every block resident on one device.
@@ -332,7 +394,7 @@ impl Executor {
             buffers: 0,
             steps,
         };
-        Self::build(cfg, ckpt, vec![spec], dtype, Streaming::default())
+        Self::build(cfg, ckpt, vec![spec], dtype, Streaming::default(), None)
     }
 
     /// Refuses streamed weights that the host cannot hold, before anything is read: each
@@ -343,13 +405,14 @@ impl Executor {
         ckpt: &Checkpoint,
         specs: &[PartSpec],
         dtype: DType,
+        local: &dyn Fn(&DeviceId) -> bool,
     ) -> Result<()> {
         let shapes = runtime::ShapeSource { ckpt, dtype };
         let mut need = 0u64;
         let mut blocks = 0usize;
         for s in specs.iter().filter(|s| s.residency == Residency::Streamed) {
             let world = s.devices.len();
-            for rank in 0..world {
+            for rank in (0..world).filter(|r| local(&s.devices[*r])) {
                 let shard = Shard { rank, world };
                 for step in &s.steps {
                     need += match step {
@@ -380,15 +443,23 @@ impl Executor {
         specs: Vec<PartSpec>,
         dtype: DType,
         streaming: Streaming,
+        dist: Option<DistRt>,
     ) -> Result<Executor> {
+        // How this process opens a plan device it runs (None: another process runs it).
+        let local_id = |d: &DeviceId| -> Option<DeviceId> {
+            match &dist {
+                None => Some(d.clone()),
+                Some(x) => x.own.local_id(x.mesh.rank(), d),
+            }
+        };
         let mut devmap = DeviceMap::default();
         // Resolve every device before reading any weight.
         for s in &specs {
-            for d in &s.devices {
-                devmap.get(d)?;
+            for d in s.devices.iter().filter_map(local_id) {
+                devmap.get(&d)?;
             }
         }
-        Self::check_host_memory(cfg, ckpt, &specs, dtype)?;
+        Self::check_host_memory(cfg, ckpt, &specs, dtype, &|d| local_id(d).is_some())?;
         let mut rings: Vec<(DeviceId, Ring)> = Vec::new();
         let src = CheckpointSource { ckpt, dtype };
         let n = specs.len();
@@ -396,8 +467,11 @@ impl Executor {
         for (pi, spec) in specs.into_iter().enumerate() {
             let world = spec.devices.len();
             let mut ranks = Vec::with_capacity(world);
+            let mut local_ids = Vec::with_capacity(world);
             for (rank, id) in spec.devices.iter().enumerate() {
-                let device = devmap.get(id)?;
+                let Some(lid) = local_id(id) else { continue };
+                let device = devmap.get(&lid)?;
+                local_ids.push(lid);
                 let shard = Shard { rank, world };
                 let mut resident_bytes = 0;
                 let mut sync_stream_bytes = 0;
@@ -456,6 +530,7 @@ impl Executor {
                 }
                 ranks.push(Rank {
                     id: id.clone(),
+                    index: rank,
                     device,
                     stem,
                     final_layer,
@@ -467,10 +542,18 @@ impl Executor {
                     sync_host_bytes,
                 });
             }
+            let comms = match &dist {
+                Some(x) if world > 1 && !ranks.is_empty() && ranks.len() < world => Some(
+                    Self::cross_process_group(x, pi, &spec.devices, &ranks, &local_ids)?,
+                ),
+                _ => None,
+            };
             parts.push(PartRt {
                 devices: spec.devices,
                 steps: spec.steps,
                 ranks,
+                local_ids,
+                comms,
             });
         }
         for (id, ring) in rings.iter_mut() {
@@ -491,7 +574,67 @@ impl Executor {
             profiling: Profiler::requested(),
             streaming,
             rings: rings.into_iter().map(|(d, r)| (d, Mutex::new(r))).collect(),
+            dist,
         })
+    }
+
+    /// The communicators of this process's ranks of part `pi`, whose group spans
+    /// processes: NCCL when every device is a GPU (with the `nccl` feature; rank 0's
+    /// process makes the `ncclUniqueId` and sends it over the mesh), else host-staged
+    /// over the mesh ([`TcpComm`]).
+    fn cross_process_group(
+        d: &DistRt,
+        pi: usize,
+        devices: &[DeviceId],
+        ranks: &[Rank],
+        local_ids: &[DeviceId],
+    ) -> Result<Vec<Box<dyn Comm>>> {
+        let procs: Vec<usize> = devices
+            .iter()
+            .map(|x| d.own.owner(x).expect("every plan device has an owner"))
+            .collect();
+        #[cfg(feature = "nccl")]
+        if devices.iter().all(|x| matches!(x, DeviceId::Cuda(_))) {
+            let tag = format!("nccl-id/{pi}");
+            let me = d.mesh.rank();
+            let id = if procs[0] == me {
+                let id = crate::comm::nccl::unique_id().map_err(|m| ExecError::Device {
+                    device: devices[0].to_string(),
+                    message: m,
+                })?;
+                let mut sent = Vec::new();
+                for &p in &procs {
+                    if p != me && !sent.contains(&p) {
+                        d.mesh.send(p, &tag, &id)?;
+                        sent.push(p);
+                    }
+                }
+                id
+            } else {
+                d.mesh.recv(procs[0], &tag)?
+            };
+            let local: Vec<(usize, usize)> = ranks
+                .iter()
+                .zip(local_ids)
+                .map(|(r, l)| (r.index, l.ordinal().expect("a GPU") as usize))
+                .collect();
+            return Ok(crate::comm::nccl::group_with_id(&id, devices.len(), &local)
+                .into_iter()
+                .map(|c| Box::new(c) as Box<dyn Comm>)
+                .collect());
+        }
+        let _ = local_ids;
+        Ok(ranks
+            .iter()
+            .map(|r| {
+                Box::new(TcpComm::new(
+                    d.mesh.clone(),
+                    format!("p{pi}"),
+                    r.index,
+                    procs.clone(),
+                )) as Box<dyn Comm>
+            })
+            .collect())
     }
 
     /// Chooses fused CUDA kernels or candle's ops (default: `MOLD_KERNELS`, else the
@@ -582,6 +725,17 @@ impl Executor {
     /// [`Executor::forward`] taking a [`FluxInputs`].
     pub fn forward_inputs(&self, inputs: &FluxInputs) -> Result<Tensor> {
         self.check_inputs(inputs)?;
+        if let Some(d) = &self.dist {
+            let r = self.forward_multi_process(d, inputs);
+            if let Err(e) = &r {
+                // Tell the other processes (unless they told us).
+                if !matches!(e, ExecError::Dist(_)) {
+                    d.mesh
+                        .abort_all(&format!("process {} failed: {e}", d.mesh.rank()));
+                }
+            }
+            return r;
+        }
         // Start the first copies of every streaming device now: they overlap the stem
         // and whatever runs before each device's first streamed block.
         for i in 0..self.rings.len() {
@@ -598,6 +752,71 @@ impl Executor {
         match acts {
             Some(Acts::Out(t)) => Ok(t),
             _ => Err(ExecError::Plan("the last part produced no output".into())),
+        }
+    }
+
+    /// [`Executor::forward_inputs`] in a multi-process run: runs the parts this process
+    /// has ranks in; the process running a part's rank 0 sends the part's output to the
+    /// processes that run the next part without running this one (for the last part: to
+    /// every other process).
+    fn forward_multi_process(&self, d: &DistRt, inputs: &FluxInputs) -> Result<Tensor> {
+        let me = d.mesh.rank();
+        let call = d.calls.fetch_add(1, Ordering::SeqCst);
+        let owner = |x: &DeviceId| d.own.owner(x).expect("every plan device has an owner");
+        for i in 0..self.rings.len() {
+            self.ring(i).prime()?;
+        }
+        let n = self.parts.len();
+        // The previous part's output, when this process ran it.
+        let mut acts: Option<Acts> = None;
+        for (pi, part) in self.parts.iter().enumerate() {
+            let out = if part.ranks.is_empty() {
+                None
+            } else {
+                if pi > 0 && acts.is_none() {
+                    let from = owner(&self.parts[pi - 1].devices[0]);
+                    let b = d.mesh.recv(from, &format!("acts/{call}/{pi}"))?;
+                    acts = Some(decode_acts(&b)?);
+                }
+                let input = match &acts {
+                    None => PartInput::Inputs(inputs),
+                    Some(a) => PartInput::Acts(a),
+                };
+                Some(self.run_part(part, input)?)
+            };
+            if owner(&part.devices[0]) == me {
+                let out = out.as_ref().expect("rank 0's process ran the part");
+                let (tag, to): (String, Vec<usize>) = if pi + 1 < n {
+                    let mut to: Vec<usize> = self.parts[pi + 1].devices.iter().map(owner).collect();
+                    let ran: Vec<usize> = part.devices.iter().map(owner).collect();
+                    to.retain(|p| !ran.contains(p));
+                    to.sort_unstable();
+                    to.dedup();
+                    (format!("acts/{call}/{}", pi + 1), to)
+                } else {
+                    let to = (0..d.mesh.world()).filter(|p| *p != me).collect();
+                    (format!("out/{call}"), to)
+                };
+                if !to.is_empty() {
+                    let b = encode_acts(out)?;
+                    for p in to {
+                        d.mesh.send(p, &tag, &b)?;
+                    }
+                }
+            }
+            acts = out;
+        }
+        match acts {
+            Some(Acts::Out(t)) => Ok(t),
+            _ => {
+                let from = owner(&self.parts[n - 1].devices[0]);
+                match decode_acts(&d.mesh.recv(from, &format!("out/{call}"))?)? {
+                    Acts::Out(t) => Ok(t),
+                    _ => Err(ExecError::Dist(format!(
+                        "process {from} sent activations where the output was expected"
+                    ))),
+                }
+            }
         }
     }
 
@@ -671,16 +890,23 @@ impl Executor {
     }
 
     fn run_part(&self, part: &PartRt, input: PartInput) -> Result<Acts> {
-        if part.ranks.len() == 1 {
+        if part.devices.len() == 1 {
             return Ok(self.run_rank(part, &part.ranks[0], &LocalComm, &input)?);
         }
-        let comms = runtime::make_group(&part.devices);
+        let made;
+        let comms: &[Box<dyn Comm>] = match &part.comms {
+            Some(c) => c,
+            None => {
+                made = runtime::make_group(&part.local_ids);
+                &made
+            }
+        };
         let results: Vec<std::thread::Result<candle_core::Result<Acts>>> =
             std::thread::scope(|s| {
                 let handles: Vec<_> = part
                     .ranks
                     .iter()
-                    .zip(&comms)
+                    .zip(comms.iter())
                     .map(|(rank, comm)| {
                         let input = &input;
                         s.spawn(move || {
@@ -702,6 +928,7 @@ impl Executor {
         let mut out = None;
         for (i, r) in results.into_iter().enumerate() {
             match r {
+                // The lowest rank this process runs (rank 0 holds the final layer).
                 Ok(Ok(a)) if i == 0 => out = Some(a),
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => errors.push((i, e.to_string())),
@@ -715,7 +942,7 @@ impl Executor {
             .or(errors.first());
         match (primary, out) {
             (Some((i, m)), _) => Err(ExecError::Device {
-                device: part.devices[*i].to_string(),
+                device: part.ranks[*i].id.to_string(),
                 message: m.clone(),
             }),
             (None, Some(a)) => Ok(a),
@@ -884,6 +1111,50 @@ impl Executor {
     }
 }
 
+/// Activations on the wire: a kind byte, then the tensors ([`dist::encode_shaped`]).
+fn encode_acts(a: &Acts) -> Result<Vec<u8>> {
+    let (kind, body) = match a {
+        Acts::Double { img, txt, vec, pe } => (0u8, dist::encode_shaped(&[img, txt, vec, pe])?),
+        Acts::Single {
+            x,
+            vec,
+            pe,
+            txt_len,
+        } => {
+            let tl = Tensor::new(&[*txt_len as u32], &Device::Cpu)?;
+            (1, dist::encode_shaped(&[x, vec, pe, &tl])?)
+        }
+        Acts::Out(t) => (2, dist::encode_shaped(&[t])?),
+    };
+    let mut out = Vec::with_capacity(body.len() + 1);
+    out.push(kind);
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+fn decode_acts(b: &[u8]) -> Result<Acts> {
+    let bad = || ExecError::Dist("malformed activations message".into());
+    let (kind, body) = b.split_first().ok_or_else(bad)?;
+    let mut t = dist::decode_shaped(body)?.into_iter();
+    let mut next = || t.next().ok_or_else(bad);
+    Ok(match kind {
+        0 => Acts::Double {
+            img: next()?,
+            txt: next()?,
+            vec: next()?,
+            pe: next()?,
+        },
+        1 => Acts::Single {
+            x: next()?,
+            vec: next()?,
+            pe: next()?,
+            txt_len: next()?.to_vec1::<u32>()?[0] as usize,
+        },
+        2 => Acts::Out(next()?),
+        _ => return Err(bad()),
+    })
+}
+
 /// Max relative error of `a` against the reference `b`:
 /// `max_i |a_i - b_i| / max(max_i |b_i|, 1e-12)`, computed in f32 on the host. It is
 /// relative to the reference's largest magnitude (not element-wise), so elements near
@@ -929,12 +1200,15 @@ pub enum FaultKind {
     Error,
     Panic,
     Hang,
+    /// The process exits at once (status 3), as a crash would: no clean-up, no message
+    /// to the other processes.
+    Exit,
 }
 
 impl Fault {
     /// Parses `DEVICE@BLOCK[:KIND]`; BLOCK is `double N` or `single N`.
     pub fn parse(s: &str) -> std::result::Result<Fault, String> {
-        let usage = "MOLD_FAULT must be DEVICE@BLOCK[:error|panic|hang], e.g. cuda:1@single 3";
+        let usage = "MOLD_FAULT must be DEVICE@BLOCK[:error|panic|hang|exit], e.g. cuda:1@single 3";
         let (dev, rest) = s.split_once('@').ok_or(usage)?;
         let device: DeviceId = dev
             .trim()
@@ -948,6 +1222,7 @@ impl Fault {
             "error" => FaultKind::Error,
             "panic" => FaultKind::Panic,
             "hang" => FaultKind::Hang,
+            "exit" => FaultKind::Exit,
             k => return Err(format!("{usage}: unknown kind '{k}'")),
         };
         let mut it = block.split_whitespace();
@@ -994,6 +1269,12 @@ impl Fault {
                 "MOLD_FAULT: `hang` needs a CUDA device (NCCL's watchdog ends it); {device} \
                  has no watchdog: use `error` or `panic`"
             ),
+            FaultKind::Exit => {
+                eprintln!(
+                    "injected exit (MOLD_FAULT) on {device} at {block:?}: exiting with status 3"
+                );
+                std::process::exit(3)
+            }
             FaultKind::Hang => loop {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },

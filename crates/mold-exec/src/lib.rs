@@ -40,6 +40,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
+pub mod dist;
 pub mod error;
 mod exec;
 pub mod model;

@@ -90,6 +90,19 @@ fn set_nccl_env() {
     });
 }
 
+/// `cuda:0, cuda:1, (another process)` for messages.
+fn describe_ranks(ordinals: &[usize]) -> String {
+    ordinals
+        .iter()
+        .enumerate()
+        .map(|(r, o)| match *o {
+            usize::MAX => format!("rank {r} in another process"),
+            o => format!("rank {r} on cuda:{o}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// NCCL's text for a result code.
 fn nccl_err_str(r: sys::ncclResult_t) -> String {
     // SAFETY: ncclGetErrorString returns a static NUL-terminated string.
@@ -181,6 +194,7 @@ impl Tracker {
         ordinals
             .iter()
             .enumerate()
+            .filter(|(_, o)| **o != usize::MAX)
             .map(|(r, o)| {
                 let since = self.busy_since[r].load(Ordering::SeqCst);
                 let state = if since == 0 {
@@ -346,12 +360,7 @@ pub fn group(ordinals: &[usize]) -> Vec<NcclComm> {
     };
     let group = pooled.unwrap_or_else(|| {
         let g = Arc::new(create(ordinals));
-        if let Some(limit) = timeout() {
-            let weak = Arc::downgrade(&g);
-            let _ = std::thread::Builder::new()
-                .name("nccl-monitor".into())
-                .spawn(move || monitor(weak, limit));
-        }
+        watch(&g);
         g
     });
     let lease = Arc::new(Lease(Some(group.clone())));
@@ -359,6 +368,58 @@ pub fn group(ordinals: &[usize]) -> Vec<NcclComm> {
         .map(|rank| NcclComm {
             rank,
             group: group.clone(),
+            _lease: lease.clone(),
+        })
+        .collect()
+}
+
+/// Starts the monitor of a new group (with the watchdog on).
+fn watch(g: &Arc<Group>) {
+    if let Some(limit) = timeout() {
+        let weak = Arc::downgrade(g);
+        let _ = std::thread::Builder::new()
+            .name("nccl-monitor".into())
+            .spawn(move || monitor(weak, limit));
+    }
+}
+
+/// A new `ncclUniqueId`, as bytes to send to the other processes of a group.
+pub fn unique_id() -> std::result::Result<Vec<u8>, String> {
+    set_nccl_env();
+    let id = nccl::get_uniqueid()
+        .map_err(|e| format!("ncclGetUniqueId failed: {}", describe(&e, None)))?;
+    Ok(id.internal.iter().map(|b| *b as u8).collect())
+}
+
+/// This process's ranks of a group of `world` ranks that spans processes: `local` lists
+/// (rank, GPU ordinal) of the ranks made here; `id` is [`unique_id`]'s bytes from the
+/// process of rank 0. Not pooled: the caller keeps the handles for the whole run. Like
+/// [`group`], never fails: a failed creation shows in every handle's first collective.
+pub fn group_with_id(id: &[u8], world: usize, local: &[(usize, usize)]) -> Vec<NcclComm> {
+    let mut raw = sys::ncclUniqueId { internal: [0; 128] };
+    let failure = if id.len() == raw.internal.len() {
+        for (d, s) in raw.internal.iter_mut().zip(id) {
+            *d = *s as _;
+        }
+        None
+    } else {
+        Some(format!(
+            "the ncclUniqueId from rank 0's process has {} bytes, expected {}",
+            id.len(),
+            raw.internal.len()
+        ))
+    };
+    let g = Arc::new(match failure {
+        None => create_ranks(world, Ok(raw), local),
+        Some(f) => create_ranks(world, Err(f), local),
+    });
+    watch(&g);
+    let lease = Arc::new(Lease(None));
+    local
+        .iter()
+        .map(|&(rank, _)| NcclComm {
+            rank,
+            group: g.clone(),
             _lease: lease.clone(),
         })
         .collect()
@@ -397,9 +458,9 @@ fn monitor(group: Weak<Group>, limit: Duration) {
                 limit.as_secs_f64()
             ),
             None => format!(
-                "the NCCL group over GPUs {:?} failed ({}) and its ranks have not stopped \
+                "the NCCL group ({}) failed ({}) and its ranks have not stopped \
                  {:.0} s later",
-                g.ordinals,
+                describe_ranks(&g.ordinals),
                 lock(&g.failure).clone().unwrap_or_default(),
                 limit.as_secs_f64()
             ),
@@ -415,12 +476,30 @@ fn monitor(group: Weak<Group>, limit: Duration) {
 
 type InitResult = std::result::Result<(RawComm, Arc<CudaContext>), String>;
 
-/// Creates the communicators: one helper thread per rank calls `ncclCommInitRank`
-/// concurrently (it blocks until all ranks have joined).
+/// Creates the communicators of a one-process group: one helper thread per rank calls
+/// `ncclCommInitRank` concurrently (it blocks until all ranks have joined).
 fn create(ordinals: &[usize]) -> Group {
     set_nccl_env();
-    let world = ordinals.len();
+    let id =
+        nccl::get_uniqueid().map_err(|e| format!("ncclGetUniqueId failed: {}", describe(&e, None)));
+    let local: Vec<(usize, usize)> = ordinals.iter().copied().enumerate().collect();
+    create_ranks(ordinals.len(), id, &local)
+}
+
+/// Creates the communicators of ranks `local` ((rank, GPU ordinal)) of a group of
+/// `world` ranks sharing `id`; the other ranks are made elsewhere (other processes).
+fn create_ranks(
+    world: usize,
+    id: std::result::Result<sys::ncclUniqueId, String>,
+    local: &[(usize, usize)],
+) -> Group {
+    set_nccl_env();
     let tracker = Arc::new(Tracker::new(world));
+    // Ranks made elsewhere keep `usize::MAX` as their ordinal and never get a communicator.
+    let mut ordinals = vec![usize::MAX; world];
+    for &(r, o) in local {
+        ordinals[r] = o;
+    }
     let mut slots: Vec<RankSlot> = ordinals
         .iter()
         .enumerate()
@@ -433,24 +512,19 @@ fn create(ordinals: &[usize]) -> Group {
         })
         .collect();
     let finish = |slots: Vec<RankSlot>, failure: Option<String>| Group {
-        ordinals: ordinals.to_vec(),
+        ordinals: ordinals.clone(),
         slots: slots.into_iter().map(Mutex::new).collect(),
         failed: AtomicBool::new(failure.is_some()),
         failure: Mutex::new(failure),
         tracker: tracker.clone(),
     };
 
-    let id = match nccl::get_uniqueid() {
+    let id = match id {
         Ok(id) => id,
-        Err(e) => {
-            return finish(
-                slots,
-                Some(format!("ncclGetUniqueId failed: {}", describe(&e, None))),
-            )
-        }
+        Err(e) => return finish(slots, Some(e)),
     };
     let (tx, rx) = mpsc::channel::<(usize, InitResult)>();
-    for (rank, &ordinal) in ordinals.iter().enumerate() {
+    for &(rank, ordinal) in local {
         let tx = tx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("nccl-init-{rank}"))
@@ -486,7 +560,7 @@ fn create(ordinals: &[usize]) -> Group {
     let start = Instant::now();
     let mut errors: Vec<String> = Vec::new();
     let mut done = 0;
-    while done < world {
+    while done < local.len() {
         let msg = match limit {
             None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
             Some(l) => rx.recv_timeout(l.saturating_sub(start.elapsed())),
@@ -501,7 +575,7 @@ fn create(ordinals: &[usize]) -> Group {
                 errors.push(format!("rank {rank} (cuda:{}): {e}", ordinals[rank]));
                 // The others wait in ncclCommInitRank for this rank: give them a moment
                 // to fail too (for their messages), but don't wait for the full timeout.
-                if done + 1 < world {
+                if done + 1 < local.len() {
                     std::thread::sleep(Duration::from_millis(200));
                     while let Ok((r, res)) = rx.try_recv() {
                         match res {
@@ -523,12 +597,13 @@ fn create(ordinals: &[usize]) -> Group {
                 let missing: Vec<String> = slots
                     .iter()
                     .enumerate()
-                    .filter(|(_, s)| s.comm.is_none())
+                    .filter(|(_, s)| s.comm.is_none() && s.ordinal != usize::MAX)
                     .map(|(r, s)| format!("rank {r} (cuda:{})", s.ordinal))
                     .collect();
                 errors.push(format!(
                     "creating the NCCL communicators timed out after {:.0} s waiting for {} \
-                     (set MOLD_NCCL_TIMEOUT_S to wait longer)",
+                     (another process's ranks may not have joined; set MOLD_NCCL_TIMEOUT_S \
+                     to wait longer)",
                     start.elapsed().as_secs_f64(),
                     missing.join(", ")
                 ));
@@ -543,7 +618,8 @@ fn create(ordinals: &[usize]) -> Group {
         finish(
             slots,
             Some(format!(
-                "creating the NCCL group over GPUs {ordinals:?} failed: {}",
+                "creating the NCCL group of {world} ranks ({}) failed: {}",
+                describe_ranks(&ordinals),
                 errors.join("; ")
             )),
         )
@@ -695,6 +771,9 @@ impl NcclComm {
                     );
                     return Err(self.fail(slot, m));
                 }
+            }
+            if let Some(why) = crate::dist::failure() {
+                self.group.fail(why);
             }
             if self.group.is_failed() {
                 slot.abort();

@@ -1,0 +1,256 @@
+//! `mold exec` as several processes (`MOLD_WORLD_SIZE`/`MOLD_RANK`/`MOLD_MASTER_ADDR`) on
+//! emulated devices: the same output as one process, bit for bit, and failures that end
+//! every process naming the one at fault.
+
+use crate::util::*;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A port nobody listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `mold` with the developer's `MOLD_*` variables removed and `env` set, not yet waited.
+fn spawn(args: &[&str], env: &[(&str, String)]) -> std::process::Child {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mold"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("MOLD_") {
+            c.env_remove(k);
+        }
+    }
+    c.env("XDG_CONFIG_HOME", root().join("target/no-such-config-dir"))
+        .env("HOME", root().join("target/no-such-home"))
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args(args)
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run mold")
+}
+
+/// Runs `world` processes of `mold exec ARGS` (process p gets `extra(p)` appended and
+/// `env`), each with its MOLD_RANK; returns their outputs in rank order.
+fn run_world(
+    world: usize,
+    args: &[&str],
+    extra: impl Fn(usize) -> Vec<String>,
+    env: &[(&str, &str)],
+) -> Vec<Output> {
+    let master = format!("127.0.0.1:{}", free_port());
+    let children: Vec<_> = (0..world)
+        .map(|p| {
+            let mut a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+            a.extend(extra(p));
+            let a: Vec<&str> = a.iter().map(String::as_str).collect();
+            let mut e: Vec<(&str, String)> = vec![
+                ("MOLD_WORLD_SIZE", world.to_string()),
+                ("MOLD_RANK", p.to_string()),
+                ("MOLD_MASTER_ADDR", master.clone()),
+                ("MOLD_DIST_TIMEOUT_S", "60".to_string()),
+            ];
+            e.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
+            spawn(&a, &e)
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
+fn digest(s: &str) -> String {
+    s.lines()
+        .find_map(|l| l.strip_prefix("output digest: "))
+        .unwrap_or_else(|| panic!("no output digest in:\n{s}"))
+        .to_string()
+}
+
+/// flux-tiny weights in `d/w` and a plan whose transformer parts are `parts` (YAML lines
+/// of the `parts:` list): (weights, plan).
+fn setup(d: &Path, parts: &str) -> (String, String) {
+    let w = d.join("w").to_str().unwrap().to_string();
+    let p = d.join("plan.yaml").to_str().unwrap().to_string();
+    mold_ok(&["testdata", "flux-tiny", &w]);
+    mold_ok(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        "sim/machines/cpu-emu-4.yaml",
+        "--tp",
+        "off",
+        "-o",
+        &p,
+    ]);
+    // Replace the transformer's parts with the placement under test.
+    let text = std::fs::read_to_string(&p).unwrap();
+    let t = text.find("- name: transformer").unwrap();
+    let start = t + text[t..].find("  parts:\n").unwrap() + "  parts:\n".len();
+    let end = start
+        + text[start..]
+            .find("\n- name:")
+            .map(|i| i + 1)
+            .unwrap_or(text.len() - start);
+    let new = format!("{}{}{}", &text[..start], parts, &text[end..]);
+    std::fs::write(&p, new).unwrap();
+    (w, p)
+}
+
+const TP4: &str = "  - blocks:\n    - double 0..2\n    - single 0..3\n    devices:\n    - emu:0\n    - emu:1\n    - emu:2\n    - emu:3\n    residency: resident\n";
+
+/// Part 0 tensor parallel over emu:0, emu:1; part 1 on emu:2.
+const TP2_THEN_ONE: &str = "  - blocks:\n    - double 0..2\n    - single 0..1\n    devices:\n    - emu:0\n    - emu:1\n    residency: resident\n  - blocks:\n    - single 1..3\n    devices:\n    - emu:2\n    residency: resident\n";
+
+#[test]
+fn several_processes_compute_what_one_does_bit_for_bit() {
+    for (name, parts, world) in [("tp4", TP4, 2), ("tp2-then-one", TP2_THEN_ONE, 3)] {
+        let d = tempdir(&format!("mp-{name}"));
+        let (w, p) = setup(&d, parts);
+        let args = ["exec", &p, "--weights", &w, "--steps", "2", "--force"];
+        let one = mold_ok(&args).0;
+        let outs = run_world(world, &args, |_| vec![], &[]);
+        for (r, o) in outs.iter().enumerate() {
+            assert!(
+                o.status.success(),
+                "{name}: process {r} failed:\n{}\n{}",
+                stdout(o),
+                stderr(o)
+            );
+            let s = stdout(o);
+            assert!(s.contains(&format!("process {r} of {world}: runs")), "{s}");
+            assert_eq!(digest(&s), digest(&one), "{name}: process {r}:\n{s}");
+        }
+        // Each process loads only its own devices' weights.
+        let s0 = stdout(&outs[0]);
+        assert!(s0.contains("emu:0 ") && !s0.contains("emu:2 "), "{s0}");
+    }
+    // --verify runs once, in the process that runs the first device.
+    let d = tempdir("mp-verify");
+    let (w, p) = setup(&d, TP4);
+    let args = [
+        "exec",
+        &p,
+        "--weights",
+        &w,
+        "--steps",
+        "1",
+        "--force",
+        "--verify",
+    ];
+    let outs = run_world(2, &args, |_| vec![], &[]);
+    assert!(
+        stdout(&outs[0]).contains("max relative error"),
+        "{}",
+        stdout(&outs[0])
+    );
+    assert!(stdout(&outs[1]).contains("verify: done by the process that runs emu:0"));
+}
+
+#[test]
+fn a_failing_or_dying_process_ends_every_process_naming_it() {
+    let d = tempdir("mp-fault");
+    let (w, p) = setup(&d, TP4);
+    let args = ["exec", &p, "--weights", &w, "--steps", "2", "--force"];
+    for (kind, want0) in [
+        ("error", "process 1 failed: device emu:3"),
+        ("panic", "process 1"),
+        ("exit", "process 1 closed its connection"),
+    ] {
+        let fault = format!("emu:3@single 1:{kind}");
+        let t0 = Instant::now();
+        let outs = run_world(2, &args, |_| vec![], &[("MOLD_FAULT", fault.as_str())]);
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{kind}: {:?}",
+            t0.elapsed()
+        );
+        for (r, o) in outs.iter().enumerate() {
+            assert!(
+                !o.status.success(),
+                "{kind}: process {r} should fail:\n{}",
+                stdout(o)
+            );
+        }
+        let e0 = stderr(&outs[0]);
+        assert!(e0.contains(want0), "{kind}: process 0 says:\n{e0}");
+        if kind == "exit" {
+            assert_eq!(outs[1].status.code(), Some(3), "{}", stderr(&outs[1]));
+        } else {
+            let e1 = stderr(&outs[1]);
+            assert!(
+                e1.contains("emu:3") && e1.contains("injected"),
+                "{kind}: {e1}"
+            );
+        }
+    }
+}
+
+#[test]
+fn launch_mistakes_are_refused_before_loading() {
+    let d = tempdir("mp-refuse");
+    let (w, p) = setup(&d, TP4);
+    let args = ["exec", &p, "--weights", &w, "--steps", "1", "--force"];
+    // Processes that disagree on what to run.
+    let outs = run_world(2, &args, |r| vec!["--seed".into(), r.to_string()], &[]);
+    let e0 = stderr(&outs[0]);
+    assert!(!outs[0].status.success() && !outs[1].status.success());
+    assert!(
+        e0.contains("seed is 1 in process 1 but 0 in process 0"),
+        "{e0}"
+    );
+    assert!(stderr(&outs[1]).contains("refused"), "{}", stderr(&outs[1]));
+    // A process that never comes.
+    let o = mold_env(
+        &args,
+        &[
+            ("MOLD_WORLD_SIZE", "2"),
+            ("MOLD_RANK", "0"),
+            ("MOLD_MASTER_ADDR", &format!("127.0.0.1:{}", free_port())),
+            ("MOLD_DIST_TIMEOUT_S", "1"),
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("for process(es) 1"), "{}", stderr(&o));
+    assert!(!stdout(&o).contains("loaded"), "{}", stdout(&o));
+    // Incomplete variables name the missing one.
+    let o = mold_env(&args, &[("MOLD_RANK", "1")]);
+    assert!(
+        stderr(&o).contains("MOLD_WORLD_SIZE is not set"),
+        "{}",
+        stderr(&o)
+    );
+    let o = mold_env(
+        &args,
+        &[
+            ("MOLD_RANK", "0"),
+            ("MOLD_WORLD_SIZE", "8"),
+            ("MOLD_MASTER_ADDR", "h"),
+        ],
+    );
+    assert!(
+        stderr(&o).contains("start at most one process per device"),
+        "{}",
+        stderr(&o)
+    );
+    // Text to image stays one process.
+    let o = mold_env(
+        &["exec", &p, "--weights", &w, "--prompt", "x"],
+        &[
+            ("MOLD_RANK", "0"),
+            ("MOLD_WORLD_SIZE", "2"),
+            ("MOLD_MASTER_ADDR", "h"),
+        ],
+    );
+    assert!(
+        stderr(&o).contains("text to image (--prompt) runs in one process"),
+        "{}",
+        stderr(&o)
+    );
+}
