@@ -437,6 +437,14 @@ pub fn run(a: Args) -> Result<i32> {
         );
     }
     print_streaming(&exec);
+    for (from, to, peer) in mold_exec::runtime::hand_off_paths() {
+        let how = if peer {
+            "peer copy (cuDeviceCanAccessPeer)"
+        } else {
+            "through host memory (no peer access between them)"
+        };
+        println!("  hand-off cuda:{from} -> cuda:{to}: {how}");
+    }
     if a.verify {
         let mut first = plan
             .transformer()

@@ -11,7 +11,10 @@
 //! - a block on a group of n devices runs 1/n of its sharded FLOPs on each device (the
 //!   slowest device sets the pace), is never faster than reading its weights from
 //!   device memory, and pays `allreduces` all-reduces of its hidden state over the
-//!   group's link (peer domain, or staged through the host);
+//!   group's link (peer domain, or staged through the host), plus `allgathers` (one per
+//!   block with sharded modulation linears) of the per-sample modulation outputs,
+//!   priced as an all-reduce of the gathered bytes (what the executor's all-gather is:
+//!   a latency-bound collective of a few hundred KiB at most);
 //! - the blocks of one kind on one device group cost max(their compute, the copies of
 //!   the streamed ones) ([`BlockCost::group_kind_s`]: the copy stream runs beside the
 //!   compute stream, and the planner spreads streamed blocks among resident ones), plus,
@@ -54,7 +57,8 @@ pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> C
 pub struct BlockCost {
     /// Compute on the slowest device of the group, collectives excluded.
     pub compute_s: f64,
-    /// All-reduces of the block over the group's link.
+    /// Collectives of the block over the group's link: its all-reduces and its
+    /// modulation all-gather.
     pub allreduce_s: f64,
     /// Host→device copy of one device's share of the block's weights (pinned).
     pub copy_s: f64,
@@ -149,10 +153,15 @@ impl<'a> Ctx<'a> {
             compute_s = compute_s.max(t);
         }
         let link = self.machine.group_link(group);
+        let n = group.len();
         let allreduce_s = kind.allreduces as f64
             * link
                 .collective
-                .allreduce_s(kind.hidden_bytes(self.tokens, self.batch, act), group.len());
+                .allreduce_s(kind.hidden_bytes(self.tokens, self.batch, act), n)
+            + kind.allgathers() as f64
+                * link
+                    .collective
+                    .allreduce_s(kind.per_sample_bytes(self.batch, act), n);
         BlockCost {
             compute_s,
             allreduce_s,

@@ -142,10 +142,20 @@ fn tensor_parallel_pays_allreduce() {
     validate(&plan, &model, &m).unwrap();
     let e = evaluate(&plan, &model, &m);
     let t = model.tokens(&plan.workload);
-    let s = (t.img + t.txt) * 64 * 4;
-    let ar = 10e-6 + 2.0 * 0.5 * s as f64 / 50e9; // latency + 2(n−1)/n · S / bandwidth
-    let want = (2.0 * 2.0 + 3.0) * ar;
-    assert!((e.parts[0].allreduce_s - want).abs() < 1e-12);
+    assert_eq!(plan.workload.effective_batch(), 1);
+    // latency + 2(n−1)/n · S / bandwidth
+    let collective = |bytes: u64| 10e-6 + 2.0 * 0.5 * bytes as f64 / 50e9;
+    let ar = collective((t.img + t.txt) * 64 * 4);
+    // Plus one all-gather of the modulation outputs per block: 2 × 6h per double block,
+    // 3h per single block (h = 64, f32).
+    let gather_double = collective(12 * 64 * 4);
+    let gather_single = collective(3 * 64 * 4);
+    let want = 2.0 * (2.0 * ar + gather_double) + 3.0 * (ar + gather_single);
+    assert!(
+        (e.parts[0].allreduce_s - want).abs() < 1e-12,
+        "{} vs {want}",
+        e.parts[0].allreduce_s
+    );
     let comps: u64 = model
         .components
         .iter()
@@ -156,6 +166,16 @@ fn tensor_parallel_pays_allreduce() {
         e.devices[1].weights,
         "TP shards evenly"
     );
+    // Each rank holds the stem, half of every linear (the modulation included) and the
+    // norm scales in full.
+    let stem = model.transformer.stem_bytes(DType::F32);
+    let half: u64 = model
+        .transformer
+        .kinds
+        .iter()
+        .map(|k| k.count as u64 * (4 * k.sharded_params() / 2 + 4 * k.replicated_params))
+        .sum();
+    assert_eq!(e.devices[1].weights, stem + half);
 }
 
 #[test]

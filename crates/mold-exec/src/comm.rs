@@ -40,6 +40,12 @@ pub trait Comm: Send + Sync {
     /// Marks the group failed so the other ranks stop waiting for this one (called when a
     /// rank errors or panics). The default does nothing.
     fn abort(&self) {}
+    /// Fails if the group failed since this rank's last collective (called after the
+    /// rank's work is done, because a collective may fail after it was enqueued). The
+    /// default has nothing to check.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The group of one: all-reduce is the identity.

@@ -216,13 +216,16 @@ enum Acts {
 }
 
 impl Acts {
+    /// The activations on `d` ([`runtime::hand_off`]: a peer copy between GPUs that
+    /// allow it).
     fn to_device(&self, d: &Device) -> candle_core::Result<Acts> {
+        let mv = |t: &Tensor| runtime::hand_off(t, d);
         Ok(match self {
             Acts::Double { img, txt, vec, pe } => Acts::Double {
-                img: img.to_device(d)?,
-                txt: txt.to_device(d)?,
-                vec: vec.to_device(d)?,
-                pe: pe.to_device(d)?,
+                img: mv(img)?,
+                txt: mv(txt)?,
+                vec: mv(vec)?,
+                pe: mv(pe)?,
             },
             Acts::Single {
                 x,
@@ -230,12 +233,12 @@ impl Acts {
                 pe,
                 txt_len,
             } => Acts::Single {
-                x: x.to_device(d)?,
-                vec: vec.to_device(d)?,
-                pe: pe.to_device(d)?,
+                x: mv(x)?,
+                vec: mv(vec)?,
+                pe: mv(pe)?,
                 txt_len: *txt_len,
             },
-            Acts::Out(t) => Acts::Out(t.to_device(d)?),
+            Acts::Out(t) => Acts::Out(mv(t)?),
         })
     }
 }
@@ -891,7 +894,12 @@ impl Executor {
 
     fn run_part(&self, part: &PartRt, input: PartInput) -> Result<Acts> {
         if part.devices.len() == 1 {
-            return Ok(self.run_rank(part, &part.ranks[0], &LocalComm, &input)?);
+            let rank = &part.ranks[0];
+            let out = self.run_rank(part, rank, &LocalComm, &input)?;
+            // The next part may read it from another thread (a tensor-parallel rank's),
+            // whose stream is not ordered with this one: finish it first.
+            rank.device.synchronize()?;
+            return Ok(out);
         }
         let made;
         let comms: &[Box<dyn Comm>] = match &part.comms {
@@ -916,7 +924,9 @@ impl Executor {
                             // with it otherwise (a no-op on the CPU).
                             let r = self
                                 .run_rank(part, rank, comm.as_ref(), input)
-                                .and_then(|a| rank.device.synchronize().map(|_| a));
+                                .and_then(|a| rank.device.synchronize().map(|_| a))
+                                // A collective may fail after it was enqueued.
+                                .and_then(|a| comm.check().map(|_| a));
                             guard.1 = r.is_ok();
                             r
                         })

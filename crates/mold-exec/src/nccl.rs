@@ -18,17 +18,23 @@
 //!   calling thread), from the rank's thread, so it is ordered after the kernels that
 //!   produced the tensor and before the ones that consume the result. The result goes to
 //!   a new buffer (the input may be shared); bf16, f16, f32 and f64 are supported.
-//! - **Watchdog.** After enqueueing, the rank records an event on that stream and polls
-//!   it, together with `ncclCommGetAsyncError` and the group's failure flag, for at most
-//!   `MOLD_NCCL_TIMEOUT_S` seconds (default 120). On a timeout or an NCCL error the rank
-//!   marks the group failed and aborts its communicator (`ncclCommAbort`, which also stops
-//!   its kernels); the other ranks see the flag within their next poll, abort theirs and
-//!   return "another rank of the tensor-parallel group failed". [`Comm::abort`] (called by
-//!   the executor when a rank errors or panics) does the same for the failing rank.
-//!   Each rank aborts only its own communicator, from its own thread, so no communicator
-//!   is freed while another thread is inside an NCCL call on it.
-//!   `MOLD_NCCL_TIMEOUT_S=0` turns the watchdog off: collectives are then fully
-//!   asynchronous (no host wait per all-reduce) and a hang is not detected.
+//! - **Watchdog** (`MOLD_NCCL_TIMEOUT_S` seconds, default 120). The host does not wait
+//!   for each all-reduce: after enqueueing it records an event on the stream and goes on
+//!   queueing kernels. The group's monitor thread (every 100 ms) fails the group when an
+//!   all-reduce is still pending after the timeout, when `ncclCommGetAsyncError` reports
+//!   an error, or when another process of a multi-process run failed
+//!   ([`crate::dist::failure`]); it then aborts the communicators of every rank not
+//!   inside an NCCL call (`ncclCommAbort`, which also ends their kernels, so a rank
+//!   waiting for its GPU returns). A rank with more than `MAX_IN_FLIGHT` pending
+//!   all-reduces waits for the oldest itself, polling the same conditions. After its
+//!   work, each rank calls [`Comm::check`], which turns a failure that happened after
+//!   the last collective was enqueued into an error ("another rank of the
+//!   tensor-parallel group failed"). [`Comm::abort`] (called by the executor when a rank
+//!   errors or panics) marks the group failed and aborts the failing rank's
+//!   communicator. Every abort happens under the rank's slot lock, which every NCCL call
+//!   on that communicator holds, so none is freed while a call on it is in flight.
+//!   `MOLD_NCCL_TIMEOUT_S=0` turns the watchdog off (no events, no monitor) and a hang
+//!   is not detected.
 //! - **Environment.** `NCCL_NVLS_ENABLE=0` (no NVLink multicast) is set in the process
 //!   environment before the first NCCL call unless the user set it.
 //! - **Measurement.** [`measure_allreduce`] times all-reduces over groups of 2, 4, 8, …
@@ -43,11 +49,12 @@ use super::Comm;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys};
 use half::bf16;
 use mold_machine::inventory::{allreduce_bus_gbps, allreduce_group_sizes, AllreduceMeasurement};
 use mold_plan::ByteSize;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock, Weak};
@@ -55,6 +62,10 @@ use std::time::{Duration, Instant};
 
 /// Default watchdog timeout (seconds) for group creation and for each collective.
 pub const DEFAULT_TIMEOUT_S: f64 = 120.0;
+
+/// All-reduces a rank may have enqueued and not finished before the host waits for the
+/// oldest (FLUX runs 1 or 2 per block: the host stays several blocks ahead at most).
+const MAX_IN_FLIGHT: usize = 8;
 
 /// The watchdog timeout: `MOLD_NCCL_TIMEOUT_S` (seconds, may be fractional; 0 = no
 /// watchdog), default [`DEFAULT_TIMEOUT_S`].
@@ -221,6 +232,9 @@ struct RankSlot {
     rank: usize,
     ordinal: usize,
     comm: Option<RawComm>,
+    /// All-reduces enqueued and not known to be finished: an event recorded after each,
+    /// and when it was enqueued (the watchdog's clock).
+    pending: VecDeque<(CudaEvent, Instant)>,
     /// Keeps the GPU's primary context alive as long as the communicator.
     ctx: Option<Arc<CudaContext>>,
     tracker: Option<Arc<Tracker>>,
@@ -229,6 +243,7 @@ struct RankSlot {
 impl RankSlot {
     /// Aborts the communicator (once); stops its kernels and frees its resources.
     fn abort(&mut self) {
+        self.pending.clear();
         if let Some(c) = self.comm.take() {
             if let Some(ctx) = &self.ctx {
                 let _ = ctx.bind_to_thread();
@@ -297,6 +312,76 @@ impl Group {
              ({why}); this rank's communicator was aborted",
             self.ordinals[rank]
         ))
+    }
+}
+
+impl Group {
+    /// The monitor's share of the watchdog, for ranks that are not inside a call on
+    /// their communicator (the host does not wait for each all-reduce): fails the group
+    /// when another process failed, when an all-reduce has been pending longer than
+    /// `limit`, or when NCCL reports an asynchronous error; then aborts the communicators
+    /// of a failed group, which ends their kernels, so a rank waiting for its GPU
+    /// (synchronize) returns and sees the failure ([`Comm::check`]).
+    fn watch_pending(&self, limit: Duration) {
+        if let Some(why) = crate::dist::failure() {
+            if !self.is_failed() {
+                self.fail(why);
+            }
+        }
+        if !self.is_failed() {
+            for s in &self.slots {
+                // A rank inside a call watches itself.
+                let Ok(mut slot) = s.try_lock() else { continue };
+                let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
+                    continue;
+                };
+                while let Some((e, _)) = slot.pending.front() {
+                    if !matches!(e.try_is_complete(), Ok(true)) {
+                        break;
+                    }
+                    slot.pending.pop_front();
+                }
+                let where_ = format!("NCCL rank {} (cuda:{})", slot.rank, slot.ordinal);
+                if let Some((_, t)) = slot.pending.front() {
+                    if t.elapsed() > limit {
+                        self.fail(format!(
+                            "{where_}: an all-reduce has not finished {:.1} s after it was \
+                             enqueued (watchdog MOLD_NCCL_TIMEOUT_S={}): a rank did not join \
+                             or the GPUs are stuck; the group was aborted",
+                            t.elapsed().as_secs_f64(),
+                            limit.as_secs_f64()
+                        ));
+                        break;
+                    }
+                }
+                let mut async_err = sys::ncclResult_t::ncclSuccess;
+                // SAFETY: live communicator (we hold its slot), valid out pointer.
+                let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut async_err) };
+                if let Some(e) = [r, async_err].into_iter().find(|e| {
+                    !matches!(
+                        e,
+                        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+                    )
+                }) {
+                    self.fail(format!(
+                        "{where_}: NCCL reported an error: {}{}",
+                        nccl_err_str(e),
+                        match nccl_last_error(comm) {
+                            s if s.is_empty() => String::new(),
+                            s => format!(": {s}"),
+                        }
+                    ));
+                    break;
+                }
+            }
+        }
+        if self.is_failed() {
+            for s in &self.slots {
+                if let Ok(mut slot) = s.try_lock() {
+                    slot.abort();
+                }
+            }
+        }
     }
 }
 
@@ -436,8 +521,9 @@ pub fn group_with_id(id: &[u8], world: usize, local: &[(usize, usize)]) -> Vec<N
 fn monitor(group: Weak<Group>, limit: Duration) {
     let limit_ms = limit.as_millis() as u64;
     loop {
-        std::thread::sleep(Duration::from_millis(500).min(limit));
+        std::thread::sleep(Duration::from_millis(100).min(limit));
         let Some(g) = group.upgrade() else { return };
+        g.watch_pending(limit);
         let t = &g.tracker;
         let now = t.now();
         let stuck_in_call = (0..g.world()).find(|&r| {
@@ -507,6 +593,7 @@ fn create_ranks(
             rank,
             ordinal,
             comm: None,
+            pending: VecDeque::new(),
             ctx: None,
             tracker: Some(tracker.clone()),
         })
@@ -536,6 +623,7 @@ fn create_ranks(
                         rank,
                         ordinal,
                         comm: Some(c),
+                        pending: VecDeque::new(),
                         ctx: Some(ctx),
                         tracker: None,
                     };
@@ -734,13 +822,16 @@ impl NcclComm {
         e
     }
 
-    /// Waits for the all-reduce just enqueued on `stream`, with the watchdog.
-    fn wait(&self, slot: &mut RankSlot, stream: &CudaStream, limit: Duration) -> Result<()> {
-        let event = stream
-            .record_event(None)
-            .map_err(|e| self.fail(slot, format!("cannot record a CUDA event: {e:?}")))?;
+    /// Waits for an all-reduce enqueued at `start` (done when `event` is), with the
+    /// watchdog.
+    fn wait(
+        &self,
+        slot: &mut RankSlot,
+        event: &CudaEvent,
+        start: Instant,
+        limit: Duration,
+    ) -> Result<()> {
         let comm = slot.comm.as_ref().map(|c| c.0).expect("live communicator");
-        let start = Instant::now();
         let mut polls: u32 = 0;
         loop {
             match event.try_is_complete() {
@@ -843,10 +934,46 @@ impl Comm for NcclComm {
             Err(e) => return Err(self.fail(&mut slot, e.to_string())),
         };
         if let Some(limit) = timeout() {
+            // The host does not wait for the all-reduce: it goes on queueing kernels
+            // (waiting here would leave the GPU idle while the next ones are launched).
+            // The monitor watches the pending all-reduces; the host waits only when more
+            // than MAX_IN_FLIGHT are pending, for the oldest.
             let stream = out.device().as_cuda_device()?.cuda_stream();
-            self.wait(&mut slot, &stream, limit)?;
+            let event = stream
+                .record_event(Some(
+                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                ))
+                .map_err(|e| self.fail(&mut slot, format!("cannot record a CUDA event: {e:?}")))?;
+            slot.pending.push_back((event, Instant::now()));
+            while let Some((e, _)) = slot.pending.front() {
+                if !matches!(e.try_is_complete(), Ok(true)) {
+                    break;
+                }
+                slot.pending.pop_front();
+            }
+            if slot.pending.len() > MAX_IN_FLIGHT {
+                let (e, t) = slot.pending.pop_front().expect("non-empty");
+                self.wait(&mut slot, &e, t, limit)?;
+            }
         }
         Ok(out)
+    }
+
+    /// The group failed (here, in another rank, or in another process) after this
+    /// rank's last all-reduce was enqueued: an error, and this rank's communicator is
+    /// aborted. Otherwise forgets the finished all-reduces.
+    fn check(&self) -> Result<()> {
+        let mut slot = lock(&self.group.slots[self.rank]);
+        if let Some(why) = crate::dist::failure() {
+            self.group.fail(why);
+        }
+        if self.group.is_failed() {
+            slot.abort();
+            return Err(self.group.peer_failed_error(self.rank));
+        }
+        slot.pending
+            .retain(|(e, _)| !matches!(e.try_is_complete(), Ok(true)));
+        Ok(())
     }
 
     /// Marks the group failed (releasing ranks waiting in a collective) and aborts this
@@ -1123,7 +1250,12 @@ impl NcclComm {
             return Err(self.group.peer_failed_error(self.rank));
         }
         match timeout() {
-            Some(limit) => self.wait(&mut slot, stream, limit),
+            Some(limit) => {
+                let event = stream.record_event(None).map_err(|e| {
+                    self.fail(&mut slot, format!("cannot record a CUDA event: {e:?}"))
+                })?;
+                self.wait(&mut slot, &event, Instant::now(), limit)
+            }
             None => stream.synchronize().map_err(|e| {
                 self.fail(
                     &mut slot,

@@ -52,6 +52,169 @@ fn cuda_device(_n: u32, id: &DeviceId) -> Result<Device> {
     })
 }
 
+/// How activations went from one GPU to another: `(from, to, peer)`, `peer` false when
+/// staged through host memory. One entry per pair of GPU ordinals seen.
+static HAND_OFFS: std::sync::Mutex<Vec<(usize, usize, bool)>> = std::sync::Mutex::new(Vec::new());
+
+/// The GPU-to-GPU hand-off paths used so far: `(from ordinal, to ordinal, peer copy)`.
+pub fn hand_off_paths() -> Vec<(usize, usize, bool)> {
+    HAND_OFFS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Moves an activation to `dst`. Between two GPUs that can access each other's memory
+/// (`cuDeviceCanAccessPeer`, checked once per pair, then `cuCtxEnablePeerAccess`), a
+/// peer copy (`cuMemcpyPeerAsync`, over NVLink or PCIe, on the destination's stream
+/// after the source's work is done); otherwise, and for every other pair of devices,
+/// candle's copy through host memory.
+pub fn hand_off(t: &Tensor, dst: &Device) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(s), Device::Cuda(d)) = (t.device(), dst) {
+        if !t.device().same_device(dst) {
+            let (a, b) = (peer::ctx(s).ordinal(), peer::ctx(d).ordinal());
+            let peer = peer::access(s, d);
+            {
+                let mut seen = HAND_OFFS.lock().unwrap_or_else(|e| e.into_inner());
+                if !seen.iter().any(|(x, y, _)| (*x, *y) == (a, b)) {
+                    seen.push((a, b, peer));
+                }
+            }
+            if peer {
+                return peer::copy(t, s, d);
+            }
+        }
+    }
+    t.to_device(dst)
+}
+
+#[cfg(feature = "cuda")]
+mod peer {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaContext, DevicePtr, DevicePtrMut};
+    use candle_core::cuda::{CudaDType, CudaDevice};
+    use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor};
+    use std::sync::Mutex;
+
+    /// The CUDA context of a candle device.
+    pub(super) fn ctx(d: &CudaDevice) -> std::sync::Arc<CudaContext> {
+        d.cuda_stream().context().clone()
+    }
+
+    /// Pairs checked so far: (from, to, peer access enabled).
+    static PAIRS: Mutex<Vec<(usize, usize, bool)>> = Mutex::new(Vec::new());
+
+    /// Whether `s`'s GPU can read and write `d`'s memory; enables it the first time.
+    pub(super) fn access(s: &CudaDevice, d: &CudaDevice) -> bool {
+        let (a, b) = (ctx(s).ordinal(), ctx(d).ordinal());
+        let mut pairs = PAIRS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, _, ok)) = pairs.iter().find(|(x, y, _)| (*x, *y) == (a, b)) {
+            return *ok;
+        }
+        let ok = enable(s, d).is_ok();
+        pairs.push((a, b, ok));
+        ok
+    }
+
+    fn enable(s: &CudaDevice, d: &CudaDevice) -> Result<(), String> {
+        let mut can = 0i32;
+        // SAFETY: valid out pointer and device handles of live contexts.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, ctx(s).cu_device(), ctx(d).cu_device()) }
+            .result()
+            .map_err(|e| format!("{e:?}"))?;
+        if can == 0 {
+            return Err("no peer access between these GPUs".into());
+        }
+        // Both directions: the copy's source and destination contexts each map the other.
+        for (from, to) in [(s, d), (d, s)] {
+            ctx(from).bind_to_thread().map_err(|e| format!("{e:?}"))?;
+            // SAFETY: `to`'s context is live; flags must be 0.
+            match unsafe { sys::cuCtxEnablePeerAccess(ctx(to).cu_ctx(), 0) } {
+                sys::CUresult::CUDA_SUCCESS
+                | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+                e => return Err(format!("{e:?}")),
+            }
+        }
+        Ok(())
+    }
+
+    /// The copy as a candle op on the source tensor, returning storage on `dst`.
+    struct PeerCopy<'a> {
+        dst: &'a CudaDevice,
+    }
+
+    impl PeerCopy<'_> {
+        fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+            &self,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let (start, end) = l
+                .contiguous_offsets()
+                .ok_or_else(|| candle_core::Error::Msg("peer copy: not contiguous".into()))?;
+            let n = end - start;
+            let src_dev = s.device().clone();
+            let src_stream = src_dev.cuda_stream();
+            // The source was written from this thread's stream of its GPU: wait for it
+            // (the copy runs on the destination's stream, which is not ordered with it).
+            src_stream
+                .synchronize()
+                .map_err(|e| candle_core::Error::Msg(format!("peer copy: {e:?}")))?;
+            let src = s.as_cuda_slice::<T>()?.slice(start..end);
+            // SAFETY: every element is written by the copy before anyone reads it.
+            let mut out = unsafe { self.dst.alloc::<T>(n) }?;
+            let dst_stream = self.dst.cuda_stream();
+            {
+                let (sp, _sg) = src.device_ptr(&src_stream);
+                let (dp, _dg) = out.device_ptr_mut(&dst_stream);
+                // SAFETY: both buffers hold n elements of T and live until the guards
+                // drop (after the enqueue, which records their use on the streams).
+                unsafe {
+                    result::memcpy_peer_async(
+                        ctx(self.dst).cu_ctx(),
+                        dp,
+                        ctx(&src_dev).cu_ctx(),
+                        sp,
+                        n * std::mem::size_of::<T>(),
+                        dst_stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| candle_core::Error::Msg(format!("cuMemcpyPeerAsync: {e:?}")))?;
+            }
+            Ok(CudaStorage::wrap_cuda_slice(out, self.dst.clone()))
+        }
+    }
+
+    impl CustomOp1 for PeerCopy<'_> {
+        fn name(&self) -> &'static str {
+            "peer-copy"
+        }
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+            candle_core::bail!("peer copy of a CPU tensor")
+        }
+        fn cuda_fwd(
+            &self,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            use half::{bf16, f16};
+            let out = match s.dtype() {
+                DType::BF16 => self.run::<bf16>(s, l)?,
+                DType::F16 => self.run::<f16>(s, l)?,
+                DType::F32 => self.run::<f32>(s, l)?,
+                DType::F64 => self.run::<f64>(s, l)?,
+                DType::U32 => self.run::<u32>(s, l)?,
+                DType::I64 => self.run::<i64>(s, l)?,
+                DType::U8 => self.run::<u8>(s, l)?,
+                dt => candle_core::bail!("peer copy: unsupported dtype {dt:?}"),
+            };
+            Ok((out, l.shape().clone()))
+        }
+    }
+
+    pub(super) fn copy(t: &Tensor, _s: &CudaDevice, d: &CudaDevice) -> candle_core::Result<Tensor> {
+        t.contiguous()?.apply_op1_no_bwd(&PeerCopy { dst: d })
+    }
+}
+
 /// Communicators for one tensor-parallel group over `devices`, one per rank in order.
 ///
 /// With the `nccl` feature, a group of two or more distinct `cuda:N` devices uses NCCL

@@ -5,7 +5,8 @@
 use crate::*;
 
 /// A dual-stream block (FLUX double, MMDiT joint, Qwen-Image): per stream q/k/v + out
-/// projection (4h²) and an MLP of `mlp` (2·h·mlp), plus 6h modulation per stream.
+/// projection (4h²) and an MLP of `mlp` (2·h·mlp), plus a 6h modulation linear per
+/// stream (sharded under tensor parallel, like the rest) and the q/k norm scales.
 fn dual_stream(name: &str, count: u32, h: u64, heads: u32, head_dim: u32, mlp: u64) -> BlockKind {
     let per_stream = (3 * h * h + 3 * h) + (h * h + h) + (h * mlp + mlp) + (mlp * h + h);
     BlockKind {
@@ -18,7 +19,8 @@ fn dual_stream(name: &str, count: u32, h: u64, heads: u32, head_dim: u32, mlp: u
         img_params: per_stream,
         txt_params: per_stream,
         joint_params: 0,
-        replicated_params: 2 * (6 * h * h + 6 * h) + 4 * head_dim as u64,
+        per_sample_params: 2 * (6 * h * h + 6 * h),
+        replicated_params: 4 * head_dim as u64,
         attention: Attention::Joint,
         allreduces: 2,
         streams: 2,
@@ -27,7 +29,7 @@ fn dual_stream(name: &str, count: u32, h: u64, heads: u32, head_dim: u32, mlp: u
 }
 
 /// FLUX single-stream block: fused linear1 [3h + mlp] × h, linear2 (h + mlp) × h,
-/// modulation 3h.
+/// modulation 3h (sharded under tensor parallel), q/k norm scales.
 fn flux_single(count: u32, h: u64, heads: u32, head_dim: u32, mlp: u64) -> BlockKind {
     BlockKind {
         name: "single".into(),
@@ -39,7 +41,8 @@ fn flux_single(count: u32, h: u64, heads: u32, head_dim: u32, mlp: u64) -> Block
         img_params: 0,
         txt_params: 0,
         joint_params: (h * (3 * h + mlp) + 3 * h + mlp) + ((h + mlp) * h + h),
-        replicated_params: (3 * h * h + 3 * h) + 2 * head_dim as u64,
+        per_sample_params: 3 * h * h + 3 * h,
+        replicated_params: 2 * head_dim as u64,
         attention: Attention::Joint,
         allreduces: 1,
         streams: 1,
@@ -76,6 +79,7 @@ fn swiglu_layer(
         img_params: img,
         txt_params: txt,
         joint_params: joint,
+        per_sample_params: 0,
         replicated_params: adaln + 4 * h,
         attention,
         allreduces: 2,
@@ -97,6 +101,7 @@ fn ltx_block(count: u32, h: u64, heads: u32, head_dim: u32, mlp: u64) -> BlockKi
         img_params: (4 * h * h + 4 * h) + (2 * h * h + 2 * h) + (2 * h * mlp + mlp + h),
         txt_params: 2 * h * h + 2 * h,
         joint_params: 0,
+        per_sample_params: 0,
         replicated_params: 6 * h + 4 * h,
         attention: Attention::ImageCrossText,
         allreduces: 3,

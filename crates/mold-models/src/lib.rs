@@ -51,7 +51,13 @@ pub struct BlockKind {
     pub txt_params: u64,
     /// Linear weights applied to every token of the concatenated stream (sharded).
     pub joint_params: u64,
-    /// Weights applied once per sample (modulation) and norm scales: replicated.
+    /// Linear weights applied once per sample to the conditioning vector (the adaLN
+    /// modulation, `hidden → outputs` with bias): sharded by output under tensor
+    /// parallel, each rank computing a slice of the outputs, which one all-gather per
+    /// block puts back together ([`Self::allgathers`]).
+    pub per_sample_params: u64,
+    /// Weights every rank of a tensor-parallel group holds in full: norm scales and
+    /// small per-sample vectors (scale-shift tables).
     pub replicated_params: u64,
     pub attention: Attention,
     /// Row-parallel projections per block: all-reduces per block under tensor parallel.
@@ -64,8 +70,10 @@ pub struct BlockKind {
 }
 
 impl BlockKind {
+    /// Weights divided among the ranks of a tensor-parallel group: the per-token linears
+    /// and the per-sample (modulation) linears.
     pub fn sharded_params(&self) -> u64 {
-        self.img_params + self.txt_params + self.joint_params
+        self.img_params + self.txt_params + self.joint_params + self.per_sample_params
     }
     pub fn params(&self) -> u64 {
         self.sharded_params() + self.replicated_params
@@ -103,8 +111,24 @@ impl BlockKind {
                 Attention::Text => tt * tt,
                 Attention::ImageCrossText => ti * ti + ti * tt,
             };
+        let per_sample = 2.0 * self.per_sample_params as f64;
         let vec = 2.0 * self.replicated_params as f64;
-        batch as f64 * ((lin + attn) / tp + vec)
+        batch as f64 * ((lin + attn + per_sample) / tp + vec)
+    }
+    /// Output features of the per-sample linears: they map the `hidden`-wide
+    /// conditioning vector (with bias), so `per_sample_params = outputs · (hidden + 1)`.
+    pub fn per_sample_outputs(&self) -> u64 {
+        self.per_sample_params / (self.hidden + 1)
+    }
+    /// All-gathers per block under tensor parallel: one for the per-sample outputs (a
+    /// dual-stream block gathers both streams' together), none without them.
+    pub fn allgathers(&self) -> u32 {
+        u32::from(self.per_sample_params > 0)
+    }
+    /// Bytes one all-gather of the per-sample outputs yields on each rank: every
+    /// sample's full output vector.
+    pub fn per_sample_bytes(&self, batch: u64, act: u64) -> u64 {
+        batch * self.per_sample_outputs() * act
     }
     /// Tokens this block's residual stream carries.
     pub fn stream_tokens(&self, t: Tokens) -> u64 {

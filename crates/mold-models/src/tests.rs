@@ -117,6 +117,72 @@ fn flux_block_shapes() {
     );
     assert_eq!(s.params(), 12 * h * h + 8 * h + 3 * h * h + 3 * h + 2 * 128);
     assert!(f.transformer.tp_divides(4) && !f.transformer.tp_divides(5));
+    // The modulation linears are per-sample weights, `hidden → 6h` per stream (double)
+    // and `hidden → 3h` (single); only the q/k norm scales are replicated.
+    assert_eq!(d.per_sample_params, 2 * (6 * h * h + 6 * h));
+    assert_eq!(d.per_sample_outputs(), 12 * h);
+    assert_eq!(d.replicated_params, 4 * 128);
+    assert_eq!(s.per_sample_params, 3 * h * h + 3 * h);
+    assert_eq!(s.per_sample_outputs(), 3 * h);
+    assert_eq!(s.replicated_params, 2 * 128);
+    assert_eq!((d.allgathers(), s.allgathers()), (1, 1));
+    // One gather of every sample's full outputs: 12h bf16 values per sample.
+    assert_eq!(d.per_sample_bytes(2, 2), 2 * 12 * h * 2);
+    for m in builtin() {
+        for k in &m.transformer.kinds {
+            assert_eq!(
+                k.per_sample_outputs() * (k.hidden + 1),
+                k.per_sample_params,
+                "{} {}",
+                m.id,
+                k.name
+            );
+            if k.per_sample_params == 0 {
+                assert_eq!(k.allgathers(), 0);
+            }
+        }
+    }
+}
+
+/// Under tensor parallel a rank holds 1/tp of every linear, the modulation included;
+/// only the norm scales are held in full.
+#[test]
+fn tensor_parallel_divides_the_modulation() {
+    let f = find("flux-dev").unwrap();
+    let h = 3072u64;
+    for (name, modulation) in [
+        ("double", 2 * (6 * h * h + 6 * h)),
+        ("single", 3 * h * h + 3 * h),
+    ] {
+        let (_, k) = f.transformer.kind(name).unwrap();
+        let dt = DType::Bf16;
+        let rep = dt.weight_bytes(k.replicated_params);
+        let one = k.weight_bytes(dt, 1);
+        assert_eq!(one, dt.weight_bytes(k.params()));
+        for tp in [2u32, 4] {
+            let t = tp as u64;
+            let per_rank = k.weight_bytes(dt, tp);
+            assert_eq!(per_rank, (one - rep) / t + rep, "{name} TP{tp}");
+            // With the modulation replicated a rank would hold this much more.
+            let replicated_modulation = dt.weight_bytes(
+                (k.sharded_params() - modulation) / t + modulation + k.replicated_params,
+            );
+            assert_eq!(
+                replicated_modulation - per_rank,
+                dt.weight_bytes(modulation) - dt.weight_bytes(modulation / t),
+                "{name} TP{tp}"
+            );
+        }
+        // A checkpoint's exact total is split the same way: all but the norm scales
+        // divide by tp.
+        let mut exact = k.clone();
+        exact.checkpoint_bytes = Some(one);
+        for tp in [1u32, 2, 4] {
+            let got = exact.weight_bytes(dt, tp);
+            let want = k.weight_bytes(dt, tp);
+            assert!(got.abs_diff(want) <= 1, "{name} TP{tp}: {got} vs {want}");
+        }
+    }
 }
 
 #[test]
@@ -134,15 +200,16 @@ fn tokens_and_flops() {
     let tt = 4608f64;
     let want = 2.0 * s.joint_params as f64 * tt
         + 4.0 * 3072.0 * tt * tt
+        + 2.0 * s.per_sample_params as f64
         + 2.0 * s.replicated_params as f64;
     assert_eq!(s.flops(t, 1, 1), want);
-    // Tensor parallel divides everything but the replicated modulation.
+    // Tensor parallel divides everything (the modulation included) but the replicated
+    // norm scales.
+    let rep = 2.0 * s.replicated_params as f64;
     let tp2 = s.flops(t, 1, 2);
-    assert!(
-        (tp2 - (want - 2.0 * s.replicated_params as f64) / 2.0 - 2.0 * s.replicated_params as f64)
-            .abs()
-            < 1.0
-    );
+    assert!((tp2 - (want - rep) / 2.0 - rep).abs() < 1.0);
+    let modulation = 2.0 * (3.0 * 3072.0 * 3072.0 + 3.0 * 3072.0);
+    assert!(s.flops(t, 1, 1) - tp2 > modulation / 2.0);
     let ltx = find("ltx-video-13b").unwrap();
     assert_eq!(ltx.tokens(&ltx.default_workload).img, 16 * 16 * 24);
 }

@@ -42,6 +42,9 @@ struct BlockInfo {
     per_rank_s: Vec<f64>,
     hidden: u64,
     allreduces: u32,
+    /// Modulation all-gathers per block and the bytes each yields per rank.
+    allgathers: u32,
+    gathered: u64,
 }
 
 /// Streaming state of one device group across the run: its buffers are shared by its
@@ -235,6 +238,8 @@ impl<'a> Sim<'a> {
             per_rank_s,
             hidden: kind.hidden_bytes(self.ctx.tokens, self.ctx.batch, dtype.activation_bytes()),
             allreduces: kind.allreduces,
+            allgathers: kind.allgathers(),
+            gathered: kind.per_sample_bytes(self.ctx.batch, dtype.activation_bytes()),
         };
         self.cache.insert(key, info.clone());
         info
@@ -787,11 +792,20 @@ impl<'a> Sim<'a> {
             for (li, d) in group.iter().enumerate() {
                 let i = self.di(d);
                 self.devs[i].comm = e;
-                let w = format!(
-                    "all-reduce ×{} after {what} ({} each, {via})",
-                    info.allreduces,
-                    human(info.hidden)
-                );
+                let w = if info.allgathers > 0 {
+                    format!(
+                        "all-reduce ×{} + all-gather after {what} ({} each, {} gathered, {via})",
+                        info.allreduces,
+                        human(info.hidden),
+                        human(info.gathered)
+                    )
+                } else {
+                    format!(
+                        "all-reduce ×{} after {what} ({} each, {via})",
+                        info.allreduces,
+                        human(info.hidden)
+                    )
+                };
                 self.event(i, Lane::Comm, EventKind::AllReduce, s, e, w, phase);
                 if self.opts.transfer_buffers {
                     self.alloc(

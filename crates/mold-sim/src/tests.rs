@@ -39,6 +39,7 @@ fn toy_model(count: u32) -> ModelSpec {
                 img_params: 0,
                 txt_params: 0,
                 joint_params: P,
+                per_sample_params: 0,
                 replicated_params: 0,
                 attention: Attention::Joint,
                 allreduces: 2,

@@ -6,8 +6,11 @@
 //! hidden columns. `qkv` and `linear1` are column parallel with q, k, v (and the MLP part
 //! of `linear1`) each sharded separately; `proj`, `mlp.2` and `linear2` are row parallel,
 //! followed by exactly one all-reduce each (a double block reduces img and txt together:
-//! one all-reduce after attention, one after the MLP). Modulations, norms, the stem and
-//! the final layer are replicated.
+//! one all-reduce after attention, one after the MLP). The modulation linears are column
+//! parallel too (each rank computes a contiguous slice of the per-sample shift, scale and
+//! gate vectors), followed by one all-gather per block (a double block gathers img and
+//! txt together). Norm scales, row-parallel biases, the stem and the final layer are
+//! replicated.
 
 use super::layers::{vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use super::ops::{self, Kernels};
@@ -187,26 +190,75 @@ impl ModOut {
     }
 }
 
-/// SiLU then a replicated linear to `n` × (shift, scale, gate).
+/// The adaLN linear from the SiLU'd conditioning vector to `n` × (shift, scale, gate)
+/// (`out = 3n·hidden` features), column parallel: a rank holds output rows
+/// `shard.range(out)` of the weight and bias and computes that contiguous slice of the
+/// output; [`gather_modulation`] puts the slices back together.
 #[derive(Clone, Debug)]
-struct Modulation(Linear);
+struct Modulation(ColumnParallel);
 
 impl Modulation {
-    fn forward(&self, vec: &Tensor, n: usize) -> CResult<Vec<ModOut>> {
-        let ys = self
-            .0
-            .forward(&vec.silu()?)?
-            .unsqueeze(1)?
-            .chunk(3 * n, D::Minus1)?;
-        Ok(ys
-            .chunks(3)
-            .map(|c| ModOut {
-                shift: c[0].clone(),
-                scale: c[1].clone(),
-                gate: c[2].clone(),
-            })
-            .collect())
+    fn load(src: &dyn WeightSource, prefix: &str, out: usize, shard: Shard) -> Result<Self> {
+        Ok(Modulation(ColumnParallel::load(
+            src,
+            prefix,
+            &[shard.range(out)],
+        )?))
     }
+    /// This rank's slice of the output, `(b, out / world)`; `silu_vec` is `silu(vec)`.
+    fn partial(&self, silu_vec: &Tensor) -> CResult<Tensor> {
+        self.0.forward_vec(silu_vec)
+    }
+    fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
+        Ok(Modulation(self.0.map_tensors(f)?))
+    }
+    fn bytes(&self) -> u64 {
+        self.0.bytes()
+    }
+}
+
+/// The full modulation outputs, each `(b, out_i)`, from this rank's slices `(b, out_i /
+/// world)` (rank `r` holds features `r·out_i/world ..`): one all-gather for all of them
+/// (the slices side by side), none in a group of one.
+fn gather_modulation(locals: &[Tensor], ctx: &Ctx) -> CResult<Vec<Tensor>> {
+    if ctx.comm.world_size() == 1 {
+        return Ok(locals.to_vec());
+    }
+    let joined = if locals.len() == 1 {
+        locals[0].clone()
+    } else {
+        Tensor::cat(locals, D::Minus1)?
+    };
+    // (world, b, Σ out_i / world): contiguous row ranges in rank order, so each output
+    // is its columns of every rank, laid side by side.
+    let all = ctx.comm.all_gather(&joined)?;
+    let (world, b, _) = all.dims3()?;
+    let mut off = 0;
+    let mut out = Vec::with_capacity(locals.len());
+    for l in locals {
+        let k = l.dim(D::Minus1)?;
+        out.push(
+            all.narrow(2, off, k)?
+                .permute((1, 0, 2))?
+                .contiguous()?
+                .reshape((b, world * k))?,
+        );
+        off += k;
+    }
+    Ok(out)
+}
+
+/// `n` × (shift, scale, gate), each `(b, 1, hidden)`, from a full modulation output.
+fn mod_outs(full: &Tensor, n: usize) -> CResult<Vec<ModOut>> {
+    let ys = full.unsqueeze(1)?.chunk(3 * n, D::Minus1)?;
+    Ok(ys
+        .chunks(3)
+        .map(|c| ModOut {
+            shift: c[0].clone(),
+            scale: c[1].clone(),
+            gate: c[2].clone(),
+        })
+        .collect())
 }
 
 #[derive(Clone, Debug)]
@@ -278,7 +330,7 @@ impl Stream {
     fn load(src: &dyn WeightSource, p: &str, cfg: &FluxConfig, shard: Shard) -> Result<Self> {
         let mlp = shard.range(cfg.mlp_hidden());
         Ok(Stream {
-            modulation: Modulation(Linear::load(src, &format!("{p}_mod.lin"))?),
+            modulation: Modulation::load(src, &format!("{p}_mod.lin"), 6 * cfg.hidden, shard)?,
             qkv: ColumnParallel::load(src, &format!("{p}_attn.qkv"), &qkv_rows(cfg, shard, false))?,
             norm: QkNorm::load(src, &format!("{p}_attn.norm"))?,
             proj: RowParallel::load(src, &format!("{p}_attn.proj"), &[shard.range(cfg.hidden)])?,
@@ -288,7 +340,7 @@ impl Stream {
     }
     fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
         Ok(Stream {
-            modulation: Modulation(self.modulation.0.map_tensors(f)?),
+            modulation: self.modulation.map_tensors(f)?,
             qkv: self.qkv.map_tensors(f)?,
             norm: self.norm.map_tensors(f)?,
             proj: self.proj.map_tensors(f)?,
@@ -297,7 +349,7 @@ impl Stream {
         })
     }
     fn bytes(&self) -> u64 {
-        self.modulation.0.bytes()
+        self.modulation.bytes()
             + self.qkv.bytes()
             + self.norm.bytes()
             + self.proj.bytes()
@@ -339,8 +391,14 @@ impl DoubleBlock {
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
         ctx.mark_start(img);
-        let im = self.img.modulation.forward(vec, 2)?;
-        let tm = self.txt.modulation.forward(vec, 2)?;
+        let silu_vec = vec.silu()?;
+        let local = [
+            self.img.modulation.partial(&silu_vec)?,
+            self.txt.modulation.partial(&silu_vec)?,
+        ];
+        let full = gather_modulation(&local, ctx)?;
+        let im = mod_outs(&full[0], 2)?;
+        let tm = mod_outs(&full[1], 2)?;
         ctx.mark("modulation", &tm[1].gate);
         let kn = ctx.kernels;
         let img_qkv = self
@@ -368,8 +426,8 @@ impl DoubleBlock {
         // One all-reduce for both streams' attention projections.
         let partial = Tensor::cat(
             &[
-                self.txt.proj.partial(&txt_attn)?,
-                self.img.proj.partial(&img_attn)?,
+                self.txt.proj.partial(&[&txt_attn])?,
+                self.img.proj.partial(&[&img_attn])?,
             ],
             1,
         )?;
@@ -396,8 +454,8 @@ impl DoubleBlock {
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let partial = Tensor::cat(
             &[
-                self.txt.mlp2.partial(&txt_h)?,
-                self.img.mlp2.partial(&img_h)?,
+                self.txt.mlp2.partial(&[&txt_h])?,
+                self.img.mlp2.partial(&[&img_h])?,
             ],
             1,
         )?;
@@ -454,7 +512,8 @@ impl SingleBlock {
         let p = format!("single_blocks.{index}");
         let h = cfg.hidden;
         let m = cfg.mlp_hidden();
-        // linear2's input is [attn (h), mlp (m)]: this rank's columns of each.
+        // linear2's input is [attn (h), mlp (m)]: this rank's columns of each, held as two
+        // weights so the two inputs need no concatenation.
         let cols = [shard.segment(0, h), shard.segment(h, m)];
         Ok(SingleBlock {
             linear1: ColumnParallel::load(
@@ -464,7 +523,7 @@ impl SingleBlock {
             )?,
             linear2: RowParallel::load(src, &format!("{p}.linear2"), &cols)?,
             norm: QkNorm::load(src, &format!("{p}.norm"))?,
-            modulation: Modulation(Linear::load(src, &format!("{p}.modulation.lin"))?),
+            modulation: Modulation::load(src, &format!("{p}.modulation.lin"), 3 * h, shard)?,
             heads: cfg.heads / shard.world,
             h_local: h / shard.world,
             mlp_local: m / shard.world,
@@ -473,7 +532,8 @@ impl SingleBlock {
 
     pub fn forward(&self, x: &Tensor, vec: &Tensor, pe: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
         ctx.mark_start(x);
-        let m = self.modulation.forward(vec, 1)?;
+        let local = self.modulation.partial(&vec.silu()?)?;
+        let m = mod_outs(&gather_modulation(&[local], ctx)?[0], 1)?;
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
         let x_mod = m[0].scale_shift(&layer_norm(x)?, kn)?;
@@ -483,9 +543,10 @@ impl SingleBlock {
         let mlp = x_mod.narrow(D::Minus1, 3 * self.h_local, self.mlp_local)?;
         let (q, k, v) = prepare_qkv(&[(&x_mod, &self.norm)], self.heads, pe, ctx)?;
         let attn = attention(&q, &k, &v, ctx)?;
-        let out = Tensor::cat(&[attn, ops::bias_act(&mlp, None, true, kn)?], 2)?;
-        ctx.mark("gelu + concat", &out);
-        let partial = self.linear2.partial(&out)?;
+        let mlp = ops::bias_act(&mlp, None, true, kn)?;
+        ctx.mark("gelu", &mlp);
+        // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
+        let partial = self.linear2.partial(&[&attn, &mlp])?;
         ctx.mark("out linear", &partial);
         let reduced = ctx.comm.all_reduce_sum(&partial)?;
         ctx.mark("all-reduce", &reduced);
@@ -501,7 +562,7 @@ impl SingleBlock {
             linear1: self.linear1.map_tensors(f)?,
             linear2: self.linear2.map_tensors(f)?,
             norm: self.norm.map_tensors(f)?,
-            modulation: Modulation(self.modulation.0.map_tensors(f)?),
+            modulation: self.modulation.map_tensors(f)?,
             heads: self.heads,
             h_local: self.h_local,
             mlp_local: self.mlp_local,
@@ -513,7 +574,7 @@ impl SingleBlock {
     }
 
     pub fn bytes(&self) -> u64 {
-        self.linear1.bytes() + self.linear2.bytes() + self.norm.bytes() + self.modulation.0.bytes()
+        self.linear1.bytes() + self.linear2.bytes() + self.norm.bytes() + self.modulation.bytes()
     }
 }
 
@@ -650,5 +711,303 @@ impl FinalLayer {
 
     pub fn bytes(&self) -> u64 {
         self.linear.bytes() + self.ada.bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::Checkpoint;
+    use crate::comm::{Comm, LocalComm, ThreadComm};
+    use crate::model::ActivationMeter;
+    use crate::runtime::{CheckpointSource, ShapeSource};
+    use crate::testdata::write_testdata;
+
+    /// A tiny f32 checkpoint in a fresh temp directory (one per call: tests run in
+    /// parallel), removed when dropped.
+    struct TinyCheckpoint {
+        ckpt: Checkpoint,
+        dir: std::path::PathBuf,
+    }
+
+    impl Drop for TinyCheckpoint {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn tiny_checkpoint(name: &str, seed: u64) -> TinyCheckpoint {
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!(
+            "mold-exec-flux-{name}-{}-{seed}-{n}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = write_testdata(&FluxConfig::flux_tiny(), &dir, seed, DType::F32).unwrap();
+        TinyCheckpoint {
+            ckpt: Checkpoint::open(&path).unwrap(),
+            dir,
+        }
+    }
+
+    fn ctx<'a>(comm: &'a dyn Comm, meter: &'a ActivationMeter) -> Ctx<'a> {
+        Ctx {
+            comm,
+            meter,
+            kernels: Kernels::Candle,
+            profile: None,
+        }
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    /// Every rank of a TP group, sharded modulation + all-gather, against the replicated
+    /// linear: the same bits, for a double block's two streams (one gather) and a single
+    /// block's modulation.
+    ///
+    /// Bit-identical needs the CPU matmul to reduce each output the same way whatever the
+    /// number of outputs: gemm does, except for products of at most 16 × 16 outputs
+    /// (`batch · out / world ≤ 256`), which it computes with horizontal dot-product
+    /// kernels. FLUX-sized modulations (≥ 1152 outputs per rank) never get there; the
+    /// tiny model at TP4 would (48 outputs per rank), hence batch 6 here. Smaller
+    /// products agree to rounding ([`small_products_agree_to_rounding`]).
+    #[test]
+    fn sharded_modulation_equals_replicated_bit_for_bit() {
+        check_sharded_modulation(6, true);
+    }
+
+    #[test]
+    fn small_products_agree_to_rounding() {
+        check_sharded_modulation(2, false);
+    }
+
+    fn check_sharded_modulation(batch: usize, exact: bool) {
+        let cfg = FluxConfig::flux_tiny();
+        let h = cfg.hidden;
+        let ckpt = tiny_checkpoint("modulation", 5);
+        let cases = [
+            (
+                vec!["double_blocks.1.img_mod.lin", "double_blocks.1.txt_mod.lin"],
+                6 * h,
+            ),
+            (vec!["single_blocks.2.modulation.lin"], 3 * h),
+        ];
+        for dtype in [DType::F32, DType::BF16] {
+            let src = CheckpointSource {
+                ckpt: &ckpt.ckpt,
+                dtype,
+            };
+            let vec = Tensor::randn(0f32, 1.0, (batch, h), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let silu = vec.silu().unwrap();
+            for (prefixes, out) in &cases {
+                let want: Vec<Tensor> = prefixes
+                    .iter()
+                    .map(|p| Linear::load(&src, p).unwrap().forward(&silu).unwrap())
+                    .collect();
+                for world in [1usize, 2, 4] {
+                    let comms = ThreadComm::group(world);
+                    let got: Vec<Vec<Tensor>> = std::thread::scope(|s| {
+                        let hs: Vec<_> = comms
+                            .iter()
+                            .map(|c| {
+                                let src = &src;
+                                let silu = &silu;
+                                s.spawn(move || {
+                                    let shard = Shard {
+                                        rank: c.rank(),
+                                        world,
+                                    };
+                                    let local: Vec<Tensor> = prefixes
+                                        .iter()
+                                        .map(|p| {
+                                            let m = Modulation::load(src, p, *out, shard).unwrap();
+                                            let t = m.partial(silu).unwrap();
+                                            assert_eq!(t.dims(), &[batch, out / world]);
+                                            t
+                                        })
+                                        .collect();
+                                    let meter = ActivationMeter::default();
+                                    let full = gather_modulation(&local, &ctx(c, &meter)).unwrap();
+                                    for t in &full {
+                                        assert_eq!(t.dims(), &[batch, *out]);
+                                    }
+                                    full
+                                })
+                            })
+                            .collect();
+                        hs.into_iter().map(|h| h.join().unwrap()).collect()
+                    });
+                    for (rank, g) in got.iter().enumerate() {
+                        let what = format!("{prefixes:?} {dtype:?} world {world} rank {rank}");
+                        for (g, w) in g.iter().zip(&want) {
+                            if exact {
+                                assert_eq!(bits(g), bits(w), "{what}");
+                            } else {
+                                let err = crate::max_relative_error(g, w).unwrap();
+                                let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+                                assert!(err < tol, "{what}: {err}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A group of one gathers nothing: the slice is the output, as is.
+    #[test]
+    fn world_of_one_skips_the_gather() {
+        let t = Tensor::arange(0f32, 6.0, &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3))
+            .unwrap();
+        let meter = ActivationMeter::default();
+        let out = gather_modulation(std::slice::from_ref(&t), &ctx(&LocalComm, &meter)).unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].id(), t.id(), "the same tensor, no copy");
+    }
+
+    /// Under TP `w` a rank holds `1/w` of every linear weight (modulation included) and
+    /// a full copy of only the QK-norm scales and the row-parallel biases; the shapes-only
+    /// source accounts the same bytes as the real one.
+    #[test]
+    fn tp_ranks_hold_a_share_of_everything_but_norms_and_row_biases() {
+        let cfg = FluxConfig::flux_tiny();
+        let (h, d) = (cfg.hidden as u64, cfg.head_dim as u64);
+        let ckpt = tiny_checkpoint("bytes", 6);
+        let size = 4u64;
+        let src = CheckpointSource {
+            ckpt: &ckpt.ckpt,
+            dtype: DType::F32,
+        };
+        let shapes = ShapeSource {
+            ckpt: &ckpt.ckpt,
+            dtype: DType::F32,
+        };
+        let double_full = DoubleBlock::load(&src, &cfg, 0, Shard::FULL)
+            .unwrap()
+            .bytes();
+        let single_full = SingleBlock::load(&src, &cfg, 0, Shard::FULL)
+            .unwrap()
+            .bytes();
+        let spec_bytes = |prefix: &str| -> u64 {
+            cfg.tensor_specs()
+                .iter()
+                .filter(|s| s.name.starts_with(prefix))
+                .map(|s| s.shape.iter().product::<usize>() as u64 * size)
+                .sum()
+        };
+        assert_eq!(double_full, spec_bytes("double_blocks.0."));
+        assert_eq!(single_full, spec_bytes("single_blocks.0."));
+        // Per stream: q and k norm scales, proj and mlp.2 biases.
+        let double_rep = 2 * (2 * d + 2 * h) * size;
+        // q and k norm scales, linear2's bias.
+        let single_rep = (2 * d + h) * size;
+        for world in [2usize, 4] {
+            let w = world as u64;
+            for rank in 0..world {
+                let shard = Shard { rank, world };
+                let db = DoubleBlock::load(&src, &cfg, 0, shard).unwrap().bytes();
+                let sb = SingleBlock::load(&src, &cfg, 0, shard).unwrap().bytes();
+                assert_eq!(db, (double_full - double_rep) / w + double_rep, "TP{world}");
+                assert_eq!(sb, (single_full - single_rep) / w + single_rep, "TP{world}");
+                assert_eq!(
+                    DoubleBlock::load(&shapes, &cfg, 0, shard).unwrap().bytes(),
+                    db
+                );
+                assert_eq!(
+                    SingleBlock::load(&shapes, &cfg, 0, shard).unwrap().bytes(),
+                    sb
+                );
+            }
+        }
+    }
+
+    /// `map_tensors` visits every weight once, in a fixed order (the streaming layout
+    /// relies on it): linear2 as its attention and MLP columns, then its bias.
+    #[test]
+    fn single_block_tensor_order() {
+        let cfg = FluxConfig::flux_tiny();
+        let (h, m, d) = (cfg.hidden, cfg.mlp_hidden(), cfg.head_dim);
+        let ckpt = tiny_checkpoint("order", 7);
+        let src = ShapeSource {
+            ckpt: &ckpt.ckpt,
+            dtype: DType::F32,
+        };
+        let shard = Shard { rank: 1, world: 2 };
+        let b = SingleBlock::load(&src, &cfg, 0, shard).unwrap();
+        let mut shapes = Vec::new();
+        b.map_tensors(&mut |t| {
+            shapes.push(t.dims().to_vec());
+            Ok(t.clone())
+        })
+        .unwrap();
+        let want: Vec<Vec<usize>> = vec![
+            vec![(3 * h + m) / 2, h], // linear1
+            vec![(3 * h + m) / 2],
+            vec![h, h / 2], // linear2, attention columns
+            vec![h, m / 2], // linear2, MLP columns
+            vec![h],
+            vec![d], // q/k norms
+            vec![d],
+            vec![3 * h / 2, h], // modulation rows
+            vec![3 * h / 2],
+        ];
+        assert_eq!(shapes, want);
+        let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+        assert_eq!(b.bytes(), total as u64 * 4);
+    }
+
+    /// linear2 over `[attn, mlp]` without the concatenation: two products summed equal
+    /// the product of the concatenated input (to rounding), on every rank's columns.
+    #[test]
+    fn split_linear2_matches_the_concatenated_product() {
+        let cfg = FluxConfig::flux_tiny();
+        let (h, m) = (cfg.hidden, cfg.mlp_hidden());
+        let ckpt = tiny_checkpoint("linear2", 8);
+        let src = CheckpointSource {
+            ckpt: &ckpt.ckpt,
+            dtype: DType::F32,
+        };
+        let attn = Tensor::randn(0f32, 1.0, (2, 5, h), &Device::Cpu).unwrap();
+        let mlp = Tensor::randn(0f32, 1.0, (2, 5, m), &Device::Cpu).unwrap();
+        let full = Linear::load(&src, "single_blocks.1.linear2").unwrap();
+        let want = full
+            .forward(&Tensor::cat(&[&attn, &mlp], 2).unwrap())
+            .unwrap();
+        for world in [1usize, 2, 4] {
+            let mut sum: Option<Tensor> = None;
+            for rank in 0..world {
+                let shard = Shard { rank, world };
+                let cols = [shard.segment(0, h), shard.segment(h, m)];
+                let l2 = RowParallel::load(&src, "single_blocks.1.linear2", &cols).unwrap();
+                let a = attn.narrow(2, cols[0].start, cols[0].len()).unwrap();
+                let x = mlp.narrow(2, cols[1].start - h, cols[1].len()).unwrap();
+                let p = l2.partial(&[&a, &x]).unwrap();
+                sum = Some(match sum {
+                    None => p,
+                    Some(s) => (s + p).unwrap(),
+                });
+                if rank == world - 1 {
+                    let got = l2.add_bias(sum.as_ref().unwrap(), Kernels::Candle).unwrap();
+                    let err = crate::max_relative_error(&got, &want).unwrap();
+                    assert!(err < 1e-5, "world {world}: {err}");
+                }
+            }
+        }
     }
 }

@@ -81,6 +81,12 @@ impl ColumnParallel {
     pub fn forward_gelu(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
         bias_act(&self.weight.forward(x)?, Some(&self.bias), true, k)
     }
+    /// `x Wᵀ + b` for a small per-sample input (`(b, in)`, e.g. the conditioning vector):
+    /// candle's matmul and broadcast add, exactly as a replicated [`Linear`] computes
+    /// these rows (no fused kernel: they want `(b, l, n)` activations).
+    pub fn forward_vec(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.weight.forward(x)?.broadcast_add(&self.bias)
+    }
     pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
         Ok(ColumnParallel {
             weight: lin_map(&self.weight, f)?,
@@ -92,37 +98,64 @@ impl ColumnParallel {
     }
 }
 
-/// Input features `cols` of a linear layer; the full bias.
+/// Input features `cols` of a linear layer; the full bias. Each range of `cols` is held
+/// as its own weight, so an input that arrives in pieces (FLUX's single block feeds
+/// `[attention, MLP]`) is multiplied piece by piece, never concatenated.
 #[derive(Clone, Debug)]
 pub struct RowParallel {
-    weight: candle_nn::Linear,
+    /// One `[out, cols[i].len()]` weight per range of `cols`.
+    weights: Vec<candle_nn::Linear>,
     bias: Tensor,
 }
 
 impl RowParallel {
     pub fn load(src: &dyn WeightSource, prefix: &str, cols: &[Range<usize>]) -> Result<Self> {
-        let w = src.load(&format!("{prefix}.weight"), None, Some(cols))?;
+        let name = format!("{prefix}.weight");
+        let weights = cols
+            .iter()
+            .map(|c| {
+                let w = src.load(&name, None, Some(std::slice::from_ref(c)))?;
+                Ok(candle_nn::Linear::new(w, None))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let b = src.load(&format!("{prefix}.bias"), None, None)?;
-        Ok(RowParallel {
-            weight: candle_nn::Linear::new(w, None),
-            bias: b,
-        })
+        Ok(RowParallel { weights, bias: b })
     }
-    /// This rank's partial product (no bias): all-reduce it, then [`Self::add_bias`].
-    pub fn partial(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.weight.forward(x)
+    /// This rank's partial product (no bias), `Σᵢ xs[i] Wᵢᵀ` with `xs[i]` the input
+    /// features of `cols[i]`: all-reduce it, then [`Self::add_bias`].
+    pub fn partial(&self, xs: &[&Tensor]) -> candle_core::Result<Tensor> {
+        if xs.len() != self.weights.len() {
+            candle_core::bail!(
+                "row-parallel linear over {} input segments given {}",
+                self.weights.len(),
+                xs.len()
+            );
+        }
+        let mut acc: Option<Tensor> = None;
+        for (x, w) in xs.iter().zip(&self.weights) {
+            let y = w.forward(x)?;
+            acc = Some(match acc {
+                None => y,
+                Some(a) => (a + y)?,
+            });
+        }
+        acc.ok_or_else(|| candle_core::Error::Msg("row-parallel linear without input".into()))
     }
     pub fn add_bias(&self, reduced: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
         bias_act(reduced, Some(&self.bias), false, k)
     }
     pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
         Ok(RowParallel {
-            weight: lin_map(&self.weight, f)?,
+            weights: self
+                .weights
+                .iter()
+                .map(|w| lin_map(w, f))
+                .collect::<candle_core::Result<_>>()?,
             bias: f(&self.bias)?,
         })
     }
     pub fn bytes(&self) -> u64 {
-        lin_bytes(&self.weight) + bytes(&self.bias)
+        self.weights.iter().map(lin_bytes).sum::<u64>() + bytes(&self.bias)
     }
 }
 
