@@ -150,10 +150,13 @@ pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, Pl
     let Some(first) = solve_with(req, family, None)? else {
         return Ok(None);
     };
-    // The second solve is a nicety: if the solver trips on it, keep the first answer.
+    // The second solve is a nicety: if the solver trips on it, or its answer costs
+    // measurably more than the first (beyond 1e-7 relative: the optimum constraint is
+    // met only to the solver's tolerances), keep the first answer.
     let tidy = solve_with(req, family, Some(first.objective))
         .ok()
-        .flatten();
+        .flatten()
+        .filter(|t| t.objective <= first.objective + 1e-7 * first.objective.abs());
     Ok(Some(tidy.unwrap_or(first)))
 }
 
