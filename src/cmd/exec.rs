@@ -285,22 +285,19 @@ fn digest(t: &Tensor) -> Result<u64> {
         .to_dtype(mold_exec::DType::F32)?
         .flatten_all()?
         .to_vec1::<f32>()?;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for x in v {
-        for b in x.to_bits().to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    Ok(h)
+    Ok(fnv1a(v.iter().flat_map(|x| x.to_bits().to_le_bytes())))
+}
+
+/// 64-bit FNV-1a.
+fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// A short fingerprint of a file's text, for processes to check they run the same plan.
 fn text_fingerprint(text: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in text.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
+    format!("{:016x}", fnv1a(text.bytes()))
 }
 
 pub fn run(a: Args) -> Result<i32> {

@@ -4,7 +4,7 @@
 
 use crate::util::*;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// A port nobody listens on right now.
@@ -14,25 +14,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-/// `mold` with the developer's `MOLD_*` variables removed and `env` set, not yet waited.
-fn spawn(args: &[&str], env: &[(&str, String)]) -> std::process::Child {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mold"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("MOLD_") {
-            c.env_remove(k);
-        }
-    }
-    c.env("XDG_CONFIG_HOME", root().join("target/no-such-config-dir"))
-        .env("HOME", root().join("target/no-such-home"))
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .args(args)
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run mold")
 }
 
 /// Runs `world` processes of `mold exec ARGS` (process p gets `extra(p)` appended and
@@ -56,7 +37,12 @@ fn run_world(
                 ("MOLD_DIST_TIMEOUT_S", "60".to_string()),
             ];
             e.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
-            spawn(&a, &e)
+            let e: Vec<(&str, &str)> = e.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            mold_command(&a, &e)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("run mold")
         })
         .collect();
     children

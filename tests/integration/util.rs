@@ -13,6 +13,11 @@ pub fn mold(args: &[&str]) -> Output {
 /// Runs mold with extra environment variables (set after the developer's `MOLD_*` ones
 /// are removed).
 pub fn mold_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    mold_command(args, env).output().expect("run mold")
+}
+
+/// The `mold` command of [`mold_env`], not yet run.
+pub fn mold_command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_mold"));
     // The tests must not see the developer's own configuration.
     for (k, _) in std::env::vars() {
@@ -24,9 +29,8 @@ pub fn mold_env(args: &[&str], env: &[(&str, &str)]) -> Output {
         .env("HOME", root().join("target/no-such-home"))
         .envs(env.iter().copied())
         .args(args)
-        .current_dir(root())
-        .output()
-        .expect("run mold")
+        .current_dir(root());
+    c
 }
 
 pub fn stdout(o: &Output) -> String {

@@ -60,10 +60,14 @@ pub fn compute_dtype(d: mold_plan::DType) -> Result<DType> {
 /// once, doubles before singles in ascending order, and each tensor-parallel degree
 /// divides the heads and the MLP width. Returns each part's blocks in execution order.
 pub fn check_plan(cfg: &FluxConfig, plan: &Plan) -> Result<Vec<Vec<BlockRef>>> {
-    let comp = plan.transformer().ok_or_else(|| {
-        ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
-    })?;
+    let comp = transformer_of(plan)?;
     check_parts(cfg, &comp.parts)
+}
+
+fn transformer_of(plan: &Plan) -> Result<&mold_plan::ComponentPlan> {
+    plan.transformer().ok_or_else(|| {
+        ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
+    })
 }
 
 fn check_parts(cfg: &FluxConfig, parts: &[Part]) -> Result<Vec<Vec<BlockRef>>> {
@@ -335,9 +339,7 @@ impl Executor {
 
     /// The devices each process of a `world`-process run of `plan` runs.
     pub fn ownership(plan: &Plan, world: usize) -> Result<Ownership> {
-        let comp = plan.transformer().ok_or_else(|| {
-            ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
-        })?;
+        let comp = transformer_of(plan)?;
         let devices: Vec<DeviceId> = comp.parts.iter().flat_map(|p| p.devices.clone()).collect();
         Ownership::split(&devices, world)
     }
@@ -350,9 +352,7 @@ impl Executor {
         mesh: Option<Arc<Mesh>>,
     ) -> Result<Executor> {
         cfg.validate().map_err(ExecError::Config)?;
-        let comp = plan.transformer().ok_or_else(|| {
-            ExecError::Plan("no transformer component: add one (role: transformer) or regenerate the plan with `mold plan`".into())
-        })?;
+        let comp = transformer_of(plan)?;
         let dtype = compute_dtype(comp.dtype)?;
         let steps = check_parts(cfg, &comp.parts)?;
         ckpt.check(cfg, &plan.model.id)?;
@@ -728,6 +728,11 @@ impl Executor {
     /// [`Executor::forward`] taking a [`FluxInputs`].
     pub fn forward_inputs(&self, inputs: &FluxInputs) -> Result<Tensor> {
         self.check_inputs(inputs)?;
+        // Start the first copies of every streaming device now: they overlap the stem
+        // and whatever runs before each device's first streamed block.
+        for i in 0..self.rings.len() {
+            self.ring(i).prime()?;
+        }
         if let Some(d) = &self.dist {
             let r = self.forward_multi_process(d, inputs);
             if let Err(e) = &r {
@@ -738,11 +743,6 @@ impl Executor {
                 }
             }
             return r;
-        }
-        // Start the first copies of every streaming device now: they overlap the stem
-        // and whatever runs before each device's first streamed block.
-        for i in 0..self.rings.len() {
-            self.ring(i).prime()?;
         }
         let mut acts: Option<Acts> = None;
         for part in &self.parts {
@@ -766,9 +766,6 @@ impl Executor {
         let me = d.mesh.rank();
         let call = d.calls.fetch_add(1, Ordering::SeqCst);
         let owner = |x: &DeviceId| d.own.owner(x).expect("every plan device has an owner");
-        for i in 0..self.rings.len() {
-            self.ring(i).prime()?;
-        }
         let n = self.parts.len();
         // The previous part's output, when this process ran it.
         let mut acts: Option<Acts> = None;

@@ -142,6 +142,24 @@ fn nccl_last_error(comm: sys::ncclComm_t) -> String {
     }
 }
 
+/// NCCL's asynchronous error on `comm` (with its last message), if any. The caller holds
+/// the communicator's slot, so no other call on it is in flight.
+fn async_error(comm: sys::ncclComm_t) -> Option<String> {
+    let mut async_err = sys::ncclResult_t::ncclSuccess;
+    // SAFETY: live communicator (the caller holds its slot), valid out pointer.
+    let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut async_err) };
+    let e = [r, async_err].into_iter().find(|e| {
+        !matches!(
+            e,
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+        )
+    })?;
+    Some(match nccl_last_error(comm) {
+        last if last.is_empty() => nccl_err_str(e),
+        last => format!("{}: {last}", nccl_err_str(e)),
+    })
+}
+
 fn describe(e: &nccl::NcclError, comm: Option<sys::ncclComm_t>) -> String {
     let mut m = nccl_err_str(e.0);
     if let Some(c) = comm {
@@ -354,23 +372,8 @@ impl Group {
                         break;
                     }
                 }
-                let mut async_err = sys::ncclResult_t::ncclSuccess;
-                // SAFETY: live communicator (we hold its slot), valid out pointer.
-                let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut async_err) };
-                if let Some(e) = [r, async_err].into_iter().find(|e| {
-                    !matches!(
-                        e,
-                        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-                    )
-                }) {
-                    self.fail(format!(
-                        "{where_}: NCCL reported an error: {}{}",
-                        nccl_err_str(e),
-                        match nccl_last_error(comm) {
-                            s if s.is_empty() => String::new(),
-                            s => format!(": {s}"),
-                        }
-                    ));
+                if let Some(e) = async_error(comm) {
+                    self.fail(format!("{where_}: NCCL reported an error: {e}"));
                     break;
                 }
             }
@@ -844,24 +847,9 @@ impl NcclComm {
                     ))
                 }
             }
-            let mut async_err = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: live communicator, valid out pointer.
-            let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut async_err) };
-            for e in [r, async_err] {
-                if !matches!(
-                    e,
-                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-                ) {
-                    let m = format!(
-                        "NCCL reported an error during the all-reduce: {}{}",
-                        nccl_err_str(e),
-                        match nccl_last_error(comm) {
-                            s if s.is_empty() => String::new(),
-                            s => format!(": {s}"),
-                        }
-                    );
-                    return Err(self.fail(slot, m));
-                }
+            if let Some(e) = async_error(comm) {
+                let m = format!("NCCL reported an error during the all-reduce: {e}");
+                return Err(self.fail(slot, m));
             }
             if let Some(why) = crate::dist::failure() {
                 self.group.fail(why);

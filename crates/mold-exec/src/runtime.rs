@@ -52,13 +52,16 @@ fn cuda_device(_n: u32, id: &DeviceId) -> Result<Device> {
     })
 }
 
-/// How activations went from one GPU to another: `(from, to, peer)`, `peer` false when
-/// staged through host memory. One entry per pair of GPU ordinals seen.
-static HAND_OFFS: std::sync::Mutex<Vec<(usize, usize, bool)>> = std::sync::Mutex::new(Vec::new());
-
-/// The GPU-to-GPU hand-off paths used so far: `(from ordinal, to ordinal, peer copy)`.
+/// The GPU-to-GPU hand-off paths used so far: `(from ordinal, to ordinal, peer copy)`,
+/// one per pair of GPUs, `false` when staged through host memory.
 pub fn hand_off_paths() -> Vec<(usize, usize, bool)> {
-    HAND_OFFS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    #[cfg(feature = "cuda")]
+    return peer::PAIRS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    #[cfg(not(feature = "cuda"))]
+    Vec::new()
 }
 
 /// Moves an activation to `dst`. Between two GPUs that can access each other's memory
@@ -69,18 +72,8 @@ pub fn hand_off_paths() -> Vec<(usize, usize, bool)> {
 pub fn hand_off(t: &Tensor, dst: &Device) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let (Device::Cuda(s), Device::Cuda(d)) = (t.device(), dst) {
-        if !t.device().same_device(dst) {
-            let (a, b) = (peer::ctx(s).ordinal(), peer::ctx(d).ordinal());
-            let peer = peer::access(s, d);
-            {
-                let mut seen = HAND_OFFS.lock().unwrap_or_else(|e| e.into_inner());
-                if !seen.iter().any(|(x, y, _)| (*x, *y) == (a, b)) {
-                    seen.push((a, b, peer));
-                }
-            }
-            if peer {
-                return peer::copy(t, s, d);
-            }
+        if !t.device().same_device(dst) && peer::access(s, d) {
+            return peer::copy(t, s, d);
         }
     }
     t.to_device(dst)
@@ -100,7 +93,7 @@ mod peer {
     }
 
     /// Pairs checked so far: (from, to, peer access enabled).
-    static PAIRS: Mutex<Vec<(usize, usize, bool)>> = Mutex::new(Vec::new());
+    pub(super) static PAIRS: Mutex<Vec<(usize, usize, bool)>> = Mutex::new(Vec::new());
 
     /// Whether `s`'s GPU can read and write `d`'s memory; enables it the first time.
     pub(super) fn access(s: &CudaDevice, d: &CudaDevice) -> bool {
