@@ -225,11 +225,20 @@ fn calibrate_allreduce(inv: &Inventory, mut r: inventory::Measurements) -> inven
     }
     // The large message: 256 MiB, or an eighth of the least free memory where that is less.
     let min_free = inv.devices.iter().map(|g| g.free.0).min().unwrap_or(0);
-    let bench = mold_exec::comm::nccl::AllreduceBench {
+    let watchdog = match mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok()) {
+        Ok(o) => o.nccl_timeout,
+        Err(e) => {
+            r.not_measured
+                .push(format!("all-reduce: not measured ({e})"));
+            return r;
+        }
+    };
+    let bench = mold_exec::calibrate::AllreduceBench {
         large_bytes: (min_free / 8 / MIB * MIB).clamp(MIB, 256 * MIB) as usize,
+        watchdog,
         ..Default::default()
     };
-    match mold_exec::comm::nccl::measure_allreduce(&ordinals, &bench, &mut |s| {
+    match mold_exec::calibrate::measure_allreduce(&ordinals, &bench, &mut |s| {
         eprintln!("calibrating: {s}")
     }) {
         Ok(a) => r.allreduce = Some(a),

@@ -1,6 +1,7 @@
 use super::common::{load_machine, load_plan, model_of};
+use super::exec_options::{exec_options, EnvVars};
 use anyhow::{bail, Context, Result};
-use mold_exec::{Checkpoint, Executor, FluxConfig, FluxInputs, Tensor};
+use mold_exec::{Executor, FluxConfig};
 use mold_plan::{ByteSize, DeviceId, Plan};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -55,13 +56,6 @@ pub struct Args {
     /// compute, synchronize, free per block). Default: MOLD_STREAMING, else pinned.
     #[arg(long, value_parser = mold_exec::Streaming::parse)]
     pub streaming: Option<mold_exec::Streaming>,
-}
-
-fn streaming_of(a: &Args) -> Result<mold_exec::Streaming> {
-    Ok(match a.streaming {
-        Some(s) => s,
-        None => mold_exec::Streaming::from_env()?,
-    })
 }
 
 #[derive(clap::Args, Debug)]
@@ -164,21 +158,26 @@ fn testdata_pipeline(a: TestdataArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// The machine a plan runs on here: `--machine`, else the profile named in the plan.
+/// The machine a plan runs on here: `--machine`, else `MOLD_MACHINE`, else config
+/// `machine` (the same resolution as `mold plan`), else the profile named in the plan
+/// (`sim/machines/<name>.yaml`).
 fn machine_for(plan: &Plan, flag: &Option<String>) -> Result<mold_machine::Machine> {
-    match flag {
-        Some(m) => load_machine(m),
-        None => {
-            let p = format!("sim/machines/{}.yaml", plan.machine.name);
-            if !Path::new(&p).exists() {
-                bail!(
-                    "the plan was made for machine `{}` but {p} is not here: pass --machine PROFILE for the box this runs on",
-                    plan.machine.name
-                );
-            }
-            load_machine(&p)
-        }
+    let mut flags = mold_config::Layer::default();
+    if let Some(m) = flag {
+        flags.machine = Some(mold_config::Val::new(m.clone(), "--machine"));
     }
+    let settings = mold_config::load(flags)?;
+    if let Some(m) = &settings.machine {
+        return load_machine(&m.value).with_context(|| format!("machine from {}", m.source()));
+    }
+    let p = format!("sim/machines/{}.yaml", plan.machine.name);
+    if !Path::new(&p).exists() {
+        bail!(
+            "the plan was made for machine `{}` but {p} is not here: pass --machine PROFILE (or set MOLD_MACHINE, or `machine` in config.toml) for the box this runs on",
+            plan.machine.name
+        );
+    }
+    load_machine(&p)
 }
 
 /// On CUDA builds, compares the GPUs of this box (queried now) with the ones the plan
@@ -206,102 +205,51 @@ fn warn_if_box_differs(plan: &Plan) {
     }
 }
 
-/// Everything `exec` refuses happens here, before any weight is read.
-pub fn preflight(
-    plan: &Plan,
-    a: &Args,
-    multi_process: bool,
-) -> Result<(FluxConfig, Checkpoint, mold_machine::Machine)> {
-    let model = model_of(plan)?;
-    let cfg = flux_config(&plan.model.id)?;
-    let machine = machine_for(plan, &a.machine)?;
-    match mold_cost::check_machine(plan, &machine, a.force)? {
-        mold_cost::MachineCheck::Same => {}
-        mold_cost::MachineCheck::Warn(w) => eprintln!("warning: {w}"),
-    }
-    // In a multi-process run each process sees only its own share of the GPUs.
-    if !multi_process {
-        warn_if_box_differs(plan);
-    }
-    mold_cost::validate(plan, &model, &machine)
-        .context("the plan does not match its model or machine")?;
-    let sim = mold_sim::simulate(plan, &model, &machine)?;
-    if !sim.fits() {
-        let why: Vec<&str> = sim.overflows.iter().map(|o| o.message.as_str()).collect();
-        let msg = format!(
-            "the simulator says this plan cannot fit: {}",
-            why.join("; ")
+/// `--weights` must exist: named once, with what to point it at.
+fn check_weights(path: &Path) -> Result<()> {
+    if !path.exists() {
+        bail!(
+            "--weights {}: no such file or directory; point it at a .safetensors file, an .index.json, or a weights directory",
+            path.display()
         );
-        if a.force {
-            eprintln!("warning: {msg} (going on: --force)");
-        } else {
-            bail!("{msg}; re-plan it, or pass --force to try anyway");
+    }
+    Ok(())
+}
+
+/// `--steps` and `--tolerance` that would make a run or a check vacuous are refused.
+fn check_numbers(a: &Args) -> Result<()> {
+    if a.steps == Some(0) {
+        bail!("--steps 0: give at least 1 denoising step");
+    }
+    if let Some(t) = a.tolerance {
+        if !t.is_finite() || t < 0.0 {
+            bail!("--tolerance {t}: give a finite number >= 0 (e.g. 1e-2)");
         }
     }
-    let ckpt = Checkpoint::open(&a.weights)?;
-    ckpt.check(&cfg, &plan.model.id)?;
-    if let Some(c) = &plan.model.checkpoint {
-        let h = mold_models::checkpoint::read_header(&a.weights)?;
-        if h.sha256 != c.header_sha256 {
-            eprintln!(
-                "warning: {} has a different header than the checkpoint the plan was made from ({}): sizes may differ from the plan's",
-                a.weights.display(),
-                c.path
-            );
-        }
+    Ok(())
+}
+
+fn warn_all(w: &[String]) {
+    for w in w {
+        eprintln!("warning: {w}");
     }
-    Ok((cfg, ckpt, machine))
-}
-
-/// Rectified-flow Euler steps from t = 1 to 0: x ← x + (t_next − t) · v(x, t).
-fn sample(
-    forward: &dyn Fn(&FluxInputs) -> anyhow::Result<Tensor>,
-    inputs: &FluxInputs,
-    steps: u32,
-    mut on_step: impl FnMut(u32, f64),
-) -> Result<Tensor> {
-    let mut x = inputs.clone();
-    for i in 0..steps {
-        let t = 1.0 - i as f64 / steps as f64;
-        let t_next = 1.0 - (i + 1) as f64 / steps as f64;
-        x.timesteps = x.timesteps.ones_like()?.affine(t, 0.0)?;
-        let start = Instant::now();
-        let v = forward(&x)?;
-        // The model computes in the plan's dtype; the latents stay in theirs.
-        let v = v.to_device(x.img.device())?.to_dtype(x.img.dtype())?;
-        x.img = (&x.img + v.affine(t_next - t, 0.0)?)?;
-        // GPU kernels run asynchronously: wait for them before reading the clock.
-        x.img.device().synchronize()?;
-        on_step(i, start.elapsed().as_secs_f64());
-    }
-    Ok(x.img)
-}
-
-/// FNV-1a over the output's values as f32 bits: equal digests, equal outputs (printed
-/// so that runs on different placements or process counts can be compared exactly).
-fn digest(t: &Tensor) -> Result<u64> {
-    let v = t
-        .to_device(&mold_exec::Device::Cpu)?
-        .to_dtype(mold_exec::DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    Ok(fnv1a(v.iter().flat_map(|x| x.to_bits().to_le_bytes())))
-}
-
-/// 64-bit FNV-1a.
-fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
-    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 /// A short fingerprint of a file's text, for processes to check they run the same plan.
 fn text_fingerprint(text: &str) -> String {
-    format!("{:016x}", fnv1a(text.bytes()))
+    format!("{:016x}", mold_exec::fnv1a(text.bytes()))
 }
 
 pub fn run(a: Args) -> Result<i32> {
-    let launch = mold_exec::dist::Launch::from_env()?;
+    // Everything the library is told comes from here: flags, then the environment
+    // (MOLD_STREAMING, MOLD_KERNELS, MOLD_PROFILE, MOLD_FAULT, MOLD_HOST_MEMORY, the
+    // multi-process launch and communication settings).
+    let env = EnvVars::process();
+    let get = |k: &str| env.get(k);
+    let launch = mold_exec::dist::Launch::from_vars(get)?;
+    let comm_opts = mold_exec::comm::CommOptions::from_vars(get)?;
+    check_numbers(&a)?;
+    let opts = exec_options(a.streaming, &env, comm_opts.clone())?;
     if let Some(prompt) = a.prompt.clone() {
         if let Some(l) = &launch {
             bail!(
@@ -311,7 +259,7 @@ pub fn run(a: Args) -> Result<i32> {
                 l.world
             );
         }
-        return run_pipeline(&a, &prompt);
+        return run_pipeline(&a, &prompt, &opts);
     }
     for (flag, set) in [
         ("--guidance", a.guidance.is_some()),
@@ -324,17 +272,28 @@ pub fn run(a: Args) -> Result<i32> {
         }
     }
     let plan = load_plan(&a.plan)?;
-    let streaming = streaming_of(&a)?;
-    let (cfg, ckpt, _machine) = preflight(&plan, &a, launch.is_some())?;
-    let steps = a.steps.unwrap_or(plan.workload.steps);
     let model = model_of(&plan)?;
-    let tokens = model.tokens(&plan.workload);
+    let machine = machine_for(&plan, &a.machine)?;
+    // In a multi-process run each process sees only its own share of the GPUs.
+    if launch.is_none() {
+        warn_if_box_differs(&plan);
+    }
+    let checked = mold_pipeline::run::preflight(&plan, &model, &machine, a.force, None)?;
+    warn_all(&checked.warnings);
+    check_weights(&a.weights)?;
+    let mut warnings = Vec::new();
+    let (cfg, ckpt) = mold_pipeline::run::open_transformer(&plan, &a.weights, &mut warnings)?;
+    warn_all(&warnings);
+    let steps = a.steps.unwrap_or(plan.workload.steps);
+    if steps == 0 {
+        bail!("the plan's workload has 0 steps: pass --steps N (at least 1)");
+    }
     // A multi-process run: which devices are this process's, then the rendezvous (every
     // process must run the same plan and arguments), all before any weight is read.
     let mesh = match &launch {
         None => None,
         Some(l) => {
-            let own = Executor::ownership(&plan, l.world)?;
+            let own = mold_exec::ownership(&plan, l.world)?;
             let share = own.share(l.rank);
             let local: Vec<String> = share
                 .iter()
@@ -353,10 +312,10 @@ pub fn run(a: Args) -> Result<i32> {
                 ("steps", steps.to_string()),
                 ("seed", a.seed.to_string()),
                 ("verify", a.verify.to_string()),
-                ("streaming", streaming.to_string()),
+                ("streaming", opts.streaming.to_string()),
             ];
             let t = Instant::now();
-            let mesh = mold_exec::dist::Mesh::connect(l, &run, mold_exec::dist::timeout()?)?;
+            let mesh = mold_exec::dist::Mesh::connect(l, &run, &comm_opts)?;
             println!(
                 "all {} processes joined in {:.2} s",
                 l.world,
@@ -367,39 +326,31 @@ pub fn run(a: Args) -> Result<i32> {
     };
     let t0 = Instant::now();
     let exec = match &mesh {
-        None => Executor::new_with_streaming(&cfg, &plan, &ckpt, streaming)?,
-        Some((m, _)) => Executor::new_multi_process(&cfg, &plan, &ckpt, streaming, m.clone())?,
+        None => Executor::with_options(&cfg, &plan, &ckpt, opts.clone())?,
+        Some((m, _)) => Executor::new_multi_process(&cfg, &plan, &ckpt, opts.clone(), m.clone())?,
     };
     println!(
         "loaded {} in {:.2} s",
         a.weights.display(),
         t0.elapsed().as_secs_f64()
     );
-    let inputs = mold_exec::random_inputs(
-        &cfg,
-        plan.workload.width,
-        plan.workload.height,
-        tokens.txt as usize,
-        plan.workload.effective_batch() as usize,
-        a.seed,
-    )?;
     let predicted = plan.predicted.step_time_s;
     let mut times = Vec::new();
-    let out = sample(&|x| Ok(exec.forward_inputs(x)?), &inputs, steps, |i, s| {
+    let out = mold_pipeline::run::bench(&exec, &plan, &model, a.seed, steps, &mut |s| {
         println!(
             "step {:>3}/{steps}: {:.4} s   (plan predicted {:.4} s)",
-            i + 1,
-            s,
+            s.index + 1,
+            s.seconds,
             predicted
         );
-        if i == 0 {
+        if s.index == 0 {
             exec.clear_profile(); // the first step includes warm-up (kernel loading)
         }
-        times.push(s);
+        times.push(s.seconds);
     })?;
     let (median, over) = step_median(&times);
     println!("step time: median {median:.4} s over {over}; plan predicted {predicted:.4} s");
-    println!("output digest: {:016x}", digest(&out)?);
+    println!("output digest: {:016x}", mold_exec::digest(&out)?);
     if exec.profiling() {
         let measured = times.len().saturating_sub(1).max(1) as f64;
         println!("\nprofile (MOLD_PROFILE: device synchronised at each mark, so slower than a plain step), per step:");
@@ -443,12 +394,8 @@ pub fn run(a: Args) -> Result<i32> {
         println!("  hand-off cuda:{from} -> cuda:{to}: {how}");
     }
     if a.verify {
-        let mut first = plan
-            .transformer()
-            .context("the plan has no transformer")?
-            .parts[0]
-            .devices[0]
-            .clone();
+        let tf = plan.transformer().context("the plan has no transformer")?;
+        let mut first = tf.parts[0].devices[0].clone();
         if let Some((m, own)) = &mesh {
             // The reference runs once, in the process that runs the first device.
             match own.local_id(m.rank(), &first) {
@@ -459,26 +406,15 @@ pub fn run(a: Args) -> Result<i32> {
                 }
             }
         }
-        let dtype = mold_exec::compute_dtype(plan.transformer().unwrap().dtype)?;
-        // candle's ops in the reference: on CUDA the run above used mold's fused kernels
-        // (attention, element-wise), so the comparison checks them as well as the
-        // split/sharding.
-        let reference = Executor::reference(&cfg, &ckpt, &first, dtype)?
-            .with_kernels(mold_exec::Kernels::Candle);
-        let want = sample(
-            &|x| Ok(reference.forward_inputs(x)?),
-            &inputs,
-            steps,
-            |_, _| {},
-        )?;
+        let dtype = mold_exec::compute_dtype(tf.dtype)?;
+        let inputs = mold_pipeline::run::bench_inputs(&cfg, &plan, &model, a.seed)?;
+        let want = mold_pipeline::run::reference_run(&cfg, &ckpt, &first, dtype, inputs, steps)?;
         let err = mold_exec::max_relative_error(&out, &want)?;
-        let tol = a.tolerance.unwrap_or(
-            if plan.transformer().unwrap().dtype == mold_plan::DType::F32 {
-                1e-5
-            } else {
-                1e-2
-            },
-        );
+        let tol = a.tolerance.unwrap_or(if tf.dtype == mold_plan::DType::F32 {
+            1e-5
+        } else {
+            1e-2
+        });
         println!("\nverify: max relative error {err:.3e} against the single-device reference on {first}, candle ops (tolerance {tol:.0e})");
         if err > tol {
             eprintln!("error: max relative error {err:.3e} is above the tolerance {tol:.0e}");
@@ -489,7 +425,7 @@ pub fn run(a: Args) -> Result<i32> {
 }
 
 /// One line per device that streams: mode, buffers, host memory, copies.
-pub fn print_streaming(exec: &Executor) {
+pub fn print_streaming(exec: &Executor<FluxConfig>) {
     for m in exec.memory_report() {
         if m.stream_buffers == 0 {
             continue;
@@ -538,7 +474,7 @@ struct Predicted {
 }
 
 /// `mold exec PLAN --weights DIR --prompt ...`: the whole text-to-image pipeline.
-fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
+fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result<i32> {
     if a.verify || a.tolerance.is_some() {
         bail!("--verify compares the transformer alone with a 1-device reference: drop --prompt to use it");
     }
@@ -549,15 +485,10 @@ fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
     mold_pipeline::check_size(width, height)?;
     let steps = a.steps.unwrap_or(plan.workload.steps);
     if steps == 0 {
-        bail!("--steps 0: give at least 1 denoising step");
+        bail!("the plan's workload has 0 steps: pass --steps N (at least 1)");
     }
-    flux_config(&plan.model.id)?;
     let model = model_of(&plan)?;
     let machine = machine_for(&plan, &a.machine)?;
-    match mold_cost::check_machine(&plan, &machine, a.force)? {
-        mold_cost::MachineCheck::Same => {}
-        mold_cost::MachineCheck::Warn(w) => eprintln!("warning: {w}"),
-    }
     warn_if_box_differs(&plan);
     // The plan with this request's workload: another size changes activations (and
     // tokens), so the simulator re-checks it before anything loads.
@@ -569,29 +500,15 @@ fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
     if a.guidance.is_some() {
         run_plan.workload.guidance = a.guidance;
     }
-    mold_cost::validate(&run_plan, &model, &machine)
-        .context("the plan does not match its model or machine")?;
-    let sim = mold_sim::simulate(&run_plan, &model, &machine)?;
-    if !sim.fits() {
-        let why: Vec<&str> = sim.overflows.iter().map(|o| o.message.as_str()).collect();
-        let size = if resized {
-            format!(
-                " at {width}x{height} (the plan was made for {}x{})",
-                plan.workload.width, plan.workload.height
-            )
-        } else {
-            String::new()
-        };
-        let msg = format!(
-            "the simulator says this plan cannot fit{size}: {}",
-            why.join("; ")
-        );
-        if a.force {
-            eprintln!("warning: {msg} (going on: --force)");
-        } else {
-            bail!("{msg}; re-plan for this size, or pass --force to try anyway");
-        }
-    }
+    let checked = mold_pipeline::run::preflight(
+        &run_plan,
+        &model,
+        &machine,
+        a.force,
+        resized.then_some((plan.workload.width, plan.workload.height)),
+    )?;
+    warn_all(&checked.warnings);
+    let sim = checked.sim.context("the simulator's report")?;
     let predicted = if resized {
         eprintln!(
             "note: {width}x{height} differs from the plan's {}x{}: the simulator re-checked it and its predictions are shown",
@@ -622,17 +539,11 @@ fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
             source: "plan",
         }
     };
+    check_weights(&a.weights)?;
     let prep = mold_pipeline::prepare(&run_plan, &a.weights)?;
-    if let Some(c) = &plan.model.checkpoint {
-        let h = mold_models::checkpoint::read_header(&prep.layout.transformer)?;
-        if h.sha256 != c.header_sha256 {
-            eprintln!(
-                "warning: {} has a different header than the checkpoint the plan was made from ({}): sizes may differ from the plan's",
-                prep.layout.transformer.display(),
-                c.path
-            );
-        }
-    }
+    let mut warnings = Vec::new();
+    mold_pipeline::run::open_transformer(&plan, &prep.layout.transformer, &mut warnings)?;
+    warn_all(&warnings);
     let req = mold_pipeline::Request {
         prompt: prompt.to_string(),
         seed: a.seed,
@@ -640,9 +551,8 @@ fn run_pipeline(a: &Args, prompt: &str) -> Result<i32> {
         guidance: a.guidance,
         width,
         height,
-        streaming: streaming_of(a)?,
     };
-    let out = mold_pipeline::generate(&run_plan, &prep, &req, &mut |p| eprintln!("{p}"))?;
+    let out = mold_pipeline::generate(&run_plan, &prep, &req, opts, &mut |p| eprintln!("{p}"))?;
     let path = a.out.clone().unwrap_or_else(|| PathBuf::from("out.png"));
     mold_pipeline::write_png(&path, &out.image, &out.metadata)?;
     println!(

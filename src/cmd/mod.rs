@@ -4,5 +4,6 @@
 pub mod common;
 pub mod devices;
 pub mod exec;
+pub mod exec_options;
 pub mod plan;
 pub mod sim;

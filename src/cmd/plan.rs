@@ -437,10 +437,7 @@ pub fn models(a: ModelsArgs) -> Result<i32> {
             "{:<15} {:>8} {:>10}  {}",
             m.id,
             m.transformer.total_blocks(),
-            format!(
-                "{:.1} GB",
-                m.transformer.weight_bytes(DType::Bf16) as f64 / 1e9
-            ),
+            mold_planner::report::decimal_bytes(m.transformer.weight_bytes(DType::Bf16)),
             m.components
                 .iter()
                 .map(|c| c.name.as_str())

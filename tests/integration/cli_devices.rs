@@ -211,6 +211,38 @@ fn gpus_precedence() {
     assert_eq!(ids(&p), ["cuda:1", "cuda:2"]);
 }
 
+/// The seed's spelling: `gpu = 1` in the config file selects one GPU, as `gpus = [1]`
+/// does; `MOLD_GPU` and flags still win; `gpu` and `gpus` together are refused naming
+/// both keys.
+#[test]
+fn config_gpu_selects_one_gpu() {
+    let d = tempdir("cfg-gpu");
+    let m = ["--machine", "sim/machines/4x-h100.yaml"];
+    let (_, p) = plan(&d, Some("gpu = 1\n"), &[], &m);
+    assert_eq!(ids(&p), ["cuda:1"]);
+    let (_, p) = plan(&d, Some("gpu = \"cuda:2\"\n"), &[], &m);
+    assert_eq!(ids(&p), ["cuda:2"]);
+    let (_, p) = plan(&d, Some("gpu = 1\n"), &[("MOLD_GPU", "3")], &m);
+    assert_eq!(ids(&p), ["cuda:3"]);
+    let mut a = m.to_vec();
+    a.extend_from_slice(&["--gpus", "0,2"]);
+    let (_, p) = plan(&d, Some("gpu = 1\n"), &[], &a);
+    assert_eq!(ids(&p), ["cuda:0", "cuda:2"]);
+    let e = plan_err(&d, Some("gpu = 1\ngpus = [2]\n"), &[], &m);
+    assert!(
+        e.contains("config.toml: gpu and gpus: both are set") && e.lines().count() == 1,
+        "{e}"
+    );
+    let e = plan_err(&d, Some("gpu = 9\n"), &[], &m);
+    assert!(
+        e.contains("config.toml: gpu") && e.contains("cuda:9"),
+        "{e}"
+    );
+    let o = mold_with(&d, Some("gpu = 2\n"), &[], &["info"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("config.toml: gpu]"), "{}", stdout(&o));
+}
+
 #[test]
 fn missing_gpu_is_a_clear_error() {
     let d = tempdir("cfg-missing");

@@ -200,13 +200,15 @@ fn failing_rank_stops_the_group_and_is_named() {
             t0.elapsed()
         );
     }
-    // A malformed MOLD_FAULT is reported, not silently taken.
-    let o = mold_env(
-        &["exec", p, "--weights", w, "--steps", "1"],
-        &[("MOLD_FAULT", "emu:1@triple 1")],
-    );
-    assert!(o.status.success());
-    assert!(stderr(&o).contains("MOLD_FAULT must be"), "{}", stderr(&o));
+    // A malformed MOLD_FAULT is refused, naming the variable, not silently ignored.
+    for bad in ["emu:1@triple 1", "emu:1@single 9", "emu:1"] {
+        let o = mold_env(
+            &["exec", p, "--weights", w, "--steps", "1"],
+            &[("MOLD_FAULT", bad)],
+        );
+        assert!(!o.status.success(), "{bad}");
+        assert!(stderr(&o).contains("MOLD_FAULT"), "{bad}: {}", stderr(&o));
+    }
     // `hang` has no watchdog to end it off NCCL: refused there, naming the way out.
     let o = mold_env(
         &["exec", p, "--weights", w, "--steps", "1"],
@@ -348,4 +350,30 @@ fn streamed_plan_runs_in_every_mode_and_host_memory_is_checked() {
     assert!(e.contains("is available (MOLD_HOST_MEMORY)"), "{e}");
     assert!(e.contains("nothing was loaded"), "{e}");
     assert!(!stdout(&o).contains("loaded"), "{}", stdout(&o));
+}
+
+/// Checks that could pass vacuously are refused: `--steps 0` (runs nothing), a NaN or
+/// negative `--tolerance` (turns `--verify` off), a missing `--weights` (named once).
+#[test]
+fn vacuous_checks_and_missing_weights_are_refused() {
+    let d = tempdir("exec-vacuous");
+    let (w, p) = tiny_tp2(&d);
+    let e = mold_fails(&["exec", &p, "--weights", &w, "--steps", "0", "--verify"]);
+    assert!(e.contains("--steps 0"), "{e}");
+    for t in ["NaN", "inf", "-1e-3"] {
+        let t = format!("--tolerance={t}");
+        let e = mold_fails(&["exec", &p, "--weights", &w, "--verify", &t]);
+        assert!(
+            e.contains("--tolerance") && e.contains("finite number >= 0"),
+            "{t}: {e}"
+        );
+    }
+    let e = mold_fails(&["exec", &p, "--weights", "/nonexistent/weights"]);
+    assert!(e.contains("--weights /nonexistent/weights"), "{e}");
+    assert_eq!(
+        e.matches("/nonexistent/weights").count(),
+        1,
+        "named once: {e}"
+    );
+    assert!(!e.contains("os error"), "{e}");
 }

@@ -374,4 +374,7 @@ fn models_lists_the_catalogue() {
     ] {
         assert!(s.contains(m), "{m}");
     }
+    // Sizes in units that suit them: the tiny model's transformer is not "0.0 GB".
+    let tiny = s.lines().find(|l| l.starts_with("flux-tiny")).unwrap();
+    assert!(!tiny.contains("0.0 GB") && tiny.contains(" MB"), "{tiny}");
 }

@@ -9,6 +9,7 @@
 //!
 //! ```toml
 //! gpus = [1, 2]                 # devices cuda:1, cuda:2 (MOLD_GPUS=1,2, MOLD_GPU=1, --gpus, --gpu)
+//! # gpu = 1                     # or one GPU, cuda:1 (not together with `gpus`)
 //! headroom = "2GiB"             # kept free on every device (MOLD_HEADROOM, --headroom)
 //! machine = "sim/machines/2x-l40s.yaml"   # or "local" (MOLD_MACHINE, --machine)
 //! objective = "latency"         # or "memory" (MOLD_OBJECTIVE, --objective)
@@ -27,18 +28,19 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-pub const ENV_CONFIG: &str = "MOLD_CONFIG";
-pub const ENV_GPUS: &str = "MOLD_GPUS";
-pub const ENV_GPU: &str = "MOLD_GPU";
-pub const ENV_MAX_VRAM: &str = "MOLD_MAX_VRAM";
-pub const ENV_HEADROOM: &str = "MOLD_HEADROOM";
-pub const ENV_MACHINE: &str = "MOLD_MACHINE";
-pub const ENV_OBJECTIVE: &str = "MOLD_OBJECTIVE";
-pub const ENV_WEIGHTS_DIRS: &str = "MOLD_WEIGHTS_DIRS";
+const ENV_CONFIG: &str = "MOLD_CONFIG";
+const ENV_GPUS: &str = "MOLD_GPUS";
+const ENV_GPU: &str = "MOLD_GPU";
+const ENV_MAX_VRAM: &str = "MOLD_MAX_VRAM";
+const ENV_HEADROOM: &str = "MOLD_HEADROOM";
+const ENV_MACHINE: &str = "MOLD_MACHINE";
+const ENV_OBJECTIVE: &str = "MOLD_OBJECTIVE";
+const ENV_WEIGHTS_DIRS: &str = "MOLD_WEIGHTS_DIRS";
 
 /// The keys a config file may hold.
-pub const KEYS: [&str; 6] = [
+const KEYS: [&str; 7] = [
     "gpus",
+    "gpu",
     "max_vram",
     "headroom",
     "machine",
@@ -65,9 +67,14 @@ pub enum ConfigError {
 
 fn invalid(origin: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
-        origin: origin.into(),
-        message: message.into(),
+        origin: one_line(&origin.into()),
+        message: one_line(&message.into()),
     }
+}
+
+/// `s` with line breaks escaped, so that every error is one line whatever the file held.
+fn one_line(s: &str) -> String {
+    s.replace('\r', "\\r").replace('\n', "\\n")
 }
 
 /// Which level a value comes from.
@@ -216,7 +223,7 @@ pub fn parse_cap(s: &str, origin: &str) -> Result<(DeviceId, ByteSize), ConfigEr
 }
 
 /// Budget caps, comma-separated: `cuda:0=20GiB,cuda:1=30GiB` (`MOLD_MAX_VRAM`).
-pub fn parse_caps(s: &str, origin: &str) -> Result<BTreeMap<DeviceId, ByteSize>, ConfigError> {
+fn parse_caps(s: &str, origin: &str) -> Result<BTreeMap<DeviceId, ByteSize>, ConfigError> {
     let mut out = BTreeMap::new();
     for item in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
         let (d, size) = parse_cap(item, origin)?;
@@ -235,7 +242,7 @@ fn parse_size(s: &str, origin: &str) -> Result<ByteSize, ConfigError> {
 
 impl Layer {
     /// The environment's level, reading variables through `get` (tests pass a map).
-    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Layer, ConfigError> {
+    fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Layer, ConfigError> {
         let var = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         let mut l = Layer::default();
         match (var(ENV_GPUS), var(ENV_GPU)) {
@@ -288,9 +295,28 @@ impl Layer {
     /// taken relative to its directory.
     pub fn from_toml(text: &str, path: &Path) -> Result<Layer, ConfigError> {
         let p = path.display().to_string();
-        let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
-            path: p.clone(),
-            message: e.message().to_string(),
+        let table: toml::Table = toml::from_str(text).map_err(|e| {
+            // toml's message can run over several lines: one line, with the line number.
+            let what: Vec<&str> = e
+                .message()
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            let line = e
+                .span()
+                .map(|r| {
+                    let before = &text.as_bytes()[..r.start.min(text.len())];
+                    format!(
+                        "line {}: ",
+                        before.iter().filter(|&&b| b == b'\n').count() + 1
+                    )
+                })
+                .unwrap_or_default();
+            ConfigError::Syntax {
+                path: p.clone(),
+                message: one_line(&format!("{line}{}", what.join(": "))),
+            }
         })?;
         let dir = path.parent().unwrap_or(Path::new(""));
         let rel = |s: &str| -> PathBuf {
@@ -312,41 +338,35 @@ impl Layer {
                     };
                     let mut g = Vec::new();
                     for v in items {
-                        let n = match v {
-                            toml::Value::Integer(n) if *n >= 0 && *n <= u32::MAX as i64 => {
-                                *n as u32
-                            }
-                            toml::Value::String(s) => {
-                                let one = parse_gpu_list(s, &origin(key))?;
-                                if one.len() != 1 {
-                                    return Err(invalid(
-                                        origin(key),
-                                        format!(
-                                            "`{s}`: write one GPU per item, e.g. gpus = [1, 2]"
-                                        ),
-                                    ));
-                                }
-                                one[0]
-                            }
-                            v => {
-                                return Err(invalid(
-                                    origin(key),
-                                    format!(
-                                        "{} is not a GPU ordinal: write e.g. gpus = [1, 2]",
-                                        show(v)
-                                    ),
-                                ))
-                            }
-                        };
+                        let n = gpu_value(v, &origin(key), "gpus = [1, 2]")?;
                         if g.contains(&n) {
                             return Err(invalid(origin(key), format!("GPU {n} is named twice")));
                         }
                         g.push(n);
                     }
                     if g.is_empty() {
-                        return Err(invalid(origin(key), "names no GPU"));
+                        return Err(invalid(
+                            origin(key),
+                            "names no GPU: write e.g. gpus = [1, 2]",
+                        ));
                     }
                     l.gpus = Some(Val::new(g, key));
+                }
+                "gpu" => {
+                    if table.contains_key("gpus") {
+                        return Err(invalid(
+                            origin("gpu and gpus"),
+                            "both are set: keep one (gpu = 1 for one GPU, gpus = [1, 2] for several)",
+                        ));
+                    }
+                    if let toml::Value::Array(_) = value {
+                        return Err(invalid(
+                            origin(key),
+                            "names one GPU: write gpu = 1, or gpus = [1, 2] for several",
+                        ));
+                    }
+                    let n = gpu_value(value, &origin(key), "gpu = 1")?;
+                    l.gpus = Some(Val::new(vec![n], key));
                 }
                 "max_vram" => {
                     let t = value.as_table().ok_or_else(|| {
@@ -359,8 +379,8 @@ impl Layer {
                         let o = origin(&format!("max_vram.\"{dev}\""));
                         let d: DeviceId = dev.parse().map_err(|e: String| invalid(&o, e))?;
                         let size = size_value(size, &o)?;
-                        l.max_vram
-                            .insert(d, Val::new(size, format!("max_vram.\"{dev}\"")));
+                        let k = one_line(&format!("max_vram.\"{dev}\""));
+                        l.max_vram.insert(d, Val::new(size, k));
                     }
                 }
                 "headroom" => {
@@ -403,13 +423,40 @@ impl Layer {
                 _ => {
                     return Err(ConfigError::UnknownKey {
                         path: p,
-                        key: key.clone(),
+                        key: one_line(key),
                         known: KEYS.join(", "),
                     })
                 }
             }
         }
         Ok(l)
+    }
+}
+
+/// One GPU ordinal of the config file: an integer, or a string naming one GPU (`"1"`,
+/// `"cuda:1"`); `example` shows the key's form in messages.
+fn gpu_value(v: &toml::Value, origin: &str, example: &str) -> Result<u32, ConfigError> {
+    match v {
+        toml::Value::Integer(n) => u32::try_from(*n).map_err(|_| {
+            invalid(
+                origin,
+                format!("{n} is not a GPU ordinal: write e.g. {example}"),
+            )
+        }),
+        toml::Value::String(s) => {
+            let one = parse_gpu_list(s, origin)?;
+            if one.len() != 1 {
+                return Err(invalid(
+                    origin,
+                    format!("\"{s}\": write one GPU per item, e.g. {example}"),
+                ));
+            }
+            Ok(one[0])
+        }
+        v => Err(invalid(
+            origin,
+            format!("{} is not a GPU ordinal: write e.g. {example}", show(v)),
+        )),
     }
 }
 
@@ -437,7 +484,7 @@ fn size_value(v: &toml::Value, origin: &str) -> Result<ByteSize, ConfigError> {
 
 /// Where the config file is, from the environment; `true` when `$MOLD_CONFIG` names it
 /// (then it must exist).
-pub fn config_path(get: impl Fn(&str) -> Option<String>) -> Option<(PathBuf, bool)> {
+fn config_path(get: impl Fn(&str) -> Option<String>) -> Option<(PathBuf, bool)> {
     let var = |k: &str| get(k).filter(|v| !v.is_empty());
     if let Some(p) = var(ENV_CONFIG) {
         return Some((PathBuf::from(p), true));
@@ -462,7 +509,7 @@ pub fn config_path(get: impl Fn(&str) -> Option<String>) -> Option<(PathBuf, boo
 }
 
 /// Reads the config file, if there is one.
-pub fn load_file(
+fn load_file(
     get: impl Fn(&str) -> Option<String>,
 ) -> Result<Option<(PathBuf, Layer)>, ConfigError> {
     let Some((path, explicit)) = config_path(get) else {
@@ -705,6 +752,91 @@ weights_dirs = ["w", "/abs/w"]
             s.contains("c.toml") && s.contains("`gpu_list`") && s.contains("max_vram"),
             "{s}"
         );
+    }
+
+    /// The seed's spelling: `gpu = 1` selects one GPU, beside `gpus`; both together are
+    /// refused naming both keys.
+    #[test]
+    fn gpu_names_one_gpu() {
+        let c = Path::new("c.toml");
+        let l = Layer::from_toml("gpu = 1\n", c).unwrap();
+        let g = l.gpus.unwrap();
+        assert_eq!((g.value, g.key.as_str()), (vec![1], "gpu"));
+        let l = Layer::from_toml("gpu = \"cuda:3\"\n", c).unwrap();
+        assert_eq!(l.gpus.unwrap().value, vec![3]);
+        for (text, want) in [
+            (
+                "gpu = 1\ngpus = [2]\n",
+                "c.toml: gpu and gpus: both are set",
+            ),
+            (
+                "gpus = [2]\ngpu = 1\n",
+                "c.toml: gpu and gpus: both are set",
+            ),
+            ("gpu = [1, 2]", "c.toml: gpu: names one GPU"),
+            (
+                "gpu = -1",
+                "c.toml: gpu: -1 is not a GPU ordinal: write e.g. gpu = 1",
+            ),
+            (
+                "gpu = \"1,2\"",
+                "c.toml: gpu: \"1,2\": write one GPU per item",
+            ),
+            ("gpu = 1.5", "c.toml: gpu: 1.5 is not a GPU ordinal"),
+            ("gpu = \"one\"", "c.toml: gpu: `one` is not a GPU"),
+        ] {
+            let e = Layer::from_toml(text, c).unwrap_err().to_string();
+            assert!(e.starts_with(want), "{text}: {e}");
+        }
+        // In effect, it is shown with its key.
+        let s = resolve(
+            Layer::default(),
+            Layer::default(),
+            Some((
+                PathBuf::from("/c.toml"),
+                Layer::from_toml("gpu = 2", c).unwrap(),
+            )),
+        );
+        assert_eq!(s.gpus.as_ref().unwrap().source(), "config /c.toml: gpu");
+        // The environment's MOLD_GPU still wins over the file's `gpu`.
+        let env = Layer::from_env(env(&[(ENV_GPU, "0")])).unwrap();
+        let s = resolve(
+            Layer::default(),
+            env,
+            Some((
+                PathBuf::from("/c.toml"),
+                Layer::from_toml("gpu = 2", c).unwrap(),
+            )),
+        );
+        assert_eq!(s.gpus.unwrap().value, vec![0]);
+    }
+
+    /// Every refusal is one line, whatever the file holds (keys and values with line
+    /// breaks, syntax errors toml reports over several lines).
+    #[test]
+    fn refusals_are_one_line() {
+        for text in [
+            "\"a\\nb\" = 1",
+            "gpus = [\"x\\ny\"]",
+            "headroom = \"1\\nparsec\"",
+            "[max_vram]\n\"cu\\nda:0\" = \"1GiB\"",
+            "gpus = [1",
+            "gpus = [1,,2]",
+            "= 3",
+            "machine = 3\nmachine = 4",
+        ] {
+            let e = Layer::from_toml(text, Path::new("c.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                !e.contains('\n') && e.starts_with("c.toml: "),
+                "{text}: {e}"
+            );
+        }
+        let e = Layer::from_toml("x = 1\ngpus = [1", Path::new("c.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 2"), "{e}");
     }
 
     #[test]

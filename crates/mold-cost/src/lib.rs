@@ -26,6 +26,9 @@
 //!   buffers (one set per device group, shared by the group's streamed parts), the transformer stem if it runs any transformer part, and the largest
 //!   activation of anything it runs; that plus its headroom must fit its budget;
 //! - every component stays loaded for the whole request.
+//!
+//! Byte counts saturate at `u64::MAX` rather than wrap: a workload the model does not
+//! support (which [`validate`] refuses first) can never come out as fitting.
 
 mod validate;
 
@@ -74,7 +77,7 @@ impl BlockCost {
         self.compute_s + self.allreduce_s
     }
     /// Steady-state time per block when streamed with double buffering.
-    pub fn streamed_s(&self) -> f64 {
+    fn streamed_s(&self) -> f64 {
         self.copy_s.max(self.resident_s())
     }
     /// The part of the first streamed block that no earlier copy hides.
@@ -123,7 +126,7 @@ impl<'a> Ctx<'a> {
 
     /// Seconds for `flops` and `bytes` read on one device: the slower of compute and
     /// memory traffic.
-    pub fn device_time(&self, id: &DeviceId, flops: f64, bytes: u64, dtype: DType) -> f64 {
+    fn device_time(&self, id: &DeviceId, flops: f64, bytes: u64, dtype: DType) -> f64 {
         if id.is_host() {
             let h = &self.machine.host;
             return (flops / (h.tflops * 1e12)).max(bytes as f64 / (h.mem_bandwidth_gbps * 1e9));
@@ -148,7 +151,8 @@ impl<'a> Ctx<'a> {
                 // Scores written, read by softmax, written, read again: 4 passes in f32.
                 let (q, k) = kind.attention_shape(self.tokens);
                 let heads = (kind.heads as u64).div_ceil(tp as u64);
-                t += (4 * self.batch * heads * q * k * 4) as f64 / (d.mem_bandwidth_gbps * 1e9);
+                let bytes = 4.0 * self.batch as f64 * heads as f64 * q as f64 * k as f64 * 4.0;
+                t += bytes / (d.mem_bandwidth_gbps * 1e9);
             }
             compute_s = compute_s.max(t);
         }
@@ -178,7 +182,14 @@ impl<'a> Ctx<'a> {
             .transformer
             .kinds
             .iter()
-            .map(|k| self.batch * (self.tokens.img + self.tokens.txt) * k.hidden * act)
+            .map(|k| {
+                mold_models::product(&[
+                    self.batch,
+                    self.tokens.img.saturating_add(self.tokens.txt),
+                    k.hidden,
+                    act,
+                ])
+            })
             .max()
             .unwrap_or(0)
     }
@@ -230,10 +241,7 @@ pub struct DeviceUse {
 
 impl DeviceUse {
     pub fn fits(&self) -> bool {
-        self.peak + self.headroom <= self.budget
-    }
-    pub fn over_by(&self) -> u64 {
-        (self.peak + self.headroom).saturating_sub(self.budget)
+        self.peak.saturating_add(self.headroom) <= self.budget
     }
 }
 
@@ -350,7 +358,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
         }
         match idx(on) {
             Some(i) => {
-                uses[i].weights += spec.weight_bytes(c.dtype);
+                uses[i].weights = uses[i].weights.saturating_add(spec.weight_bytes(c.dtype));
                 raise_act(
                     &mut uses[i],
                     ctx.component_activation(spec, c.dtype),
@@ -358,7 +366,9 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
                 );
             }
             None => {
-                host_ram += spec.weight_bytes(c.dtype) + ctx.component_activation(spec, c.dtype)
+                host_ram = host_ram
+                    .saturating_add(spec.weight_bytes(c.dtype))
+                    .saturating_add(ctx.component_activation(spec, c.dtype))
             }
         }
     }
@@ -436,7 +446,10 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
                     Residency::Resident => {
                         pt.total_s += n * bc.resident_s();
                         for d in &p.devices {
-                            uses[idx(d).unwrap()].weights += r.len() as u64 * bc.weight_bytes;
+                            let u = &mut uses[idx(d).expect("validated")];
+                            u.weights = u
+                                .weights
+                                .saturating_add((r.len() as u64).saturating_mul(bc.weight_bytes));
                         }
                     }
                     Residency::Streamed => {
@@ -444,13 +457,17 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
                         pt.total_s += n * bc.streamed_s();
                         fills[gi] = fills[gi].max(bc.fill_s());
                         buffer = buffer.max(bc.weight_bytes);
-                        let bytes = r.len() as u64 * bc.weight_bytes * p.devices.len() as u64;
-                        host_pinned += bytes;
-                        streamed += bytes;
+                        let bytes = mold_models::product(&[
+                            r.len() as u64,
+                            bc.weight_bytes,
+                            p.devices.len() as u64,
+                        ]);
+                        host_pinned = host_pinned.saturating_add(bytes);
+                        streamed = streamed.saturating_add(bytes);
                     }
                 }
             }
-            group_buffers[gi] = group_buffers[gi].max(p.buffers() as u64 * buffer);
+            group_buffers[gi] = group_buffers[gi].max((p.buffers() as u64).saturating_mul(buffer));
             parts.push(pt);
         }
         step_s += per_kind
@@ -460,21 +477,25 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
         fill_s = fills.iter().sum();
         for (g, b) in groups.iter().zip(&group_buffers) {
             for d in g {
-                uses[idx(d).unwrap()].buffers += b;
+                let u = &mut uses[idx(d).expect("validated")];
+                u.buffers = u.buffers.saturating_add(*b);
             }
         }
         step_s += fill_s;
         // The stem is charged to every device that runs a transformer part.
         for u in uses.iter_mut() {
             if groups.iter().any(|g| g.contains(&u.device)) {
-                u.weights += stem;
+                u.weights = u.weights.saturating_add(stem);
             }
         }
         handoff_s = transitions as f64 * ctx.handoff_s(dtype);
         step_s += handoff_s;
     }
     for u in uses.iter_mut() {
-        u.peak = u.weights + u.buffers + u.activation;
+        u.peak = u
+            .weights
+            .saturating_add(u.buffers)
+            .saturating_add(u.activation);
     }
     let denoise_s = step_s * plan.workload.steps as f64;
     Evaluation {
@@ -489,7 +510,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
         parts,
         host_pinned,
         host_pinned_limit: machine.host.pinned_limit.0,
-        host_ram: host_ram + host_pinned,
+        host_ram: host_ram.saturating_add(host_pinned),
         host_memory: machine.host.memory.0,
         streamed_per_step: streamed,
     }

@@ -242,3 +242,38 @@ fn machine_fingerprint_check() {
         MachineCheck::Warn(_)
     ));
 }
+
+/// A size the model does not support is refused before anything is costed, naming the
+/// field and the range; evaluated anyway, its bytes saturate, so it never "fits" by
+/// wrapping round to a small number (as an unchecked u64 product would in release).
+#[test]
+fn huge_workloads_are_refused_and_never_fit() {
+    let m = machine();
+    let (mut plan, model) = tiny_plan(vec![part(
+        &[("double", 0, 2), ("single", 0, 3)],
+        &[0],
+        false,
+    )]);
+    assert!(evaluate(&plan, &model, &m).fits());
+    for (edit, want) in [
+        (
+            (|w: &mut Workload| w.width = 1 << 31) as fn(&mut Workload),
+            "workload.width: 2147483648 is more than flux-tiny supports: use 16 to 2048",
+        ),
+        (|w| w.batch = u32::MAX, "workload.batch: 4294967295"),
+    ] {
+        let mut bad = plan.clone();
+        edit(&mut bad.workload);
+        let e = validate(&bad, &model, &m).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+    // Every byte count at u32::MAX per side and batch: 2^32 · 2^32 · 2^32 · … wraps a
+    // u64 many times over; saturated, the device's peak is u64::MAX, far over budget.
+    plan.workload.width = u32::MAX;
+    plan.workload.height = u32::MAX;
+    plan.workload.batch = u32::MAX;
+    let e = evaluate(&plan, &model, &m);
+    assert!(!e.fits());
+    assert_eq!(e.devices[0].peak, u64::MAX);
+    assert!(e.devices[0].budget < u64::MAX / 2);
+}

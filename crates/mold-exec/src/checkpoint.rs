@@ -1,15 +1,14 @@
 //! Safetensors checkpoints: header reading (names, dtypes, shapes; no data), checks
-//! against a [`FluxConfig`], and memory-mapped reading of tensor slices.
+//! against a model's tensors ([`Transformer::tensor_specs`]), and memory-mapped reading of tensor slices.
 //!
 //! A checkpoint is one `.safetensors` file, a `*.safetensors.index.json` weight map
 //! naming several files, or a directory holding either.
 
-use crate::config::FluxConfig;
 use crate::error::{ExecError, Result};
+use crate::model::Transformer;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -50,54 +49,6 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + '_ {
     }
 }
 
-/// Reads the JSON header of one safetensors file (8-byte little-endian length, then
-/// JSON); no tensor data is read.
-pub fn read_header(path: &Path) -> Result<BTreeMap<String, (String, Vec<usize>)>> {
-    let bad = |message: String| ExecError::BadCheckpointFile {
-        path: path.display().to_string(),
-        message,
-    };
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
-    let file_len = f.metadata().map_err(io_err(path))?.len();
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len)
-        .map_err(|_| bad("shorter than 8 bytes".into()))?;
-    let n = u64::from_le_bytes(len);
-    if n > 100_000_000 || n + 8 > file_len {
-        return Err(bad(format!(
-            "header length {n} does not fit the file ({file_len} bytes)"
-        )));
-    }
-    let mut buf = vec![0u8; n as usize];
-    f.read_exact(&mut buf).map_err(io_err(path))?;
-    let value: serde_json::Value =
-        serde_json::from_slice(&buf).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let map = value
-        .as_object()
-        .ok_or_else(|| bad("header is not a JSON object".into()))?;
-    let mut out = BTreeMap::new();
-    for (name, v) in map {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = v
-            .get("dtype")
-            .and_then(|d| d.as_str())
-            .ok_or_else(|| bad(format!("tensor `{name}` has no dtype")))?;
-        let shape = v
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .and_then(|s| {
-                s.iter()
-                    .map(|d| d.as_u64().map(|d| d as usize))
-                    .collect::<Option<Vec<_>>>()
-            })
-            .ok_or_else(|| bad(format!("tensor `{name}` has no valid shape")))?;
-        out.insert(name.clone(), (dtype.to_string(), shape));
-    }
-    Ok(out)
-}
-
 /// Candle dtype of a safetensors dtype name, for the dtypes exec reads.
 fn candle_dtype(st: &str) -> Option<DType> {
     match st {
@@ -114,55 +65,56 @@ impl Checkpoint {
     /// files. No tensor data is read.
     pub fn open(path: &Path) -> Result<Checkpoint> {
         let display = path.display().to_string();
-        let bad = |message: String| ExecError::BadCheckpointFile {
-            path: display.clone(),
-            message,
-        };
-        let files: Vec<PathBuf> = if path.is_dir() {
-            let mut indexes = Vec::new();
-            let mut singles = Vec::new();
-            for e in std::fs::read_dir(path).map_err(io_err(path))? {
-                let p = e.map_err(io_err(path))?.path();
-                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                if name.ends_with(".safetensors.index.json") {
-                    indexes.push(p);
-                } else if name.ends_with(".safetensors") {
-                    singles.push(p);
-                }
-            }
-            indexes.sort();
-            singles.sort();
-            match (indexes.len(), singles.len()) {
-                (1, _) => index_files(&indexes[0])?,
-                (0, n) if n > 0 => singles,
-                (0, _) => {
-                    return Err(bad(
-                        "the directory holds no .safetensors file: point at the checkpoint file"
+        if path.is_dir() {
+            let indexes = std::fs::read_dir(path)
+                .map_err(io_err(path))?
+                .filter_map(|e| e.ok())
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .ends_with(".safetensors.index.json")
+                })
+                .count();
+            if indexes > 1 {
+                return Err(ExecError::BadCheckpointFile {
+                    path: display,
+                    message:
+                        "the directory holds several *.safetensors.index.json: point at one of them"
                             .into(),
-                    ))
-                }
-                _ => return Err(bad(
-                    "the directory holds several *.safetensors.index.json: point at one of them"
-                        .into(),
-                )),
+                });
             }
-        } else if display.ends_with(".index.json") {
-            index_files(path)?
-        } else {
-            vec![path.to_path_buf()]
-        };
+        }
+        // The one safetensors header reader (mold-models'): bounded lengths, checked
+        // offsets, shards of an index followed.
+        let header = mold_models::checkpoint::read_header(path).map_err(|e| {
+            ExecError::BadCheckpointFile {
+                path: display.clone(),
+                message: e.to_string(),
+            }
+        })?;
+        let mut files: Vec<PathBuf> = header.tensors.values().map(|t| t.file.clone()).collect();
+        files.sort();
+        files.dedup();
         let mut tensors = BTreeMap::new();
-        for (i, f) in files.iter().enumerate() {
-            for (name, (dtype, shape)) in read_header(f)? {
-                tensors.insert(
-                    name,
-                    TensorHeader {
-                        dtype,
-                        shape,
-                        file: i,
-                    },
-                );
-            }
+        for (name, t) in header.tensors {
+            let file = files.binary_search(&t.file).unwrap_or(0);
+            let shape = t
+                .shape
+                .iter()
+                .map(|&d| usize::try_from(d))
+                .collect::<std::result::Result<Vec<usize>, _>>()
+                .map_err(|_| ExecError::BadCheckpointFile {
+                    path: display.clone(),
+                    message: format!("tensor `{name}`: a dimension does not fit this machine"),
+                })?;
+            tensors.insert(
+                name,
+                TensorHeader {
+                    dtype: t.dtype,
+                    shape,
+                    file,
+                },
+            );
         }
         Ok(Checkpoint {
             display,
@@ -187,10 +139,10 @@ impl Checkpoint {
         &self.tensors
     }
 
-    /// Checks, from headers alone, that the checkpoint holds every tensor `cfg` needs with
-    /// the right shape and a readable dtype. Extra tensors are ignored.
-    pub fn check(&self, cfg: &FluxConfig, model: &str) -> Result<()> {
-        for spec in cfg.tensor_specs() {
+    /// Checks, from headers alone, that the checkpoint holds every tensor model `m` needs
+    /// with the right shape and a readable dtype. Extra tensors are ignored.
+    pub fn check<M: Transformer>(&self, m: &M, model: &str) -> Result<()> {
+        for spec in m.tensor_specs() {
             match self.tensors.get(&spec.name) {
                 None => {
                     return Err(ExecError::MissingTensor {
@@ -311,31 +263,4 @@ impl Checkpoint {
         let t = Tensor::from_raw_buffer(&bytes, src_dtype, &out_shape, &Device::Cpu)?;
         Ok(t.to_dtype(dtype)?)
     }
-}
-
-/// The files a `*.safetensors.index.json` weight map names, in first-mention order.
-fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
-    let bad = |message: String| ExecError::BadCheckpointFile {
-        path: index.display().to_string(),
-        message,
-    };
-    let text = std::fs::read_to_string(index).map_err(io_err(index))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let map = v
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| bad("no `weight_map` object".into()))?;
-    let dir = index.parent().unwrap_or(Path::new("."));
-    let mut files: Vec<PathBuf> = Vec::new();
-    let mut names: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
-    names.sort();
-    names.dedup();
-    for f in names {
-        files.push(dir.join(f));
-    }
-    if files.is_empty() {
-        return Err(bad("the weight map names no file".into()));
-    }
-    Ok(files)
 }

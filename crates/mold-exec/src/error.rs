@@ -74,15 +74,11 @@ pub enum ExecError {
         message: String,
     },
 
-    #[error(
-        "plan: part {part} is tensor parallel over {degree} devices, but {what}; use a \
-         degree that divides both the heads ({heads}) and the MLP width ({mlp})"
-    )]
+    /// `what` says why and what degree to use instead ([`crate::model::Transformer::tp_refusal`]).
+    #[error("plan: part {part} is tensor parallel over {degree} devices, but {what}")]
     TpDegree {
         part: usize,
         degree: usize,
-        heads: usize,
-        mlp: usize,
         what: String,
     },
 
@@ -99,6 +95,18 @@ pub enum ExecError {
 
     #[error("input: {0}")]
     Input(String),
+
+    #[error(
+        "verify: {which} is not finite ({count} of {total} values are NaN or infinite, the first \
+         at index {index}: {value}): the computation diverged; a NaN never passes a comparison"
+    )]
+    NonFinite {
+        which: &'static str,
+        index: usize,
+        value: f32,
+        count: usize,
+        total: usize,
+    },
 
     #[error(
         "host memory: the plan streams {blocks} block(s) whose weights take {} of host \

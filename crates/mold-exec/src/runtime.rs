@@ -3,9 +3,7 @@
 //! [`crate::model`] and knows none of this.
 
 use crate::checkpoint::Checkpoint;
-use crate::comm::{Comm, ThreadComm};
 use crate::error::{ExecError, Result};
-use crate::model::flux::{DoubleBlock, SingleBlock};
 use crate::model::WeightSource;
 use candle_core::{DType, Device, Tensor};
 use mold_plan::DeviceId;
@@ -208,55 +206,6 @@ mod peer {
     }
 }
 
-/// Communicators for one tensor-parallel group over `devices`, one per rank in order.
-///
-/// With the `nccl` feature, a group of two or more distinct `cuda:N` devices uses NCCL
-/// ([`crate::comm::nccl`]; communicators are created once and reused across calls).
-/// Every other group uses [`ThreadComm`] (host-staged, deterministic); with `cuda` but
-/// not `nccl`, a CUDA group says so once on stderr.
-pub fn make_group(devices: &[DeviceId]) -> Vec<Box<dyn Comm>> {
-    #[cfg(feature = "nccl")]
-    if let Some(ordinals) = distinct_cuda_ordinals(devices) {
-        return crate::comm::nccl::group(&ordinals)
-            .into_iter()
-            .map(|c| Box::new(c) as Box<dyn Comm>)
-            .collect();
-    }
-    #[cfg(all(feature = "cuda", not(feature = "nccl")))]
-    if devices.len() > 1 && devices.iter().any(|d| matches!(d, DeviceId::Cuda(_))) {
-        static WARN: std::sync::Once = std::sync::Once::new();
-        WARN.call_once(|| {
-            eprintln!(
-                "warning: tensor parallelism over CUDA devices without NCCL: all-reduces are \
-                 staged through host memory (slow); build with `--features nccl`"
-            )
-        });
-    }
-    ThreadComm::group(devices.len())
-        .into_iter()
-        .map(|c| Box::new(c) as Box<dyn Comm>)
-        .collect()
-}
-
-/// The GPU ordinals of a group of two or more distinct `cuda:N` devices, else `None`.
-#[cfg(feature = "nccl")]
-fn distinct_cuda_ordinals(devices: &[DeviceId]) -> Option<Vec<usize>> {
-    if devices.len() < 2 {
-        return None;
-    }
-    let ordinals: Vec<usize> = devices
-        .iter()
-        .map(|d| match d {
-            DeviceId::Cuda(n) => Some(*n as usize),
-            _ => None,
-        })
-        .collect::<Option<_>>()?;
-    let mut sorted = ordinals.clone();
-    sorted.sort_unstable();
-    sorted.dedup();
-    (sorted.len() == ordinals.len()).then_some(ordinals)
-}
-
 /// Reads checkpoint slices into host memory in the compute dtype.
 pub(crate) struct CheckpointSource<'a> {
     pub ckpt: &'a Checkpoint,
@@ -304,48 +253,16 @@ impl WeightSource for ShapeSource<'_> {
     }
 }
 
-/// One transformer block of a rank.
-#[derive(Clone, Debug)]
-pub(crate) enum Block {
-    Double(DoubleBlock),
-    Single(SingleBlock),
-}
-
-impl Block {
-    pub fn to_device(&self, d: &Device) -> candle_core::Result<Block> {
-        Ok(match self {
-            Block::Double(b) => Block::Double(b.to_device(d)?),
-            Block::Single(b) => Block::Single(b.to_device(d)?),
-        })
-    }
-    pub fn bytes(&self) -> u64 {
-        match self {
-            Block::Double(b) => b.bytes(),
-            Block::Single(b) => b.bytes(),
-        }
-    }
-    /// The block with `f` applied to each weight tensor, in a fixed order.
-    pub fn map_tensors(
-        &self,
-        f: &mut crate::model::layers::TensorMap,
-    ) -> candle_core::Result<Block> {
-        Ok(match self {
-            Block::Double(b) => Block::Double(b.map_tensors(f)?),
-            Block::Single(b) => Block::Single(b.map_tensors(f)?),
-        })
-    }
-}
-
 /// Where a block's weights live between uses.
-pub(crate) enum Held {
+pub(crate) enum Held<B> {
     /// On the rank's device for the whole run.
-    Resident(Block),
+    Resident(B),
     /// Block `.1` of ring `.0` ([`crate::streaming::Ring`]): host memory, copied ahead into
     /// one of the device's stream buffers.
     Streamed(usize, usize),
     /// [`crate::streaming::Streaming::Sync`]: in pageable host memory, copied to a fresh
     /// allocation right before the block runs, freed after it.
-    Sync(Block),
+    Sync(B),
 }
 
 /// Measured memory of one device, summed over the parts it serves.

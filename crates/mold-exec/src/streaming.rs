@@ -26,7 +26,7 @@
 //! synchronize, free) as a benchmark baseline.
 
 use crate::error::{ExecError, Result};
-use crate::runtime::Block;
+use crate::model::Packable;
 use candle_core::{DType, Device, Tensor};
 use std::collections::VecDeque;
 
@@ -46,8 +46,6 @@ pub enum Streaming {
 }
 
 impl Streaming {
-    pub const ENV: &'static str = "MOLD_STREAMING";
-
     /// `pinned`, `pageable` or `sync`.
     pub fn parse(s: &str) -> std::result::Result<Self, String> {
         match s.trim().to_ascii_lowercase().as_str() {
@@ -59,16 +57,6 @@ impl Streaming {
                  host memory, copy stream, double buffering), pageable (the same from \
                  pageable memory) or sync (the baseline: copy, compute, synchronize, free)"
             )),
-        }
-    }
-
-    /// `MOLD_STREAMING` if set, else [`Streaming::Pinned`].
-    pub fn from_env() -> Result<Self> {
-        match std::env::var(Self::ENV) {
-            Ok(v) if !v.trim().is_empty() => {
-                Self::parse(&v).map_err(|m| ExecError::Input(format!("{}: {m}", Self::ENV)))
-            }
-            _ => Ok(Streaming::Pinned),
         }
     }
 
@@ -91,7 +79,7 @@ impl std::fmt::Display for Streaming {
 /// operands; 256 is what `cudaMalloc` itself guarantees).
 const ALIGN_BYTES: usize = 256;
 
-fn tensor_list(b: &Block) -> candle_core::Result<Vec<Tensor>> {
+fn tensor_list<B: Packable>(b: &B) -> candle_core::Result<Vec<Tensor>> {
     let mut v = Vec::new();
     b.map_tensors(&mut |t| {
         v.push(t.clone());
@@ -101,17 +89,17 @@ fn tensor_list(b: &Block) -> candle_core::Result<Vec<Tensor>> {
 }
 
 /// How one kind of block (one set of tensor shapes) lies in a buffer.
-struct Layout {
+struct Layout<B> {
     shapes: Vec<Vec<usize>>,
     offsets: Vec<usize>,
     /// Elements spanned, padding included.
     elems: usize,
     /// A block of this layout: its structure is reused for the views.
-    proto: Block,
+    proto: B,
 }
 
-impl Layout {
-    fn of(b: &Block, dtype: DType) -> candle_core::Result<Layout> {
+impl<B: Packable> Layout<B> {
+    fn of(b: &B, dtype: DType) -> candle_core::Result<Layout<B>> {
         let align = (ALIGN_BYTES / dtype.size_in_bytes()).max(1);
         let mut shapes = Vec::new();
         let mut offsets = Vec::new();
@@ -136,7 +124,7 @@ impl Layout {
     }
 
     /// The block's tensors packed at this layout's offsets, as one 1-D host tensor.
-    fn pack(&self, b: &Block, dtype: DType) -> candle_core::Result<Tensor> {
+    fn pack(&self, b: &B, dtype: DType) -> candle_core::Result<Tensor> {
         let mut pieces = Vec::new();
         let mut at = 0usize;
         for (t, off) in tensor_list(b)?.iter().zip(&self.offsets) {
@@ -153,7 +141,7 @@ impl Layout {
     }
 
     /// The block's structure over `buf` (1-D, on the device): each tensor a view.
-    fn views(&self, buf: &Tensor) -> candle_core::Result<Block> {
+    fn views(&self, buf: &Tensor) -> candle_core::Result<B> {
         let mut i = 0usize;
         self.proto.map_tensors(&mut |t| {
             let (off, shape) = (self.offsets[i], &self.shapes[i]);
@@ -180,24 +168,24 @@ struct HostBlock {
     data: HostData,
 }
 
-struct Slot {
+struct Slot<B> {
     /// 1-D device buffer; the views below alias it.
     buf: Tensor,
     /// One view of the buffer per layout.
-    views: Vec<Block>,
+    views: Vec<B>,
     #[cfg(feature = "cuda")]
     gpu: Option<gpu::SlotGpu>,
 }
 
 /// The streaming state of one device; see the module docs.
-pub(crate) struct Ring {
+pub(crate) struct Ring<B> {
     device: Device,
     dtype: DType,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     requested: Streaming,
-    layouts: Vec<Layout>,
+    layouts: Vec<Layout<B>>,
     host: Vec<HostBlock>,
-    slots: Vec<Slot>,
+    slots: Vec<Slot<B>>,
     buffers: usize,
     /// Copies issued and not yet fetched: `(block, slot)`, in fetch order.
     queue: VecDeque<(usize, usize)>,
@@ -229,8 +217,8 @@ pub struct RingInfo {
     pub restarts: u64,
 }
 
-impl Ring {
-    pub fn new(device: Device, dtype: DType, mode: Streaming, buffers: usize) -> Ring {
+impl<B: Packable> Ring<B> {
+    pub fn new(device: Device, dtype: DType, mode: Streaming, buffers: usize) -> Ring<B> {
         Ring {
             device,
             dtype,
@@ -256,7 +244,7 @@ impl Ring {
     }
 
     /// Packs `b` (host tensors) into host memory; returns its index in the ring.
-    pub fn add(&mut self, b: &Block) -> Result<usize> {
+    pub fn add(&mut self, b: &B) -> Result<usize> {
         let shapes: Vec<Vec<usize>> = tensor_list(b)?.iter().map(|t| t.dims().to_vec()).collect();
         let layout = match self.layouts.iter().position(|l| l.shapes == shapes) {
             Some(i) => i,
@@ -365,7 +353,7 @@ impl Ring {
     /// Block `k`'s weights on the device, ready for kernels queued from this thread.
     /// Blocks are fetched in ring order (`0, 1, …, M−1, 0, …`); any other order (after
     /// an error, say) drains the ring and starts over from `k`.
-    pub fn fetch(&mut self, k: usize) -> Result<Block> {
+    pub fn fetch(&mut self, k: usize) -> Result<B> {
         if self.in_use.is_some() || self.queue.front().map(|q| q.0) != Some(k) {
             self.restart(k)?;
         }
@@ -423,18 +411,6 @@ impl Ring {
         Ok(())
     }
 
-    fn drain(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(s) = &self.copy_stream {
-            s.synchronize().map_err(|e| ExecError::Device {
-                device: format!("{:?}", self.device.location()),
-                message: format!("copy stream: {e}"),
-            })?;
-            self.device.synchronize()?;
-        }
-        Ok(())
-    }
-
     /// Fills slot `j` with block `b`.
     fn copy(&self, b: usize, j: usize) -> Result<()> {
         let slot = &self.slots[j];
@@ -459,7 +435,21 @@ impl Ring {
     }
 }
 
-impl Drop for Ring {
+impl<B> Ring<B> {
+    fn drain(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(s) = &self.copy_stream {
+            s.synchronize().map_err(|e| ExecError::Device {
+                device: format!("{:?}", self.device.location()),
+                message: format!("copy stream: {e}"),
+            })?;
+            self.device.synchronize()?;
+        }
+        Ok(())
+    }
+}
+
+impl<B> Drop for Ring<B> {
     fn drop(&mut self) {
         // Copies may still read host memory or write buffers that are about to be freed.
         let _ = self.drain();
@@ -468,22 +458,17 @@ impl Drop for Ring {
 
 /// The host memory a process may still use, and where that figure comes from: the
 /// smallest of `MemAvailable` (/proc/meminfo), the cgroup's limit minus its usage, and
-/// `MOLD_HOST_MEMORY` (a size such as `64GiB`: an explicit budget). `None` where none is
-/// known.
-pub fn host_memory_available() -> Result<Option<(u64, &'static str)>> {
+/// `limit` (an explicit budget: [`crate::ExecOptions::host_memory`]). `None` where none
+/// is known.
+pub fn host_memory_available(limit: Option<u64>) -> Option<(u64, &'static str)> {
     let mut best: Option<(u64, &'static str)> = None;
     let mut take = |v: u64, from: &'static str| {
         if best.is_none_or(|(b, _)| v < b) {
             best = Some((v, from));
         }
     };
-    if let Ok(v) = std::env::var("MOLD_HOST_MEMORY") {
-        let b: mold_plan::ByteSize = v.trim().parse().map_err(|e| {
-            ExecError::Input(format!(
-                "MOLD_HOST_MEMORY=`{v}`: {e} (write a size such as 64GiB)"
-            ))
-        })?;
-        take(b.0, "MOLD_HOST_MEMORY");
+    if let Some(b) = limit {
+        take(b, "MOLD_HOST_MEMORY");
     }
     if let Ok(s) = std::fs::read_to_string("/proc/meminfo") {
         if let Some(kb) = s
@@ -508,7 +493,7 @@ pub fn host_memory_available() -> Result<Option<(u64, &'static str)>> {
             "the cgroup's memory.max less memory.current",
         );
     }
-    Ok(best)
+    best
 }
 
 #[cfg(feature = "cuda")]

@@ -1,13 +1,13 @@
-//! Random-weight checkpoints with FLUX's real tensor names and shapes, and random inputs.
+//! Random-weight checkpoints with FLUX's real tensor names and shapes.
 //!
 //! Values depend only on the seed and the tensor name, so a sharded and a single-file
 //! checkpoint of the same seed hold the same weights. Files are written tensor by tensor,
 //! so memory stays bounded by one tensor even for full-size models.
 
-use crate::config::{FluxConfig, TensorSpec};
 use crate::error::{ExecError, Result};
-use crate::exec::FluxInputs;
-use candle_core::{DType, Device, Tensor};
+use crate::model::flux::FluxConfig;
+use crate::model::TensorSpec;
+use candle_core::DType;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::io::{BufWriter, Write};
@@ -36,7 +36,7 @@ fn fnv(s: &str) -> u64 {
 }
 
 /// Standard normal samples (Box–Muller), `n` of them.
-fn normals(rng: &mut StdRng, n: usize, mut f: impl FnMut(f32)) {
+pub(crate) fn normals(rng: &mut StdRng, n: usize, mut f: impl FnMut(f32)) {
     let mut i = 0;
     while i < n {
         let u1: f64 = rng.gen_range(f64::EPSILON..1.0);
@@ -206,61 +206,4 @@ pub fn write_testdata_sharded(
     std::fs::write(&index, serde_json::to_string_pretty(&body).expect("json"))
         .map_err(io(&index))?;
     Ok(index)
-}
-
-/// Deterministic random inputs for an image of `width` × `height` pixels
-/// (`(height/16) * (width/16)` latent tokens) and `txt_len` text tokens, as f32 on the
-/// CPU: latents, text and pooled vector ~ N(0, 1), image ids (0, row, col), text ids 0,
-/// timesteps uniform in [0, 1), guidance 3.5 when the model takes it.
-pub fn random_inputs(
-    cfg: &FluxConfig,
-    width: u32,
-    height: u32,
-    txt_len: usize,
-    batch: usize,
-    seed: u64,
-) -> Result<FluxInputs> {
-    let (h, w) = ((height / 16) as usize, (width / 16) as usize);
-    if h == 0 || w == 0 {
-        return Err(ExecError::Input(format!(
-            "{width}x{height} is smaller than one 16x16 latent patch"
-        )));
-    }
-    let mut rng = StdRng::seed_from_u64(seed);
-    let dev = &Device::Cpu;
-    let mut randn = |shape: &[usize]| -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let mut v = Vec::with_capacity(n);
-        normals(&mut rng, n, |x| v.push(x));
-        Ok(Tensor::from_vec(v, shape, dev)?)
-    };
-    let img = randn(&[batch, h * w, cfg.in_channels])?;
-    let txt = randn(&[batch, txt_len, cfg.context_in_dim])?;
-    let y = randn(&[batch, cfg.vec_in_dim])?;
-    let mut ids = Vec::with_capacity(batch * h * w * 3);
-    for _ in 0..batch {
-        for r in 0..h {
-            for c in 0..w {
-                ids.extend_from_slice(&[0f32, r as f32, c as f32]);
-            }
-        }
-    }
-    let img_ids = Tensor::from_vec(ids, (batch, h * w, 3), dev)?;
-    let txt_ids = Tensor::zeros((batch, txt_len, 3), DType::F32, dev)?;
-    let ts: Vec<f32> = (0..batch).map(|_| rng.gen::<f32>()).collect();
-    let timesteps = Tensor::from_vec(ts, batch, dev)?;
-    let guidance = if cfg.guidance_embed {
-        Some(Tensor::full(3.5f32, batch, dev)?)
-    } else {
-        None
-    };
-    Ok(FluxInputs {
-        img,
-        img_ids,
-        txt,
-        txt_ids,
-        timesteps,
-        y,
-        guidance,
-    })
 }

@@ -48,7 +48,7 @@ fn matches_candle_transformers_flux() {
         let ckpt = Checkpoint::open(&path).unwrap();
         let ours = Executor::reference(&cfg, &ckpt, &mold_plan::DeviceId::Host, DType::F32)
             .unwrap()
-            .forward_inputs(&x)
+            .forward(&x)
             .unwrap();
         let err = max_relative_error(&ours, &expected).unwrap();
         eprintln!("seed {seed}: unsharded vs candle-transformers {err:e}");
@@ -63,7 +63,7 @@ fn matches_candle_transformers_flux() {
             &ckpt,
         )
         .unwrap()
-        .forward_inputs(&x)
+        .forward(&x)
         .unwrap();
         let err = max_relative_error(&tp, &expected).unwrap();
         eprintln!("seed {seed}: TP 4 vs candle-transformers {err:e}");

@@ -148,11 +148,11 @@ fn sharded_checkpoint_matches_single_file() {
     )]);
     let a = Executor::new(&cfg, &p, &sharded)
         .unwrap()
-        .forward_inputs(&x)
+        .forward(&x)
         .unwrap();
     let b = Executor::new(&cfg, &p, &single)
         .unwrap()
-        .forward_inputs(&x)
+        .forward(&x)
         .unwrap();
     assert_eq!(max_relative_error(&a, &b).unwrap(), 0.0);
 }
@@ -167,7 +167,7 @@ fn bf16_checkpoint_and_compute() {
     let x = tiny_inputs(9);
     let reference = Executor::reference(&cfg, &ckpt, &mold_plan::DeviceId::Host, DType::F32)
         .unwrap()
-        .forward_inputs(&x)
+        .forward(&x)
         .unwrap();
     let p = plan_with(
         vec![part(
@@ -179,7 +179,7 @@ fn bf16_checkpoint_and_compute() {
     );
     let exec = Executor::new(&cfg, &p, &ckpt).unwrap();
     assert_eq!(exec.dtype(), DType::BF16);
-    let out = exec.forward_inputs(&x).unwrap();
+    let out = exec.forward(&x).unwrap();
     assert_eq!(out.dtype(), DType::BF16);
     let err = max_relative_error(&out, &reference).unwrap();
     assert!(err < 0.05, "bf16 vs f32: {err}");
@@ -199,7 +199,7 @@ fn memory_report_accounts_weights_streams_and_activations() {
         part(&["emu:2"], &["single 0..3"], true),
     ]);
     let exec = Executor::new(&cfg, &p, &ckpt).unwrap();
-    exec.forward_inputs(&x).unwrap();
+    exec.forward(&x).unwrap();
     let m = exec.memory_report();
     assert_eq!(m.len(), 3);
     let ids: Vec<String> = m.iter().map(|d| d.device.to_string()).collect();

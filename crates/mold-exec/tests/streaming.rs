@@ -34,8 +34,8 @@ fn identical_to_resident(parts: Vec<Part>, streaming: Streaming, steps: u64) {
         Executor::new_with_streaming(&cfg, &plan(parts.clone()), &ckpt, streaming).unwrap();
     for s in 0..steps {
         let x = tiny_inputs(100 + s);
-        let a = resident.forward_inputs(&x).unwrap();
-        let b = streamed.forward_inputs(&x).unwrap();
+        let a = resident.forward(&x).unwrap();
+        let b = streamed.forward(&x).unwrap();
         assert_eq!(
             max_relative_error(&b, &a).unwrap(),
             0.0,
@@ -130,7 +130,7 @@ fn tensor_parallel_parts_stream_their_shards() {
     let b = Executor::new(&cfg, &tp(true), &ckpt).unwrap();
     for s in 0..3 {
         let x = tiny_inputs(s);
-        let (ya, yb) = (a.forward_inputs(&x).unwrap(), b.forward_inputs(&x).unwrap());
+        let (ya, yb) = (a.forward(&x).unwrap(), b.forward(&x).unwrap());
         assert_eq!(max_relative_error(&yb, &ya).unwrap(), 0.0, "step {s}");
     }
     // Each rank's ring holds its own shards: half the block bytes (plus replicas).

@@ -221,7 +221,20 @@ impl Machine {
                 "a machine needs at least one device".into(),
             ));
         }
-        let pos = |v: f64| v.is_finite() && v > 0.0;
+        // Every figure is a finite number: throughput and bandwidth above 0, latency 0 or
+        // more. NaN fails every comparison, so it is tested for first.
+        let figure = |field: String, v: f64, zero_ok: bool| -> Result<(), MachineError> {
+            let cmp = if zero_ok { "≥" } else { ">" };
+            let ok = v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0));
+            if ok {
+                Ok(())
+            } else {
+                Err(bad(
+                    field,
+                    format!("{v} is not allowed: give a finite number {cmp} 0"),
+                ))
+            }
+        };
         for (i, d) in self.devices.iter().enumerate() {
             let f = format!("devices[{i}]");
             if d.id.is_host() {
@@ -245,28 +258,21 @@ impl Machine {
             if d.headroom >= d.budget {
                 return Err(bad(
                     format!("{f}.headroom"),
-                    format!("{} leaves nothing of the budget {}", d.headroom, d.budget),
+                    format!(
+                        "{} leaves nothing of the budget {}: make it smaller than the budget",
+                        d.headroom, d.budget
+                    ),
                 ));
             }
-            for (name, v) in [
-                ("bf16_tflops", d.bf16_tflops),
-                ("mem_bandwidth_gbps", d.mem_bandwidth_gbps),
-            ] {
-                if !pos(v) {
-                    return Err(bad(
-                        format!("{f}.{name}"),
-                        format!("{v}: must be a positive number"),
-                    ));
-                }
-            }
+            figure(format!("{f}.bf16_tflops"), d.bf16_tflops, false)?;
             if let Some(v) = d.f32_tflops {
-                if !pos(v) {
-                    return Err(bad(
-                        format!("{f}.f32_tflops"),
-                        format!("{v}: must be a positive number"),
-                    ));
-                }
+                figure(format!("{f}.f32_tflops"), v, false)?;
             }
+            figure(
+                format!("{f}.mem_bandwidth_gbps"),
+                d.mem_bandwidth_gbps,
+                false,
+            )?;
             if let Some(v) = d.model_efficiency {
                 if !(v > 0.0 && v <= 1.0) {
                     return Err(bad(
@@ -276,38 +282,47 @@ impl Machine {
                 }
             }
         }
-        for (name, v) in [
-            ("host.tflops", self.host.tflops),
-            ("host.mem_bandwidth_gbps", self.host.mem_bandwidth_gbps),
-            ("links.host_pinned_gbps", self.links.host_pinned_gbps),
-            ("links.host_pageable_gbps", self.links.host_pageable_gbps),
+        let l = &self.links;
+        for (name, v, zero_ok) in [
+            ("host.tflops", self.host.tflops, false),
+            (
+                "host.mem_bandwidth_gbps",
+                self.host.mem_bandwidth_gbps,
+                false,
+            ),
+            ("links.host_pinned_gbps", l.host_pinned_gbps, false),
+            ("links.host_pageable_gbps", l.host_pageable_gbps, false),
+            (
+                "links.host_staged_allreduce.latency_us",
+                l.host_staged_allreduce.latency_us,
+                true,
+            ),
             (
                 "links.host_staged_allreduce.gbps",
-                self.links.host_staged_allreduce.gbps,
+                l.host_staged_allreduce.gbps,
+                false,
             ),
         ] {
-            if !pos(v) {
-                return Err(bad(name.into(), format!("{v}: must be a positive number")));
-            }
+            figure(name.into(), v, zero_ok)?;
         }
         if self.host.pinned_limit > self.host.memory {
             return Err(bad(
                 "host.pinned_limit".into(),
                 format!(
-                    "{} is more than host memory {}",
+                    "{} is more than host memory {}: lower it",
                     self.host.pinned_limit, self.host.memory
                 ),
             ));
         }
-        for (i, p) in self.links.peer.iter().enumerate() {
+        for (i, p) in l.peer.iter().enumerate() {
             let f = format!("links.peer[{i}]");
             if p.devices.len() < 2 {
                 return Err(bad(
                     format!("{f}.devices"),
-                    "a peer domain joins at least two devices".into(),
+                    "a peer domain joins at least two devices: name two or more".into(),
                 ));
             }
-            for d in &p.devices {
+            for (j, d) in p.devices.iter().enumerate() {
                 if self.device(d).is_none() {
                     return Err(bad(
                         format!("{f}.devices"),
@@ -317,10 +332,20 @@ impl Machine {
                         ),
                     ));
                 }
+                if p.devices[..j].contains(d) {
+                    return Err(bad(
+                        format!("{f}.devices"),
+                        format!("{d} is listed twice: name each device once"),
+                    ));
+                }
             }
-            if !pos(p.gbps) || !pos(p.allreduce.gbps) || p.allreduce.latency_us < 0.0 {
-                return Err(bad(f, "gbps and allreduce figures must be positive".into()));
-            }
+            figure(format!("{f}.gbps"), p.gbps, false)?;
+            figure(
+                format!("{f}.allreduce.latency_us"),
+                p.allreduce.latency_us,
+                true,
+            )?;
+            figure(format!("{f}.allreduce.gbps"), p.allreduce.gbps, false)?;
         }
         Ok(())
     }
@@ -561,8 +586,95 @@ links:
             let e = Machine::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
             assert!(e.contains(want), "{to}: {e}");
         }
+        // The same device twice in a peer domain.
+        let bad = TWO.replacen("[cuda:0, cuda:1], kind", "[cuda:0, cuda:0], kind", 1);
+        let e = Machine::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+        assert!(
+            e.contains("links.peer[0].devices: cuda:0 is listed twice"),
+            "{e}"
+        );
         let m = Machine::from_yaml(TWO, "t.yaml").unwrap();
         let e = m.select(&[DeviceId::Cuda(3)]).unwrap_err().to_string();
         assert!(e.contains("cuda:3") && e.contains("cuda:0, cuda:1"), "{e}");
+    }
+
+    /// Every figure of a profile, NaN, infinite or negative, is refused naming its field;
+    /// latencies may be 0, rates may not. (NaN passed a `< 0` test once, and the
+    /// host-staged all-reduce latency was never checked.)
+    #[test]
+    fn every_figure_must_be_finite_and_non_negative() {
+        let full = TWO.replacen(
+            "  peer:",
+            "  host_staged_allreduce: {latency_us: 80, gbps: 6}\n  peer:",
+            1,
+        );
+        Machine::from_yaml(&full, "t.yaml").unwrap();
+        // (text to replace, field named, whether 0 is allowed)
+        let cases = [
+            ("tflops: 1.0", "host.tflops", false),
+            ("mem_bandwidth_gbps: 50", "host.mem_bandwidth_gbps", false),
+            ("bf16_tflops: 100", "devices[0].bf16_tflops", false),
+            (
+                "mem_bandwidth_gbps: 1000",
+                "devices[0].mem_bandwidth_gbps",
+                false,
+            ),
+            ("host_pinned_gbps: 25", "links.host_pinned_gbps", false),
+            ("host_pageable_gbps: 10", "links.host_pageable_gbps", false),
+            (
+                "{latency_us: 80,",
+                "links.host_staged_allreduce.latency_us",
+                true,
+            ),
+            ("gbps: 6}", "links.host_staged_allreduce.gbps", false),
+            ("gbps: 100,", "links.peer[0].gbps", false),
+            (
+                "{latency_us: 10,",
+                "links.peer[0].allreduce.latency_us",
+                true,
+            ),
+            ("gbps: 80}", "links.peer[0].allreduce.gbps", false),
+        ];
+        for (from, field, zero_ok) in cases {
+            let (key, rest) = from.split_once(": ").unwrap();
+            let (_, tail) = rest.split_at(
+                rest.find(|c: char| !c.is_ascii_digit() && c != '.')
+                    .unwrap_or(rest.len()),
+            );
+            for v in [".nan", ".inf", "-.inf", "-1", "0", "-0.5"] {
+                let to = format!("{key}: {v}{tail}");
+                let bad = full.replacen(from, &to, 1);
+                assert_ne!(bad, full, "{from}");
+                let r = Machine::from_yaml(&bad, "t.yaml");
+                if v == "0" && zero_ok {
+                    r.unwrap_or_else(|e| panic!("{to}: {e}"));
+                    continue;
+                }
+                let e = r.expect_err(&to).to_string();
+                assert!(
+                    e.starts_with(&format!("t.yaml: {field}: "))
+                        && e.contains("give a finite number"),
+                    "{to}: {e}"
+                );
+                assert!(!e.contains('\n'), "{e}");
+            }
+        }
+        let f32 = full.replacen(
+            "bf16_tflops: 100, mem",
+            "bf16_tflops: 100, f32_tflops: .nan, mem",
+            1,
+        );
+        let e = Machine::from_yaml(&f32, "t.yaml").unwrap_err().to_string();
+        assert!(e.starts_with("t.yaml: devices[0].f32_tflops: NaN"), "{e}");
+        let eff = full.replacen(
+            "bf16_tflops: 100, mem",
+            "bf16_tflops: 100, model_efficiency: .nan, mem",
+            1,
+        );
+        let e = Machine::from_yaml(&eff, "t.yaml").unwrap_err().to_string();
+        assert!(
+            e.starts_with("t.yaml: devices[0].model_efficiency: NaN"),
+            "{e}"
+        );
     }
 }

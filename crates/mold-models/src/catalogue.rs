@@ -529,6 +529,35 @@ fn ltx(id: &str, blocks: u32, h: u64, heads: u32, hd: u32) -> ModelSpec {
     }
 }
 
+/// Most samples one request may batch, for every model.
+pub(crate) const MAX_BATCH: u32 = 64;
+
+/// What each built-in model supports ([`ModelSpec::limits`]).
+///
+/// - FLUX (and flux-tiny, its architecture), Qwen-Image, Z-Image: 2048 pixels a side —
+///   a 128 × 128 latent patch grid (16 384 image tokens), the largest their RoPE
+///   position ranges are used at;
+/// - SD3.5 Large: 3072, its learned position table's 192 × 192 patches (`stem_params`);
+/// - LTX-Video: 1280 a side and 257 frames (8·k + 1), the largest video the published
+///   pipeline makes.
+pub(crate) fn limits(id: &str) -> Option<Limits> {
+    let image = |max_side| Limits {
+        max_side,
+        max_frames: 1,
+        max_batch: MAX_BATCH,
+    };
+    Some(match id {
+        "flux-dev" | "flux-schnell" | "flux-tiny" | "qwen-image" | "z-image-turbo" => image(2048),
+        "sd3.5-large" => image(3072),
+        "ltx-video-2b" | "ltx-video-13b" => Limits {
+            max_side: 1280,
+            max_frames: 257,
+            max_batch: MAX_BATCH,
+        },
+        _ => return None,
+    })
+}
+
 /// Every built-in model.
 pub fn builtin() -> Vec<ModelSpec> {
     vec![

@@ -60,44 +60,97 @@ fn read_one(
     f.read_exact(&mut buf)
         .map_err(|e| err(path, format!("cannot read the header: {e}")))?;
     hasher.update(&buf);
-    let json: serde_json::Value = serde_json::from_slice(&buf)
+    parse_header(path, &buf, len - 8 - n, out)
+}
+
+/// Bytes per element of a safetensors dtype; `None` for one mold does not know (its
+/// tensors' sizes are then taken from their offsets alone).
+fn element_bytes(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
+        "U16" | "I16" | "F16" | "BF16" => 2,
+        "U32" | "I32" | "F32" => 4,
+        "U64" | "I64" | "F64" => 8,
+        _ => return None,
+    })
+}
+
+/// Parses one header (the JSON after the length) of a file with `data_len` bytes of
+/// tensor data: every tensor's dtype, shape and offsets must be present, agree with each
+/// other, lie inside the data and not overlap.
+fn parse_header(
+    path: &Path,
+    buf: &[u8],
+    data_len: u64,
+    out: &mut BTreeMap<String, TensorInfo>,
+) -> Result<(), ModelError> {
+    let json: serde_json::Value = serde_json::from_slice(buf)
         .map_err(|e| err(path, format!("the header is not valid JSON: {e}")))?;
     let map = json
         .as_object()
         .ok_or_else(|| err(path, "the header is not a JSON object"))?;
-    let data_len = len - 8 - n;
+    let mut ranges: Vec<(u64, u64, &str)> = Vec::new();
     for (name, v) in map {
         if name == "__metadata__" {
             continue;
         }
-        let bad = |what: &str| err(path, format!("tensor `{name}`: {what}"));
+        // Names are quoted as Rust would (escapes included): one line whatever they hold.
+        let bad =
+            |field: &str, what: String| err(path, format!("tensor {name:?}: {field}: {what}"));
         let dtype = v
             .get("dtype")
             .and_then(|d| d.as_str())
-            .ok_or_else(|| bad("no dtype"))?
+            .ok_or_else(|| bad("dtype", "missing, or not a string such as \"BF16\"".into()))?
             .to_string();
         let shape = v
             .get("shape")
             .and_then(|s| s.as_array())
-            .ok_or_else(|| bad("no shape"))?
+            .ok_or_else(|| bad("shape", "missing, or not a list such as [3072, 64]".into()))?
             .iter()
             .map(|x| {
                 x.as_u64()
-                    .ok_or_else(|| bad("shape is not a list of integers"))
+                    .ok_or_else(|| bad("shape", format!("{x} is not a dimension (an integer ≥ 0)")))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let offs = v
             .get("data_offsets")
             .and_then(|s| s.as_array())
             .filter(|a| a.len() == 2)
-            .ok_or_else(|| bad("no data_offsets"))?;
-        let (a, b) = (
-            offs[0].as_u64().ok_or_else(|| bad("bad data_offsets"))?,
-            offs[1].as_u64().ok_or_else(|| bad("bad data_offsets"))?,
-        );
-        if a > b || b > data_len {
-            return Err(bad("data_offsets point outside the file"));
+            .ok_or_else(|| bad("data_offsets", "missing, or not a pair [start, end]".into()))?;
+        let (a, b) = match (offs[0].as_u64(), offs[1].as_u64()) {
+            (Some(a), Some(b)) if a <= b => (a, b),
+            _ => {
+                return Err(bad(
+                    "data_offsets",
+                    format!(
+                        "[{}, {}] is not a byte range [start, end] with start ≤ end",
+                        offs[0], offs[1]
+                    ),
+                ))
+            }
+        };
+        if b > data_len {
+            return Err(bad(
+                "data_offsets",
+                format!("[{a}, {b}] runs past the file's {data_len} bytes of tensor data: the file is truncated or not a safetensors file"),
+            ));
         }
+        if let Some(size) = element_bytes(&dtype) {
+            let want = shape
+                .iter()
+                .try_fold(size, |acc, &d| acc.checked_mul(d))
+                .filter(|&w| w == b - a);
+            if want.is_none() {
+                return Err(bad(
+                    "data_offsets",
+                    format!(
+                        "[{a}, {b}] holds {} bytes, but shape {shape:?} of {dtype} needs a different number",
+                        b - a
+                    ),
+                ));
+            }
+        }
+        ranges.push((a, b, name));
         out.insert(
             name.clone(),
             TensorInfo {
@@ -107,6 +160,16 @@ fn read_one(
                 file: path.to_path_buf(),
             },
         );
+    }
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        let ((_, end, first), (start, _, second)) = (w[0], w[1]);
+        if start < end {
+            return Err(err(
+                path,
+                format!("tensor {second:?}: data_offsets: overlaps tensor {first:?}: not a valid safetensors file"),
+            ));
+        }
     }
     Ok(())
 }
@@ -162,7 +225,7 @@ pub fn read_header(path: &Path) -> Result<Header, ModelError> {
 }
 
 /// Prefix of block `i` of `kind` in the checkpoint layout of `model`.
-pub fn block_prefix(model: &str, kind: &str) -> String {
+fn block_prefix(model: &str, kind: &str) -> String {
     match (model, kind) {
         (m, "double") if m.starts_with("flux") => "double_blocks.".into(),
         (m, "single") if m.starts_with("flux") => "single_blocks.".into(),
@@ -203,7 +266,10 @@ pub fn identify(h: &Header) -> Option<String> {
             .map(|m| m + 1)
             .unwrap_or(0)
     };
-    let hidden = h.tensors.get("img_in.weight").map(|t| t.shape[0]);
+    let hidden = h
+        .tensors
+        .get("img_in.weight")
+        .and_then(|t| t.shape.first().copied());
     let (d, s) = (count("double_blocks."), count("single_blocks."));
     if d > 0 || s > 0 {
         return Some(
@@ -260,12 +326,12 @@ pub fn refine(path: &Path, model_hint: Option<&str>) -> Result<Refined, ModelErr
                         return Err(err(
                             path,
                             format!(
-                                "tensor `{name}`: block {i} but {} has {} `{}` blocks: this checkpoint is not {}",
+                                "tensor {name:?}: block {i} but {} has {} `{}` blocks: this checkpoint is not {}",
                                 model.id, kind.count, kind.name, model.id
                             ),
                         ));
                     }
-                    per_block[i] += t.bytes;
+                    per_block[i] = per_block[i].saturating_add(t.bytes);
                 }
             }
         }
@@ -278,15 +344,19 @@ pub fn refine(path: &Path, model_hint: Option<&str>) -> Result<Refined, ModelErr
                 ),
             ));
         }
-        claimed += per_block.iter().sum::<u64>();
+        claimed = per_block.iter().fold(claimed, |a, &b| a.saturating_add(b));
         kind.checkpoint_bytes = per_block.iter().copied().max();
     }
-    let total: u64 = h.tensors.values().map(|t| t.bytes).sum();
-    model.transformer.stem_checkpoint_bytes = Some(total - claimed);
+    let total = h
+        .tensors
+        .values()
+        .fold(0u64, |a, t| a.saturating_add(t.bytes));
+    model.transformer.stem_checkpoint_bytes = Some(total.saturating_sub(claimed));
     // The dtype holding most bytes names the checkpoint's precision.
     let mut by_dtype: BTreeMap<&str, u64> = BTreeMap::new();
     for t in h.tensors.values() {
-        *by_dtype.entry(t.dtype.as_str()).or_default() += t.bytes;
+        let e = by_dtype.entry(t.dtype.as_str()).or_default();
+        *e = e.saturating_add(t.bytes);
     }
     let main = by_dtype
         .iter()
@@ -296,7 +366,7 @@ pub fn refine(path: &Path, model_hint: Option<&str>) -> Result<Refined, ModelErr
     let dtype = dtype_of(main).ok_or_else(|| {
         err(
             path,
-            format!("tensors are mostly {main}, which mold does not plan for: use f32, bf16, f16 or f8 weights"),
+            format!("tensors are mostly {main:?}, which mold does not plan for: use f32, bf16, f16 or f8 weights"),
         )
     })?;
     Ok(Refined {

@@ -2,8 +2,11 @@
 //!
 //! Parameter counts are derived from the architecture configs (hidden size, heads, MLP
 //! width, block counts), not copied from file sizes, so that per-block weights, FLOPs and
-//! activations follow from the same numbers. `checkpoint` refines the weight bytes from a
-//! safetensors header when the user gives one.
+//! activations follow from the same numbers. Each model also says what it supports
+//! ([`Limits`]: largest side, frames, batch); [`ModelSpec::check_workload`] refuses
+//! anything else, so the byte and FLOP products below stay far inside `u64` (they
+//! saturate rather than wrap if called on an unchecked workload). `checkpoint` refines the
+//! weight bytes from a safetensors header when the user gives one.
 
 mod catalogue;
 pub mod checkpoint;
@@ -84,7 +87,9 @@ impl BlockKind {
         match self.checkpoint_bytes {
             Some(total) => {
                 // Same split between sharded and replicated weights as the architecture.
-                let rep = total as u128 * self.replicated_params as u128 / self.params() as u128;
+                let rep = (total as u128 * self.replicated_params as u128)
+                    .checked_div(self.params() as u128)
+                    .unwrap_or(0);
                 let shard = (total as u128 - rep).div_ceil(tp as u128);
                 (rep + shard) as u64
             }
@@ -117,7 +122,7 @@ impl BlockKind {
     }
     /// Output features of the per-sample linears: they map the `hidden`-wide
     /// conditioning vector (with bias), so `per_sample_params = outputs · (hidden + 1)`.
-    pub fn per_sample_outputs(&self) -> u64 {
+    fn per_sample_outputs(&self) -> u64 {
         self.per_sample_params / (self.hidden + 1)
     }
     /// All-gathers per block under tensor parallel: one for the per-sample outputs (a
@@ -128,12 +133,14 @@ impl BlockKind {
     /// Bytes one all-gather of the per-sample outputs yields on each rank: every
     /// sample's full output vector.
     pub fn per_sample_bytes(&self, batch: u64, act: u64) -> u64 {
-        batch * self.per_sample_outputs() * act
+        batch
+            .saturating_mul(self.per_sample_outputs())
+            .saturating_mul(act)
     }
     /// Tokens this block's residual stream carries.
-    pub fn stream_tokens(&self, t: Tokens) -> u64 {
+    fn stream_tokens(&self, t: Tokens) -> u64 {
         match self.attention {
-            Attention::Joint => t.img + t.txt,
+            Attention::Joint => t.img.saturating_add(t.txt),
             Attention::Image | Attention::ImageCrossText => t.img,
             Attention::Text => t.txt,
         }
@@ -141,7 +148,10 @@ impl BlockKind {
     /// (query tokens, key tokens) of the largest attention in the block.
     pub fn attention_shape(&self, t: Tokens) -> (u64, u64) {
         match self.attention {
-            Attention::Joint => (t.img + t.txt, t.img + t.txt),
+            Attention::Joint => {
+                let all = t.img.saturating_add(t.txt);
+                (all, all)
+            }
             Attention::Image | Attention::ImageCrossText => (t.img, t.img),
             Attention::Text => (t.txt, t.txt),
         }
@@ -154,17 +164,24 @@ impl BlockKind {
         let tok = self.stream_tokens(t);
         let h = self.hidden;
         let per_token = 2 * h + (4 * h).div_ceil(tp) + self.mlp_hidden.div_ceil(tp);
-        let mut bytes = batch * tok * per_token * act;
+        let mut bytes = product(&[batch, tok, per_token, act]);
         if !fused {
             let (q, k) = self.attention_shape(t);
-            bytes += 2 * batch * (self.heads as u64).div_ceil(tp) * q * k * 4;
+            let heads = (self.heads as u64).div_ceil(tp);
+            bytes = bytes.saturating_add(product(&[2, batch, heads, q, k, 4]));
         }
         bytes
     }
     /// Bytes of the hidden state handed between parts or all-reduced once.
     pub fn hidden_bytes(&self, t: Tokens, batch: u64, act: u64) -> u64 {
-        batch * self.stream_tokens(t) * self.hidden * act
+        product(&[batch, self.stream_tokens(t), self.hidden, act])
     }
+}
+
+/// The product of `factors`, saturating at `u64::MAX`: a size too large to count never
+/// fits anything, where a wrapped one might.
+pub fn product(factors: &[u64]) -> u64 {
+    factors.iter().fold(1u64, |a, &b| a.saturating_mul(b))
 }
 
 /// Token counts of one sample.
@@ -198,12 +215,9 @@ impl TransformerSpec {
             .unwrap_or_else(|| dtype.weight_bytes(self.stem_params))
     }
     pub fn weight_bytes(&self, dtype: DType) -> u64 {
-        self.stem_bytes(dtype)
-            + self
-                .kinds
-                .iter()
-                .map(|k| k.count as u64 * k.weight_bytes(dtype, 1))
-                .sum::<u64>()
+        self.kinds.iter().fold(self.stem_bytes(dtype), |sum, k| {
+            sum.saturating_add((k.count as u64).saturating_mul(k.weight_bytes(dtype, 1)))
+        })
     }
     pub fn params(&self) -> u64 {
         self.stem_params
@@ -279,17 +293,44 @@ impl ComponentSpec {
             } => {
                 let t = model.text_tokens as u64;
                 let b = w.effective_batch();
-                b * t * (4 * hidden + mlp_hidden) * act + 2 * b * *heads as u64 * t * t * 4
+                product(&[b, t, 4 * hidden + mlp_hidden, act]).saturating_add(product(&[
+                    2,
+                    b,
+                    *heads as u64,
+                    t,
+                    t,
+                    4,
+                ]))
             }
             Workkind::VaeDecoder { top_channels, .. } => {
                 // About six full-resolution feature maps live at once (resnet input,
                 // two conv outputs, group-norm temporaries, skip). Video VAEs decode one
                 // latent frame (temporal_down output frames) at a time.
                 let frames = (w.frames as u64).min(model.latent.temporal_down as u64);
-                6 * top_channels * w.width as u64 * w.height as u64 * frames * w.batch as u64 * act
+                product(&[
+                    6,
+                    *top_channels,
+                    w.width as u64,
+                    w.height as u64,
+                    frames,
+                    w.batch as u64,
+                    act,
+                ])
             }
         }
     }
+}
+
+/// What a model supports: every workload outside these is refused, naming the range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    /// Largest width and height in pixels (a multiple of the model's pixels per latent
+    /// patch, the step widths and heights go in).
+    pub max_side: u32,
+    /// Most frames per sample: 1 for image models.
+    pub max_frames: u32,
+    /// Most samples per request.
+    pub max_batch: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -324,64 +365,114 @@ impl ModelSpec {
 
     /// Image (or video) tokens and text tokens for one sample of the workload.
     pub fn tokens(&self, w: &Workload) -> Tokens {
-        let s = (self.latent.spatial_down * self.latent.patch) as u64;
+        let s = self.size_step().max(1) as u64;
         let frames = if self.video {
-            (w.frames as u64 - 1) / self.latent.temporal_down as u64 + 1
+            (w.frames as u64).saturating_sub(1) / self.latent.temporal_down.max(1) as u64 + 1
         } else {
             1
         };
         Tokens {
-            img: frames * (w.width as u64 / s) * (w.height as u64 / s),
+            img: product(&[frames, w.width as u64 / s, w.height as u64 / s]),
             txt: self.text_tokens as u64,
         }
     }
 
-    /// Refuses sizes the model cannot run, suggesting the nearest valid ones.
+    /// Pixels per latent patch along a side: widths and heights are multiples of it.
+    pub(crate) fn size_step(&self) -> u32 {
+        self.latent.spatial_down.saturating_mul(self.latent.patch)
+    }
+
+    /// What this model supports: the catalogue's figures, or, for a model the catalogue
+    /// does not list, 2048 pixels a side, 64 samples and (video) 257 frames.
+    pub fn limits(&self) -> Limits {
+        catalogue::limits(&self.id).unwrap_or_else(|| {
+            let step = self.size_step().max(1);
+            Limits {
+                max_side: (2048 / step).max(1) * step,
+                max_frames: if self.video { 257 } else { 1 },
+                max_batch: catalogue::MAX_BATCH,
+            }
+        })
+    }
+
+    /// Refuses sizes the model cannot run, naming the field and the valid range (and the
+    /// nearest valid sizes).
     pub fn check_workload(&self, w: &Workload) -> Result<(), ModelError> {
-        let m = self.latent.spatial_down * self.latent.patch;
+        let bad = |field: &str, message: String| ModelError::Workload {
+            field: format!("workload.{field}"),
+            message,
+        };
+        let lim = self.limits();
+        let m = self.size_step().max(1);
+        let id = &self.id;
         for (field, v) in [("width", w.width), ("height", w.height)] {
+            let range = format!("{m} to {} in steps of {m}", lim.max_side);
+            if v > lim.max_side {
+                return Err(bad(
+                    field,
+                    format!("{v} is more than {id} supports: use {range}"),
+                ));
+            }
             if v == 0 || v % m != 0 {
                 let lo = (v / m) * m;
                 let hi = lo + m;
+                // v ≤ max_side, a multiple of m, so hi ≤ max_side too.
                 let near = if lo == 0 {
                     format!("{hi}")
                 } else {
                     format!("{lo} or {hi}")
                 };
-                return Err(ModelError::Workload {
-                    field: format!("workload.{field}"),
-                    message: format!(
-                        "{v} is not a multiple of {m}, which {} needs: use {near}",
-                        self.id
-                    ),
-                });
+                return Err(bad(
+                    field,
+                    format!("{v} is not a multiple of {m}, which {id} needs: use {near} ({range})"),
+                ));
             }
         }
         if self.video {
-            let t = self.latent.temporal_down;
+            let t = self.latent.temporal_down.max(1);
+            let range = format!("{t}·k + 1 frames, from 1 to {}", lim.max_frames);
+            if w.frames > lim.max_frames {
+                return Err(bad(
+                    "frames",
+                    format!(
+                        "{} frames is more than {id} supports: use {range}",
+                        w.frames
+                    ),
+                ));
+            }
             if w.frames == 0 || !(w.frames - 1).is_multiple_of(t) {
                 let lo = (w.frames.saturating_sub(1) / t) * t + 1;
-                return Err(ModelError::Workload {
-                    field: "workload.frames".into(),
-                    message: format!(
-                        "{} frames: {} needs {t}·k + 1 frames: use {lo} or {}",
+                return Err(bad(
+                    "frames",
+                    format!(
+                        "{} frames: {id} needs {range}: use {lo} or {}",
                         w.frames,
-                        self.id,
                         lo + t
                     ),
-                });
+                ));
             }
         } else if w.frames != 1 {
-            return Err(ModelError::Workload {
-                field: "workload.frames".into(),
-                message: format!("{} makes images: frames must be 1", self.id),
-            });
+            return Err(bad(
+                "frames",
+                format!("{}: {id} makes images: frames must be 1", w.frames),
+            ));
         }
-        if w.steps == 0 || w.batch == 0 {
-            return Err(ModelError::Workload {
-                field: "workload.steps".into(),
-                message: "steps and batch must be at least 1".into(),
-            });
+        if w.batch == 0 || w.batch > lim.max_batch {
+            return Err(bad(
+                "batch",
+                format!(
+                    "{}: {id} runs batches of 1 to {} samples",
+                    w.batch, lim.max_batch
+                ),
+            ));
+        }
+        if w.steps == 0 {
+            return Err(bad("steps", "0: use at least 1 step".into()));
+        }
+        for (field, v) in [("guidance", w.guidance), ("cfg_scale", w.cfg_scale)] {
+            if let Some(x) = v.filter(|x| !(x.is_finite() && *x >= 0.0)) {
+                return Err(bad(field, format!("{x}: give a finite number ≥ 0")));
+            }
         }
         Ok(())
     }

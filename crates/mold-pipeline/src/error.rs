@@ -27,6 +27,11 @@ pub enum PipelineError {
     #[error("plan: {0}")]
     Plan(String),
 
+    /// A check before loading refused the run (the simulator says it cannot fit, the
+    /// plan does not match its model or machine); the message says how to fix it.
+    #[error("{0}")]
+    Refused(String),
+
     #[error("{path}: {source}")]
     Io {
         path: String,

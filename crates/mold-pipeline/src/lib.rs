@@ -24,6 +24,7 @@
 pub mod error;
 pub mod image;
 pub mod layout;
+pub mod run;
 pub mod sampling;
 pub mod testdata;
 pub mod text;
@@ -52,8 +53,6 @@ pub struct Request {
     pub guidance: Option<f64>,
     pub width: u32,
     pub height: u32,
-    /// How the transformer's streamed blocks reach their devices.
-    pub streaming: mold_exec::Streaming,
 }
 
 /// Progress, reported as the pipeline goes.
@@ -328,11 +327,13 @@ fn sync(d: &Device) -> Result<()> {
     Ok(d.synchronize()?)
 }
 
-/// Runs the whole pipeline for `req`; `on` sees progress as it happens.
+/// Runs the whole pipeline for `req`, the transformer with `opts`; `on` sees progress as
+/// it happens.
 pub fn generate(
     plan: &Plan,
     prep: &Prepared,
     req: &Request,
+    opts: &mold_exec::ExecOptions,
     on: &mut dyn FnMut(&Progress),
 ) -> Result<Output> {
     check_size(req.width, req.height)?;
@@ -440,7 +441,7 @@ pub fn generate(
         devices: tf_devices.clone(),
     });
     let t = Instant::now();
-    let exec = Executor::new_with_streaming(flux, plan, &prep.ckpt, req.streaming)?;
+    let exec = Executor::with_options(flux, plan, &prep.ckpt, opts.clone())?;
     let load_s = t.elapsed().as_secs_f64();
     times.load_s += load_s;
     let report = exec.memory_report();
@@ -478,23 +479,15 @@ pub fn generate(
         );
     }
     let sched = sampling::schedule(req.steps, image_tokens, flux.guidance_embed);
-    for (i, w) in sched.windows(2).enumerate() {
-        let (t_cur, t_next) = (w[0], w[1]);
-        let t = Instant::now();
-        inputs.timesteps = Tensor::full(t_cur as f32, batch, &cond_dev)?;
-        let v = exec.forward_inputs(&inputs)?;
-        let v = v.to_device(&cond_dev)?.to_dtype(DType::F32)?;
-        inputs.img = (&inputs.img + v.affine(t_next - t_cur, 0.0)?)?;
-        sync(&cond_dev)?;
-        let s = t.elapsed().as_secs_f64();
-        times.step_s.push(s);
+    sampling::denoise(&exec, &mut inputs, &sched, &mut |s| {
+        times.step_s.push(s.seconds);
         on(&Progress::Step {
-            index: i as u32 + 1,
+            index: s.index as u32 + 1,
             steps: req.steps,
-            t: t_cur,
-            seconds: s,
+            t: s.t,
+            seconds: s.seconds,
         });
-    }
+    })?;
     times.denoise_s = t_denoise.elapsed().as_secs_f64();
     let report = exec.memory_report();
     for m in &report {

@@ -130,6 +130,52 @@ pub fn schedule(steps: u32, image_tokens: usize, shift: bool) -> Vec<f64> {
     )
 }
 
+/// The timesteps of the transformer-only benchmark: `steps + 1` of them, evenly from 1
+/// to 0 (the schedule without the resolution shift).
+pub fn linear_schedule(steps: u32) -> Vec<f64> {
+    (0..=steps).map(|i| 1.0 - i as f64 / steps as f64).collect()
+}
+
+/// One denoising step as the loop reports it: its index (from 0), its time and how long
+/// it took (the device finished).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepTime {
+    pub index: usize,
+    pub t: f64,
+    pub seconds: f64,
+}
+
+/// The denoising loop, the one every path runs: rectified-flow Euler steps over `sched`
+/// (`x ← x + (t_next − t) · v(x, t)`). The model computes in the plan's dtype; the latents
+/// stay in theirs, on their device. Each step waits for the device before reading the
+/// clock; `on_step` sees it.
+pub fn denoise<M: mold_exec::Transformer>(
+    exec: &mold_exec::Executor<M>,
+    inputs: &mut M::Inputs,
+    sched: &[f64],
+    on_step: &mut dyn FnMut(StepTime),
+) -> crate::Result<()> {
+    use mold_exec::Inputs;
+    for (index, w) in sched.windows(2).enumerate() {
+        let (t, t_next) = (w[0], w[1]);
+        let start = std::time::Instant::now();
+        inputs.set_time(t)?;
+        let x = inputs.latents();
+        let v = exec.forward(inputs)?;
+        let v = v.to_device(x.device())?.to_dtype(x.dtype())?;
+        let next = (x + v.affine(t_next - t, 0.0)?)?;
+        // GPU kernels run asynchronously: wait for them before reading the clock.
+        next.device().synchronize()?;
+        inputs.set_latents(next);
+        on_step(StepTime {
+            index,
+            t,
+            seconds: start.elapsed().as_secs_f64(),
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +213,12 @@ mod tests {
         let c = noise(8, 1, 32, 32).unwrap().flatten_all().unwrap();
         assert_eq!(a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
         assert_ne!(a.to_vec1::<f32>().unwrap(), c.to_vec1::<f32>().unwrap());
+    }
+
+    #[test]
+    fn linear_schedule_is_the_unshifted_one() {
+        assert_eq!(linear_schedule(4), schedule(4, 4096, false));
+        assert_eq!(linear_schedule(1), vec![1.0, 0.0]);
     }
 
     #[test]

@@ -33,9 +33,14 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
 pub fn load_tokenizer(path: &Path, len: usize, pad_tokens: &[&str]) -> Result<Tokenizer> {
     let bad = |message: String| PipelineError::Tokenizer {
         path: path.display().to_string(),
-        message,
+        message: message.replace('\n', " "),
     };
-    let mut tok = Tokenizer::from_file(path).map_err(|e| bad(e.to_string()))?;
+    let text = std::fs::read_to_string(path).map_err(PipelineError::io(path))?;
+    let mut tok: Tokenizer =
+        text.parse()
+            .map_err(|e: Box<dyn std::error::Error + Send + Sync>| {
+                bad(diagnose_tokenizer(&text).unwrap_or_else(|| e.to_string()))
+            })?;
     let (pad_token, pad_id) = pad_tokens
         .iter()
         .find_map(|t| tok.token_to_id(t).map(|id| (t.to_string(), id)))
@@ -52,6 +57,58 @@ pub fn load_tokenizer(path: &Path, len: usize, pad_tokens: &[&str]) -> Result<To
         ..Default::default()
     }));
     Ok(tok)
+}
+
+/// Why a `tokenizer.json` the tokenizers crate refused does not load, naming the
+/// top-level field at fault (`model`, `pre_tokenizer`, …), each tried on its own with
+/// the type the tokenizers crate reads it as; `None` when no one field is to blame (the
+/// crate's own message, with its line and column, then stands). One line.
+fn diagnose_tokenizer(text: &str) -> Option<String> {
+    use serde::de::DeserializeOwned;
+    use tokenizers::{
+        DecoderWrapper, ModelWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+    };
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let Some(map) = v.as_object() else {
+        return Some(
+            "not a JSON object: a tokenizer.json is an object with a `model` (WordLevel, BPE, WordPiece, Unigram)"
+                .into(),
+        );
+    };
+    if !map.contains_key("model") {
+        return Some(
+            "model: missing: a tokenizer.json names its model (WordLevel, BPE, WordPiece, Unigram)"
+                .into(),
+        );
+    }
+    fn field<T: DeserializeOwned>(
+        map: &serde_json::Map<String, serde_json::Value>,
+        key: &str,
+    ) -> Option<String> {
+        let v = map.get(key)?.clone();
+        serde_json::from_value::<T>(v)
+            .err()
+            .map(|e| format!("{key}: {e}").replace('\n', " "))
+    }
+    if let Some(v) = map.get("version") {
+        if v.as_str() != Some("1.0") {
+            return Some(format!(
+                "version: {v} is not \"1.0\", the only tokenizer.json version"
+            ));
+        }
+    }
+    field::<ModelWrapper>(map, "model")
+        .or_else(|| field::<Option<NormalizerWrapper>>(map, "normalizer"))
+        .or_else(|| field::<Option<PreTokenizerWrapper>>(map, "pre_tokenizer"))
+        .or_else(|| field::<Option<PostProcessorWrapper>>(map, "post_processor"))
+        .or_else(|| field::<Option<DecoderWrapper>>(map, "decoder"))
+        .or_else(|| field::<Option<TruncationParams>>(map, "truncation"))
+        .or_else(|| field::<Option<PaddingParams>>(map, "padding"))
+        .or_else(|| {
+            map.get("added_tokens")
+                .filter(|t| !t.is_array())
+                .map(|t| format!("added_tokens: {t} is not a list of tokens"))
+        })
 }
 
 /// Token ids of `prompt`, exactly the tokenizer's fixed length.
@@ -73,9 +130,20 @@ pub(crate) fn weight_bytes(
 ) -> Result<u64> {
     let mut n = 0u64;
     for f in files {
-        for (name, (_, shape)) in mold_exec::checkpoint::read_header(f)? {
+        let h = mold_models::checkpoint::read_header(f).map_err(|e| PipelineError::Config {
+            path: f.display().to_string(),
+            message: e.to_string(),
+        })?;
+        for (name, t) in h.tensors {
             if keep(&name) {
-                n += shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64;
+                let elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                n = elems
+                    .and_then(|e| e.checked_mul(dtype.size_in_bytes() as u64))
+                    .and_then(|b| n.checked_add(b))
+                    .ok_or_else(|| PipelineError::Config {
+                        path: f.display().to_string(),
+                        message: format!("tensor `{name}`: its size overflows"),
+                    })?;
             }
         }
     }

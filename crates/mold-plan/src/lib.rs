@@ -9,7 +9,7 @@
 mod bytes;
 mod types;
 
-pub use bytes::{ByteSize, ByteSizeError, GIB, KIB, MIB};
+pub use bytes::{ByteSize, ByteSizeError, GIB, MIB};
 pub use types::*;
 
 use std::path::Path;
@@ -48,7 +48,7 @@ impl Plan {
         let value: serde_yaml_ng::Value =
             serde_yaml_ng::from_str(text).map_err(|e| PlanError::Parse {
                 source_name: source_name.to_string(),
-                message: format!("not valid YAML: {e}"),
+                message: one_line(&format!("not valid YAML: {e}")),
             })?;
         let map = value.as_mapping().ok_or_else(|| PlanError::Parse {
             source_name: source_name.to_string(),
@@ -101,7 +101,7 @@ impl Plan {
     }
 
     /// Checks that need nothing but the plan itself.
-    pub fn check_structure(&self, source_name: &str) -> Result<(), PlanError> {
+    fn check_structure(&self, source_name: &str) -> Result<(), PlanError> {
         let invalid = |field: String, message: String| PlanError::Invalid {
             source_name: source_name.into(),
             field,
@@ -114,11 +114,51 @@ impl Plan {
             });
         }
         let w = &self.workload;
-        if w.width == 0 || w.height == 0 || w.frames == 0 || w.batch == 0 || w.steps == 0 {
-            return Err(invalid(
-                "workload".into(),
-                "width, height, frames, batch and steps must all be at least 1".into(),
-            ));
+        for (field, v) in [
+            ("width", w.width),
+            ("height", w.height),
+            ("frames", w.frames),
+            ("batch", w.batch),
+            ("steps", w.steps),
+        ] {
+            if v == 0 {
+                return Err(invalid(
+                    format!("workload.{field}"),
+                    "0: must be at least 1".into(),
+                ));
+            }
+        }
+        // Figures are finite and not negative (NaN fails every comparison: test it first).
+        let figures = [
+            ("workload.guidance", w.guidance),
+            ("workload.cfg_scale", w.cfg_scale),
+            ("predicted.step_time_s", Some(self.predicted.step_time_s)),
+            (
+                "predicted.request_time_s",
+                Some(self.predicted.request_time_s),
+            ),
+            (
+                "predicted.encode_time_s",
+                Some(self.predicted.encode_time_s),
+            ),
+            (
+                "predicted.denoise_time_s",
+                Some(self.predicted.denoise_time_s),
+            ),
+            (
+                "predicted.decode_time_s",
+                Some(self.predicted.decode_time_s),
+            ),
+            ("solver.objective_value", Some(self.solver.objective_value)),
+            ("solver.solve_time_ms", Some(self.solver.solve_time_ms)),
+        ];
+        for (field, v) in figures {
+            if let Some(x) = v.filter(|x| !(x.is_finite() && *x >= 0.0)) {
+                return Err(invalid(
+                    field.into(),
+                    format!("{x} is not allowed: give a finite number ≥ 0"),
+                ));
+            }
         }
         if self.components.is_empty() {
             return Err(invalid(
@@ -131,13 +171,19 @@ impl Plan {
             if !seen.insert(c.name.as_str()) {
                 return Err(invalid(
                     format!("components[{ci}].name"),
-                    format!("component `{}` appears twice: keep one entry", c.name),
+                    format!(
+                        "component `{}` appears twice: keep one entry",
+                        c.name.escape_debug()
+                    ),
                 ));
             }
             if c.parts.is_empty() {
                 return Err(invalid(
                     format!("components[{ci}].parts"),
-                    format!("component `{}` has no parts: give it at least one", c.name),
+                    format!(
+                        "component `{}` has no parts: give it at least one",
+                        c.name.escape_debug()
+                    ),
                 ));
             }
             for (pi, p) in c.parts.iter().enumerate() {
@@ -204,43 +250,34 @@ impl Plan {
             .iter()
             .find(|c| c.role == ComponentRole::Transformer)
     }
-
-    /// Every device the plan uses, in first-use order (host excluded).
-    pub fn devices_used(&self) -> Vec<DeviceId> {
-        let mut out: Vec<DeviceId> = Vec::new();
-        for c in &self.components {
-            for p in &c.parts {
-                for d in &p.devices {
-                    if !d.is_host() && !out.contains(d) {
-                        out.push(d.clone());
-                    }
-                }
-            }
-        }
-        out
-    }
 }
 
 /// Deserializes a YAML value, prefixing any error with the path of the field at fault
-/// (`components[1].parts[0].devices: …`).
-pub fn from_value_with_path<T: serde::de::DeserializeOwned>(
+/// (`components[1].parts[0].devices: …`). The message is one line, line breaks in what
+/// the file held escaped.
+fn from_value_with_path<T: serde::de::DeserializeOwned>(
     value: serde_yaml_ng::Value,
 ) -> Result<T, String> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
-        if path == "." || path.is_empty() {
+        one_line(&if path == "." || path.is_empty() {
             e.into_inner().to_string()
         } else {
             format!("{path}: {}", e.into_inner())
-        }
+        })
     })
 }
 
-/// Parses YAML text into `T`, naming the field at fault in any error.
+/// Parses YAML text into `T`, naming the field at fault in any error (one line).
 pub fn from_yaml_with_path<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
     let value: serde_yaml_ng::Value =
-        serde_yaml_ng::from_str(text).map_err(|e| format!("not valid YAML: {e}"))?;
+        serde_yaml_ng::from_str(text).map_err(|e| one_line(&format!("not valid YAML: {e}")))?;
     from_value_with_path(value)
+}
+
+/// `s` with line breaks escaped, so that a refusal is one line whatever the file held.
+fn one_line(s: &str) -> String {
+    s.replace('\r', "\\r").replace('\n', "\\n")
 }
 
 #[cfg(test)]

@@ -123,12 +123,44 @@ fn structural_errors_name_the_field() {
             "memory: lots\n  - id: cuda:1",
             "not a size",
         ),
+        ("width: 1024", "width: 0", "p.yaml: workload.width: 0"),
+        ("steps: 28", "steps: 0", "p.yaml: workload.steps: 0"),
+        (
+            "guidance: 3.5",
+            "guidance: .nan",
+            "p.yaml: workload.guidance: NaN",
+        ),
+        (
+            "guidance: 3.5",
+            "guidance: -1",
+            "p.yaml: workload.guidance: -1",
+        ),
+        (
+            "step_time_s: 0.5",
+            "step_time_s: .inf",
+            "p.yaml: predicted.step_time_s: inf",
+        ),
+        (
+            "request_time_s: 14.2",
+            "request_time_s: -14.2",
+            "p.yaml: predicted.request_time_s: -14.2",
+        ),
+        (
+            "solve_time_ms: 3.0",
+            "solve_time_ms: .nan",
+            "p.yaml: solver.solve_time_ms: NaN",
+        ),
+        (
+            "- name: t5",
+            "- name: \"t\\n5\"\n  role: encoder\n  dtype: fp16\n  parts: []\n- name: t5",
+            "components[0].parts",
+        ),
     ];
     for (from, to, want) in cases {
         let bad = SAMPLE.replacen(from, to, 1);
         assert_ne!(bad, SAMPLE, "{from}");
         let e = Plan::from_yaml(&bad, "p.yaml").unwrap_err().to_string();
-        assert!(e.contains(want), "{to}: {e}");
+        assert!(e.contains(want) && !e.contains('\n'), "{to}: {e}");
     }
 }
 

@@ -27,7 +27,7 @@ impl DType {
     ];
 
     /// Bytes per parameter as a fraction (numerator, denominator).
-    pub fn bytes_ratio(self) -> (u64, u64) {
+    fn bytes_ratio(self) -> (u64, u64) {
         match self {
             DType::F32 => (4, 1),
             DType::Bf16 | DType::Fp16 => (2, 1),
@@ -333,9 +333,6 @@ pub struct Part {
 }
 
 impl Part {
-    pub fn tp_degree(&self) -> usize {
-        self.devices.len()
-    }
     pub fn buffers(&self) -> u32 {
         match self.residency {
             Residency::Resident => 0,

@@ -1,241 +1,379 @@
-//! An exhaustive enumerator over every valid plan of a small request, used to check the
-//! integer program: same candidate groups, every split of every kind's blocks over
-//! (group, resident/streamed) that can be laid out contiguously, every component
-//! placement; costs summed directly from `mold-cost`'s per-block figures.
+//! An exhaustive enumerator over every valid plan of a small request: the integer
+//! program's check, and its stand-in where the solver fails on a small instance.
+//!
+//! It shares the problem's data with the integer program (`problem.rs`: block costs,
+//! component options, budgets, reserves) but neither its encoding nor its candidate
+//! groups: it forms device groups itself from every subset of the allowed devices, and
+//! sums costs directly. [`Space::Aligned`] keeps the groups the integer program
+//! considers (tensor-parallel groups are aligned runs of consecutive allowed devices),
+//! stated here as a rule on subsets rather than generated; [`Space::All`] keeps every
+//! subset, to see what that restriction costs.
 
-use crate::ilp::{
-    block_costs, candidate_groups, component_options, GroupChoice, MEMORY_LATENCY_WEIGHT,
-};
-use crate::{Choice, Family, Objective, Request};
-use mold_cost::Ctx;
-use mold_plan::GIB;
+use crate::problem::{family_of, Choice, GroupChoice, Problem};
+use crate::{Family, Request};
+use mold_cost::BlockCost;
+use mold_plan::DeviceId;
 use std::collections::BTreeMap;
 
-/// Every way to write `total` as an ordered sum of `slots` non-negative parts.
-fn compositions(total: u32, slots: usize) -> Vec<Vec<u32>> {
-    if slots == 0 {
-        return if total == 0 { vec![vec![]] } else { vec![] };
-    }
-    let mut out = Vec::new();
-    for first in 0..=total {
-        for mut rest in compositions(total - first, slots - 1) {
-            rest.insert(0, first);
-            out.push(rest);
+/// Which device groups the enumeration forms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Space {
+    /// Every subset of the allowed devices (of a permitted tensor-parallel degree).
+    All,
+    /// Single devices, and tensor-parallel groups that are aligned runs of consecutive
+    /// allowed devices: the integer program's candidates.
+    Aligned,
+}
+
+/// The best plan of each family (indexed as [`Family::ALL`]) and how many valid plans of
+/// it were looked at.
+pub type PerFamily = [(Option<Choice>, u64); 4];
+
+/// The best plan of `family` (or of all families) and how many valid plans were looked
+/// at.
+pub fn best(req: &Request, family: Option<Family>, space: Space) -> (Option<Choice>, u64) {
+    let all = best_per_family(req, space);
+    match family {
+        Some(f) => {
+            let i = Family::ALL.iter().position(|x| *x == f).unwrap_or(0);
+            all[i].clone()
+        }
+        None => {
+            let seen = all.iter().map(|(_, n)| n).sum();
+            let best =
+                all.into_iter()
+                    .filter_map(|(c, _)| c)
+                    .fold(None::<Choice>, |b, c| match b {
+                        Some(b) if b.objective <= c.objective => Some(b),
+                        _ => Some(c),
+                    });
+            (best, seen)
         }
     }
+}
+
+/// Device groups of `space`, by subset of the allowed devices.
+fn groups(p: &Problem, space: Space) -> Vec<Vec<DeviceId>> {
+    let n = p.allowed.len();
+    let mut out = Vec::new();
+    for mask in 1u32..(1u32 << n) {
+        let members: Vec<usize> = (0..n).filter(|i| mask & (1 << i) != 0).collect();
+        let size = members.len();
+        if size > 1 && !p.tp_degree_allowed(size) {
+            continue;
+        }
+        let aligned =
+            members[0].is_multiple_of(size) && members.windows(2).all(|w| w[1] == w[0] + 1);
+        if space == Space::Aligned && !aligned {
+            continue;
+        }
+        out.push(members.iter().map(|&i| p.allowed[i].clone()).collect());
+    }
+    // Singles first, then by size: the order plans are reported in.
+    out.sort_by_key(|g: &Vec<DeviceId>| g.len());
     out
 }
 
-/// Whether per-group kind sets can be laid out as contiguous ranges.
-pub fn contiguous(uses: &[Vec<bool>], counts: &[u32], blocks: &[Vec<u32>]) -> bool {
-    let nk = counts.len();
-    for (g, u) in uses.iter().enumerate() {
-        let has: Vec<usize> = (0..nk).filter(|&k| u[k]).collect();
-        if has.is_empty() {
-            continue;
-        }
-        let (a, b) = (has[0], *has.last().unwrap());
-        for m in a + 1..b {
-            if blocks[g][m] != counts[m] {
-                return false; // a group spanning three kinds must run all of the middle one
-            }
-        }
-    }
-    for j in 0..nk.saturating_sub(1) {
-        if uses.iter().filter(|u| u[j] && u[j + 1]).count() > 1 {
-            return false;
-        }
-    }
-    true
-}
-
-fn family_of(groups: &[Vec<mold_plan::DeviceId>], used: &[bool]) -> Family {
-    let n_used = used.iter().filter(|u| **u).count();
-    let tp = groups
+/// The number of ways to split `n` blocks over `slots` places, a bound on what
+/// [`best`] walks, for deciding whether it is small enough to run.
+pub fn size(req: &Request, space: Space) -> f64 {
+    let p = Problem::new(req);
+    let slots = groups(&p, space).len() * if p.stream { 2 } else { 1 };
+    let placements: f64 = p
+        .components
         .iter()
-        .zip(used)
-        .filter(|(g, u)| **u && g.len() > 1)
-        .count();
-    match (n_used, tp) {
-        (1, 0) => Family::Single,
-        (_, 0) => Family::Split,
-        (1, _) => Family::Tensor,
-        _ => Family::Mixed,
-    }
+        .map(|c| c.options.len() as f64)
+        .product();
+    p.counts
+        .iter()
+        .map(|&c| binomial(c as u64 + slots as u64, slots as u64))
+        .product::<f64>()
+        * placements.max(1.0)
 }
 
-/// The best plan of `family` (or of all) and how many valid plans were looked at.
-pub fn best(req: &Request, family: Option<Family>) -> (Option<Choice>, u64) {
-    let ctx = Ctx::new(&req.model, &req.machine, &req.workload);
-    let groups = candidate_groups(req);
-    let bc = block_costs(req, &ctx, &groups);
-    let comps = component_options(req, &ctx);
-    let kinds = &req.model.transformer.kinds;
-    let nk = kinds.len();
-    let counts: Vec<u32> = kinds.iter().map(|k| k.count).collect();
-    let stream = req.constraints.stream;
-    let res_opts = if stream { 2 } else { 1 };
-    let slots = groups.len() * res_opts;
-    let per_kind: Vec<Vec<Vec<u32>>> = counts.iter().map(|c| compositions(*c, slots)).collect();
-    let dtype = req.dtype("transformer");
-    let handoff = ctx.handoff_s(dtype);
-    let stem = req.model.transformer.stem_bytes(dtype);
-    let nbuf = req.constraints.stream_buffers as u64;
-    let steps = req.workload.steps as f64;
+fn binomial(n: u64, k: u64) -> f64 {
+    let k = k.min(n - k.min(n));
+    (0..k).fold(1.0, |acc, i| acc * (n - i) as f64 / (i + 1) as f64)
+}
+
+struct Walk<'p, 'a> {
+    p: &'p Problem<'a>,
+    groups: Vec<Vec<DeviceId>>,
+    /// Machine index of each group's devices.
+    members: Vec<Vec<usize>>,
+    costs: Vec<Vec<BlockCost>>,
+    /// Per group: (resident, streamed) of each kind.
+    pick: Vec<Vec<(u32, u32)>>,
+    best: PerFamily,
+}
+
+/// Every valid plan, best of each family.
+pub fn best_per_family(req: &Request, space: Space) -> PerFamily {
+    let p = Problem::new(req);
+    let groups = groups(&p, space);
     let devs = &req.machine.devices;
-    let mut best: Option<Choice> = None;
-    let mut seen = 0u64;
+    let members = groups
+        .iter()
+        .map(|g| {
+            g.iter()
+                .filter_map(|id| devs.iter().position(|d| &d.id == id))
+                .collect()
+        })
+        .collect();
+    let costs = groups.iter().map(|g| p.costs(g)).collect();
+    let mut w = Walk {
+        p: &p,
+        members,
+        costs,
+        pick: Vec::new(),
+        best: Default::default(),
+        groups,
+    };
+    let remaining = p.counts.clone();
+    w.group(0, &remaining);
+    w.best
+}
 
-    // Component placements: every combination of allowed locations.
-    let mut placements: Vec<Vec<usize>> = vec![vec![]];
-    for (_, opts) in &comps {
-        placements = placements
-            .into_iter()
-            .flat_map(|p| {
-                (0..opts.len()).map(move |i| {
-                    let mut q = p.clone();
-                    q.push(i);
-                    q
-                })
-            })
-            .collect();
+impl Walk<'_, '_> {
+    /// Chooses the blocks of group `g` onwards; `remaining` of each kind are unplaced.
+    fn group(&mut self, g: usize, remaining: &[u32]) {
+        if g == self.groups.len() {
+            if remaining.iter().all(|r| *r == 0) {
+                self.leaf();
+            }
+            return;
+        }
+        let mut pick = vec![(0u32, 0u32); remaining.len()];
+        self.kind(g, 0, remaining, &mut pick);
     }
 
-    let mut idx = vec![0usize; nk];
-    'outer: loop {
-        // blocks[g][k] = resident + streamed; res[g][k], st[g][k].
-        let mut res = vec![vec![0u32; nk]; groups.len()];
-        let mut st = vec![vec![0u32; nk]; groups.len()];
-        for k in 0..nk {
-            let c = &per_kind[k][idx[k]];
-            for g in 0..groups.len() {
-                res[g][k] = c[g * res_opts];
-                if stream {
-                    st[g][k] = c[g * res_opts + 1];
-                }
+    /// Chooses group `g`'s (resident, streamed) blocks of kind `k` onwards.
+    fn kind(&mut self, g: usize, k: usize, remaining: &[u32], pick: &mut Vec<(u32, u32)>) {
+        if k == remaining.len() {
+            if !self.interval(pick) || !self.fits_so_far(g, pick) {
+                return;
+            }
+            let rest: Vec<u32> = remaining
+                .iter()
+                .zip(pick.iter())
+                .map(|(r, (a, b))| r - a - b)
+                .collect();
+            self.pick.push(pick.clone());
+            self.group(g + 1, &rest);
+            self.pick.pop();
+            return;
+        }
+        for total in 0..=remaining[k] {
+            let streamed_max = if self.p.stream { total } else { 0 };
+            for s in 0..=streamed_max {
+                pick[k] = (total - s, s);
+                self.kind(g, k + 1, remaining, pick);
             }
         }
-        let blocks: Vec<Vec<u32>> = (0..groups.len())
-            .map(|g| (0..nk).map(|k| res[g][k] + st[g][k]).collect())
+        pick[k] = (0, 0);
+    }
+
+    /// A group's kinds form an interval, all of any middle kind's blocks included.
+    fn interval(&self, pick: &[(u32, u32)]) -> bool {
+        let used: Vec<usize> = (0..pick.len())
+            .filter(|&k| pick[k].0 + pick[k].1 > 0)
             .collect();
-        let uses: Vec<Vec<bool>> = blocks
+        let (Some(&a), Some(&b)) = (used.first(), used.last()) else {
+            return true;
+        };
+        (a + 1..b).all(|m| pick[m].0 + pick[m].1 == self.p.counts[m])
+    }
+
+    /// Transformer memory of the groups chosen so far (with `pick` for group `g`) fits
+    /// every device: a bound, since later groups only add.
+    fn fits_so_far(&self, g: usize, pick: &[(u32, u32)]) -> bool {
+        let mut picks: Vec<(usize, &[(u32, u32)])> = self
+            .pick
             .iter()
-            .map(|b| b.iter().map(|n| *n > 0).collect())
+            .enumerate()
+            .map(|(i, p)| (i, p.as_slice()))
             .collect();
-        let used: Vec<bool> = uses.iter().map(|u| u.iter().any(|x| *x)).collect();
-        let fam_ok = family.is_none_or(|f| family_of(&groups, &used) == f);
-        if fam_ok && contiguous(&uses, &counts, &blocks) {
-            // Transformer: time per step and memory per device.
-            let mut step = 0.0;
-            let mut mem = vec![0u64; devs.len()];
-            let mut act = vec![0u64; devs.len()];
-            let mut pinned = 0u64;
-            for g in 0..groups.len() {
-                if !used[g] {
-                    continue;
-                }
-                step += handoff;
-                let mut fill: f64 = 0.0;
-                let mut buf = 0u64;
-                for k in 0..nk {
-                    let b = &bc[g][k];
-                    step += b.group_kind_s(res[g][k] as u64, st[g][k] as u64);
-                    if st[g][k] > 0 {
-                        fill = fill.max(b.fill_s());
-                        buf = buf.max(nbuf * b.weight_bytes);
-                        pinned += st[g][k] as u64 * b.weight_bytes * groups[g].len() as u64;
-                    }
-                    for (di, d) in devs.iter().enumerate() {
-                        if groups[g].contains(&d.id) {
-                            mem[di] += res[g][k] as u64 * b.weight_bytes;
-                            if uses[g][k] {
-                                act[di] = act[di].max(b.activation_bytes);
-                            }
-                        }
-                    }
-                }
-                step += fill;
-                for (di, d) in devs.iter().enumerate() {
-                    if groups[g].contains(&d.id) {
-                        mem[di] += buf;
-                    }
-                }
-            }
-            step -= handoff;
-            for (di, d) in devs.iter().enumerate() {
-                if groups
-                    .iter()
-                    .zip(&used)
-                    .any(|(g, u)| *u && g.contains(&d.id))
-                {
-                    mem[di] += stem;
-                }
-            }
-            if pinned <= req.machine.host.pinned_limit.0 {
-                for p in &placements {
-                    let mut m = mem.clone();
-                    let mut a = act.clone();
-                    let mut host = pinned;
-                    let mut t = steps * step;
-                    for (ci, (_, opts)) in comps.iter().enumerate() {
-                        let o = &opts[p[ci]];
-                        t += o.seconds;
-                        match devs.iter().position(|d| d.id == o.at) {
-                            Some(di) => {
-                                m[di] += o.weight_bytes;
-                                a[di] = a[di].max(o.activation_bytes);
-                            }
-                            None => host += o.weight_bytes + o.activation_bytes,
-                        }
-                    }
-                    let fits = host <= req.machine.host.memory.0
-                        && devs
-                            .iter()
-                            .enumerate()
-                            .all(|(di, d)| m[di] + a[di] + d.headroom.0 <= d.budget.0);
-                    if !fits {
-                        continue;
-                    }
-                    seen += 1;
-                    let obj = match req.objective {
-                        Objective::Latency => t,
-                        Objective::Memory => {
-                            (0..devs.len())
-                                .map(|di| (m[di] + a[di]) as f64 / GIB as f64)
-                                .sum::<f64>()
-                                + MEMORY_LATENCY_WEIGHT * t
-                        }
-                    };
-                    if best.as_ref().is_none_or(|b| obj < b.objective) {
-                        let mut placement = BTreeMap::new();
-                        for (ci, (name, opts)) in comps.iter().enumerate() {
-                            placement.insert(name.clone(), opts[p[ci]].at.clone());
-                        }
-                        best = Some(Choice {
-                            groups: (0..groups.len())
-                                .filter(|g| used[*g])
-                                .map(|g| GroupChoice {
-                                    devices: groups[g].clone(),
-                                    resident: res[g].clone(),
-                                    streamed: st[g].clone(),
-                                })
-                                .collect(),
-                            placement,
-                            objective: obj,
-                        });
-                    }
-                }
-            }
-        }
-        // Next combination of per-kind compositions.
-        for k in 0..nk {
-            idx[k] += 1;
-            if idx[k] < per_kind[k].len() {
-                continue 'outer;
-            }
-            idx[k] = 0;
-        }
-        break;
+        picks.push((g, pick));
+        let mem = self.transformer_memory(&picks);
+        mem.iter()
+            .enumerate()
+            .all(|(d, (bytes, act))| bytes + act <= self.p.cap(d))
     }
-    (best, seen)
+
+    /// Per machine device: transformer bytes held (weights, buffers, stem) and the
+    /// largest block activation.
+    fn transformer_memory(&self, picks: &[(usize, &[(u32, u32)])]) -> Vec<(u64, u64)> {
+        let n = self.p.req.machine.devices.len();
+        let mut mem = vec![(0u64, 0u64); n];
+        let mut stem = vec![false; n];
+        for (g, pick) in picks {
+            if pick.iter().all(|(r, s)| r + s == 0) {
+                continue;
+            }
+            let mut buffer = 0u64;
+            for (k, (r, s)) in pick.iter().enumerate() {
+                let c = &self.costs[*g][k];
+                for &d in &self.members[*g] {
+                    mem[d].0 += *r as u64 * c.weight_bytes;
+                    if r + s > 0 {
+                        mem[d].1 = mem[d].1.max(c.activation_bytes);
+                    }
+                }
+                if *s > 0 {
+                    buffer = buffer.max(self.p.buffers * c.weight_bytes);
+                }
+            }
+            for &d in &self.members[*g] {
+                mem[d].0 += buffer;
+                stem[d] = true;
+            }
+        }
+        for (d, s) in stem.iter().enumerate() {
+            if *s {
+                mem[d].0 += self.p.stem;
+            }
+        }
+        mem
+    }
+
+    /// A complete split of the blocks: check it can be laid out, then price it with
+    /// every component placement.
+    fn leaf(&mut self) {
+        let nk = self.p.counts.len();
+        let used: Vec<usize> = (0..self.groups.len())
+            .filter(|&g| self.pick[g].iter().any(|(r, s)| r + s > 0))
+            .collect();
+        // At most one group straddles each boundary between consecutive kinds.
+        for j in 0..nk.saturating_sub(1) {
+            let straddling = used
+                .iter()
+                .filter(|&&g| {
+                    let p = &self.pick[g];
+                    p[j].0 + p[j].1 > 0 && p[j + 1].0 + p[j + 1].1 > 0
+                })
+                .count();
+            if straddling > 1 {
+                return;
+            }
+        }
+        let family = family_of(
+            &used
+                .iter()
+                .map(|&g| &self.groups[g][..])
+                .collect::<Vec<_>>(),
+        );
+        let picks: Vec<(usize, &[(u32, u32)])> =
+            used.iter().map(|&g| (g, self.pick[g].as_slice())).collect();
+        let mem = self.transformer_memory(&picks);
+        let mut step = self.p.handoff_s * (used.len() as f64 - 1.0);
+        let mut pinned = 0u64;
+        for &g in &used {
+            let mut fill: f64 = 0.0;
+            for (k, (r, s)) in self.pick[g].iter().enumerate() {
+                let c = &self.costs[g][k];
+                step += c.group_kind_s(*r as u64, *s as u64);
+                if *s > 0 {
+                    fill = fill.max(c.fill_s());
+                    pinned += *s as u64 * c.weight_bytes * self.groups[g].len() as u64;
+                }
+            }
+            step += fill;
+        }
+        let host = &self.p.req.machine.host;
+        if pinned > host.pinned_limit.0 {
+            return;
+        }
+        let runs: Vec<bool> = mem.iter().map(|(b, _)| *b > 0).collect();
+        let reserve = self.p.transformer_reserve(family);
+        let fi = Family::ALL.iter().position(|f| *f == family).unwrap_or(0);
+        let comps = &self.p.components;
+        let mut at = vec![0usize; comps.len()];
+        loop {
+            self.price(&mem, &runs, reserve, pinned, step, &at, fi, &used);
+            // Next placement.
+            let mut i = 0;
+            loop {
+                if i == comps.len() {
+                    return;
+                }
+                at[i] += 1;
+                if at[i] < comps[i].options.len() {
+                    break;
+                }
+                at[i] = 0;
+                i += 1;
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn price(
+        &mut self,
+        mem: &[(u64, u64)],
+        runs: &[bool],
+        reserve: u64,
+        pinned: u64,
+        step: f64,
+        at: &[usize],
+        fi: usize,
+        used: &[usize],
+    ) {
+        let devs = &self.p.req.machine.devices;
+        let mut m: Vec<(u64, u64)> = mem.to_vec();
+        let mut extra = vec![0u64; devs.len()];
+        let mut host = pinned;
+        let mut t = self.p.steps * step;
+        for (c, &i) in self.p.components.iter().zip(at) {
+            let Some(o) = c.options.get(i) else { return };
+            t += o.seconds;
+            match devs.iter().position(|d| d.id == o.at) {
+                Some(d) => {
+                    m[d].0 += o.weight_bytes;
+                    m[d].1 = m[d].1.max(o.activation_bytes);
+                    if c.is_vae {
+                        extra[d] += self.p.vae_reserve();
+                    }
+                }
+                None => host += o.weight_bytes + o.activation_bytes,
+            }
+        }
+        if host > self.p.req.machine.host.memory.0 {
+            return;
+        }
+        for d in 0..devs.len() {
+            let r = if runs[d] { reserve } else { 0 };
+            if m[d].0 + m[d].1 + r + extra[d] > self.p.cap(d) {
+                return;
+            }
+        }
+        self.best[fi].1 += 1;
+        let bytes: u64 = m.iter().map(|(b, a)| b + a).sum();
+        let objective = self.p.objective(t, bytes);
+        if self.best[fi]
+            .0
+            .as_ref()
+            .is_some_and(|b| b.objective <= objective)
+        {
+            return;
+        }
+        let placement: BTreeMap<String, mold_plan::DeviceId> = self
+            .p
+            .components
+            .iter()
+            .zip(at)
+            .map(|(c, &i)| (c.name.clone(), c.options[i].at.clone()))
+            .collect();
+        self.best[fi].0 = Some(Choice {
+            groups: used
+                .iter()
+                .map(|&g| GroupChoice {
+                    devices: self.groups[g].clone(),
+                    resident: self.pick[g].iter().map(|(r, _)| *r).collect(),
+                    streamed: self.pick[g].iter().map(|(_, s)| *s).collect(),
+                })
+                .collect(),
+            placement,
+            objective,
+        });
+    }
 }

@@ -1,5 +1,6 @@
 //! User constraints: from flags (`--pin`, `--tp`, `--no-stream`, …) or a YAML file
-//! (`--constraints`), with the same meaning.
+//! (`--constraints`), with the same meaning. The file's refusals are one line naming the
+//! file and the field (`my.yaml: pin.t5: empty: …`).
 
 use crate::{Objective, PlanError};
 use mold_machine::Machine;
@@ -138,13 +139,39 @@ impl From<ObjectiveName> for Objective {
 
 impl ConstraintsFile {
     pub fn from_yaml(text: &str, source_name: &str) -> Result<ConstraintsFile, PlanError> {
+        let bad = |field: String, message: String| {
+            PlanError::Constraint(format!("{source_name}: {field}: {message}"))
+        };
         let f: ConstraintsFile = mold_plan::from_yaml_with_path(text)
             .map_err(|e| PlanError::Constraint(format!("{source_name}: {e}")))?;
         if let Some(b) = f.stream_buffers {
             if b < 2 {
-                return Err(PlanError::Constraint(format!(
-                    "{source_name}: stream_buffers: {b}: streaming needs at least 2 buffers"
-                )));
+                return Err(bad(
+                    "stream_buffers".into(),
+                    format!("{b}: streaming needs at least 2 buffers"),
+                ));
+            }
+        }
+        let lists = f
+            .devices
+            .iter()
+            .map(|d| ("devices".to_string(), d.clone()))
+            .chain(
+                f.pin
+                    .iter()
+                    .map(|(c, d)| (format!("pin.{}", c.escape_debug()), d.devices())),
+            );
+        for (field, devs) in lists {
+            if devs.is_empty() {
+                return Err(bad(
+                    field,
+                    "empty: name at least one device, e.g. [cuda:0]".into(),
+                ));
+            }
+            for (i, d) in devs.iter().enumerate() {
+                if devs[..i].contains(d) {
+                    return Err(bad(field, format!("{d} is listed twice: name it once")));
+                }
             }
         }
         Ok(f)

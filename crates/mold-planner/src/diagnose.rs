@@ -1,11 +1,11 @@
 //! Why no plan fits, in numbers, and the cheapest relaxation that would make one fit.
 
-use crate::{ilp, Request, TpChoice};
+use crate::{search, Request, TpChoice};
 use mold_cost::Ctx;
 use mold_plan::ByteSize;
 
 fn gb(b: u64) -> String {
-    format!("{:.1} GB", b as f64 / 1e9)
+    crate::report::decimal_bytes(b)
 }
 
 /// A one-paragraph explanation: what does not fit where, by how much, and what to relax.
@@ -26,7 +26,7 @@ pub fn explain(req: &Request) -> String {
         .max_by_key(|c| c.1)
         .cloned()
         .unwrap_or(("none".into(), 0));
-    let sum: u64 = caps.iter().map(|c| c.1).sum();
+    let sum: u64 = caps.iter().map(|c| c.1).fold(0, u64::saturating_add);
     let one = [req.machine.devices[0].id.clone()];
     let (buf, act) = t.kinds.iter().fold((0u64, 0u64), |(b, a), k| {
         let bc = ctx.block(k, &one, dtype);
@@ -34,7 +34,7 @@ pub fn explain(req: &Request) -> String {
     });
     let mut facts = vec![format!(
         "transformer needs {} resident ({} {dtype} weights + {} activations at {}x{}); largest budget {} ({big_id}){}",
-        gb(total + act),
+        gb(total.saturating_add(act)),
         gb(total),
         gb(act),
         req.workload.width,
@@ -48,7 +48,10 @@ pub fn explain(req: &Request) -> String {
     )];
     // The least a device needs to run the transformer at all: stem, stream buffers and
     // the largest block's activations.
-    let floor = t.stem_bytes(dtype) + req.constraints.stream_buffers as u64 * buf + act;
+    let floor = t
+        .stem_bytes(dtype)
+        .saturating_add((req.constraints.stream_buffers as u64).saturating_mul(buf))
+        .saturating_add(act);
     if floor > big {
         facts.push(format!(
             "even streaming every block needs {} on one device (stem, {} block buffers, activations at {}x{}) > {}",
@@ -61,7 +64,9 @@ pub fn explain(req: &Request) -> String {
     }
     for c in &req.model.components {
         let d = req.dtype(&c.name);
-        let need = c.weight_bytes(d) + ctx.component_activation(c, d);
+        let need = c
+            .weight_bytes(d)
+            .saturating_add(ctx.component_activation(c, d));
         if need > big && !req.constraints.allowed(&c.name, &mold_plan::DeviceId::Host) {
             facts.push(format!(
                 "{} needs {} and may not run on the host",
@@ -109,9 +114,12 @@ pub fn explain(req: &Request) -> String {
     if tries.len() > 1 {
         tries.push(("lift every constraint (streaming, --tp auto, no pins)", all));
     }
+    // Each relaxation gets a share of one family's time: a relaxation the search cannot
+    // settle in it is passed over.
+    let limit = req.time_limit / 4;
     let mut advice = None;
     for (what, r) in &tries {
-        if let Ok(Some(_)) = ilp::solve(r, None) {
+        if search::solve_family(r, None, limit).choice.is_some() {
             advice = Some(format!("cheapest relaxation: {what}"));
             break;
         }

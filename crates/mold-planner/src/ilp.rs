@@ -1,7 +1,7 @@
-//! The integer program.
+//! The integer program: the problem (`problem.rs`) over the candidate groups
+//! (`candidates.rs`), encoded for good_lp's pure-Rust microlp solver.
 //!
-//! For each candidate group g (a device, or a tensor-parallel group of consecutive
-//! devices whose size divides the heads) and block kind k:
+//! For each candidate group g and block kind k:
 //!   nr[g,k], ns[g,k] ∈ 0..=count_k   resident / streamed blocks of kind k on g
 //!   u[g,k] ∈ {0,1}                    g runs some kind-k block   (u ≤ nr+ns ≤ count·u)
 //!   s[g,k] ∈ {0,1}                    g streams some kind-k block (s ≤ ns ≤ count·s)
@@ -13,178 +13,152 @@
 //! spanning three kinds runs all of the middle one. Given that, the groups can always be
 //! ordered so each runs one contiguous range (`layout.rs` does it).
 //! Per device d: components' weights + resident blocks + buffers + stem (if d runs any
-//! transformer part) + the largest activation A[d] + headroom ≤ budget.
-//! Host: streamed weights ≤ pinned limit; host components + pinned ≤ host memory.
+//! transformer part) + the largest activation A[d] + the transfer reserves + headroom ≤
+//! budget. Host: streamed weights ≤ pinned limit; host components + pinned ≤ host memory.
 //!   t[g,k] ≥ compute(g,k) · (nr+ns), t[g,k] ≥ copy(g,k) · ns   kind k's time on g
 //! Objective (latency): Σ component times + steps · (Σ t + Σ fill + hand-offs
 //! · (groups used − 1)) — `mold_cost::evaluate`'s request time, term for term.
+//!
+//! Units: bytes are counted in the instance's largest memory coefficient and seconds in
+//! its largest time coefficient, so every coefficient is at most 1 whatever the model's
+//! size (GiB and seconds made coefficients of 1e-6 on small models, beside the binaries'
+//! 1, and the solver's factorisation failed with "Singular matrix").
 
-use crate::{Family, Objective, PlanError, Request, TpChoice};
+use crate::candidates::candidate_groups;
+use crate::problem::{Choice, GroupChoice, Problem, MEMORY_LATENCY_WEIGHT};
+use crate::{Family, Objective};
 use good_lp::{
     constraint, microlp, variable, Expression, ProblemVariables, ResolutionError, Solution,
-    SolverModel, Variable,
+    SolutionStatus, SolverModel, Variable, WithTimeLimit,
 };
-use mold_cost::{BlockCost, Ctx};
 use mold_plan::{DeviceId, GIB};
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
-/// A solution: which blocks each group runs, where each component runs.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Choice {
-    /// Groups that run blocks, with resident and streamed block counts per kind.
-    pub groups: Vec<GroupChoice>,
-    /// Component name → device (or host).
-    pub placement: BTreeMap<String, DeviceId>,
-    /// The objective's value (request seconds, or GiB + ε·seconds for `memory`).
-    pub objective: f64,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct GroupChoice {
-    pub devices: Vec<DeviceId>,
-    pub resident: Vec<u32>,
-    pub streamed: Vec<u32>,
-}
-
-impl Choice {
-    pub fn streamed_blocks(&self) -> u32 {
-        self.groups.iter().flat_map(|g| g.streamed.iter()).sum()
-    }
-}
-
-/// Weight of latency in the `memory` objective (GiB per second).
-pub const MEMORY_LATENCY_WEIGHT: f64 = 1e-4;
-
-/// Candidate device groups: every allowed device alone, and tensor-parallel groups of
-/// consecutive allowed devices (aligned: [0,1], [2,3], …) of each permitted degree.
-pub fn candidate_groups(req: &Request) -> Vec<Vec<DeviceId>> {
-    let devs: Vec<DeviceId> = req
-        .machine
-        .devices
-        .iter()
-        .map(|d| d.id.clone())
-        .filter(|d| req.constraints.allowed("transformer", d))
-        .collect();
-    let mut out: Vec<Vec<DeviceId>> = devs.iter().map(|d| vec![d.clone()]).collect();
-    let n = devs.len() as u32;
-    let degrees: Vec<u32> = match req.constraints.tp {
-        TpChoice::Off => vec![],
-        TpChoice::Degree(d) => vec![d],
-        TpChoice::Auto => (2..=n).collect(),
-    };
-    for d in degrees {
-        if d < 2 || d > n || !req.model.transformer.tp_divides(d) {
-            continue;
-        }
-        for i in 0..(n / d) {
-            out.push(devs[(i * d) as usize..((i + 1) * d) as usize].to_vec());
-        }
-    }
-    out
-}
-
-/// Block costs of every kind on every group.
-pub fn block_costs(req: &Request, ctx: &Ctx, groups: &[Vec<DeviceId>]) -> Vec<Vec<BlockCost>> {
-    let dtype = req.dtype("transformer");
-    groups
-        .iter()
-        .map(|g| {
-            req.model
-                .transformer
-                .kinds
-                .iter()
-                .map(|k| ctx.block(k, g, dtype))
-                .collect()
-        })
-        .collect()
-}
-
-/// One place a component may run, and what it costs there.
+/// What one solve came to.
 #[derive(Clone, Debug)]
-pub struct ComponentOption {
-    pub at: DeviceId,
-    pub seconds: f64,
-    pub weight_bytes: u64,
-    pub activation_bytes: u64,
+pub(crate) enum Solved {
+    /// No plan of the family fits.
+    Infeasible,
+    /// A plan; `proven` when the solver proved it optimal within the time limit.
+    Plan { choice: Choice, proven: bool },
 }
 
-/// Where each component may run, and what it costs there (seconds, bytes, activation).
-pub fn component_options(req: &Request, ctx: &Ctx) -> Vec<(String, Vec<ComponentOption>)> {
-    let mut locs: Vec<DeviceId> = req.machine.devices.iter().map(|d| d.id.clone()).collect();
-    locs.push(DeviceId::Host);
-    req.model
-        .components
-        .iter()
-        .map(|c| {
-            let dtype = req.dtype(&c.name);
-            let opts = locs
-                .iter()
-                .filter(|l| req.constraints.allowed(&c.name, l))
-                .map(|l| ComponentOption {
-                    at: l.clone(),
-                    seconds: ctx.component_s(c, l, dtype),
-                    weight_bytes: c.weight_bytes(dtype),
-                    activation_bytes: ctx.component_activation(c, dtype),
-                })
-                .collect();
-            (c.name.clone(), opts)
-        })
-        .collect()
+/// Why a solve gave no answer.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Failure {
+    /// The time limit passed before any plan was found.
+    TimeLimit,
+    /// The solver failed (numerically, say).
+    Solver(String),
 }
 
-fn gib(b: u64) -> f64 {
-    b as f64 / GIB as f64
+/// Solves the program restricted to `family` within `limit`; `price`
+/// gives a choice's exact objective, or `None` when it breaks a budget (the solver
+/// meets its constraints only to tolerances).
+///
+/// Ties (identical devices, say) are broken by a second solve, in what is left of the
+/// time, that keeps the optimum and prefers fewer device groups and lower device
+/// indices, so equal machines get the plan a person would write (`cuda:0` before
+/// `cuda:3`).
+pub(crate) fn solve(
+    p: &Problem,
+    family: Family,
+    limit: Duration,
+    price: &dyn Fn(&Choice) -> Option<f64>,
+) -> Result<Solved, Failure> {
+    let start = Instant::now();
+    let (first, proven) = match solve_with(p, family, None, limit)? {
+        Solved::Plan { choice, proven } => (choice, proven),
+        Solved::Infeasible => return Ok(Solved::Infeasible),
+    };
+    let Some(exact) = price(&first) else {
+        return Err(Failure::Solver(
+            "its answer breaks a budget once rounded to whole blocks and bytes".into(),
+        ));
+    };
+    let left = limit.saturating_sub(start.elapsed());
+    let first_priced = Choice {
+        objective: exact,
+        ..first.clone()
+    };
+    if !proven || left < Duration::from_millis(20) {
+        return Ok(Solved::Plan {
+            choice: first_priced,
+            proven,
+        });
+    }
+    // The second solve is a nicety: if the solver trips on it, runs out of time, or its
+    // answer costs measurably more than the first (beyond 1e-7 relative), the first
+    // answer stands.
+    let tidy = match solve_with(p, family, Some(first.objective), left) {
+        Ok(Solved::Plan { choice: t, .. }) => price(&t)
+            .filter(|v| *v <= exact + 1e-7 * exact.abs())
+            .map(|v| Choice { objective: v, ..t }),
+        _ => None,
+    };
+    Ok(Solved::Plan {
+        choice: tidy.unwrap_or(first_priced),
+        proven,
+    })
 }
 
 fn sum<I: IntoIterator<Item = Expression>>(it: I) -> Expression {
     it.into_iter().fold(Expression::from(0.0), |a, b| a + b)
 }
 
-/// Solves the program restricted to `family` (or unrestricted); `None` when no plan of
-/// that family fits.
-///
-/// Ties (identical devices, say) are broken by a second solve that keeps the optimum and
-/// prefers fewer device groups and lower device indices, so equal machines get the plan
-/// a person would write (`cuda:0` before `cuda:3`).
-pub fn solve(req: &Request, family: Option<Family>) -> Result<Option<Choice>, PlanError> {
-    let Some(first) = solve_with(req, family, None)? else {
-        return Ok(None);
-    };
-    // The second solve is a nicety: if the solver trips on it, or its answer costs
-    // measurably more than the first (beyond 1e-7 relative: the optimum constraint is
-    // met only to the solver's tolerances), keep the first answer.
-    let tidy = solve_with(req, family, Some(first.objective))
-        .ok()
-        .flatten()
-        .filter(|t| t.objective <= first.objective + 1e-7 * first.objective.abs());
-    Ok(Some(tidy.unwrap_or(first)))
-}
-
+/// One solve: minimise the objective, or (with `optimum`, in the objective's scaled
+/// units) the tie-break among plans within it.
 fn solve_with(
-    req: &Request,
-    family: Option<Family>,
+    p: &Problem,
+    family: Family,
     optimum: Option<f64>,
-) -> Result<Option<Choice>, PlanError> {
-    let ctx = Ctx::new(&req.model, &req.machine, &req.workload);
-    let groups = candidate_groups(req);
+    limit: Duration,
+) -> Result<Solved, Failure> {
+    let req = p.req;
+    let groups = candidate_groups(p);
     let single: Vec<bool> = groups.iter().map(|g| g.len() == 1).collect();
     match family {
-        Some(Family::Single) | Some(Family::Split) if !single.iter().any(|s| *s) => {
-            return Ok(None)
+        Family::Single | Family::Split if !single.iter().any(|s| *s) => {
+            return Ok(Solved::Infeasible)
         }
-        Some(Family::Tensor) | Some(Family::Mixed) if single.iter().all(|s| *s) => return Ok(None),
+        Family::Tensor | Family::Mixed if single.iter().all(|s| *s) => {
+            return Ok(Solved::Infeasible)
+        }
         _ => {}
     }
-    let kinds = &req.model.transformer.kinds;
-    let nk = kinds.len();
-    let counts: Vec<f64> = kinds.iter().map(|k| k.count as f64).collect();
-    let bc = block_costs(req, &ctx, &groups);
-    let comps = component_options(req, &ctx);
-    let stream = req.constraints.stream;
-    let nbuf = req.constraints.stream_buffers as f64;
-    let steps = req.workload.steps as f64;
-    let handoff = ctx.handoff_s(req.dtype("transformer"));
-    let stem = gib(req.model.transformer.stem_bytes(req.dtype("transformer")));
+    let nk = p.counts.len();
+    let counts: Vec<f64> = p.counts.iter().map(|c| *c as f64).collect();
+    let bc: Vec<Vec<mold_cost::BlockCost>> = groups.iter().map(|g| p.costs(g)).collect();
+    let comps = &p.components;
+    let devs = &req.machine.devices;
+    let reserve = p.transformer_reserve(family);
+
+    // Units: the largest memory and time coefficients.
+    let mut mu: f64 = 1.0;
+    let mut tu: f64 = 0.0;
+    for c in bc.iter().flatten() {
+        mu = mu
+            .max(c.weight_bytes as f64 * p.buffers as f64)
+            .max(c.activation_bytes as f64);
+        tu = tu.max(c.resident_s()).max(c.copy_s);
+    }
+    for c in comps {
+        for o in &c.options {
+            mu = mu.max(o.weight_bytes as f64).max(o.activation_bytes as f64);
+            tu = tu.max(o.seconds);
+        }
+    }
+    mu = mu
+        .max(p.stem as f64)
+        .max(reserve as f64)
+        .max(p.vae_reserve() as f64);
+    tu = tu.max(p.handoff_s);
+    if !(tu > 0.0 && tu.is_finite()) {
+        tu = 1.0;
+    }
+    let mem = |b: u64| b as f64 / mu;
+    let sec = |s: f64| s / tu;
 
     let mut vars = ProblemVariables::new();
     let mut nr = vec![vec![]; groups.len()];
@@ -194,9 +168,12 @@ fn solve_with(
     for g in 0..groups.len() {
         for c in &counts {
             nr[g].push(vars.add(variable().integer().min(0).max(*c)));
-            ns[g].push(stream.then(|| vars.add(variable().integer().min(0).max(*c))));
+            ns[g].push(
+                p.stream
+                    .then(|| vars.add(variable().integer().min(0).max(*c))),
+            );
             u[g].push(vars.add(variable().binary()));
-            s[g].push(stream.then(|| vars.add(variable().binary())));
+            s[g].push(p.stream.then(|| vars.add(variable().binary())));
         }
     }
     let used: Vec<Variable> = groups
@@ -213,12 +190,25 @@ fn solve_with(
                 .collect()
         })
         .collect();
-    let devs = &req.machine.devices;
     let act: Vec<Variable> = devs.iter().map(|_| vars.add(variable().min(0))).collect();
     let ud: Vec<Variable> = devs.iter().map(|_| vars.add(variable().binary())).collect();
     let x: Vec<Vec<Variable>> = comps
         .iter()
-        .map(|(_, opts)| opts.iter().map(|_| vars.add(variable().binary())).collect())
+        .map(|c| {
+            c.options
+                .iter()
+                .map(|_| vars.add(variable().binary()))
+                .collect()
+        })
+        .collect();
+    // Kind k on group g: max(compute of all its blocks, copies of the streamed ones)
+    // (`BlockCost::group_kind_s`), as t[g][k] ≥ both.
+    let t: Vec<Vec<Option<Variable>>> = (0..groups.len())
+        .map(|g| {
+            (0..nk)
+                .map(|k| ns[g][k].map(|_| vars.add(variable().min(0))))
+                .collect()
+        })
         .collect();
 
     let blocks_of = |g: usize, k: usize| -> Expression {
@@ -229,62 +219,58 @@ fn solve_with(
         e
     };
 
-    // Objective pieces.
+    // Objective pieces, in time units.
     let mut comp_time = Expression::from(0.0);
-    for (ci, (_, opts)) in comps.iter().enumerate() {
-        for (oi, o) in opts.iter().enumerate() {
-            comp_time += o.seconds * x[ci][oi];
+    for (ci, c) in comps.iter().enumerate() {
+        for (oi, o) in c.options.iter().enumerate() {
+            comp_time += sec(o.seconds) * x[ci][oi];
         }
     }
-    // Kind k on group g: max(compute of all its blocks, copies of the streamed ones)
-    // (`BlockCost::group_kind_s`), as t[g][k] ≥ both.
-    let t: Vec<Vec<Option<Variable>>> = (0..groups.len())
-        .map(|g| {
-            (0..nk)
-                .map(|k| ns[g][k].map(|_| vars.add(variable().min(0))))
-                .collect()
-        })
-        .collect();
+    let handoff = sec(p.handoff_s);
     let mut step = Expression::from(-handoff);
     for g in 0..groups.len() {
         for k in 0..nk {
             match t[g][k] {
                 Some(tv) => step += tv,
-                None => step += bc[g][k].resident_s() * nr[g][k],
+                None => step += sec(bc[g][k].resident_s()) * nr[g][k],
             }
         }
         step += fill[g];
         step += handoff * used[g];
     }
-    let latency = comp_time + steps * step;
+    let latency = comp_time + p.steps * step;
 
-    // Per-device memory (GiB), reused by the memory objective.
+    // Per-device memory (memory units), reused by the memory objective.
     let mut dev_mem: Vec<Expression> = Vec::new();
     for (di, d) in devs.iter().enumerate() {
         let mut e = Expression::from(0.0);
-        for (ci, (_, opts)) in comps.iter().enumerate() {
-            for (oi, o) in opts.iter().enumerate() {
+        for (ci, c) in comps.iter().enumerate() {
+            for (oi, o) in c.options.iter().enumerate() {
                 if o.at == d.id {
-                    e += gib(o.weight_bytes) * x[ci][oi];
+                    e += mem(o.weight_bytes) * x[ci][oi];
                 }
             }
         }
         for (g, grp) in groups.iter().enumerate() {
             if grp.contains(&d.id) {
                 for k in 0..nk {
-                    e += gib(bc[g][k].weight_bytes) * nr[g][k];
+                    e += mem(bc[g][k].weight_bytes) * nr[g][k];
                 }
                 e += buf[g];
             }
         }
-        e += stem * ud[di];
+        e += mem(p.stem) * ud[di];
         e += act[di];
         dev_mem.push(e);
     }
 
     let objective = match req.objective {
         Objective::Latency => latency.clone(),
-        Objective::Memory => sum(dev_mem.iter().cloned()) + MEMORY_LATENCY_WEIGHT * latency.clone(),
+        // GiB + weight · seconds, divided by (memory unit in GiB).
+        Objective::Memory => {
+            sum(dev_mem.iter().cloned())
+                + (MEMORY_LATENCY_WEIGHT * tu * GIB as f64 / mu) * latency.clone()
+        }
     };
     // The tie-break: a group or placement costs 1 + the indices of its devices (the host
     // counts as the last).
@@ -293,17 +279,18 @@ fn solve_with(
     for (g, grp) in groups.iter().enumerate() {
         tiebreak += (1.0 + grp.iter().map(index).sum::<f64>()) * used[g];
     }
-    for (ci, (_, opts)) in comps.iter().enumerate() {
-        for (oi, o) in opts.iter().enumerate() {
+    for (ci, c) in comps.iter().enumerate() {
+        for (oi, o) in c.options.iter().enumerate() {
             tiebreak += (1.0 + index(&o.at)) * x[ci][oi];
         }
     }
     let mut problem = match optimum {
         None => vars.minimise(objective.clone()).using(microlp),
         Some(v) => vars.minimise(tiebreak).using(microlp).with(constraint!(
-            objective.clone() <= v + 1e-8 * v.abs().max(1e-9)
+            objective.clone() <= v + 1e-8 * v.abs().max(1e-6)
         )),
-    };
+    }
+    .with_time_limit(limit.as_secs_f64());
 
     for (k, c) in counts.iter().enumerate() {
         problem = problem.with(constraint!(
@@ -316,14 +303,13 @@ fn solve_with(
             problem = problem.with(constraint!(u[g][k] <= blocks_of(g, k)));
             problem = problem.with(constraint!(used[g] >= u[g][k]));
             if let (Some(sv), Some(nv), Some(tv)) = (s[g][k], ns[g][k], t[g][k]) {
-                problem = problem.with(constraint!(tv >= bc[g][k].resident_s() * (nr[g][k] + nv)));
-                problem = problem.with(constraint!(tv >= bc[g][k].copy_s * nv));
+                let b = &bc[g][k];
+                problem = problem.with(constraint!(tv >= sec(b.resident_s()) * (nr[g][k] + nv)));
+                problem = problem.with(constraint!(tv >= sec(b.copy_s) * nv));
                 problem = problem.with(constraint!(nv <= counts[k] * sv));
                 problem = problem.with(constraint!(sv <= nv));
-                problem = problem.with(constraint!(
-                    buf[g] >= nbuf * gib(bc[g][k].weight_bytes) * sv
-                ));
-                problem = problem.with(constraint!(fill[g] >= bc[g][k].fill_s() * sv));
+                problem = problem.with(constraint!(buf[g] >= mem(p.buffers * b.weight_bytes) * sv));
+                problem = problem.with(constraint!(fill[g] >= sec(b.fill_s()) * sv));
             }
         }
         problem = problem.with(constraint!(
@@ -354,45 +340,50 @@ fn solve_with(
                 problem = problem.with(constraint!(ud[di] >= used[g]));
                 for k in 0..nk {
                     problem = problem.with(constraint!(
-                        act[di] >= gib(bc[g][k].activation_bytes) * u[g][k]
+                        act[di] >= mem(bc[g][k].activation_bytes) * u[g][k]
                     ));
                 }
             }
         }
-        for (ci, (_, opts)) in comps.iter().enumerate() {
-            for (oi, o) in opts.iter().enumerate() {
+        let mut reserved = mem(reserve) * ud[di];
+        for (ci, c) in comps.iter().enumerate() {
+            for (oi, o) in c.options.iter().enumerate() {
                 if o.at == d.id {
                     problem =
-                        problem.with(constraint!(act[di] >= gib(o.activation_bytes) * x[ci][oi]));
+                        problem.with(constraint!(act[di] >= mem(o.activation_bytes) * x[ci][oi]));
+                    if c.is_vae {
+                        reserved += mem(p.vae_reserve()) * x[ci][oi];
+                    }
                 }
             }
         }
-        let cap = gib(d.budget.0.saturating_sub(d.headroom.0));
-        problem = problem.with(constraint!(dev_mem[di].clone() <= cap));
+        problem = problem.with(constraint!(
+            dev_mem[di].clone() + reserved <= mem(p.cap(di))
+        ));
     }
     let mut pinned = Expression::from(0.0);
     for (g, grp) in groups.iter().enumerate() {
         for k in 0..nk {
             if let Some(v) = ns[g][k] {
-                pinned += gib(bc[g][k].weight_bytes) * grp.len() as f64 * v;
+                pinned += mem(bc[g][k].weight_bytes) * grp.len() as f64 * v;
             }
         }
     }
     problem = problem.with(constraint!(
-        pinned.clone() <= gib(req.machine.host.pinned_limit.0)
+        pinned.clone() <= mem(req.machine.host.pinned_limit.0)
     ));
     let mut host = pinned;
-    for (ci, (_, opts)) in comps.iter().enumerate() {
+    for (ci, c) in comps.iter().enumerate() {
         problem = problem.with(constraint!(
             sum(x[ci].iter().map(|v| Expression::from(*v))) == 1.0
         ));
-        for (oi, o) in opts.iter().enumerate() {
+        for (oi, o) in c.options.iter().enumerate() {
             if o.at.is_host() {
-                host += gib(o.weight_bytes + o.activation_bytes) * x[ci][oi];
+                host += mem(o.weight_bytes + o.activation_bytes) * x[ci][oi];
             }
         }
     }
-    problem = problem.with(constraint!(host <= gib(req.machine.host.memory.0)));
+    problem = problem.with(constraint!(host <= mem(req.machine.host.memory.0)));
 
     let used_where = |pred: &dyn Fn(usize) -> bool| {
         sum((0..groups.len())
@@ -400,20 +391,19 @@ fn solve_with(
             .map(|g| Expression::from(used[g])))
     };
     match family {
-        None => {}
-        Some(Family::Single) => {
+        Family::Single => {
             problem = problem.with(constraint!(used_where(&|g| single[g]) == 1.0));
             problem = problem.with(constraint!(used_where(&|g| !single[g]) == 0.0));
         }
-        Some(Family::Split) => {
+        Family::Split => {
             problem = problem.with(constraint!(used_where(&|g| single[g]) >= 2.0));
             problem = problem.with(constraint!(used_where(&|g| !single[g]) == 0.0));
         }
-        Some(Family::Tensor) => {
+        Family::Tensor => {
             problem = problem.with(constraint!(used_where(&|g| !single[g]) == 1.0));
             problem = problem.with(constraint!(used_where(&|g| single[g]) == 0.0));
         }
-        Some(Family::Mixed) => {
+        Family::Mixed => {
             problem = problem.with(constraint!(used_where(&|g| !single[g]) >= 1.0));
             problem = problem.with(constraint!(used_where(&|_| true) >= 2.0));
         }
@@ -421,10 +411,14 @@ fn solve_with(
 
     let sol = match problem.solve() {
         Ok(s) => s,
-        Err(ResolutionError::Infeasible) => return Ok(None),
-        Err(e) => return Err(PlanError::Solver(e.to_string())),
+        Err(ResolutionError::Infeasible) => return Ok(Solved::Infeasible),
+        Err(ResolutionError::Other(m)) if m.contains("Time limit") => {
+            return Err(Failure::TimeLimit)
+        }
+        Err(e) => return Err(Failure::Solver(e.to_string())),
     };
-    let round = |v: Variable| sol.value(v).round() as u32;
+    let proven = matches!(sol.status(), SolutionStatus::Optimal);
+    let round = |v: Variable| sol.value(v).round().max(0.0) as u32;
     let mut chosen = Vec::new();
     for g in 0..groups.len() {
         let resident: Vec<u32> = (0..nk).map(|k| round(nr[g][k])).collect();
@@ -438,15 +432,21 @@ fn solve_with(
         }
     }
     let mut placement = BTreeMap::new();
-    for (ci, (name, opts)) in comps.iter().enumerate() {
-        let oi = (0..opts.len())
+    for (ci, c) in comps.iter().enumerate() {
+        let Some(oi) = (0..c.options.len())
             .max_by(|a, b| sol.value(x[ci][*a]).total_cmp(&sol.value(x[ci][*b])))
-            .expect("a component has at least one allowed place");
-        placement.insert(name.clone(), opts[oi].at.clone());
+        else {
+            return Err(Failure::Solver(format!("{} has no allowed place", c.name)));
+        };
+        placement.insert(c.name.clone(), c.options[oi].at.clone());
     }
-    Ok(Some(Choice {
-        groups: chosen,
-        placement,
-        objective: sol.eval(&objective),
-    }))
+    Ok(Solved::Plan {
+        choice: Choice {
+            groups: chosen,
+            placement,
+            // In the program's units; `crate::plan` prices the choice exactly.
+            objective: sol.eval(&objective),
+        },
+        proven,
+    })
 }

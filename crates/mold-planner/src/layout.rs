@@ -14,15 +14,18 @@ use mold_plan::{
 /// resident blocks before it compute, so copies hide behind compute wherever the link
 /// allows (streamed blocks bunched together would leave the copies nothing to hide
 /// behind but each other's compute). Memory is the same either way.
-pub fn layout(req: &Request, choice: &Choice) -> Vec<Part> {
+fn layout(req: &Request, choice: &Choice) -> Vec<Part> {
     let kinds = &req.model.transformer.kinds;
-    let span = |g: &crate::ilp::GroupChoice| {
+    let span = |g: &crate::problem::GroupChoice| {
         let has: Vec<usize> = (0..kinds.len())
             .filter(|&k| g.resident[k] + g.streamed[k] > 0)
             .collect();
-        (has[0], *has.last().unwrap())
+        match (has.first(), has.last()) {
+            (Some(a), Some(b)) => (*a, *b),
+            _ => (0, 0),
+        }
     };
-    let mut order: Vec<&crate::ilp::GroupChoice> = choice.groups.iter().collect();
+    let mut order: Vec<&crate::problem::GroupChoice> = choice.groups.iter().collect();
     order.sort_by_key(|g| (span(g), g.devices.clone()));
     let mut next = vec![0u32; kinds.len()];
     let mut parts: Vec<Part> = Vec::new();
@@ -85,12 +88,32 @@ pub fn plan_from_choice(
     status: &str,
     solve_time_ms: f64,
 ) -> Plan {
+    let mut plan = unpriced(req, choice, family, status, solve_time_ms);
+    plan.predicted = mold_cost::evaluate(&plan, &req.model, &req.machine).prediction();
+    plan
+}
+
+/// The plan for a choice, its prediction left zero: for choices not yet validated
+/// (`mold_cost::evaluate` needs a valid plan).
+pub(crate) fn unpriced(
+    req: &Request,
+    choice: &Choice,
+    family: Family,
+    status: &str,
+    solve_time_ms: f64,
+) -> Plan {
     let mut components: Vec<ComponentPlan> = req
         .model
         .components
         .iter()
         .map(|c| {
-            let dev = choice.placement[&c.name].clone();
+            // Every component has a place in a choice; the host stands in otherwise, and
+            // validation refuses what that breaks.
+            let dev = choice
+                .placement
+                .get(&c.name)
+                .cloned()
+                .unwrap_or(mold_plan::DeviceId::Host);
             ComponentPlan {
                 name: c.name.clone(),
                 role: c.role,
@@ -118,7 +141,7 @@ pub fn plan_from_choice(
             parts: layout(req, choice),
         },
     );
-    let mut plan = Plan {
+    Plan {
         version: PLAN_VERSION,
         model: ModelRef {
             id: req.model.id.clone(),
@@ -136,10 +159,7 @@ pub fn plan_from_choice(
             strategy: family.name().into(),
             solve_time_ms: (solve_time_ms * 1000.0).round() / 1000.0,
         },
-    };
-    let ev = mold_cost::evaluate(&plan, &req.model, &req.machine);
-    plan.predicted = ev.prediction();
-    plan
+    }
 }
 
 #[cfg(test)]

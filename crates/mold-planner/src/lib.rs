@@ -9,25 +9,39 @@
 //! program's objective is exactly `mold_cost::evaluate`'s request time.
 //!
 //! The solver is run once per strategy family (one GPU, block split, tensor parallel,
-//! mixed): the families partition the plans, so the best of the four is the optimum and
-//! the user sees what each strategy would give.
+//! mixed), each within a time limit (`search.rs`): the families partition the plans, so
+//! the best of the four is the optimum when each is proven, and the user sees what each
+//! strategy would give. A family whose search fails, or runs out of time, says so in its
+//! row; the exhaustive enumerator stands in where its instance is small.
+//!
+//! Files: `problem.rs` the problem as data, `candidates.rs` the program's device groups,
+//! `ilp.rs` its encoding for microlp, `brute.rs` the independent enumerator,
+//! `search.rs` one family's search, `layout.rs` choice → plan.
 
 pub mod brute;
+mod candidates;
 mod constraints;
 mod diagnose;
 mod ilp;
 mod layout;
+mod problem;
 pub mod report;
+mod search;
 
 pub use constraints::{parse_cap, parse_pin, Constraints, ConstraintsFile, OneOrMany, TpChoice};
-pub use ilp::{candidate_groups, Choice, GroupChoice};
 pub use layout::plan_from_choice;
+pub use problem::{Choice, GroupChoice, MEMORY_LATENCY_WEIGHT};
+pub use search::{solve_family, FamilySolution, Method};
 
 use mold_machine::Machine;
 use mold_models::ModelSpec;
-use mold_plan::{CheckpointRef, DType, DeviceId, Plan, Workload};
+use mold_plan::{CheckpointRef, DType, Plan, Workload};
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// How long each strategy family's search may take by default.
+pub const FAMILY_TIME_LIMIT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -114,6 +128,9 @@ pub struct Request {
     pub constraints: Constraints,
     pub objective: Objective,
     pub checkpoint: Option<CheckpointRef>,
+    /// How long each strategy family's search may take ([`FAMILY_TIME_LIMIT`]): past it,
+    /// the best plan found so far stands, reported as not proven optimal.
+    pub time_limit: Duration,
 }
 
 impl Request {
@@ -132,6 +149,7 @@ impl Request {
             constraints: Constraints::default(),
             objective: Objective::Latency,
             checkpoint: None,
+            time_limit: FAMILY_TIME_LIMIT,
         }
     }
 
@@ -145,6 +163,9 @@ impl Request {
 pub struct FamilyResult {
     pub family: Family,
     pub status: String,
+    /// Whether the plan is proven the family's best (or, without one, that none fits).
+    pub proven_optimal: bool,
+    pub method: Method,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step_time_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -171,7 +192,8 @@ pub struct Outcome {
     pub solve_time_ms: f64,
 }
 
-/// Plans `req`: solves each strategy family and returns the best plan.
+/// Plans `req`: searches each strategy family and returns the best plan. A family whose
+/// search fails says so in its row; the others still count.
 pub fn plan(req: &Request) -> Result<Outcome, PlanError> {
     req.model
         .check_workload(&req.workload)
@@ -179,56 +201,88 @@ pub fn plan(req: &Request) -> Result<Outcome, PlanError> {
     req.constraints.check(&req.model, &req.machine)?;
     let start = std::time::Instant::now();
     let mut families = Vec::new();
-    let mut best: Option<(f64, Family, Choice)> = None;
+    let mut best: Option<(Family, Choice, bool, Method)> = None;
+    let mut failures = Vec::new();
     for fam in Family::ALL {
         let t0 = std::time::Instant::now();
-        let r = ilp::solve(req, Some(fam))?;
+        let r = solve_family(req, Some(fam), req.time_limit);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        match r {
+        let mut row = FamilyResult {
+            family: fam,
+            status: String::new(),
+            proven_optimal: r.proven,
+            method: r.method,
+            step_time_s: None,
+            request_time_s: None,
+            max_peak_fraction: None,
+            streamed_blocks: None,
+            objective_value: None,
+            solve_time_ms: ms,
+            choice: None,
+        };
+        match r.choice {
             Some(choice) => {
-                let plan = plan_from_choice(req, &choice, fam, "optimal", ms);
+                let plan = plan_from_choice(req, &choice, fam, "", ms);
                 let ev = mold_cost::evaluate(&plan, &req.model, &req.machine);
-                let frac = ev
-                    .devices
-                    .iter()
-                    .map(|d| (d.peak + d.headroom) as f64 / d.budget as f64)
-                    .fold(0.0, f64::max);
-                families.push(FamilyResult {
-                    family: fam,
-                    status: "optimal".into(),
-                    step_time_s: Some(ev.step_s),
-                    request_time_s: Some(ev.request_s),
-                    max_peak_fraction: Some(frac),
-                    streamed_blocks: Some(choice.streamed_blocks()),
-                    objective_value: Some(choice.objective),
-                    solve_time_ms: ms,
-                    choice: Some(choice.clone()),
-                });
+                row.status = match (r.method, r.proven) {
+                    (Method::Solver, true) => "optimal".into(),
+                    (Method::Exhaustive, _) => format!(
+                        "optimal by exhaustive search ({})",
+                        r.trouble.as_deref().unwrap_or("solver failed")
+                    ),
+                    (Method::Solver, false) => r
+                        .trouble
+                        .clone()
+                        .unwrap_or_else(|| "not proven optimal".into()),
+                };
+                row.step_time_s = Some(ev.step_s);
+                row.request_time_s = Some(ev.request_s);
+                row.max_peak_fraction = Some(
+                    ev.devices
+                        .iter()
+                        .map(|d| (d.peak + d.headroom) as f64 / d.budget.max(1) as f64)
+                        .fold(0.0, f64::max),
+                );
+                row.streamed_blocks = Some(choice.streamed_blocks());
+                row.objective_value = Some(choice.objective);
+                row.choice = Some(choice.clone());
                 if best
                     .as_ref()
-                    .is_none_or(|(o, _, _)| choice.objective < *o - 1e-12)
+                    .is_none_or(|(_, b, ..)| choice.objective < b.objective - 1e-12)
                 {
-                    best = Some((choice.objective, fam, choice));
+                    best = Some((fam, choice, r.proven, r.method));
                 }
             }
-            None => families.push(FamilyResult {
-                family: fam,
-                status: why_empty(req, fam),
-                step_time_s: None,
-                request_time_s: None,
-                max_peak_fraction: None,
-                streamed_blocks: None,
-                objective_value: None,
-                solve_time_ms: ms,
-                choice: None,
-            }),
+            None => {
+                row.status = match &r.trouble {
+                    Some(t) => {
+                        failures.push(format!("{}: {t}", fam.name()));
+                        t.clone()
+                    }
+                    None => why_empty(req, fam),
+                };
+            }
         }
+        families.push(row);
     }
     let solve_time_ms = start.elapsed().as_secs_f64() * 1e3;
-    let Some((_, fam, choice)) = best else {
+    let Some((fam, choice, proven, method)) = best else {
+        if !failures.is_empty() {
+            return Err(PlanError::Solver(failures.join("; ")));
+        }
         return Err(PlanError::Infeasible(diagnose::explain(req)));
     };
-    let plan = plan_from_choice(req, &choice, fam, "optimal", solve_time_ms);
+    // The best of the families is the optimum only if every family's answer is proven.
+    let all_proven = families.iter().all(|f| f.proven_optimal);
+    let status = if proven && all_proven {
+        "optimal"
+    } else {
+        "feasible"
+    };
+    let mut plan = plan_from_choice(req, &choice, fam, status, solve_time_ms);
+    if method == Method::Exhaustive {
+        plan.solver.solver = "exhaustive enumeration (microlp failed)".into();
+    }
     let evaluation = mold_cost::evaluate(&plan, &req.model, &req.machine);
     Ok(Outcome {
         plan,
@@ -240,7 +294,8 @@ pub fn plan(req: &Request) -> Result<Outcome, PlanError> {
 }
 
 fn why_empty(req: &Request, fam: Family) -> String {
-    let groups = ilp::candidate_groups(req);
+    let p = problem::Problem::new(req);
+    let groups = candidates::candidate_groups(&p);
     let singles = groups.iter().filter(|g| g.len() == 1).count();
     let tps = groups.len() - singles;
     match fam {
@@ -252,23 +307,4 @@ fn why_empty(req: &Request, fam: Family) -> String {
         Family::Single if singles == 0 => "no device allowed".into(),
         _ => "does not fit".into(),
     }
-}
-
-/// Solves one strategy family (or, with `None`, all plans at once): the best choice, or
-/// `None` when nothing of that family fits.
-pub fn solve_family(req: &Request, family: Option<Family>) -> Result<Option<Choice>, PlanError> {
-    ilp::solve(req, family)
-}
-
-/// Device groups used by a plan's transformer, for reports.
-pub fn groups_of(plan: &Plan) -> Vec<Vec<DeviceId>> {
-    let mut out: Vec<Vec<DeviceId>> = Vec::new();
-    if let Some(t) = plan.transformer() {
-        for p in &t.parts {
-            if !out.contains(&p.devices) {
-                out.push(p.devices.clone());
-            }
-        }
-    }
-    out
 }

@@ -14,13 +14,23 @@ fn secs(s: f64) -> String {
     }
 }
 
-/// Where each component and block range runs, one line a part.
-pub fn placement(plan: &Plan) -> String {
-    placement_on(plan, None)
+/// Bytes in decimal units that suit them: `24.1 GB`, `3.2 MB`, `850.0 kB`, `512 B` (a
+/// tiny model's sizes are not all `0.0 GB`).
+pub fn decimal_bytes(b: u64) -> String {
+    let x = b as f64;
+    if x >= 1e9 {
+        format!("{:.1} GB", x / 1e9)
+    } else if x >= 1e6 {
+        format!("{:.1} MB", x / 1e6)
+    } else if x >= 1e3 {
+        format!("{:.1} kB", x / 1e3)
+    } else {
+        format!("{b} B")
+    }
 }
 
 /// Devices as `cuda:0`, `cuda:0+cuda:1`, or `cuda:0-7` for a consecutive run.
-pub fn device_list(devs: &[DeviceId]) -> String {
+fn device_list(devs: &[DeviceId]) -> String {
     let consecutive = devs.len() > 2
         && devs.windows(2).all(|w| match (&w[0], &w[1]) {
             (DeviceId::Cuda(a), DeviceId::Cuda(b)) | (DeviceId::Emu(a), DeviceId::Emu(b)) => {
@@ -39,8 +49,9 @@ pub fn device_list(devs: &[DeviceId]) -> String {
     }
 }
 
-/// Like [`placement`], naming each tensor-parallel group's link when `machine` is given.
-pub fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String {
+/// Where each component and block range runs, one line a part, naming each
+/// tensor-parallel group's link when `machine` is given.
+fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String {
     let mut out = String::new();
     for c in &plan.components {
         let mut i = 0;
@@ -297,4 +308,18 @@ fn family_desc(name: &str) -> &'static str {
         .find(|f| f.name() == name)
         .map(|f| f.describe())
         .unwrap_or("")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decimal_bytes;
+
+    #[test]
+    fn sizes_take_the_unit_that_suits_them() {
+        assert_eq!(decimal_bytes(23_800_000_000), "23.8 GB");
+        assert_eq!(decimal_bytes(3_200_000), "3.2 MB");
+        assert_eq!(decimal_bytes(850_000), "850.0 kB");
+        assert_eq!(decimal_bytes(512), "512 B");
+        assert_eq!(decimal_bytes(0), "0 B");
+    }
 }

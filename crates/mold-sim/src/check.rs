@@ -7,7 +7,7 @@
 //! and what must happen: `fits`, `{overflows: cuda:1}`, `{overflows: host}` or
 //! `{error: "text the error contains"}`.
 
-use crate::engine::secs;
+use crate::text::secs;
 use crate::{compare, prepare, simulate, SimError};
 use mold_cost::Evaluation;
 use mold_machine::Machine;
@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 /// What a scenario must come to.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Expect {
+pub(crate) enum Expect {
     /// Every device and the host within budget.
     Fits,
     /// This device (`cuda:1`) or `host` goes over its budget.
@@ -63,8 +63,10 @@ impl<'de> Deserialize<'de> for Expect {
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Scenario {
+pub(crate) struct Scenario {
+    /// For the reader of the file; mold does not print it.
     #[serde(default)]
+    #[allow(dead_code)]
     pub description: String,
     /// The plan inline: the plan schema; `version`, `machine`, `predicted` and `solver`
     /// may be left out (filled from the scenario's machine, predictions zero).
@@ -98,7 +100,7 @@ impl CheckSummary {
     pub fn ok(&self) -> bool {
         self.results.iter().all(|r| r.ok)
     }
-    pub fn failures(&self) -> Vec<&CheckResult> {
+    fn failures(&self) -> Vec<&CheckResult> {
         self.results.iter().filter(|r| !r.ok).collect()
     }
     /// One line per file, then a count.
@@ -214,7 +216,7 @@ pub fn check_paths(paths: &[PathBuf], machines_dir: &Path) -> CheckSummary {
 }
 
 /// A plan must fit the machine it was made for.
-pub fn check_plan(path: &Path, machines_dir: &Path) -> Result<String, String> {
+fn check_plan(path: &Path, machines_dir: &Path) -> Result<String, String> {
     let plan = Plan::load(path).map_err(|e| e.to_string())?;
     let mpath = machines_dir.join(format!("{}.yaml", plan.machine.name));
     let machine = Machine::load(&mpath).map_err(|e| {
@@ -305,7 +307,7 @@ fn inline_plan(value: &serde_yaml_ng::Value, machine: &Machine) -> Result<Plan, 
 }
 
 /// Loads and simulates a scenario: `Ok` with what happened, or the error.
-pub fn run_scenario(
+fn run_scenario(
     path: &Path,
     text: &str,
 ) -> Result<(Scenario, Result<crate::SimReport, SimError>), String> {

@@ -26,12 +26,12 @@
 
 mod check;
 mod engine;
+mod outcome;
 mod report;
 mod svg;
+mod text;
 
-pub use check::{
-    check_paths, check_plan, run_scenario, CheckResult, CheckSummary, Expect, Scenario,
-};
+pub use check::{check_paths, CheckResult, CheckSummary};
 pub use engine::simulate_with;
 
 use mold_machine::Machine;
@@ -276,7 +276,7 @@ pub fn simulate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Result<Sim
 
 /// The catalogue model of a plan, refined by its recorded checkpoint where that file is
 /// still there.
-pub fn model_for(plan: &Plan) -> Result<ModelSpec, SimError> {
+fn model_for(plan: &Plan) -> Result<ModelSpec, SimError> {
     if let Some(c) = &plan.model.checkpoint {
         let p = std::path::Path::new(&c.path);
         if p.exists() {

@@ -1,6 +1,6 @@
 //! The text table and JSON of a simulation.
 
-use crate::engine::{human, secs};
+use crate::text::{human, secs};
 use crate::{Comparison, SimReport};
 
 impl SimReport {

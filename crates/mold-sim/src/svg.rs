@@ -1,7 +1,7 @@
 //! A hand-written SVG timeline: per device a compute, a copy and a communication lane,
 //! its memory against the budget, and a time axis.
 
-use crate::engine::{human, secs};
+use crate::text::{human, secs};
 use crate::{EventKind, Lane, SimReport};
 use std::fmt::Write;
 
@@ -327,7 +327,7 @@ impl SimReport {
                         "peak {} at {}: {}",
                         human(d.peak),
                         d.peak_moment,
-                        crate::engine::live_list(&d.peak_live)
+                        crate::text::live_list(&d.peak_live)
                     )),
                     (px + 4.0).min(LEFT + pw - 260.0),
                     (py + 10.0).min(my + MEM_H - 2.0),

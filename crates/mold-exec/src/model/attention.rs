@@ -36,11 +36,6 @@ fn fused_supported_impl(_q: &Tensor) -> bool {
     false
 }
 
-/// Attention with the implementation `MOLD_KERNELS` selects.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, meter: &ActivationMeter) -> CResult<Tensor> {
-    attention_with(Kernels::from_env(), q, k, v, meter)
-}
-
 /// Attention with an explicit implementation choice.
 pub fn attention_with(
     kernels: Kernels,
@@ -234,7 +229,7 @@ mod tests {
         let k = Tensor::randn(0f32, 1., (1, 2, 7, 4), &dev).unwrap();
         let v = Tensor::randn(0f32, 1., (1, 2, 7, 4), &dev).unwrap();
         let meter = ActivationMeter::default();
-        let out = attention(&q, &k, &v, &meter).unwrap();
+        let out = attention_with(Kernels::Auto, &q, &k, &v, &meter).unwrap();
         assert_eq!(out.dims(), &[1, 5, 8]);
         // Row (h=1, i=3) by hand.
         let qv: Vec<f32> = q

@@ -1,12 +1,17 @@
-//! The model: FLUX blocks built from replicated, column-parallel and row-parallel
-//! layers. Nothing here knows about plans, devices, residency or threads: a block is
-//! loaded for one [`Shard`] (rank `r` of a group of `world`) from a [`WeightSource`], and
-//! its forward pass talks to its group only through [`crate::comm::Comm`].
+//! The model side: the [`Transformer`] interface and the families behind it ([`flux`]),
+//! built from replicated, column-parallel and row-parallel layers ([`layers`]), mold's
+//! attention and element-wise kernels ([`attention`], [`ops`]). Nothing here knows about
+//! plans, devices, residency or threads: a block is loaded for one [`Shard`] (rank `r` of
+//! a group of `world`) from a [`WeightSource`], and its forward pass talks to its group
+//! only through [`crate::comm::Comm`].
 
 pub mod attention;
 pub mod flux;
 pub mod layers;
 pub mod ops;
+pub mod transformer;
+
+pub use transformer::{Activations, BlockRef, Inputs, Packable, TensorSpec, Transformer, Weights};
 
 use crate::comm::Comm;
 use crate::error::Result;
@@ -69,7 +74,7 @@ impl ActivationMeter {
     }
 }
 
-/// Per-rank wall time of the model's phases (`MOLD_PROFILE=1`): each [`Ctx::mark`]
+/// Per-rank wall time of the model's phases ([`crate::ExecOptions::profiling`]): each [`Ctx::mark`]
 /// waits for the device, then adds the time since the previous mark to its label. The
 /// waits serialise host and device, so a profiled step is slower than a plain one; the
 /// split between phases is what it is for.
@@ -86,11 +91,6 @@ struct ProfState {
 }
 
 impl Profiler {
-    /// Whether `MOLD_PROFILE` asks for profiling.
-    pub fn requested() -> bool {
-        matches!(std::env::var("MOLD_PROFILE").as_deref(), Ok(v) if !v.is_empty() && v != "0")
-    }
-
     /// Waits for `device` and charges the time since the last mark to `label`
     /// (`None`: restarts the clock without charging anything).
     pub fn mark(&self, label: Option<&'static str>, device: &candle_core::Device) {

@@ -6,11 +6,10 @@
 //!   compute each element's source index with 64-bit divisions, which on FLUX-sized
 //!   tensors costs several times the memory traffic.
 //!
-//! [`Kernels`] chooses (`MOLD_KERNELS=auto|fused|candle`); the fused attention kernel
+//! [`Kernels`] chooses ([`crate::ExecOptions::kernels`]; `MOLD_KERNELS=auto|fused|candle` at the CLI); the fused attention kernel
 //! follows the same switch ([`super::attention`]).
 
 use candle_core::{Tensor, D};
-use std::sync::OnceLock;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -36,19 +35,6 @@ impl Kernels {
                 "MOLD_KERNELS={other}: expected auto, fused or candle"
             )),
         }
-    }
-
-    /// From `MOLD_KERNELS`, read once per process; a bad value is reported once and the
-    /// default (`auto`) used.
-    pub fn from_env() -> Kernels {
-        static MODE: OnceLock<Kernels> = OnceLock::new();
-        *MODE.get_or_init(|| match std::env::var("MOLD_KERNELS") {
-            Err(_) => Kernels::Auto,
-            Ok(v) => Kernels::parse(&v).unwrap_or_else(|e| {
-                eprintln!("warning: {e}; using auto");
-                Kernels::Auto
-            }),
-        })
     }
 
     /// Whether to take the fused path, given whether it supports the inputs.

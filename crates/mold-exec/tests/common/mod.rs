@@ -107,13 +107,13 @@ pub fn error_vs_reference(ckpt: &Checkpoint, plan: &Plan, seed: u64) -> f64 {
     let x = tiny_inputs(seed);
     let reference = Executor::reference(&cfg, ckpt, &DeviceId::Host, DType::F32)
         .unwrap()
-        .forward_inputs(&x)
+        .forward(&x)
         .unwrap();
     let exec = Executor::new(&cfg, plan, ckpt).unwrap();
-    let out = exec.forward_inputs(&x).unwrap();
+    let out = exec.forward(&x).unwrap();
     assert_eq!(out.dims(), &[2, 12, 64]);
     // A second call reuses the loaded weights and gives the same answer.
-    let again = exec.forward_inputs(&x).unwrap();
+    let again = exec.forward(&x).unwrap();
     assert_eq!(max_relative_error(&again, &out).unwrap(), 0.0);
     max_relative_error(&out, &reference).unwrap()
 }

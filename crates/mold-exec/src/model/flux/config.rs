@@ -1,5 +1,6 @@
-//! Model hyper-parameters and the checkpoint layout they imply.
+//! FLUX hyper-parameters and the checkpoint layout they imply.
 
+use crate::model::transformer::TensorSpec;
 use serde::{Deserialize, Serialize};
 
 /// Hyper-parameters of a FLUX-family transformer (BFL `FluxParams`).
@@ -30,13 +31,6 @@ pub struct FluxConfig {
 
 /// Width of the sinusoidal timestep / guidance embedding fed to `time_in` / `guidance_in`.
 pub const TIME_EMBED_DIM: usize = 256;
-
-/// One tensor the checkpoint must hold.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TensorSpec {
-    pub name: String,
-    pub shape: Vec<usize>,
-}
 
 impl FluxConfig {
     /// FLUX.1 \[dev\] (12B, guidance distilled).

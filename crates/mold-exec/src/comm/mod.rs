@@ -1,0 +1,88 @@
+//! Collective communication between the ranks of a tensor-parallel group.
+//!
+//! Model code sees only the [`Comm`] trait. Implementations:
+//! - [`LocalComm`]: a group of one (no communication).
+//! - [`ThreadComm`]: ranks are threads of this process; tensors are staged through host
+//!   memory and summed in rank order, so every rank gets bit-identical results. It is
+//!   the implementation for emulated devices and works (slowly) for any candle device.
+//! - [`TcpComm`]: ranks in several processes, host-staged over the [`crate::dist::Mesh`],
+//!   bit-identical to [`ThreadComm`].
+//! - `nccl::NcclComm` (feature `nccl`): one GPU per rank; all-reduce through NCCL on
+//!   candle's compute streams, with a watchdog that aborts the group instead of hanging.
+//!
+//! [`make_group`] picks the implementation for a group inside one process and
+//! [`cross_process_group`] for a group that spans processes. Failures are typed
+//! ([`CommError`]; [`root_cause`] picks the rank that failed first); settings come in
+//! as [`CommOptions`].
+
+mod error;
+mod group;
+mod options;
+mod tcp;
+mod thread;
+
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
+pub use error::{root_cause, AbortSignal, CommError};
+pub use group::{cross_process_group, make_group};
+pub use options::{
+    CommOptions, DEFAULT_DIST_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_NCCL_TIMEOUT_S,
+};
+pub use tcp::TcpComm;
+pub use thread::ThreadComm;
+
+use candle_core::{Result, Tensor};
+
+/// A rank's handle on its tensor-parallel group.
+pub trait Comm: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Element-wise sum of `t` over all ranks; every rank must call it, in the same order,
+    /// with tensors of the same shape and dtype. The result is on `t`'s device.
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
+    /// Every rank's `t`, stacked in rank order: shape `(world_size, ..t.shape)`. Every
+    /// rank must call it with a tensor of the same shape and dtype.
+    ///
+    /// The provided implementation is an all-reduce of a `world_size`-times larger tensor
+    /// that is zero except for this rank's slot, which is exact (x + 0 = x) and costs one
+    /// all-reduce's latency: meant for small tensors (modulation vectors).
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        let n = self.world_size();
+        if n == 1 {
+            return t.unsqueeze(0);
+        }
+        let zero = t.zeros_like()?.unsqueeze(0)?;
+        let mine = t.unsqueeze(0)?;
+        let slots: Vec<&Tensor> = (0..n)
+            .map(|i| if i == self.rank() { &mine } else { &zero })
+            .collect();
+        self.all_reduce_sum(&Tensor::cat(&slots, 0)?)
+    }
+    /// Marks the group failed so the other ranks stop waiting for this one (called when a
+    /// rank errors or panics); they then fail with [`CommError::PeerAborted`]. The
+    /// default does nothing.
+    fn abort(&self) {}
+    /// Fails if the group failed since this rank's last collective (called after the
+    /// rank's work is done, because a collective may fail after it was enqueued). The
+    /// default has nothing to check.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The group of one: all-reduce is the identity.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LocalComm;
+
+impl Comm for LocalComm {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.clone())
+    }
+}

@@ -1,0 +1,320 @@
+//! NCCL implementation of [`Comm`] (feature `nccl`): one communicator per rank of a
+//! tensor-parallel group, one GPU each.
+//!
+//! # Design
+//!
+//! - **Creation** ([`group`](self::group)). [`local_group`] makes the communicators of a
+//!   group eagerly: `ncclCommInitRank` blocks until every rank has joined, so it is called
+//!   from one helper thread per rank, concurrently, with one shared `ncclUniqueId`. The
+//!   caller waits at most the watchdog timeout; a rank that fails or does not join turns
+//!   the whole group into a failed one, whose every collective returns an error naming the
+//!   rank (helper threads stuck in `ncclCommInitRank` are left behind; a late
+//!   communicator is aborted). [`spanning_group`] does the same for this process's ranks
+//!   of a group that spans processes (the id comes from [`unique_id`] over the mesh).
+//! - **Reuse.** The executor asks for a group on every forward pass; creating NCCL
+//!   communicators costs seconds, so a healthy group goes back to a process-wide pool when
+//!   its last handle drops and is handed out again for the same devices (a group is used
+//!   by one set of rank threads at a time). A group that saw any failure is not reused.
+//! - **Streams** ([`op`]). The all-reduce is enqueued on candle's own stream of the
+//!   tensor's device (`CudaDevice::cuda_stream()`; in candle 0.11 the per-thread default
+//!   stream of the calling thread), from the rank's thread, so it is ordered after the
+//!   kernels that produced the tensor and before the ones that consume the result. The
+//!   result goes to a new buffer (the input may be shared); bf16, f16, f32 and f64.
+//! - **Watchdog** ([`watchdog`]; `CommOptions::nccl_timeout`, `MOLD_NCCL_TIMEOUT_S` at
+//!   the CLI, default 120 s). The host does not wait for each all-reduce: after enqueueing
+//!   it records an event on the stream and goes on queueing kernels. The group's monitor
+//!   thread (every 100 ms) fails the group when an all-reduce is still pending after the
+//!   timeout ([`CommError::Timeout`]), when `ncclCommGetAsyncError` reports an error, or
+//!   when another process of a multi-process run failed (the run's [`AbortSignal`]); it
+//!   then aborts the communicators of every rank not inside an NCCL call
+//!   (`ncclCommAbort`, which also ends their kernels, so a rank waiting for its GPU
+//!   returns). A rank with more than `MAX_IN_FLIGHT` pending all-reduces waits for the
+//!   oldest itself, polling the same conditions. After its work, each rank calls
+//!   [`Comm::check`], which turns a failure that happened after the last collective was
+//!   enqueued into an error ([`CommError::PeerAborted`] unless the failure was this
+//!   rank's own). [`Comm::abort`] (called by the executor when a rank errors or panics)
+//!   marks the group failed and aborts the failing rank's communicator. Every abort
+//!   happens under the rank's slot lock, which every NCCL call on that communicator
+//!   holds, so none is freed while a call on it is in flight. No timeout (`None`) turns
+//!   the watchdog off (no events, no monitor) and a hang is not detected.
+//! - **Environment.** `NCCL_NVLS_ENABLE=0` (no NVLink multicast) is set in the process
+//!   environment before the first NCCL call unless the user set it.
+//!
+//! The safe `cudarc::nccl::Comm` is not used directly: its `Drop` aborts the communicator
+//! (a second abort after a watchdog abort would be a double free) and it is neither `Send`
+//! nor `Sync`; the raw handle from `cudarc::nccl::result` lets each abort happen exactly
+//! once, under the rank's lock. All-reduce benchmarks are in [`crate::calibrate`].
+
+mod group;
+mod op;
+mod watchdog;
+
+pub use group::{local_group, spanning_group, unique_id};
+pub(crate) use group::{release, set_nccl_env};
+
+use super::{AbortSignal, Comm, CommError};
+use candle_core::cuda::cudarc;
+use candle_core::{Result, Tensor};
+use cudarc::driver::CudaEvent;
+use cudarc::nccl::{result as nccl, sys};
+use group::{Group, Lease, RankSlot};
+use op::AllReduceOp;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// All-reduces a rank may have enqueued and not finished before the host waits for the
+/// oldest (FLUX runs 1 or 2 per block: the host stays several blocks ahead at most).
+const MAX_IN_FLIGHT: usize = 8;
+
+/// NCCL's text for a result code.
+fn nccl_err_str(r: sys::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string.
+    let s = unsafe { sys::ncclGetErrorString(r) };
+    if s.is_null() {
+        format!("{r:?}")
+    } else {
+        // SAFETY: non-null, NUL-terminated, static.
+        unsafe { std::ffi::CStr::from_ptr(s) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// NCCL's last error message for `comm` (may be empty).
+fn nccl_last_error(comm: sys::ncclComm_t) -> String {
+    // SAFETY: comm is a live communicator (callers hold it); the string is NCCL's.
+    let s = unsafe { sys::ncclGetLastError(comm) };
+    if s.is_null() {
+        String::new()
+    } else {
+        // SAFETY: non-null, NUL-terminated.
+        unsafe { std::ffi::CStr::from_ptr(s) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// NCCL's asynchronous error on `comm` (with its last message), if any. The caller holds
+/// the communicator's slot, so no other call on it is in flight.
+fn async_error(comm: sys::ncclComm_t) -> Option<String> {
+    let mut async_err = sys::ncclResult_t::ncclSuccess;
+    // SAFETY: live communicator (the caller holds its slot), valid out pointer.
+    let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut async_err) };
+    let e = [r, async_err].into_iter().find(|e| {
+        !matches!(
+            e,
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+        )
+    })?;
+    Some(match nccl_last_error(comm) {
+        last if last.is_empty() => nccl_err_str(e),
+        last => format!("{}: {last}", nccl_err_str(e)),
+    })
+}
+
+fn describe(e: &nccl::NcclError, comm: Option<sys::ncclComm_t>) -> String {
+    let mut m = nccl_err_str(e.0);
+    if let Some(c) = comm {
+        let last = nccl_last_error(c);
+        if !last.is_empty() {
+            m = format!("{m}: {last}");
+        }
+    }
+    m
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The [`Comm`] of one rank of an NCCL group.
+pub struct NcclComm {
+    rank: usize,
+    group: Arc<Group>,
+    _lease: Arc<Lease>,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclComm(rank {} of {}, cuda:{})",
+            self.rank,
+            self.group.world(),
+            self.group.ordinals[self.rank]
+        )
+    }
+}
+
+impl NcclComm {
+    /// This rank's GPU ordinal.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.group.ordinals[self.rank]
+    }
+
+    /// This rank's own failure, `what`.
+    pub(crate) fn err(&self, what: String) -> candle_core::Error {
+        CommError::Local(format!("{}: {what}", self.group.here(self.rank))).into()
+    }
+
+    /// Marks the group failed with this rank's `msg`, aborts this rank's communicator,
+    /// returns the error for this rank.
+    fn fail(&self, slot: &mut RankSlot, msg: String) -> candle_core::Error {
+        self.fail_with(
+            slot,
+            CommError::Local(format!("{}: {msg}", self.group.here(self.rank))),
+        )
+    }
+
+    /// [`NcclComm::fail`] with a typed error.
+    fn fail_with(&self, slot: &mut RankSlot, e: CommError) -> candle_core::Error {
+        self.group.fail(Some(self.rank), e.clone());
+        slot.abort();
+        e.into()
+    }
+
+    /// Waits for an all-reduce enqueued at `start` (done when `event` is), with the
+    /// watchdog.
+    fn wait(
+        &self,
+        slot: &mut RankSlot,
+        event: &CudaEvent,
+        start: Instant,
+        limit: Duration,
+    ) -> Result<()> {
+        let comm = slot.comm.as_ref().map(|c| c.0).expect("live communicator");
+        let mut polls: u32 = 0;
+        loop {
+            match event.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    return Err(self.fail(
+                        slot,
+                        format!("CUDA error while waiting for the all-reduce: {e:?}"),
+                    ))
+                }
+            }
+            if let Some(e) = async_error(comm) {
+                let m = format!("NCCL reported an error during the all-reduce: {e}");
+                return Err(self.fail(slot, m));
+            }
+            self.group.poll_signal();
+            if self.group.is_failed() {
+                slot.abort();
+                return Err(self.group.peer_failed_error(self.rank));
+            }
+            let waited = start.elapsed();
+            if waited > limit {
+                let e = CommError::Timeout {
+                    rank: self.group.here(self.rank),
+                    what: "the all-reduce".into(),
+                    waited,
+                    why: watchdog::why(limit),
+                };
+                return Err(self.fail_with(slot, e));
+            }
+            polls += 1;
+            if polls < 256 {
+                std::thread::yield_now();
+            } else {
+                let us = (50u64 << ((polls - 256) / 64).min(5)).min(1000);
+                std::thread::sleep(Duration::from_micros(us));
+            }
+        }
+    }
+}
+
+impl Comm for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.world()
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let ordinal = self.group.ordinals[self.rank];
+        if self.group.is_failed() {
+            let mut slot = lock(&self.group.slots[self.rank]);
+            slot.abort();
+            return Err(self.group.peer_failed_error(self.rank));
+        }
+        match t.device().location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } if gpu_id == ordinal => {}
+            loc => {
+                let mut slot = lock(&self.group.slots[self.rank]);
+                return Err(self.fail(
+                    &mut slot,
+                    format!("all_reduce_sum got a tensor on {loc:?}, expected this rank's GPU"),
+                ));
+            }
+        }
+        let t = t.contiguous()?;
+        let mut slot = lock(&self.group.slots[self.rank]);
+        let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
+            return Err(self.group.peer_failed_error(self.rank));
+        };
+        let op = AllReduceOp {
+            comm,
+            rank: self.rank,
+            tracker: &self.group.tracker,
+        };
+        let out = match t.apply_op1_no_bwd(&op) {
+            Ok(o) => o,
+            Err(e) => return Err(self.fail(&mut slot, e.to_string())),
+        };
+        if let Some(limit) = self.group.limit {
+            // The host does not wait for the all-reduce: it goes on queueing kernels
+            // (waiting here would leave the GPU idle while the next ones are launched).
+            // The monitor watches the pending all-reduces; the host waits only when more
+            // than MAX_IN_FLIGHT are pending, for the oldest.
+            let stream = out.device().as_cuda_device()?.cuda_stream();
+            let event = stream
+                .record_event(Some(
+                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                ))
+                .map_err(|e| self.fail(&mut slot, format!("cannot record a CUDA event: {e:?}")))?;
+            slot.pending.push_back((event, Instant::now()));
+            while let Some((e, _)) = slot.pending.front() {
+                if !matches!(e.try_is_complete(), Ok(true)) {
+                    break;
+                }
+                slot.pending.pop_front();
+            }
+            if slot.pending.len() > MAX_IN_FLIGHT {
+                let (e, t) = slot.pending.pop_front().expect("non-empty");
+                self.wait(&mut slot, &e, t, limit)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The group failed (here, in another rank, or in another process) after this
+    /// rank's last all-reduce was enqueued: an error, and this rank's communicator is
+    /// aborted. Otherwise forgets the finished all-reduces.
+    fn check(&self) -> Result<()> {
+        let mut slot = lock(&self.group.slots[self.rank]);
+        self.group.poll_signal();
+        if self.group.is_failed() {
+            slot.abort();
+            return Err(self.group.peer_failed_error(self.rank));
+        }
+        slot.pending
+            .retain(|(e, _)| !matches!(e.try_is_complete(), Ok(true)));
+        Ok(())
+    }
+
+    /// Marks the group failed (releasing ranks waiting in a collective) and aborts this
+    /// rank's communicator if no call on it is in flight.
+    fn abort(&self) {
+        self.group.fail(
+            Some(self.rank),
+            CommError::Local(format!("{} failed", self.group.here(self.rank))),
+        );
+        if let Ok(mut slot) = self.group.slots[self.rank].try_lock() {
+            slot.abort();
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! The NCCL watchdog: what each rank is doing ([`Tracker`]), the monitor thread of a
+//! group (pending all-reduces past the limit, NCCL's asynchronous errors, the run's
+//! failure signal), and the last resort of ending a process that would hang.
+
+use super::group::{describe_ranks, Group};
+use super::{async_error, CommError};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// Why a watchdog timeout fired, for [`CommError::Timeout`].
+pub(super) fn why(limit: Duration) -> String {
+    format!(
+        "watchdog MOLD_NCCL_TIMEOUT_S={}: a rank did not join or the GPUs are stuck; the \
+         group was aborted",
+        limit.as_secs_f64()
+    )
+}
+
+/// What each rank is doing, for the monitor: which NCCL host call it is inside (a call
+/// that never returns cannot be timed out by the rank itself) and how many all-reduces
+/// it has issued.
+pub(super) struct Tracker {
+    epoch: Instant,
+    /// Per rank: ms since `epoch` + 1 when it entered an NCCL host call, 0 when outside.
+    busy_since: Vec<AtomicU64>,
+    /// Per rank: index into [`CALLS`] of that call.
+    busy_call: Vec<AtomicUsize>,
+    /// Per rank: all-reduces enqueued so far.
+    pub(super) issued: Vec<AtomicU64>,
+    /// ms since `epoch` + 1 when the group failed, 0 while healthy.
+    pub(super) failed_at: AtomicU64,
+}
+
+const CALLS: [&str; 2] = ["ncclAllReduce", "ncclCommAbort"];
+pub(super) const CALL_ALL_REDUCE: usize = 0;
+pub(super) const CALL_ABORT: usize = 1;
+
+impl Tracker {
+    pub(super) fn new(world: usize) -> Tracker {
+        Tracker {
+            epoch: Instant::now(),
+            busy_since: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            busy_call: (0..world).map(|_| AtomicUsize::new(0)).collect(),
+            issued: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            failed_at: AtomicU64::new(0),
+        }
+    }
+    pub(super) fn now(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+    /// Runs `f` (an NCCL host call of `rank`) marked busy.
+    pub(super) fn busy<R>(&self, rank: usize, call: usize, f: impl FnOnce() -> R) -> R {
+        self.busy_call[rank].store(call, Ordering::SeqCst);
+        self.busy_since[rank].store(self.now(), Ordering::SeqCst);
+        let r = f();
+        self.busy_since[rank].store(0, Ordering::SeqCst);
+        r
+    }
+    /// One line per rank, for diagnostics.
+    fn dump(&self, ordinals: &[usize]) -> String {
+        let now = self.now();
+        ordinals
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| **o != usize::MAX)
+            .map(|(r, o)| {
+                let since = self.busy_since[r].load(Ordering::SeqCst);
+                let state = if since == 0 {
+                    "not inside an NCCL call".to_string()
+                } else {
+                    format!(
+                        "inside {} for {:.1} s",
+                        CALLS[self.busy_call[r].load(Ordering::SeqCst)],
+                        now.saturating_sub(since) as f64 / 1e3
+                    )
+                };
+                format!(
+                    "  rank {r} (cuda:{o}): {} all-reduces issued, {state}",
+                    self.issued[r].load(Ordering::SeqCst)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+impl Group {
+    /// The monitor's share of the watchdog, for ranks that are not inside a call on
+    /// their communicator (the host does not wait for each all-reduce): fails the group
+    /// when another process failed, when an all-reduce has been pending longer than
+    /// `limit`, or when NCCL reports an asynchronous error; then aborts the communicators
+    /// of a failed group, which ends their kernels, so a rank waiting for its GPU
+    /// (synchronize) returns and sees the failure ([`Comm::check`]).
+    fn watch_pending(&self, limit: Duration) {
+        self.poll_signal();
+        if !self.is_failed() {
+            for s in &self.slots {
+                // A rank inside a call watches itself.
+                let Ok(mut slot) = s.try_lock() else { continue };
+                let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
+                    continue;
+                };
+                while let Some((e, _)) = slot.pending.front() {
+                    if !matches!(e.try_is_complete(), Ok(true)) {
+                        break;
+                    }
+                    slot.pending.pop_front();
+                }
+                let where_ = self.here(slot.rank);
+                if let Some((_, t)) = slot.pending.front() {
+                    if t.elapsed() > limit {
+                        let e = CommError::Timeout {
+                            rank: where_,
+                            what: "an all-reduce enqueued".into(),
+                            waited: t.elapsed(),
+                            why: why(limit),
+                        };
+                        self.fail(Some(slot.rank), e);
+                        break;
+                    }
+                }
+                if let Some(e) = async_error(comm) {
+                    let e = CommError::Local(format!("{where_}: NCCL reported an error: {e}"));
+                    self.fail(Some(slot.rank), e);
+                    break;
+                }
+            }
+        }
+        if self.is_failed() {
+            for s in &self.slots {
+                if let Ok(mut slot) = s.try_lock() {
+                    slot.abort();
+                }
+            }
+        }
+    }
+}
+
+/// Starts the monitor of a new group (with the watchdog on).
+pub(super) fn watch(g: &Arc<Group>) {
+    if let Some(limit) = g.limit {
+        let weak = Arc::downgrade(g);
+        let _ = std::thread::Builder::new()
+            .name("nccl-monitor".into())
+            .spawn(move || monitor(weak, limit));
+    }
+}
+
+/// Watches a group for what the ranks cannot time out themselves, and ends the process
+/// (with a report naming the ranks) rather than let it hang:
+/// - a rank inside an NCCL host call (e.g. `ncclAllReduce` blocked in connection setup,
+///   or `ncclCommAbort`) for longer than `limit`;
+/// - a failed group whose ranks have not all let go of it `limit` after the failure (a
+///   rank stuck outside NCCL keeps the executor waiting for it).
+///
+/// Stops when the group is dropped.
+fn monitor(group: Weak<Group>, limit: Duration) {
+    let limit_ms = limit.as_millis() as u64;
+    loop {
+        std::thread::sleep(Duration::from_millis(100).min(limit));
+        let Some(g) = group.upgrade() else { return };
+        g.watch_pending(limit);
+        let t = &g.tracker;
+        let now = t.now();
+        let stuck_in_call = (0..g.world()).find(|&r| {
+            let since = t.busy_since[r].load(Ordering::SeqCst);
+            since != 0 && now.saturating_sub(since) > limit_ms
+        });
+        let failed_at = t.failed_at.load(Ordering::SeqCst);
+        let stuck_after_failure = failed_at != 0 && now.saturating_sub(failed_at) > limit_ms;
+        if stuck_in_call.is_none() && !stuck_after_failure {
+            continue;
+        }
+        let what = match stuck_in_call {
+            Some(r) => format!(
+                "NCCL rank {r} (cuda:{}) has been inside {} for more than {:.0} s \
+                 (MOLD_NCCL_TIMEOUT_S)",
+                g.ordinals[r],
+                CALLS[t.busy_call[r].load(Ordering::SeqCst)],
+                limit.as_secs_f64()
+            ),
+            None => format!(
+                "the NCCL group ({}) failed ({}) and its ranks have not stopped \
+                 {:.0} s later",
+                describe_ranks(&g.ordinals),
+                g.failure_text(),
+                limit.as_secs_f64()
+            ),
+        };
+        eprintln!(
+            "error: {what}; ending the process instead of hanging.\n{}\n\
+             (NCCL_DEBUG=INFO shows NCCL's side; MOLD_NCCL_TIMEOUT_S sets the limit)",
+            t.dump(&g.ordinals)
+        );
+        std::process::abort();
+    }
+}

@@ -1,0 +1,248 @@
+//! [`ThreadComm`]: the ranks of a group are threads of this process; tensors are staged
+//! through host memory and summed in rank order (bit-identical on every rank).
+
+use super::{Comm, CommError};
+use candle_core::{Device, Result, Tensor};
+use std::sync::{Arc, Condvar, Mutex};
+
+struct State {
+    slots: Vec<Option<Tensor>>,
+    arrived: usize,
+    generation: u64,
+    /// The failure that aborted the group, once one did.
+    aborted: Option<String>,
+}
+
+struct Shared {
+    world: usize,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A barrier that fails (instead of hanging) once any rank has aborted.
+    fn barrier(&self, rank: usize) -> Result<()> {
+        let peer_failed = |why: &Option<String>| CommError::PeerAborted {
+            rank: format!("rank {rank} of {}", self.world),
+            cause: why.clone().unwrap_or_default(),
+        };
+        let mut st = self.lock();
+        if st.aborted.is_some() {
+            return Err(peer_failed(&st.aborted).into());
+        }
+        let gen = st.generation;
+        st.arrived += 1;
+        if st.arrived == self.world {
+            st.arrived = 0;
+            st.generation += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        while st.generation == gen && st.aborted.is_none() {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        if st.generation == gen {
+            return Err(peer_failed(&st.aborted).into());
+        }
+        Ok(())
+    }
+
+    fn abort(&self, why: String) {
+        let mut st = self.lock();
+        if st.aborted.is_none() {
+            st.aborted = Some(why);
+        }
+        self.cv.notify_all();
+    }
+}
+
+/// In-process group: one rank per thread, shared buffers and a barrier.
+#[derive(Clone)]
+pub struct ThreadComm {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl ThreadComm {
+    /// Handles for ranks `0..world`, to be moved one per thread (none for `world == 0`).
+    pub fn group(world: usize) -> Vec<ThreadComm> {
+        let shared = Arc::new(Shared {
+            world,
+            state: Mutex::new(State {
+                slots: vec![None; world],
+                arrived: 0,
+                generation: 0,
+                aborted: None,
+            }),
+            cv: Condvar::new(),
+        });
+        (0..world)
+            .map(|rank| ThreadComm {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect()
+    }
+}
+
+impl Comm for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+    /// Ranks waiting in (or later entering) a collective get
+    /// [`CommError::PeerAborted`] instead of waiting forever for this rank.
+    fn abort(&self) {
+        self.shared.abort(format!(
+            "rank {} of {} failed",
+            self.rank, self.shared.world
+        ));
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let world = self.shared.world;
+        if world == 1 {
+            return Ok(t.clone());
+        }
+        let host = t.to_device(&Device::Cpu)?;
+        self.shared.lock().slots[self.rank] = Some(host);
+        self.shared.barrier(self.rank)?;
+        // Every rank sums the same host tensors in rank order: bit-identical results.
+        let parts: Vec<Option<Tensor>> = self.shared.lock().slots.clone();
+        let mut acc: Option<Tensor> = None;
+        for p in parts {
+            let Some(p) = p else {
+                return Err(
+                    CommError::Local("all_reduce_sum: a rank's slot is empty".into()).into(),
+                );
+            };
+            acc = Some(match acc {
+                None => p,
+                Some(a) if p.shape() != a.shape() || p.dtype() != a.dtype() => {
+                    self.abort();
+                    return Err(CommError::Local(format!(
+                        "all_reduce_sum: ranks passed {:?}/{:?} and {:?}/{:?}",
+                        a.shape(),
+                        a.dtype(),
+                        p.shape(),
+                        p.dtype()
+                    ))
+                    .into());
+                }
+                Some(a) => (a + p)?,
+            });
+        }
+        // Nobody may overwrite a slot before every rank has read them all.
+        self.shared.barrier(self.rank)?;
+        acc.unwrap_or_else(|| t.clone()).to_device(t.device())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::LocalComm;
+
+    #[test]
+    fn thread_comm_sums_in_rank_order_on_every_rank() {
+        let comms = ThreadComm::group(3);
+        let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let t = Tensor::new(&[c.rank() as f32, 1.0], &Device::Cpu).unwrap();
+                        let r = c.all_reduce_sum(&t).unwrap();
+                        let r = c.all_reduce_sum(&r).unwrap();
+                        r.to_vec1::<f32>().unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for o in outs {
+            assert_eq!(o, vec![9.0, 9.0]);
+        }
+        assert!(ThreadComm::group(0).is_empty());
+    }
+
+    #[test]
+    fn all_gather_stacks_every_rank_in_rank_order_exactly() {
+        let comms = ThreadComm::group(3);
+        let outs: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let r = c.rank() as f32;
+                        // Values whose sum with anything but zero would round.
+                        let t = Tensor::new(&[1e-8 + r, 1e8 + r], &Device::Cpu).unwrap();
+                        let g = c.all_gather(&t).unwrap();
+                        assert_eq!(g.dims(), &[3, 2]);
+                        g.to_vec2::<f32>().unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want: Vec<Vec<f32>> = (0..3)
+            .map(|r| vec![1e-8 + r as f32, 1e8 + r as f32])
+            .collect();
+        for o in outs {
+            assert_eq!(o, want);
+        }
+        let one = LocalComm.all_gather(&Tensor::new(&[2f32], &Device::Cpu).unwrap());
+        assert_eq!(one.unwrap().to_vec2::<f32>().unwrap(), vec![vec![2.0]]);
+    }
+
+    #[test]
+    fn abort_releases_waiting_ranks_as_peer_aborted() {
+        let comms = ThreadComm::group(2);
+        let t = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+        std::thread::scope(|s| {
+            let c0 = &comms[0];
+            let h = s.spawn(|| c0.all_reduce_sum(&t));
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            comms[1].abort();
+            let e = h.join().unwrap().unwrap_err();
+            assert!(CommError::is_peer_aborted(&e), "{e}");
+            assert!(e.to_string().contains("rank 1 of 2 failed"), "{e}");
+        });
+    }
+
+    #[test]
+    fn the_rank_that_failed_first_is_the_root_cause() {
+        // Rank 1 passes a tensor of another shape: it fails on its own (a local error)
+        // and aborts the group; rank 0 and 2 are released as PeerAborted, or see the
+        // mismatch too. The root cause is never a PeerAborted while a local one exists.
+        let comms = ThreadComm::group(3);
+        let results: Vec<Result<Tensor>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        if c.rank() == 1 {
+                            c.abort();
+                            return Err(CommError::Local("rank 1: out of memory".into()).into());
+                        }
+                        c.all_reduce_sum(&Tensor::new(&[1f32], &Device::Cpu)?)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let (i, e) = crate::comm::root_cause(&results).unwrap();
+        assert_eq!(i, 1, "{e}");
+        assert_eq!(
+            CommError::of(e),
+            Some(&CommError::Local("rank 1: out of memory".into()))
+        );
+        assert!(CommError::is_peer_aborted(results[0].as_ref().unwrap_err()));
+    }
+}

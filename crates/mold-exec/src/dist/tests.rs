@@ -1,0 +1,391 @@
+//! Mesh tests on loopback: messages, all-reduce, failures, and a rendezvous that
+//! survives stray and hostile connections.
+
+use super::wire::{write_frame, write_hello, Hello, Role, KIND_ABORT, MAGIC, PROTOCOL_VERSION};
+use super::*;
+use crate::comm::{Comm, CommError, CommOptions, TcpComm};
+use crate::error::Result;
+use candle_core::{Device, Tensor};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn opts(timeout_ms: u64) -> CommOptions {
+    CommOptions {
+        dist_timeout: Duration::from_millis(timeout_ms),
+        ..CommOptions::default()
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn meshes(world: usize, run: Vec<Vec<(&'static str, String)>>) -> Vec<Result<Mesh>> {
+    meshes_with(world, run, &opts(10_000))
+}
+
+fn meshes_with(
+    world: usize,
+    run: Vec<Vec<(&'static str, String)>>,
+    o: &CommOptions,
+) -> Vec<Result<Mesh>> {
+    let master = format!("127.0.0.1:{}", free_port());
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let l = Launch {
+                    rank,
+                    world,
+                    master: master.clone(),
+                };
+                let run = run[rank].clone();
+                s.spawn(move || Mesh::connect(&l, &run, o))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn three_processes_exchange_messages_and_all_reduce() {
+    let run = vec![vec![("plan", "abc".to_string())]; 3];
+    let ms: Vec<Arc<Mesh>> = meshes(3, run)
+        .into_iter()
+        .map(|m| Arc::new(m.unwrap()))
+        .collect();
+    ms[2].send(1, "x", b"hi").unwrap();
+    assert_eq!(ms[1].recv(2, "x").unwrap(), b"hi");
+    // A group of 4 ranks over 3 processes (process 1 runs two of them).
+    let procs = vec![0, 1, 1, 2];
+    let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = procs
+            .iter()
+            .enumerate()
+            .map(|(r, &p)| {
+                let c = TcpComm::new(ms[p].clone(), "g".into(), r, procs.clone());
+                s.spawn(move || {
+                    let t = Tensor::new(&[r as f32, 1.0], &Device::Cpu).unwrap();
+                    let x = c.all_reduce_sum(&t).unwrap();
+                    c.all_reduce_sum(&x).unwrap().to_vec1::<f32>().unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for o in outs {
+        assert_eq!(o, vec![24.0, 16.0]);
+    }
+    // Each waits for the others' goodbyes: drop them together.
+    std::thread::scope(|s| {
+        for m in ms {
+            s.spawn(move || drop(m));
+        }
+    });
+}
+
+#[test]
+fn a_failing_process_releases_the_others_naming_itself() {
+    let run = vec![vec![("plan", "abc".to_string())]; 2];
+    let ms: Vec<Mesh> = meshes(2, run).into_iter().map(|m| m.unwrap()).collect();
+    ms[1].abort_all("process 1: cuda:1 ran out of memory");
+    let e = ms[0].recv(1, "never").unwrap_err().to_string();
+    assert!(e.contains("process 1: cuda:1 ran out of memory"), "{e}");
+}
+
+#[test]
+fn a_process_that_dies_is_noticed() {
+    let run = vec![vec![("plan", "abc".to_string())]; 2];
+    let mut ms: Vec<Mesh> = meshes(2, run).into_iter().map(|m| m.unwrap()).collect();
+    let m1 = ms.pop().unwrap();
+    // Gone without a goodbye, as a crash would.
+    m1.closing.store(true, Ordering::SeqCst);
+    for s in m1.streams.iter().flatten() {
+        s.shutdown(Shutdown::Both).unwrap();
+    }
+    std::mem::forget(m1);
+    let e = ms[0].recv(1, "never").unwrap_err().to_string();
+    assert!(e.contains("process 1 closed its connection"), "{e}");
+}
+
+#[test]
+fn processes_that_disagree_are_refused_naming_the_difference() {
+    let run = vec![
+        vec![("plan", "abc".to_string()), ("seed", "0".to_string())],
+        vec![("plan", "abc".to_string()), ("seed", "7".to_string())],
+    ];
+    let rs = meshes(2, run);
+    let e0 = rs[0].as_ref().unwrap_err().to_string();
+    assert!(
+        e0.contains("seed is 7 in process 1 but 0 in process 0"),
+        "{e0}"
+    );
+    let e1 = rs[1].as_ref().unwrap_err().to_string();
+    assert!(e1.contains("refused"), "{e1}");
+}
+
+#[test]
+fn a_missing_process_is_named_after_the_timeout() {
+    let master = format!("127.0.0.1:{}", free_port());
+    let l = Launch {
+        rank: 0,
+        world: 3,
+        master,
+    };
+    let e = Mesh::connect(&l, &[], &opts(300)).unwrap_err().to_string();
+    assert!(e.contains("for process(es) 1, 2"), "{e}");
+}
+
+#[test]
+fn failures_are_typed_for_communicators_and_raise_the_signal() {
+    let run = vec![vec![("plan", "abc".to_string())]; 2];
+    let ms: Vec<Arc<Mesh>> = meshes_with(2, run, &opts(1_000))
+        .into_iter()
+        .map(|m| Arc::new(m.unwrap()))
+        .collect();
+    let t = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+    let c = TcpComm::new(ms[0].clone(), "g".into(), 0, vec![0, 1]);
+    // Process 1 never joins the all-reduce: a Timeout after MOLD_DIST_TIMEOUT_S.
+    let e = c.all_reduce_sum(&t).unwrap_err();
+    assert!(
+        matches!(CommError::of(&e), Some(CommError::Timeout { .. })),
+        "{e}"
+    );
+    assert!(e.to_string().contains("MOLD_DIST_TIMEOUT_S"), "{e}");
+    // Process 1 fails: process 0's rank is released as PeerAborted, naming it.
+    ms[1].abort_all("process 1: cuda:1 ran out of memory");
+    let e = c.all_reduce_sum(&t).unwrap_err();
+    assert!(
+        matches!(
+            CommError::of(&e),
+            Some(CommError::PeerAborted { cause, .. }) if cause.contains("cuda:1 ran out of memory")
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        ms[0].abort_signal().reason().as_deref(),
+        Some("process 1: cuda:1 ran out of memory")
+    );
+}
+
+/// Connects to `addr` once it listens.
+fn connect_when_listening(addr: &str) -> TcpStream {
+    let t = Instant::now();
+    loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => return s,
+            Err(_) if t.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("{addr}: {e}"),
+        }
+    }
+}
+
+/// A 2-process rendezvous where `stray` runs against process 0's address after process 0
+/// listens and before process 1 starts: both processes must still join and talk. Returns
+/// what `stray` returned (a connection it keeps open).
+fn survives<T: Send>(o: &CommOptions, stray: impl FnOnce(&str) -> T + Send) -> T {
+    let master = format!("127.0.0.1:{}", free_port());
+    let run = vec![("plan", "abc".to_string())];
+    let run = &run;
+    std::thread::scope(|s| {
+        let l0 = Launch {
+            rank: 0,
+            world: 2,
+            master: master.clone(),
+        };
+        let l1 = Launch {
+            rank: 1,
+            ..l0.clone()
+        };
+        let h0 = s.spawn(move || Mesh::connect(&l0, run, o));
+        let kept = stray(&master);
+        let h1 = s.spawn(move || Mesh::connect(&l1, run, o));
+        let m0 = h0.join().unwrap().expect("process 0 joined");
+        let m1 = h1.join().unwrap().expect("process 1 joined");
+        m1.send(0, "x", b"ok").unwrap();
+        assert_eq!(m0.recv(1, "x").unwrap(), b"ok");
+        assert_eq!(m0.failure(), None);
+        s.spawn(move || drop(m0));
+        drop(m1);
+        kept
+    })
+}
+
+/// Reads until the other side closes (or resets); fails if it stays open 10 s.
+fn closed_by_peer(s: &mut TcpStream) -> Vec<u8> {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = Vec::new();
+    match s.read_to_end(&mut got) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("the connection was not dropped: {e}"),
+    }
+    got
+}
+
+#[test]
+fn random_bytes_are_dropped_and_the_rendezvous_completes() {
+    let o = opts(10_000);
+    let mut s = survives(&o, |addr| {
+        let mut s = connect_when_listening(addr);
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let noise: Vec<u8> = (0..4096)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        s.write_all(&noise).unwrap();
+        s
+    });
+    closed_by_peer(&mut s);
+}
+
+#[test]
+fn huge_lengths_are_refused_without_allocating_them() {
+    let o = opts(10_000);
+    let (mut a, mut b) = survives(&o, |addr| {
+        // A handshake announcing a 4 GiB body...
+        let mut a = connect_when_listening(addr);
+        let mut h = MAGIC.to_vec();
+        h.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        h.extend_from_slice(&u32::MAX.to_le_bytes());
+        a.write_all(&h).unwrap();
+        // ...and a frame announcing 16 EiB (the old protocol's hello).
+        let mut b = connect_when_listening(addr);
+        let mut f = vec![0u8, 5, 0, 0, 0];
+        f.extend_from_slice(b"hello");
+        f.extend_from_slice(&u64::MAX.to_le_bytes());
+        b.write_all(&f).unwrap();
+        (a, b)
+    });
+    closed_by_peer(&mut a);
+    closed_by_peer(&mut b);
+}
+
+#[test]
+fn a_wrong_magic_is_dropped() {
+    let o = opts(10_000);
+    let mut s = survives(&o, |addr| {
+        let mut s = connect_when_listening(addr);
+        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        s
+    });
+    assert!(closed_by_peer(&mut s).is_empty());
+}
+
+fn hello(secret: &str, version_ok: bool) -> Vec<u8> {
+    let mut b = Vec::new();
+    write_hello(
+        &mut b,
+        &Hello {
+            role: Role::Join,
+            rank: 1,
+            world: 2,
+            port: 1,
+            secret: secret.as_bytes().to_vec(),
+            run: "plan=abc".into(),
+        },
+    )
+    .unwrap();
+    if !version_ok {
+        b[8..12].copy_from_slice(&99u32.to_le_bytes());
+    }
+    b
+}
+
+/// The refusal frame a dropped mold process gets.
+fn refusal(s: &mut TcpStream) -> String {
+    let got = closed_by_peer(s);
+    let (kind, tag, payload) = super::wire::read_frame(&mut got.as_slice()).unwrap();
+    assert_eq!((kind, tag.as_str()), (KIND_ABORT, "refused"));
+    String::from_utf8(payload).unwrap()
+}
+
+#[test]
+fn a_wrong_secret_or_version_is_refused_and_dropped() {
+    let mut o = opts(10_000);
+    o.secret = Some("s3cret".into());
+    let (mut a, mut b, mut c) = survives(&o, |addr| {
+        let mut a = connect_when_listening(addr);
+        a.write_all(&hello("guess", true)).unwrap();
+        let mut b = connect_when_listening(addr);
+        b.write_all(&hello("", true)).unwrap();
+        let mut c = connect_when_listening(addr);
+        c.write_all(&hello("s3cret", false)).unwrap();
+        (a, b, c)
+    });
+    assert!(refusal(&mut a).contains("MOLD_DIST_SECRET"));
+    assert!(refusal(&mut b).contains("MOLD_DIST_SECRET"));
+    assert!(refusal(&mut c).contains("protocol version 99"));
+}
+
+#[test]
+fn a_process_with_the_wrong_secret_is_refused_and_process_0_keeps_waiting() {
+    let master = format!("127.0.0.1:{}", free_port());
+    let mut o0 = opts(1_500);
+    o0.secret = Some("a".into());
+    let mut o1 = o0.clone();
+    o1.secret = Some("b".into());
+    let (r0, r1) = std::thread::scope(|s| {
+        let l0 = Launch {
+            rank: 0,
+            world: 2,
+            master: master.clone(),
+        };
+        let l1 = Launch {
+            rank: 1,
+            ..l0.clone()
+        };
+        let o0 = &o0;
+        let h0 = s.spawn(move || Mesh::connect(&l0, &[], o0));
+        let t = Instant::now();
+        let r1 = Mesh::connect(&l1, &[], &o1);
+        assert!(
+            t.elapsed() < Duration::from_millis(1_400),
+            "refused at once"
+        );
+        (h0.join().unwrap(), r1)
+    });
+    let e1 = r1.unwrap_err().to_string();
+    assert!(
+        e1.contains("refused") && e1.contains("MOLD_DIST_SECRET"),
+        "{e1}"
+    );
+    let e0 = r0.unwrap_err().to_string();
+    assert!(e0.contains("for process(es) 1"), "{e0}");
+}
+
+#[test]
+fn a_silent_client_does_not_hold_up_the_rendezvous_and_is_dropped() {
+    let mut o = opts(10_000);
+    o.handshake_timeout = Duration::from_secs(3);
+    let (mut s, t) = survives(&o, |addr| (connect_when_listening(addr), Instant::now()));
+    // The rendezvous went on while the silent client was still connected...
+    assert!(t.elapsed() < o.handshake_timeout, "{:?}", t.elapsed());
+    // ...which is dropped once its handshake time is up.
+    assert!(closed_by_peer(&mut s).is_empty());
+    assert!(t.elapsed() >= o.handshake_timeout - Duration::from_millis(100));
+}
+
+#[test]
+fn a_stray_frame_after_the_handshake_is_bounded() {
+    // A frame too long to be one of ours ends the connection as a failure, not an
+    // allocation of its length.
+    let mut b = Vec::new();
+    write_frame(&mut b, 0, "x", b"").unwrap();
+    let n = b.len();
+    b[n - 8..].copy_from_slice(&(MAX_FRAME_BYTES + 1).to_le_bytes());
+    let e = super::wire::read_frame(&mut b.as_slice()).unwrap_err();
+    assert!(e.to_string().contains("over the limit"), "{e}");
+}

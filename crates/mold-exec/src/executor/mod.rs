@@ -1,0 +1,551 @@
+//! The executor: runs the transformer component of a plan, part by part, for any model
+//! family ([`Transformer`]). It owns placement (which rank runs which blocks on which
+//! device), residency (resident, streamed through a ring, or synchronously copied),
+//! hand-offs between parts and the communicators of tensor-parallel groups; the model
+//! owns the maths.
+//!
+//! - [`plan_check`]: the plan's parts against the model, before anything loads;
+//! - `build` (here): devices, weights, rings and communicators;
+//! - [`rank`]: one part's ranks running their blocks (threads for tensor parallelism);
+//! - [`multiprocess`]: a run spread over several processes.
+
+mod multiprocess;
+pub mod plan_check;
+mod rank;
+
+pub use plan_check::{check_plan, compute_dtype};
+
+use crate::checkpoint::Checkpoint;
+use crate::comm::Comm;
+use crate::dist::{Mesh, Ownership};
+use crate::error::{ExecError, Result};
+use crate::model::{ActivationMeter, BlockRef, Profiler, Shard, Transformer, Weights};
+use crate::options::ExecOptions;
+use crate::runtime::{self, CheckpointSource, DeviceMap, DeviceMemory, Held};
+use crate::streaming::{self, Ring, Streaming};
+use candle_core::{DType, Device, Tensor};
+use mold_plan::{DeviceId, Plan, Residency};
+use multiprocess::DistRt;
+use plan_check::{check_parts, transformer_of};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+/// One profiled phase: `(label, seconds, marks)`.
+pub type PhaseTime = (&'static str, f64, u64);
+
+/// One rank of a part: its device, the weights it holds, its meters.
+struct Rank<M: Transformer> {
+    id: DeviceId,
+    /// This rank's index in its part's group.
+    index: usize,
+    device: Device,
+    stem: Option<M::Stem>,
+    final_layer: Option<M::Final>,
+    blocks: Vec<Held<M::Block>>,
+    meter: ActivationMeter,
+    profile: Profiler,
+    resident_bytes: u64,
+    /// `sync` streaming: the largest streamed block and the host bytes of all of them.
+    sync_stream_bytes: u64,
+    sync_host_bytes: u64,
+}
+
+struct PartRt<M: Transformer> {
+    /// Every device of the part (the group), in rank order.
+    devices: Vec<DeviceId>,
+    steps: Vec<BlockRef>,
+    /// The ranks this process runs (all of them in a one-process run).
+    ranks: Vec<Rank<M>>,
+    /// How this process opens each of `ranks` (`cuda:K` of its own GPUs).
+    local_ids: Vec<DeviceId>,
+    /// Communicators of `ranks`, made once, for a group that spans processes.
+    comms: Option<Vec<Box<dyn Comm>>>,
+}
+
+/// What flows between parts: a model's activations, or the model's output after the
+/// final layer.
+#[derive(Clone)]
+enum Flow<A> {
+    Acts(A),
+    Out(Tensor),
+}
+
+/// Runs the transformer of a plan. Weights are loaded once by [`Executor::new`];
+/// [`Executor::forward`] can then be called once per denoising step.
+pub struct Executor<M: Transformer> {
+    model: M,
+    dtype: DType,
+    parts: Vec<PartRt<M>>,
+    opts: ExecOptions,
+    /// One per device that runs streamed blocks (pipelined streaming).
+    rings: Vec<(DeviceId, Mutex<Ring<M::Block>>)>,
+    dist: Option<DistRt>,
+}
+
+impl<M: Transformer> std::fmt::Debug for Executor<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("family", &self.model.family())
+            .field("dtype", &self.dtype)
+            .field(
+                "parts",
+                &self.parts.iter().map(|p| &p.devices).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// A part as the executor builds it.
+struct PartSpec {
+    devices: Vec<DeviceId>,
+    residency: Residency,
+    buffers: usize,
+    steps: Vec<BlockRef>,
+}
+
+impl<M: Transformer> Executor<M> {
+    /// Checks the model, the checkpoint headers and the plan (no tensor data read), then
+    /// loads each part's weights onto its devices (each rank reads only its own blocks
+    /// and shards) in the plan's transformer dtype, with default options.
+    pub fn new(model: &M, plan: &Plan, ckpt: &Checkpoint) -> Result<Self> {
+        Self::with_options(model, plan, ckpt, ExecOptions::default())
+    }
+
+    /// [`Executor::new`] with explicit options. Refuses, before reading any weight, a
+    /// plan whose streamed weights do not fit the host memory available
+    /// ([`streaming::host_memory_available`]).
+    pub fn with_options(
+        model: &M,
+        plan: &Plan,
+        ckpt: &Checkpoint,
+        opts: ExecOptions,
+    ) -> Result<Self> {
+        Self::new_in(model, plan, ckpt, opts, None)
+    }
+
+    /// [`Executor::new`] with default options except how streamed blocks are copied.
+    pub fn new_with_streaming(
+        model: &M,
+        plan: &Plan,
+        ckpt: &Checkpoint,
+        streaming: Streaming,
+    ) -> Result<Self> {
+        let opts = ExecOptions {
+            streaming,
+            ..ExecOptions::default()
+        };
+        Self::new_in(model, plan, ckpt, opts, None)
+    }
+
+    /// This process's share of a multi-process run ([`crate::dist`]): loads and runs only
+    /// the ranks on the devices [`Ownership`] gives this process (opened as its own
+    /// `cuda:0, cuda:1, …`); activations cross processes over `mesh`, and every process's
+    /// [`Executor::forward`] returns the same output (on the host in the processes that
+    /// do not run the final layer). Every process must call it, then `forward` with the
+    /// same inputs, in the same order.
+    pub fn new_multi_process(
+        model: &M,
+        plan: &Plan,
+        ckpt: &Checkpoint,
+        opts: ExecOptions,
+        mesh: Arc<Mesh>,
+    ) -> Result<Self> {
+        Self::new_in(model, plan, ckpt, opts, Some(mesh))
+    }
+
+    fn new_in(
+        model: &M,
+        plan: &Plan,
+        ckpt: &Checkpoint,
+        opts: ExecOptions,
+        mesh: Option<Arc<Mesh>>,
+    ) -> Result<Self> {
+        model.validate().map_err(ExecError::Config)?;
+        let comp = transformer_of(plan)?;
+        let dtype = compute_dtype(comp.dtype)?;
+        let steps = check_parts(model, &comp.parts)?;
+        ckpt.check(model, &plan.model.id)?;
+        let specs = comp
+            .parts
+            .iter()
+            .zip(steps)
+            .map(|(p, steps)| PartSpec {
+                devices: p.devices.clone(),
+                residency: p.residency,
+                buffers: p.buffers().max(1) as usize,
+                steps,
+            })
+            .collect();
+        let dist = match mesh {
+            None => None,
+            Some(mesh) => Some(DistRt {
+                own: ownership(plan, mesh.world())?,
+                mesh,
+                calls: AtomicU64::new(0),
+            }),
+        };
+        Self::build(model, ckpt, specs, dtype, opts, dist)
+    }
+
+    /// The reference: the same model, unsharded, every block resident on one device,
+    /// with default options ([`Executor::with_kernels`] picks its kernels).
+    pub fn reference(
+        model: &M,
+        ckpt: &Checkpoint,
+        device: &DeviceId,
+        dtype: DType,
+    ) -> Result<Self> {
+        model.validate().map_err(ExecError::Config)?;
+        ckpt.check(model, "the given model config")?;
+        let spec = PartSpec {
+            devices: vec![device.clone()],
+            residency: Residency::Resident,
+            buffers: 0,
+            steps: model.all_blocks(),
+        };
+        Self::build(model, ckpt, vec![spec], dtype, ExecOptions::default(), None)
+    }
+
+    /// Refuses streamed weights that the host cannot hold, before anything is read: each
+    /// streamed block is sized per rank from the checkpoint's headers
+    /// ([`runtime::ShapeSource`]).
+    fn check_host_memory(
+        model: &M,
+        ckpt: &Checkpoint,
+        specs: &[PartSpec],
+        dtype: DType,
+        limit: Option<u64>,
+        local: &dyn Fn(&DeviceId) -> bool,
+    ) -> Result<()> {
+        let shapes = runtime::ShapeSource { ckpt, dtype };
+        let mut need = 0u64;
+        let mut blocks = 0usize;
+        for s in specs.iter().filter(|s| s.residency == Residency::Streamed) {
+            let world = s.devices.len();
+            for rank in (0..world).filter(|r| local(&s.devices[*r])) {
+                let shard = Shard { rank, world };
+                for step in &s.steps {
+                    need += model.load_block(&shapes, *step, shard)?.bytes();
+                }
+            }
+            blocks += s.steps.len();
+        }
+        if need == 0 {
+            return Ok(());
+        }
+        match streaming::host_memory_available(limit) {
+            Some((available, from)) if need > available => Err(ExecError::HostMemory {
+                blocks,
+                need: mold_plan::ByteSize(need),
+                available: mold_plan::ByteSize(available),
+                source_: from.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn build(
+        model: &M,
+        ckpt: &Checkpoint,
+        specs: Vec<PartSpec>,
+        dtype: DType,
+        opts: ExecOptions,
+        dist: Option<DistRt>,
+    ) -> Result<Self> {
+        if let Some(f) = &opts.fault {
+            let kinds = model.block_kinds();
+            match kinds.iter().find(|(k, _)| *k == f.block_kind) {
+                Some((_, n)) if f.block_index < *n => {}
+                _ => {
+                    let valid: Vec<String> =
+                        kinds.iter().map(|(k, n)| format!("{k} 0..{n}")).collect();
+                    return Err(ExecError::Input(format!(
+                        "MOLD_FAULT: {} has no block `{} {}` (valid: {})",
+                        model.family(),
+                        f.block_kind,
+                        f.block_index,
+                        valid.join(", ")
+                    )));
+                }
+            }
+        }
+        // How this process opens a plan device it runs (None: another process runs it).
+        let local_id = |d: &DeviceId| -> Option<DeviceId> {
+            match &dist {
+                None => Some(d.clone()),
+                Some(x) => x.own.local_id(x.mesh.rank(), d),
+            }
+        };
+        let mut devmap = DeviceMap::default();
+        // Resolve every device before reading any weight.
+        for s in &specs {
+            for d in s.devices.iter().filter_map(local_id) {
+                devmap.get(&d)?;
+            }
+        }
+        Self::check_host_memory(model, ckpt, &specs, dtype, opts.host_memory, &|d| {
+            local_id(d).is_some()
+        })?;
+        let mut rings: Vec<(DeviceId, Ring<M::Block>)> = Vec::new();
+        let src = CheckpointSource { ckpt, dtype };
+        let n = specs.len();
+        let mut parts = Vec::with_capacity(n);
+        for (pi, spec) in specs.into_iter().enumerate() {
+            let world = spec.devices.len();
+            let mut ranks = Vec::with_capacity(world);
+            let mut local_ids = Vec::with_capacity(world);
+            for (rank, id) in spec.devices.iter().enumerate() {
+                let Some(lid) = local_id(id) else { continue };
+                let device = devmap.get(&lid)?;
+                local_ids.push(lid);
+                let shard = Shard { rank, world };
+                let mut resident_bytes = 0;
+                let mut sync_stream_bytes = 0;
+                let mut sync_host_bytes = 0;
+                let stem = if pi == 0 {
+                    let s = model.load_stem(&src)?.to_device(&device)?;
+                    resident_bytes += s.bytes();
+                    Some(s)
+                } else {
+                    None
+                };
+                let final_layer = if pi == n - 1 && rank == 0 {
+                    let f = model.load_final(&src)?.to_device(&device)?;
+                    resident_bytes += f.bytes();
+                    Some(f)
+                } else {
+                    None
+                };
+                let mut blocks = Vec::with_capacity(spec.steps.len());
+                for step in &spec.steps {
+                    let b = model.load_block(&src, *step, shard)?;
+                    let bytes = b.bytes();
+                    blocks.push(match spec.residency {
+                        Residency::Resident => {
+                            resident_bytes += bytes;
+                            Held::Resident(b.to_device(&device)?)
+                        }
+                        Residency::Streamed if opts.streaming == Streaming::Sync => {
+                            sync_host_bytes += bytes;
+                            sync_stream_bytes = sync_stream_bytes.max(bytes);
+                            Held::Sync(b)
+                        }
+                        Residency::Streamed => {
+                            let ri = match rings.iter().position(|(d, _)| d == id) {
+                                Some(i) => i,
+                                None => {
+                                    rings.push((
+                                        id.clone(),
+                                        Ring::new(
+                                            device.clone(),
+                                            dtype,
+                                            opts.streaming,
+                                            spec.buffers,
+                                        ),
+                                    ));
+                                    rings.len() - 1
+                                }
+                            };
+                            let ring = &mut rings[ri].1;
+                            ring.want_buffers(spec.buffers);
+                            Held::Streamed(ri, ring.add(&b)?)
+                        }
+                    });
+                }
+                ranks.push(Rank {
+                    id: id.clone(),
+                    index: rank,
+                    device,
+                    stem,
+                    final_layer,
+                    blocks,
+                    meter: ActivationMeter::default(),
+                    profile: Profiler::default(),
+                    resident_bytes,
+                    sync_stream_bytes,
+                    sync_host_bytes,
+                });
+            }
+            let comms = match &dist {
+                Some(x) if world > 1 && !ranks.is_empty() && ranks.len() < world => {
+                    Some(x.group(pi, &spec.devices, &ranks, &local_ids)?)
+                }
+                _ => None,
+            };
+            parts.push(PartRt {
+                devices: spec.devices,
+                steps: spec.steps,
+                ranks,
+                local_ids,
+                comms,
+            });
+        }
+        for (id, ring) in rings.iter_mut() {
+            ring.finish()?;
+            if let Some(why) = ring.pinned_failed() {
+                eprintln!(
+                    "warning: {id}: page-locking {} of host memory for streamed weights failed ({why}): \
+                     streaming from pageable memory instead (slower copies, and the host waits for each)",
+                    mold_plan::ByteSize(ring.info().host_bytes)
+                );
+            }
+        }
+        Ok(Executor {
+            model: model.clone(),
+            dtype,
+            parts,
+            opts,
+            rings: rings.into_iter().map(|(d, r)| (d, Mutex::new(r))).collect(),
+            dist,
+        })
+    }
+
+    /// Chooses fused CUDA kernels or candle's ops. `--verify` runs its reference with
+    /// candle's ops, so the comparison also checks the fused kernels.
+    pub fn with_kernels(mut self, kernels: crate::Kernels) -> Self {
+        self.opts.kernels = kernels;
+        self
+    }
+
+    /// Turns phase profiling on or off.
+    pub fn with_profiling(mut self, on: bool) -> Self {
+        self.opts.profiling = on;
+        self
+    }
+
+    /// The options this executor runs with.
+    pub fn options(&self) -> &ExecOptions {
+        &self.opts
+    }
+
+    /// Whether phases are being timed.
+    pub fn profiling(&self) -> bool {
+        self.opts.profiling
+    }
+
+    /// Time per phase and device since the last [`Executor::clear_profile`]: for each
+    /// rank, `(label, seconds, marks)`, largest first. Empty unless profiling.
+    pub fn profile_report(&self) -> Vec<(DeviceId, Vec<PhaseTime>)> {
+        self.parts
+            .iter()
+            .flat_map(|p| p.ranks.iter())
+            .map(|r| (r.id.clone(), r.profile.report()))
+            .filter(|(_, v)| !v.is_empty())
+            .collect()
+    }
+
+    /// Forgets the phase times so far (e.g. the warm-up step's).
+    pub fn clear_profile(&self) {
+        for r in self.parts.iter().flat_map(|p| p.ranks.iter()) {
+            r.profile.clear();
+        }
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The model this runs.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// How streamed blocks reach their devices.
+    pub fn streaming(&self) -> Streaming {
+        self.opts.streaming
+    }
+
+    /// Each streaming device's ring: buffers, host memory, copies and restarts so far.
+    pub fn streaming_report(&self) -> Vec<(DeviceId, streaming::RingInfo)> {
+        (0..self.rings.len())
+            .map(|i| (self.rings[i].0.clone(), self.ring(i).info()))
+            .collect()
+    }
+
+    fn ring(&self, i: usize) -> std::sync::MutexGuard<'_, Ring<M::Block>> {
+        self.rings[i].1.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// One transformer call. Inputs may live on any device and in any float dtype; the
+    /// model moves them to the first part's devices and converts them. Returns the model's
+    /// output on the last part's first device (in a multi-process run, on the host in the
+    /// processes that do not run it).
+    pub fn forward(&self, inputs: &M::Inputs) -> Result<Tensor> {
+        self.model.check_inputs(inputs)?;
+        // Start the first copies of every streaming device now: they overlap the stem
+        // and whatever runs before each device's first streamed block.
+        for i in 0..self.rings.len() {
+            self.ring(i).prime()?;
+        }
+        if let Some(d) = &self.dist {
+            let r = self.forward_multi_process(d, inputs);
+            if let Err(e) = &r {
+                // Tell the other processes (unless they told us).
+                if !matches!(e, ExecError::Dist(_)) {
+                    d.mesh
+                        .abort_all(&format!("process {} failed: {e}", d.mesh.rank()));
+                }
+            }
+            return r;
+        }
+        let mut flow: Option<Flow<M::Acts>> = None;
+        for part in &self.parts {
+            flow = Some(self.run_part(part, flow.as_ref(), inputs)?);
+        }
+        match flow {
+            Some(Flow::Out(t)) => Ok(t),
+            _ => Err(ExecError::Plan("the last part produced no output".into())),
+        }
+    }
+
+    /// Accounted memory per device, summed over the parts each device serves (in
+    /// first-use order). Activation sizes are known after a [`Executor::forward`].
+    pub fn memory_report(&self) -> Vec<DeviceMemory> {
+        let mut out: Vec<DeviceMemory> = Vec::new();
+        for part in &self.parts {
+            for r in &part.ranks {
+                let i = match out.iter().position(|m| m.device == r.id) {
+                    Some(i) => i,
+                    None => {
+                        out.push(DeviceMemory {
+                            device: r.id.clone(),
+                            resident_weight_bytes: 0,
+                            stream_buffer_bytes: 0,
+                            stream_buffers: 0,
+                            host_weight_bytes: 0,
+                            host_pinned: false,
+                            largest_activation_bytes: 0,
+                        });
+                        out.len() - 1
+                    }
+                };
+                let m = &mut out[i];
+                m.resident_weight_bytes += r.resident_bytes;
+                if r.sync_stream_bytes > 0 {
+                    m.stream_buffer_bytes = m.stream_buffer_bytes.max(r.sync_stream_bytes);
+                    m.stream_buffers = 1;
+                }
+                m.host_weight_bytes += r.sync_host_bytes;
+                m.largest_activation_bytes = m.largest_activation_bytes.max(r.meter.largest());
+            }
+        }
+        for (i, (id, _)) in self.rings.iter().enumerate() {
+            let info = self.ring(i).info();
+            if let Some(m) = out.iter_mut().find(|m| &m.device == id) {
+                m.stream_buffer_bytes = info.buffer_bytes;
+                m.stream_buffers = info.buffers;
+                m.host_weight_bytes += info.host_bytes;
+                m.host_pinned = info.pinned;
+            }
+        }
+        out
+    }
+}
+
+/// The devices each process of a `world`-process run of `plan` runs.
+pub fn ownership(plan: &Plan, world: usize) -> Result<Ownership> {
+    let comp = transformer_of(plan)?;
+    let devices: Vec<DeviceId> = comp.parts.iter().flat_map(|p| p.devices.clone()).collect();
+    Ownership::split(&devices, world)
+}

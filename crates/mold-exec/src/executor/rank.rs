@@ -1,0 +1,155 @@
+//! One part's ranks running their blocks: one device plainly, a tensor-parallel group
+//! as one thread per rank; weights fetched as their residency says.
+
+use super::{Executor, Flow, PartRt, Rank};
+use crate::comm::{Comm, LocalComm};
+use crate::error::{ExecError, Result};
+use crate::model::{Activations, Ctx, Transformer, Weights};
+use crate::runtime::{self, Held};
+use std::borrow::Cow;
+
+/// Aborts the rank's group if the rank's thread leaves without finishing (error or
+/// panic), so the other ranks do not wait forever.
+struct AbortGuard<'a>(&'a dyn Comm, bool);
+
+impl Drop for AbortGuard<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.abort();
+        }
+    }
+}
+
+impl<M: Transformer> Executor<M> {
+    /// Runs `part` on what the previous part produced (`None`: the call's inputs, for
+    /// the first part).
+    pub(super) fn run_part(
+        &self,
+        part: &PartRt<M>,
+        prev: Option<&Flow<M::Acts>>,
+        inputs: &M::Inputs,
+    ) -> Result<Flow<M::Acts>> {
+        if part.devices.len() == 1 {
+            let rank = &part.ranks[0];
+            let out = self.run_rank(part, rank, &LocalComm, prev, inputs)?;
+            // The next part may read it from another thread (a tensor-parallel rank's),
+            // whose stream is not ordered with this one: finish it first.
+            rank.device.synchronize()?;
+            return Ok(out);
+        }
+        let made;
+        let comms: &[Box<dyn Comm>] = match &part.comms {
+            Some(c) => c,
+            None => {
+                let abort = self.dist.as_ref().map(|d| d.mesh.abort_signal());
+                made = crate::comm::make_group(&part.local_ids, &self.opts.comm, abort);
+                &made
+            }
+        };
+        let results: Vec<std::thread::Result<candle_core::Result<Flow<M::Acts>>>> =
+            std::thread::scope(|s| {
+                let handles: Vec<_> = part
+                    .ranks
+                    .iter()
+                    .zip(comms.iter())
+                    .map(|(rank, comm)| {
+                        s.spawn(move || {
+                            let mut guard = AbortGuard(comm.as_ref(), false);
+                            // Finish this rank's kernels before its thread hands the
+                            // result on: work queued from another thread is not ordered
+                            // with it otherwise (a no-op on the CPU).
+                            let r = self
+                                .run_rank(part, rank, comm.as_ref(), prev, inputs)
+                                .and_then(|a| rank.device.synchronize().map(|_| a))
+                                // A collective may fail after it was enqueued.
+                                .and_then(|a| comm.check().map(|_| a));
+                            guard.1 = r.is_ok();
+                            r
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join()).collect()
+            });
+        // A panicked rank is an error of its own (never a peer's abort).
+        let results: Vec<candle_core::Result<Flow<M::Acts>>> = results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|_| {
+                    Err(candle_core::Error::Msg("the rank's thread panicked".into()))
+                })
+            })
+            .collect();
+        // Report the rank that failed first (by the error's type), not the ranks it
+        // released.
+        if let Some((i, e)) = crate::comm::root_cause(&results) {
+            return Err(ExecError::Device {
+                device: part.ranks[i].id.to_string(),
+                message: e.to_string(),
+            });
+        }
+        // The lowest rank this process runs (rank 0 holds the final layer).
+        match results.into_iter().next() {
+            Some(Ok(a)) => Ok(a),
+            _ => Err(ExecError::Plan("rank 0 produced no result".into())),
+        }
+    }
+
+    fn run_rank(
+        &self,
+        part: &PartRt<M>,
+        rank: &Rank<M>,
+        comm: &dyn Comm,
+        prev: Option<&Flow<M::Acts>>,
+        inputs: &M::Inputs,
+    ) -> candle_core::Result<Flow<M::Acts>> {
+        let dev = &rank.device;
+        let ctx = Ctx {
+            comm,
+            meter: &rank.meter,
+            kernels: self.opts.kernels,
+            profile: self.opts.profiling.then_some(&rank.profile),
+        };
+        let mut acts = match prev {
+            Some(Flow::Acts(a)) => a.map(&mut |t| runtime::hand_off(t, dev))?,
+            Some(Flow::Out(_)) => candle_core::bail!("a part after the final layer"),
+            None => {
+                let stem = rank.stem.as_ref().ok_or_else(|| {
+                    candle_core::Error::Msg("the first part holds the stem".into())
+                })?;
+                self.model.stem(stem, inputs, self.dtype, dev, &ctx)?
+            }
+        };
+        let ring_err = |e: ExecError| candle_core::Error::Msg(e.to_string());
+        for (step, held) in part.steps.iter().zip(&rank.blocks) {
+            if let Some(f) = &self.opts.fault {
+                f.trigger(&rank.id, *step)?;
+            }
+            if let Some(p) = ctx.profile {
+                p.mark(None, dev);
+            }
+            let block: Cow<M::Block> = match held {
+                Held::Resident(b) => Cow::Borrowed(b),
+                Held::Streamed(ri, k) => Cow::Owned(self.ring(*ri).fetch(*k).map_err(ring_err)?),
+                Held::Sync(b) => Cow::Owned(b.to_device(dev)?),
+            };
+            if let Some(p) = ctx.profile {
+                p.mark(Some("weight fetch (streamed)"), dev);
+            }
+            acts = self.model.block(block.as_ref(), acts, &ctx)?;
+            match held {
+                Held::Resident(_) => {}
+                // The buffer is refilled once this block's kernels are done.
+                Held::Streamed(ri, _) => self.ring(*ri).release().map_err(ring_err)?,
+                // The baseline: wait for the block, then free its weights.
+                Held::Sync(_) => {
+                    dev.synchronize()?;
+                    drop(block);
+                }
+            }
+        }
+        match &rank.final_layer {
+            Some(fl) => Ok(Flow::Out(self.model.final_layer(fl, acts, &ctx)?)),
+            None => Ok(Flow::Acts(acts)),
+        }
+    }
+}

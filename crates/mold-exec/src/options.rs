@@ -1,0 +1,38 @@
+//! How a plan runs, as the caller chose: the library reads no environment. The binary
+//! resolves these from flags, environment and `config.toml` at its edge.
+
+use crate::comm::CommOptions;
+use crate::fault::Fault;
+use crate::model::ops::Kernels;
+use crate::streaming::Streaming;
+
+/// Options of one [`crate::Executor`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExecOptions {
+    /// How streamed blocks reach their devices.
+    pub streaming: Streaming,
+    /// Fused CUDA kernels or candle's ops.
+    pub kernels: Kernels,
+    /// Time each phase per device (synchronises at every mark: slower).
+    pub profiling: bool,
+    /// A failure to inject into one rank (tests and the GPU suite).
+    pub fault: Option<Fault>,
+    /// The most host memory streamed weights may take; `None`: what the host reports
+    /// available ([`crate::streaming::host_memory_available`]).
+    pub host_memory: Option<u64>,
+    /// Timeouts and the shared secret of collectives and the multi-process mesh.
+    pub comm: CommOptions,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            streaming: Streaming::default(),
+            kernels: Kernels::Auto,
+            profiling: false,
+            fault: None,
+            host_memory: None,
+            comm: CommOptions::default(),
+        }
+    }
+}

@@ -1,0 +1,297 @@
+//! The placement problem as data, independent of how it is searched: what a block kind
+//! costs on a device group, where each component may run and what it costs there, what
+//! each device may hold, and the objective. The integer program (`ilp.rs`) encodes it
+//! for the solver; the exhaustive enumerator (`brute.rs`) walks it directly.
+//!
+//! Memory per device: components' weights + resident blocks + stream buffers + stem (if
+//! the device runs any transformer part) + its largest activation, plus headroom and the
+//! transfer reserve (below), within its budget. The transfer reserve is what the
+//! simulator (and the executor) holds beside that and `mold_cost::evaluate` does not
+//! count: conditioning on the transformer's first devices, hand-off and all-reduce
+//! buffers, latents. Without it a plan filled to the last byte of its budget was refused
+//! by `mold sim` (and so by `mold exec`) by the size of those buffers.
+
+use crate::{Family, Objective, Request, TpChoice};
+use mold_cost::{BlockCost, Ctx};
+use mold_models::Workkind;
+use mold_plan::{ComponentRole, DeviceId, GIB};
+use std::collections::BTreeMap;
+
+/// Weight of latency in the `memory` objective (GiB per second): least device memory in
+/// total first, then the shortest request.
+pub const MEMORY_LATENCY_WEIGHT: f64 = 1e-4;
+
+/// A solution: which blocks each group runs, where each component runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Choice {
+    /// Groups that run blocks, with resident and streamed block counts per kind.
+    pub groups: Vec<GroupChoice>,
+    /// Component name → device (or host).
+    pub placement: BTreeMap<String, DeviceId>,
+    /// The objective's value (request seconds, or GiB + ε·seconds for `memory`).
+    pub objective: f64,
+}
+
+/// The blocks one device group runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupChoice {
+    pub devices: Vec<DeviceId>,
+    /// Resident blocks of each kind.
+    pub resident: Vec<u32>,
+    /// Host-streamed blocks of each kind.
+    pub streamed: Vec<u32>,
+}
+
+impl Choice {
+    pub fn streamed_blocks(&self) -> u32 {
+        self.groups.iter().flat_map(|g| g.streamed.iter()).sum()
+    }
+}
+
+/// One place a component may run, and what it costs there.
+#[derive(Clone, Debug)]
+pub(crate) struct ComponentOption {
+    pub at: DeviceId,
+    pub seconds: f64,
+    pub weight_bytes: u64,
+    pub activation_bytes: u64,
+}
+
+/// One component and the places it may run.
+#[derive(Clone, Debug)]
+pub(crate) struct ComponentChoices {
+    pub name: String,
+    pub is_vae: bool,
+    pub options: Vec<ComponentOption>,
+}
+
+/// The problem of one request.
+pub(crate) struct Problem<'a> {
+    pub req: &'a Request,
+    pub ctx: Ctx<'a>,
+    /// Devices the transformer may use, in machine order.
+    pub allowed: Vec<DeviceId>,
+    /// Blocks of each kind, in execution order.
+    pub counts: Vec<u32>,
+    pub components: Vec<ComponentChoices>,
+    /// Stream buffers per streaming group.
+    pub buffers: u64,
+    pub stream: bool,
+    pub steps: f64,
+    /// One hand-off between device groups (seconds).
+    pub handoff_s: f64,
+    pub stem: u64,
+    /// Conditioning the encoders hand the transformer's first devices (bytes, all of
+    /// them together).
+    pub conditioning: u64,
+    /// One hidden state handed between groups (bytes), the largest all-reduce buffer too.
+    pub hidden: u64,
+    /// Latents between steps and into the VAE (bytes).
+    pub latents: u64,
+    /// The largest tensor-parallel degree allowed (1 when none is).
+    pub max_degree: u64,
+}
+
+impl<'a> Problem<'a> {
+    pub fn new(req: &'a Request) -> Problem<'a> {
+        let ctx = Ctx::new(&req.model, &req.machine, &req.workload);
+        let allowed: Vec<DeviceId> = req
+            .machine
+            .devices
+            .iter()
+            .map(|d| d.id.clone())
+            .filter(|d| req.constraints.allowed("transformer", d))
+            .collect();
+        let mut locs: Vec<DeviceId> = req.machine.devices.iter().map(|d| d.id.clone()).collect();
+        locs.push(DeviceId::Host);
+        let components = req
+            .model
+            .components
+            .iter()
+            .map(|c| {
+                let dtype = req.dtype(&c.name);
+                let options = locs
+                    .iter()
+                    .filter(|l| req.constraints.allowed(&c.name, l))
+                    .map(|l| ComponentOption {
+                        at: l.clone(),
+                        seconds: ctx.component_s(c, l, dtype),
+                        weight_bytes: c.weight_bytes(dtype),
+                        activation_bytes: ctx.component_activation(c, dtype),
+                    })
+                    .collect();
+                ComponentChoices {
+                    name: c.name.clone(),
+                    is_vae: c.role == ComponentRole::Vae,
+                    options,
+                }
+            })
+            .collect();
+        let dtype = req.dtype("transformer");
+        let act = dtype.activation_bytes();
+        // What the simulator moves between phases (`mold-sim`'s engine: conditioning,
+        // hand-offs, all-reduces, latents), sized the same way.
+        let conditioning = req
+            .model
+            .components
+            .iter()
+            .map(|c| match &c.work {
+                Workkind::TextEncoder { hidden, .. } => mold_models::product(&[
+                    ctx.batch,
+                    req.model.text_tokens as u64,
+                    *hidden,
+                    req.dtype(&c.name).activation_bytes(),
+                ]),
+                _ => 0,
+            })
+            .fold(0u64, u64::saturating_add);
+        let hidden = req
+            .model
+            .transformer
+            .kinds
+            .iter()
+            .map(|k| k.hidden_bytes(ctx.tokens, ctx.batch, act))
+            .max()
+            .unwrap_or(0)
+            .max(ctx.handoff_bytes(dtype));
+        let l = &req.model.latent;
+        let latents = mold_models::product(&[
+            ctx.batch,
+            ctx.tokens.img,
+            (l.channels * l.patch * l.patch) as u64,
+            4,
+        ]);
+        let max_degree = degrees(req, allowed.len() as u32)
+            .into_iter()
+            .max()
+            .unwrap_or(1) as u64;
+        Problem {
+            counts: req
+                .model
+                .transformer
+                .kinds
+                .iter()
+                .map(|k| k.count)
+                .collect(),
+            components,
+            buffers: req.constraints.stream_buffers as u64,
+            stream: req.constraints.stream,
+            steps: req.workload.steps as f64,
+            handoff_s: ctx.handoff_s(dtype),
+            stem: req.model.transformer.stem_bytes(dtype),
+            conditioning,
+            hidden,
+            latents,
+            max_degree,
+            allowed,
+            ctx,
+            req,
+        }
+    }
+
+    /// What one block of each kind costs on `group`.
+    pub fn costs(&self, group: &[DeviceId]) -> Vec<BlockCost> {
+        let dtype = self.req.dtype("transformer");
+        self.req
+            .model
+            .transformer
+            .kinds
+            .iter()
+            .map(|k| self.ctx.block(k, group, dtype))
+            .collect()
+    }
+
+    /// Whether `group` (two or more devices) may be a tensor-parallel group by the
+    /// constraints and the model's heads.
+    pub fn tp_degree_allowed(&self, size: usize) -> bool {
+        degrees(self.req, self.allowed.len() as u32).contains(&(size as u32))
+    }
+
+    /// Bytes each device may hold for the plan: budget less headroom.
+    pub fn cap(&self, device: usize) -> u64 {
+        let d = &self.req.machine.devices[device];
+        d.budget.0.saturating_sub(d.headroom.0)
+    }
+
+    /// The transfer reserve of a device that runs transformer blocks, in plans of
+    /// `family`: the conditioning, plus the most of hand-off buffers (one
+    /// per rank of the receiving group, on the sending device), the all-reduce buffer
+    /// and the latents that can be live at one moment. A plan of one group hands
+    /// nothing off and all-reduces nothing.
+    pub fn transformer_reserve(&self, family: Family) -> u64 {
+        let moving = match family {
+            Family::Single => self.latents,
+            Family::Split | Family::Tensor => self.hidden.max(self.latents),
+            Family::Mixed => self
+                .hidden
+                .saturating_mul(self.max_degree)
+                .max(self.latents),
+        };
+        self.conditioning.saturating_add(moving)
+    }
+
+    /// The transfer reserve of the VAE's device: the latents it decodes.
+    pub fn vae_reserve(&self) -> u64 {
+        self.latents
+    }
+
+    /// Whether an evaluated plan of `family` fits every budget with the transfer
+    /// reserves: exact, in bytes (the solver meets its constraints only to tolerances).
+    pub fn fits(&self, plan: &mold_plan::Plan, ev: &mold_cost::Evaluation, family: Family) -> bool {
+        let runs = |id: &DeviceId| {
+            plan.transformer()
+                .is_some_and(|t| t.parts.iter().any(|p| p.devices.contains(id)))
+        };
+        let vae_on = |id: &DeviceId| {
+            plan.components.iter().any(|c| {
+                c.role == ComponentRole::Vae && c.parts.iter().any(|p| p.devices.contains(id))
+            })
+        };
+        ev.host_pinned <= ev.host_pinned_limit
+            && ev.host_ram <= ev.host_memory
+            && ev.devices.iter().all(|d| {
+                let mut need = d.peak.saturating_add(d.headroom);
+                if runs(&d.device) {
+                    need = need.saturating_add(self.transformer_reserve(family));
+                }
+                if vae_on(&d.device) {
+                    need = need.saturating_add(self.vae_reserve());
+                }
+                need <= d.budget
+            })
+    }
+
+    /// The objective of a plan: request seconds, or (memory) the GiB all devices hold
+    /// plus [`MEMORY_LATENCY_WEIGHT`] per request second.
+    pub fn objective(&self, request_s: f64, device_bytes: u64) -> f64 {
+        match self.req.objective {
+            Objective::Latency => request_s,
+            Objective::Memory => {
+                device_bytes as f64 / GIB as f64 + MEMORY_LATENCY_WEIGHT * request_s
+            }
+        }
+    }
+}
+
+/// Tensor-parallel degrees the constraints and the model's heads allow over `n` devices.
+fn degrees(req: &Request, n: u32) -> Vec<u32> {
+    let ds: Vec<u32> = match req.constraints.tp {
+        TpChoice::Off => vec![],
+        TpChoice::Degree(d) => vec![d],
+        TpChoice::Auto => (2..=n).collect(),
+    };
+    ds.into_iter()
+        .filter(|&d| d >= 2 && d <= n && req.model.transformer.tp_divides(d))
+        .collect()
+}
+
+/// The family of a plan whose transformer runs on `groups`.
+pub(crate) fn family_of<G: AsRef<[DeviceId]>>(groups: &[G]) -> Family {
+    let tp = groups.iter().filter(|g| g.as_ref().len() > 1).count();
+    match (groups.len(), tp) {
+        (1, 0) => Family::Single,
+        (_, 0) => Family::Split,
+        (1, _) => Family::Tensor,
+        _ => Family::Mixed,
+    }
+}

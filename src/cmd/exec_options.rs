@@ -1,0 +1,131 @@
+//! `mold exec`'s run options, resolved at the edge: flags first, then the environment.
+//! The libraries below get a [`mold_exec::ExecOptions`] and read no environment.
+
+use anyhow::{anyhow, Result};
+use mold_exec::{ExecOptions, Fault, Kernels, Streaming};
+use std::collections::BTreeMap;
+
+/// A snapshot of the `MOLD_*` environment (tests build one by hand).
+#[derive(Clone, Debug, Default)]
+pub struct EnvVars(BTreeMap<String, String>);
+
+impl EnvVars {
+    /// This process's `MOLD_*` variables.
+    pub fn process() -> EnvVars {
+        EnvVars(
+            std::env::vars()
+                .filter(|(k, _)| k.starts_with("MOLD_"))
+                .collect(),
+        )
+    }
+
+    #[cfg(test)]
+    pub fn of(pairs: &[(&str, &str)]) -> EnvVars {
+        EnvVars(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    /// A variable's value, when it is set and not blank.
+    pub fn get(&self, k: &str) -> Option<String> {
+        self.0.get(k).filter(|v| !v.trim().is_empty()).cloned()
+    }
+}
+
+/// The executor's options: `--streaming` else `MOLD_STREAMING` (default pinned),
+/// `MOLD_KERNELS` (auto|fused|candle), `MOLD_PROFILE` (non-empty, not 0), `MOLD_FAULT`
+/// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), and the communication options.
+/// A malformed value is an error naming the variable.
+pub fn exec_options(
+    streaming: Option<Streaming>,
+    env: &EnvVars,
+    comm: mold_exec::comm::CommOptions,
+) -> Result<ExecOptions> {
+    let streaming = match (streaming, env.get("MOLD_STREAMING")) {
+        (Some(s), _) => s,
+        (None, Some(v)) => Streaming::parse(&v).map_err(|m| anyhow!("MOLD_STREAMING: {m}"))?,
+        (None, None) => Streaming::default(),
+    };
+    let kernels = match env.get("MOLD_KERNELS") {
+        Some(v) => Kernels::parse(&v).map_err(|m| anyhow!("{m}"))?,
+        None => Kernels::Auto,
+    };
+    let profiling = env.get("MOLD_PROFILE").is_some_and(|v| v.trim() != "0");
+    let fault = match env.get("MOLD_FAULT") {
+        Some(v) => Some(Fault::parse(&v).map_err(|m| anyhow!("{m}"))?),
+        None => None,
+    };
+    let host_memory = match env.get("MOLD_HOST_MEMORY") {
+        Some(v) => {
+            let b: mold_plan::ByteSize = v
+                .trim()
+                .parse()
+                .map_err(|e| anyhow!("MOLD_HOST_MEMORY=`{v}`: {e} (write a size such as 64GiB)"))?;
+            Some(b.0)
+        }
+        None => None,
+    };
+    Ok(ExecOptions {
+        streaming,
+        kernels,
+        profiling,
+        fault,
+        host_memory,
+        comm,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(streaming: Option<Streaming>, env: &[(&str, &str)]) -> Result<ExecOptions> {
+        exec_options(streaming, &EnvVars::of(env), Default::default())
+    }
+
+    #[test]
+    fn defaults_without_environment() {
+        let o = opts(None, &[]).unwrap();
+        assert_eq!(o.streaming, Streaming::Pinned);
+        assert_eq!(o.kernels, Kernels::Auto);
+        assert!(!o.profiling && o.fault.is_none() && o.host_memory.is_none());
+    }
+
+    #[test]
+    fn flag_beats_environment_and_each_variable_is_read() {
+        let env = [
+            ("MOLD_STREAMING", "sync"),
+            ("MOLD_KERNELS", "candle"),
+            ("MOLD_PROFILE", "1"),
+            ("MOLD_FAULT", "emu:1@single 2:panic"),
+            ("MOLD_HOST_MEMORY", "2GiB"),
+        ];
+        let o = opts(None, &env).unwrap();
+        assert_eq!(o.streaming, Streaming::Sync);
+        assert_eq!(o.kernels, Kernels::Candle);
+        assert!(o.profiling);
+        let f = o.fault.unwrap();
+        assert_eq!((f.block_kind.as_str(), f.block_index), ("single", 2));
+        assert_eq!(o.host_memory, Some(2 << 30));
+        let o = opts(Some(Streaming::Pageable), &env).unwrap();
+        assert_eq!(o.streaming, Streaming::Pageable);
+        assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);
+    }
+
+    #[test]
+    fn bad_values_name_their_variable() {
+        for (k, v) in [
+            ("MOLD_STREAMING", "fast"),
+            ("MOLD_KERNELS", "fast"),
+            ("MOLD_FAULT", "emu:1"),
+            ("MOLD_HOST_MEMORY", "lots"),
+        ] {
+            let e = opts(None, &[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k), "{k}: {e}");
+            assert_eq!(e.lines().count(), 1, "{e}");
+        }
+    }
+}
