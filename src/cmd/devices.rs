@@ -269,6 +269,7 @@ pub fn info(a: InfoArgs) -> Result<i32> {
         });
     }
     let settings = mold_config::load(Layer::default())?;
+    let exec = super::exec_options::describe(&super::exec_options::EnvVars::process());
     let features: Vec<&str> = [
         ("cuda", cfg!(feature = "cuda")),
         ("nccl", cfg!(feature = "nccl")),
@@ -283,6 +284,7 @@ pub fn info(a: InfoArgs) -> Result<i32> {
             "features": features,
             "config_file": settings.file,
             "config": settings.to_string().lines().collect::<Vec<_>>(),
+            "exec": exec.iter().map(|(k, v, src)| serde_json::json!({"option": k, "value": v, "from": src})).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
@@ -296,6 +298,10 @@ pub fn info(a: InfoArgs) -> Result<i32> {
             }
         );
         print!("{settings}");
+        println!("mold exec options (flags win over these):");
+        for (k, v, src) in &exec {
+            println!("  {k:<13} {v} (from {src})");
+        }
     }
     Ok(0)
 }

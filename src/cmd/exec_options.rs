@@ -78,6 +78,81 @@ pub fn exec_options(
     })
 }
 
+/// What `mold exec` would run with here, for `mold info`: each option's value and where it
+/// comes from (`MOLD_…` or `default`; flags, when given to `mold exec`, win over both). A
+/// malformed variable is shown as such (exec refuses it).
+pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
+    let opts = mold_exec::comm::CommOptions::from_vars(|k| env.get(k))
+        .map_err(|e| e.to_string())
+        .and_then(|c| exec_options(None, env, c).map_err(|e| e.to_string()));
+    let src = |k: &str| {
+        if env.get(k).is_some() {
+            k.to_string()
+        } else {
+            "default".to_string()
+        }
+    };
+    let o = match opts {
+        Ok(o) => o,
+        Err(e) => return vec![("error".into(), e, "environment".into())],
+    };
+    let secs = |d: Option<std::time::Duration>| match d {
+        Some(d) => format!("{} s", d.as_secs_f64()),
+        None => "off".into(),
+    };
+    vec![
+        (
+            "streaming".into(),
+            o.streaming.to_string(),
+            src("MOLD_STREAMING"),
+        ),
+        (
+            "kernels".into(),
+            format!("{:?}", o.kernels).to_lowercase(),
+            src("MOLD_KERNELS"),
+        ),
+        (
+            "profile".into(),
+            o.profiling.to_string(),
+            src("MOLD_PROFILE"),
+        ),
+        (
+            "fault".into(),
+            o.fault
+                .map(|f| format!("{}@{} {}", f.device, f.block_kind, f.block_index))
+                .unwrap_or_else(|| "none".into()),
+            src("MOLD_FAULT"),
+        ),
+        (
+            "host_memory".into(),
+            o.host_memory
+                .map(|b| mold_plan::ByteSize(b).human())
+                .unwrap_or_else(|| "what the host reports".into()),
+            src("MOLD_HOST_MEMORY"),
+        ),
+        (
+            "nccl_timeout".into(),
+            secs(o.comm.nccl_timeout),
+            src("MOLD_NCCL_TIMEOUT_S"),
+        ),
+        (
+            "dist_timeout".into(),
+            secs(Some(o.comm.dist_timeout)),
+            src("MOLD_DIST_TIMEOUT_S"),
+        ),
+        (
+            "dist_secret".into(),
+            if o.comm.secret.is_some() {
+                "set"
+            } else {
+                "none"
+            }
+            .into(),
+            src("MOLD_DIST_SECRET"),
+        ),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +188,17 @@ mod tests {
         let o = opts(Some(Streaming::Pageable), &env).unwrap();
         assert_eq!(o.streaming, Streaming::Pageable);
         assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);
+    }
+
+    #[test]
+    fn describe_names_each_source() {
+        let d = describe(&EnvVars::of(&[("MOLD_KERNELS", "candle")]));
+        let k = d.iter().find(|(n, _, _)| n == "kernels").unwrap();
+        assert_eq!((k.1.as_str(), k.2.as_str()), ("candle", "MOLD_KERNELS"));
+        let s = d.iter().find(|(n, _, _)| n == "streaming").unwrap();
+        assert_eq!((s.1.as_str(), s.2.as_str()), ("pinned", "default"));
+        let bad = describe(&EnvVars::of(&[("MOLD_KERNELS", "fast")]));
+        assert!(bad[0].1.contains("MOLD_KERNELS"), "{bad:?}");
     }
 
     #[test]

@@ -393,6 +393,14 @@ fn info_shows_the_configuration_and_its_sources() {
     );
     assert!(s.contains("3GiB  [MOLD_HEADROOM]"), "{s}");
     assert!(s.contains("latency  [default]"), "{s}");
+    // exec's options too, each with where it comes from.
+    let o = mold_with(&d, None, &[("MOLD_STREAMING", "sync")], &["info"]);
+    let s = stdout(&o);
+    assert!(
+        s.contains("streaming     sync (from MOLD_STREAMING)"),
+        "{s}"
+    );
+    assert!(s.contains("kernels       auto (from default)"), "{s}");
 }
 
 fn gpu(ordinal: u32, free_gib: u64) -> GpuInfo {

@@ -286,7 +286,7 @@ fn arb_parts() -> impl Strategy<Value = Vec<mold_plan::Part>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 16, failure_persistence: None, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 16, .. ProptestConfig::default() })]
     #[test]
     fn any_placement_matches_reference(seed in 0u64..1000, parts in arb_parts()) {
         let ckpt = tiny_checkpoint(seed);

@@ -176,7 +176,7 @@ fn streaming_modes_parse_and_name_the_choices() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, failure_persistence: None, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 12, .. ProptestConfig::default() })]
     /// Any residency per block run and any buffer count: identical to resident.
     #[test]
     fn any_partial_residency_is_identical(

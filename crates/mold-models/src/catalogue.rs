@@ -229,7 +229,12 @@ fn image_workload(steps: u32, guidance: Option<f64>, cfg: Option<f64>) -> Worklo
 }
 
 fn flux(id: &str, guidance: bool) -> ModelSpec {
-    let (h, heads, hd, mlp) = (3072, 24, 128, 4 * 3072);
+    let a = if guidance {
+        crate::arch::FLUX_DEV
+    } else {
+        crate::arch::FLUX_SCHNELL
+    };
+    let (h, heads, hd, mlp) = (a.hidden, a.heads, a.head_dim, a.mlp_hidden);
     ModelSpec {
         id: id.into(),
         description: format!(
@@ -243,10 +248,10 @@ fn flux(id: &str, guidance: bool) -> ModelSpec {
         ],
         transformer: TransformerSpec {
             kinds: vec![
-                dual_stream("double", 19, h, heads, hd, mlp),
-                flux_single(38, h, heads, hd, mlp),
+                dual_stream("double", a.depth, h, heads, hd, mlp),
+                flux_single(a.depth_single, h, heads, hd, mlp),
             ],
-            stem_params: flux_stem(h, 64, 4096, 768, guidance),
+            stem_params: flux_stem(h, a.in_channels, a.context_in_dim, a.vec_in_dim, a.guidance_embed),
             stem_checkpoint_bytes: None,
             default_dtype: DType::Bf16,
         },
@@ -269,7 +274,8 @@ fn flux(id: &str, guidance: bool) -> ModelSpec {
 /// `flux-tiny`: the FLUX architecture at hidden 64 (4 heads × 16), 2 double + 3 single
 /// blocks, for tests; the executor's `FluxConfig::flux_tiny` has the same shape.
 fn flux_tiny() -> ModelSpec {
-    let (h, heads, hd, mlp) = (64, 4, 16, 256);
+    let a = crate::arch::FLUX_TINY;
+    let (h, heads, hd, mlp) = (a.hidden, a.heads, a.head_dim, a.mlp_hidden);
     ModelSpec {
         id: "flux-tiny".into(),
         description: "FLUX architecture at hidden 64: 2 double + 3 single blocks (tests)".into(),
@@ -312,10 +318,16 @@ fn flux_tiny() -> ModelSpec {
         ],
         transformer: TransformerSpec {
             kinds: vec![
-                dual_stream("double", 2, h, heads, hd, mlp),
-                flux_single(3, h, heads, hd, mlp),
+                dual_stream("double", a.depth, h, heads, hd, mlp),
+                flux_single(a.depth_single, h, heads, hd, mlp),
             ],
-            stem_params: flux_stem(h, 64, 32, 16, true),
+            stem_params: flux_stem(
+                h,
+                a.in_channels,
+                a.context_in_dim,
+                a.vec_in_dim,
+                a.guidance_embed,
+            ),
             stem_checkpoint_bytes: None,
             default_dtype: DType::F32,
         },

@@ -8,6 +8,7 @@
 //! saturate rather than wrap if called on an unchecked workload). `checkpoint` refines the
 //! weight bytes from a safetensors header when the user gives one.
 
+pub mod arch;
 mod catalogue;
 pub mod checkpoint;
 

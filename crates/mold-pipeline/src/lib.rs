@@ -71,6 +71,9 @@ pub enum Progress {
     Encoded {
         component: String,
         seconds: f64,
+        /// FNV-1a of the encoder's output values ([`mold_exec::digest`]): equal digests,
+        /// equal conditioning, so runs can be compared stage by stage.
+        digest: u64,
     },
     Released {
         component: String,
@@ -83,6 +86,9 @@ pub enum Progress {
     },
     Decoded {
         seconds: f64,
+        /// Digests of the final latents and of the decoded image's values.
+        latents_digest: u64,
+        image_digest: u64,
     },
     Note(String),
 }
@@ -104,8 +110,12 @@ impl std::fmt::Display for Progress {
                 "load   {component} on {devices}: {:.1} MiB of weights in {seconds:.2} s",
                 mib(*weight_bytes)
             ),
-            Progress::Encoded { component, seconds } => {
-                write!(f, "encode {component}: {seconds:.3} s")
+            Progress::Encoded {
+                component,
+                seconds,
+                digest,
+            } => {
+                write!(f, "encode {component}: {seconds:.3} s (digest {digest:016x})")
             }
             Progress::Released { component } => write!(f, "free   {component}"),
             Progress::Step {
@@ -114,7 +124,14 @@ impl std::fmt::Display for Progress {
                 t,
                 seconds,
             } => write!(f, "step   {index:>3}/{steps} (t = {t:.3}): {seconds:.3} s"),
-            Progress::Decoded { seconds } => write!(f, "decode vae: {seconds:.3} s"),
+            Progress::Decoded {
+                seconds,
+                latents_digest,
+                image_digest,
+            } => write!(
+                f,
+                "decode vae: {seconds:.3} s (latents digest {latents_digest:016x}, image digest {image_digest:016x})"
+            ),
             Progress::Note(n) => write!(f, "note: {n}"),
         }
     }
@@ -405,6 +422,7 @@ pub fn generate(
         on(&Progress::Encoded {
             component: name.into(),
             seconds: encode_s,
+            digest: mold_exec::digest(&out)?,
         });
         mem.spike(&id, bytes(&out));
         // The encoder is dropped here (end of the branch above); its weights are freed.
@@ -549,6 +567,8 @@ pub fn generate(
     }
     on(&Progress::Decoded {
         seconds: times.decode_s,
+        latents_digest: mold_exec::digest(&latents)?,
+        image_digest: mold_exec::digest(&img)?,
     });
     times.total_s = total.elapsed().as_secs_f64();
     let peaks = mem

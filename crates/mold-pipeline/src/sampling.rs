@@ -160,6 +160,11 @@ pub fn denoise<M: mold_exec::Transformer>(
         let (t, t_next) = (w[0], w[1]);
         let start = std::time::Instant::now();
         inputs.set_time(t)?;
+        // candle's CUDA devices queue work on the calling thread's own stream, and the
+        // executor reads the inputs from its rank threads (tensor parallelism): finish
+        // what this thread queued (the time, the last update, the conditioning) before
+        // they read it, or they race with it (seen as run-to-run differences under TP).
+        inputs.latents().device().synchronize()?;
         let x = inputs.latents();
         let v = exec.forward(inputs)?;
         let v = v.to_device(x.device())?.to_dtype(x.dtype())?;

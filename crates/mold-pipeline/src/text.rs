@@ -56,6 +56,10 @@ pub fn load_tokenizer(path: &Path, len: usize, pad_tokens: &[&str]) -> Result<To
         pad_token,
         ..Default::default()
     }));
+    // A tokenizer that loads may still fail (or panic, inside the tokenizers crate: a
+    // post-processor template naming a special token it does not define) when it
+    // encodes: try it now, before any weight loads.
+    tokenize(&tok, path, "a")?;
     Ok(tok)
 }
 
@@ -112,13 +116,24 @@ fn diagnose_tokenizer(text: &str) -> Option<String> {
 }
 
 /// Token ids of `prompt`, exactly the tokenizer's fixed length.
+/// A panic inside the tokenizers crate (on a malformed file) is an error naming the file.
 pub fn tokenize(tok: &Tokenizer, path: &Path, prompt: &str) -> Result<Vec<u32>> {
-    let enc = tok
-        .encode(prompt, true)
-        .map_err(|e| PipelineError::Tokenizer {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
+    let bad = |message: String| PipelineError::Tokenizer {
+        path: path.display().to_string(),
+        message: message.replace('\n', " "),
+    };
+    let enc = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tok.encode(prompt, true)))
+        .map_err(|p| {
+            let why = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            bad(format!(
+                "encoding failed inside the tokenizers crate ({why}): check post_processor's special tokens"
+            ))
+        })?
+        .map_err(|e| bad(e.to_string()))?;
     Ok(enc.get_ids().to_vec())
 }
 

@@ -471,6 +471,11 @@ impl<M: Transformer> Executor<M> {
     /// model moves them to the first part's devices and converts them. Returns the model's
     /// output on the last part's first device (in a multi-process run, on the host in the
     /// processes that do not run it).
+    ///
+    /// Inputs on a CUDA device must be complete when this is called: candle queues work on
+    /// the calling thread's own stream, and tensor-parallel ranks read the inputs from
+    /// their own threads, so the thread that produced them synchronizes its device first
+    /// (`mold_pipeline::sampling::denoise` does).
     pub fn forward(&self, inputs: &M::Inputs) -> Result<Tensor> {
         self.model.check_inputs(inputs)?;
         // Start the first copies of every streaming device now: they overlap the stem

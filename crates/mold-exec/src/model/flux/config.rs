@@ -33,58 +33,43 @@ pub struct FluxConfig {
 pub const TIME_EMBED_DIM: usize = 256;
 
 impl FluxConfig {
+    /// The config of a FLUX architecture as the catalogue defines it
+    /// ([`mold_models::arch`]: one definition for the planner's sizes and this).
+    pub fn from_arch(a: &mold_models::arch::FluxArch) -> Self {
+        FluxConfig {
+            in_channels: a.in_channels as usize,
+            hidden: a.hidden as usize,
+            heads: a.heads as usize,
+            head_dim: a.head_dim as usize,
+            mlp_ratio: a.mlp_hidden as f64 / a.hidden as f64,
+            depth: a.depth as usize,
+            depth_single: a.depth_single as usize,
+            context_in_dim: a.context_in_dim as usize,
+            vec_in_dim: a.vec_in_dim as usize,
+            axes_dim: a.axes_dim.map(|d| d as usize),
+            theta: a.theta,
+            guidance_embed: a.guidance_embed,
+        }
+    }
+
     /// FLUX.1 \[dev\] (12B, guidance distilled).
     pub fn flux_dev() -> Self {
-        FluxConfig {
-            in_channels: 64,
-            hidden: 3072,
-            heads: 24,
-            head_dim: 128,
-            mlp_ratio: 4.0,
-            depth: 19,
-            depth_single: 38,
-            context_in_dim: 4096,
-            vec_in_dim: 768,
-            axes_dim: [16, 56, 56],
-            theta: 10_000.0,
-            guidance_embed: true,
-        }
+        Self::from_arch(&mold_models::arch::FLUX_DEV)
     }
 
     /// FLUX.1 \[schnell\]: dev's shapes without the guidance embedder.
     pub fn flux_schnell() -> Self {
-        FluxConfig {
-            guidance_embed: false,
-            ..Self::flux_dev()
-        }
+        Self::from_arch(&mold_models::arch::FLUX_SCHNELL)
     }
 
     /// A tiny model with FLUX's structure, for tests and emulated runs.
     pub fn flux_tiny() -> Self {
-        FluxConfig {
-            in_channels: 64,
-            hidden: 64,
-            heads: 4,
-            head_dim: 16,
-            mlp_ratio: 4.0,
-            depth: 2,
-            depth_single: 3,
-            context_in_dim: 32,
-            vec_in_dim: 16,
-            axes_dim: [4, 6, 6],
-            theta: 10_000.0,
-            guidance_embed: true,
-        }
+        Self::from_arch(&mold_models::arch::FLUX_TINY)
     }
 
-    /// A config by catalogue name: `flux-dev`, `flux-schnell` or `flux-tiny`.
+    /// A config by catalogue id: `flux-dev`, `flux-schnell` or `flux-tiny`.
     pub fn by_name(name: &str) -> Option<Self> {
-        match name {
-            "flux-dev" => Some(Self::flux_dev()),
-            "flux-schnell" => Some(Self::flux_schnell()),
-            "flux-tiny" => Some(Self::flux_tiny()),
-            _ => None,
-        }
+        mold_models::arch::flux(name).map(|a| Self::from_arch(&a))
     }
 
     /// The MLP hidden size.
@@ -197,6 +182,26 @@ mod tests {
         ] {
             c.validate().unwrap();
         }
+    }
+
+    /// The executor's configs and the catalogue's sizes come from one definition: the
+    /// parameters the executor loads equal the catalogue's transformer parameters.
+    #[test]
+    fn configs_match_the_catalogue() {
+        for id in ["flux-dev", "flux-schnell", "flux-tiny"] {
+            let cfg = FluxConfig::by_name(id).unwrap();
+            let spec = mold_models::find(id).unwrap();
+            assert_eq!(cfg.param_count(), spec.transformer.params(), "{id}");
+            let kinds = &spec.transformer.kinds;
+            assert_eq!(
+                (kinds[0].count as usize, kinds[1].count as usize),
+                (cfg.depth, cfg.depth_single),
+                "{id}"
+            );
+            assert_eq!(kinds[0].heads as usize, cfg.heads, "{id}");
+            assert_eq!(kinds[0].mlp_hidden as usize, cfg.mlp_hidden(), "{id}");
+        }
+        assert!(FluxConfig::by_name("qwen-image").is_none());
     }
 
     #[test]
