@@ -293,9 +293,16 @@ proptest! {
         let all = brute::best_per_family(&req, Space::All);
         for fam in FAMILIES {
             let got = solve_family(&req, fam, req.time_limit);
-            // The solver itself answered, and proved its answer.
-            prop_assert_eq!(got.method, Method::Solver, "{:?}: {:?}", fam, got.trouble);
-            prop_assert!(got.proven, "{:?}: {:?}", fam, got.trouble);
+            // The solver itself answered, and proved its answer -- except on microlp's
+            // known "Singular matrix" failure (instances such as the saved regression: two
+            // slow devices and a pinned limit), where the family must fall back to exact
+            // enumeration and still return the optimum (checked below).
+            let singular = got.method == Method::Exhaustive
+                && got.trouble.as_deref().is_some_and(|t| t.contains("Singular matrix"));
+            if !singular {
+                prop_assert_eq!(got.method, Method::Solver, "{:?}: {:?}", fam, got.trouble);
+                prop_assert!(got.proven, "{:?}: {:?}", fam, got.trouble);
+            }
             let (want, seen) = match fam {
                 Some(f) => aligned[Family::ALL.iter().position(|x| *x == f).unwrap()].clone(),
                 None => brute::best(&req, None, Space::Aligned),
