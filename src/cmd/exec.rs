@@ -541,9 +541,12 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
     };
     check_weights(&a.weights)?;
     let prep = mold_pipeline::prepare(&run_plan, &a.weights)?;
-    let mut warnings = Vec::new();
-    mold_pipeline::run::open_transformer(&plan, &prep.layout.transformer, &mut warnings)?;
-    warn_all(&warnings);
+    // `prepare` opened and checked the checkpoint; only the header comparison is left.
+    warn_all(
+        &mold_pipeline::run::header_warning(&plan, &prep.layout.transformer)?
+            .into_iter()
+            .collect::<Vec<_>>(),
+    );
     let req = mold_pipeline::Request {
         prompt: prompt.to_string(),
         seed: a.seed,

@@ -25,16 +25,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + '_ {
     }
 }
 
-/// FNV-1a, for per-tensor seeds that do not depend on the std hasher.
-fn fnv(s: &str) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in s.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    h
-}
-
 /// Standard normal samples (Box–Muller), `n` of them.
 pub(crate) fn normals(rng: &mut StdRng, n: usize, mut f: impl FnMut(f32)) {
     let mut i = 0;
@@ -77,7 +67,8 @@ fn fill_bytes(spec: &TensorSpec, seed: u64, dtype: DType) -> Vec<u8> {
         let fan_in: usize = spec.shape[1..].iter().product();
         (0.0, 1.0 / (fan_in.max(1) as f32).sqrt())
     };
-    let base = seed ^ fnv(&spec.name);
+    // FNV-1a of the name: per-tensor seeds that do not depend on the std hasher.
+    let base = seed ^ crate::verify::fnv1a(spec.name.bytes());
     let mut out = vec![0u8; n * es];
     let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(CHUNK * es).enumerate().collect();
     let threads = std::thread::available_parallelism()

@@ -88,18 +88,25 @@ pub fn open_transformer(
     let cfg = transformer_config(plan)?;
     let ckpt = Checkpoint::open(path)?;
     ckpt.check(&cfg, &plan.model.id)?;
-    if let Some(c) = &plan.model.checkpoint {
-        let h = mold_models::checkpoint::read_header(path)
-            .map_err(|e| PipelineError::Refused(e.to_string()))?;
-        if h.sha256 != c.header_sha256 {
-            warnings.push(format!(
-                "{} has a different header than the checkpoint the plan was made from ({}): sizes may differ from the plan's",
-                path.display(),
-                c.path
-            ));
-        }
-    }
+    warnings.extend(header_warning(plan, path)?);
     Ok((cfg, ckpt))
+}
+
+/// A warning when the checkpoint at `path` has another header than the one the plan was
+/// made from (its sizes may then differ from the plan's).
+pub fn header_warning(plan: &Plan, path: &Path) -> Result<Option<String>> {
+    let Some(c) = &plan.model.checkpoint else {
+        return Ok(None);
+    };
+    let h = mold_models::checkpoint::read_header(path)
+        .map_err(|e| PipelineError::Refused(e.to_string()))?;
+    Ok((h.sha256 != c.header_sha256).then(|| {
+        format!(
+            "{} has a different header than the checkpoint the plan was made from ({}): sizes may differ from the plan's",
+            path.display(),
+            c.path
+        )
+    }))
 }
 
 /// The transformer benchmark: `steps` denoising steps on random inputs (seeded) at the
