@@ -232,9 +232,21 @@ impl Mesh {
     pub fn abort_all(&self, why: &str) {
         self.inbox.fail(why.to_string());
         self.signal.raise(why);
+        // A writer may be busy with another frame (a rank thread's send): wait for it a
+        // little rather than skip the peer, or the peer sees only the closed connection
+        // and names the wrong cause. Bounded, so a peer that stopped reading cannot hold
+        // the abort up.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
         for w in self.peers.iter().flatten() {
-            if let Ok(mut w) = w.try_lock() {
-                let _ = write_frame(&mut *w, KIND_ABORT, "abort", why.as_bytes());
+            loop {
+                if let Ok(mut w) = w.try_lock() {
+                    let _ = write_frame(&mut *w, KIND_ABORT, "abort", why.as_bytes());
+                    break;
+                }
+                if std::time::Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
     }
