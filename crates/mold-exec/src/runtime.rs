@@ -31,16 +31,45 @@ impl DeviceMap {
         self.devices.insert(id.clone(), d.clone());
         Ok(d)
     }
+
+    /// Waits for what this thread queued on every device opened so far (weights uploaded
+    /// from this thread are complete before other threads' streams read them).
+    pub fn synchronize(&self) -> Result<()> {
+        for (id, d) in &self.devices {
+            d.synchronize().map_err(|e| ExecError::Device {
+                device: id.to_string(),
+                message: e.to_string(),
+            })?;
+        }
+        Ok(())
+    }
 }
 
+/// GPU `n` with a stream of its own, not candle's default (the calling thread's
+/// per-thread default stream). The executor's devices are used from several threads (the
+/// loading thread, one rank thread per call): with per-thread streams their work was
+/// ordered by thread, not by device, and cuBLAS saw a new stream on every call, which made
+/// tensor-parallel runs differ from run to run (measured on 2 × H200: the same TP2 plan and
+/// seed gave other latents from the second step on; with one stream per device the
+/// latents repeat bit for bit at the same step time). Work for the device from any thread
+/// is queued on this one stream, in program order. cudarc's per-buffer event tracking
+/// (which a second stream would switch on) is turned off: the executor orders its streams
+/// itself (the weight ring's copy stream through its own events).
 #[cfg(feature = "cuda")]
 fn cuda_device(n: u32, id: &DeviceId) -> Result<Device> {
-    Device::new_cuda(n as usize).map_err(|e| ExecError::Device {
-        device: id.to_string(),
-        message: format!(
-            "cannot open it ({e}): check the GPU exists and is visible (CUDA_VISIBLE_DEVICES)"
-        ),
-    })
+    let cd = candle_core::CudaDevice::new_with_stream(n as usize).map_err(|e| {
+        ExecError::Device {
+            device: id.to_string(),
+            message: format!(
+                "cannot open it ({e}): check the GPU exists and is visible (CUDA_VISIBLE_DEVICES)"
+            ),
+        }
+    })?;
+    // SAFETY: every buffer is used on this device's one stream, except the weight ring's
+    // slots, which the ring orders with its own events; nothing relies on cudarc's
+    // automatic cross-stream waits.
+    unsafe { cd.disable_event_tracking() };
+    Ok(Device::Cuda(cd))
 }
 
 #[cfg(not(feature = "cuda"))]

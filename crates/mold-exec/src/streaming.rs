@@ -596,7 +596,7 @@ mod gpu {
             })
         }
 
-        /// The compute stream of the calling thread waits for the slot's copy.
+        /// The device's compute stream waits for the slot's copy.
         pub fn wait_ready(&self, device: &Device) -> Result<()> {
             let s = device.as_cuda_device()?.cuda_stream();
             s.wait(&self.ready)

@@ -83,6 +83,8 @@ pub enum Progress {
         steps: u32,
         t: f64,
         seconds: f64,
+        /// Digest of the latents after this step.
+        digest: u64,
     },
     Decoded {
         seconds: f64,
@@ -123,7 +125,11 @@ impl std::fmt::Display for Progress {
                 steps,
                 t,
                 seconds,
-            } => write!(f, "step   {index:>3}/{steps} (t = {t:.3}): {seconds:.3} s"),
+                digest,
+            } => write!(
+                f,
+                "step   {index:>3}/{steps} (t = {t:.3}): {seconds:.3} s (latents digest {digest:016x})"
+            ),
             Progress::Decoded {
                 seconds,
                 latents_digest,
@@ -504,6 +510,7 @@ pub fn generate(
             steps: req.steps,
             t: s.t,
             seconds: s.seconds,
+            digest: s.digest,
         });
     })?;
     times.denoise_s = t_denoise.elapsed().as_secs_f64();

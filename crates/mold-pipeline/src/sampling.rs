@@ -136,13 +136,16 @@ pub fn linear_schedule(steps: u32) -> Vec<f64> {
     (0..=steps).map(|i| 1.0 - i as f64 / steps as f64).collect()
 }
 
-/// One denoising step as the loop reports it: its index (from 0), its time and how long
-/// it took (the device finished).
+/// One denoising step as the loop reports it: its index (from 0), its time, how long it
+/// took (the device finished) and the digest of the latents it produced
+/// ([`mold_exec::digest`], taken after the clock stopped): two runs that differ can be
+/// compared step by step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepTime {
     pub index: usize,
     pub t: f64,
     pub seconds: f64,
+    pub digest: u64,
 }
 
 /// The denoising loop, the one every path runs: rectified-flow Euler steps over `sched`
@@ -160,10 +163,10 @@ pub fn denoise<M: mold_exec::Transformer>(
         let (t, t_next) = (w[0], w[1]);
         let start = std::time::Instant::now();
         inputs.set_time(t)?;
-        // candle's CUDA devices queue work on the calling thread's own stream, and the
-        // executor reads the inputs from its rank threads (tensor parallelism): finish
-        // what this thread queued (the time, the last update, the conditioning) before
-        // they read it, or they race with it (seen as run-to-run differences under TP).
+        // The pipeline's CUDA devices queue work on the calling thread's own stream; the
+        // executor's devices have streams of their own and read the inputs from its rank
+        // threads: finish what this thread queued (the time, the last update, the
+        // conditioning) before they read it.
         inputs.latents().device().synchronize()?;
         let x = inputs.latents();
         let v = exec.forward(inputs)?;
@@ -171,11 +174,14 @@ pub fn denoise<M: mold_exec::Transformer>(
         let next = (x + v.affine(t_next - t, 0.0)?)?;
         // GPU kernels run asynchronously: wait for them before reading the clock.
         next.device().synchronize()?;
+        let seconds = start.elapsed().as_secs_f64();
+        let digest = mold_exec::digest(&next)?;
         inputs.set_latents(next);
         on_step(StepTime {
             index,
             t,
-            seconds: start.elapsed().as_secs_f64(),
+            seconds,
+            digest,
         });
     }
     Ok(())

@@ -380,6 +380,9 @@ impl<M: Transformer> Executor<M> {
                 comms,
             });
         }
+        // The weights were uploaded from this thread; ranks read them from theirs, whose
+        // streams are not ordered with this one.
+        devmap.synchronize()?;
         for (id, ring) in rings.iter_mut() {
             ring.finish()?;
             if let Some(why) = ring.pinned_failed() {
@@ -472,10 +475,10 @@ impl<M: Transformer> Executor<M> {
     /// output on the last part's first device (in a multi-process run, on the host in the
     /// processes that do not run it).
     ///
-    /// Inputs on a CUDA device must be complete when this is called: candle queues work on
-    /// the calling thread's own stream, and tensor-parallel ranks read the inputs from
-    /// their own threads, so the thread that produced them synchronizes its device first
-    /// (`mold_pipeline::sampling::denoise` does).
+    /// Inputs on a CUDA device must be complete when this is called: the executor's
+    /// devices have streams of their own (`runtime::DeviceMap`), not ordered with the
+    /// stream the inputs were made on, so the thread that produced them synchronizes its
+    /// device first (`mold_pipeline::sampling::denoise` does).
     pub fn forward(&self, inputs: &M::Inputs) -> Result<Tensor> {
         self.model.check_inputs(inputs)?;
         // Start the first copies of every streaming device now: they overlap the stem

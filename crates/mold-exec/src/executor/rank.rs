@@ -32,8 +32,8 @@ impl<M: Transformer> Executor<M> {
         if part.devices.len() == 1 {
             let rank = &part.ranks[0];
             let out = self.run_rank(part, rank, &LocalComm, prev, inputs)?;
-            // The next part may read it from another thread (a tensor-parallel rank's),
-            // whose stream is not ordered with this one: finish it first.
+            // The next part reads it on its own devices' streams (from another thread
+            // under tensor parallelism), which are not ordered with this one: finish it.
             rank.device.synchronize()?;
             return Ok(out);
         }
@@ -56,8 +56,8 @@ impl<M: Transformer> Executor<M> {
                         s.spawn(move || {
                             let mut guard = AbortGuard(comm.as_ref(), false);
                             // Finish this rank's kernels before its thread hands the
-                            // result on: work queued from another thread is not ordered
-                            // with it otherwise (a no-op on the CPU).
+                            // result on: other devices' streams are not ordered with
+                            // this one (a no-op on the CPU).
                             let r = self
                                 .run_rank(part, rank, comm.as_ref(), prev, inputs)
                                 .and_then(|a| rank.device.synchronize().map(|_| a))

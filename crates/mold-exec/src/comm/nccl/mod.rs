@@ -16,8 +16,8 @@
 //!   its last handle drops and is handed out again for the same devices (a group is used
 //!   by one set of rank threads at a time). A group that saw any failure is not reused.
 //! - **Streams** ([`op`]). The all-reduce is enqueued on candle's own stream of the
-//!   tensor's device (`CudaDevice::cuda_stream()`; in candle 0.11 the per-thread default
-//!   stream of the calling thread), from the rank's thread, so it is ordered after the
+//!   tensor's device (`CudaDevice::cuda_stream()`: the executor opens each GPU with a
+//!   stream of its own, `runtime::DeviceMap`), from the rank's thread, so it is ordered after the
 //!   kernels that produced the tensor and before the ones that consume the result. The
 //!   result goes to a new buffer (the input may be shared); bf16, f16, f32 and f64.
 //! - **Watchdog** ([`watchdog`]; `CommOptions::nccl_timeout`, `MOLD_NCCL_TIMEOUT_S` at
