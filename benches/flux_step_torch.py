@@ -2,7 +2,7 @@
 """PyTorch reference for one denoising step of the FLUX.1-dev transformer.
 
 The BFL architecture (github.com/black-forest-labs/flux, src/flux/model.py), written out
-in plain PyTorch eager, bf16, with random weights: 19 double-stream and 38 single-stream
+in plain PyTorch, bf16, with random weights: 19 double-stream and 38 single-stream
 blocks, hidden 3072, 24 heads x 128, MLP ratio 4, QK RMSNorm, 3-axis RoPE (axes 16/56/56,
 theta 10000), modulation, timestep/guidance/vector embeddings and the final adaLN layer.
 Attention is torch.nn.functional.scaled_dot_product_attention.
@@ -17,18 +17,44 @@ Modes:
            out-projection and MLP down projection row-parallel, each followed by one NCCL
            all-reduce; single blocks' linear1 sharded per part (q, k, v, mlp), linear2
            row-parallel; embeddings, modulation and the final layer replicated
+  sp       Ulysses sequence parallel under `torchrun --nproc_per_node N`: every rank
+           holds all weights and a contiguous slice of the text tokens and one of the
+           image tokens (uneven: the first n % N ranks one token more); everything
+           token-wise runs on the local slice; in each attention q, k, v (after QK norm
+           and RoPE at the local tokens' positions) go through one all_to_all_single
+           (variable split sizes) so that each rank holds all tokens of HEADS/N heads,
+           SDPA runs on those, and a second all_to_all_single brings every rank its own
+           tokens of all heads back; the final layer runs on the local image tokens and
+           its output is all-gathered. HEADS must divide by N (24: N = 2, 3, 4, 6, 8).
+
+--compile wraps the block kinds in torch.compile (Inductor, default mode): one compiled
+function for DoubleBlock.__call__ and one for SingleBlock.__call__, shared by all blocks
+of that kind (weights are graph inputs, so the blocks of a kind share one graph); stem and
+final layer stay eager. tp's all-reduces and sp's all-to-alls are traced into the block
+graphs as functional collectives (one graph per block kind, no graph break); with
+--compile-comm eager they run as in eager mode at graph breaks (torch.compiler.disable),
+the fallback should tracing them fail. The warm-up steps absorb compilation (--warmup >= 1);
+the JSON line's compile_stats gives the graphs, graph breaks and the first step's seconds.
+
+--check, after the timed steps, runs the model once more on the first step's inputs and,
+on rank 0, the unsharded eager model (mode single, no compile) on the same inputs and
+weights, and adds to the JSON line check_max_abs_err = max|out - ref| and
+check_max_rel_err = max|out - ref| / max|ref| (the model output, i.e. the velocity).
+In single mode without --compile the reference is the same computation (error 0).
 
 Weights are drawn from N(0, 1/sqrt(fan_in)) straight on the GPU, each tensor from its own
 generator seeded from --seed and the tensor's index, so every mode builds the same model
-(TP ranks draw the full tensor and keep their shard): `out_abs_mean` should agree across
-modes up to bf16 rounding.
+(TP ranks draw the full tensor and keep their shard, SP ranks keep it whole):
+`out_abs_mean` should agree across modes up to bf16 rounding.
 
 Prints one JSON line (rank 0 only under torchrun), e.g.
-  {"impl": "pytorch", "mode": "tp", "world": 2, "step_ms_median": ..., ...}
+  {"impl": "pytorch", "mode": "tp", "world": 2, "step_ms_median": ..., "compiled": false, ...}
 
-  python3 benches/flux_step_torch.py --mode single
+  python3 benches/flux_step_torch.py --mode single [--compile] [--check]
   python3 benches/flux_step_torch.py --mode split
   torchrun --nproc_per_node 2 benches/flux_step_torch.py --mode tp
+  torchrun --nproc_per_node 4 benches/flux_step_torch.py --mode sp --check
+  torchrun --nproc_per_node 3 benches/flux_step_torch.py --mode sp --device cpu --tiny --check
 """
 import os
 
@@ -91,12 +117,93 @@ class TP:
         return t.chunk(self.world, dim)[self.rank] if self.world > 1 else t
 
     def all_reduce(self, x):
-        if self.world > 1:
-            dist.all_reduce(x)
-        return x
+        return all_reduce(x) if self.world > 1 else x
 
 
 NO_TP = TP()
+
+
+# The collectives inside the blocks. Under --compile Dynamo traces them into the block's
+# graph (functional collectives); --compile-comm eager swaps in torch.compiler.disable'd
+# versions (Flux.compile), which run as in eager mode at graph breaks.
+def traced_all_reduce(x):
+    dist.all_reduce(x)
+    return x
+
+
+def traced_all_to_all(out, inp, out_splits, in_splits):
+    dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
+    return out
+
+
+all_reduce, all_to_all = traced_all_reduce, traced_all_to_all
+
+
+def even_split(n, world):
+    """Sizes of `world` contiguous slices of n items: the first n % world one larger."""
+    return [n // world + (r < n % world) for r in range(world)]
+
+
+class SP:
+    """Ulysses sequence parallelism: this rank's token slices and the attention that
+    trades tokens for heads around SDPA (world 1: plain attention, no slicing)."""
+
+    def __init__(self, world=1, rank=0, n_txt=0, n_img=0):
+        self.world, self.rank = world, rank
+        self.txt_sizes = even_split(n_txt, world)
+        self.img_sizes = even_split(n_img, world)
+        # a rank's attention sequence is its text slice, then its image slice
+        self.tok_sizes = [t + i for t, i in zip(self.txt_sizes, self.img_sizes)]
+
+    def _slice(self, t, sizes):
+        return t.narrow(1, sum(sizes[: self.rank]), sizes[self.rank])
+
+    def local(self, x):
+        """This rank's slices of the token-wise inputs (dim 1); the rest as it is."""
+        if self.world == 1:
+            return x
+        x = dict(x)
+        for key, sizes in (("txt", self.txt_sizes), ("txt_ids", self.txt_sizes),
+                           ("img", self.img_sizes), ("img_ids", self.img_sizes)):
+            x[key] = self._slice(x[key], sizes)
+        return x
+
+    def attention(self, q, k, v, pe):
+        """q, k, v: (B, H, l, D) of the local tokens -> (B, l, H*D) of the local tokens."""
+        if self.world == 1:
+            return attention(q, k, v, pe)
+        q, k = apply_rope(q, pe), apply_rope(k, pe)
+        b, h, l, d = q.shape
+        n, hl = self.world, h // self.world
+        # rank j gets heads j*hl..(j+1)*hl of q, k, v for our l tokens: (n, 3, B, hl, l, D)
+        send = torch.stack((q, k, v)).view(3, b, n, hl, l, d).permute(2, 0, 1, 3, 4, 5).contiguous()
+        chunk = 3 * b * hl * d
+        recv = q.new_empty(chunk * sum(self.tok_sizes))
+        all_to_all(recv, send.view(-1), [chunk * t for t in self.tok_sizes], [chunk * l] * n)
+        # rank j's tokens for our heads, in rank order: all tokens (a permutation of the
+        # sequence, which non-causal attention does not see; RoPE is already applied)
+        parts = recv.split([chunk * t for t in self.tok_sizes])
+        q, k, v = torch.cat([p.view(3, b, hl, t, d) for p, t in zip(parts, self.tok_sizes)], dim=3)
+        o = F.scaled_dot_product_attention(q, k, v)  # (B, hl, L, D)
+        # rank j gets its tokens of our heads back: token-major so the splits are along dim 0
+        send = o.permute(2, 0, 1, 3).contiguous()  # (L, B, hl, D)
+        recv = o.new_empty(n * l, b, hl, d)
+        all_to_all(recv, send, [l] * n, self.tok_sizes)
+        # (n, l, B, hl, D): rank j sent heads j*hl.. -> (B, l, H*D)
+        return recv.view(n, l, b, hl, d).permute(2, 1, 0, 3, 4).reshape(b, l, h * d)
+
+    def gather_img(self, out):
+        """(B, local image tokens, C) -> (B, all image tokens, C) on every rank."""
+        if self.world == 1:
+            return out
+        pad = max(self.img_sizes) - out.shape[1]
+        out = F.pad(out, (0, 0, 0, pad)).contiguous()
+        bufs = [torch.empty_like(out) for _ in range(self.world)]
+        dist.all_gather(bufs, out)
+        return torch.cat([t[:, :n] for t, n in zip(bufs, self.img_sizes)], dim=1)
+
+
+NO_SP = SP()
 
 
 class Linear:
@@ -262,11 +369,11 @@ class DoubleBlock:
         self.img = Stream(init, device, tp)
         self.txt = Stream(init, device, tp)
 
-    def __call__(self, img, txt, vec, pe):
+    def __call__(self, img, txt, vec, pe, sp):
         (iq, ik, iv), im = self.img.pre_attention(img, vec, self.heads)
         (tq, tk, tv), tm = self.txt.pre_attention(txt, vec, self.heads)
         q, k, v = (torch.cat(p, dim=2) for p in ((tq, iq), (tk, ik), (tv, iv)))
-        attn = attention(q, k, v, pe)
+        attn = sp.attention(q, k, v, pe)
         n = txt.shape[1]
         img = self.img.post_attention(img, attn[:, n:], im)
         txt = self.txt.post_attention(txt, attn[:, :n], tm)
@@ -282,12 +389,12 @@ class SingleBlock:
         self.q_norm, self.k_norm = RMSNorm(device), RMSNorm(device)
         self.qkv_local = 3 * self.heads * HEAD_DIM
 
-    def __call__(self, x, vec, pe):
+    def __call__(self, x, vec, pe, sp):
         shift, scale, gate = self.mod(F.silu(vec))[:, None, :].chunk(3, dim=-1)
         qkv, mlp = self.linear1(modulate(x, shift, scale)).split(
             [self.qkv_local, self.linear1.w.shape[0] - self.qkv_local], dim=-1)
         q, k, v = split_heads(qkv, self.heads)
-        attn = attention(self.q_norm(q).to(v), self.k_norm(k).to(v), v, pe)
+        attn = sp.attention(self.q_norm(q).to(v), self.k_norm(k).to(v), v, pe)
         return x + gate * self.linear2(torch.cat((attn, gelu(mlp)), dim=2))
 
 
@@ -321,7 +428,10 @@ class FinalLayer:
 
 class Flux:
     """The transformer; blocks[i] lives on devices[i] (execution order: 19 double, then
-    38 single), the stem on the first block's device, the final layer on the last's."""
+    38 single), the stem on the first block's device, the final layer on the last's.
+    Under sequence parallelism (sp) it takes the full inputs, runs on this rank's token
+    slices and returns the full output; compiled=True runs the blocks through the
+    torch.compile'd functions (compile() first)."""
 
     def __init__(self, init, devices, tp=NO_TP):
         assert len(devices) == DEPTH_DOUBLE + DEPTH_SINGLE
@@ -330,10 +440,26 @@ class Flux:
         self.blocks = [DoubleBlock(init, devices[i], tp) for i in range(DEPTH_DOUBLE)]
         self.blocks += [SingleBlock(init, devices[DEPTH_DOUBLE + i], tp) for i in range(DEPTH_SINGLE)]
         self.final = FinalLayer(init, devices[-1])
+        self.compiled_double = self.compiled_single = None
+
+    def compile(self, comm):
+        """One compiled function per block kind, shared by all blocks of that kind;
+        comm "traced": collectives in the graph, "eager": graph breaks around them."""
+        if comm == "eager":
+            # several graphs per block, and the resumed pieces see both streams' shapes:
+            # specialize each shape (no dynamic-shape graphs)
+            torch._dynamo.config.automatic_dynamic_shapes = False
+            globals().update(all_reduce=torch.compiler.disable(traced_all_reduce),
+                             all_to_all=torch.compiler.disable(traced_all_to_all))
+        self.compiled_double = torch.compile(DoubleBlock.__call__)
+        self.compiled_single = torch.compile(SingleBlock.__call__)
 
     @torch.inference_mode()
-    def __call__(self, x):
-        img, txt, vec, pe = self.stem(x)
+    def __call__(self, x, sp=NO_SP, compiled=False):
+        double, single = DoubleBlock.__call__, SingleBlock.__call__
+        if compiled:
+            double, single = self.compiled_double, self.compiled_single
+        img, txt, vec, pe = self.stem(sp.local(x))
         dev = self.devices[0]
         n_txt = txt.shape[1]
         for i, block in enumerate(self.blocks):
@@ -341,12 +467,12 @@ class Flux:
                 dev = self.devices[i]
                 img, txt, vec, pe = (t.to(dev) for t in (img, txt, vec, pe))
             if i < DEPTH_DOUBLE:
-                img, txt = block(img, txt, vec, pe)
+                img, txt = double(block, img, txt, vec, pe, sp)
             else:
                 if i == DEPTH_DOUBLE:
                     img = torch.cat((txt, img), dim=1)
-                img = block(img, vec, pe)
-        return self.final(img[:, n_txt:], vec)
+                img = single(block, img, vec, pe, sp)
+        return sp.gather_img(self.final(img[:, n_txt:], vec))
 
 
 # ---------------------------------------------------------------- benchmark
@@ -390,7 +516,7 @@ def sdpa_context(name):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=["single", "split", "tp"], default="single")
+    ap.add_argument("--mode", choices=["single", "split", "tp", "sp"], default="single")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
@@ -405,41 +531,61 @@ def main():
                     help="cpu: smoke test (with --tiny), gloo instead of NCCL under torchrun")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: a tiny model of the same structure (3 double, 4 single "
-                         "blocks, hidden 64, 4 heads x 16), checks the code paths, not speed")
+                         "blocks, hidden 96, 6 heads x 16: tp/sp over 2, 3 or 6 ranks), "
+                         "checks the code paths, not speed")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile (Inductor, default mode) each block kind; the warm-up "
+                         "steps absorb compilation")
+    ap.add_argument("--compile-comm", choices=["traced", "eager"], default="traced",
+                    help="with --compile: tp/sp collectives traced into the block graphs "
+                         "(default) or run eagerly at graph breaks")
+    ap.add_argument("--check", action="store_true",
+                    help="after timing, compare one output with the unsharded eager model's "
+                         "on rank 0 (max abs / max relative error in the JSON line)")
     args = ap.parse_args()
     if args.tiny:
-        globals().update(HIDDEN=64, HEADS=4, HEAD_DIM=16, MLP_HIDDEN=256, DEPTH_DOUBLE=3,
+        globals().update(HIDDEN=96, HEADS=6, HEAD_DIM=16, MLP_HIDDEN=384, DEPTH_DOUBLE=3,
                          DEPTH_SINGLE=4, IN_CHANNELS=8, CONTEXT_DIM=32, VEC_DIM=24,
                          AXES_DIM=(4, 6, 6))
         if args.split_at == ap.get_default("split_at"):
             args.split_at = 4
     width, height = (int(v) for v in args.size.lower().split("x"))
     n_blocks = DEPTH_DOUBLE + DEPTH_SINGLE
+    n_img = (width // 16) * (height // 16)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("error: no CUDA device (--device cpu --tiny runs a smoke test on the CPU)")
     if not 0 < args.split_at < n_blocks:
         sys.exit(f"error: --split-at must be in 1..{n_blocks - 1}")
+    if args.compile and args.warmup < 1:
+        sys.exit("error: --compile needs --warmup 1 or more (the warm-up steps absorb compilation)")
 
     def device(i):
         return torch.device("cuda", i) if cuda else torch.device("cpu")
 
     torch.manual_seed(args.seed)
-    tp = NO_TP
-    if args.mode == "tp":
+    tp, sp = NO_TP, NO_SP
+    rank, world = 0, 1
+    if args.mode in ("tp", "sp"):
         if "LOCAL_RANK" not in os.environ:
-            sys.exit("error: --mode tp runs under torchrun --nproc_per_node N")
+            sys.exit(f"error: --mode {args.mode} runs under torchrun --nproc_per_node N")
         local = int(os.environ["LOCAL_RANK"])
         if cuda:
             torch.cuda.set_device(local)
             dist.init_process_group("nccl", device_id=device(local))
         else:
             dist.init_process_group("gloo")
-        tp = TP(dist.get_world_size(), dist.get_rank())
-        if HEADS % tp.world:
-            sys.exit(f"error: {HEADS} heads do not split over {tp.world} ranks")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if HEADS % world:
+            sys.exit(f"error: {HEADS} heads do not split over {world} ranks")
+        if args.mode == "tp":
+            tp = TP(world, rank)
+        else:
+            if min(args.txt_len, n_img) < world:
+                sys.exit(f"error: --mode sp needs at least {world} text and image tokens "
+                         f"(--txt-len {args.txt_len}, --size {args.size}: {n_img} image tokens)")
+            sp = SP(world, rank, args.txt_len, n_img)
         devices = [device(local)] * n_blocks
-        world = tp.world
     elif args.mode == "split":
         if cuda and torch.cuda.device_count() < 2:
             sys.exit("error: --mode split needs 2 GPUs")
@@ -447,7 +593,7 @@ def main():
         world = 2
     else:
         devices = [device(0)] * n_blocks
-        world = 1
+    distributed = args.mode in ("tp", "sp") and world > 1
     used = sorted({d.index for d in devices}) if cuda else []
 
     def sync():
@@ -457,6 +603,7 @@ def main():
     t0 = time.perf_counter()
     model = Flux(Init(args.seed), devices, tp)
     x = make_inputs(args.seed + 1, devices[0], width, height, args.txt_len)
+    x0 = {k: v.clone() for k, v in x.items()} if args.check else None
     sync()
     build_s = time.perf_counter() - t0
     if cuda:  # TP ranks drew full tensors and kept shards: hand the rest back (for nvidia-smi)
@@ -464,36 +611,52 @@ def main():
     weights_gib = [torch.cuda.memory_allocated(d) / 2**30 for d in used] or [0.0]
     for d in used:
         torch.cuda.reset_peak_memory_stats(d)
+    if args.compile:
+        model.compile(args.compile_comm)
 
     # Rectified-flow Euler steps, as `mold exec` runs them: x <- x + (t_next - t) v(x, t).
     total = args.warmup + args.iters
-    times = []
+    times, first_step_s = [], None
     with sdpa_context(args.sdpa), torch.inference_mode():
         for i in range(total):
             t, t_next = 1.0 - i / total, 1.0 - (i + 1) / total
             x["timesteps"].fill_(t)
             sync()
             start = time.perf_counter()
-            v = model(x).to(devices[0])
+            v = model(x, sp, args.compile).to(devices[0])
             x["img"] = x["img"] + (t_next - t) * v
             sync()
+            if i == 0:
+                first_step_s = time.perf_counter() - start
             if i >= args.warmup:
                 times.append((time.perf_counter() - start) * 1e3)
+    compile_stats = None
+    if args.compile:  # before --check, whose eager reference is not compiled
+        from torch._dynamo.utils import counters
+        compile_stats = {
+            "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "first_step_s": round(first_step_s, 2),
+        }
     out_abs_mean = x["img"].float().abs().mean().item()
     peak = [torch.cuda.max_memory_allocated(d) / 2**30 for d in used] or [0.0]
 
-    if tp.world > 1:  # a step lasts as long as its slowest rank; gather every rank's memory
+    check = {}
+    if args.check:
+        check = run_check(args, model, x0, sp, tp, devices, rank)
+
+    if distributed:  # a step lasts as long as its slowest rank; gather every rank's memory
         dev = devices[0]
         t = torch.tensor(times, device=dev, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times = t.tolist()
         mem = torch.tensor(peak + weights_gib, device=dev, dtype=torch.float64)
-        all_mem = [torch.empty_like(mem) for _ in range(tp.world)]
+        all_mem = [torch.empty_like(mem) for _ in range(world)]
         dist.all_gather(all_mem, mem)
         peak = [m[0].item() for m in all_mem]
         weights_gib = [m[1].item() for m in all_mem]
 
-    if tp.rank == 0:
+    if rank == 0:
         print(json.dumps({
             "impl": "pytorch",
             "mode": args.mode,
@@ -506,18 +669,52 @@ def main():
             "torch": torch.__version__,
             "size": f"{width}x{height}",
             "tiny": args.tiny,
-            "img_tokens": (width // 16) * (height // 16),
+            "img_tokens": n_img,
             "txt_tokens": args.txt_len,
             "warmup": args.warmup,
             "iters": args.iters,
             "split_at": args.split_at if args.mode == "split" else None,
             "sdpa": args.sdpa,
+            "compiled": args.compile,
+            "compile": compile_how(args.compile_comm) if args.compile else None,
+            "compile_stats": compile_stats,
             "build_s": round(build_s, 2),
             "out_abs_mean": out_abs_mean,
+            **check,
         }), flush=True)
-    if tp.world > 1:
+    if distributed:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def compile_how(comm):
+    comm = ("collectives traced into the graphs" if comm == "traced"
+            else "collectives eager at graph breaks, static shapes")
+    return ("inductor default mode, per block kind: torch.compile(DoubleBlock.__call__) and "
+            f"torch.compile(SingleBlock.__call__); {comm}; stem and final layer eager")
+
+
+def run_check(args, model, x0, sp, tp, devices, rank):
+    """One more forward on the first step's inputs (all ranks), and on rank 0 the
+    unsharded eager model's on the same inputs and weights: the errors for the JSON line."""
+    with sdpa_context(args.sdpa), torch.inference_mode():
+        out = model(x0, sp, args.compile).to(devices[0]).float()
+        if rank != 0:
+            return {}
+        if tp.world == 1 and len(set(devices)) == 1:
+            ref_model = model  # single or sp: the same weights, whole on this device
+        else:  # tp shards, split spans two devices: build the whole model here
+            ref_model = Flux(Init(args.seed), [devices[0]] * len(devices))
+        ref = ref_model(x0).float()
+    del ref_model
+    if devices[0].type == "cuda":
+        torch.cuda.empty_cache()
+    err = (out - ref).abs().max().item()
+    return {
+        "check_ref": "unsharded eager model, mode single",
+        "check_max_abs_err": err,
+        "check_max_rel_err": err / ref.abs().max().item(),
+    }
 
 
 if __name__ == "__main__":

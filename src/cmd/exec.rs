@@ -1,8 +1,10 @@
 use super::common::{load_machine, load_plan, model_of};
 use super::exec_options::{exec_options, EnvVars};
+use super::progress::{hex, say, OutputArgs, Reporter};
 use anyhow::{bail, Context, Result};
 use mold_exec::{Executor, FluxConfig};
 use mold_plan::{ByteSize, DeviceId, Plan};
+use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -10,9 +12,12 @@ use std::time::Instant;
 pub struct Args {
     /// The plan to run (from `mold plan`).
     pub plan: PathBuf,
-    /// Checkpoint: a .safetensors file, an .index.json, or a directory holding them.
+    /// Checkpoint: a .safetensors file, an .index.json, or a directory holding them (a
+    /// Hugging Face repository of FLUX.1 or its hub cache snapshot included). Default:
+    /// the plan's model found in config `weights_dirs` or the Hugging Face cache
+    /// (HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub).
     #[arg(long)]
-    pub weights: PathBuf,
+    pub weights: Option<PathBuf>,
     /// Denoising steps (default: the plan's).
     #[arg(long)]
     pub steps: Option<u32>,
@@ -56,13 +61,34 @@ pub struct Args {
     /// compute, synchronize, free per block). Default: MOLD_STREAMING, else pinned.
     #[arg(long, value_parser = mold_exec::Streaming::parse)]
     pub streaming: Option<mold_exec::Streaming>,
+    /// The same seed gives the same output bit for bit under tensor and sequence
+    /// parallelism too (each GPU gets a stream of its own; see README, "Determinism").
+    /// Default: MOLD_DETERMINISTIC, else off (one GPU and block splits repeat anyway).
+    #[arg(long)]
+    pub deterministic: bool,
+    /// A LoRA merged into the transformer's weights at load, PATH[:STRENGTH] (strength 1
+    /// when absent; repeatable): kohya (`lora_unet_*`), BFL-style or diffusers/PEFT names.
+    #[arg(long = "lora", value_name = "PATH[:STRENGTH]", value_parser = mold_exec::checkpoint::LoraSpec::parse)]
+    pub loras: Vec<mold_exec::checkpoint::LoraSpec>,
+    /// With --prompt: the initial noise from this safetensors file (tensor `latents`,
+    /// [1, 16, H/8, W/8] or packed [1, H/16·W/16, 64]) instead of the seed's.
+    #[arg(long, value_name = "FILE")]
+    pub latents: Option<PathBuf>,
+    /// With --prompt: write the conditioning, the initial and per-step latents, the
+    /// transformer's outputs and the decoded image to this safetensors file
+    /// (crates/mold-pipeline/src/io.rs names them).
+    #[arg(long, value_name = "FILE")]
+    pub save_io: Option<PathBuf>,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct TestdataArgs {
     /// A FLUX-family model: flux-tiny, flux-dev or flux-schnell (the transformer); or
     /// flux-tiny-pipeline: a whole tiny weights directory (T5, CLIP, VAE, tokenizers,
-    /// transformer) for `mold exec --prompt`.
+    /// transformer) for `mold exec --prompt`; flux-tiny-hf, flux-dev-hf, flux-schnell-hf:
+    /// the same in the Hugging Face repository's layout (BFL and diffusers transformers).
     pub name: String,
     /// Directory to write into (created if missing).
     pub dir: PathBuf,
@@ -74,6 +100,8 @@ pub struct TestdataArgs {
     /// Split into shards of at most this size, with an index.json (e.g. 5GB).
     #[arg(long)]
     pub shard_size: Option<ByteSize>,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 fn flux_config(id: &str) -> Result<FluxConfig> {
@@ -83,6 +111,9 @@ fn flux_config(id: &str) -> Result<FluxConfig> {
 }
 
 pub fn testdata(a: TestdataArgs) -> Result<i32> {
+    if let Some(model) = a.name.strip_suffix("-hf") {
+        return testdata_hf(&a, model);
+    }
     if a.name == "flux-tiny-pipeline" {
         return testdata_pipeline(a);
     }
@@ -98,17 +129,68 @@ pub fn testdata(a: TestdataArgs) -> Result<i32> {
     };
     std::fs::create_dir_all(&a.dir)
         .with_context(|| format!("cannot create {}", a.dir.display()))?;
+    let rep = Reporter::new(a.output);
     let t = Instant::now();
-    let path = match a.shard_size {
-        Some(s) => mold_exec::write_testdata_sharded(&cfg, &a.dir, a.seed, dtype, s.0)?,
-        None => mold_exec::write_testdata(&cfg, &a.dir, a.seed, dtype)?,
+    let path = rep.observe_writes(|| -> Result<PathBuf> {
+        Ok(match a.shard_size {
+            Some(s) => mold_exec::write_testdata_sharded(&cfg, &a.dir, a.seed, dtype, s.0)?,
+            None => mold_exec::write_testdata(&cfg, &a.dir, a.seed, dtype)?,
+        })
+    })?;
+    rep.event(json!({"event": "wrote", "path": path.display().to_string()}));
+    rep.result(
+        format_args!(
+            "wrote {} ({} parameters, {dtype:?}, seed {}) in {:.1} s",
+            path.display(),
+            cfg.param_count(),
+            a.seed,
+            t.elapsed().as_secs_f64()
+        ),
+        json!({
+            "event": "done",
+            "model": a.name,
+            "parameters": cfg.param_count(),
+            "dtype": format!("{dtype:?}"),
+            "seed": a.seed,
+            "seconds": t.elapsed().as_secs_f64(),
+        }),
+    );
+    Ok(0)
+}
+
+/// `mold testdata flux-dev-hf DIR` (and flux-schnell-hf, flux-tiny-hf): a random snapshot
+/// in the layout of the Hugging Face repository, both transformer formats.
+fn testdata_hf(a: &TestdataArgs, model: &str) -> Result<i32> {
+    let which = mold_pipeline::testdata::HfModel::by_name(model).with_context(|| {
+        format!(
+            "{}: Hugging Face snapshots are flux-tiny-hf, flux-dev-hf or flux-schnell-hf",
+            a.name
+        )
+    })?;
+    let dtype = match a.dtype.as_deref() {
+        None if model == "flux-tiny" => mold_exec::DType::F32,
+        None | Some("bf16") => mold_exec::DType::BF16,
+        Some("f32") => mold_exec::DType::F32,
+        Some(o) => bail!("--dtype {o}: testdata writes f32 or bf16"),
     };
+    if a.shard_size.is_some() {
+        bail!(
+            "{}: files are sharded as the published repository's: drop --shard-size",
+            a.name
+        );
+    }
+    let t = Instant::now();
+    let files = mold_pipeline::testdata::write_hf_snapshot(&a.dir, which, a.seed, dtype)
+        .with_context(|| format!("cannot write the {model} snapshot into {}", a.dir.display()))?;
+    for f in &files {
+        println!("wrote {}", f.display());
+    }
     println!(
-        "wrote {} ({} parameters, {dtype:?}, seed {}) in {:.1} s",
-        path.display(),
-        cfg.param_count(),
+        "{model} Hugging Face-layout snapshot, random weights ({dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {} --prompt \"...\"` (remove {} to run the diffusers-format transformer/)",
         a.seed,
-        t.elapsed().as_secs_f64()
+        t.elapsed().as_secs_f64(),
+        a.dir.display(),
+        if model == "flux-schnell" { "flux1-schnell.safetensors" } else { "flux1-dev.safetensors" }
     );
     Ok(0)
 }
@@ -123,17 +205,31 @@ fn testdata_full_pipeline(a: &TestdataArgs, model: &str) -> Result<i32> {
     if a.shard_size.is_some() {
         bail!("{}: the transformer is written in 5 GB shards, the others one file each: drop --shard-size", a.name);
     }
+    let rep = Reporter::new(a.output);
     let t = Instant::now();
-    let files = mold_pipeline::testdata::write_full_pipeline(&a.dir, model, a.seed, dtype)
+    let files = rep
+        .observe_writes(|| {
+            mold_pipeline::testdata::write_full_pipeline(&a.dir, model, a.seed, dtype)
+        })
         .with_context(|| format!("cannot write the {model} pipeline into {}", a.dir.display()))?;
     for f in &files {
-        println!("wrote {}", f.display());
+        say!(rep, "wrote {}", f.display());
+        rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
     }
-    println!(
-        "{model} pipeline, random weights ({dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {} --prompt \"...\"`",
-        a.seed,
-        t.elapsed().as_secs_f64(),
-        a.dir.display()
+    rep.result(
+        format_args!(
+            "{model} pipeline, random weights ({dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {} --prompt \"...\"`",
+            a.seed,
+            t.elapsed().as_secs_f64(),
+            a.dir.display()
+        ),
+        json!({
+            "event": "done",
+            "model": a.name,
+            "dtype": format!("{dtype:?}"),
+            "seed": a.seed,
+            "seconds": t.elapsed().as_secs_f64(),
+        }),
     );
     Ok(0)
 }
@@ -143,17 +239,29 @@ fn testdata_pipeline(a: TestdataArgs) -> Result<i32> {
     if a.dtype.as_deref().is_some_and(|d| d != "f32") || a.shard_size.is_some() {
         bail!("flux-tiny-pipeline is written in f32, one file per component: drop --dtype and --shard-size");
     }
+    let rep = Reporter::new(a.output);
     let t = Instant::now();
-    let files = mold_pipeline::testdata::write_tiny_pipeline(&a.dir, a.seed)
+    let files = rep
+        .observe_writes(|| mold_pipeline::testdata::write_tiny_pipeline(&a.dir, a.seed))
         .with_context(|| format!("cannot write the tiny pipeline into {}", a.dir.display()))?;
     for f in &files {
-        println!("wrote {}", f.display());
+        say!(rep, "wrote {}", f.display());
+        rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
     }
-    println!(
-        "tiny FLUX pipeline (seed {}) in {:.1} s: plan flux-tiny, then `mold exec PLAN --weights {} --prompt \"...\"`",
-        a.seed,
-        t.elapsed().as_secs_f64(),
-        a.dir.display()
+    rep.result(
+        format_args!(
+            "tiny FLUX pipeline (seed {}) in {:.1} s: plan flux-tiny, then `mold exec PLAN --weights {} --prompt \"...\"`",
+            a.seed,
+            t.elapsed().as_secs_f64(),
+            a.dir.display()
+        ),
+        json!({
+            "event": "done",
+            "model": a.name,
+            "dtype": "F32",
+            "seed": a.seed,
+            "seconds": t.elapsed().as_secs_f64(),
+        }),
     );
     Ok(0)
 }
@@ -205,12 +313,59 @@ fn warn_if_box_differs(plan: &Plan) {
     }
 }
 
-/// `--weights` must exist: named once, with what to point it at.
-fn check_weights(path: &Path) -> Result<()> {
-    if !path.exists() {
-        bail!(
-            "--weights {}: no such file or directory; point it at a .safetensors file, an .index.json, or a weights directory",
-            path.display()
+/// The weights to run: `--weights` (which must exist: named once, with what to point it
+/// at), else the plan's model found in config `weights_dirs` and the Hugging Face hub
+/// cache (`HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`), every
+/// place looked at named when it is nowhere.
+fn weights_for(plan: &Plan, flag: &Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(path) = flag {
+        if !path.exists() {
+            bail!(
+                "--weights {}: no such file or directory; point it at a .safetensors file, an .index.json, or a weights directory",
+                path.display()
+            );
+        }
+        return Ok(path.clone());
+    }
+    let settings = mold_config::load(mold_config::Layer::default())?;
+    let mut roots = settings.weights_dirs.value.clone();
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    roots.extend(
+        var("HF_HUB_CACHE")
+            .or_else(|| var("HF_HOME").map(|h| h.join("hub")))
+            .or_else(|| var("HOME").map(|h| h.join(".cache/huggingface/hub"))),
+    );
+    let id = &plan.model.id;
+    match mold_models::snapshot::find_weights(&roots, id) {
+        Ok(dir) => {
+            eprintln!("note: no --weights: using {}", dir.display());
+            Ok(dir)
+        }
+        Err(looked) => {
+            let looked: Vec<String> = looked.iter().map(|p| p.display().to_string()).collect();
+            bail!(
+                "no --weights, and no weights for {id} in {}; pass --weights DIR, add the folder holding them to `weights_dirs` in config.toml (or MOLD_WEIGHTS_DIRS), or put the Hugging Face repository in its cache (HF_HUB_CACHE / HF_HOME)",
+                if looked.is_empty() { "no place (no weights_dirs, HF_HUB_CACHE, HF_HOME or HOME)".to_string() } else { looked.join(", ") }
+            )
+        }
+    }
+}
+
+/// Merges `--lora` files into the transformer checkpoint (checked before any weight loads).
+fn add_loras(
+    ckpt: &mut mold_exec::Checkpoint,
+    loras: &[mold_exec::checkpoint::LoraSpec],
+) -> Result<()> {
+    for l in loras {
+        ckpt.add_lora(l)?;
+        eprintln!(
+            "lora   {} (strength {}) merged at load",
+            l.path.display(),
+            l.strength
         );
     }
     Ok(())
@@ -249,14 +404,15 @@ pub fn run(a: Args) -> Result<i32> {
     let launch = mold_exec::dist::Launch::from_vars(get)?;
     let comm_opts = mold_exec::comm::CommOptions::from_vars(get)?;
     check_numbers(&a)?;
-    let opts = exec_options(a.streaming, &env, comm_opts.clone())?;
+    let opts = exec_options(a.streaming, a.deterministic, &env, comm_opts.clone())?;
     if let Some(prompt) = a.prompt.clone() {
         if let Some(l) = &launch {
             bail!(
-                "MOLD_WORLD_SIZE={}: text to image (--prompt) runs in one process; a \
-                 multi-process launch runs the transformer (drop --prompt), or unset \
-                 MOLD_WORLD_SIZE/MOLD_RANK/MOLD_MASTER_ADDR",
-                l.world
+                "{}={}: text to image (--prompt) runs in one process; a multi-process \
+                 launch ({}) runs the transformer (drop --prompt), or start one process",
+                l.world_var(),
+                l.world,
+                l.launcher
             );
         }
         return run_pipeline(&a, &prompt, &opts);
@@ -266,11 +422,14 @@ pub fn run(a: Args) -> Result<i32> {
         ("--width", a.width.is_some()),
         ("--height", a.height.is_some()),
         ("--out", a.out.is_some()),
+        ("--latents", a.latents.is_some()),
+        ("--save-io", a.save_io.is_some()),
     ] {
         if set {
             bail!("{flag} is for text to image: add --prompt \"...\" (and point --weights at a weights directory)");
         }
     }
+    let rep = Reporter::new(a.output);
     let plan = load_plan(&a.plan)?;
     let model = model_of(&plan)?;
     let machine = machine_for(&plan, &a.machine)?;
@@ -280,9 +439,10 @@ pub fn run(a: Args) -> Result<i32> {
     }
     let checked = mold_pipeline::run::preflight(&plan, &model, &machine, a.force, None)?;
     warn_all(&checked.warnings);
-    check_weights(&a.weights)?;
+    let weights = weights_for(&plan, &a.weights)?;
     let mut warnings = Vec::new();
-    let (cfg, ckpt) = mold_pipeline::run::open_transformer(&plan, &a.weights, &mut warnings)?;
+    let (cfg, mut ckpt) = mold_pipeline::run::open_transformer(&plan, &weights, &mut warnings)?;
+    add_loras(&mut ckpt, &a.loras)?;
     warn_all(&warnings);
     let steps = a.steps.unwrap_or(plan.workload.steps);
     if steps == 0 {
@@ -299,13 +459,27 @@ pub fn run(a: Args) -> Result<i32> {
                 .iter()
                 .filter_map(|d| own.local_id(l.rank, d).map(|x| format!("{d} as {x}")))
                 .collect();
-            println!(
-                "process {} of {}: runs {} (master {})",
+            let via = match l.launcher {
+                mold_exec::dist::Launcher::Mold => String::new(),
+                other => format!(", from {other}'s variables"),
+            };
+            say!(
+                rep,
+                "process {} of {}: runs {} (master {}{via})",
                 l.rank,
                 l.world,
                 local.join(", "),
                 l.master
             );
+            rep.event(json!({
+                "event": "process",
+                "rank": l.rank,
+                "world": l.world,
+                "local_rank": l.local_rank,
+                "launcher": l.launcher.to_string(),
+                "master": l.master,
+                "devices": local,
+            }));
             let plan_text = std::fs::read_to_string(&a.plan).unwrap_or_default();
             let run = [
                 ("plan", text_fingerprint(&plan_text)),
@@ -316,67 +490,131 @@ pub fn run(a: Args) -> Result<i32> {
             ];
             let t = Instant::now();
             let mesh = mold_exec::dist::Mesh::connect(l, &run, &comm_opts)?;
-            println!(
+            say!(
+                rep,
                 "all {} processes joined in {:.2} s",
                 l.world,
                 t.elapsed().as_secs_f64()
             );
+            rep.event(json!({
+                "event": "joined",
+                "processes": l.world,
+                "seconds": t.elapsed().as_secs_f64(),
+            }));
             Some((std::sync::Arc::new(mesh), own))
         }
     };
     let t0 = Instant::now();
+    rep.spin(format!("loading {}", weights.display()));
     let exec = match &mesh {
         None => Executor::with_options(&cfg, &plan, &ckpt, opts.clone())?,
         Some((m, _)) => Executor::new_multi_process(&cfg, &plan, &ckpt, opts.clone(), m.clone())?,
     };
-    println!(
+    rep.clear();
+    say!(
+        rep,
         "loaded {} in {:.2} s",
-        a.weights.display(),
+        weights.display(),
         t0.elapsed().as_secs_f64()
     );
+    rep.event(json!({
+        "event": "loaded",
+        "component": "transformer",
+        "weights": weights.display().to_string(),
+        "seconds": t0.elapsed().as_secs_f64(),
+        "weight_bytes": exec
+            .memory_report()
+            .iter()
+            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
+            .sum::<u64>(),
+    }));
     let predicted = plan.predicted.step_time_s;
     let mut times = Vec::new();
     let out = mold_pipeline::run::bench(&exec, &plan, &model, a.seed, steps, &mut |s| {
-        println!(
-            "step {:>3}/{steps}: {:.4} s   (plan predicted {:.4} s)",
+        rep.plain(format_args!(
+            "step {:>3}/{steps}: {:.4} s   (plan predicted {:.4} s)   latents {:016x}",
             s.index + 1,
             s.seconds,
-            predicted
-        );
+            predicted,
+            s.digest
+        ));
+        rep.step(s.index as u32 + 1, steps, s.seconds);
+        rep.event(json!({
+            "event": "step",
+            "index": s.index + 1,
+            "steps": steps,
+            "seconds": s.seconds,
+            "predicted_s": predicted,
+            "digest": hex(s.digest),
+        }));
         if s.index == 0 {
             exec.clear_profile(); // the first step includes warm-up (kernel loading)
         }
         times.push(s.seconds);
     })?;
     let (median, over) = step_median(&times);
-    println!("step time: median {median:.4} s over {over}; plan predicted {predicted:.4} s");
-    println!("output digest: {:016x}", mold_exec::digest(&out)?);
+    say!(
+        rep,
+        "step time: median {median:.4} s over {over}; plan predicted {predicted:.4} s"
+    );
+    let digest = mold_exec::digest(&out)?;
+    rep.result(
+        format_args!("output digest: {digest:016x}"),
+        json!({
+            "event": "result",
+            "median_step_s": median,
+            "median_over": over,
+            "predicted_step_s": predicted,
+            "output_digest": hex(digest),
+        }),
+    );
     if exec.profiling() {
         let measured = times.len().saturating_sub(1).max(1) as f64;
-        println!("\nprofile (MOLD_PROFILE: device synchronised at each mark, so slower than a plain step), per step:");
+        say!(rep, "\nprofile (MOLD_PROFILE: device synchronised at each mark, so slower than a plain step), per step:");
         for (dev, phases) in exec.profile_report() {
             let total: f64 = phases.iter().map(|p| p.1).sum();
-            println!("  {dev}: {:.2} ms in marked phases", total / measured * 1e3);
+            say!(
+                rep,
+                "  {dev}: {:.2} ms in marked phases",
+                total / measured * 1e3
+            );
+            let mut per_phase = Vec::new();
             for (label, secs, n) in phases {
-                println!(
+                say!(
+                    rep,
                     "    {label:<28} {:>9.2} ms  {:>5.1}%  ({} marks)",
                     secs / measured * 1e3,
                     100.0 * secs / total.max(1e-12),
                     n as f64 / measured
                 );
+                per_phase.push(json!({
+                    "phase": label,
+                    "ms_per_step": secs / measured * 1e3,
+                    "marks_per_step": n as f64 / measured,
+                }));
             }
+            rep.event(json!({"event": "profile", "device": dev.to_string(), "phases": per_phase}));
         }
     }
-    println!("\nmemory (accounted from tensor shapes)   weights  stream buffers  largest activation | plan: peak");
+    say!(rep, "\nmemory (accounted from tensor shapes)   weights  stream buffers  largest activation | plan: peak");
     for m in exec.memory_report() {
-        let p = plan
+        let planned = plan
             .predicted
             .devices
             .iter()
             .find(|d| d.device == m.device)
-            .map(|d| d.peak.human())
-            .unwrap_or_else(|| "-".into());
-        println!(
+            .map(|d| d.peak);
+        rep.event(json!({
+            "event": "memory",
+            "device": m.device.to_string(),
+            "weight_bytes": m.resident_weight_bytes,
+            "stream_buffer_bytes": m.stream_buffer_bytes,
+            "largest_activation_bytes": m.largest_activation_bytes,
+            "predicted_peak_bytes": planned.map(|b| b.0),
+        }));
+        let p = planned.map(|b| b.human()).unwrap_or_else(|| "-".into());
+        say!(
+            rep,
             "  {:<10} {:>28} {:>15} {:>19} | {p}",
             m.device.to_string(),
             ByteSize(m.resident_weight_bytes).human(),
@@ -384,14 +622,15 @@ pub fn run(a: Args) -> Result<i32> {
             ByteSize(m.largest_activation_bytes).human(),
         );
     }
-    print_streaming(&exec);
+    print_streaming(&exec, &rep);
     for (from, to, peer) in mold_exec::runtime::hand_off_paths() {
         let how = if peer {
             "peer copy (cuDeviceCanAccessPeer)"
         } else {
             "through host memory (no peer access between them)"
         };
-        println!("  hand-off cuda:{from} -> cuda:{to}: {how}");
+        say!(rep, "  hand-off cuda:{from} -> cuda:{to}: {how}");
+        rep.event(json!({"event": "hand_off", "from": format!("cuda:{from}"), "to": format!("cuda:{to}"), "peer": peer}));
     }
     if a.verify {
         let tf = plan.transformer().context("the plan has no transformer")?;
@@ -401,7 +640,8 @@ pub fn run(a: Args) -> Result<i32> {
             match own.local_id(m.rank(), &first) {
                 Some(local) => first = local,
                 None => {
-                    println!("\nverify: done by the process that runs {first}");
+                    say!(rep, "\nverify: done by the process that runs {first}");
+                    rep.event(json!({"event": "verify", "done_by": first.to_string()}));
                     return Ok(0);
                 }
             }
@@ -415,7 +655,16 @@ pub fn run(a: Args) -> Result<i32> {
         } else {
             1e-2
         });
-        println!("\nverify: max relative error {err:.3e} against the single-device reference on {first}, candle ops (tolerance {tol:.0e})");
+        rep.result(
+            format_args!("\nverify: max relative error {err:.3e} against the single-device reference on {first}, candle ops (tolerance {tol:.0e})"),
+            json!({
+                "event": "verify",
+                "max_relative_error": err,
+                "tolerance": tol,
+                "reference_device": first.to_string(),
+                "passed": err <= tol,
+            }),
+        );
         if err > tol {
             eprintln!("error: max relative error {err:.3e} is above the tolerance {tol:.0e}");
             return Ok(1);
@@ -425,7 +674,7 @@ pub fn run(a: Args) -> Result<i32> {
 }
 
 /// One line per device that streams: mode, buffers, host memory, copies.
-pub fn print_streaming(exec: &Executor<FluxConfig>) {
+pub fn print_streaming(exec: &Executor<FluxConfig>, rep: &Reporter) {
     for m in exec.memory_report() {
         if m.stream_buffers == 0 {
             continue;
@@ -435,13 +684,27 @@ pub fn print_streaming(exec: &Executor<FluxConfig>) {
         } else {
             "pageable"
         };
-        let ring = exec
+        let report = exec
             .streaming_report()
             .into_iter()
             .find(|(d, _)| d == &m.device)
-            .map(|(_, r)| format!(", {} block copies, {} ring fill(s)", r.copies, r.restarts))
+            .map(|(_, r)| r);
+        rep.event(json!({
+            "event": "streaming",
+            "device": m.device.to_string(),
+            "mode": exec.streaming().to_string(),
+            "host_bytes": m.host_weight_bytes,
+            "host_pinned": m.host_pinned,
+            "stream_buffers": m.stream_buffers,
+            "stream_buffer_bytes": m.stream_buffer_bytes,
+            "block_copies": report.as_ref().map(|r| r.copies),
+            "ring_fills": report.as_ref().map(|r| r.restarts),
+        }));
+        let ring = report
+            .map(|r| format!(", {} block copies, {} ring fill(s)", r.copies, r.restarts))
             .unwrap_or_default();
-        println!(
+        say!(
+            rep,
             "  {:<10} streams ({}): {} in {host} host memory, {} stream buffer(s) ({} on the device){ring}",
             m.device.to_string(),
             exec.streaming(),
@@ -478,6 +741,7 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
     if a.verify || a.tolerance.is_some() {
         bail!("--verify compares the transformer alone with a 1-device reference: drop --prompt to use it");
     }
+    let rep = Reporter::new(a.output);
     let plan = load_plan(&a.plan)?;
     let width = a.width.unwrap_or(plan.workload.width);
     let height = a.height.unwrap_or(plan.workload.height);
@@ -510,10 +774,10 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
     warn_all(&checked.warnings);
     let sim = checked.sim.context("the simulator's report")?;
     let predicted = if resized {
-        eprintln!(
-            "note: {width}x{height} differs from the plan's {}x{}: the simulator re-checked it and its predictions are shown",
+        rep.pipeline(&mold_pipeline::Progress::Note(format!(
+            "{width}x{height} differs from the plan's {}x{}: the simulator re-checked it and its predictions are shown",
             plan.workload.width, plan.workload.height
-        );
+        )));
         Predicted {
             step_s: sim.step_s,
             encode_s: sim.encode_s,
@@ -539,8 +803,9 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
             source: "plan",
         }
     };
-    check_weights(&a.weights)?;
-    let prep = mold_pipeline::prepare(&run_plan, &a.weights)?;
+    let weights = weights_for(&plan, &a.weights)?;
+    let mut prep = mold_pipeline::prepare(&run_plan, &weights)?;
+    add_loras(&mut prep.ckpt, &a.loras)?;
     // `prepare` opened and checked the checkpoint; only the header comparison is left.
     warn_all(
         &mold_pipeline::run::header_warning(&plan, &prep.layout.transformer)?
@@ -554,17 +819,29 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
         guidance: a.guidance,
         width,
         height,
+        latents: a.latents.clone(),
+        save_io: a.save_io.clone(),
     };
-    let out = mold_pipeline::generate(&run_plan, &prep, &req, opts, &mut |p| eprintln!("{p}"))?;
+    let out = mold_pipeline::generate(&run_plan, &prep, &req, opts, &mut |p| rep.pipeline(p))?;
     let path = a.out.clone().unwrap_or_else(|| PathBuf::from("out.png"));
     mold_pipeline::write_png(&path, &out.image, &out.metadata)?;
-    println!(
-        "wrote {} ({}x{}, seed {}, {} steps)",
-        path.display(),
-        out.image.width,
-        out.image.height,
-        a.seed,
-        steps
+    rep.result(
+        format_args!(
+            "wrote {} ({}x{}, seed {}, {} steps)",
+            path.display(),
+            out.image.width,
+            out.image.height,
+            a.seed,
+            steps
+        ),
+        json!({
+            "event": "wrote",
+            "path": path.display().to_string(),
+            "width": out.image.width,
+            "height": out.image.height,
+            "seed": a.seed,
+            "steps": steps,
+        }),
     );
     let t = &out.timings;
     let median = {
@@ -574,12 +851,20 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
     };
     let src = predicted.source;
     let mut peaks = Vec::new();
+    let mut peak_events = Vec::new();
     for p in &out.peaks {
         let want = predicted
             .peaks
             .iter()
             .find(|(d, _)| d == &p.device)
-            .map(|(_, b)| ByteSize(*b).human())
+            .map(|(_, b)| *b);
+        peak_events.push(json!({
+            "device": p.device.to_string(),
+            "peak_bytes": p.peak_bytes,
+            "predicted_bytes": want,
+        }));
+        let want = want
+            .map(|b| ByteSize(b).human())
             .unwrap_or_else(|| "-".into());
         peaks.push(format!(
             "{} {} ({src} {want})",
@@ -587,7 +872,24 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
             ByteSize(p.peak_bytes).human()
         ));
     }
-    println!(
+    rep.event(json!({
+        "event": "done",
+        "total_s": t.total_s,
+        "load_s": t.load_s,
+        "encode_s": t.encode_s,
+        "denoise_s": t.denoise_s,
+        "decode_s": t.decode_s,
+        "median_step_s": median,
+        "predicted": {
+            "source": src,
+            "step_s": predicted.step_s,
+            "encode_s": predicted.encode_s,
+            "decode_s": predicted.decode_s,
+        },
+        "peaks": peak_events,
+    }));
+    say!(
+        rep,
         "done in {}: load {} | encode {} ({src} {}) | denoise {}, median step {} ({src} {}) | decode {} ({src} {}) | peak memory, accounted: {}",
         secs(t.total_s),
         secs(t.load_s),

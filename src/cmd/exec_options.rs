@@ -5,16 +5,19 @@ use anyhow::{anyhow, Result};
 use mold_exec::{ExecOptions, Fault, Kernels, Streaming};
 use std::collections::BTreeMap;
 
-/// A snapshot of the `MOLD_*` environment (tests build one by hand).
+/// A snapshot of the `MOLD_*` environment and the launchers' variables (torchrun's,
+/// Slurm's: [`mold_exec::dist::LAUNCH_VARS`]); tests build one by hand.
 #[derive(Clone, Debug, Default)]
 pub struct EnvVars(BTreeMap<String, String>);
 
 impl EnvVars {
-    /// This process's `MOLD_*` variables.
+    /// This process's `MOLD_*` variables and the launch variables mold reads.
     pub fn process() -> EnvVars {
         EnvVars(
             std::env::vars()
-                .filter(|(k, _)| k.starts_with("MOLD_"))
+                .filter(|(k, _)| {
+                    k.starts_with("MOLD_") || mold_exec::dist::LAUNCH_VARS.contains(&k.as_str())
+                })
                 .collect(),
         )
     }
@@ -37,10 +40,12 @@ impl EnvVars {
 
 /// The executor's options: `--streaming` else `MOLD_STREAMING` (default pinned),
 /// `MOLD_KERNELS` (auto|fused|candle), `MOLD_PROFILE` (non-empty, not 0), `MOLD_FAULT`
-/// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), and the communication options.
-/// A malformed value is an error naming the variable.
+/// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `--deterministic` else
+/// `MOLD_DETERMINISTIC` (non-empty, not 0), and the communication options. A malformed
+/// value is an error naming the variable.
 pub fn exec_options(
     streaming: Option<Streaming>,
+    deterministic: bool,
     env: &EnvVars,
     comm: mold_exec::comm::CommOptions,
 ) -> Result<ExecOptions> {
@@ -54,6 +59,10 @@ pub fn exec_options(
         None => Kernels::Auto,
     };
     let profiling = env.get("MOLD_PROFILE").is_some_and(|v| v.trim() != "0");
+    let deterministic = deterministic
+        || env
+            .get("MOLD_DETERMINISTIC")
+            .is_some_and(|v| v.trim() != "0");
     let fault = match env.get("MOLD_FAULT") {
         Some(v) => Some(Fault::parse(&v).map_err(|m| anyhow!("{m}"))?),
         None => None,
@@ -75,6 +84,7 @@ pub fn exec_options(
         fault,
         host_memory,
         comm,
+        deterministic,
     })
 }
 
@@ -84,7 +94,7 @@ pub fn exec_options(
 pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
     let opts = mold_exec::comm::CommOptions::from_vars(|k| env.get(k))
         .map_err(|e| e.to_string())
-        .and_then(|c| exec_options(None, env, c).map_err(|e| e.to_string()));
+        .and_then(|c| exec_options(None, false, env, c).map_err(|e| e.to_string()));
     let src = |k: &str| {
         if env.get(k).is_some() {
             k.to_string()
@@ -115,6 +125,11 @@ pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
             "profile".into(),
             o.profiling.to_string(),
             src("MOLD_PROFILE"),
+        ),
+        (
+            "deterministic".into(),
+            o.deterministic.to_string(),
+            src("MOLD_DETERMINISTIC"),
         ),
         (
             "fault".into(),
@@ -158,7 +173,7 @@ mod tests {
     use super::*;
 
     fn opts(streaming: Option<Streaming>, env: &[(&str, &str)]) -> Result<ExecOptions> {
-        exec_options(streaming, &EnvVars::of(env), Default::default())
+        exec_options(streaming, false, &EnvVars::of(env), Default::default())
     }
 
     #[test]
@@ -188,6 +203,17 @@ mod tests {
         let o = opts(Some(Streaming::Pageable), &env).unwrap();
         assert_eq!(o.streaming, Streaming::Pageable);
         assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);
+        assert!(!opts(None, &[]).unwrap().deterministic);
+        assert!(
+            opts(None, &[("MOLD_DETERMINISTIC", "1")])
+                .unwrap()
+                .deterministic
+        );
+        assert!(
+            !opts(None, &[("MOLD_DETERMINISTIC", "0")])
+                .unwrap()
+                .deterministic
+        );
     }
 
     #[test]

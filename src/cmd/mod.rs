@@ -6,4 +6,5 @@ pub mod devices;
 pub mod exec;
 pub mod exec_options;
 pub mod plan;
+pub mod progress;
 pub mod sim;

@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use mold_config::{Layer, Origin, Setting, Val};
 use mold_machine::Machine;
 use mold_plan::{ByteSize, DType, DeviceId};
-use mold_planner::{parse_cap, parse_pin, ConstraintsFile, Objective, Request, TpChoice};
+use mold_planner::{parse_cap, parse_pin, ConstraintsFile, Objective, Request, SpChoice, TpChoice};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -56,9 +56,15 @@ pub struct Args {
     /// Keep encoders and VAE off the host CPU.
     #[arg(long)]
     pub no_host_components: bool,
-    /// Tensor parallel: auto, off, or a degree.
+    /// Tensor parallel: auto, off, or a degree (every parallel group then has it).
     #[arg(long)]
     pub tp: Option<String>,
+    /// Sequence parallel (Ulysses: tokens split, all-to-alls around attention): auto,
+    /// off, or a degree (every parallel group then has it; with --tp N, groups of N × sp
+    /// devices). Default: auto on a machine with peer links, unless --tp is given (then
+    /// off, so `--tp N` alone keeps meaning tensor parallel only); off without peer links.
+    #[arg(long)]
+    pub sp: Option<String>,
     /// Use only these devices: cuda:0,cuda:2.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["gpus", "gpu"])]
     pub devices: Option<Vec<String>>,
@@ -361,8 +367,21 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
         c.pins.insert(name.clone(), devs.devices());
     }
     if let Some(tp) = &a.tp {
-        c.tp = tp.parse::<TpChoice>().map_err(anyhow::Error::msg)?;
+        c.tp = tp
+            .parse::<TpChoice>()
+            .map_err(|e| anyhow::anyhow!("--tp: {e}"))?;
     }
+    c.sp = match (&a.sp, file.sp) {
+        (Some(sp), _) => sp
+            .parse::<SpChoice>()
+            .map_err(|e| anyhow::anyhow!("--sp: {e}"))?,
+        (None, Some(sp)) => sp,
+        // `--tp N` alone keeps its meaning: tensor parallel, no sequence parallel.
+        (None, None) if a.tp.is_some() || file.tp.is_some() => SpChoice::Off,
+        // All-to-alls staged through the host do not pay; peers are where SP helps.
+        (None, None) if req.machine.links.peer.is_empty() => SpChoice::Off,
+        (None, None) => SpChoice::Auto,
+    };
     if a.no_stream {
         c.stream = false;
     }

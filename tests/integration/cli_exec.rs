@@ -36,6 +36,8 @@ fn testdata_plan_exec_verify() {
     for (name, extra) in [
         ("tp2", vec!["--tp", "2"]),
         ("tp4", vec!["--tp", "4"]),
+        ("sp2", vec!["--sp", "2"]),
+        ("sp2tp2", vec!["--sp", "2", "--tp", "2"]),
         ("one", vec!["--tp", "off"]),
     ] {
         let p = d.join(format!("{name}.yaml"));
@@ -70,6 +72,14 @@ fn testdata_plan_exec_verify() {
     for dev in ["emu:1", "emu:2", "emu:3"] {
         assert!(s.contains(dev), "{dev}: {s}");
     }
+    // `--sp 2` (and `--sp 2 --tp 2`) plans are sequence parallel, and exec runs them.
+    let sp = read(&d.join("sp2.yaml"));
+    assert!(sp.contains("sp: 2"), "{sp}");
+    let hybrid = read(&d.join("sp2tp2.yaml"));
+    assert!(
+        hybrid.contains("sp: 2") && hybrid.contains("tp: 2"),
+        "{hybrid}"
+    );
 }
 
 /// A bf16 checkpoint and plan: the model output is bf16 while the latents are f32.

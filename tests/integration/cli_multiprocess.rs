@@ -8,7 +8,7 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// A port nobody listens on right now.
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -51,7 +51,7 @@ fn run_world(
         .collect()
 }
 
-fn digest(s: &str) -> String {
+pub(crate) fn digest(s: &str) -> String {
     s.lines()
         .find_map(|l| l.strip_prefix("output digest: "))
         .unwrap_or_else(|| panic!("no output digest in:\n{s}"))
@@ -60,7 +60,7 @@ fn digest(s: &str) -> String {
 
 /// flux-tiny weights in `d/w` and a plan whose transformer parts are `parts` (YAML lines
 /// of the `parts:` list): (weights, plan).
-fn setup(d: &Path, parts: &str) -> (String, String) {
+pub(crate) fn setup(d: &Path, parts: &str) -> (String, String) {
     let w = d.join("w").to_str().unwrap().to_string();
     let p = d.join("plan.yaml").to_str().unwrap().to_string();
     mold_ok(&["testdata", "flux-tiny", &w]);
@@ -89,10 +89,10 @@ fn setup(d: &Path, parts: &str) -> (String, String) {
     (w, p)
 }
 
-const TP4: &str = "  - blocks:\n    - double 0..2\n    - single 0..3\n    devices:\n    - emu:0\n    - emu:1\n    - emu:2\n    - emu:3\n    residency: resident\n";
+const TP4: &str = "  - blocks:\n    - double 0..2\n    - single 0..3\n    devices:\n    - emu:0\n    - emu:1\n    - emu:2\n    - emu:3\n    tp: 4\n    residency: resident\n";
 
 /// Part 0 tensor parallel over emu:0, emu:1; part 1 on emu:2.
-const TP2_THEN_ONE: &str = "  - blocks:\n    - double 0..2\n    - single 0..1\n    devices:\n    - emu:0\n    - emu:1\n    residency: resident\n  - blocks:\n    - single 1..3\n    devices:\n    - emu:2\n    residency: resident\n";
+const TP2_THEN_ONE: &str = "  - blocks:\n    - double 0..2\n    - single 0..1\n    devices:\n    - emu:0\n    - emu:1\n    tp: 2\n    residency: resident\n  - blocks:\n    - single 1..3\n    devices:\n    - emu:2\n    residency: resident\n";
 
 #[test]
 fn several_processes_compute_what_one_does_bit_for_bit() {

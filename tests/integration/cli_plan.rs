@@ -91,7 +91,7 @@ fn json_output_is_the_same_outcome() {
     );
     let v: serde_json::Value = serde_json::from_str(&s).unwrap();
     assert_eq!(v["outcome"]["plan"]["model"]["id"], "qwen-image");
-    assert_eq!(v["outcome"]["families"].as_array().unwrap().len(), 4);
+    assert_eq!(v["outcome"]["families"].as_array().unwrap().len(), 6);
     let yaml = mold_plan::Plan::load(&d.join("p.yaml")).unwrap();
     assert_eq!(
         v["outcome"]["plan"]["predicted"]["step_time_s"]
@@ -145,7 +145,32 @@ fn flag_errors_name_the_flag() {
         ),
         (
             vec!["--model", "flux-dev", "--machine", m, "--tp", "many"],
-            "not a tensor-parallel choice",
+            "--tp: `many` is not a parallel degree",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--sp", "5"],
+            "--sp 5: flux-dev has 24 attention heads, which 5 does not divide",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--sp", "0"],
+            "--sp: `0` is not a parallel degree",
+        ),
+        (
+            vec!["--model", "flux-dev", "--machine", m, "--sp", "4"],
+            "--sp 4: machine `2x-l40s` has only 2 devices",
+        ),
+        (
+            vec![
+                "--model",
+                "flux-dev",
+                "--machine",
+                m,
+                "--tp",
+                "2",
+                "--sp",
+                "2",
+            ],
+            "--tp 2 --sp 2: a group of tp × sp = 4 devices, but machine `2x-l40s` has only 2",
         ),
         (
             vec!["--model", "flux-dev", "--machine", m, "--pin", "t6=cuda:0"],
@@ -377,4 +402,120 @@ fn models_lists_the_catalogue() {
     // Sizes in units that suit them: the tiny model's transformer is not "0.0 GB".
     let tiny = s.lines().find(|l| l.starts_with("flux-tiny")).unwrap();
     assert!(!tiny.contains("0.0 GB") && tiny.contains(" MB"), "{tiny}");
+}
+
+/// `mold plan --sp 2` on the emulated machine writes a version 2 plan whose parallel
+/// parts are sequence parallel at degree 2, which `mold sim` accepts. (The lead's
+/// `mold exec --verify` half runs it once the executor runs SP.)
+#[test]
+fn sp_flag_writes_a_v2_sequence_parallel_plan() {
+    let d = tempdir("sp2");
+    let p = d.join("p.yaml");
+    let s = plan_ok(
+        &[
+            "--model",
+            "flux-tiny",
+            "--machine",
+            "sim/machines/cpu-emu-4.yaml",
+            "--sp",
+            "2",
+        ],
+        &p,
+    );
+    let text = read(&p);
+    assert!(
+        text.contains("version: 2") && text.contains("sp: 2"),
+        "{text}"
+    );
+    assert!(s.contains("sequence parallel ×2"), "{s}");
+    assert!(s.contains("excluded by --sp 2"), "{s}");
+    let plan = mold_plan::Plan::load(&p).unwrap();
+    assert_eq!(plan.version, mold_plan::PLAN_VERSION);
+    let parts = &plan.transformer().unwrap().parts;
+    assert!(parts.iter().any(|x| x.sp == 2));
+    assert!(parts
+        .iter()
+        .all(|x| x.devices.len() == 1 || (x.sp == 2 && x.degree() == x.devices.len() as u64)));
+    let o = mold(&["sim", p.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `--sp` defaults: auto where the machine has peer links (the planner may choose it),
+/// off when `--tp` is given (tensor parallel only, as before) or without peer links.
+#[test]
+fn sp_defaults() {
+    let d = tempdir("sp-default");
+    let transformer = |f: &str| {
+        mold_plan::Plan::load(&d.join(f))
+            .unwrap()
+            .transformer()
+            .unwrap()
+            .parts
+            .clone()
+    };
+    // 2 × H200 over NVLink: sequence parallel wins by the cost model.
+    plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            "sim/machines/2x-h200.yaml",
+        ],
+        &d.join("auto.yaml"),
+    );
+    assert!(transformer("auto.yaml").iter().all(|p| p.sp == 2));
+    // --tp 2 alone: tensor parallel, no sequence parallel.
+    plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            "sim/machines/2x-h200.yaml",
+            "--tp",
+            "2",
+        ],
+        &d.join("tp.yaml"),
+    );
+    let tp = transformer("tp.yaml");
+    assert!(tp.iter().all(|p| p.sp == 1) && tp.iter().any(|p| p.tp == 2));
+    // No peer links (2 × RTX 4090): off.
+    plan_ok(
+        &[
+            "--model",
+            "flux-dev",
+            "--machine",
+            "sim/machines/2x-rtx4090.yaml",
+        ],
+        &d.join("pcie.yaml"),
+    );
+    assert!(transformer("pcie.yaml").iter().all(|p| p.sp == 1));
+    // The constraints file says the same as the flag.
+    let c = d.join("c.yaml");
+    std::fs::write(&c, "sp: 2\n").unwrap();
+    plan_ok(
+        &[
+            "--model",
+            "flux-tiny",
+            "--machine",
+            "sim/machines/cpu-emu-4.yaml",
+            "--constraints",
+            c.to_str().unwrap(),
+        ],
+        &d.join("file.yaml"),
+    );
+    plan_ok(
+        &[
+            "--model",
+            "flux-tiny",
+            "--machine",
+            "sim/machines/cpu-emu-4.yaml",
+            "--sp",
+            "2",
+        ],
+        &d.join("flag.yaml"),
+    );
+    assert_eq!(
+        stable(&read(&d.join("file.yaml"))),
+        stable(&read(&d.join("flag.yaml")))
+    );
 }

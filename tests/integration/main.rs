@@ -3,9 +3,12 @@
 
 mod cli_devices;
 mod cli_exec;
+mod cli_hf;
+mod cli_launchers;
 mod cli_multiprocess;
 mod cli_pipeline;
 mod cli_plan;
+mod cli_progress;
 mod cli_sim;
 mod parsers;
 mod plans;

@@ -19,9 +19,10 @@ pub fn mold_env(args: &[&str], env: &[(&str, &str)]) -> Output {
 /// The `mold` command of [`mold_env`], not yet run.
 pub fn mold_command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_mold"));
-    // The tests must not see the developer's own configuration.
+    // The tests must not see the developer's own configuration, nor a launcher's
+    // variables (a test run under torchrun or srun).
     for (k, _) in std::env::vars() {
-        if k.starts_with("MOLD_") {
+        if k.starts_with("MOLD_") || mold_exec::dist::LAUNCH_VARS.contains(&k.as_str()) {
             c.env_remove(k);
         }
     }

@@ -8,34 +8,51 @@
 //! the first copy of a streamed part overlapping earlier compute).
 //!
 //! The rules, in one place:
-//! - a block on a group of n devices runs 1/n of its sharded FLOPs on each device (the
-//!   slowest device sets the pace), is never faster than reading its weights from
-//!   device memory, and pays `allreduces` all-reduces of its hidden state over the
-//!   group's link (peer domain, or staged through the host), plus `allgathers` (one per
-//!   block with sharded modulation linears) of the per-sample modulation outputs,
-//!   priced as an all-reduce of the gathered bytes (what the executor's all-gather is:
-//!   a latency-bound collective of a few hundred KiB at most);
+//! - a part's layout is `tp × sp` devices ([`Group`]): tensor parallel splits heads and
+//!   MLP columns `tp` ways, sequence parallel (Ulysses) splits the tokens `sp` ways;
+//! - per rank, a block runs its per-token linears on `⌈tokens/sp⌉` rows and `1/tp` of the
+//!   columns, attention over the full sequence for `heads/(tp·sp)` heads, its per-sample
+//!   (modulation) linears on `1/tp` of the columns; the slowest device sets the pace;
+//!   the matrix work is never faster than reading the weights from device memory;
+//! - element-wise passes (norms, modulation, bias, activation, gated residual, q/k/v
+//!   preparation) are memory traffic over `⌈tokens/sp⌉` tokens at the device's
+//!   element-wise bandwidth ([`Ctx::elementwise_bytes`]), replicated across a
+//!   tensor-parallel group;
+//! - tensor parallel pays `allreduces` all-reduces of its token shard's hidden state
+//!   over each tensor-parallel group's link (peer domain, or staged through the host),
+//!   plus `allgathers` (one per block with sharded modulation linears) of the per-sample
+//!   modulation outputs, priced as an all-reduce of the gathered bytes (what the
+//!   executor's all-gather is: a latency-bound collective of a few hundred KiB at most);
+//! - sequence parallel pays four all-to-alls per block (q, k, v in, the attention output
+//!   back), each moving `⌈tokens/sp⌉ · hidden/tp · (sp−1)/sp` elements per rank, priced
+//!   latency + bytes / bandwidth over the sequence-parallel group's link; and one
+//!   all-gather of the hidden state where a run of parts on one sequence-parallel group
+//!   ends ([`Ctx::gather_s`]);
 //! - the blocks of one kind on one device group cost max(their compute, the copies of
 //!   the streamed ones) ([`BlockCost::group_kind_s`]: the copy stream runs beside the
 //!   compute stream, and the planner spreads streamed blocks among resident ones), plus,
 //!   once per device group that streams, the largest min(copy, compute) of its streamed
 //!   blocks (the pipeline fill: the group's copy stream runs ahead across its parts);
-//! - each change of device group between consecutive parts hands the hidden state over
-//!   the machine's slowest device-to-device path;
-//! - a device holds the weights of its components and resident blocks, its stream
-//!   buffers (one set per device group, shared by the group's streamed parts), the transformer stem if it runs any transformer part, and the largest
-//!   activation of anything it runs; that plus its headroom must fit its budget;
+//! - each change of device group or layout between consecutive parts hands the hidden
+//!   state over the machine's slowest device-to-device path;
+//! - a device holds the weights of its components and resident blocks (`1/tp` of each
+//!   block's sharded weights), its stream buffers (one set per device group, shared by
+//!   the group's streamed parts), the transformer stem if it runs any transformer part,
+//!   and the largest activation of anything it runs (a block's over `⌈tokens/sp⌉`
+//!   tokens); that plus its headroom must fit its budget;
 //! - every component stays loaded for the whole request.
 //!
 //! Byte counts saturate at `u64::MAX` rather than wrap: a workload the model does not
 //! support (which [`validate`] refuses first) can never come out as fitting.
 
+mod group;
 mod validate;
 
+pub use group::Group;
 pub use validate::{check_machine, validate, MachineCheck};
 
-use mold_machine::Machine;
-use mold_models::{BlockKind, ComponentSpec, ModelSpec, Tokens};
+use mold_machine::{Collective, Machine};
+use mold_models::{Attention, BlockKind, ComponentSpec, ModelSpec, Tokens};
 use mold_plan::{
     ByteSize, ComponentRole, DType, DeviceId, DevicePrediction, Plan, Prediction, Residency,
     Workload,
@@ -60,9 +77,11 @@ pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> C
 pub struct BlockCost {
     /// Compute on the slowest device of the group, collectives excluded.
     pub compute_s: f64,
-    /// Collectives of the block over the group's link: its all-reduces and its
-    /// modulation all-gather.
+    /// Tensor-parallel collectives of the block over the group's link: its all-reduces
+    /// and its modulation all-gather.
     pub allreduce_s: f64,
+    /// Sequence-parallel all-to-alls of the block (four: q, k, v in, output back).
+    pub alltoall_s: f64,
     /// Host→device copy of one device's share of the block's weights (pinned).
     pub copy_s: f64,
     /// Weight bytes on each device of the group.
@@ -74,7 +93,7 @@ pub struct BlockCost {
 impl BlockCost {
     /// Compute plus collectives: the block's time when resident.
     pub fn resident_s(&self) -> f64 {
-        self.compute_s + self.allreduce_s
+        self.compute_s + self.allreduce_s + self.alltoall_s
     }
     /// Steady-state time per block when streamed with double buffering.
     fn streamed_s(&self) -> f64 {
@@ -135,44 +154,149 @@ impl<'a> Ctx<'a> {
         (flops / (d.tflops(dtype) * 1e12)).max(bytes as f64 / (d.mem_bandwidth_gbps * 1e9))
     }
 
-    /// One block of `kind` on `group`.
-    pub fn block(&self, kind: &BlockKind, group: &[DeviceId], dtype: DType) -> BlockCost {
-        let tp = group.len() as u32;
+    /// One block of `kind` on `group`, per rank (the slowest rank's compute).
+    pub fn block(&self, kind: &BlockKind, group: &Group, dtype: DType) -> BlockCost {
+        let (tp, sp) = (group.tp.max(1), group.sp.max(1));
         let act = dtype.activation_bytes();
         let weight_bytes = kind.weight_bytes(dtype, tp);
-        let flops = kind.flops(self.tokens, self.batch, tp);
+        let stream = kind.stream_token_count(self.tokens);
+        // The busiest rank's tokens: the executor splits unevenly, exactly.
+        let local = stream.div_ceil(sp as u64);
+        let share = if stream == 0 {
+            1.0
+        } else {
+            local as f64 / stream as f64
+        };
+        let f = kind.flop_parts(self.tokens);
+        let flops = self.batch as f64
+            * (f.token_linear * share / tp as f64
+                + f.attention / (tp as f64 * sp as f64)
+                + f.per_sample / tp as f64
+                + f.replicated);
+        let elementwise = Self::elementwise_bytes(kind, local, self.batch, act);
+        let heads = (kind.heads as u64).div_ceil(tp as u64 * sp as u64);
         let mut compute_s: f64 = 0.0;
         let mut unfused = false;
-        for id in group {
-            let d = self.device(id);
-            let mut t = self.device_time(id, flops, weight_bytes, dtype);
-            if !d.fused_attention {
+        for id in &group.devices {
+            let mut t = self.device_time(id, flops, weight_bytes, dtype)
+                + self.elementwise_time(id, elementwise);
+            if let Some(d) = self.machine.device(id).filter(|d| !d.fused_attention) {
                 unfused = true;
                 // Scores written, read by softmax, written, read again: 4 passes in f32.
                 let (q, k) = kind.attention_shape(self.tokens);
-                let heads = (kind.heads as u64).div_ceil(tp as u64);
                 let bytes = 4.0 * self.batch as f64 * heads as f64 * q as f64 * k as f64 * 4.0;
                 t += bytes / (d.mem_bandwidth_gbps * 1e9);
             }
             compute_s = compute_s.max(t);
         }
-        let link = self.machine.group_link(group);
-        let n = group.len();
-        let allreduce_s = kind.allreduces as f64
-            * link
-                .collective
-                .allreduce_s(kind.hidden_bytes(self.tokens, self.batch, act), n)
-            + kind.allgathers() as f64
-                * link
-                    .collective
-                    .allreduce_s(kind.per_sample_bytes(self.batch, act), n);
+        let hidden_local = mold_models::product(&[self.batch, local, kind.hidden, act]);
+        let allreduce_s = self.slowest(&group.tp_groups(), |c, n| {
+            kind.allreduces as f64 * c.allreduce_s(hidden_local, n)
+                + kind.allgathers() as f64
+                    * c.allreduce_s(kind.per_sample_bytes(self.batch, act), n)
+        });
+        // Each all-to-all: this rank's token shard of its head columns, all but the
+        // 1/sp it keeps sent to the others.
+        let shard =
+            mold_models::product(&[self.batch, local, kind.hidden.div_ceil(tp as u64), act]);
+        let alltoall_s = if sp > 1 {
+            let sent = shard as f64 * (sp - 1) as f64 / sp as f64;
+            self.slowest(&group.sp_groups(), |c, n| {
+                ALLTOALLS_PER_BLOCK as f64 * alltoall_s(c, sent, n)
+            })
+        } else {
+            0.0
+        };
+        let mut activation_bytes = kind.activation_bytes(
+            Self::shard_tokens(kind, self.tokens, local),
+            self.batch,
+            act,
+            tp,
+            true,
+        );
+        if unfused {
+            let (q, k) = kind.attention_shape(self.tokens);
+            activation_bytes = activation_bytes
+                .saturating_add(mold_models::product(&[2, self.batch, heads, q, k, 4]));
+        }
         BlockCost {
             compute_s,
             allreduce_s,
+            alltoall_s,
             copy_s: weight_bytes as f64 / (self.machine.links.host_pinned_gbps * 1e9),
             weight_bytes,
-            activation_bytes: kind.activation_bytes(self.tokens, self.batch, act, tp, !unfused),
+            activation_bytes,
         }
+    }
+
+    /// The slowest of `groups`' collectives, `price(link, ranks)` each (0 for groups of
+    /// one device).
+    fn slowest(&self, groups: &[Vec<DeviceId>], price: impl Fn(&Collective, usize) -> f64) -> f64 {
+        groups
+            .iter()
+            .filter(|g| g.len() > 1)
+            .map(|g| price(&self.machine.group_link(g).collective, g.len()))
+            .fold(0.0, f64::max)
+    }
+
+    /// Bytes the element-wise passes of one block move on one rank holding `local`
+    /// tokens of the block's stream. Per token, at the FLUX kernels' widths: each of the
+    /// block's `allreduces` sub-blocks (attention, MLP; one for FLUX's parallel single
+    /// block) reads and writes its norm and modulation (4·hidden) and its bias + gate +
+    /// residual (3·hidden); q/k/v bias and preparation (norm, RoPE, layout: 12·hidden)
+    /// and the MLP activation (2·mlp). Other families are priced by the same rule.
+    ///
+    /// Tensor parallelism does not divide it: every rank of a tensor-parallel group pays
+    /// it in full. The passes over the hidden state are replicated under TP; those over
+    /// q/k/v and the MLP shard are not, but the measured TP steps do not shrink them
+    /// either (with them divided, no efficiency ≤ 1 fits the measured 1-GPU and TP2
+    /// steps: narrower GEMMs and per-kernel costs that TP leaves whole stand in the same
+    /// term; BENCHMARKS.md). Sequence parallelism divides it: `local` is the rank's
+    /// share of the tokens.
+    pub fn elementwise_bytes(kind: &BlockKind, local: u64, batch: u64, act: u64) -> u64 {
+        let h = kind.hidden;
+        let per_token = (7 * h)
+            .saturating_mul(kind.allreduces as u64)
+            .saturating_add(12 * h + 2 * kind.mlp_hidden);
+        mold_models::product(&[batch, local, act, per_token])
+    }
+
+    /// Seconds for `bytes` of element-wise traffic on one device, at the profile's
+    /// element-wise efficiency of its memory bandwidth.
+    fn elementwise_time(&self, id: &DeviceId, bytes: u64) -> f64 {
+        if id.is_host() {
+            return bytes as f64 / (self.machine.host.mem_bandwidth_gbps * 1e9);
+        }
+        let d = self.device(id);
+        bytes as f64 / (d.mem_bandwidth_gbps * d.elementwise_efficiency.unwrap_or(1.0) * 1e9)
+    }
+
+    /// Token counts whose stream (for `kind`) is `local` tokens: one rank's shard.
+    fn shard_tokens(kind: &BlockKind, t: Tokens, local: u64) -> Tokens {
+        match kind.attention {
+            Attention::Joint => Tokens { img: local, txt: 0 },
+            Attention::Image | Attention::ImageCrossText => Tokens {
+                img: local,
+                txt: t.txt,
+            },
+            Attention::Text => Tokens {
+                img: t.img,
+                txt: local,
+            },
+        }
+    }
+
+    /// The all-gather that ends a run of parts on a sequence-parallel group: every rank
+    /// receives the other ranks' token shards of the hidden state; 0 without sequence
+    /// parallel.
+    pub fn gather_s(&self, group: &Group, dtype: DType) -> f64 {
+        if group.sp <= 1 {
+            return 0.0;
+        }
+        let bytes = self.handoff_bytes(dtype) as f64;
+        self.slowest(&group.sp_groups(), |c, n| {
+            allgather_s(c, bytes * (n - 1) as f64 / n as f64, n)
+        })
     }
 
     /// Bytes of the hidden state handed from one part to the next.
@@ -224,6 +348,24 @@ impl<'a> Ctx<'a> {
     }
 }
 
+/// All-to-alls a block runs under sequence parallelism: q, k and v from token shards to
+/// head shards before attention, and the output back after it.
+pub const ALLTOALLS_PER_BLOCK: u32 = 4;
+
+/// Seconds for an all-to-all in which each of `n` ranks sends `sent` bytes: the link's
+/// latency plus the bytes over its bus bandwidth (the model the all-reduce uses).
+pub fn alltoall_s(link: &Collective, sent: f64, n: usize) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    link.latency_us * 1e-6 + sent / (link.gbps * 1e9)
+}
+
+/// Seconds for an all-gather in which each of `n` ranks receives `received` bytes.
+pub fn allgather_s(link: &Collective, received: f64, n: usize) -> f64 {
+    alltoall_s(link, received, n)
+}
+
 /// Memory of one device under a plan.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DeviceUse {
@@ -250,10 +392,13 @@ impl DeviceUse {
 pub struct PartTime {
     pub index: usize,
     pub devices: Vec<DeviceId>,
+    pub tp: u32,
+    pub sp: u32,
     pub blocks: u32,
     pub residency: Residency,
     pub compute_s: f64,
     pub allreduce_s: f64,
+    pub alltoall_s: f64,
     pub copy_s: f64,
     pub total_s: f64,
 }
@@ -263,6 +408,8 @@ pub struct PartTime {
 pub struct Evaluation {
     pub step_s: f64,
     pub handoff_s: f64,
+    /// All-gathers ending runs of parts on sequence-parallel groups, per step.
+    pub gather_s: f64,
     /// Pipeline fill of streamed parts: once per device group per step.
     pub fill_s: f64,
     pub encode_s: f64,
@@ -375,6 +522,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
 
     let mut step_s = 0.0;
     let mut handoff_s = 0.0;
+    let mut gather_s = 0.0;
     let mut fill_s = 0.0;
     let mut parts = Vec::new();
     let mut host_pinned = 0u64;
@@ -382,7 +530,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
     if let Some(tc) = plan.transformer() {
         let dtype = tc.dtype;
         let stem = model.transformer.stem_bytes(dtype);
-        let mut groups: Vec<Vec<DeviceId>> = Vec::new();
+        let mut groups: Vec<Group> = Vec::new();
         // Pipeline fill, once per device group: its copy stream runs ahead across parts.
         let mut fills: Vec<f64> = Vec::new();
         // Stream buffers, once per device group: its streamed parts reuse them.
@@ -391,32 +539,45 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
         // Per (group, kind): the kind's cost there and its resident and streamed counts.
         let mut per_kind: Vec<(usize, String, BlockCost, u64, u64)> = Vec::new();
         for (pi, p) in tc.parts.iter().enumerate() {
-            let gi = match groups.iter().position(|g| g == &p.devices) {
+            let group = Group::of(p);
+            let gi = match groups.iter().position(|g| g == &group) {
                 Some(i) => i,
                 None => {
-                    groups.push(p.devices.clone());
+                    groups.push(group.clone());
                     fills.push(0.0);
                     group_buffers.push(0);
                     groups.len() - 1
                 }
             };
-            if pi > 0 && tc.parts[pi - 1].devices != p.devices {
+            let changes = pi > 0 && Group::of(&tc.parts[pi - 1]) != group;
+            if changes {
                 transitions += 1;
+            }
+            // A run of parts on one sequence-parallel group ends with an all-gather.
+            let run_ends = tc
+                .parts
+                .get(pi + 1)
+                .is_none_or(|next| Group::of(next) != group);
+            if run_ends {
+                gather_s += ctx.gather_s(&group, dtype);
             }
             let mut pt = PartTime {
                 index: pi,
                 devices: p.devices.clone(),
+                tp: p.tp,
+                sp: p.sp,
                 blocks: p.block_count(),
                 residency: p.residency,
                 compute_s: 0.0,
                 allreduce_s: 0.0,
+                alltoall_s: 0.0,
                 copy_s: 0.0,
                 total_s: 0.0,
             };
             let mut buffer: u64 = 0;
             for r in &p.blocks {
                 let (_, kind) = model.transformer.kind(&r.kind).expect("validated");
-                let bc = ctx.block(kind, &p.devices, dtype);
+                let bc = ctx.block(kind, &group, dtype);
                 let n = r.len() as f64;
                 let at = match per_kind
                     .iter()
@@ -434,6 +595,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
                 }
                 pt.compute_s += n * bc.compute_s;
                 pt.allreduce_s += n * bc.allreduce_s;
+                pt.alltoall_s += n * bc.alltoall_s;
                 for d in &p.devices {
                     let i = idx(d).expect("validated");
                     raise_act(
@@ -476,7 +638,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
             .sum::<f64>();
         fill_s = fills.iter().sum();
         for (g, b) in groups.iter().zip(&group_buffers) {
-            for d in g {
+            for d in &g.devices {
                 let u = &mut uses[idx(d).expect("validated")];
                 u.buffers = u.buffers.saturating_add(*b);
             }
@@ -484,12 +646,12 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
         step_s += fill_s;
         // The stem is charged to every device that runs a transformer part.
         for u in uses.iter_mut() {
-            if groups.iter().any(|g| g.contains(&u.device)) {
+            if groups.iter().any(|g| g.devices.contains(&u.device)) {
                 u.weights = u.weights.saturating_add(stem);
             }
         }
         handoff_s = transitions as f64 * ctx.handoff_s(dtype);
-        step_s += handoff_s;
+        step_s += handoff_s + gather_s;
     }
     for u in uses.iter_mut() {
         u.peak = u
@@ -501,6 +663,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
     Evaluation {
         step_s,
         handoff_s,
+        gather_s,
         fill_s,
         encode_s,
         denoise_s,

@@ -19,6 +19,26 @@ fn machine() -> Machine {
     Machine::from_yaml(MACHINE, "unit").unwrap()
 }
 
+/// Four devices in one NVLink domain, for sequence-parallel and hybrid layouts.
+fn machine4() -> Machine {
+    let text = MACHINE
+        .replace(
+            "links:",
+            "- {id: cuda:2, name: G, memory: 8GiB, budget: 8GiB, headroom: 1GiB, bf16_tflops: 10, f32_tflops: 10, mem_bandwidth_gbps: 1000}\n- {id: cuda:3, name: G, memory: 8GiB, budget: 8GiB, headroom: 1GiB, bf16_tflops: 10, f32_tflops: 10, mem_bandwidth_gbps: 1000}\nlinks:",
+        )
+        .replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2, cuda:3]");
+    Machine::from_yaml(&text, "unit4").unwrap()
+}
+
+/// A part on `devs` laid out as `sp` groups of `tp` devices.
+fn layout_part(blocks: &[(&str, u32, u32)], devs: &[u32], tp: u32, sp: u32) -> Part {
+    Part {
+        tp,
+        sp,
+        ..part(blocks, devs, false)
+    }
+}
+
 fn part(blocks: &[(&str, u32, u32)], devs: &[u32], streamed: bool) -> Part {
     Part {
         blocks: blocks
@@ -26,6 +46,8 @@ fn part(blocks: &[(&str, u32, u32)], devs: &[u32], streamed: bool) -> Part {
             .map(|(k, a, b)| BlockRange::new(k, *a, *b))
             .collect(),
         devices: devs.iter().map(|d| DeviceId::Cuda(*d)).collect(),
+        tp: devs.len() as u32,
+        sp: 1,
         residency: if streamed {
             Residency::Streamed
         } else {
@@ -36,8 +58,11 @@ fn part(blocks: &[(&str, u32, u32)], devs: &[u32], streamed: bool) -> Part {
 }
 
 pub fn tiny_plan(parts: Vec<Part>) -> (Plan, ModelSpec) {
+    tiny_plan_on(parts, &machine())
+}
+
+fn tiny_plan_on(parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
     let model = mold_models::find("flux-tiny").unwrap();
-    let m = machine();
     let mut components: Vec<ComponentPlan> = model
         .components
         .iter()
@@ -55,7 +80,7 @@ pub fn tiny_plan(parts: Vec<Part>) -> (Plan, ModelSpec) {
         parts,
     });
     let plan = Plan {
-        version: 1,
+        version: mold_plan::PLAN_VERSION,
         model: mold_plan::ModelRef {
             id: model.id.clone(),
             checkpoint: None,
@@ -91,12 +116,17 @@ fn resident_chain_is_hand_computable() {
     validate(&plan, &model, &m).unwrap();
     let e = evaluate(&plan, &model, &m);
     let t = model.tokens(&plan.workload);
-    // Each block: max(FLOPs / 10 TFLOP/s, weights / 1000 GB/s); no collectives, no hand-off.
+    // Each block: max(FLOPs / 10 TFLOP/s, weights / 1000 GB/s) + element-wise bytes /
+    // 1000 GB/s; no collectives, no hand-off.
     let mut want = 0.0;
     for k in &model.transformer.kinds {
         let f = k.flops(t, 1, 1) / 10e12;
         let w = k.weight_bytes(DType::F32, 1) as f64 / 1000e9;
-        want += k.count as f64 * f.max(w);
+        // Per token: 7h per sub-block (norm + modulation, bias + gate + residual) and
+        // 12h + 2·mlp (q/k/v bias and preparation, MLP activation), f32.
+        let per_token = 7 * k.hidden * k.allreduces as u64 + 12 * k.hidden + 2 * k.mlp_hidden;
+        let ew = ((t.img + t.txt) * per_token * 4) as f64 / 1000e9;
+        want += k.count as f64 * (f.max(w) + ew);
     }
     assert!((e.step_s - want).abs() < 1e-12, "{} vs {want}", e.step_s);
     assert_eq!(e.denoise_s, e.step_s * 4.0);
@@ -122,7 +152,7 @@ fn streaming_is_max_of_copy_and_compute_plus_fill() {
     let e = evaluate(&plan, &model, &m);
     let ctx = Ctx::new(&model, &m, &plan.workload);
     let (_, single) = model.transformer.kind("single").unwrap();
-    let bc = ctx.block(single, &[DeviceId::Cuda(0)], DType::F32);
+    let bc = ctx.block(single, &Group::single(DeviceId::Cuda(0)), DType::F32);
     // host_pinned_gbps = 1 GB/s: copy is the bottleneck.
     assert!(bc.copy_s > bc.compute_s);
     let want = 3.0 * bc.copy_s.max(bc.compute_s) + bc.copy_s.min(bc.compute_s);
@@ -276,4 +306,184 @@ fn huge_workloads_are_refused_and_never_fit() {
     assert!(!e.fits());
     assert_eq!(e.devices[0].peak, u64::MAX);
     assert!(e.devices[0].budget < u64::MAX / 2);
+}
+
+/// Sequence parallel over two devices: each rank runs the per-token linears on half the
+/// tokens and attention on half the heads over the whole sequence, holds every weight,
+/// and pays four all-to-alls per block and one all-gather at the end of the part.
+#[test]
+fn sequence_parallel_is_hand_computable() {
+    let m = machine();
+    let (plan, model) = tiny_plan(vec![layout_part(
+        &[("double", 0, 2), ("single", 0, 3)],
+        &[0, 1],
+        1,
+        2,
+    )]);
+    validate(&plan, &model, &m).unwrap();
+    let e = evaluate(&plan, &model, &m);
+    let t = model.tokens(&plan.workload);
+    let all = t.img + t.txt;
+    let local = all.div_ceil(2);
+    let link = |bytes: f64| 10e-6 + bytes / 50e9;
+    let mut want = 0.0;
+    for k in &model.transformer.kinds {
+        let f = k.flop_parts(t);
+        let flops = f.token_linear * local as f64 / all as f64
+            + f.attention / 2.0
+            + f.per_sample
+            + f.replicated;
+        let w = k.weight_bytes(DType::F32, 1) as f64 / 1000e9;
+        let per_token = 7 * k.hidden * k.allreduces as u64 + 12 * k.hidden + 2 * k.mlp_hidden;
+        let ew = (local * per_token * 4) as f64 / 1000e9;
+        // Each all-to-all sends the half of this rank's (tokens/2 × hidden) it does not keep.
+        let a2a = 4.0 * link((local * k.hidden * 4) as f64 / 2.0);
+        want += k.count as f64 * ((flops / 10e12).max(w) + ew + a2a);
+        assert_eq!(
+            Ctx::new(&model, &m, &plan.workload)
+                .block(
+                    k,
+                    &Group::of(&plan.transformer().unwrap().parts[0]),
+                    DType::F32
+                )
+                .allreduce_s,
+            0.0,
+            "no all-reduce without tensor parallel"
+        );
+    }
+    let gather = link((all * 64 * 4) as f64 / 2.0);
+    assert!(
+        (e.gather_s - gather).abs() < 1e-15,
+        "{} vs {gather}",
+        e.gather_s
+    );
+    want += gather;
+    assert!((e.step_s - want).abs() < 1e-12, "{} vs {want}", e.step_s);
+    // Every rank holds all the weights (and the stem).
+    let comps: u64 = model
+        .components
+        .iter()
+        .map(|c| c.weight_bytes(c.default_dtype))
+        .sum();
+    let w = model.transformer.weight_bytes(DType::F32);
+    assert_eq!(e.devices[0].weights, w + comps);
+    assert_eq!(e.devices[1].weights, w);
+    // Activations on half the tokens: less than one device's.
+    let (one, _) = tiny_plan(vec![part(
+        &[("double", 0, 2), ("single", 0, 3)],
+        &[1],
+        false,
+    )]);
+    let e1 = evaluate(&one, &model, &m);
+    assert!(e.devices[1].activation < e1.devices[1].activation);
+}
+
+/// Hybrid SP2 × TP2 on four devices: weights halved (tensor parallel), tokens halved
+/// (sequence parallel); the all-reduces run in each tensor-parallel pair over its token
+/// shard, the all-to-alls in each sequence-parallel pair over its head shard.
+#[test]
+fn hybrid_layout_combines_both() {
+    let m = machine4();
+    let blocks = [("double", 0, 2), ("single", 0, 3)];
+    let (hybrid, model) = tiny_plan_on(vec![layout_part(&blocks, &[0, 1, 2, 3], 2, 2)], &m);
+    let (tp4, _) = tiny_plan_on(vec![layout_part(&blocks, &[0, 1, 2, 3], 4, 1)], &m);
+    let (sp4, _) = tiny_plan_on(vec![layout_part(&blocks, &[0, 1, 2, 3], 1, 4)], &m);
+    let (tp2, _) = tiny_plan_on(vec![layout_part(&blocks, &[0, 1], 2, 1)], &m);
+    for p in [&hybrid, &tp4, &sp4, &tp2] {
+        validate(p, &model, &m).unwrap();
+    }
+    let ctx = Ctx::new(&model, &m, &hybrid.workload);
+    let t = model.tokens(&hybrid.workload);
+    let local = (t.img + t.txt).div_ceil(2);
+    let g = Group::of(&hybrid.transformer().unwrap().parts[0]);
+    assert_eq!(g.tp_groups()[1], [DeviceId::Cuda(2), DeviceId::Cuda(3)]);
+    assert_eq!(g.sp_groups()[1], [DeviceId::Cuda(1), DeviceId::Cuda(3)]);
+    let (_, double) = model.transformer.kind("double").unwrap();
+    let bc = ctx.block(double, &g, DType::F32);
+    let link = |bytes: f64, n: f64| 10e-6 + bytes / 50e9 * n;
+    // Two all-reduces of the token shard's hidden state between 2 ranks, plus the
+    // modulation all-gather (12h outputs).
+    let want_ar = 2.0 * link((local * 64 * 4) as f64, 1.0) + link((12 * 64 * 4) as f64, 1.0);
+    assert!(
+        (bc.allreduce_s - want_ar).abs() < 1e-15,
+        "{} vs {want_ar}",
+        bc.allreduce_s
+    );
+    // Four all-to-alls of (tokens/2) × (hidden/2), half of it sent.
+    let want_a2a = 4.0 * link((local * 32 * 4) as f64 / 2.0, 1.0);
+    assert!(
+        (bc.alltoall_s - want_a2a).abs() < 1e-15,
+        "{} vs {want_a2a}",
+        bc.alltoall_s
+    );
+    let ev = |p: &Plan| evaluate(p, &model, &m);
+    let (h, t4, s4, t2) = (ev(&hybrid), ev(&tp4), ev(&sp4), ev(&tp2));
+    // Weights per rank follow tp alone.
+    assert_eq!(h.devices[3].weights, t2.devices[1].weights);
+    assert!(h.devices[3].weights > t4.devices[3].weights);
+    assert!(h.devices[3].weights < s4.devices[3].weights);
+    // Element-wise work on the hidden state is replicated under TP, split under SP.
+    let ew = |local: u64| Ctx::elementwise_bytes(double, local, 1, 4);
+    let all = t.img + t.txt;
+    assert!(ew(all.div_ceil(4)) < ew(local));
+    assert!(ew(local) < ew(all));
+    // Only layouts with SP pay all-to-alls and the all-gather.
+    assert_eq!((t4.parts[0].alltoall_s, t4.gather_s), (0.0, 0.0));
+    assert!(h.gather_s > 0.0 && s4.parts[0].alltoall_s > 0.0);
+}
+
+/// The heads must divide over tp × sp; the tokens need not.
+#[test]
+fn layouts_must_divide_the_heads() {
+    let m = machine4();
+    let blocks = [("double", 0, 2), ("single", 0, 3)];
+    let (p, model) = tiny_plan_on(vec![layout_part(&blocks, &[0, 1, 2], 1, 3)], &m);
+    let e = validate(&p, &model, &m).unwrap_err().to_string();
+    assert!(
+        e.contains("parts[0].sp: tp 1 × sp 3 = 3 does not divide the 4 attention heads"),
+        "{e}"
+    );
+    // Tokens that do not divide over sp are fine: the busiest rank takes ⌈tokens/sp⌉.
+    let mut odd = tiny_plan_on(vec![layout_part(&blocks, &[0, 1, 2, 3], 1, 4)], &m).0;
+    odd.workload.width = 48; // 3 × 3 latent patches: 9 image tokens + text
+    odd.workload.height = 48;
+    validate(&odd, &model, &m).unwrap();
+    let t = model.tokens(&odd.workload);
+    assert_ne!((t.img + t.txt) % 4, 0, "the test wants uneven tokens");
+    assert!(evaluate(&odd, &model, &m).step_s > 0.0);
+}
+
+proptest::proptest! {
+    /// Whatever the layout and size: weights per rank depend on tp alone; one rank's
+    /// per-token linear and attention FLOPs times tp·sp cover the whole block (the split
+    /// loses no work, and rounding tokens up only adds); with sp = 1 the compute is
+    /// exactly the tensor-parallel figure.
+    #[test]
+    fn layouts_conserve_work(side in 1u32..=8, tp_log in 0u32..=2, sp_log in 0u32..=2) {
+        let m = machine4();
+        let (tp, sp) = (1u32 << tp_log, 1u32 << sp_log);
+        proptest::prop_assume!(tp * sp <= 4);
+        let blocks = [("double", 0, 2), ("single", 0, 3)];
+        let devs: Vec<u32> = (0..tp * sp).collect();
+        let (mut plan, model) = tiny_plan_on(vec![layout_part(&blocks, &devs, tp, sp)], &m);
+        plan.workload.width = 16 * side;
+        validate(&plan, &model, &m).unwrap();
+        let ctx = Ctx::new(&model, &m, &plan.workload);
+        let g = Group::of(&plan.transformer().unwrap().parts[0]);
+        for k in &model.transformer.kinds {
+            let bc = ctx.block(k, &g, DType::F32);
+            let tensor = ctx.block(k, &Group::tensor(g.devices[..tp as usize].to_vec()), DType::F32);
+            proptest::prop_assert_eq!(bc.weight_bytes, tensor.weight_bytes);
+            if sp == 1 {
+                proptest::prop_assert_eq!(bc, tensor);
+            } else {
+                proptest::prop_assert!(bc.compute_s < tensor.compute_s);
+                proptest::prop_assert!(bc.activation_bytes <= tensor.activation_bytes);
+                proptest::prop_assert!(bc.alltoall_s > 0.0);
+            }
+        }
+        let ev = evaluate(&plan, &model, &m);
+        proptest::prop_assert!(ev.step_s.is_finite() && ev.step_s > 0.0);
+        proptest::prop_assert_eq!(ev.gather_s > 0.0, sp > 1);
+    }
 }

@@ -6,8 +6,9 @@ use mold_machine::Machine;
 use mold_models::ModelSpec;
 use mold_plan::{ComponentRole, DeviceId, Plan};
 
-/// Checks that the plan's components, block ranges, devices and tensor-parallel groups
-/// make sense for `model` on `machine`.
+/// Checks that the plan's components, block ranges, devices and parallel layouts (tensor
+/// and sequence parallel: `tp × sp` must divide every block kind's heads) make sense for
+/// `model` on `machine`.
 pub fn validate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Result<(), CostError> {
     if plan.model.id != model.id {
         return Err(invalid(
@@ -133,7 +134,10 @@ pub fn validate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Result<(),
                 "transformer blocks run on devices: to keep weights on the host, use `residency: streamed`",
             ));
         }
-        let tp = p.devices.len() as u32;
+        // `tp × sp` devices is checked with the plan's structure; each rank attends
+        // with `heads / (tp·sp)` heads (the tokens need not divide: the executor splits
+        // them unevenly, exactly).
+        let degree = p.tp.saturating_mul(p.sp).max(1);
         for (bi, r) in p.blocks.iter().enumerate() {
             let fb = format!("{f}.blocks[{bi}]");
             let (ki, kind) = model.transformer.kind(&r.kind).ok_or_else(|| {
@@ -181,14 +185,24 @@ pub fn validate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Result<(),
                     format!("`{r}` {why}: the next block in execution order is {expected}"),
                 ));
             }
-            if kind.heads % tp != 0 {
-                return Err(invalid(
-                    format!("{f}.devices"),
-                    format!(
-                        "tensor-parallel degree {tp} does not divide the {} attention heads of `{}` blocks: use a degree dividing {}",
-                        kind.heads, kind.name, kind.heads
-                    ),
-                ));
+            if kind.heads % degree != 0 {
+                return Err(if p.sp > 1 {
+                    invalid(
+                        format!("{f}.sp"),
+                        format!(
+                            "tp {} × sp {} = {degree} does not divide the {} attention heads of `{}` blocks: use tp × sp dividing {}",
+                            p.tp, p.sp, kind.heads, kind.name, kind.heads
+                        ),
+                    )
+                } else {
+                    invalid(
+                        format!("{f}.devices"),
+                        format!(
+                            "tensor-parallel degree {degree} does not divide the {} attention heads of `{}` blocks: use a degree dividing {}",
+                            kind.heads, kind.name, kind.heads
+                        ),
+                    )
+                });
             }
             next = r.end;
         }

@@ -96,6 +96,10 @@ pub enum ExecError {
     #[error("input: {0}")]
     Input(String),
 
+    /// A LoRA file that cannot be merged into the checkpoint; the message names the tensor.
+    #[error("LoRA {path}: {message}")]
+    Lora { path: String, message: String },
+
     #[error(
         "verify: {which} is not finite ({count} of {total} values are NaN or infinite, the first \
          at index {index}: {value}): the computation diverged; a NaN never passes a comparison"

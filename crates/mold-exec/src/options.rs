@@ -22,6 +22,10 @@ pub struct ExecOptions {
     pub host_memory: Option<u64>,
     /// Timeouts and the shared secret of collectives and the multi-process mesh.
     pub comm: CommOptions,
+    /// The same seed gives the same output bit for bit under tensor and sequence
+    /// parallelism: each GPU gets a stream of its own (see `runtime::DeviceMap`). One GPU
+    /// and block splits repeat without it.
+    pub deterministic: bool,
 }
 
 impl Default for ExecOptions {
@@ -33,6 +37,7 @@ impl Default for ExecOptions {
             fault: None,
             host_memory: None,
             comm: CommOptions::default(),
+            deterministic: false,
         }
     }
 }

@@ -16,9 +16,22 @@ use std::ops::Range;
 #[derive(Default)]
 pub struct DeviceMap {
     devices: HashMap<DeviceId, Device>,
+    /// Open each GPU with a stream of its own ([`ExecOptions::deterministic`]) instead of
+    /// candle's default, the calling thread's per-thread default stream.
+    ///
+    /// [`ExecOptions::deterministic`]: crate::ExecOptions::deterministic
+    own_streams: bool,
 }
 
 impl DeviceMap {
+    /// A map whose GPUs get a stream of their own when `own_streams`.
+    pub fn new(own_streams: bool) -> Self {
+        DeviceMap {
+            devices: HashMap::new(),
+            own_streams,
+        }
+    }
+
     /// `emu:N` and `host` → the CPU; `cuda:N` → GPU N (needs the `cuda` feature).
     pub fn get(&mut self, id: &DeviceId) -> Result<Device> {
         if let Some(d) = self.devices.get(id) {
@@ -26,7 +39,7 @@ impl DeviceMap {
         }
         let d = match id {
             DeviceId::Emu(_) | DeviceId::Host => Device::Cpu,
-            DeviceId::Cuda(n) => cuda_device(*n, id)?,
+            DeviceId::Cuda(n) => cuda_device(*n, id, self.own_streams)?,
         };
         self.devices.insert(id.clone(), d.clone());
         Ok(d)
@@ -45,26 +58,31 @@ impl DeviceMap {
     }
 }
 
-/// GPU `n` with a stream of its own, not candle's default (the calling thread's
-/// per-thread default stream). The executor's devices are used from several threads (the
-/// loading thread, one rank thread per call): with per-thread streams their work was
-/// ordered by thread, not by device, and cuBLAS saw a new stream on every call, which made
-/// tensor-parallel runs differ from run to run (measured on 2 × H200: the same TP2 plan and
-/// seed gave other latents from the second step on; with one stream per device the
-/// latents repeat bit for bit at the same step time). Work for the device from any thread
-/// is queued on this one stream, in program order. cudarc's per-buffer event tracking
-/// (which a second stream would switch on) is turned off: the executor orders its streams
+/// GPU `n`: with candle's default stream (the calling thread's per-thread default
+/// stream), or with a stream of its own (`own_stream`). The executor's devices are used
+/// from several threads (the loading thread, one rank thread per call): with per-thread
+/// streams their work is ordered by thread, not by device, and every call of a
+/// tensor-parallel part runs on new threads, so on new streams; cuBLAS, whose state is per
+/// stream, then gave other results from the second call on (measured on 2 × H200: the same
+/// TP2 text-to-image plan and seed gave other latents from step 2 on). With a stream of its
+/// own, work for the device from any thread is queued on that one stream in program order,
+/// and the latents repeat bit for bit at the same step time. It is not the default
+/// because the tiny TP2 check hung (NCCL watchdog) twice in ~14 runs in this mode and
+/// never with per-thread streams: cause not found yet. cudarc's per-buffer event tracking
+/// (which a second stream switches on) is turned off: the executor orders its streams
 /// itself (the weight ring's copy stream through its own events).
 #[cfg(feature = "cuda")]
-fn cuda_device(n: u32, id: &DeviceId) -> Result<Device> {
-    let cd = candle_core::CudaDevice::new_with_stream(n as usize).map_err(|e| {
-        ExecError::Device {
-            device: id.to_string(),
-            message: format!(
-                "cannot open it ({e}): check the GPU exists and is visible (CUDA_VISIBLE_DEVICES)"
-            ),
-        }
-    })?;
+fn cuda_device(n: u32, id: &DeviceId, own_stream: bool) -> Result<Device> {
+    let err = |e: candle_core::Error| ExecError::Device {
+        device: id.to_string(),
+        message: format!(
+            "cannot open it ({e}): check the GPU exists and is visible (CUDA_VISIBLE_DEVICES)"
+        ),
+    };
+    if !own_stream {
+        return Device::new_cuda(n as usize).map_err(err);
+    }
+    let cd = candle_core::CudaDevice::new_with_stream(n as usize).map_err(err)?;
     // SAFETY: every buffer is used on this device's one stream, except the weight ring's
     // slots, which the ring orders with its own events; nothing relies on cudarc's
     // automatic cross-stream waits.
@@ -73,7 +91,7 @@ fn cuda_device(n: u32, id: &DeviceId) -> Result<Device> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_device(_n: u32, id: &DeviceId) -> Result<Device> {
+fn cuda_device(_n: u32, id: &DeviceId, _own_stream: bool) -> Result<Device> {
     Err(ExecError::NoCuda {
         device: id.to_string(),
     })

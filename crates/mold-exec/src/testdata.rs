@@ -10,8 +10,45 @@ use crate::model::TensorSpec;
 use candle_core::DType;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::cell::RefCell;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+
+/// What an observer of [`observe_writes`] is told after each tensor: the file, its bytes
+/// written so far and its bytes in all (header included).
+type OnWrite = Box<dyn FnMut(&Path, u64, u64)>;
+
+thread_local! {
+    static ON_WRITE: RefCell<Option<OnWrite>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with `on` told of the progress of every file [`write_safetensors`] writes on
+/// this thread (every writer of test data goes through it, the pipelines' too): the file,
+/// its bytes written so far (after the header, then after each tensor) and its bytes in
+/// all. For progress bars; the previous observer is back when `f` returns or panics.
+pub fn observe_writes<R>(on: impl FnMut(&Path, u64, u64) + 'static, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<OnWrite>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let prev = self.0.take();
+            ON_WRITE.with(|c| *c.borrow_mut() = prev);
+        }
+    }
+    let prev = ON_WRITE.with(|c| c.borrow_mut().replace(Box::new(on)));
+    let _restore = Restore(prev);
+    f()
+}
+
+/// Tells this thread's observer, if any (an observer that itself writes is not told).
+fn report_write(path: &Path, done: u64, total: u64) {
+    ON_WRITE.with(|c| {
+        if let Ok(mut on) = c.try_borrow_mut() {
+            if let Some(on) = on.as_mut() {
+                on(path, done, total);
+            }
+        }
+    });
+}
 
 /// File name of a single-file test checkpoint.
 pub const TESTDATA_FILE: &str = "flux-transformer.safetensors";
@@ -142,8 +179,14 @@ pub fn write_safetensors(path: &Path, specs: &[TensorSpec], seed: u64, dtype: DT
     w.write_all(&(h.len() as u64).to_le_bytes())
         .map_err(io(path))?;
     w.write_all(&h).map_err(io(path))?;
+    let total = (8 + h.len() + offset) as u64;
+    let mut done = (8 + h.len()) as u64;
+    report_write(path, done, total);
     for s in specs {
-        w.write_all(&fill_bytes(s, seed, dtype)).map_err(io(path))?;
+        let bytes = fill_bytes(s, seed, dtype);
+        w.write_all(&bytes).map_err(io(path))?;
+        done += bytes.len() as u64;
+        report_write(path, done, total);
     }
     w.flush().map_err(io(path))?;
     Ok(())
@@ -197,4 +240,47 @@ pub fn write_testdata_sharded(
     std::fs::write(&index, serde_json::to_string_pretty(&body).expect("json"))
         .map_err(io(&index))?;
     Ok(index)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::rc::Rc;
+
+    type Log = Rc<RefCell<Vec<(PathBuf, u64, u64)>>>;
+
+    fn log_len(l: &Log) -> usize {
+        l.borrow().len()
+    }
+
+    #[test]
+    fn an_observer_sees_each_file_grow_to_its_size_and_only_while_it_observes() {
+        let dir = std::env::temp_dir().join(format!("mold-observe-{}", std::process::id()));
+        let seen: Log = Rc::new(RefCell::new(Vec::new()));
+        let log = seen.clone();
+        let cfg = FluxConfig::flux_tiny();
+        let index = observe_writes(
+            move |p: &Path, done, total| log.borrow_mut().push((p.to_path_buf(), done, total)),
+            || write_testdata_sharded(&cfg, &dir, 1, DType::F32, 200_000),
+        )
+        .unwrap();
+        let seen_rc = seen;
+        let seen = seen_rc.borrow().clone();
+        let mut files: Vec<PathBuf> = seen.iter().map(|s| s.0.clone()).collect();
+        files.dedup();
+        assert!(files.len() > 1, "{files:?}");
+        for f in &files {
+            let calls: Vec<_> = seen.iter().filter(|s| &s.0 == f).collect();
+            assert!(calls.windows(2).all(|w| w[0].1 < w[1].1), "{f:?} grows");
+            let last = calls.last().unwrap();
+            assert_eq!(last.1, last.2, "{f:?} ends at its size");
+            assert_eq!(last.2, std::fs::metadata(f).unwrap().len());
+        }
+        // The observer is gone after: a later write is not told to it.
+        let before = log_len(&seen_rc);
+        write_testdata(&FluxConfig::flux_tiny(), &dir, 1, DType::F32).unwrap();
+        assert_eq!(log_len(&seen_rc), before);
+        assert_eq!(Rc::strong_count(&seen_rc), 1, "the observer was dropped");
+        let _ = std::fs::remove_dir_all(index.parent().unwrap());
+    }
 }

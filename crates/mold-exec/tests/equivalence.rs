@@ -89,6 +89,113 @@ fn tensor_parallel_2_times_split_2() {
     });
 }
 
+const ALL: [&str; 2] = ["double 0..2", "single 0..3"];
+
+/// Ulysses over 2 ranks: 7 text and 12 image tokens, 4 heads.
+#[test]
+fn sequence_parallel_2() {
+    check(|| vec![part_par(&["emu:0", "emu:1"], 1, 2, &ALL, false)]);
+    // Each rank really holds about half of the tokens: its largest activation shrinks.
+    let ckpt = tiny_checkpoint(5);
+    let cfg = FluxConfig::flux_tiny();
+    let largest = |p: mold_plan::Part| {
+        let exec = Executor::new(&cfg, &plan(vec![p]), &ckpt).unwrap();
+        exec.forward(&tiny_inputs(5)).unwrap();
+        exec.memory_report()[0].largest_activation_bytes
+    };
+    let one = largest(part(&["emu:0"], &ALL, false));
+    let sp2 = largest(part_par(&["emu:0", "emu:1"], 1, 2, &ALL, false));
+    assert!(
+        sp2 * 10 <= one * 6,
+        "one device {one} bytes, SP2 rank 0 {sp2}"
+    );
+}
+
+/// 3 ranks: uneven tokens (3/2/2 text, 4 image each) and heads (2/1/1).
+#[test]
+fn sequence_parallel_3_uneven() {
+    check(|| vec![part_par(&["emu:0", "emu:1", "emu:2"], 1, 3, &ALL, false)]);
+}
+
+#[test]
+fn sequence_parallel_4() {
+    check(|| {
+        vec![part_par(
+            &["emu:0", "emu:1", "emu:2", "emu:3"],
+            1,
+            4,
+            &ALL,
+            false,
+        )]
+    });
+}
+
+/// Hybrid: two tensor-parallel pairs, sequence parallel across them.
+#[test]
+fn sequence_parallel_2_times_tensor_parallel_2() {
+    check(|| {
+        vec![part_par(
+            &["emu:0", "emu:1", "emu:2", "emu:3"],
+            2,
+            2,
+            &ALL,
+            false,
+        )]
+    });
+}
+
+/// Sequence parallel on one part of a split, handing off whole activations both ways.
+#[test]
+fn sequence_parallel_on_one_part_of_a_split() {
+    check(|| {
+        vec![
+            part(&["emu:0"], &["double 0..1"], false),
+            part_par(
+                &["emu:1", "emu:2"],
+                1,
+                2,
+                &["double 1..2", "single 0..2"],
+                false,
+            ),
+            part(&["emu:3"], &["single 2..3"], false),
+        ]
+    });
+}
+
+#[test]
+fn sequence_parallel_streamed() {
+    check(|| {
+        vec![
+            part_par(&["emu:0", "emu:1"], 1, 2, &["double 0..2"], true),
+            part_par(&["emu:0", "emu:1", "emu:2"], 1, 3, &["single 0..3"], true),
+        ]
+    });
+}
+
+#[test]
+fn sequence_parallel_refusals() {
+    let ckpt = tiny_checkpoint(3);
+    let cfg = FluxConfig::flux_tiny();
+    // 5 ranks for 4 heads.
+    let devs = ["emu:0", "emu:1", "emu:2", "emu:3", "emu:4"];
+    let e = Executor::new(&cfg, &plan(vec![part_par(&devs, 1, 5, &ALL, false)]), &ckpt)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("at least 5 attention heads") && e.contains("sp ≤ 4"),
+        "{e}"
+    );
+    // tp × sp must be the device count.
+    let e = Executor::new(
+        &cfg,
+        &plan(vec![part_par(&["emu:0", "emu:1"], 2, 2, &ALL, false)]),
+        &ckpt,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("tp 2 × sp 2 must equal its 2 devices"), "{e}");
+}
+
 #[test]
 fn streamed_parts() {
     check(|| {
@@ -247,13 +354,23 @@ fn memory_report_accounts_weights_streams_and_activations() {
     assert!(m.iter().all(|d| d.largest_activation_bytes > 0));
 }
 
-/// Random partitions of the 5 blocks (2 double, 3 single) into 1–3 parts, each with a
-/// random tensor-parallel degree and residency.
+/// Random partitions of the 5 blocks (2 double, 3 single) into 1–3 parts, each with
+/// random tensor- and sequence-parallel degrees and residency.
 fn arb_parts() -> impl Strategy<Value = Vec<mold_plan::Part>> {
     (
         proptest::collection::btree_set(1usize..5, 0..=2),
         proptest::collection::vec(
-            (prop_oneof![Just(1usize), Just(2), Just(4)], any::<bool>()),
+            (
+                prop_oneof![
+                    Just((1usize, 1usize)),
+                    Just((2, 1)),
+                    Just((4, 1)),
+                    Just((1, 2)),
+                    Just((1, 3)),
+                    Just((2, 2))
+                ],
+                any::<bool>(),
+            ),
             3,
         ),
     )
@@ -272,14 +389,14 @@ fn arb_parts() -> impl Strategy<Value = Vec<mold_plan::Part>> {
                 if b > 2 {
                     blocks.push(format!("single {}..{}", a.max(2) - 2, b - 2));
                 }
-                let (tp, streamed) = shapes[i];
-                let devices: Vec<String> = (0..tp)
+                let ((tp, sp), streamed) = shapes[i];
+                let devices: Vec<String> = (0..tp * sp)
                     .map(|k| format!("emu:{}", (next_dev + k) % 6))
                     .collect();
-                next_dev += tp;
+                next_dev += tp * sp;
                 let d: Vec<&str> = devices.iter().map(|s| s.as_str()).collect();
                 let bl: Vec<&str> = blocks.iter().map(|s| s.as_str()).collect();
-                parts.push(part(&d, &bl, streamed));
+                parts.push(part_par(&d, tp as u32, sp as u32, &bl, streamed));
             }
             parts
         })

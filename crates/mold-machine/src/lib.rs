@@ -89,6 +89,12 @@ pub struct Device {
     /// matrix-product rate itself, which under-predicts real steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_efficiency: Option<f64>,
+    /// The fraction of `mem_bandwidth_gbps` a model's element-wise passes (norms,
+    /// modulation, bias, activation, residual) reach on this device, fitted with
+    /// `model_efficiency` from measured steps (BENCHMARKS.md). Absent: 1.0, the copy
+    /// bandwidth itself, which under-predicts real steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elementwise_efficiency: Option<f64>,
     /// Whether attention runs fused (no materialised scores).
     #[serde(default = "yes")]
     pub fused_attention: bool,
@@ -278,6 +284,14 @@ impl Machine {
                     return Err(bad(
                         format!("{f}.model_efficiency"),
                         format!("{v}: must be in (0, 1]: the measured fraction of bf16_tflops a model reaches (leave it out for 1)"),
+                    ));
+                }
+            }
+            if let Some(v) = d.elementwise_efficiency {
+                if !(v > 0.0 && v <= 1.0) {
+                    return Err(bad(
+                        format!("{f}.elementwise_efficiency"),
+                        format!("{v}: must be in (0, 1]: the measured fraction of mem_bandwidth_gbps element-wise passes reach (leave it out for 1)"),
                     ));
                 }
             }

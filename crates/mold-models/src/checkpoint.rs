@@ -175,8 +175,15 @@ fn parse_header(
 }
 
 /// Reads the header of a `.safetensors` file, or of every shard named by an
-/// `.index.json`, or of every `.safetensors` file in a directory.
+/// `.index.json`, or of a directory's transformer ([`crate::snapshot::find_transformer`]:
+/// a BFL-named file, else diffusers' `transformer/` folder), or else of every
+/// `.safetensors` file in the directory.
 pub fn read_header(path: &Path) -> Result<Header, ModelError> {
+    if path.is_dir() {
+        if let Some(t) = crate::snapshot::find_transformer(path, None) {
+            return read_header(&t);
+        }
+    }
     let mut files: Vec<PathBuf> = Vec::new();
     let name = path.to_string_lossy();
     if path.is_dir() {
@@ -301,7 +308,12 @@ pub fn identify(h: &Header) -> Option<String> {
 /// Builds the model description of a checkpoint: the catalogue entry it matches (or
 /// `model_hint`), with weight bytes taken from the header.
 pub fn refine(path: &Path, model_hint: Option<&str>) -> Result<Refined, ModelError> {
-    let h = read_header(path)?;
+    let path = &crate::snapshot::resolve_weights_path(path);
+    let mut h = read_header(path)?;
+    // A diffusers-format transformer is sized as the BFL tensors it holds.
+    if crate::diffusers::is_diffusers_flux(&h) {
+        h = crate::diffusers::bfl_view(&h, path)?.0;
+    }
     let id = match model_hint {
         Some(id) => id.to_string(),
         None => identify(&h).ok_or_else(|| {

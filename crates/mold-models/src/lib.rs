@@ -11,6 +11,8 @@
 pub mod arch;
 mod catalogue;
 pub mod checkpoint;
+pub mod diffusers;
+pub mod snapshot;
 
 pub use catalogue::builtin;
 use mold_plan::{ComponentRole, DType, Workload};
@@ -103,23 +105,33 @@ impl BlockKind {
     /// FLOPs of one block for `batch` samples on one rank of a group of `tp`.
     pub fn flops(&self, t: Tokens, batch: u64, tp: u32) -> f64 {
         let tp = tp.max(1) as f64;
+        let f = self.flop_parts(t);
+        batch as f64 * ((f.token_linear + f.attention + f.per_sample) / tp + f.replicated)
+    }
+    /// FLOPs of one block for one sample, by how a parallel layout divides them.
+    pub fn flop_parts(&self, t: Tokens) -> FlopParts {
         let (ti, tt) = (t.img as f64, t.txt as f64);
-        let lin = 2.0
-            * (self.img_params as f64 * ti
-                + self.txt_params as f64 * tt
-                + self.joint_params as f64 * (ti + tt));
         let hd = self.heads as f64 * self.head_dim as f64;
-        let attn = 4.0
-            * hd
-            * match self.attention {
-                Attention::Joint => (ti + tt) * (ti + tt),
-                Attention::Image => ti * ti,
-                Attention::Text => tt * tt,
-                Attention::ImageCrossText => ti * ti + ti * tt,
-            };
-        let per_sample = 2.0 * self.per_sample_params as f64;
-        let vec = 2.0 * self.replicated_params as f64;
-        batch as f64 * ((lin + attn + per_sample) / tp + vec)
+        FlopParts {
+            token_linear: 2.0
+                * (self.img_params as f64 * ti
+                    + self.txt_params as f64 * tt
+                    + self.joint_params as f64 * (ti + tt)),
+            attention: 4.0
+                * hd
+                * match self.attention {
+                    Attention::Joint => (ti + tt) * (ti + tt),
+                    Attention::Image => ti * ti,
+                    Attention::Text => tt * tt,
+                    Attention::ImageCrossText => ti * ti + ti * tt,
+                },
+            per_sample: 2.0 * self.per_sample_params as f64,
+            replicated: 2.0 * self.replicated_params as f64,
+        }
+    }
+    /// Tokens this block's residual stream carries (what sequence parallelism splits).
+    pub fn stream_token_count(&self, t: Tokens) -> u64 {
+        self.stream_tokens(t)
     }
     /// Output features of the per-sample linears: they map the `hidden`-wide
     /// conditioning vector (with bias), so `per_sample_params = outputs · (hidden + 1)`.
@@ -177,6 +189,19 @@ impl BlockKind {
     pub fn hidden_bytes(&self, t: Tokens, batch: u64, act: u64) -> u64 {
         product(&[batch, self.stream_tokens(t), self.hidden, act])
     }
+}
+
+/// One block's FLOPs for one sample, by kind of work.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlopParts {
+    /// Per-token linears (split by tokens and by output columns).
+    pub token_linear: f64,
+    /// Attention scores and their product with values (split by heads).
+    pub attention: f64,
+    /// Per-sample (modulation) linears (split by output columns).
+    pub per_sample: f64,
+    /// Small vectors every rank applies in full.
+    pub replicated: f64,
 }
 
 /// The product of `factors`, saturating at `u64::MAX`: a size too large to count never

@@ -23,6 +23,7 @@
 
 pub mod error;
 pub mod image;
+pub mod io;
 pub mod layout;
 pub mod run;
 pub mod sampling;
@@ -44,7 +45,7 @@ use std::path::Path;
 use std::time::Instant;
 
 /// What to generate.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Request {
     pub prompt: String,
     pub seed: u64,
@@ -53,6 +54,10 @@ pub struct Request {
     pub guidance: Option<f64>,
     pub width: u32,
     pub height: u32,
+    /// The initial noise from this file instead of the seed ([`io::read_latents`]).
+    pub latents: Option<std::path::PathBuf>,
+    /// Write the run's inputs and outputs to this file ([`io`] names them).
+    pub save_io: Option<std::path::PathBuf>,
 }
 
 /// Progress, reported as the pipeline goes.
@@ -363,6 +368,13 @@ pub fn generate(
     if req.steps == 0 {
         return Err(PipelineError::Plan("steps must be at least 1".into()));
     }
+    // The given noise is read (and its shape checked) before anything loads.
+    let given = req
+        .latents
+        .as_deref()
+        .map(|p| io::read_latents(p, req.width, req.height))
+        .transpose()?;
+    let mut rec = req.save_io.as_ref().map(|_| io::IoRecord::default());
     let flux = &prep.flux;
     let guidance = if flux.guidance_embed {
         Some(req.guidance.or(plan.workload.guidance).unwrap_or(3.5))
@@ -483,7 +495,10 @@ pub fn generate(
     // Denoise.
     let t_denoise = Instant::now();
     let batch = 1;
-    let x = sampling::pack(&sampling::noise(req.seed, batch, req.width, req.height)?)?;
+    let x = match given {
+        Some(x) => x,
+        None => sampling::pack(&sampling::noise(req.seed, batch, req.width, req.height)?)?,
+    };
     let image_tokens = x.dim(1)?;
     let mut inputs = FluxInputs {
         img: x.to_device(&cond_dev)?,
@@ -503,7 +518,7 @@ pub fn generate(
         );
     }
     let sched = sampling::schedule(req.steps, image_tokens, flux.guidance_embed);
-    sampling::denoise(&exec, &mut inputs, &sched, &mut |s| {
+    let mut on_step = |s: sampling::StepTime| {
         times.step_s.push(s.seconds);
         on(&Progress::Step {
             index: s.index as u32 + 1,
@@ -512,7 +527,26 @@ pub fn generate(
             seconds: s.seconds,
             digest: s.digest,
         });
-    })?;
+    };
+    match &mut rec {
+        None => sampling::denoise(&exec, &mut inputs, &sched, &mut on_step)?,
+        Some(r) => {
+            io::record_inputs(r, &inputs, &sched)?;
+            // The same loop, one step at a time, to keep each step's input.
+            for (i, w) in sched.windows(2).enumerate() {
+                r.add(format!("step.{i}.latents"), &inputs.img)?;
+                r.add(
+                    format!("step.{i}.t"),
+                    &Tensor::new(&[w[0] as f32], &Device::Cpu)?,
+                )?;
+                sampling::denoise(&exec, &mut inputs, w, &mut |s| {
+                    on_step(sampling::StepTime { index: i, ..s })
+                })?;
+            }
+            r.add("final", &inputs.img)?;
+            r.add_velocities(&sched)?;
+        }
+    }
     times.denoise_s = t_denoise.elapsed().as_secs_f64();
     let report = exec.memory_report();
     for m in &report {
@@ -564,6 +598,11 @@ pub fn generate(
     let img = vae.decode(&z)?;
     sync(&dev)?;
     let rgb = vae::to_rgb8(&img.i(0)?)?;
+    if let (Some(mut r), Some(path)) = (rec, &req.save_io) {
+        r.add("image", &img)?;
+        r.metadata = io::metadata(&plan.model.id, req, guidance);
+        r.write(path)?;
+    }
     times.decode_s = t.elapsed().as_secs_f64();
     // The largest feature map: top channels at full resolution, plus the output.
     let top = (vae.config().ch * req.width as usize * req.height as usize) as u64

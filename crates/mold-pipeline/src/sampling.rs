@@ -164,9 +164,9 @@ pub fn denoise<M: mold_exec::Transformer>(
         let start = std::time::Instant::now();
         inputs.set_time(t)?;
         // The pipeline's CUDA devices queue work on the calling thread's own stream; the
-        // executor's devices have streams of their own and read the inputs from its rank
-        // threads: finish what this thread queued (the time, the last update, the
-        // conditioning) before they read it.
+        // executor reads the inputs from its rank threads, on other streams: finish what
+        // this thread queued (the time, the last update, the conditioning) before they
+        // read it.
         inputs.latents().device().synchronize()?;
         let x = inputs.latents();
         let v = exec.forward(inputs)?;

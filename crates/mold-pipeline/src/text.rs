@@ -28,14 +28,97 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
     })
 }
 
-/// Loads `tokenizer.json` set to pad and truncate to exactly `len` tokens, padding with
-/// the first of `pad_tokens` the vocabulary has (else id 0).
+/// CLIP's pre-tokenization pattern (HF's `CLIPConverter`; the slow tokenizer's `pat`
+/// less its special tokens, which the tokenizer matches before).
+const CLIP_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+";
+
+/// The `tokenizer.json` of CLIP's byte-level BPE tokenizer from its `vocab.json` and the
+/// `merges.txt` beside it (the Hugging Face repositories of FLUX ship only these), built
+/// as `transformers`' `CLIPConverter` builds it from the slow `CLIPTokenizer`: NFC,
+/// whitespace runs to one space, lower case; CLIP's split pattern then byte-level; BPE
+/// with `</w>` ending each word; `<|startoftext|> … <|endoftext|>` around the ids.
+pub fn clip_bpe_tokenizer_json(vocab: &Path) -> Result<String> {
+    let merges = vocab.with_file_name("merges.txt");
+    let bad = |path: &Path, message: String| PipelineError::Tokenizer {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(vocab).map_err(PipelineError::io(vocab))?;
+    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
+        .map_err(|e| bad(vocab, format!("not a JSON object of token ids: {e}")))?;
+    if let Some((k, x)) = v.iter().find(|(_, x)| !x.is_u64()) {
+        return Err(bad(
+            vocab,
+            format!("token {k:?} has id {x}, not an integer"),
+        ));
+    }
+    let id = |t: &str| {
+        v.get(t).and_then(|x| x.as_u64()).ok_or_else(|| {
+            bad(
+                vocab,
+                format!("no `{t}` token: a CLIP vocabulary has <|startoftext|> and <|endoftext|>"),
+            )
+        })
+    };
+    let (bos, eos) = (id("<|startoftext|>")?, id("<|endoftext|>")?);
+    let mtext = std::fs::read_to_string(&merges).map_err(PipelineError::io(&merges))?;
+    let mut pairs = Vec::new();
+    for (i, line) in mtext.lines().enumerate() {
+        if line.starts_with("#version") || line.trim().is_empty() {
+            continue;
+        }
+        match line.split(' ').collect::<Vec<_>>().as_slice() {
+            [a, b] => pairs.push(serde_json::json!([a, b])),
+            _ => {
+                return Err(bad(
+                    &merges,
+                    format!(
+                        "line {}: {line:?} is not a merge of two tokens `a b`",
+                        i + 1
+                    ),
+                ))
+            }
+        }
+    }
+    let special = |id: u64, content: &str| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": true, "special": true})
+    };
+    let j = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(bos, "<|startoftext|>"), special(eos, "<|endoftext|>")],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "NFC"},
+            {"type": "Replace", "pattern": {"Regex": "\\s+"}, "content": " "},
+            {"type": "Lowercase"}]},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": CLIP_PATTERN}, "behavior": "Removed", "invert": true},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]},
+        "post_processor": {"type": "RobertaProcessing", "sep": ["<|endoftext|>", eos],
+            "cls": ["<|startoftext|>", bos], "trim_offsets": false, "add_prefix_space": false},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<|endoftext|>",
+            "continuing_subword_prefix": "", "end_of_word_suffix": "</w>", "fuse_unk": false,
+            "byte_fallback": false, "vocab": v, "merges": pairs}
+    });
+    Ok(j.to_string())
+}
+
+/// Loads `tokenizer.json` (or CLIP's `vocab.json` with its `merges.txt`:
+/// [`clip_bpe_tokenizer_json`]) set to pad and truncate to exactly `len` tokens,
+/// padding with the first of `pad_tokens` the vocabulary has (else id 0).
 pub fn load_tokenizer(path: &Path, len: usize, pad_tokens: &[&str]) -> Result<Tokenizer> {
     let bad = |message: String| PipelineError::Tokenizer {
         path: path.display().to_string(),
         message: message.replace('\n', " "),
     };
-    let text = std::fs::read_to_string(path).map_err(PipelineError::io(path))?;
+    let text = if path.file_name().is_some_and(|n| n == "vocab.json") {
+        clip_bpe_tokenizer_json(path)?
+    } else {
+        std::fs::read_to_string(path).map_err(PipelineError::io(path))?
+    };
     let mut tok: Tokenizer =
         text.parse()
             .map_err(|e: Box<dyn std::error::Error + Send + Sync>| {

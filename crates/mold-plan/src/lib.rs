@@ -1,6 +1,7 @@
 //! The placement plan: mold's contract between `plan`, `sim` and `exec`.
 //!
-//! A plan is YAML with `version: 1`; unknown fields are refused. It records the model,
+//! A plan is YAML with `version: 2`; unknown fields are refused. A `version: 1` plan (no
+//! `tp`/`sp`: a part's devices were one tensor-parallel group) is migrated on load. It records the model,
 //! the workload, the machine it was made for, where each component's parts run, and what
 //! the planner predicted. Semantic checks that need the model catalogue or the machine
 //! (block coverage, device existence, tensor-parallel divisibility) live with the cost
@@ -14,8 +15,12 @@ pub use types::*;
 
 use std::path::Path;
 
-/// The plan schema version this build reads and writes.
-pub const PLAN_VERSION: u32 = 1;
+/// The plan schema version this build writes. Version 2 added a part's parallel layout
+/// (`tp`, `sp`); version 1 plans are migrated on load ([`migrate_v1`]).
+pub const PLAN_VERSION: u32 = 2;
+
+/// The oldest plan version this build still reads (migrating it).
+pub const OLDEST_READ_VERSION: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -24,7 +29,7 @@ pub enum PlanError {
         source_name: String,
         message: String,
     },
-    #[error("{source_name}: version: this plan is version {found}; this mold reads version {PLAN_VERSION}: regenerate it with `mold plan`")]
+    #[error("{source_name}: version: this plan is version {found}; this mold reads versions {OLDEST_READ_VERSION} to {PLAN_VERSION}: regenerate it with `mold plan`")]
     Version { source_name: String, found: u64 },
     #[error("{source_name}: {field}: {message}")]
     Invalid {
@@ -52,9 +57,9 @@ impl Plan {
             })?;
         let map = value.as_mapping().ok_or_else(|| PlanError::Parse {
             source_name: source_name.to_string(),
-            message: "a plan is a YAML mapping starting with `version: 1`".into(),
+            message: format!("a plan is a YAML mapping starting with `version: {PLAN_VERSION}`"),
         })?;
-        match map.get("version") {
+        let version = match map.get("version") {
             None => {
                 return Err(PlanError::Invalid {
                     source_name: source_name.into(),
@@ -63,7 +68,7 @@ impl Plan {
                 })
             }
             Some(v) => match v.as_u64() {
-                Some(n) if n == PLAN_VERSION as u64 => {}
+                Some(n) if (OLDEST_READ_VERSION as u64..=PLAN_VERSION as u64).contains(&n) => n,
                 Some(n) => {
                     return Err(PlanError::Version {
                         source_name: source_name.into(),
@@ -78,6 +83,14 @@ impl Plan {
                     })
                 }
             },
+        };
+        let mut value = value;
+        if version == 1 {
+            migrate_v1(&mut value).map_err(|(field, message)| PlanError::Invalid {
+                source_name: source_name.into(),
+                field,
+                message,
+            })?;
         }
         let plan: Plan = from_value_with_path(value).map_err(|message| PlanError::Parse {
             source_name: source_name.to_string(),
@@ -203,10 +216,40 @@ impl Plan {
                         ));
                     }
                 }
+                for (name, v) in [("tp", p.tp), ("sp", p.sp)] {
+                    if v == 0 {
+                        return Err(invalid(
+                            format!("{field}.{name}"),
+                            "0: a parallel degree is at least 1 (1 means not split)".into(),
+                        ));
+                    }
+                }
+                if p.degree() != p.devices.len() as u64 {
+                    return Err(invalid(
+                        field.clone(),
+                        format!(
+                            "tp {} × sp {} = {} but {} device(s) listed: list tp × sp devices, or set tp/sp so that their product is the device count",
+                            p.tp,
+                            p.sp,
+                            p.degree(),
+                            p.devices.len()
+                        ),
+                    ));
+                }
+                if p.sp > 1 && c.role != ComponentRole::Transformer {
+                    return Err(invalid(
+                        format!("{field}.sp"),
+                        format!(
+                            "{}: sequence parallelism is for transformer parts only: remove `sp` from component `{}`",
+                            p.sp,
+                            c.name.escape_debug()
+                        ),
+                    ));
+                }
                 if p.devices.len() > 1 && p.devices.iter().any(|d| d.is_host()) {
                     return Err(invalid(
                         format!("{field}.devices"),
-                        "the host cannot be part of a tensor-parallel group".into(),
+                        "the host cannot be part of a parallel group".into(),
                     ));
                 }
                 match (p.residency, p.stream_buffers) {
@@ -250,6 +293,47 @@ impl Plan {
             .iter()
             .find(|c| c.role == ComponentRole::Transformer)
     }
+}
+
+/// Rewrites a `version: 1` plan as version 2, in place: in version 1 a part's devices were
+/// one tensor-parallel group, so every part gets `tp` = its device count and `sp` 1. A
+/// version 1 part that already names `tp` or `sp` is refused (those fields are version 2).
+/// Errors are (field, message).
+pub fn migrate_v1(value: &mut serde_yaml_ng::Value) -> Result<(), (String, String)> {
+    use serde_yaml_ng::Value;
+    let Some(map) = value.as_mapping_mut() else {
+        return Ok(());
+    };
+    map.insert(Value::from("version"), Value::from(PLAN_VERSION));
+    let Some(components) = map.get_mut("components").and_then(Value::as_sequence_mut) else {
+        return Ok(()); // deserialization names what is missing
+    };
+    for (ci, c) in components.iter_mut().enumerate() {
+        let Some(parts) = c.get_mut("parts").and_then(Value::as_sequence_mut) else {
+            continue;
+        };
+        for (pi, p) in parts.iter_mut().enumerate() {
+            let Some(part) = p.as_mapping_mut() else {
+                continue;
+            };
+            for key in ["tp", "sp"] {
+                if part.contains_key(key) {
+                    return Err((
+                        format!("components[{ci}].parts[{pi}].{key}"),
+                        format!("`{key}` is a version {PLAN_VERSION} field: set `version: {PLAN_VERSION}` or remove it"),
+                    ));
+                }
+            }
+            if let Some(n) = part
+                .get("devices")
+                .and_then(Value::as_sequence)
+                .map(Vec::len)
+            {
+                part.insert(Value::from("tp"), Value::from(n.max(1) as u64));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Deserializes a YAML value, prefixing any error with the path of the field at fault

@@ -266,6 +266,10 @@ fn one() -> u32 {
     1
 }
 
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
 impl Workload {
     /// Samples per transformer call: batch, doubled under classifier-free guidance.
     pub fn effective_batch(&self) -> u64 {
@@ -325,8 +329,20 @@ pub struct Part {
     /// Transformer block ranges in execution order; empty for whole components.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blocks: Vec<BlockRange>,
-    /// One device, or several: tensor parallel over attention heads and MLP columns.
+    /// One device, or `tp × sp` devices. `devices[i]` has sequence-parallel rank `i / tp`
+    /// and tensor-parallel rank `i % tp`: tensor-parallel groups are consecutive runs of
+    /// `tp` devices, and the sequence-parallel all-to-all runs among the devices of equal
+    /// tensor-parallel rank.
     pub devices: Vec<DeviceId>,
+    /// Tensor-parallel degree: attention heads and MLP columns split over `tp` devices
+    /// (weights `1/tp` per device). Written only when above 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tp: u32,
+    /// Sequence-parallel (Ulysses) degree: the joint text + image tokens split over `sp`
+    /// devices, an all-to-all turning token shards into head shards around attention.
+    /// Written only when above 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub sp: u32,
     pub residency: Residency,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_buffers: Option<u32>,
@@ -341,6 +357,33 @@ impl Part {
     }
     pub fn block_count(&self) -> u32 {
         self.blocks.iter().map(|r| r.len()).sum()
+    }
+    /// Devices the layout asks for: `tp × sp` (a valid plan lists exactly that many).
+    pub fn degree(&self) -> u64 {
+        self.tp as u64 * self.sp as u64
+    }
+    /// Sequence-parallel rank of `devices[i]`.
+    pub fn sp_rank(&self, i: usize) -> u32 {
+        (i / self.tp.max(1) as usize) as u32
+    }
+    /// Tensor-parallel rank of `devices[i]`.
+    pub fn tp_rank(&self, i: usize) -> u32 {
+        (i % self.tp.max(1) as usize) as u32
+    }
+    /// The tensor-parallel group of sequence-parallel rank `s`: `tp` consecutive devices.
+    pub fn tp_group(&self, s: u32) -> &[DeviceId] {
+        let tp = self.tp.max(1) as usize;
+        let start = (s as usize * tp).min(self.devices.len());
+        &self.devices[start..(start + tp).min(self.devices.len())]
+    }
+    /// The sequence-parallel group of tensor-parallel rank `t`: every `tp`-th device.
+    pub fn sp_group(&self, t: u32) -> Vec<DeviceId> {
+        self.devices
+            .iter()
+            .skip(t as usize)
+            .step_by(self.tp.max(1) as usize)
+            .cloned()
+            .collect()
     }
 }
 

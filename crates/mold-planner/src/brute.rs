@@ -3,31 +3,31 @@
 //!
 //! It shares the problem's data with the integer program (`problem.rs`: block costs,
 //! component options, budgets, reserves) but neither its encoding nor its candidate
-//! groups: it forms device groups itself from every subset of the allowed devices, and
-//! sums costs directly. [`Space::Aligned`] keeps the groups the integer program
-//! considers (tensor-parallel groups are aligned runs of consecutive allowed devices),
-//! stated here as a rule on subsets rather than generated; [`Space::All`] keeps every
-//! subset, to see what that restriction costs.
+//! groups: it forms device groups itself from every subset of the allowed devices, each
+//! in every permitted layout (`tp × sp`), and sums costs directly. [`Space::Aligned`]
+//! keeps the groups the integer program considers (parallel groups are aligned runs of
+//! consecutive allowed devices), stated here as a rule on subsets rather than
+//! generated; [`Space::All`] keeps every subset, to see what that restriction costs.
 
 use crate::problem::{family_of, Choice, GroupChoice, Problem};
 use crate::{Family, Request};
-use mold_cost::BlockCost;
-use mold_plan::DeviceId;
+use mold_cost::{BlockCost, Group};
 use std::collections::BTreeMap;
 
 /// Which device groups the enumeration forms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Space {
-    /// Every subset of the allowed devices (of a permitted tensor-parallel degree).
+    /// Every subset of the allowed devices (of a permitted size), in every permitted
+    /// layout.
     All,
-    /// Single devices, and tensor-parallel groups that are aligned runs of consecutive
-    /// allowed devices: the integer program's candidates.
+    /// Single devices, and parallel groups that are aligned runs of consecutive allowed
+    /// devices, in every permitted layout: the integer program's candidates.
     Aligned,
 }
 
 /// The best plan of each family (indexed as [`Family::ALL`]) and how many valid plans of
 /// it were looked at.
-pub type PerFamily = [(Option<Choice>, u64); 4];
+pub type PerFamily = [(Option<Choice>, u64); 6];
 
 /// The best plan of `family` (or of all families) and how many valid plans were looked
 /// at.
@@ -52,25 +52,29 @@ pub fn best(req: &Request, family: Option<Family>, space: Space) -> (Option<Choi
     }
 }
 
-/// Device groups of `space`, by subset of the allowed devices.
-fn groups(p: &Problem, space: Space) -> Vec<Vec<DeviceId>> {
+/// Device groups of `space`, by subset of the allowed devices and layout.
+fn groups(p: &Problem, space: Space) -> Vec<Group> {
     let n = p.allowed.len();
     let mut out = Vec::new();
     for mask in 1u32..(1u32 << n) {
         let members: Vec<usize> = (0..n).filter(|i| mask & (1 << i) != 0).collect();
         let size = members.len();
-        if size > 1 && !p.tp_degree_allowed(size) {
-            continue;
-        }
         let aligned =
             members[0].is_multiple_of(size) && members.windows(2).all(|w| w[1] == w[0] + 1);
         if space == Space::Aligned && !aligned {
             continue;
         }
-        out.push(members.iter().map(|&i| p.allowed[i].clone()).collect());
+        let devices: Vec<_> = members.iter().map(|&i| p.allowed[i].clone()).collect();
+        if size == 1 {
+            out.push(Group::new(devices, 1, 1));
+            continue;
+        }
+        for (tp, sp) in p.layouts(size) {
+            out.push(Group::new(devices.clone(), tp, sp));
+        }
     }
     // Singles first, then by size: the order plans are reported in.
-    out.sort_by_key(|g: &Vec<DeviceId>| g.len());
+    out.sort_by_key(|g: &Group| g.len());
     out
 }
 
@@ -98,7 +102,7 @@ fn binomial(n: u64, k: u64) -> f64 {
 
 struct Walk<'p, 'a> {
     p: &'p Problem<'a>,
-    groups: Vec<Vec<DeviceId>>,
+    groups: Vec<Group>,
     /// Machine index of each group's devices.
     members: Vec<Vec<usize>>,
     costs: Vec<Vec<BlockCost>>,
@@ -115,7 +119,8 @@ pub fn best_per_family(req: &Request, space: Space) -> PerFamily {
     let members = groups
         .iter()
         .map(|g| {
-            g.iter()
+            g.devices
+                .iter()
                 .filter_map(|id| devs.iter().position(|d| &d.id == id))
                 .collect()
         })
@@ -256,18 +261,18 @@ impl Walk<'_, '_> {
                 return;
             }
         }
-        let family = family_of(
-            &used
-                .iter()
-                .map(|&g| &self.groups[g][..])
-                .collect::<Vec<_>>(),
-        );
+        let family = family_of(&used.iter().map(|&g| &self.groups[g]).collect::<Vec<_>>());
+        if !self.p.family_allowed(family) {
+            return;
+        }
         let picks: Vec<(usize, &[(u32, u32)])> =
             used.iter().map(|&g| (g, self.pick[g].as_slice())).collect();
         let mem = self.transformer_memory(&picks);
         let mut step = self.p.handoff_s * (used.len() as f64 - 1.0);
         let mut pinned = 0u64;
         for &g in &used {
+            // A group's blocks are one run of parts: its closing all-gather, once.
+            step += self.p.gather_s(&self.groups[g]);
             let mut fill: f64 = 0.0;
             for (k, (r, s)) in self.pick[g].iter().enumerate() {
                 let c = &self.costs[g][k];
@@ -367,7 +372,7 @@ impl Walk<'_, '_> {
             groups: used
                 .iter()
                 .map(|&g| GroupChoice {
-                    devices: self.groups[g].clone(),
+                    group: self.groups[g].clone(),
                     resident: self.pick[g].iter().map(|(r, _)| *r).collect(),
                     streamed: self.pick[g].iter().map(|(_, s)| *s).collect(),
                 })

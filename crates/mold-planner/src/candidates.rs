@@ -1,8 +1,9 @@
 //! The device groups the integer program may give blocks to.
 //!
-//! Every allowed device alone, and tensor-parallel groups that are aligned runs of
-//! consecutive allowed devices ([0,1], [2,3], … for degree 2; [0..4], [4..8] for 4) of
-//! each permitted degree. The restriction is deliberate: every subset of each degree
+//! Every allowed device alone, and parallel groups that are aligned runs of consecutive
+//! allowed devices ([0,1], [2,3], … for size 2; [0..4], [4..8] for 4) of each permitted
+//! size, once per permitted layout (`tp × sp`: tensor parallel, sequence parallel or
+//! both, `problem::layouts`). The restriction is deliberate: every subset of each degree
 //! would make the program grow as C(n, d) groups (70 of degree 4 on eight GPUs, each
 //! with its own variables), while aligned runs give n + n/2 + n/4 + …; and machine
 //! profiles list devices in topology order (NVLink pairs, PCIe switches), so the aligned
@@ -11,17 +12,17 @@
 //! subset as well.
 
 use crate::problem::Problem;
-use mold_plan::DeviceId;
+use mold_cost::Group;
 
-/// Candidate groups: singles first, then tensor-parallel groups by degree.
-pub(crate) fn candidate_groups(p: &Problem) -> Vec<Vec<DeviceId>> {
+/// Candidate groups: singles first, then parallel groups by size, each size's layouts
+/// tensor parallel first.
+pub(crate) fn candidate_groups(p: &Problem) -> Vec<Group> {
     let devs = &p.allowed;
-    let mut out: Vec<Vec<DeviceId>> = devs.iter().map(|d| vec![d.clone()]).collect();
+    let mut out: Vec<Group> = devs.iter().map(|d| Group::single(d.clone())).collect();
     for d in 2..=devs.len() {
-        if !p.tp_degree_allowed(d) {
-            continue;
+        for (tp, sp) in p.layouts(d) {
+            out.extend(devs.chunks_exact(d).map(|c| Group::new(c.to_vec(), tp, sp)));
         }
-        out.extend(devs.chunks_exact(d).map(|c| c.to_vec()));
     }
     out
 }

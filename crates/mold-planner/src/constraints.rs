@@ -10,35 +10,52 @@ use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
 use std::str::FromStr;
 
-/// Tensor-parallel choice.
+/// A parallel degree choice: tensor parallel (`--tp`) or sequence parallel (`--sp`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum TpChoice {
-    /// Any degree that divides the heads.
+pub enum ParallelChoice {
+    /// Any degree (with the other kind's, dividing the heads).
     #[default]
     Auto,
-    /// No tensor parallel.
+    /// Not this kind of parallelism (degree 1).
     Off,
-    /// Tensor-parallel groups of exactly this degree (single devices still allowed).
+    /// Every parallel group has exactly this degree of this kind (single devices still
+    /// allowed).
     Degree(u32),
 }
 
-impl FromStr for TpChoice {
+/// Tensor-parallel choice (`--tp`).
+pub type TpChoice = ParallelChoice;
+/// Sequence-parallel choice (`--sp`).
+pub type SpChoice = ParallelChoice;
+
+impl ParallelChoice {
+    /// Whether a group's degree `d` of this kind is allowed.
+    pub fn allows(self, d: u32) -> bool {
+        match self {
+            ParallelChoice::Auto => d >= 1,
+            ParallelChoice::Off => d == 1,
+            ParallelChoice::Degree(n) => d == n,
+        }
+    }
+}
+
+impl FromStr for ParallelChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "auto" => Ok(TpChoice::Auto),
-            "off" | "1" => Ok(TpChoice::Off),
+            "auto" => Ok(ParallelChoice::Auto),
+            "off" | "1" => Ok(ParallelChoice::Off),
             n => match n.parse::<u32>() {
-                Ok(d) if d >= 2 => Ok(TpChoice::Degree(d)),
+                Ok(d) if d >= 2 => Ok(ParallelChoice::Degree(d)),
                 _ => Err(format!(
-                    "`{s}` is not a tensor-parallel choice: use auto, off, or a degree such as 2"
+                    "`{s}` is not a parallel degree: use auto, off, or a degree such as 2"
                 )),
             },
         }
     }
 }
 
-impl<'de> Deserialize<'de> for TpChoice {
+impl<'de> Deserialize<'de> for ParallelChoice {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let v = serde_yaml_ng::Value::deserialize(d)?;
         let s = match &v {
@@ -47,7 +64,7 @@ impl<'de> Deserialize<'de> for TpChoice {
             serde_yaml_ng::Value::Bool(false) => "off".into(),
             _ => {
                 return Err(serde::de::Error::custom(
-                    "tp: use auto, off, or a degree such as 2",
+                    "use auto, off, or a degree such as 2",
                 ))
             }
         };
@@ -61,6 +78,10 @@ pub struct Constraints {
     /// Component → the devices it may use (`host` allowed for encoders and VAE).
     pub pins: BTreeMap<String, Vec<DeviceId>>,
     pub tp: TpChoice,
+    /// Sequence parallel (Ulysses). The library's default is `Auto`; `mold plan`
+    /// resolves its own default (off when `--tp` is given or the machine has no peer
+    /// links).
+    pub sp: SpChoice,
     /// Allow host-streamed transformer blocks.
     pub stream: bool,
     /// Allow encoders and VAE to run on the host CPU.
@@ -74,6 +95,7 @@ impl Default for Constraints {
         Constraints {
             pins: BTreeMap::new(),
             tp: TpChoice::Auto,
+            sp: SpChoice::Auto,
             stream: true,
             host_components: true,
             stream_buffers: 2,
@@ -94,6 +116,8 @@ pub struct ConstraintsFile {
     pub pin: BTreeMap<String, OneOrMany>,
     #[serde(default)]
     pub tp: Option<TpChoice>,
+    #[serde(default)]
+    pub sp: Option<SpChoice>,
     #[serde(default)]
     pub stream: Option<bool>,
     #[serde(default)]
@@ -246,18 +270,37 @@ impl Constraints {
                 }
             }
         }
-        if let TpChoice::Degree(d) = self.tp {
-            if !model.transformer.tp_divides(d) {
+        for (flag, choice) in [("--tp", self.tp), ("--sp", self.sp)] {
+            if let ParallelChoice::Degree(d) = choice {
+                if !model.transformer.tp_divides(d) {
+                    return Err(PlanError::Constraint(format!(
+                        "{flag} {d}: {} has {} attention heads, which {d} does not divide: use a divisor of {}",
+                        model.id,
+                        model.transformer.heads(),
+                        model.transformer.heads()
+                    )));
+                }
+                if d as usize > machine.devices.len() {
+                    return Err(PlanError::Constraint(format!(
+                        "{flag} {d}: machine `{}` has only {} devices",
+                        machine.name,
+                        machine.devices.len()
+                    )));
+                }
+            }
+        }
+        if let (ParallelChoice::Degree(t), ParallelChoice::Degree(s)) = (self.tp, self.sp) {
+            let n = t.saturating_mul(s);
+            if !model.transformer.tp_divides(n) {
                 return Err(PlanError::Constraint(format!(
-                    "--tp {d}: {} has {} attention heads, which {d} does not divide: use a divisor of {}",
-                    model.id,
+                    "--tp {t} --sp {s}: a group of tp × sp = {n} splits {} heads {n} ways, which {n} does not divide: choose degrees whose product divides {}",
                     model.transformer.heads(),
                     model.transformer.heads()
                 )));
             }
-            if d as usize > machine.devices.len() {
+            if n as usize > machine.devices.len() {
                 return Err(PlanError::Constraint(format!(
-                    "--tp {d}: machine `{}` has only {} devices",
+                    "--tp {t} --sp {s}: a group of tp × sp = {n} devices, but machine `{}` has only {}",
                     machine.name,
                     machine.devices.len()
                 )));

@@ -1,6 +1,6 @@
 //! Why no plan fits, in numbers, and the cheapest relaxation that would make one fit.
 
-use crate::{search, Request, TpChoice};
+use crate::{search, Request, SpChoice, TpChoice};
 use mold_cost::Ctx;
 use mold_plan::ByteSize;
 
@@ -27,7 +27,7 @@ pub fn explain(req: &Request) -> String {
         .cloned()
         .unwrap_or(("none".into(), 0));
     let sum: u64 = caps.iter().map(|c| c.1).fold(0, u64::saturating_add);
-    let one = [req.machine.devices[0].id.clone()];
+    let one = mold_cost::Group::single(req.machine.devices[0].id.clone());
     let (buf, act) = t.kinds.iter().fold((0u64, 0u64), |(b, a), k| {
         let bc = ctx.block(k, &one, dtype);
         (b.max(bc.weight_bytes), a.max(bc.activation_bytes))
@@ -96,6 +96,11 @@ pub fn explain(req: &Request) -> String {
         r.constraints.tp = TpChoice::Auto;
         tries.push(("allow any tensor-parallel degree (--tp auto)", r));
     }
+    if req.constraints.sp != SpChoice::Auto {
+        let mut r = req.clone();
+        r.constraints.sp = SpChoice::Auto;
+        tries.push(("allow any sequence-parallel degree (--sp auto)", r));
+    }
     if !req.constraints.pins.is_empty() {
         let mut r = req.clone();
         r.constraints.pins.clear();
@@ -109,10 +114,14 @@ pub fn explain(req: &Request) -> String {
     let mut all = req.clone();
     all.constraints.stream = true;
     all.constraints.tp = TpChoice::Auto;
+    all.constraints.sp = SpChoice::Auto;
     all.constraints.pins.clear();
     all.constraints.host_components = true;
     if tries.len() > 1 {
-        tries.push(("lift every constraint (streaming, --tp auto, no pins)", all));
+        tries.push((
+            "lift every constraint (streaming, --tp auto, --sp auto, no pins)",
+            all,
+        ));
     }
     // Each relaxation gets a share of one family's time: a relaxation the search cannot
     // settle in it is passed over.

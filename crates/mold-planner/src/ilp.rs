@@ -16,8 +16,10 @@
 //! transformer part) + the largest activation A[d] + the transfer reserves + headroom ≤
 //! budget. Host: streamed weights ≤ pinned limit; host components + pinned ≤ host memory.
 //!   t[g,k] ≥ compute(g,k) · (nr+ns), t[g,k] ≥ copy(g,k) · ns   kind k's time on g
-//! Objective (latency): Σ component times + steps · (Σ t + Σ fill + hand-offs
-//! · (groups used − 1)) — `mold_cost::evaluate`'s request time, term for term.
+//! Objective (latency): Σ component times + steps · (Σ t + Σ fill + Σ gather(g) ·
+//! used[g] + hand-offs · (groups used − 1)) — `mold_cost::evaluate`'s request time,
+//! term for term (a group's blocks are one run of parts, so a sequence-parallel group's
+//! closing all-gather is paid once when it is used).
 //!
 //! Units: bytes are counted in the instance's largest memory coefficient and seconds in
 //! its largest time coefficient, so every coefficient is at most 1 whatever the model's
@@ -116,13 +118,22 @@ fn solve_with(
     limit: Duration,
 ) -> Result<Solved, Failure> {
     let req = p.req;
+    if !p.family_allowed(family) {
+        return Ok(Solved::Infeasible);
+    }
     let groups = candidate_groups(p);
     let single: Vec<bool> = groups.iter().map(|g| g.len() == 1).collect();
+    // The one-group family each parallel group belongs to (Single for one device).
+    let layout: Vec<Family> = groups
+        .iter()
+        .map(|g| Family::of_layout(g.tp, g.sp))
+        .collect();
     match family {
         Family::Single | Family::Split if !single.iter().any(|s| *s) => {
             return Ok(Solved::Infeasible)
         }
-        Family::Tensor | Family::Mixed if single.iter().all(|s| *s) => {
+        Family::Mixed if single.iter().all(|s| *s) => return Ok(Solved::Infeasible),
+        Family::Tensor | Family::Sequence | Family::Hybrid if !layout.contains(&family) => {
             return Ok(Solved::Infeasible)
         }
         _ => {}
@@ -130,6 +141,7 @@ fn solve_with(
     let nk = p.counts.len();
     let counts: Vec<f64> = p.counts.iter().map(|c| *c as f64).collect();
     let bc: Vec<Vec<mold_cost::BlockCost>> = groups.iter().map(|g| p.costs(g)).collect();
+    let gather: Vec<f64> = groups.iter().map(|g| p.gather_s(g)).collect();
     let comps = &p.components;
     let devs = &req.machine.devices;
     let reserve = p.transformer_reserve(family);
@@ -154,6 +166,9 @@ fn solve_with(
         .max(reserve as f64)
         .max(p.vae_reserve() as f64);
     tu = tu.max(p.handoff_s);
+    for g in &gather {
+        tu = tu.max(*g);
+    }
     if !(tu > 0.0 && tu.is_finite()) {
         tu = 1.0;
     }
@@ -236,7 +251,7 @@ fn solve_with(
             }
         }
         step += fill[g];
-        step += handoff * used[g];
+        step += (handoff + sec(gather[g])) * used[g];
     }
     let latency = comp_time + p.steps * step;
 
@@ -252,7 +267,7 @@ fn solve_with(
             }
         }
         for (g, grp) in groups.iter().enumerate() {
-            if grp.contains(&d.id) {
+            if grp.devices.contains(&d.id) {
                 for k in 0..nk {
                     e += mem(bc[g][k].weight_bytes) * nr[g][k];
                 }
@@ -277,7 +292,7 @@ fn solve_with(
     let index = |id: &DeviceId| devs.iter().position(|d| &d.id == id).unwrap_or(devs.len()) as f64;
     let mut tiebreak = Expression::from(0.0);
     for (g, grp) in groups.iter().enumerate() {
-        tiebreak += (1.0 + grp.iter().map(index).sum::<f64>()) * used[g];
+        tiebreak += (1.0 + grp.devices.iter().map(index).sum::<f64>()) * used[g];
     }
     for (ci, c) in comps.iter().enumerate() {
         for (oi, o) in c.options.iter().enumerate() {
@@ -336,7 +351,7 @@ fn solve_with(
     }
     for (di, d) in devs.iter().enumerate() {
         for (g, grp) in groups.iter().enumerate() {
-            if grp.contains(&d.id) {
+            if grp.devices.contains(&d.id) {
                 problem = problem.with(constraint!(ud[di] >= used[g]));
                 for k in 0..nk {
                     problem = problem.with(constraint!(
@@ -399,9 +414,9 @@ fn solve_with(
             problem = problem.with(constraint!(used_where(&|g| single[g]) >= 2.0));
             problem = problem.with(constraint!(used_where(&|g| !single[g]) == 0.0));
         }
-        Family::Tensor => {
-            problem = problem.with(constraint!(used_where(&|g| !single[g]) == 1.0));
-            problem = problem.with(constraint!(used_where(&|g| single[g]) == 0.0));
+        Family::Tensor | Family::Sequence | Family::Hybrid => {
+            problem = problem.with(constraint!(used_where(&|g| layout[g] == family) == 1.0));
+            problem = problem.with(constraint!(used_where(&|g| layout[g] != family) == 0.0));
         }
         Family::Mixed => {
             problem = problem.with(constraint!(used_where(&|g| !single[g]) >= 1.0));
@@ -425,7 +440,7 @@ fn solve_with(
         let streamed: Vec<u32> = (0..nk).map(|k| ns[g][k].map(round).unwrap_or(0)).collect();
         if resident.iter().chain(streamed.iter()).any(|n| *n > 0) {
             chosen.push(GroupChoice {
-                devices: groups[g].clone(),
+                group: groups[g].clone(),
                 resident,
                 streamed,
             });

@@ -26,7 +26,7 @@ fn layout(req: &Request, choice: &Choice) -> Vec<Part> {
         }
     };
     let mut order: Vec<&crate::problem::GroupChoice> = choice.groups.iter().collect();
-    order.sort_by_key(|g| (span(g), g.devices.clone()));
+    order.sort_by_key(|g| (span(g), g.group.clone()));
     let mut next = vec![0u32; kinds.len()];
     let mut parts: Vec<Part> = Vec::new();
     let buffers = req.constraints.stream_buffers;
@@ -49,10 +49,18 @@ fn layout(req: &Request, choice: &Choice) -> Vec<Part> {
             let range = BlockRange::new(&kinds[k].name, next[k], next[k] + n);
             next[k] += n;
             match parts.last_mut() {
-                Some(p) if p.devices == g.devices && p.residency == res => p.blocks.push(range),
+                Some(p)
+                    if p.devices == g.group.devices
+                        && (p.tp, p.sp) == (g.group.tp, g.group.sp)
+                        && p.residency == res =>
+                {
+                    p.blocks.push(range)
+                }
                 _ => parts.push(Part {
                     blocks: vec![range],
-                    devices: g.devices.clone(),
+                    devices: g.group.devices.clone(),
+                    tp: g.group.tp,
+                    sp: g.group.sp,
                     residency: res,
                     stream_buffers: (res == Residency::Streamed).then_some(buffers),
                 }),
@@ -121,6 +129,8 @@ pub(crate) fn unpriced(
                 parts: vec![Part {
                     blocks: vec![],
                     devices: vec![dev],
+                    tp: 1,
+                    sp: 1,
                     residency: Residency::Resident,
                     stream_buffers: None,
                 }],

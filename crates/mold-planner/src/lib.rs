@@ -3,15 +3,16 @@
 //!
 //! Decisions: the device (or host) of each encoder and VAE; for the transformer, how many
 //! blocks of each kind run resident or streamed on each candidate device group (a single
-//! device, or a tensor-parallel group whose degree divides the heads). Groups take
-//! contiguous ranges of the execution order, which the program enforces through
-//! "kind-interval" constraints (see `ilp.rs`). Costs come from `mold-cost`, so the
-//! program's objective is exactly `mold_cost::evaluate`'s request time.
+//! device, or a parallel group of `tp × sp` devices — tensor parallel, sequence parallel
+//! or both — whose size divides the heads). Groups take contiguous ranges of the
+//! execution order, which the program enforces through "kind-interval" constraints (see
+//! `ilp.rs`). Costs come from `mold-cost`, so the program's objective is exactly
+//! `mold_cost::evaluate`'s request time.
 //!
 //! The solver is run once per strategy family (one GPU, block split, tensor parallel,
-//! mixed), each within a time limit (`search.rs`): the families partition the plans, so
-//! the best of the four is the optimum when each is proven, and the user sees what each
-//! strategy would give. A family whose search fails, or runs out of time, says so in its
+//! sequence parallel, hybrid, mixed), each within a time limit (`search.rs`): the
+//! families partition the plans, so the best of them is the optimum when each is
+//! proven, and the user sees what each strategy would give. A family whose search fails, or runs out of time, says so in its
 //! row; the exhaustive enumerator stands in where its instance is small.
 //!
 //! Files: `problem.rs` the problem as data, `candidates.rs` the program's device groups,
@@ -28,7 +29,10 @@ mod problem;
 pub mod report;
 mod search;
 
-pub use constraints::{parse_cap, parse_pin, Constraints, ConstraintsFile, OneOrMany, TpChoice};
+pub use constraints::{
+    parse_cap, parse_pin, Constraints, ConstraintsFile, OneOrMany, ParallelChoice, SpChoice,
+    TpChoice,
+};
 pub use layout::plan_from_choice;
 pub use problem::{Choice, GroupChoice, MEMORY_LATENCY_WEIGHT};
 pub use search::{solve_family, FamilySolution, Method};
@@ -88,21 +92,34 @@ impl Objective {
 pub enum Family {
     /// The transformer on one GPU, streaming what does not fit.
     Single,
-    /// Blocks split over several GPUs, no tensor parallel.
+    /// Blocks split over several GPUs, no parallel group.
     Split,
-    /// One tensor-parallel group runs every block.
+    /// One tensor-parallel group (`tp` > 1, `sp` = 1) runs every block.
     Tensor,
-    /// Tensor-parallel groups together with other groups.
+    /// One sequence-parallel group (`sp` > 1, `tp` = 1) runs every block.
+    Sequence,
+    /// One group with both (`sp` > 1 and `tp` > 1) runs every block.
+    Hybrid,
+    /// Parallel groups (of any layout) together with other groups.
     Mixed,
 }
 
 impl Family {
-    pub const ALL: [Family; 4] = [Family::Single, Family::Split, Family::Tensor, Family::Mixed];
+    pub const ALL: [Family; 6] = [
+        Family::Single,
+        Family::Split,
+        Family::Tensor,
+        Family::Sequence,
+        Family::Hybrid,
+        Family::Mixed,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Family::Single => "single",
             Family::Split => "split",
             Family::Tensor => "tensor",
+            Family::Sequence => "sequence",
+            Family::Hybrid => "hybrid",
             Family::Mixed => "mixed",
         }
     }
@@ -111,7 +128,18 @@ impl Family {
             Family::Single => "one GPU + streaming",
             Family::Split => "block split",
             Family::Tensor => "tensor parallel",
-            Family::Mixed => "tensor parallel + split",
+            Family::Sequence => "sequence parallel",
+            Family::Hybrid => "sequence × tensor",
+            Family::Mixed => "parallel + split",
+        }
+    }
+    /// The family of a plan whose only group has this layout.
+    pub(crate) fn of_layout(tp: u32, sp: u32) -> Family {
+        match (tp > 1, sp > 1) {
+            (false, false) => Family::Single,
+            (true, false) => Family::Tensor,
+            (false, true) => Family::Sequence,
+            (true, true) => Family::Hybrid,
         }
     }
 }
@@ -297,13 +325,41 @@ fn why_empty(req: &Request, fam: Family) -> String {
     let p = problem::Problem::new(req);
     let groups = candidates::candidate_groups(&p);
     let singles = groups.iter().filter(|g| g.len() == 1).count();
-    let tps = groups.len() - singles;
+    let of = |f: Family| {
+        groups
+            .iter()
+            .filter(|g| g.len() > 1 && Family::of_layout(g.tp, g.sp) == f)
+            .count()
+    };
+    let parallel = groups.len() - singles;
+    let (tp, sp) = (req.constraints.tp, req.constraints.sp);
+    if !p.family_allowed(fam) {
+        if let SpChoice::Degree(n) = sp {
+            return format!("excluded by --sp {n}");
+        }
+    }
+    let sp_off = "off (--sp off, mold plan's default with --tp or without peer links)";
     match fam {
-        Family::Split | Family::Mixed if singles + tps < 2 => "needs 2+ devices".into(),
-        Family::Tensor | Family::Mixed if tps == 0 => match req.constraints.tp {
-            TpChoice::Off => "off (--tp off)".into(),
+        Family::Split | Family::Mixed if singles + parallel < 2 => "needs 2+ devices".into(),
+        Family::Tensor | Family::Sequence | Family::Hybrid if p.allowed.len() < 2 => {
+            "needs 2+ devices".into()
+        }
+        Family::Tensor if of(Family::Tensor) == 0 => match (tp, sp) {
+            (TpChoice::Off, _) => "off (--tp off)".into(),
+            (_, SpChoice::Degree(n)) => format!("excluded by --sp {n}"),
             _ => "no group: heads or devices".into(),
         },
+        Family::Sequence if of(Family::Sequence) == 0 => match (sp, tp) {
+            (SpChoice::Off, _) => sp_off.into(),
+            (_, TpChoice::Degree(n)) => format!("excluded by --tp {n}"),
+            _ => "no group: heads or devices".into(),
+        },
+        Family::Hybrid if of(Family::Hybrid) == 0 => match (tp, sp) {
+            (TpChoice::Off, _) => "off (--tp off)".into(),
+            (_, SpChoice::Off) => sp_off.into(),
+            _ => "no group: heads or devices".into(),
+        },
+        Family::Mixed if parallel == 0 => "no parallel group".into(),
         Family::Single if singles == 0 => "no device allowed".into(),
         _ => "does not fit".into(),
     }

@@ -1,7 +1,8 @@
 //! The human summary `mold plan` prints.
 
 use crate::{Family, Outcome};
-use mold_plan::{ByteSize, ComponentRole, DeviceId, Plan, Residency};
+use mold_cost::Group;
+use mold_plan::{ByteSize, ComponentRole, DeviceId, Part, Plan, Residency};
 use std::fmt::Write;
 
 fn secs(s: f64) -> String {
@@ -49,8 +50,8 @@ fn device_list(devs: &[DeviceId]) -> String {
     }
 }
 
-/// Where each component and block range runs, one line a part, naming each
-/// tensor-parallel group's link when `machine` is given.
+/// Where each component and block range runs, one line a part, naming each parallel
+/// group's layout, and its link when `machine` is given.
 fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String {
     let mut out = String::new();
     for c in &plan.components {
@@ -66,7 +67,7 @@ fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String 
             // Streamed parts spread among resident ones on the same devices: one line.
             let run = c.parts[i..]
                 .iter()
-                .take_while(|q| q.devices == p.devices)
+                .take_while(|q| Group::of(q) == Group::of(p))
                 .count();
             let mixed = c.role == ComponentRole::Transformer
                 && run > 2
@@ -91,11 +92,7 @@ fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String 
                 };
                 let buffers = parts.iter().map(|q| q.buffers()).max().unwrap_or(0);
                 let tp = if p.devices.len() > 1 {
-                    format!(
-                        "tensor parallel ×{}{}, ",
-                        p.devices.len(),
-                        link(machine, &p.devices)
-                    )
+                    format!("{}{}, ", Group::of(p).describe(), link(machine, p))
                 } else {
                     String::new()
                 };
@@ -125,8 +122,9 @@ fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String 
             let how = match (c.role, p.residency, p.devices.len()) {
                 (ComponentRole::Transformer, Residency::Streamed, n) if n > 1 => {
                     format!(
-                        "tensor parallel ×{n}{}, streamed ({} buffers)",
-                        link(machine, &p.devices),
+                        "{}{}, streamed ({} buffers)",
+                        Group::of(p).describe(),
+                        link(machine, p),
                         p.buffers()
                     )
                 }
@@ -134,7 +132,7 @@ fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String 
                     format!("streamed from host ({} buffers)", p.buffers())
                 }
                 (ComponentRole::Transformer, _, n) if n > 1 => {
-                    format!("tensor parallel ×{n}{}", link(machine, &p.devices))
+                    format!("{}{}", Group::of(p).describe(), link(machine, p))
                 }
                 (ComponentRole::Transformer, _, _) => "resident".into(),
                 _ => String::new(),
@@ -288,11 +286,17 @@ pub fn summary(o: &Outcome) -> String {
     s
 }
 
-fn link(machine: Option<&mold_machine::Machine>, devs: &[DeviceId]) -> String {
-    match machine.map(|m| m.group_link(devs)) {
-        Some(l) if l.staged => " (all-reduce staged through host)".into(),
+/// A parallel part's collectives and the link they take.
+fn link(machine: Option<&mold_machine::Machine>, p: &Part) -> String {
+    let what = match (p.tp > 1, p.sp > 1) {
+        (true, false) => "all-reduce",
+        (false, true) => "all-to-all",
+        _ => "all-reduce, all-to-all",
+    };
+    match machine.map(|m| m.group_link(&p.devices)) {
+        Some(l) if l.staged => format!(" ({what} staged through host)"),
         Some(l) => format!(
-            " (all-reduce over {})",
+            " ({what} over {})",
             match l.kind {
                 Some(mold_machine::LinkKind::Nvlink) => "NVLink",
                 _ => "PCIe peer",

@@ -38,11 +38,12 @@ pub struct FamilySolution {
     pub trouble: Option<String>,
 }
 
-/// Searches `family` within `limit`; with `None`, every family in turn, a quarter of
-/// `limit` each, for the best of all.
+/// Searches `family` within `limit`; with `None`, every family in turn, an equal share
+/// of `limit` each, for the best of all.
 pub fn solve_family(req: &Request, family: Option<Family>, limit: Duration) -> FamilySolution {
     let Some(family) = family else {
-        let mut all = Family::ALL.map(|f| solve_family(req, Some(f), limit / 4));
+        let share = limit / Family::ALL.len() as u32;
+        let mut all = Family::ALL.map(|f| solve_family(req, Some(f), share));
         let proven = all.iter().all(|s| s.proven);
         let trouble = all
             .iter()
@@ -123,7 +124,7 @@ pub(crate) fn price(p: &Problem, c: &Choice) -> Option<f64> {
     if c.groups.is_empty() {
         return None;
     }
-    let family = family_of(&c.groups.iter().map(|g| &g.devices[..]).collect::<Vec<_>>());
+    let family = family_of(&c.groups.iter().map(|g| &g.group).collect::<Vec<_>>());
     let plan = unpriced(p.req, c, family, "", 0.0);
     mold_cost::validate(&plan, &p.req.model, &p.req.machine).ok()?;
     let ev = mold_cost::evaluate(&plan, &p.req.model, &p.req.machine);

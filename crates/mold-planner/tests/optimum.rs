@@ -10,7 +10,9 @@
 use mold_machine::{Calibration, Collective, Device, Host, LinkKind, Links, Machine, PeerDomain};
 use mold_plan::{ByteSize, DeviceId};
 use mold_planner::brute::{self, Space};
-use mold_planner::{plan_from_choice, solve_family, Family, Method, Objective, Request, TpChoice};
+use mold_planner::{
+    plan_from_choice, solve_family, Family, Method, Objective, Request, SpChoice, TpChoice,
+};
 use proptest::prelude::*;
 use std::time::Duration;
 
@@ -27,6 +29,8 @@ struct Instance {
     stream: bool,
     /// 0: auto, 1: off, d ≥ 2: `--tp d`.
     tp: u32,
+    /// 0: auto, 1: off, d ≥ 2: `--sp d`.
+    sp: u32,
     host_components: bool,
     memory_objective: bool,
     steps: u32,
@@ -57,6 +61,7 @@ fn instance() -> impl Strategy<Value = Instance> {
         any::<bool>(),
         (
             prop_oneof![3 => Just(0u32), 1 => Just(1u32), 1 => 2u32..=3],
+            prop_oneof![3 => Just(0u32), 1 => Just(1u32), 1 => 2u32..=3],
             any::<bool>(),
             prop::bool::weighted(0.3),
             1u32..30,
@@ -77,7 +82,7 @@ fn instance() -> impl Strategy<Value = Instance> {
                 scale,
                 components,
                 stream,
-                (tp, host_components, memory_objective, steps),
+                (tp, sp, host_components, memory_objective, steps),
                 (select, pin_transformer, pin_component),
             )| Instance {
                 devices,
@@ -89,6 +94,7 @@ fn instance() -> impl Strategy<Value = Instance> {
                 components,
                 stream,
                 tp,
+                sp,
                 host_components,
                 memory_objective,
                 steps,
@@ -173,6 +179,7 @@ fn build(inst: &Instance) -> Option<Request> {
                 bf16_tflops: *tf,
                 f32_tflops: Some(*tf / 2.0),
                 model_efficiency: None,
+                elementwise_efficiency: None,
                 mem_bandwidth_gbps: *bw,
                 fused_attention: *fused,
                 uuid: None,
@@ -228,6 +235,11 @@ fn build(inst: &Instance) -> Option<Request> {
         1 => TpChoice::Off,
         d => TpChoice::Degree(d),
     };
+    req.constraints.sp = match inst.sp {
+        0 => SpChoice::Auto,
+        1 => SpChoice::Off,
+        d => SpChoice::Degree(d),
+    };
     if inst.memory_objective {
         req.objective = Objective::Memory;
     }
@@ -266,11 +278,13 @@ fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= (1e-7 * a.abs().max(b.abs())).max(1e-9)
 }
 
-const FAMILIES: [Option<Family>; 5] = [
+const FAMILIES: [Option<Family>; 7] = [
     None,
     Some(Family::Single),
     Some(Family::Split),
     Some(Family::Tensor),
+    Some(Family::Sequence),
+    Some(Family::Hybrid),
     Some(Family::Mixed),
 ];
 
@@ -348,6 +362,7 @@ fn one_device(stream: bool) -> Instance {
         components: 0,
         stream,
         tp: 0,
+        sp: 1,
         host_components: true,
         memory_objective: false,
         steps: 1,

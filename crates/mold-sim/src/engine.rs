@@ -3,7 +3,7 @@
 
 use crate::text::{gbps_text, human, list};
 use crate::{Event, EventKind, Lane, Live, SimError, SimOptions, SimReport};
-use mold_cost::{BlockCost, Ctx};
+use mold_cost::{BlockCost, Ctx, Group};
 use mold_machine::Machine;
 use mold_models::{ModelSpec, Workkind};
 use mold_plan::{ComponentRole, DType, DeviceId, Plan, Residency};
@@ -38,7 +38,11 @@ pub(crate) struct Alloc {
 struct BlockInfo {
     cost: BlockCost,
     per_rank_s: Vec<f64>,
+    /// One rank's token shard of the hidden state (all of it without sequence
+    /// parallel): what each all-reduce moves.
     hidden: u64,
+    /// One rank's token shard of its head columns: what each all-to-all moves.
+    shard: u64,
     allreduces: u32,
     /// Modulation all-gathers per block and the bytes each yields per rank.
     allgathers: u32,
@@ -66,7 +70,7 @@ pub(crate) struct Sim<'a> {
     pub(crate) devs: Vec<Streams>,
     pub(crate) events: Vec<Event>,
     pub(crate) allocs: Vec<Alloc>,
-    cache: HashMap<(String, Vec<DeviceId>), BlockInfo>,
+    cache: HashMap<(String, Group), BlockInfo>,
     pub(crate) host_ram: u64,
     pub(crate) host_pinned: u64,
     pub(crate) pinned_parts: Vec<Live>,
@@ -182,10 +186,10 @@ impl<'a> Sim<'a> {
     }
 
     /// A block kind on a group: the cost model's figures, and each rank's own compute
-    /// time (the cost model's time for a group of that rank alone at the same degree, so
+    /// time (the cost model's time for a group of that rank alone in the same layout, so
     /// the group's figure is the slowest rank's).
-    fn info(&mut self, kind_name: &str, group: &[DeviceId], dtype: DType) -> BlockInfo {
-        let key = (kind_name.to_string(), group.to_vec());
+    fn info(&mut self, kind_name: &str, group: &Group, dtype: DType) -> BlockInfo {
+        let key = (kind_name.to_string(), group.clone());
         if let Some(i) = self.cache.get(&key) {
             return i.clone();
         }
@@ -196,12 +200,17 @@ impl<'a> Sim<'a> {
             .expect("validated: known block kind");
         let cost = self.ctx.block(kind, group, dtype);
         let per_rank_s: Vec<f64> = group
+            .devices
             .iter()
             .map(|d| {
-                let alone = vec![d.clone(); group.len()];
+                let alone = Group::new(vec![d.clone(); group.len()], group.tp, group.sp);
                 self.ctx.block(kind, &alone, dtype).compute_s
             })
             .collect();
+        let act = dtype.activation_bytes();
+        let local = kind
+            .stream_token_count(self.ctx.tokens)
+            .div_ceil(group.sp.max(1) as u64);
         debug_assert!(
             (per_rank_s.iter().cloned().fold(0.0, f64::max) - cost.compute_s).abs()
                 <= 1e-12 * cost.compute_s.max(1.0)
@@ -209,7 +218,13 @@ impl<'a> Sim<'a> {
         let info = BlockInfo {
             cost,
             per_rank_s,
-            hidden: kind.hidden_bytes(self.ctx.tokens, self.ctx.batch, dtype.activation_bytes()),
+            hidden: mold_models::product(&[self.ctx.batch, local, kind.hidden, act]),
+            shard: mold_models::product(&[
+                self.ctx.batch,
+                local,
+                kind.hidden.div_ceil(group.tp.max(1) as u64),
+                act,
+            ]),
             allreduces: kind.allreduces,
             allgathers: kind.allgathers(),
             gathered: kind.per_sample_bytes(self.ctx.batch, dtype.activation_bytes()),
@@ -273,20 +288,21 @@ impl<'a> Sim<'a> {
         let n = self.devs.len();
         let mut resident = vec![0u64; n];
         let mut resident_ranges: Vec<Vec<String>> = vec![Vec::new(); n];
-        let mut groups: Vec<Vec<DeviceId>> = Vec::new();
+        let mut groups: Vec<Group> = Vec::new();
         let mut group_buffers: Vec<(u64, u32, u64)> = Vec::new();
         for (pi, p) in tc.parts.iter().enumerate() {
-            let gi = match groups.iter().position(|g| g == &p.devices) {
+            let group = Group::of(p);
+            let gi = match groups.iter().position(|g| g == &group) {
                 Some(i) => i,
                 None => {
-                    groups.push(p.devices.clone());
+                    groups.push(group.clone());
                     group_buffers.push((0, 0, 0));
                     groups.len() - 1
                 }
             };
             let mut largest = 0u64;
             for r in &p.blocks {
-                let info = self.info(&r.kind, &p.devices, dtype);
+                let info = self.info(&r.kind, &group, dtype);
                 let wb = info.cost.weight_bytes;
                 match p.residency {
                     Residency::Resident => {
@@ -326,7 +342,7 @@ impl<'a> Sim<'a> {
             }
         }
         for (g, (set, count, each)) in groups.iter().zip(group_buffers) {
-            for d in g {
+            for d in &g.devices {
                 let i = self.di(d);
                 if set > 0 {
                     self.buffers[i] += set;
@@ -337,7 +353,7 @@ impl<'a> Sim<'a> {
         }
         let mut stemmed = vec![false; n];
         for g in &groups {
-            for d in g {
+            for d in &g.devices {
                 let i = self.di(d);
                 if !stemmed[i] {
                     stemmed[i] = true;
@@ -441,14 +457,15 @@ impl<'a> Sim<'a> {
                 ready[i] = denoise_start;
             }
             let dtype = tc.dtype;
-            let mut groups: Vec<Vec<DeviceId>> = Vec::new();
+            let mut groups: Vec<Group> = Vec::new();
             let mut streams: Vec<GroupStream> = Vec::new();
             let mut group_of = Vec::new();
             for p in &tc.parts {
-                let gi = match groups.iter().position(|g| g == &p.devices) {
+                let group = Group::of(p);
+                let gi = match groups.iter().position(|g| g == &group) {
                     Some(i) => i,
                     None => {
-                        groups.push(p.devices.clone());
+                        groups.push(group);
                         streams.push(GroupStream {
                             buffers: 0,
                             done: vec![Vec::new(); p.devices.len()],
@@ -478,7 +495,7 @@ impl<'a> Sim<'a> {
                         if s > 1 {
                             self.step_input(&last_devs, &p.devices, latent, &mut ready, &phase);
                         }
-                    } else if tc.parts[pi - 1].devices != p.devices {
+                    } else if group_of[pi - 1] != g {
                         let prev = tc.parts[pi - 1].devices.clone();
                         self.handoff(&prev, &p.devices, hand_bytes, dtype, &mut ready, &phase);
                     }
@@ -491,7 +508,7 @@ impl<'a> Sim<'a> {
                         }
                     }
                     for r in &p.blocks {
-                        let info = self.info(&r.kind, &p.devices, dtype);
+                        let info = self.info(&r.kind, &groups[g], dtype);
                         for b in r.start..r.end {
                             let what = format!("{} {b}", r.kind);
                             let moment = format!("{phase}, {what}");
@@ -505,6 +522,12 @@ impl<'a> Sim<'a> {
                                 &mut ready,
                             );
                         }
+                    }
+                    // A run of parts on a sequence-parallel group ends with an
+                    // all-gather of the hidden state.
+                    if group_of.get(pi + 1) != Some(&g) {
+                        let group = groups[g].clone();
+                        self.gather(&group, hand_bytes, dtype, &mut ready, &phase);
                     }
                     last_group = p.devices.clone();
                 }
@@ -695,7 +718,41 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// One block on its group: copy (streamed), compute on each rank, all-reduce.
+    /// The all-gather that ends a run of parts on a sequence-parallel group: every rank
+    /// receives the others' token shards of the hidden state (`bytes` in all).
+    fn gather(&mut self, group: &Group, bytes: u64, dtype: DType, ready: &mut [f64], phase: &str) {
+        let t = self.ctx.gather_s(group, dtype);
+        if t <= 0.0 {
+            return;
+        }
+        let s = group
+            .devices
+            .iter()
+            .map(|d| {
+                let i = self.di(d);
+                ready[i].max(self.devs[i].comm)
+            })
+            .fold(0.0, f64::max);
+        let e = s + t;
+        let moment = format!("{phase}, all-gather");
+        for d in &group.devices {
+            let i = self.di(d);
+            self.devs[i].comm = e;
+            let what = format!(
+                "all-gather of the hidden state ({}, sp{})",
+                human(bytes),
+                group.sp
+            );
+            self.event(i, Lane::Comm, EventKind::AllGather, s, e, what, phase);
+            if self.opts.transfer_buffers {
+                self.alloc(i, s, Some(e), bytes, "all-gather buffer".into(), &moment);
+            }
+            ready[i] = e;
+        }
+    }
+
+    /// One block on its group: copy (streamed), compute on each rank, all-reduces and
+    /// all-to-alls.
     #[allow(clippy::too_many_arguments)]
     fn block(
         &mut self,
@@ -749,46 +806,64 @@ impl<'a> Sim<'a> {
             ends.push(e);
         }
         let mut done = ends.clone();
-        if group.len() > 1 && bc.allreduce_s > 0.0 {
-            // The collective joins the group: it starts when the slowest rank is ready.
+        let link = self.machine.group_link(group);
+        let via = match (link.staged, link.kind) {
+            (true, _) => "staged through host".to_string(),
+            (false, Some(k)) => format!("{k:?}").to_lowercase(),
+            (false, None) => "peer".to_string(),
+        };
+        let allreduce = if info.allgathers > 0 {
+            format!(
+                "all-reduce ×{} + all-gather after {what} ({} each, {} gathered, {via})",
+                info.allreduces,
+                human(info.hidden),
+                human(info.gathered)
+            )
+        } else {
+            format!(
+                "all-reduce ×{} after {what} ({} each, {via})",
+                info.allreduces,
+                human(info.hidden)
+            )
+        };
+        let alltoall = format!(
+            "all-to-all ×{} in {what} ({} shard each, {via})",
+            mold_cost::ALLTOALLS_PER_BLOCK,
+            human(info.shard)
+        );
+        // Tensor-parallel all-reduces, then sequence-parallel all-to-alls: each joins
+        // the group, starting when its slowest rank is ready.
+        let collectives = [
+            (
+                bc.allreduce_s,
+                EventKind::AllReduce,
+                allreduce,
+                info.hidden,
+                "all-reduce buffer",
+            ),
+            (
+                bc.alltoall_s,
+                EventKind::AllToAll,
+                alltoall,
+                info.shard,
+                "all-to-all buffer",
+            ),
+        ];
+        for (seconds, kind, w, bytes, buffer) in collectives {
+            if group.len() < 2 || seconds <= 0.0 {
+                continue;
+            }
             let mut s = 0.0f64;
             for (li, d) in group.iter().enumerate() {
-                s = s.max(ends[li]).max(self.devs[self.di(d)].comm);
+                s = s.max(done[li]).max(self.devs[self.di(d)].comm);
             }
-            let e = s + bc.allreduce_s;
-            let link = self.machine.group_link(group);
-            let via = match (link.staged, link.kind) {
-                (true, _) => "staged through host".to_string(),
-                (false, Some(k)) => format!("{k:?}").to_lowercase(),
-                (false, None) => "peer".to_string(),
-            };
+            let e = s + seconds;
             for (li, d) in group.iter().enumerate() {
                 let i = self.di(d);
                 self.devs[i].comm = e;
-                let w = if info.allgathers > 0 {
-                    format!(
-                        "all-reduce ×{} + all-gather after {what} ({} each, {} gathered, {via})",
-                        info.allreduces,
-                        human(info.hidden),
-                        human(info.gathered)
-                    )
-                } else {
-                    format!(
-                        "all-reduce ×{} after {what} ({} each, {via})",
-                        info.allreduces,
-                        human(info.hidden)
-                    )
-                };
-                self.event(i, Lane::Comm, EventKind::AllReduce, s, e, w, phase);
+                self.event(i, Lane::Comm, kind, s, e, w.clone(), phase);
                 if self.opts.transfer_buffers {
-                    self.alloc(
-                        i,
-                        s,
-                        Some(e),
-                        info.hidden,
-                        "all-reduce buffer".into(),
-                        moment,
-                    );
+                    self.alloc(i, s, Some(e), bytes, buffer.into(), moment);
                 }
                 done[li] = e;
             }

@@ -8,8 +8,9 @@
 //! latents).
 //!
 //! What it models beyond the planner's closed form ([`mold_cost::evaluate`]):
-//! - each rank of a tensor-parallel group computes at its own speed; the all-reduce
-//!   starts when the slowest rank is ready;
+//! - each rank of a parallel group computes at its own speed; the all-reduces (tensor
+//!   parallel) and all-to-alls (sequence parallel) start when the slowest rank is ready;
+//!   a sequence-parallel run of parts ends with an all-gather of the hidden state;
 //! - hand-offs between parts use the actual link of each (source, destination) pair, to
 //!   every rank of the next group (the planner prices every hand-off at the machine's
 //!   slowest device-to-device path);
@@ -18,7 +19,8 @@
 //!   fill per device group per step);
 //! - latents return to the first part's devices between steps; conditioning moves to
 //!   the transformer's first devices, latents to the VAE's device;
-//! - all-reduce buffers, hand-off buffers, conditioning and latents are live memory.
+//! - all-reduce, all-to-all and all-gather buffers, hand-off buffers, conditioning and
+//!   latents are live memory.
 //!
 //! [`SimOptions::planner`] turns those refinements off; the simulator then reproduces the
 //! planner's step time and peak memory, which is how [`compare`] explains every
@@ -125,6 +127,10 @@ pub enum EventKind {
     StreamedBlock,
     Copy,
     AllReduce,
+    /// Sequence-parallel all-to-alls of a block (q, k, v in, output back).
+    AllToAll,
+    /// The all-gather of the hidden state that ends a sequence-parallel run of parts.
+    AllGather,
     HandOff,
     Transfer,
 }

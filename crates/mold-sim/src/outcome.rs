@@ -286,13 +286,21 @@ fn bottleneck(devices: &[DeviceReport], step: f64, events: &[Event], window: (f6
             secs(d.step_compute_s)
         ),
         Lane::Comm => {
-            let ar: f64 = events
-                .iter()
-                .filter(|e| e.device == d.device && e.kind == EventKind::AllReduce)
-                .map(|e| (e.end_s.min(hi) - e.start_s.max(lo)).max(0.0))
-                .sum();
+            let of = |kind: EventKind| -> f64 {
+                events
+                    .iter()
+                    .filter(|e| e.device == d.device && e.kind == kind)
+                    .map(|e| (e.end_s.min(hi) - e.start_s.max(lo)).max(0.0))
+                    .sum()
+            };
+            let (ar, a2a) = (of(EventKind::AllReduce), of(EventKind::AllToAll));
+            let a2a = if a2a > 0.0 {
+                format!(", all-to-alls {}", secs(a2a))
+            } else {
+                String::new()
+            };
             format!(
-                "communication on {}: {} of the {} step ({pct:.0}%), all-reduces {}",
+                "communication on {}: {} of the {} step ({pct:.0}%), all-reduces {}{a2a}",
                 d.device,
                 secs(t),
                 secs(step),

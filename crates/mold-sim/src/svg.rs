@@ -27,6 +27,8 @@ fn color(k: EventKind) -> &'static str {
         EventKind::StreamedBlock => "#2a9d8f",
         EventKind::Copy => "#e0902f",
         EventKind::AllReduce => "#d04a4a",
+        EventKind::AllToAll => "#e06a9a",
+        EventKind::AllGather => "#a04ad0",
         EventKind::HandOff => "#3a9a3a",
         EventKind::Transfer => "#8a8a8a",
     }
@@ -173,6 +175,8 @@ impl SimReport {
             (EventKind::StreamedBlock, "streamed block"),
             (EventKind::Copy, "host→device copy"),
             (EventKind::AllReduce, "all-reduce"),
+            (EventKind::AllToAll, "all-to-all"),
+            (EventKind::AllGather, "all-gather"),
             (EventKind::HandOff, "hand-off"),
             (EventKind::Transfer, "conditioning / latents"),
             (EventKind::Vae, "VAE"),

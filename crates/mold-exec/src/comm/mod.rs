@@ -1,4 +1,5 @@
-//! Collective communication between the ranks of a tensor-parallel group.
+//! Collective communication between the ranks of a group: a tensor-parallel group
+//! (all-reduce, all-gather) or a sequence-parallel one (all-to-all).
 //!
 //! Model code sees only the [`Comm`] trait. Implementations:
 //! - [`LocalComm`]: a group of one (no communication).
@@ -32,7 +33,7 @@ pub use options::{
 pub use tcp::TcpComm;
 pub use thread::ThreadComm;
 
-use candle_core::{Result, Tensor};
+use candle_core::{Result, Shape, Tensor};
 
 /// A rank's handle on its tensor-parallel group.
 pub trait Comm: Send + Sync {
@@ -59,6 +60,12 @@ pub trait Comm: Send + Sync {
             .collect();
         self.all_reduce_sum(&Tensor::cat(&slots, 0)?)
     }
+    /// Sends `send[j]` to rank j and returns, in rank order, what every rank sent to this
+    /// one; `recv[j]` is the shape rank j sends here. Every rank must call it, in the same
+    /// order, with `world_size` tensors of one dtype each way; tensors may differ in shape
+    /// between pairs (uneven sequence shards). `send[rank]` comes back as is. The results
+    /// are contiguous, on the device of `send[rank]`.
+    fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>>;
     /// Marks the group failed so the other ranks stop waiting for this one (called when a
     /// rank errors or panics); they then fail with [`CommError::PeerAborted`]. The
     /// default does nothing.
@@ -85,4 +92,43 @@ impl Comm for LocalComm {
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
         Ok(t.clone())
     }
+    fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>> {
+        check_all_to_all(0, 1, send, recv)?;
+        Ok(send.to_vec())
+    }
+}
+
+/// The checks every [`Comm::all_to_all`] makes before communicating: one tensor and one
+/// shape per rank, this rank's own tensor of the shape it expects from itself.
+pub(crate) fn check_all_to_all(
+    rank: usize,
+    world: usize,
+    send: &[Tensor],
+    recv: &[Shape],
+) -> Result<()> {
+    if send.len() != world || recv.len() != world {
+        return Err(CommError::Local(format!(
+            "all_to_all over {world} ranks given {} tensors and {} shapes",
+            send.len(),
+            recv.len()
+        ))
+        .into());
+    }
+    if send[rank].shape() != &recv[rank] {
+        return Err(CommError::Local(format!(
+            "all_to_all: rank {rank} sends itself {:?} but expects {:?}",
+            send[rank].shape(),
+            recv[rank]
+        ))
+        .into());
+    }
+    if let Some(t) = send.iter().find(|t| t.dtype() != send[rank].dtype()) {
+        return Err(CommError::Local(format!(
+            "all_to_all: mixed dtypes {:?} and {:?}",
+            t.dtype(),
+            send[rank].dtype()
+        ))
+        .into());
+    }
+    Ok(())
 }

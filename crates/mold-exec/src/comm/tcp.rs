@@ -3,7 +3,7 @@
 
 use super::{Comm, CommError};
 use crate::dist::{decode_shaped, encode_shaped, Mesh};
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Shape, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -94,6 +94,45 @@ impl Comm for TcpComm {
             });
         }
         acc.unwrap_or(host).to_device(t.device())
+    }
+    fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> candle_core::Result<Vec<Tensor>> {
+        let me = self.rank;
+        super::check_all_to_all(me, self.procs.len(), send, recv)?;
+        let local = |e: crate::ExecError| CommError::Local(format!("{}: {e}", self.here()));
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let tag = |from: usize, to: usize| format!("a2a/{}/{seq}/{from}>{to}", self.group);
+        for (r, &p) in self.procs.iter().enumerate() {
+            if r != me {
+                let host = send[r].to_device(&Device::Cpu)?;
+                let bytes = encode_shaped(&[&host]).map_err(local)?;
+                self.mesh.send_typed(p, &tag(me, r), &bytes, &self.here())?;
+            }
+        }
+        let mut got = Vec::with_capacity(recv.len());
+        for (r, &p) in self.procs.iter().enumerate() {
+            if r == me {
+                got.push(send[me].contiguous()?);
+                continue;
+            }
+            let b = self.mesh.recv_typed(p, &tag(r, me), &self.here())?;
+            let t = decode_shaped(&b)
+                .map_err(local)?
+                .pop()
+                .ok_or_else(|| local(crate::ExecError::Dist("empty tensor message".into())))?;
+            if t.shape() != &recv[r] || t.dtype() != send[me].dtype() {
+                return Err(CommError::Local(format!(
+                    "{}: all_to_all: rank {r} sent {:?}/{:?}, expected {:?}/{:?}",
+                    self.here(),
+                    t.shape(),
+                    t.dtype(),
+                    recv[r],
+                    send[me].dtype()
+                ))
+                .into());
+            }
+            got.push(t.to_device(send[me].device())?);
+        }
+        Ok(got)
     }
     /// Releases this process's ranks waiting on the mesh (they fail with
     /// [`CommError::PeerAborted`]); the executor then tells the other processes, with the

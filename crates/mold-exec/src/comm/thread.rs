@@ -2,11 +2,13 @@
 //! through host memory and summed in rank order (bit-identical on every rank).
 
 use super::{Comm, CommError};
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Device, Result, Shape, Tensor};
 use std::sync::{Arc, Condvar, Mutex};
 
 struct State {
     slots: Vec<Option<Tensor>>,
+    /// All-to-all mailboxes: `mail[from][to]`.
+    mail: Vec<Vec<Option<Tensor>>>,
     arrived: usize,
     generation: u64,
     /// The failure that aborted the group, once one did.
@@ -74,6 +76,7 @@ impl ThreadComm {
             world,
             state: Mutex::new(State {
                 slots: vec![None; world],
+                mail: vec![vec![None; world]; world],
                 arrived: 0,
                 generation: 0,
                 aborted: None,
@@ -141,6 +144,52 @@ impl Comm for ThreadComm {
         // Nobody may overwrite a slot before every rank has read them all.
         self.shared.barrier(self.rank)?;
         acc.unwrap_or_else(|| t.clone()).to_device(t.device())
+    }
+
+    /// Host-staged: each rank posts its tensors in the mailboxes, then takes its own.
+    fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>> {
+        let (me, world) = (self.rank, self.shared.world);
+        super::check_all_to_all(me, world, send, recv)?;
+        if world == 1 {
+            return Ok(vec![send[0].contiguous()?]);
+        }
+        let host: Vec<Option<Tensor>> = send
+            .iter()
+            .enumerate()
+            .map(|(j, t)| (j != me).then(|| t.to_device(&Device::Cpu)).transpose())
+            .collect::<Result<_>>()?;
+        self.shared.lock().mail[me] = host;
+        self.shared.barrier(me)?;
+        let mut got = Vec::with_capacity(world);
+        for (j, shape) in recv.iter().enumerate() {
+            if j == me {
+                got.push(send[me].contiguous()?);
+                continue;
+            }
+            let t = self.shared.lock().mail[j][me].take();
+            let Some(t) = t else {
+                self.abort();
+                return Err(CommError::Local(format!(
+                    "all_to_all: nothing from rank {j} for rank {me}"
+                ))
+                .into());
+            };
+            if t.shape() != shape || t.dtype() != send[me].dtype() {
+                self.abort();
+                return Err(CommError::Local(format!(
+                    "all_to_all: rank {j} sent rank {me} {:?}/{:?}, expected {:?}/{:?}",
+                    t.shape(),
+                    t.dtype(),
+                    shape,
+                    send[me].dtype()
+                ))
+                .into());
+            }
+            got.push(t.to_device(send[me].device())?);
+        }
+        // Nobody may post again before every rank has taken its tensors.
+        self.shared.barrier(me)?;
+        Ok(got)
     }
 }
 

@@ -1,160 +1,364 @@
-//! This process's place among the processes of one run: `MOLD_RANK`, `MOLD_WORLD_SIZE`,
-//! `MOLD_MASTER_ADDR`, parsed from values the CLI reads ([`Launch::from_vars`]).
+//! This process's place among the processes of one run, from the variables the CLI reads
+//! ([`Launch::from_vars`]): mold's own (`MOLD_RANK`, `MOLD_WORLD_SIZE`,
+//! `MOLD_MASTER_ADDR`), torchrun's (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`) or Slurm's (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the first
+//! host of `SLURM_JOB_NODELIST`).
+//!
+//! # Precedence
+//!
+//! Each quantity comes from the first convention that sets it: `MOLD_*`, then torchrun,
+//! then Slurm. torchrun's variables, when present, describe the process and Slurm's are
+//! not read (torchrun started under `srun` is one task per node, not one per process).
+//! A `MOLD_*` rank or world size that disagrees with the launcher's is an error naming
+//! both; so is a rank outside `0..world` and a local rank above the rank.
+//! `MOLD_MASTER_ADDR` overrides the launcher's address (to choose an interface or a port).
+//!
+//! # Where process 0 listens
+//!
+//! - `MOLD_MASTER_ADDR`: `host[:port]`, port [`DEFAULT_PORT`] when absent.
+//! - torchrun: `MASTER_ADDR`, at `MASTER_PORT` + 1 when `TORCHELASTIC_USE_AGENT_STORE` is
+//!   true (torchrun's own store listens at `MASTER_PORT` then), else at `MASTER_PORT`
+//!   ([`DEFAULT_PORT`] when unset).
+//! - Slurm: the first host of `SLURM_JOB_NODELIST` (bracket forms such as `node[01-04,07]`
+//!   expanded), at [`DEFAULT_PORT`] + `SLURM_JOB_ID` mod 1000, so two jobs sharing a node
+//!   do not collide.
+
+mod nodelist;
 
 use crate::error::{ExecError, Result};
+
+pub use nodelist::expand as expand_nodelist;
 
 /// Port of `MOLD_MASTER_ADDR` when it names only a host.
 pub const DEFAULT_PORT: u16 = 29517;
 
+/// Every variable [`Launch::from_vars`] may read (the CLI passes these, and only these,
+/// besides `MOLD_*`).
+pub const LAUNCH_VARS: &[&str] = &[
+    "MOLD_RANK",
+    "MOLD_WORLD_SIZE",
+    "MOLD_MASTER_ADDR",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_ID",
+];
+
+/// The convention that gave a process its rank and world size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    /// `MOLD_RANK`, `MOLD_WORLD_SIZE` alone.
+    Mold,
+    /// torchrun's `RANK`, `WORLD_SIZE` (`MOLD_*` may repeat them).
+    Torchrun,
+    /// Slurm's `SLURM_PROCID`, `SLURM_NTASKS` (`MOLD_*` may repeat them).
+    Slurm,
+}
+
+impl Launcher {
+    /// The variables of this convention: (rank, world size, local rank).
+    pub fn vars(self) -> (&'static str, &'static str, Option<&'static str>) {
+        match self {
+            Launcher::Mold => ("MOLD_RANK", "MOLD_WORLD_SIZE", None),
+            Launcher::Torchrun => ("RANK", "WORLD_SIZE", Some("LOCAL_RANK")),
+            Launcher::Slurm => ("SLURM_PROCID", "SLURM_NTASKS", Some("SLURM_LOCALID")),
+        }
+    }
+}
+
+impl std::fmt::Display for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Launcher::Mold => "MOLD_*",
+            Launcher::Torchrun => "torchrun",
+            Launcher::Slurm => "Slurm",
+        })
+    }
+}
+
 /// This process's place among the processes of one run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Launch {
-    /// `MOLD_RANK`.
+    /// This process, `0..world`.
     pub rank: usize,
-    /// `MOLD_WORLD_SIZE`.
+    /// The number of processes.
     pub world: usize,
-    /// `MOLD_MASTER_ADDR`, with the port filled in.
+    /// `host:port` where process 0 listens.
     pub master: String,
+    /// This process's index among the processes of its node (`LOCAL_RANK`,
+    /// `SLURM_LOCALID`), when the launcher gives it.
+    pub local_rank: Option<usize>,
+    /// Where the rank and world size came from.
+    pub launcher: Launcher,
 }
 
 fn launch_err(m: String) -> ExecError {
     ExecError::Launch(m)
 }
 
-impl Launch {
-    /// Reads `MOLD_RANK`, `MOLD_WORLD_SIZE` and `MOLD_MASTER_ADDR` through `get` (the CLI
-    /// passes `|k| std::env::var(k).ok()`). `None` when none is set (one process); an
-    /// error naming the variable when they are incomplete or wrong.
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>> {
-        Launch::parse(
-            get("MOLD_RANK").as_deref(),
-            get("MOLD_WORLD_SIZE").as_deref(),
-            get("MOLD_MASTER_ADDR").as_deref(),
-        )
-    }
+/// One variable's value: its name and text, when set and not blank.
+type Var = Option<(&'static str, String)>;
 
-    /// [`Launch::from_vars`] on given values.
-    pub fn parse(
-        rank: Option<&str>,
-        world: Option<&str>,
-        master: Option<&str>,
-    ) -> Result<Option<Launch>> {
-        if rank.is_none() && world.is_none() && master.is_none() {
+/// A whole number from `var`, or an error naming it with `what` it should be.
+fn number((name, v): &(&'static str, String), what: &str) -> Result<usize> {
+    v.trim()
+        .parse::<usize>()
+        .map_err(|_| launch_err(format!("{name}={v:?}: give {what}")))
+}
+
+/// The value `mold` (a `MOLD_*` variable) and `other` (the launcher's) agree on, or the
+/// error naming both.
+fn agree(
+    mold: Var,
+    other: Var,
+    what: &str,
+    launcher: Option<Launcher>,
+) -> Result<Option<(&'static str, usize)>> {
+    let m = mold
+        .map(|v| number(&v, what).map(|n| (v.0, n)))
+        .transpose()?;
+    let o = other
+        .map(|v| number(&v, what).map(|n| (v.0, n)))
+        .transpose()?;
+    match (m, o) {
+        (Some((mn, m)), Some((on, o))) if m != o => {
+            let l = launcher.map(|l| format!(" ({l})")).unwrap_or_default();
+            Err(launch_err(format!(
+                "{mn}={m} but {on}={o}{l}: they disagree; unset {mn} (the launcher's value is \
+                 used) or make them equal"
+            )))
+        }
+        (Some(m), _) => Ok(Some(m)),
+        (None, o) => Ok(o),
+    }
+}
+
+/// `host:port`, with brackets around an IPv6 host.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+fn truthy(v: &str) -> bool {
+    matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes")
+}
+
+impl Launch {
+    /// Reads the launch variables ([`LAUNCH_VARS`]) through `get` (the CLI passes the
+    /// process environment). `None` when none is set, or when the world is one process;
+    /// an error naming the variable(s) when they are incomplete, wrong or disagree.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>> {
+        let var = |k: &'static str| -> Var {
+            get(k)
+                .filter(|v| !v.trim().is_empty())
+                .map(|v| (k, v.trim().to_string()))
+        };
+        let (m_rank, m_world, m_master) = (
+            var("MOLD_RANK"),
+            var("MOLD_WORLD_SIZE"),
+            var("MOLD_MASTER_ADDR"),
+        );
+        let launcher = if var("RANK").is_some() || var("WORLD_SIZE").is_some() {
+            Some(Launcher::Torchrun)
+        } else if var("SLURM_PROCID").is_some() || var("SLURM_NTASKS").is_some() {
+            Some(Launcher::Slurm)
+        } else {
+            None
+        };
+        let mold_any = m_rank.is_some() || m_world.is_some() || m_master.is_some();
+        if !mold_any && launcher.is_none() {
             return Ok(None);
         }
-        let world = match world {
-            None => {
+        let (l_rank, l_world, l_local) = match launcher {
+            Some(l) => {
+                let (r, w, lr) = l.vars();
+                (var(r), var(w), lr.and_then(var))
+            }
+            None => (None, None, None),
+        };
+        let (rank_var, world_var, _) = launcher.unwrap_or(Launcher::Mold).vars();
+        let world = match agree(
+            m_world,
+            l_world,
+            "the number of processes (1 or more)",
+            launcher,
+        )? {
+            Some((name, 0)) => {
+                return Err(launch_err(format!(
+                    "{name}=0: give the number of processes (1 or more)"
+                )))
+            }
+            Some(w) => w,
+            None if launcher.is_none() => {
                 return Err(launch_err(
                     "MOLD_WORLD_SIZE is not set (MOLD_RANK or MOLD_MASTER_ADDR is): set it to \
                      the number of processes, the same in every process"
                         .into(),
                 ))
             }
-            Some(w) => match w.trim().parse::<usize>() {
-                Ok(n) if n >= 1 => n,
-                _ => {
-                    return Err(launch_err(format!(
-                        "MOLD_WORLD_SIZE={w:?}: give the number of processes (1 or more)"
-                    )))
-                }
-            },
-        };
-        let rank = match rank {
-            None if world == 1 => 0,
             None => {
                 return Err(launch_err(format!(
-                    "MOLD_RANK is not set: give each of the {world} processes its own rank, \
-                     0..{world}"
+                    "{world_var} is not set ({rank_var} is): set it to the number of \
+                     processes, the same in every process"
                 )))
             }
-            Some(r) => match r.trim().parse::<usize>() {
-                Ok(n) if n < world => n,
-                _ => {
-                    return Err(launch_err(format!(
-                        "MOLD_RANK={r:?}: must be a whole number below MOLD_WORLD_SIZE={world} \
-                         (0..{world})"
-                    )))
-                }
-            },
         };
-        if world == 1 {
+        let rank = match agree(
+            m_rank,
+            l_rank,
+            &format!(
+                "a whole number below {}={} (0..{})",
+                world.0, world.1, world.1
+            ),
+            launcher,
+        )? {
+            None if world.1 == 1 => ("", 0),
+            None => {
+                return Err(launch_err(format!(
+                    "{rank_var} is not set: give each of the {} processes its own rank, 0..{}",
+                    world.1, world.1
+                )))
+            }
+            Some((name, r)) if r >= world.1 => {
+                return Err(launch_err(format!(
+                    "{name}={r} with {}={}: a rank is a whole number below the world size \
+                     (0..{})",
+                    world.0, world.1, world.1
+                )))
+            }
+            Some(r) => r,
+        };
+        if world.1 == 1 {
             return Ok(None);
         }
-        let master = match master.map(str::trim) {
-            None | Some("") => {
+        let local_rank = match &l_local {
+            None => None,
+            Some(v) => {
+                let lr = number(v, "this process's index among those of its node")?;
+                if lr > rank.1 {
+                    return Err(launch_err(format!(
+                        "{}={lr} with {}={}: a process's index on its node cannot exceed its \
+                         rank",
+                        v.0, rank.0, rank.1
+                    )));
+                }
+                Some(lr)
+            }
+        };
+        let master = match (m_master, launcher) {
+            (Some((_, m)), _) => mold_master(&m)?,
+            (None, Some(Launcher::Torchrun)) => torchrun_master(&var)?,
+            (None, Some(Launcher::Slurm)) => slurm_master(&var)?,
+            (None, _) => {
                 return Err(launch_err(
                     "MOLD_MASTER_ADDR is not set: give host:port where process 0 listens \
                      (the same in every process), e.g. node0:29517"
                         .into(),
                 ))
             }
-            Some(m) => m,
-        };
-        let master = match master.rsplit_once(':') {
-            Some((h, p)) if !h.is_empty() && !h.ends_with(':') => match p.parse::<u16>() {
-                Ok(_) => master.to_string(),
-                Err(_) => {
-                    return Err(launch_err(format!(
-                        "MOLD_MASTER_ADDR={master:?}: the port `{p}` is not a number 1..65535"
-                    )))
-                }
-            },
-            _ => format!("{master}:{DEFAULT_PORT}"),
         };
         Ok(Some(Launch {
-            rank,
-            world,
+            rank: rank.1,
+            world: world.1,
             master,
+            local_rank,
+            launcher: launcher.unwrap_or(Launcher::Mold),
         }))
     }
+
+    /// The variable that gave the world size (`MOLD_WORLD_SIZE`, `WORLD_SIZE`,
+    /// `SLURM_NTASKS`), for messages.
+    pub fn world_var(&self) -> &'static str {
+        self.launcher.vars().1
+    }
+}
+
+/// `MOLD_MASTER_ADDR`: `host[:port]`.
+fn mold_master(master: &str) -> Result<String> {
+    Ok(match master.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && !h.ends_with(':') => match p.parse::<u16>() {
+            Ok(_) => master.to_string(),
+            Err(_) => {
+                return Err(launch_err(format!(
+                    "MOLD_MASTER_ADDR={master:?}: the port `{p}` is not a number 1..65535"
+                )))
+            }
+        },
+        _ => format!("{master}:{DEFAULT_PORT}"),
+    })
+}
+
+/// torchrun: `MASTER_ADDR`, at `MASTER_PORT` (+ 1 when torchrun's agent store holds it).
+fn torchrun_master(var: &impl Fn(&'static str) -> Var) -> Result<String> {
+    let Some((_, host)) = var("MASTER_ADDR") else {
+        return Err(launch_err(
+            "MASTER_ADDR is not set (RANK or WORLD_SIZE is, as torchrun sets them): set it to \
+             the address of the node of rank 0, or set MOLD_MASTER_ADDR=host:port"
+                .into(),
+        ));
+    };
+    let port = match var("MASTER_PORT") {
+        None => DEFAULT_PORT,
+        Some((_, p)) => match p.parse::<u16>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                return Err(launch_err(format!(
+                    "MASTER_PORT={p:?}: give a port number 1..65535"
+                )))
+            }
+        },
+    };
+    let agent_store = var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|(_, v)| truthy(&v));
+    let port = if agent_store {
+        port.checked_add(1).ok_or_else(|| {
+            launch_err(
+                "MASTER_PORT=65535: torchrun's store listens there and mold listens at the \
+                 next port; choose a lower --master-port"
+                    .into(),
+            )
+        })?
+    } else {
+        port
+    };
+    Ok(host_port(&host, port))
+}
+
+/// Slurm: the first host of `SLURM_JOB_NODELIST`, at [`DEFAULT_PORT`] + job id mod 1000.
+fn slurm_master(var: &impl Fn(&'static str) -> Var) -> Result<String> {
+    let Some((_, list)) = var("SLURM_JOB_NODELIST") else {
+        return Err(launch_err(
+            "SLURM_JOB_NODELIST is not set (SLURM_PROCID or SLURM_NTASKS is): start mold with \
+             srun inside an allocation, or set MOLD_MASTER_ADDR=host:port"
+                .into(),
+        ));
+    };
+    let host = nodelist::expand(&list, 1)
+        .map_err(|why| launch_err(format!("SLURM_JOB_NODELIST={list:?}: {why}")))?
+        .pop()
+        .ok_or_else(|| launch_err(format!("SLURM_JOB_NODELIST={list:?}: names no host")))?;
+    let offset = match var("SLURM_JOB_ID") {
+        None => 0,
+        Some((_, id)) => match id.parse::<u64>() {
+            Ok(n) => (n % 1000) as u16,
+            Err(_) => {
+                return Err(launch_err(format!(
+                    "SLURM_JOB_ID={id:?}: expected the job's number"
+                )))
+            }
+        },
+    };
+    Ok(host_port(&host, DEFAULT_PORT + offset))
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn launch_from_variables() {
-        assert_eq!(Launch::parse(None, None, None).unwrap(), None);
-        assert_eq!(Launch::parse(None, Some("1"), None).unwrap(), None);
-        let l = Launch::parse(Some("1"), Some("2"), Some("node0"))
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            l,
-            Launch {
-                rank: 1,
-                world: 2,
-                master: format!("node0:{DEFAULT_PORT}")
-            }
-        );
-        let l = Launch::parse(Some("0"), Some("2"), Some("10.0.0.1:4000"))
-            .unwrap()
-            .unwrap();
-        assert_eq!(l.master, "10.0.0.1:4000");
-        let msg = |r, w, m| Launch::parse(r, w, m).unwrap_err().to_string();
-        assert!(msg(Some("0"), None, Some("h")).contains("MOLD_WORLD_SIZE is not set"));
-        assert!(msg(None, Some("2"), Some("h")).contains("MOLD_RANK is not set"));
-        assert!(msg(Some("2"), Some("2"), Some("h")).contains("MOLD_RANK=\"2\""));
-        assert!(msg(Some("0"), Some("2"), None).contains("MOLD_MASTER_ADDR is not set"));
-        assert!(msg(Some("0"), Some("x"), Some("h")).contains("MOLD_WORLD_SIZE=\"x\""));
-        assert!(msg(Some("0"), Some("2"), Some("h:port")).contains("not a number"));
-    }
-
-    #[test]
-    fn launch_from_a_lookup() {
-        let vars = [
-            ("MOLD_RANK", "1"),
-            ("MOLD_WORLD_SIZE", "2"),
-            ("MOLD_MASTER_ADDR", "h:9"),
-        ];
-        let get = |k: &str| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        };
-        let l = Launch::from_vars(get).unwrap().unwrap();
-        assert_eq!((l.rank, l.world, l.master.as_str()), (1, 2, "h:9"));
-        assert_eq!(Launch::from_vars(|_| None).unwrap(), None);
-    }
-}
+mod tests;

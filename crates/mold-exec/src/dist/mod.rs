@@ -7,8 +7,9 @@
 //! `MOLD_WORLD_SIZE` (processes), `MOLD_RANK` (this one, `0..MOLD_WORLD_SIZE`) and
 //! `MOLD_MASTER_ADDR` (`host:port` where process 0 listens; the port defaults to
 //! [`DEFAULT_PORT`]). No launcher is needed: processes may start in any order within the
-//! timeout. The CLI reads the variables and passes them in ([`Launch::from_vars`],
-//! [`crate::comm::CommOptions::from_vars`]).
+//! timeout. torchrun's and Slurm's variables work too, with `MOLD_*` first ([`Launcher`];
+//! `launch.rs` says how they combine). The CLI reads the variables and passes them in
+//! ([`Launch::from_vars`], [`crate::comm::CommOptions::from_vars`]).
 //!
 //! # Who runs what ([`Ownership`])
 //!
@@ -52,7 +53,7 @@ pub mod wire;
 mod tests;
 
 pub use codec::{decode_shaped, encode_shaped};
-pub use launch::{Launch, DEFAULT_PORT};
+pub use launch::{expand_nodelist, Launch, Launcher, DEFAULT_PORT, LAUNCH_VARS};
 pub use mesh::Mesh;
 pub use ownership::Ownership;
 pub use wire::{MAX_FRAME_BYTES, MAX_HANDSHAKE_BYTES, MAX_SECRET_BYTES, PROTOCOL_VERSION};

@@ -44,6 +44,8 @@ fn meshes_with(
                     rank,
                     world,
                     master: master.clone(),
+                    local_rank: None,
+                    launcher: Launcher::Mold,
                 };
                 let run = run[rank].clone();
                 s.spawn(move || Mesh::connect(&l, &run, o))
@@ -137,6 +139,8 @@ fn a_missing_process_is_named_after_the_timeout() {
         rank: 0,
         world: 3,
         master,
+        local_rank: None,
+        launcher: Launcher::Mold,
     };
     let e = Mesh::connect(&l, &[], &opts(300)).unwrap_err().to_string();
     assert!(e.contains("for process(es) 1, 2"), "{e}");
@@ -200,6 +204,8 @@ fn survives<T: Send>(o: &CommOptions, stray: impl FnOnce(&str) -> T + Send) -> T
             rank: 0,
             world: 2,
             master: master.clone(),
+            local_rank: None,
+            launcher: Launcher::Mold,
         };
         let l1 = Launch {
             rank: 1,
@@ -342,6 +348,8 @@ fn a_process_with_the_wrong_secret_is_refused_and_process_0_keeps_waiting() {
             rank: 0,
             world: 2,
             master: master.clone(),
+            local_rank: None,
+            launcher: Launcher::Mold,
         };
         let l1 = Launch {
             rank: 1,

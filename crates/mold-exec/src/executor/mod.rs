@@ -53,6 +53,9 @@ struct Rank<M: Transformer> {
 struct PartRt<M: Transformer> {
     /// Every device of the part (the group), in rank order.
     devices: Vec<DeviceId>,
+    /// Tensor- and sequence-parallel degrees ([`PartSpec`]).
+    tp: usize,
+    sp: usize,
     steps: Vec<BlockRef>,
     /// The ranks this process runs (all of them in a one-process run).
     ranks: Vec<Rank<M>>,
@@ -98,6 +101,10 @@ impl<M: Transformer> std::fmt::Debug for Executor<M> {
 /// A part as the executor builds it.
 struct PartSpec {
     devices: Vec<DeviceId>,
+    /// Tensor- and sequence-parallel degrees (`tp · sp` = devices; device `i` is
+    /// tensor-parallel rank `i % tp` of sequence-parallel rank `i / tp`).
+    tp: usize,
+    sp: usize,
     residency: Residency,
     buffers: usize,
     steps: Vec<BlockRef>,
@@ -171,6 +178,8 @@ impl<M: Transformer> Executor<M> {
             .zip(steps)
             .map(|(p, steps)| PartSpec {
                 devices: p.devices.clone(),
+                tp: p.tp as usize,
+                sp: p.sp as usize,
                 residency: p.residency,
                 buffers: p.buffers().max(1) as usize,
                 steps,
@@ -199,6 +208,8 @@ impl<M: Transformer> Executor<M> {
         ckpt.check(model, "the given model config")?;
         let spec = PartSpec {
             devices: vec![device.clone()],
+            tp: 1,
+            sp: 1,
             residency: Residency::Resident,
             buffers: 0,
             steps: model.all_blocks(),
@@ -221,9 +232,11 @@ impl<M: Transformer> Executor<M> {
         let mut need = 0u64;
         let mut blocks = 0usize;
         for s in specs.iter().filter(|s| s.residency == Residency::Streamed) {
-            let world = s.devices.len();
-            for rank in (0..world).filter(|r| local(&s.devices[*r])) {
-                let shard = Shard { rank, world };
+            for i in (0..s.devices.len()).filter(|r| local(&s.devices[*r])) {
+                let shard = Shard {
+                    rank: i % s.tp,
+                    world: s.tp,
+                };
                 for step in &s.steps {
                     need += model.load_block(&shapes, *step, shard)?.bytes();
                 }
@@ -276,7 +289,7 @@ impl<M: Transformer> Executor<M> {
                 Some(x) => x.own.local_id(x.mesh.rank(), d),
             }
         };
-        let mut devmap = DeviceMap::default();
+        let mut devmap = DeviceMap::new(opts.deterministic);
         // Resolve every device before reading any weight.
         for s in &specs {
             for d in s.devices.iter().filter_map(local_id) {
@@ -298,7 +311,12 @@ impl<M: Transformer> Executor<M> {
                 let Some(lid) = local_id(id) else { continue };
                 let device = devmap.get(&lid)?;
                 local_ids.push(lid);
-                let shard = Shard { rank, world };
+                // Weights are sharded over the tensor-parallel group only: the ranks
+                // of a sequence-parallel group hold the same shard.
+                let shard = Shard {
+                    rank: rank % spec.tp,
+                    world: spec.tp,
+                };
                 let mut resident_bytes = 0;
                 let mut sync_stream_bytes = 0;
                 let mut sync_host_bytes = 0;
@@ -367,6 +385,11 @@ impl<M: Transformer> Executor<M> {
                 });
             }
             let comms = match &dist {
+                Some(_) if spec.sp > 1 && !ranks.is_empty() && ranks.len() < world => {
+                    return Err(ExecError::Plan(format!(
+                        "part {pi}: sequence parallelism over devices of several processes is not supported yet: run the plan as one process, or give the part's devices to one process"
+                    )));
+                }
                 Some(x) if world > 1 && !ranks.is_empty() && ranks.len() < world => {
                     Some(x.group(pi, &spec.devices, &ranks, &local_ids)?)
                 }
@@ -374,6 +397,8 @@ impl<M: Transformer> Executor<M> {
             };
             parts.push(PartRt {
                 devices: spec.devices,
+                tp: spec.tp,
+                sp: spec.sp,
                 steps: spec.steps,
                 ranks,
                 local_ids,
@@ -475,10 +500,11 @@ impl<M: Transformer> Executor<M> {
     /// output on the last part's first device (in a multi-process run, on the host in the
     /// processes that do not run it).
     ///
-    /// Inputs on a CUDA device must be complete when this is called: the executor's
-    /// devices have streams of their own (`runtime::DeviceMap`), not ordered with the
-    /// stream the inputs were made on, so the thread that produced them synchronizes its
-    /// device first (`mold_pipeline::sampling::denoise` does).
+    /// Inputs on a CUDA device must be complete when this is called: the executor's ranks
+    /// queue work on streams of their own threads (or, with
+    /// [`ExecOptions::deterministic`], of their devices), not ordered with the stream the
+    /// inputs were made on, so the thread that produced them synchronizes its device
+    /// first (`mold_pipeline::sampling::denoise` does).
     pub fn forward(&self, inputs: &M::Inputs) -> Result<Tensor> {
         self.model.check_inputs(inputs)?;
         // Start the first copies of every streaming device now: they overlap the stem

@@ -18,7 +18,8 @@ pub fn compute_dtype(d: mold_plan::DType) -> Result<DType> {
 /// Checks the transformer parts of `plan` against model `m` without loading anything:
 /// every block range names a known kind and lies inside the model, every block runs
 /// exactly once, kinds in the model's order and each in ascending order, and each
-/// tensor-parallel degree suits the model ([`Transformer::tp_refusal`]). Returns each
+/// part's tensor- and sequence-parallel degrees suit the model
+/// ([`Transformer::tp_refusal`], [`Transformer::sp_refusal`]). Returns each
 /// part's blocks in execution order.
 pub fn check_plan<M: Transformer>(m: &M, plan: &Plan) -> Result<Vec<Vec<BlockRef>>> {
     let comp = transformer_of(plan)?;
@@ -46,13 +47,22 @@ pub(crate) fn check_parts<M: Transformer>(m: &M, parts: &[Part]) -> Result<Vec<V
     let mut owner: Vec<Option<(usize, String)>> = vec![None; total];
     let mut order = Vec::new();
     for (pi, p) in parts.iter().enumerate() {
-        let tp = p.devices.len();
+        let (tp, sp) = (p.tp as usize, p.sp as usize);
+        if tp == 0 || sp == 0 || tp * sp != p.devices.len() {
+            return Err(ExecError::Plan(format!(
+                "part {pi}: tp {tp} × sp {sp} must equal its {} devices: fix tp/sp or the device list",
+                p.devices.len()
+            )));
+        }
         if let Some(what) = m.tp_refusal(tp) {
             return Err(ExecError::TpDegree {
                 part: pi,
                 degree: tp,
                 what,
             });
+        }
+        if let Some(what) = m.sp_refusal(tp, sp) {
+            return Err(ExecError::Plan(format!("part {pi}: {what}")));
         }
         let mut steps = Vec::new();
         for r in &p.blocks {

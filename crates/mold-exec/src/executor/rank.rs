@@ -8,17 +8,21 @@ use crate::model::{Activations, Ctx, Transformer, Weights};
 use crate::runtime::{self, Held};
 use std::borrow::Cow;
 
-/// Aborts the rank's group if the rank's thread leaves without finishing (error or
-/// panic), so the other ranks do not wait forever.
-struct AbortGuard<'a>(&'a dyn Comm, bool);
+/// Aborts the rank's groups (tensor- and sequence-parallel) if the rank's thread leaves
+/// without finishing (error or panic), so the other ranks do not wait forever.
+struct AbortGuard<'a>(&'a dyn Comm, &'a dyn Comm, bool);
 
 impl Drop for AbortGuard<'_> {
     fn drop(&mut self) {
-        if !self.1 {
+        if !self.2 {
             self.0.abort();
+            self.1.abort();
         }
     }
 }
+
+/// Each rank's communicators, in the part's rank order.
+type Groups = (Vec<Box<dyn Comm>>, Vec<Box<dyn Comm>>);
 
 impl<M: Transformer> Executor<M> {
     /// Runs `part` on what the previous part produced (`None`: the call's inputs, for
@@ -31,19 +35,26 @@ impl<M: Transformer> Executor<M> {
     ) -> Result<Flow<M::Acts>> {
         if part.devices.len() == 1 {
             let rank = &part.ranks[0];
-            let out = self.run_rank(part, rank, &LocalComm, prev, inputs)?;
+            let out = self.run_rank(part, rank, &LocalComm, &LocalComm, prev, inputs)?;
             // The next part reads it on its own devices' streams (from another thread
             // under tensor parallelism), which are not ordered with this one: finish it.
             rank.device.synchronize()?;
             return Ok(out);
         }
         let made;
-        let comms: &[Box<dyn Comm>] = match &part.comms {
-            Some(c) => c,
+        let (tp_comms, sp_comms): (Vec<&dyn Comm>, Vec<&dyn Comm>) = match &part.comms {
+            // Made once for a multi-process run: only tensor parallelism spans processes
+            // (the executor refuses the rest).
+            Some(c) => (
+                c.iter().map(|b| b.as_ref()).collect(),
+                vec![&LocalComm as &dyn Comm; c.len()],
+            ),
             None => {
-                let abort = self.dist.as_ref().map(|d| d.mesh.abort_signal());
-                made = crate::comm::make_group(&part.local_ids, &self.opts.comm, abort);
-                &made
+                made = self.groups(part);
+                (
+                    made.0.iter().map(|b| b.as_ref()).collect(),
+                    made.1.iter().map(|b| b.as_ref()).collect(),
+                )
             }
         };
         let results: Vec<std::thread::Result<candle_core::Result<Flow<M::Acts>>>> =
@@ -51,19 +62,21 @@ impl<M: Transformer> Executor<M> {
                 let handles: Vec<_> = part
                     .ranks
                     .iter()
-                    .zip(comms.iter())
-                    .map(|(rank, comm)| {
+                    .enumerate()
+                    .map(|(i, rank)| {
+                        let (comm, sp) = (tp_comms[i], sp_comms[i]);
                         s.spawn(move || {
-                            let mut guard = AbortGuard(comm.as_ref(), false);
+                            let mut guard = AbortGuard(comm, sp, false);
                             // Finish this rank's kernels before its thread hands the
                             // result on: other devices' streams are not ordered with
                             // this one (a no-op on the CPU).
                             let r = self
-                                .run_rank(part, rank, comm.as_ref(), prev, inputs)
+                                .run_rank(part, rank, comm, sp, prev, inputs)
                                 .and_then(|a| rank.device.synchronize().map(|_| a))
                                 // A collective may fail after it was enqueued.
-                                .and_then(|a| comm.check().map(|_| a));
-                            guard.1 = r.is_ok();
+                                .and_then(|a| comm.check().map(|_| a))
+                                .and_then(|a| sp.check().map(|_| a));
+                            guard.2 = r.is_ok();
                             r
                         })
                     })
@@ -94,22 +107,66 @@ impl<M: Transformer> Executor<M> {
         }
     }
 
+    /// The communicators of a part's ranks: rank `i` is tensor-parallel rank `i % tp` of
+    /// the group of devices `⌊i / tp⌋·tp ..`, and sequence-parallel rank `⌊i / tp⌋` of the
+    /// devices `i % tp, i % tp + tp, ..`, from [`crate::comm::make_group`] (NCCL groups
+    /// are pooled). A one-process run only: all of the part's ranks are here.
+    fn groups(&self, part: &PartRt<M>) -> Groups {
+        let n = part.ranks.len();
+        let abort = self.dist.as_ref().map(|d| d.mesh.abort_signal());
+        let (tp, sp) = (part.tp, part.sp);
+        let mut tp_comms: Vec<Option<Box<dyn Comm>>> = (0..n).map(|_| None).collect();
+        let mut sp_comms: Vec<Option<Box<dyn Comm>>> = (0..n).map(|_| None).collect();
+        for s in 0..sp {
+            let members: Vec<usize> = (0..tp).map(|t| s * tp + t).collect();
+            let ids: Vec<_> = members.iter().map(|&i| part.local_ids[i].clone()).collect();
+            let group = if tp == 1 {
+                vec![Box::new(LocalComm) as Box<dyn Comm>]
+            } else {
+                crate::comm::make_group(&ids, &self.opts.comm, abort)
+            };
+            for (i, c) in members.into_iter().zip(group) {
+                tp_comms[i] = Some(c);
+            }
+        }
+        for t in 0..tp {
+            let members: Vec<usize> = (0..sp).map(|s| s * tp + t).collect();
+            let ids: Vec<_> = members.iter().map(|&i| part.local_ids[i].clone()).collect();
+            let group = if sp == 1 {
+                vec![Box::new(LocalComm) as Box<dyn Comm>]
+            } else {
+                crate::comm::make_group(&ids, &self.opts.comm, abort)
+            };
+            for (i, c) in members.into_iter().zip(group) {
+                sp_comms[i] = Some(c);
+            }
+        }
+        let fill = |v: Vec<Option<Box<dyn Comm>>>| -> Vec<Box<dyn Comm>> {
+            v.into_iter()
+                .map(|c| c.unwrap_or_else(|| Box::new(LocalComm)))
+                .collect()
+        };
+        (fill(tp_comms), fill(sp_comms))
+    }
+
     fn run_rank(
         &self,
         part: &PartRt<M>,
         rank: &Rank<M>,
         comm: &dyn Comm,
+        sp: &dyn Comm,
         prev: Option<&Flow<M::Acts>>,
         inputs: &M::Inputs,
     ) -> candle_core::Result<Flow<M::Acts>> {
         let dev = &rank.device;
         let ctx = Ctx {
             comm,
+            sp,
             meter: &rank.meter,
             kernels: self.opts.kernels,
             profile: self.opts.profiling.then_some(&rank.profile),
         };
-        let mut acts = match prev {
+        let acts = match prev {
             Some(Flow::Acts(a)) => a.map(&mut |t| runtime::hand_off(t, dev))?,
             Some(Flow::Out(_)) => candle_core::bail!("a part after the final layer"),
             None => {
@@ -119,6 +176,9 @@ impl<M: Transformer> Executor<M> {
                 self.model.stem(stem, inputs, self.dtype, dev, &ctx)?
             }
         };
+        // Under sequence parallelism each rank keeps its slice of the tokens through
+        // the part's blocks.
+        let mut acts = self.model.scatter_sequence(acts, &ctx)?;
         let ring_err = |e: ExecError| candle_core::Error::Msg(e.to_string());
         for (step, held) in part.steps.iter().zip(&rank.blocks) {
             if let Some(f) = &self.opts.fault {
@@ -147,6 +207,8 @@ impl<M: Transformer> Executor<M> {
                 }
             }
         }
+        // The whole sequence again, for the next part or the final layer.
+        let acts = self.model.gather_sequence(acts, &ctx)?;
         match &rank.final_layer {
             Some(fl) => Ok(Flow::Out(self.model.final_layer(fl, acts, &ctx)?)),
             None => Ok(Flow::Acts(acts)),

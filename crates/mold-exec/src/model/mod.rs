@@ -9,6 +9,7 @@ pub mod attention;
 pub mod flux;
 pub mod layers;
 pub mod ops;
+pub mod sequence;
 pub mod transformer;
 
 pub use transformer::{Activations, BlockRef, Inputs, Packable, TensorSpec, Transformer, Weights};
@@ -121,7 +122,11 @@ impl Profiler {
 
 /// What a block's forward pass may use besides its inputs.
 pub struct Ctx<'a> {
+    /// The rank's tensor-parallel group (all-reduces of row-parallel layers).
     pub comm: &'a dyn Comm,
+    /// The rank's sequence-parallel group (all-to-alls around attention;
+    /// [`crate::comm::LocalComm`] without sequence parallelism).
+    pub sp: &'a dyn Comm,
     pub meter: &'a ActivationMeter,
     /// Fused CUDA kernels or candle's ops, for attention and element-wise work.
     pub kernels: ops::Kernels,

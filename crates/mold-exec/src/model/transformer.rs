@@ -86,6 +86,9 @@ pub trait Transformer: Clone + Send + Sync + 'static {
     /// Why a tensor-parallel group of `degree` ranks cannot share this model's blocks
     /// (e.g. it does not divide the heads), or `None` when it can.
     fn tp_refusal(&self, degree: usize) -> Option<String>;
+    /// Why a part of `tp` tensor-parallel × `sp` sequence-parallel ranks cannot run this
+    /// model's blocks (e.g. `tp · sp` does not divide the heads), or `None`.
+    fn sp_refusal(&self, tp: usize, sp: usize) -> Option<String>;
     /// Every checkpoint tensor the model reads, with its shape.
     fn tensor_specs(&self) -> Vec<TensorSpec>;
     /// Checks one call's inputs (shapes, required conditioning).
@@ -105,6 +108,12 @@ pub trait Transformer: Clone + Send + Sync + 'static {
         dev: &Device,
         ctx: &Ctx,
     ) -> CResult<Self::Acts>;
+    /// This rank's slice of the sequence (rank `ctx.sp.rank()` of `ctx.sp.world_size()`);
+    /// the activations unchanged without sequence parallelism.
+    fn scatter_sequence(&self, acts: Self::Acts, ctx: &Ctx) -> CResult<Self::Acts>;
+    /// The whole sequence again on every rank of `ctx.sp` (the inverse of
+    /// [`Transformer::scatter_sequence`]; unchanged activations pass through).
+    fn gather_sequence(&self, acts: Self::Acts, ctx: &Ctx) -> CResult<Self::Acts>;
     /// One block. It records its largest activation in `ctx.meter`.
     fn block(&self, b: &Self::Block, acts: Self::Acts, ctx: &Ctx) -> CResult<Self::Acts>;
     /// The final layer: the model's output (for a denoiser: the predicted velocity).

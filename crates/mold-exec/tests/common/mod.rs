@@ -34,12 +34,24 @@ pub fn part(devices: &[&str], blocks: &[&str], streamed: bool) -> Part {
     Part {
         blocks: blocks.iter().map(|b| b.parse().unwrap()).collect(),
         devices: devices.iter().map(|d| d.parse().unwrap()).collect(),
+        tp: devices.len() as u32,
+        sp: 1,
         residency: if streamed {
             Residency::Streamed
         } else {
             Residency::Resident
         },
         stream_buffers: None,
+    }
+}
+
+/// A part of `tp` tensor-parallel × `sp` sequence-parallel ranks on `devices` (device
+/// `i` is tensor-parallel rank `i % tp` of sequence-parallel rank `i / tp`).
+pub fn part_par(devices: &[&str], tp: u32, sp: u32, blocks: &[&str], streamed: bool) -> Part {
+    Part {
+        tp,
+        sp,
+        ..part(devices, blocks, streamed)
     }
 }
 

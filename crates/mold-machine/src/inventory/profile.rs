@@ -116,6 +116,7 @@ impl Inventory {
                 bf16_tflops: round1(g.estimated_bf16_tflops()),
                 f32_tflops: None,
                 model_efficiency: None,
+                elementwise_efficiency: None,
                 mem_bandwidth_gbps: round1(g.estimated_bandwidth_gbps()),
                 fused_attention: true,
                 uuid: Some(g.uuid.clone()),

@@ -16,8 +16,9 @@
 //!   its last handle drops and is handed out again for the same devices (a group is used
 //!   by one set of rank threads at a time). A group that saw any failure is not reused.
 //! - **Streams** ([`op`]). The all-reduce is enqueued on candle's own stream of the
-//!   tensor's device (`CudaDevice::cuda_stream()`: the executor opens each GPU with a
-//!   stream of its own, `runtime::DeviceMap`), from the rank's thread, so it is ordered after the
+//!   tensor's device (`CudaDevice::cuda_stream()`: the rank thread's per-thread default
+//!   stream, or the device's own with `ExecOptions::deterministic`), from the rank's
+//!   thread, so it is ordered after the
 //!   kernels that produced the tensor and before the ones that consume the result. The
 //!   result goes to a new buffer (the input may be shared); bf16, f16, f32 and f64.
 //! - **Watchdog** ([`watchdog`]; `CommOptions::nccl_timeout`, `MOLD_NCCL_TIMEOUT_S` at
@@ -54,7 +55,7 @@ pub(crate) use group::{release, set_nccl_env};
 
 use super::{AbortSignal, Comm, CommError};
 use candle_core::cuda::cudarc;
-use candle_core::{Result, Tensor};
+use candle_core::{Result, Shape, Tensor};
 use cudarc::driver::CudaEvent;
 use cudarc::nccl::{result as nccl, sys};
 use group::{Group, Lease, RankSlot};
@@ -223,6 +224,36 @@ impl NcclComm {
             }
         }
     }
+
+    /// After a collective was enqueued on the stream of `out`'s device: the host does
+    /// not wait for it; the monitor watches it, and the host waits only when more than
+    /// `MAX_IN_FLIGHT` are pending (for the oldest).
+    fn watch(&self, slot: &mut RankSlot, out: &Tensor) -> Result<()> {
+        if let Some(limit) = self.group.limit {
+            // The host does not wait for the collective: it goes on queueing kernels
+            // (waiting here would leave the GPU idle while the next ones are launched).
+            // The monitor watches the pending collectives; the host waits only when more
+            // than MAX_IN_FLIGHT are pending, for the oldest.
+            let stream = out.device().as_cuda_device()?.cuda_stream();
+            let event = stream
+                .record_event(Some(
+                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                ))
+                .map_err(|e| self.fail(slot, format!("cannot record a CUDA event: {e:?}")))?;
+            slot.pending.push_back((event, Instant::now()));
+            while let Some((e, _)) = slot.pending.front() {
+                if !matches!(e.try_is_complete(), Ok(true)) {
+                    break;
+                }
+                slot.pending.pop_front();
+            }
+            if slot.pending.len() > MAX_IN_FLIGHT {
+                let (e, t) = slot.pending.pop_front().expect("non-empty");
+                self.wait(slot, &e, t, limit)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Comm for NcclComm {
@@ -265,30 +296,39 @@ impl Comm for NcclComm {
             Ok(o) => o,
             Err(e) => return Err(self.fail(&mut slot, e.to_string())),
         };
-        if let Some(limit) = self.group.limit {
-            // The host does not wait for the all-reduce: it goes on queueing kernels
-            // (waiting here would leave the GPU idle while the next ones are launched).
-            // The monitor watches the pending all-reduces; the host waits only when more
-            // than MAX_IN_FLIGHT are pending, for the oldest.
-            let stream = out.device().as_cuda_device()?.cuda_stream();
-            let event = stream
-                .record_event(Some(
-                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-                ))
-                .map_err(|e| self.fail(&mut slot, format!("cannot record a CUDA event: {e:?}")))?;
-            slot.pending.push_back((event, Instant::now()));
-            while let Some((e, _)) = slot.pending.front() {
-                if !matches!(e.try_is_complete(), Ok(true)) {
-                    break;
-                }
-                slot.pending.pop_front();
-            }
-            if slot.pending.len() > MAX_IN_FLIGHT {
-                let (e, t) = slot.pending.pop_front().expect("non-empty");
-                self.wait(&mut slot, &e, t, limit)?;
-            }
-        }
+        self.watch(&mut slot, &out)?;
         Ok(out)
+    }
+
+    fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>> {
+        super::check_all_to_all(self.rank, self.group.world(), send, recv)?;
+        let ordinal = self.group.ordinals[self.rank];
+        if self.group.is_failed() {
+            let mut slot = lock(&self.group.slots[self.rank]);
+            slot.abort();
+            return Err(self.group.peer_failed_error(self.rank));
+        }
+        if let Some(t) = send.iter().find(|t| {
+            !matches!(t.device().location(),
+                candle_core::DeviceLocation::Cuda { gpu_id } if gpu_id == ordinal)
+        }) {
+            let mut slot = lock(&self.group.slots[self.rank]);
+            let loc = t.device().location();
+            return Err(self.fail(
+                &mut slot,
+                format!("all_to_all got a tensor on {loc:?}, expected this rank's GPU"),
+            ));
+        }
+        let mut slot = lock(&self.group.slots[self.rank]);
+        let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
+            return Err(self.group.peer_failed_error(self.rank));
+        };
+        let got = match op::all_to_all(comm, self.rank, &self.group.tracker, send, recv) {
+            Ok(g) => g,
+            Err(e) => return Err(self.fail(&mut slot, e.to_string())),
+        };
+        self.watch(&mut slot, &send[self.rank])?;
+        Ok(got)
     }
 
     /// The group failed (here, in another rank, or in another process) after this

@@ -1,6 +1,8 @@
-//! The NCCL all-reduce itself: a candle op on the tensor's stream (for
-//! [`Comm::all_reduce_sum`](super::Comm::all_reduce_sum)), and an in-place enqueue
-//! without allocation or host wait (for [`crate::calibrate`]).
+//! The NCCL collectives themselves: the all-reduce as a candle op on the tensor's stream
+//! (for [`Comm::all_reduce_sum`](super::Comm::all_reduce_sum)), the all-to-all as one
+//! group of sends and receives (for [`Comm::all_to_all`](super::Comm::all_to_all)), and
+//! an in-place all-reduce enqueue without allocation or host wait (for
+//! [`crate::calibrate`]).
 
 use super::watchdog::{Tracker, CALL_ALL_REDUCE};
 use super::{cudarc, describe, lock, nccl, sys, NcclComm};
@@ -87,6 +89,129 @@ impl CustomOp1 for AllReduceOp<'_> {
         };
         Ok((out, l.shape().clone()))
     }
+}
+
+/// Enqueues the all-to-all of `send` (on this rank's GPU) into new buffers of the
+/// `recv` shapes: one NCCL group of a send and a receive per peer, on the device's
+/// stream (ordered after the kernels that made `send`, before those that read the
+/// result). `send[rank]` is returned as is (contiguous).
+pub(super) fn all_to_all(
+    comm: sys::ncclComm_t,
+    rank: usize,
+    tracker: &Tracker,
+    send: &[candle_core::Tensor],
+    recv: &[Shape],
+) -> Result<Vec<candle_core::Tensor>> {
+    use half::{bf16, f16};
+    use sys::ncclDataType_t as D;
+    match send[rank].dtype() {
+        DType::BF16 => all_to_all_t::<bf16>(comm, rank, tracker, send, recv, D::ncclBfloat16),
+        DType::F16 => all_to_all_t::<f16>(comm, rank, tracker, send, recv, D::ncclFloat16),
+        DType::F32 => all_to_all_t::<f32>(comm, rank, tracker, send, recv, D::ncclFloat32),
+        DType::F64 => all_to_all_t::<f64>(comm, rank, tracker, send, recv, D::ncclFloat64),
+        dt => candle_core::bail!("NCCL all-to-all: unsupported dtype {dt:?}"),
+    }
+}
+
+fn all_to_all_t<T>(
+    comm: sys::ncclComm_t,
+    rank: usize,
+    tracker: &Tracker,
+    send: &[candle_core::Tensor],
+    recv: &[Shape],
+    dtype: sys::ncclDataType_t,
+) -> Result<Vec<candle_core::Tensor>>
+where
+    T: candle_core::cuda::CudaDType + cudarc::driver::DeviceRepr,
+{
+    use candle_core::{Storage, Tensor};
+    let send: Vec<Tensor> = send.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
+    let dev = send[rank].device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let mut outs: Vec<Option<CudaSlice<T>>> = Vec::with_capacity(recv.len());
+    for (j, s) in recv.iter().enumerate() {
+        outs.push(if j == rank {
+            None
+        } else {
+            // SAFETY: every element is written by the receive before anyone reads it.
+            Some(unsafe { dev.alloc::<T>(s.elem_count()) }?)
+        });
+    }
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| candle_core::Error::Msg(format!("NCCL all-to-all: {e:?}")))?;
+    let held: Vec<_> = send.iter().map(|t| t.storage_and_layout()).collect();
+    let mut srcs = Vec::with_capacity(held.len());
+    for (st, l) in &held {
+        let Storage::Cuda(cs) = &**st else {
+            candle_core::bail!("NCCL all-to-all needs CUDA tensors");
+        };
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("NCCL all-to-all: not contiguous".into()))?;
+        srcs.push(cs.as_cuda_slice::<T>()?.slice(a..b));
+    }
+    let cu_stream = stream.cu_stream() as sys::cudaStream_t;
+    tracker.issued[rank].fetch_add(1, Ordering::SeqCst);
+    let r: std::result::Result<(), nccl::NcclError> = tracker.busy(rank, CALL_ALL_REDUCE, || {
+        nccl::group_start()?;
+        let mut first: std::result::Result<(), nccl::NcclError> = Ok(());
+        for (j, out) in outs.iter_mut().enumerate() {
+            let Some(out) = out.as_mut() else { continue };
+            let (sp, _sg) = srcs[j].device_ptr(&stream);
+            let (rp, _rg) = out.device_ptr_mut(&stream);
+            // SAFETY: the send buffer holds `srcs[j].len()` elements and the receive buffer
+            // `recv[j].elem_count()`, both of `dtype` on this communicator's GPU; the peer
+            // sends and receives the matching counts (the same call on every rank).
+            let r = unsafe {
+                nccl::send(
+                    sp as *const std::ffi::c_void,
+                    srcs[j].len(),
+                    dtype,
+                    j as i32,
+                    comm,
+                    cu_stream,
+                )
+                .and_then(|_| {
+                    nccl::recv(
+                        rp as *mut std::ffi::c_void,
+                        recv[j].elem_count(),
+                        dtype,
+                        j as i32,
+                        comm,
+                        cu_stream,
+                    )
+                })
+            };
+            if first.is_ok() {
+                first = r.map(|_| ());
+            }
+        }
+        // Always close the group, even after a failed call inside it.
+        let end = nccl::group_end().map(|_| ());
+        first.and(end)
+    });
+    r.map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "NCCL all-to-all on rank {rank} failed: {}",
+            describe(&e, Some(comm))
+        ))
+    })?;
+    drop(held);
+    let mut got = Vec::with_capacity(recv.len());
+    for (j, out) in outs.into_iter().enumerate() {
+        got.push(match out {
+            None => send[rank].clone(),
+            Some(o) => Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(o, dev.clone())),
+                recv[j].clone(),
+                candle_core::op::BackpropOp::none(),
+                false,
+            ),
+        });
+    }
+    Ok(got)
 }
 
 impl NcclComm {

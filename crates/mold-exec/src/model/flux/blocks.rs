@@ -16,7 +16,7 @@ use super::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
 use crate::model::layers::{vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use crate::model::ops::{self, Kernels};
-use crate::model::{Ctx, Shard, WeightSource};
+use crate::model::{sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
 type CResult<T> = candle_core::Result<T>;
@@ -65,15 +65,14 @@ fn rope_cos_sin(pe: &Tensor, dtype: DType) -> CResult<(Tensor, Tensor)> {
     Ok((cos, sin))
 }
 
-/// Attention over this rank's heads: `q, k, v` are `(b, heads, L, head_dim)`, already
-/// normed and rotated; returns `(b, L, heads * head_dim)`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
-    let out = crate::model::attention::attention_with(ctx.kernels, q, k, v, ctx.meter)?;
-    ctx.mark("attention", &out);
-    Ok(out)
+/// Attention over this rank's heads: `qkv` is `(3, b, heads, L, head_dim)`, already
+/// normed and rotated; returns `(b, L, heads * head_dim)`. Under sequence parallelism
+/// `L` is this rank's tokens and `lens` every rank's count ([`sequence::attention`]).
+fn attention(qkv: &Tensor, lens: &[usize], ctx: &Ctx) -> CResult<Tensor> {
+    sequence::attention(qkv, lens, ctx)
 }
 
-/// q, k, v for attention from the fused projections of the sequence segments in order
+/// q, k, v for attention, stacked as `(3, b, heads, L, head_dim)` from the fused projections of the sequence segments in order
 /// (double blocks: txt then img, each with its own q/k norms; single blocks: one): q/k
 /// RMSNorm, RoPE, `(b, heads, L, head_dim)` layout, segments concatenated along L. On CUDA
 /// one fused kernel per segment; elsewhere candle's ops.
@@ -82,7 +81,7 @@ fn prepare_qkv(
     heads: usize,
     pe: &Tensor,
     ctx: &Ctx,
-) -> CResult<(Tensor, Tensor, Tensor)> {
+) -> CResult<Tensor> {
     let fsegs: Vec<ops::QkvSegment> = segs
         .iter()
         .map(|(x, n)| ops::QkvSegment {
@@ -96,7 +95,7 @@ fn prepare_qkv(
         let (cos, sin) = rope_cos_sin(pe, DType::F32)?;
         let t = ops::qkv_prep_fused(&fsegs, heads, &cos, &sin, EPS as f32)?;
         ctx.mark("qk norm + rope + layout", &t);
-        return Ok((t.i(0)?, t.i(1)?, t.i(2)?));
+        return Ok(t);
     }
     let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
     for (x, norm) in segs {
@@ -118,7 +117,7 @@ fn prepare_qkv(
     let q = apply_rope(&q, pe)?;
     let k = apply_rope(&k, pe)?;
     ctx.mark("rope", &k);
-    Ok((q, k, v))
+    Tensor::stack(&[q, k, v], 0)
 }
 
 /// Sinusoidal embedding of `t` (scaled by 1000), `dim` wide, cos then sin.
@@ -388,6 +387,7 @@ impl DoubleBlock {
         txt: &Tensor,
         vec: &Tensor,
         pe: &Tensor,
+        lens: &[usize],
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
         ctx.mark_start(img);
@@ -411,13 +411,14 @@ impl DoubleBlock {
             .forward(&tm[0].scale_shift(&layer_norm(txt)?, kn)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
-        let (q, k, v) = prepare_qkv(
+        let qkv = prepare_qkv(
             &[(&txt_qkv, &self.txt.norm), (&img_qkv, &self.img.norm)],
             self.heads,
             pe,
             ctx,
         )?;
-        let attn = attention(&q, &k, &v, ctx)?;
+        let attn = attention(&qkv, lens, ctx)?;
+        drop(qkv);
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
         let txt_attn = attn.narrow(1, 0, tl)?;
@@ -530,7 +531,14 @@ impl SingleBlock {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, vec: &Tensor, pe: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        vec: &Tensor,
+        pe: &Tensor,
+        lens: &[usize],
+        ctx: &Ctx,
+    ) -> CResult<Tensor> {
         ctx.mark_start(x);
         let local = self.modulation.partial(&vec.silu()?)?;
         let m = mod_outs(&gather_modulation(&[local], ctx)?[0], 1)?;
@@ -541,8 +549,9 @@ impl SingleBlock {
         ctx.meter.see(&x_mod);
         ctx.mark("norm + qkv/mlp linear", &x_mod);
         let mlp = x_mod.narrow(D::Minus1, 3 * self.h_local, self.mlp_local)?;
-        let (q, k, v) = prepare_qkv(&[(&x_mod, &self.norm)], self.heads, pe, ctx)?;
-        let attn = attention(&q, &k, &v, ctx)?;
+        let qkv = prepare_qkv(&[(&x_mod, &self.norm)], self.heads, pe, ctx)?;
+        let attn = attention(&qkv, lens, ctx)?;
+        drop(qkv);
         let mlp = ops::bias_act(&mlp, None, true, kn)?;
         ctx.mark("gelu", &mlp);
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.

@@ -17,7 +17,7 @@ pub use inputs::{random_inputs, FluxInputs};
 
 use super::layers::TensorMap;
 use super::transformer::{Activations, BlockRef, Packable, TensorSpec, Transformer, Weights};
-use super::{Ctx, Shard, WeightSource};
+use super::{sequence, Ctx, Shard, WeightSource};
 use crate::error::{ExecError, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 
@@ -77,7 +77,9 @@ impl Weights for FinalLayer {
 }
 
 /// Activations between FLUX blocks: the two streams before the single blocks, the
-/// concatenated stream (text first) after.
+/// concatenated stream (text first) after. Under sequence parallelism each rank holds a
+/// slice of the text and a slice of the image tokens (`seq`), with their positions in
+/// `pe`; between parts and before the final layer the whole sequence.
 #[derive(Clone, Debug)]
 pub enum FluxActs {
     Double {
@@ -85,41 +87,121 @@ pub enum FluxActs {
         txt: Tensor,
         vec: Tensor,
         pe: Tensor,
+        seq: Option<SeqSlice>,
     },
     Single {
         x: Tensor,
         vec: Tensor,
         pe: Tensor,
+        /// Text tokens at the front of `x` (this rank's, under sequence parallelism).
         txt_len: usize,
+        seq: Option<SeqSlice>,
     },
+}
+
+/// Which slice of the sequence a sequence-parallel rank holds: text tokens
+/// `sequence::split(txt, rank, world)` and image tokens `sequence::split(img, rank,
+/// world)`; `pe` is the whole sequence's rotation table (restored on gathering).
+#[derive(Clone, Debug)]
+pub struct SeqSlice {
+    pub rank: usize,
+    pub world: usize,
+    pub txt: usize,
+    pub img: usize,
+    pub pe: Tensor,
+}
+
+impl SeqSlice {
+    /// Every rank's token count (text and image), in rank order.
+    fn lens(&self) -> Vec<usize> {
+        (0..self.world)
+            .map(|j| {
+                sequence::split(self.txt, j, self.world).len()
+                    + sequence::split(self.img, j, self.world).len()
+            })
+            .collect()
+    }
+}
+
+/// Every rank's token count: the whole sequence on one rank without `seq`.
+fn lens(seq: &Option<SeqSlice>, local: usize) -> Vec<usize> {
+    seq.as_ref()
+        .map(SeqSlice::lens)
+        .unwrap_or_else(|| vec![local])
+}
+
+/// The rotation table of this rank's tokens: its text slice, then its image slice.
+fn pe_slice(
+    pe: &Tensor,
+    txt: usize,
+    t: &std::ops::Range<usize>,
+    i: &std::ops::Range<usize>,
+) -> CResult<Tensor> {
+    Tensor::cat(
+        &[
+            pe.narrow(2, t.start, t.len())?,
+            pe.narrow(2, txt + i.start, i.len())?,
+        ],
+        2,
+    )?
+    .contiguous()
+}
+
+fn whole_sequence_only(seq: &Option<SeqSlice>) -> CResult<()> {
+    if seq.is_some() {
+        candle_core::bail!("a sequence slice cannot leave its part: gather it first");
+    }
+    Ok(())
 }
 
 impl Activations for FluxActs {
     fn map(&self, f: &mut dyn FnMut(&Tensor) -> CResult<Tensor>) -> CResult<Self> {
         Ok(match self {
-            FluxActs::Double { img, txt, vec, pe } => FluxActs::Double {
-                img: f(img)?,
-                txt: f(txt)?,
-                vec: f(vec)?,
-                pe: f(pe)?,
-            },
+            FluxActs::Double {
+                img,
+                txt,
+                vec,
+                pe,
+                seq,
+            } => {
+                whole_sequence_only(seq)?;
+                FluxActs::Double {
+                    img: f(img)?,
+                    txt: f(txt)?,
+                    vec: f(vec)?,
+                    pe: f(pe)?,
+                    seq: None,
+                }
+            }
             FluxActs::Single {
                 x,
                 vec,
                 pe,
                 txt_len,
-            } => FluxActs::Single {
-                x: f(x)?,
-                vec: f(vec)?,
-                pe: f(pe)?,
-                txt_len: *txt_len,
-            },
+                seq,
+            } => {
+                whole_sequence_only(seq)?;
+                FluxActs::Single {
+                    x: f(x)?,
+                    vec: f(vec)?,
+                    pe: f(pe)?,
+                    txt_len: *txt_len,
+                    seq: None,
+                }
+            }
         })
     }
 
     fn to_wire(&self) -> CResult<(u8, Vec<Tensor>)> {
         Ok(match self {
-            FluxActs::Double { img, txt, vec, pe } => {
+            FluxActs::Double {
+                img,
+                txt,
+                vec,
+                pe,
+                seq,
+            } => {
+                whole_sequence_only(seq)?;
                 (0, vec![img.clone(), txt.clone(), vec.clone(), pe.clone()])
             }
             FluxActs::Single {
@@ -127,7 +209,9 @@ impl Activations for FluxActs {
                 vec,
                 pe,
                 txt_len,
+                seq,
             } => {
+                whole_sequence_only(seq)?;
                 let len = u32::try_from(*txt_len)
                     .map_err(|_| candle_core::Error::Msg(format!("txt_len {txt_len}")))?;
                 let tl = Tensor::new(&[len], &Device::Cpu)?;
@@ -144,7 +228,13 @@ impl Activations for FluxActs {
             ))
         };
         match (tag, <[Tensor; 4]>::try_from(tensors)) {
-            (0, Ok([img, txt, vec, pe])) => Ok(FluxActs::Double { img, txt, vec, pe }),
+            (0, Ok([img, txt, vec, pe])) => Ok(FluxActs::Double {
+                img,
+                txt,
+                vec,
+                pe,
+                seq: None,
+            }),
             (1, Ok([x, vec, pe, tl])) => {
                 let tl = tl.to_vec1::<u32>().map_err(|_| bad())?;
                 let txt_len = *tl.first().ok_or_else(bad)? as usize;
@@ -156,6 +246,7 @@ impl Activations for FluxActs {
                     vec,
                     pe,
                     txt_len,
+                    seq: None,
                 })
             }
             _ => Err(bad()),
@@ -196,6 +287,16 @@ impl Transformer for FluxConfig {
         Some(format!(
             "{what}; use a degree that divides both the heads ({heads}) and the MLP width ({mlp})"
         ))
+    }
+
+    fn sp_refusal(&self, tp: usize, sp: usize) -> Option<String> {
+        // Heads may split unevenly over the sequence-parallel ranks, but each needs one.
+        let heads = self.heads / tp.max(1);
+        (sp > heads).then(|| {
+            format!(
+                "sequence parallel over {sp} ranks needs at least {sp} attention heads per tensor-parallel rank, and there are {heads}: use sp ≤ {heads}"
+            )
+        })
     }
 
     fn tensor_specs(&self) -> Vec<TensorSpec> {
@@ -255,36 +356,183 @@ impl Transformer for FluxConfig {
             txt: s.txt,
             vec: s.vec,
             pe: s.pe,
+            seq: None,
+        })
+    }
+
+    fn scatter_sequence(&self, acts: FluxActs, ctx: &Ctx) -> CResult<FluxActs> {
+        let (rank, world) = (ctx.sp.rank(), ctx.sp.world_size());
+        if world == 1 {
+            return Ok(acts);
+        }
+        let slice = |txt: usize, img: usize, pe: &Tensor| -> CResult<_> {
+            if txt < world || img < world {
+                candle_core::bail!(
+                    "sequence parallel over {world} ranks needs at least {world} text and {world} image tokens (got {txt} and {img})"
+                );
+            }
+            let t = sequence::split(txt, rank, world);
+            let i = sequence::split(img, rank, world);
+            let seq = SeqSlice {
+                rank,
+                world,
+                txt,
+                img,
+                pe: pe.clone(),
+            };
+            Ok((pe_slice(pe, txt, &t, &i)?, t, i, seq))
+        };
+        Ok(match acts {
+            FluxActs::Double {
+                img,
+                txt,
+                vec,
+                pe,
+                seq: None,
+            } => {
+                let (pe_r, t, i, seq) = slice(txt.dim(1)?, img.dim(1)?, &pe)?;
+                FluxActs::Double {
+                    img: img.narrow(1, i.start, i.len())?.contiguous()?,
+                    txt: txt.narrow(1, t.start, t.len())?.contiguous()?,
+                    vec,
+                    pe: pe_r,
+                    seq: Some(seq),
+                }
+            }
+            FluxActs::Single {
+                x,
+                vec,
+                pe,
+                txt_len,
+                seq: None,
+            } => {
+                let (pe_r, t, i, seq) = slice(txt_len, x.dim(1)? - txt_len, &pe)?;
+                let x = Tensor::cat(
+                    &[
+                        x.narrow(1, t.start, t.len())?,
+                        x.narrow(1, txt_len + i.start, i.len())?,
+                    ],
+                    1,
+                )?;
+                FluxActs::Single {
+                    x,
+                    vec,
+                    pe: pe_r,
+                    txt_len: t.len(),
+                    seq: Some(seq),
+                }
+            }
+            _ => candle_core::bail!("scatter of activations already sliced"),
+        })
+    }
+
+    fn gather_sequence(&self, acts: FluxActs, ctx: &Ctx) -> CResult<FluxActs> {
+        // Every rank's [text slice, image slice] to every rank, in one all-to-all; then
+        // the text slices in rank order, then the image slices.
+        let gather = |local: Tensor, s: &SeqSlice| -> CResult<(Tensor, usize)> {
+            let (b, _, h) = local.dims3()?;
+            let n = s.world;
+            let shapes: Vec<candle_core::Shape> =
+                s.lens().into_iter().map(|l| (b, l, h).into()).collect();
+            let got = ctx.sp.all_to_all(&vec![local; n], &shapes)?;
+            let mut txt = Vec::with_capacity(n);
+            let mut img = Vec::with_capacity(n);
+            for (j, g) in got.iter().enumerate() {
+                let t = sequence::split(s.txt, j, n).len();
+                txt.push(g.narrow(1, 0, t)?);
+                img.push(g.narrow(1, t, g.dim(1)? - t)?);
+            }
+            txt.extend(img);
+            Ok((Tensor::cat(&txt, 1)?, s.txt))
+        };
+        Ok(match acts {
+            FluxActs::Double {
+                img,
+                txt,
+                vec,
+                seq: Some(s),
+                ..
+            } => {
+                let (x, t) = gather(Tensor::cat(&[&txt, &img], 1)?, &s)?;
+                FluxActs::Double {
+                    txt: x.narrow(1, 0, t)?.contiguous()?,
+                    img: x.narrow(1, t, x.dim(1)? - t)?.contiguous()?,
+                    vec,
+                    pe: s.pe.clone(),
+                    seq: None,
+                }
+            }
+            FluxActs::Single {
+                x,
+                vec,
+                seq: Some(s),
+                ..
+            } => {
+                let (x, t) = gather(x, &s)?;
+                FluxActs::Single {
+                    x,
+                    vec,
+                    pe: s.pe.clone(),
+                    txt_len: t,
+                    seq: None,
+                }
+            }
+            whole => whole,
         })
     }
 
     fn block(&self, b: &FluxBlock, acts: FluxActs, ctx: &Ctx) -> CResult<FluxActs> {
         Ok(match (b, acts) {
-            (FluxBlock::Double(b), FluxActs::Double { img, txt, vec, pe }) => {
-                let (img, txt) = b.forward(&img, &txt, &vec, &pe, ctx)?;
+            (
+                FluxBlock::Double(b),
+                FluxActs::Double {
+                    img,
+                    txt,
+                    vec,
+                    pe,
+                    seq,
+                },
+            ) => {
+                let lens = lens(&seq, img.dim(1)? + txt.dim(1)?);
+                let (img, txt) = b.forward(&img, &txt, &vec, &pe, &lens, ctx)?;
                 ctx.meter.see(&img);
-                FluxActs::Double { img, txt, vec, pe }
+                FluxActs::Double {
+                    img,
+                    txt,
+                    vec,
+                    pe,
+                    seq,
+                }
             }
             (FluxBlock::Single(b), a) => {
-                let (x, vec, pe, txt_len) = match a {
-                    FluxActs::Double { img, txt, vec, pe } => {
+                let (x, vec, pe, txt_len, seq) = match a {
+                    FluxActs::Double {
+                        img,
+                        txt,
+                        vec,
+                        pe,
+                        seq,
+                    } => {
                         let txt_len = txt.dim(1)?;
-                        (Tensor::cat(&[&txt, &img], 1)?, vec, pe, txt_len)
+                        (Tensor::cat(&[&txt, &img], 1)?, vec, pe, txt_len, seq)
                     }
                     FluxActs::Single {
                         x,
                         vec,
                         pe,
                         txt_len,
-                    } => (x, vec, pe, txt_len),
+                        seq,
+                    } => (x, vec, pe, txt_len, seq),
                 };
-                let x = b.forward(&x, &vec, &pe, ctx)?;
+                let lens = lens(&seq, x.dim(1)?);
+                let x = b.forward(&x, &vec, &pe, &lens, ctx)?;
                 ctx.meter.see(&x);
                 FluxActs::Single {
                     x,
                     vec,
                     pe,
                     txt_len,
+                    seq,
                 }
             }
             (FluxBlock::Double(_), FluxActs::Single { .. }) => {
@@ -295,10 +543,20 @@ impl Transformer for FluxConfig {
 
     fn final_layer(&self, f: &FinalLayer, acts: FluxActs, ctx: &Ctx) -> CResult<Tensor> {
         let (img, vec) = match acts {
-            FluxActs::Double { img, vec, .. } => (img, vec),
+            FluxActs::Double { img, vec, seq, .. } => {
+                whole_sequence_only(&seq)?;
+                (img, vec)
+            }
             FluxActs::Single {
-                x, vec, txt_len, ..
-            } => (x.i((.., txt_len..))?, vec),
+                x,
+                vec,
+                txt_len,
+                seq,
+                ..
+            } => {
+                whole_sequence_only(&seq)?;
+                (x.i((.., txt_len..))?, vec)
+            }
         };
         ctx.mark_start(&img);
         let out = f.forward(&img, &vec)?;

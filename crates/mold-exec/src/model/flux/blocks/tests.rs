@@ -37,6 +37,7 @@ fn tiny_checkpoint(name: &str, seed: u64) -> TinyCheckpoint {
 fn ctx<'a>(comm: &'a dyn Comm, meter: &'a ActivationMeter) -> Ctx<'a> {
     Ctx {
         comm,
+        sp: &crate::comm::LocalComm,
         meter,
         kernels: Kernels::Candle,
         profile: None,

@@ -1,8 +1,19 @@
 //! Safetensors checkpoints: header reading (names, dtypes, shapes; no data), checks
-//! against a model's tensors ([`Transformer::tensor_specs`]), and memory-mapped reading of tensor slices.
+//! against a model's tensors ([`Transformer::tensor_specs`]), and memory-mapped reading
+//! of tensor slices.
 //!
 //! A checkpoint is one `.safetensors` file, a `*.safetensors.index.json` weight map
-//! naming several files, or a directory holding either.
+//! naming several files, or a directory holding either (a Hugging Face repository of
+//! FLUX.1 included: [`mold_models::snapshot::find_transformer`]). Tensors are presented
+//! under BFL's names whatever the layout: a diffusers-format transformer is read through
+//! [`diffusers`] (a fused projection is served as slices of the concatenation of
+//! diffusers' separate ones). LoRAs ([`lora`]) are merged into the slices as they are
+//! read, so every rank merges exactly the rows and columns it holds.
+
+pub mod diffusers;
+pub mod lora;
+
+pub use lora::LoraSpec;
 
 use crate::error::{ExecError, Result};
 use crate::model::Transformer;
@@ -23,12 +34,25 @@ pub struct TensorHeader {
     pub file: usize,
 }
 
+/// How the stored tensors relate to the names the model asks for.
+enum Layout {
+    /// Stored under BFL's names.
+    Bfl,
+    /// diffusers' `FluxTransformer2DModel` names: each BFL tensor is these pieces.
+    Diffusers(diffusers::Adapter),
+}
+
 /// A checkpoint whose headers have been read. Tensor data is memory-mapped on first
 /// use and only the requested bytes are touched.
 pub struct Checkpoint {
     display: String,
     files: Vec<PathBuf>,
+    /// The tensors as the model sees them (BFL names).
     tensors: BTreeMap<String, TensorHeader>,
+    /// The tensors as stored (the same as `tensors` for a BFL checkpoint).
+    stored: BTreeMap<String, TensorHeader>,
+    layout: Layout,
+    loras: Vec<lora::Delta>,
     mmap: OnceLock<MmapedSafetensors>,
 }
 
@@ -36,16 +60,11 @@ impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Checkpoint")
             .field("path", &self.display)
+            .field("format", &self.format())
             .field("files", &self.files)
             .field("tensors", &self.tensors.len())
+            .field("lora_deltas", &self.loras.len())
             .finish()
-    }
-}
-
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + '_ {
-    move |source| ExecError::Io {
-        path: path.display().to_string(),
-        source,
     }
 }
 
@@ -59,13 +78,54 @@ fn candle_dtype(st: &str) -> Option<DType> {
     }
 }
 
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + '_ {
+    move |source| ExecError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Headers in `files`' indexing, with dimensions as `usize`.
+fn headers(
+    display: &str,
+    h: BTreeMap<String, mold_models::checkpoint::TensorInfo>,
+    files: &[PathBuf],
+) -> Result<BTreeMap<String, TensorHeader>> {
+    let mut out = BTreeMap::new();
+    for (name, t) in h {
+        let file = files.binary_search(&t.file).unwrap_or(0);
+        let shape = t
+            .shape
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<std::result::Result<Vec<usize>, _>>()
+            .map_err(|_| ExecError::BadCheckpointFile {
+                path: display.to_string(),
+                message: format!("tensor `{name}`: a dimension does not fit this machine"),
+            })?;
+        out.insert(
+            name,
+            TensorHeader {
+                dtype: t.dtype,
+                shape,
+                file,
+            },
+        );
+    }
+    Ok(out)
+}
+
 impl Checkpoint {
     /// Reads the headers of a checkpoint: a `.safetensors` file, a
     /// `*.safetensors.index.json`, or a directory holding one index or `.safetensors`
-    /// files. No tensor data is read.
+    /// files, or a weights directory (its transformer: BFL's file, else diffusers'
+    /// `transformer/`; a hub cache repository folder is taken to its snapshot). No
+    /// tensor data is read.
     pub fn open(path: &Path) -> Result<Checkpoint> {
         let display = path.display().to_string();
-        if path.is_dir() {
+        let resolved = mold_models::snapshot::resolve_weights_path(path);
+        let path = resolved.as_path();
+        if path.is_dir() && mold_models::snapshot::find_transformer(path, None).is_none() {
             let indexes = std::fs::read_dir(path)
                 .map_err(io_err(path))?
                 .filter_map(|e| e.ok())
@@ -86,42 +146,64 @@ impl Checkpoint {
         }
         // The one safetensors header reader (mold-models'): bounded lengths, checked
         // offsets, shards of an index followed.
-        let header = mold_models::checkpoint::read_header(path).map_err(|e| {
-            ExecError::BadCheckpointFile {
-                path: display.clone(),
-                message: e.to_string(),
-            }
-        })?;
+        let bad = |e: mold_models::ModelError| ExecError::BadCheckpointFile {
+            path: display.clone(),
+            message: e.to_string(),
+        };
+        let header = mold_models::checkpoint::read_header(path).map_err(bad)?;
         let mut files: Vec<PathBuf> = header.tensors.values().map(|t| t.file.clone()).collect();
         files.sort();
         files.dedup();
-        let mut tensors = BTreeMap::new();
-        for (name, t) in header.tensors {
-            let file = files.binary_search(&t.file).unwrap_or(0);
-            let shape = t
-                .shape
-                .iter()
-                .map(|&d| usize::try_from(d))
-                .collect::<std::result::Result<Vec<usize>, _>>()
-                .map_err(|_| ExecError::BadCheckpointFile {
-                    path: display.clone(),
-                    message: format!("tensor `{name}`: a dimension does not fit this machine"),
-                })?;
-            tensors.insert(
-                name,
-                TensorHeader {
-                    dtype: t.dtype,
-                    shape,
-                    file,
-                },
-            );
+        if mold_models::diffusers::is_diffusers_flux(&header) {
+            let (view, pieces) = mold_models::diffusers::bfl_view(&header, path).map_err(bad)?;
+            let tensors = headers(&display, view.tensors, &files)?;
+            let stored = headers(&display, header.tensors, &files)?;
+            return Ok(Checkpoint {
+                display,
+                files,
+                tensors,
+                stored,
+                layout: Layout::Diffusers(diffusers::Adapter::new(&pieces)),
+                loras: Vec::new(),
+                mmap: OnceLock::new(),
+            });
         }
+        let tensors = headers(&display, header.tensors, &files)?;
         Ok(Checkpoint {
             display,
             files,
+            stored: tensors.clone(),
             tensors,
+            layout: Layout::Bfl,
+            loras: Vec::new(),
             mmap: OnceLock::new(),
         })
+    }
+
+    /// Merges a LoRA into every slice read from now on (`W += scale · alpha/rank · B·A`,
+    /// computed in f32 for the rows and columns read). Its file is checked against this
+    /// checkpoint first: a tensor that targets no layer, or does not fit the layer it
+    /// targets, is refused naming it; the LoRA's tensors (small) are then read.
+    pub fn add_lora(&mut self, spec: &LoraSpec) -> Result<()> {
+        let deltas = lora::load(spec, &self.tensors)?;
+        self.loras.extend(deltas);
+        Ok(())
+    }
+
+    /// [`Checkpoint::add_lora`] for each of `specs`, in order.
+    pub fn with_loras(mut self, specs: &[LoraSpec]) -> Result<Checkpoint> {
+        for s in specs {
+            self.add_lora(s)?;
+        }
+        Ok(self)
+    }
+
+    /// `BFL` or `diffusers`: the names the tensors are stored under.
+    pub fn format(&self) -> &'static str {
+        match self.layout {
+            Layout::Bfl => "BFL",
+            Layout::Diffusers(_) => "diffusers",
+        }
     }
 
     /// The path the checkpoint was opened from.
@@ -134,7 +216,8 @@ impl Checkpoint {
         &self.files
     }
 
-    /// Every tensor the headers list.
+    /// Every tensor the model can read, under BFL's names (for a diffusers-format
+    /// checkpoint: the concatenations its tensors make).
     pub fn tensors(&self) -> &BTreeMap<String, TensorHeader> {
         &self.tensors
     }
@@ -187,7 +270,8 @@ impl Checkpoint {
     /// Reads part of a 1-D or 2-D tensor into host memory as `dtype`: the given `rows`
     /// (dim 0: output features; `None` = all), and of each row the given `cols` (dim 1:
     /// input features; `None` = all). Ranges are concatenated in the order given. Only
-    /// the selected bytes of the mapped file are read.
+    /// the selected bytes of the mapped files are read; LoRAs added to the checkpoint are
+    /// merged into exactly these rows and columns.
     pub fn read_slice(
         &self,
         name: &str,
@@ -197,6 +281,57 @@ impl Checkpoint {
     ) -> Result<Tensor> {
         let header = self
             .tensors
+            .get(name)
+            .ok_or_else(|| ExecError::MissingTensor {
+                checkpoint: self.display.clone(),
+                model: "?".into(),
+                name: name.to_string(),
+                expected: vec![],
+            })?;
+        let n_rows = header.shape.first().copied().unwrap_or(0);
+        let all_rows = 0..n_rows;
+        let rows = rows.unwrap_or(std::slice::from_ref(&all_rows));
+        if let Some(r) = rows.iter().find(|r| r.end > n_rows) {
+            return Err(ExecError::BadCheckpointFile {
+                path: self.display.clone(),
+                message: format!(
+                    "tensor `{name}`: rows {}..{} out of bounds (it has {n_rows})",
+                    r.start, r.end
+                ),
+            });
+        }
+        let base = match &self.layout {
+            Layout::Bfl => self.read_stored(name, rows, cols)?,
+            Layout::Diffusers(a) => {
+                let mut parts = Vec::new();
+                for (source, ranges) in a.sources(name, rows)? {
+                    parts.push(self.read_stored(&source, &ranges, cols)?);
+                }
+                Tensor::cat(&parts, 0)?
+            }
+        };
+        let deltas: Vec<&lora::Delta> = self.loras.iter().filter(|d| d.target == name).collect();
+        if deltas.is_empty() {
+            return Ok(base.to_dtype(dtype)?);
+        }
+        let mut w = base.to_dtype(DType::F32)?;
+        for d in deltas {
+            if let Some(delta) = d.slice(rows, cols)? {
+                w = (w + delta)?;
+            }
+        }
+        Ok(w.to_dtype(dtype)?)
+    }
+
+    /// Rows `rows` (and columns `cols`) of a tensor as stored, in its stored dtype.
+    fn read_stored(
+        &self,
+        name: &str,
+        rows: &[Range<usize>],
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Tensor> {
+        let header = self
+            .stored
             .get(name)
             .ok_or_else(|| ExecError::MissingTensor {
                 checkpoint: self.display.clone(),
@@ -224,8 +359,6 @@ impl Checkpoint {
                 })
             }
         };
-        let all_rows = 0..n_rows;
-        let rows = rows.unwrap_or(std::slice::from_ref(&all_rows));
         let out_rows: usize = rows.iter().map(|r| r.len()).sum();
         let out_cols: usize = match cols {
             None => n_cols,
@@ -260,7 +393,11 @@ impl Checkpoint {
         } else {
             vec![out_rows, out_cols]
         };
-        let t = Tensor::from_raw_buffer(&bytes, src_dtype, &out_shape, &Device::Cpu)?;
-        Ok(t.to_dtype(dtype)?)
+        Ok(Tensor::from_raw_buffer(
+            &bytes,
+            src_dtype,
+            &out_shape,
+            &Device::Cpu,
+        )?)
     }
 }

@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""mold against diffusers, stage by stage, on the same random FLUX snapshot.
+
+Given a snapshot directory in the Hugging Face layout (`mold testdata flux-dev-hf DIR`,
+or flux-tiny-hf / flux-schnell-hf) and the file mold wrote with `--save-io` (which also
+holds the initial noise, the prompt and the settings), this loads the same weights into
+diffusers and transformers and prints, as JSON, the max relative error of mold's
+tensors against diffusers' at each stage:
+
+- `t5`, `clip`: the text encoders' outputs for the prompt (T5EncoderModel and
+  CLIPTextModel's pooled output, tokenized by transformers from the snapshot's files);
+- `transformer`: for each transformer format (`diffusers`: FluxTransformer2DModel from
+  transformer/, `bfl`: the same class from flux1-*.safetensors through
+  `from_single_file`), the output at every step, fed mold's saved inputs of that step
+  (latents, T5, CLIP, timestep, guidance, ids);
+- `pipeline`: FluxPipeline from mold's initial noise (`latents=`), same prompt, steps,
+  guidance and size: the latents after each step, the final latents, and the decoded
+  image (max relative error, and PSNR in dB on [0, 1]).
+
+The relative error is mold's own (`mold_exec::max_relative_error`):
+max |a - b| / max |b|, with diffusers' tensor as the reference b.
+
+    python3 benches/parity/flux_diffusers.py --snapshot DIR --io io.safetensors \
+        [--dtype bf16|f32] [--device cuda] [--formats diffusers,bfl] [--out result.json]
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def rel(a, b):
+    """max |a - b| / max |b| in f32; NaN or inf anywhere is reported, never a pass."""
+    a = a.detach().float().cpu()
+    b = b.detach().float().cpu()
+    if a.shape != b.shape:
+        raise SystemExit(f"shape mismatch: mold {tuple(a.shape)} vs diffusers {tuple(b.shape)}")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("nan")
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def psnr(a, b):
+    """PSNR in dB of two images in [0, 1]."""
+    mse = float(((a.float().cpu() - b.float().cpu()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def bfl_to_diffusers(sd, cfg):
+    """BFL names to diffusers', as diffusers' scripts/convert_flux_to_diffusers.py."""
+    h = cfg.num_attention_heads * cfg.attention_head_dim
+    out = {}
+
+    def lin(bfl, d):
+        for s in ("weight", "bias"):
+            out[f"{d}.{s}"] = sd.pop(f"{bfl}.{s}")
+
+    def split(bfl, names, sizes):
+        for s in ("weight", "bias"):
+            for n, t in zip(names, torch.split(sd.pop(f"{bfl}.{s}"), sizes, dim=0)):
+                out[f"{n}.{s}"] = t
+
+    lin("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1")
+    lin("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2")
+    lin("vector_in.in_layer", "time_text_embed.text_embedder.linear_1")
+    lin("vector_in.out_layer", "time_text_embed.text_embedder.linear_2")
+    if "guidance_in.in_layer.weight" in sd:
+        lin("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1")
+        lin("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2")
+    lin("txt_in", "context_embedder")
+    lin("img_in", "x_embedder")
+    for i in range(cfg.num_layers):
+        b, t = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        lin(f"{b}.img_mod.lin", f"{t}.norm1.linear")
+        lin(f"{b}.txt_mod.lin", f"{t}.norm1_context.linear")
+        split(f"{b}.img_attn.qkv", [f"{t}.attn.to_{x}" for x in "qkv"], [h] * 3)
+        split(f"{b}.txt_attn.qkv", [f"{t}.attn.add_{x}_proj" for x in "qkv"], [h] * 3)
+        for s, q, k in (("img", "norm_q", "norm_k"), ("txt", "norm_added_q", "norm_added_k")):
+            out[f"{t}.attn.{q}.weight"] = sd.pop(f"{b}.{s}_attn.norm.query_norm.scale")
+            out[f"{t}.attn.{k}.weight"] = sd.pop(f"{b}.{s}_attn.norm.key_norm.scale")
+        lin(f"{b}.img_mlp.0", f"{t}.ff.net.0.proj")
+        lin(f"{b}.img_mlp.2", f"{t}.ff.net.2")
+        lin(f"{b}.txt_mlp.0", f"{t}.ff_context.net.0.proj")
+        lin(f"{b}.txt_mlp.2", f"{t}.ff_context.net.2")
+        lin(f"{b}.img_attn.proj", f"{t}.attn.to_out.0")
+        lin(f"{b}.txt_attn.proj", f"{t}.attn.to_add_out")
+    for i in range(cfg.num_single_layers):
+        b, t = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        lin(f"{b}.modulation.lin", f"{t}.norm.linear")
+        split(f"{b}.linear1", [f"{t}.attn.to_q", f"{t}.attn.to_k", f"{t}.attn.to_v", f"{t}.proj_mlp"],
+              [h, h, h, 4 * h])
+        out[f"{t}.attn.norm_q.weight"] = sd.pop(f"{b}.norm.query_norm.scale")
+        out[f"{t}.attn.norm_k.weight"] = sd.pop(f"{b}.norm.key_norm.scale")
+        lin(f"{b}.linear2", f"{t}.proj_out")
+    lin("final_layer.linear", "proj_out")
+    for s in ("weight", "bias"):
+        shift, scale = sd.pop(f"final_layer.adaLN_modulation.1.{s}").chunk(2, dim=0)
+        out[f"norm_out.linear.{s}"] = torch.cat([scale, shift], dim=0)
+    if sd:
+        raise SystemExit(f"BFL tensors left unconverted: {sorted(sd)[:5]}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--snapshot", required=True, type=Path, help="the Hugging Face-layout directory")
+    ap.add_argument("--io", required=True, type=Path, help="mold exec --save-io FILE")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--formats", default="diffusers,bfl", help="transformer formats to compare")
+    ap.add_argument("--no-pipeline", action="store_true", help="skip the whole-pipeline run")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    a = ap.parse_args()
+
+    import diffusers
+    import transformers
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline,
+                           FluxTransformer2DModel)
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel
+
+    try:
+        from transformers import T5TokenizerFast as T5Tok
+    except ImportError:  # transformers 5 names the fast tokenizer T5Tokenizer
+        from transformers import T5Tokenizer as T5Tok
+
+    dev = torch.device(a.device)
+    dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    snap = a.snapshot
+    io = load_file(str(a.io))
+    with safe_open(str(a.io), "pt") as f:
+        meta = f.metadata() or {}
+    prompt = meta["prompt"]
+    steps = int(meta["steps"])
+    width, height = int(meta["width"]), int(meta["height"])
+    guidance = float(meta["guidance"]) if "guidance" in meta else None
+    tokens = io["t5"].shape[1]
+    res = {
+        "snapshot": str(snap),
+        "io": str(a.io),
+        "prompt": prompt,
+        "steps": steps,
+        "size": [width, height],
+        "dtype": a.dtype,
+        "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
+        "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                     "transformers": transformers.__version__},
+    }
+    t0 = time.time()
+
+    # Text encoders, as FluxPipeline runs them.
+    tok = CLIPTokenizer.from_pretrained(snap / "tokenizer")
+    clip = CLIPTextModel.from_pretrained(snap / "text_encoder", torch_dtype=dt).to(dev)
+    ids = tok(prompt, padding="max_length", max_length=tok.model_max_length, truncation=True,
+              return_tensors="pt").input_ids.to(dev)
+    with torch.no_grad():
+        pooled = clip(ids, output_hidden_states=False).pooler_output
+    res["clip"] = rel(io["clip"], pooled)
+    tok2 = T5Tok.from_pretrained(snap / "tokenizer_2")
+    t5 = T5EncoderModel.from_pretrained(snap / "text_encoder_2", torch_dtype=dt).to(dev)
+    ids2 = tok2(prompt, padding="max_length", max_length=tokens, truncation=True,
+                return_tensors="pt").input_ids.to(dev)
+    with torch.no_grad():
+        t5_out = t5(ids2, output_hidden_states=False)[0]
+    res["t5"] = rel(io["t5"], t5_out)
+    res["token_ids_equal_note"] = "ids are transformers' own; mold's are not saved"
+
+    # The transformer alone, at every step, from mold's inputs.
+    def load_transformer(fmt):
+        if fmt == "diffusers":
+            return FluxTransformer2DModel.from_pretrained(snap / "transformer", torch_dtype=dt)
+        single = next(p for p in [snap / "flux1-dev.safetensors", snap / "flux1-schnell.safetensors"]
+                      if p.exists())
+        try:
+            m = FluxTransformer2DModel.from_single_file(
+                str(single), config=str(snap), subfolder="transformer", torch_dtype=dt)
+            res["bfl_loader"] = "from_single_file"
+            return m
+        except RuntimeError:
+            # diffusers' single-file converter assumes FLUX.1's sizes (the tiny model is
+            # not): the same conversion (scripts/convert_flux_to_diffusers.py) with the
+            # sizes from the config.
+            m = FluxTransformer2DModel.from_config(
+                FluxTransformer2DModel.load_config(snap / "transformer")).to(dt)
+            m.load_state_dict(bfl_to_diffusers(load_file(str(single)), m.config), strict=True)
+            res["bfl_loader"] = "convert_flux_to_diffusers.py's map, config sizes"
+            return m
+
+    put = lambda t: t.to(dev, dt)
+    txt, vec = put(io["t5"]), put(io["clip"])
+    img_ids, txt_ids = io["img_ids"][0].to(dev), io["txt_ids"][0].to(dev)
+    g = io["guidance"].to(dev) if "guidance" in io else None
+    res["transformer"] = {}
+    for fmt in [f for f in a.formats.split(",") if f]:
+        tf = load_transformer(fmt).to(dev).eval()
+        errs = []
+        for i in range(steps):
+            x = put(io[f"step.{i}.latents"])
+            t = io[f"step.{i}.t"].to(dev)
+            with torch.no_grad():
+                v = tf(hidden_states=x, timestep=t.to(dt), guidance=None if g is None else g.to(dt),
+                       pooled_projections=vec, encoder_hidden_states=txt, txt_ids=txt_ids,
+                       img_ids=img_ids, return_dict=False)[0]
+            errs.append(rel(io[f"step.{i}.velocity"], v))
+        res["transformer"][fmt] = {"per_step": errs, "max": max(errs)}
+        del tf
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    del t5, clip
+
+    # The whole pipeline from mold's noise.
+    if not a.no_pipeline:
+        tf = load_transformer(a.formats.split(",")[0]).to(dev).eval()
+        vae = AutoencoderKL.from_pretrained(snap / "vae", torch_dtype=dt).to(dev)
+        pipe = FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(snap / "scheduler"),
+            vae=vae,
+            text_encoder=CLIPTextModel.from_pretrained(snap / "text_encoder", torch_dtype=dt).to(dev),
+            tokenizer=tok,
+            text_encoder_2=T5EncoderModel.from_pretrained(snap / "text_encoder_2", torch_dtype=dt).to(dev),
+            tokenizer_2=tok2,
+            transformer=tf,
+        )
+        seen = []
+
+        def keep(p, i, t, kw):
+            seen.append(kw["latents"].detach().float().cpu())
+            return kw
+
+        kwargs = dict(prompt=prompt, height=height, width=width, num_inference_steps=steps,
+                      latents=put(io["latents"]), max_sequence_length=tokens,
+                      callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"])
+        if guidance is not None:
+            kwargs["guidance_scale"] = guidance
+        with torch.no_grad():
+            img = pipe(output_type="pt", **kwargs).images
+        mold_steps = [io[f"step.{i}.latents"] for i in range(1, steps)] + [io["final"]]
+        step_errs = [rel(m, d) for m, d in zip(mold_steps, seen)]
+        mold_img = ((io["image"].float() / 2 + 0.5).clamp(0, 1))
+        res["pipeline"] = {
+            "step_latents": step_errs,
+            "final_latents": step_errs[-1] if step_errs else None,
+            "image": rel(mold_img, img),
+            "image_psnr_db": psnr(mold_img, img),
+            "transformer_format": a.formats.split(",")[0],
+        }
+    res["seconds"] = time.time() - t0
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
