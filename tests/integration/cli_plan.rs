@@ -519,3 +519,26 @@ fn sp_defaults() {
         stable(&read(&d.join("flag.yaml")))
     );
 }
+
+/// Two nodes of 8 × H100 on InfiniBand: every parallel group of the plan lies inside one
+/// node (the network is slower than NVLink); the plan records the nodes only through
+/// the machine's identity (its fingerprint), and the simulator accepts it.
+#[test]
+fn two_nodes_keep_parallel_groups_inside_a_node() {
+    let dir = tempdir("two-nodes");
+    let out = dir.join("plan.yaml");
+    let machine = "sim/machines/2x8-h100-ib.yaml";
+    plan_ok(&["--model", "qwen-image", "--machine", machine], &out);
+    let plan = mold_plan::Plan::load(&out).unwrap();
+    let m = mold_machine::Machine::load(&root().join(machine)).unwrap();
+    assert_eq!(plan.machine.fingerprint, m.fingerprint());
+    let t = plan.transformer().unwrap();
+    assert!(t.parts.iter().any(|p| p.devices.len() > 1), "{t:?}");
+    for p in &t.parts {
+        let nodes: std::collections::BTreeSet<u32> =
+            p.devices.iter().map(|d| m.node_of(d)).collect();
+        assert_eq!(nodes.len(), 1, "{:?} spans nodes {nodes:?}", p.devices);
+    }
+    let o = mold(&["sim", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -33,8 +33,12 @@
 //!   compute stream, and the planner spreads streamed blocks among resident ones), plus,
 //!   once per device group that streams, the largest min(copy, compute) of its streamed
 //!   blocks (the pipeline fill: the group's copy stream runs ahead across its parts);
+//! - a collective whose group spans nodes runs over the group's slowest link: the
+//!   network between nodes (`links.inter_node`) or a node's own share of the group
+//!   (`Machine::group_link`);
 //! - each change of device group or layout between consecutive parts hands the hidden
-//!   state over the machine's slowest device-to-device path;
+//!   state over the machine's slowest device-to-device path (on several nodes, the
+//!   network: latency + bytes / bandwidth);
 //! - a device holds the weights of its components and resident blocks (`1/tp` of each
 //!   block's sharded weights), its stream buffers (one set per device group, shared by
 //!   the group's streamed parts), the transformer stem if it runs any transformer part,
@@ -319,22 +323,20 @@ impl<'a> Ctx<'a> {
     }
 
     /// Seconds for one hand-off between device groups, priced over the machine's slowest
-    /// device-to-device path (the simulator uses the actual pair).
+    /// device-to-device path (the simulator uses the actual pair): on a machine of
+    /// several nodes, the network between them, its latency included.
     pub fn handoff_s(&self, dtype: DType) -> f64 {
         let ds = &self.machine.devices;
-        let mut slowest = f64::INFINITY;
+        let bytes = self.handoff_bytes(dtype);
+        let mut slowest: f64 = 0.0;
         for a in ds {
             for b in ds {
                 if a.id != b.id {
-                    slowest = slowest.min(self.machine.transfer_gbps(&a.id, &b.id));
+                    slowest = slowest.max(self.machine.transfer_s(&a.id, &b.id, bytes));
                 }
             }
         }
-        if slowest.is_finite() {
-            self.handoff_bytes(dtype) as f64 / (slowest * 1e9)
-        } else {
-            0.0
-        }
+        slowest
     }
 
     /// Seconds for a whole component (encoder or VAE) on one device or the host.

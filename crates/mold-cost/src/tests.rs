@@ -487,3 +487,72 @@ proptest::proptest! {
         proptest::prop_assert_eq!(ev.gather_s > 0.0, sp > 1);
     }
 }
+
+/// `machine4` as two nodes of two devices: NVLink inside each, a slow network between.
+fn two_nodes() -> Machine {
+    let mut m = machine4();
+    m.devices[2].node = 1;
+    m.devices[3].node = 1;
+    let one = m.links.peer[0].clone();
+    m.links.peer = vec![one.clone(), one];
+    m.links.peer[0].devices = vec![DeviceId::Cuda(0), DeviceId::Cuda(1)];
+    m.links.peer[1].devices = vec![DeviceId::Cuda(2), DeviceId::Cuda(3)];
+    m.links.inter_node = Some(mold_machine::InterNode {
+        kind: mold_machine::NetworkKind::Ethernet,
+        gbps: 5.0,
+        latency_us: 40.0,
+    });
+    Machine::from_yaml(&m.to_yaml(), "nodes").unwrap()
+}
+
+/// Collectives and hand-offs across nodes are priced over the network (latency +
+/// bytes / bandwidth); inside a node over its peer domain, as on one node.
+#[test]
+fn groups_across_nodes_pay_the_network() {
+    let m = two_nodes();
+    let blocks = [("double", 0, 2), ("single", 0, 3)];
+    let eval = |parts: Vec<Part>| {
+        let (plan, model) = tiny_plan_on(parts, &m);
+        validate(&plan, &model, &m).unwrap();
+        (evaluate(&plan, &model, &m), model, plan)
+    };
+    let (inside, model, plan) = eval(vec![layout_part(&blocks, &[0, 1], 2, 1)]);
+    let (across, ..) = eval(vec![layout_part(&blocks, &[1, 2], 2, 1)]);
+    let t = model.tokens(&plan.workload);
+    let ar = |lat: f64, gbps: f64, bytes: u64| lat + bytes as f64 / (gbps * 1e9);
+    let hidden = (t.img + t.txt) * 64 * 4;
+    let want = |lat: f64, gbps: f64| {
+        2.0 * (2.0 * ar(lat, gbps, hidden) + ar(lat, gbps, 12 * 64 * 4))
+            + 3.0 * (ar(lat, gbps, hidden) + ar(lat, gbps, 3 * 64 * 4))
+    };
+    assert!((inside.parts[0].allreduce_s - want(10e-6, 50.0)).abs() < 1e-12);
+    assert!((across.parts[0].allreduce_s - want(40e-6, 5.0)).abs() < 1e-12);
+    assert!(across.step_s > inside.step_s);
+    // Hybrid over both nodes: the tensor-parallel pairs stay inside a node, the
+    // sequence-parallel pairs (cuda:0+cuda:2, cuda:1+cuda:3) cross it.
+    let (hybrid, ..) = eval(vec![layout_part(&blocks, &[0, 1, 2, 3], 2, 2)]);
+    let (one_node, model1) =
+        tiny_plan_on(vec![layout_part(&blocks, &[0, 1, 2, 3], 2, 2)], &machine4());
+    let hybrid_one_node = evaluate(&one_node, &model1, &machine4());
+    let local = (t.img + t.txt).div_ceil(2);
+    assert!(
+        (hybrid.parts[0].allreduce_s - hybrid_one_node.parts[0].allreduce_s).abs() < 1e-15,
+        "the all-reduces stay on NVLink"
+    );
+    let shard = (local * 32 * 4) as f64 / 2.0;
+    // Four all-to-alls per block, five blocks, each over the network.
+    let a2a = 5.0 * 4.0 * (40e-6 + shard / 5e9);
+    assert!(
+        (hybrid.parts[0].alltoall_s - a2a).abs() < 1e-12,
+        "{} vs {a2a}",
+        hybrid.parts[0].alltoall_s
+    );
+    assert!(hybrid.gather_s > hybrid_one_node.gather_s);
+    // A hand-off: priced over the slowest path, here the network with its latency.
+    let (split, ..) = eval(vec![
+        part(&[("double", 0, 2)], &[0], false),
+        part(&[("single", 0, 3)], &[2], false),
+    ]);
+    let bytes = Ctx::new(&model, &m, &plan.workload).handoff_bytes(DType::F32);
+    assert!((split.handoff_s - ar(40e-6, 5.0, bytes)).abs() < 1e-15);
+}

@@ -104,6 +104,15 @@ pub struct Device {
     pub pci_bus: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute_capability: Option<String>,
+    /// The node (host) the device is in: 0, 1, … without gaps; devices of different
+    /// nodes talk over `links.inter_node`. Absent: 0, one node. Device ids are
+    /// machine-wide (`cuda:8` may be the first GPU of node 1).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub node: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 fn default_headroom() -> ByteSize {
@@ -126,6 +135,37 @@ pub struct Links {
     /// All-reduce between devices without peer access, staged through host memory.
     #[serde(default = "default_staged")]
     pub host_staged_allreduce: Collective,
+    /// The network between nodes: required when devices are on more than one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter_node: Option<InterNode>,
+}
+
+/// The network between the nodes of a machine (InfiniBand, Ethernet/RoCE): what one
+/// device reaches on another node, GPU-direct. 400 Gb/s InfiniBand is 50 GB/s.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InterNode {
+    pub kind: NetworkKind,
+    /// Bandwidth between two devices on different nodes (GB/s, bytes).
+    pub gbps: f64,
+    /// Latency of one message or collective step between nodes (µs).
+    pub latency_us: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkKind {
+    Infiniband,
+    Ethernet,
+}
+
+impl NetworkKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            NetworkKind::Infiniband => "InfiniBand",
+            NetworkKind::Ethernet => "Ethernet",
+        }
+    }
 }
 
 fn default_staged() -> Collective {
@@ -161,12 +201,15 @@ pub struct PeerDomain {
     pub allreduce: Collective,
 }
 
-/// How a group of devices talks: through a peer domain or staged through the host.
+/// How a group of devices talks: through a peer domain, staged through the host, or —
+/// a group on more than one node — over the network between nodes.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GroupLink {
     pub collective: Collective,
     pub staged: bool,
     pub kind: Option<LinkKind>,
+    /// The group spans nodes: its collectives cross this network.
+    pub network: Option<NetworkKind>,
 }
 
 impl Collective {
@@ -328,6 +371,7 @@ impl Machine {
                 ),
             ));
         }
+        self.validate_nodes(source_name)?;
         for (i, p) in l.peer.iter().enumerate() {
             let f = format!("links.peer[{i}]");
             if p.devices.len() < 2 {
@@ -360,8 +404,89 @@ impl Machine {
                 true,
             )?;
             figure(format!("{f}.allreduce.gbps"), p.allreduce.gbps, false)?;
+            if let Some(other) = p
+                .devices
+                .iter()
+                .find(|d| self.node_of(d) != self.node_of(&p.devices[0]))
+            {
+                return Err(bad(
+                    format!("{f}.devices"),
+                    format!(
+                        "{} is on node {} and {other} on node {}: a peer domain lies within one node (nodes talk over links.inter_node)",
+                        p.devices[0],
+                        self.node_of(&p.devices[0]),
+                        self.node_of(other)
+                    ),
+                ));
+            }
         }
         Ok(())
+    }
+
+    /// Nodes numbered without gaps, and the network between them when there are several.
+    fn validate_nodes(&self, source_name: &str) -> Result<(), MachineError> {
+        let bad = |field: String, message: String| MachineError::Invalid {
+            source_name: source_name.into(),
+            field,
+            message,
+        };
+        for (i, d) in self.devices.iter().enumerate() {
+            if let Some(gap) = (0..d.node).find(|n| !self.devices.iter().any(|o| o.node == *n)) {
+                return Err(bad(
+                    format!("devices[{i}].node"),
+                    format!(
+                        "{} but no device is on node {gap}: number the nodes 0, 1, … without gaps",
+                        d.node
+                    ),
+                ));
+            }
+        }
+        if let Some(net) = &self.links.inter_node {
+            let f = "links.inter_node";
+            for (field, v, zero_ok) in [
+                ("gbps", net.gbps, false),
+                ("latency_us", net.latency_us, true),
+            ] {
+                let cmp = if zero_ok { "≥" } else { ">" };
+                if !(v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0))) {
+                    return Err(bad(
+                        format!("{f}.{field}"),
+                        format!("{v} is not allowed: give a finite number {cmp} 0"),
+                    ));
+                }
+            }
+        } else if self.nodes() > 1 {
+            return Err(bad(
+                "links.inter_node".into(),
+                format!(
+                    "the devices are on {} nodes: describe the network between them, e.g. `inter_node: {{kind: infiniband, gbps: 50, latency_us: 5}}` (400 Gb/s = 50 GB/s)",
+                    self.nodes()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The node `id` is on (0 for the host and for devices not in the machine).
+    pub fn node_of(&self, id: &DeviceId) -> u32 {
+        self.device(id).map_or(0, |d| d.node)
+    }
+
+    /// How many nodes the devices are on.
+    pub fn nodes(&self) -> u32 {
+        let mut seen: Vec<u32> = self.devices.iter().map(|d| d.node).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        seen.len().max(1) as u32
+    }
+
+    /// Whether the devices of `group` are on more than one node.
+    pub fn spans_nodes(&self, group: &[DeviceId]) -> bool {
+        group.iter().any(|d| {
+            group
+                .first()
+                .is_some_and(|f| self.node_of(d) != self.node_of(f))
+        })
     }
 
     pub fn device(&self, id: &DeviceId) -> Option<&Device> {
@@ -376,7 +501,8 @@ impl Machine {
             .join(", ")
     }
 
-    /// sha256 over each device's name and memory, in order.
+    /// sha256 over each device's name and memory (and node, past node 0), in order: a
+    /// plan records the nodes of its devices only through this.
     pub fn fingerprint(&self) -> String {
         self.fingerprint_of(
             &self
@@ -392,7 +518,12 @@ impl Machine {
     pub fn fingerprint_of(&self, ids: &[DeviceId]) -> String {
         let mut h = Sha256::new();
         for d in self.devices.iter().filter(|d| ids.contains(&d.id)) {
-            h.update(format!("{}|{}|{};", d.id, d.name, d.memory.0).as_bytes());
+            // The node only where it is not 0: one-node profiles keep their fingerprints.
+            let node = match d.node {
+                0 => String::new(),
+                n => format!("|node{n}"),
+            };
+            h.update(format!("{}|{}|{}{node};", d.id, d.name, d.memory.0).as_bytes());
         }
         let hex = format!("{:x}", h.finalize());
         format!("sha256:{}", &hex[..16])
@@ -423,20 +554,72 @@ impl Machine {
             .max_by(|a, b| a.allreduce.gbps.total_cmp(&b.allreduce.gbps))
     }
 
-    /// How `group` all-reduces: its peer domain, or staged through the host.
+    /// How `group` all-reduces: its peer domain, or staged through the host; a group on
+    /// several nodes over its slowest link: the network between nodes, or a node's own
+    /// share of the group where that is slower (the larger latency, the smaller
+    /// bandwidth).
     pub fn group_link(&self, group: &[DeviceId]) -> GroupLink {
+        if let (true, Some(net)) = (self.spans_nodes(group), self.links.inter_node) {
+            let mut c = Collective {
+                latency_us: net.latency_us,
+                gbps: net.gbps,
+            };
+            let mut nodes: Vec<u32> = group.iter().map(|d| self.node_of(d)).collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            for n in nodes {
+                let share: Vec<DeviceId> = group
+                    .iter()
+                    .filter(|d| self.node_of(d) == n)
+                    .cloned()
+                    .collect();
+                if share.len() > 1 {
+                    let inner = self.group_link(&share).collective;
+                    c.latency_us = c.latency_us.max(inner.latency_us);
+                    c.gbps = c.gbps.min(inner.gbps);
+                }
+            }
+            return GroupLink {
+                collective: c,
+                staged: false,
+                kind: None,
+                network: Some(net.kind),
+            };
+        }
         match self.domain_of(group) {
             Some(p) => GroupLink {
                 collective: p.allreduce,
                 staged: false,
                 kind: Some(p.kind),
+                network: None,
             },
             None => GroupLink {
                 collective: self.links.host_staged_allreduce,
                 staged: true,
                 kind: None,
+                network: None,
             },
         }
+    }
+
+    /// The network between `a` and `b` when they are devices on different nodes.
+    pub fn network_between(&self, a: &DeviceId, b: &DeviceId) -> Option<InterNode> {
+        if a.is_host() || b.is_host() || self.node_of(a) == self.node_of(b) {
+            return None;
+        }
+        self.links.inter_node
+    }
+
+    /// Seconds to copy `bytes` from `a` to `b`: the inter-node latency (devices on
+    /// different nodes) plus the bytes over [`Machine::transfer_gbps`].
+    pub fn transfer_s(&self, a: &DeviceId, b: &DeviceId, bytes: u64) -> f64 {
+        if a == b {
+            return 0.0;
+        }
+        let latency = self
+            .network_between(a, b)
+            .map_or(0.0, |n| n.latency_us * 1e-6);
+        latency + bytes as f64 / (self.transfer_gbps(a, b) * 1e9)
     }
 
     /// Copy bandwidth from device `a` to `b` (GB/s): peer, or through pinned host memory
@@ -447,6 +630,9 @@ impl Machine {
         }
         if a.is_host() || b.is_host() {
             return self.links.host_pinned_gbps;
+        }
+        if let Some(net) = self.network_between(a, b) {
+            return net.gbps;
         }
         match self.domain_of(&[a.clone(), b.clone()]) {
             Some(p) => p.gbps,
@@ -688,6 +874,137 @@ links:
         let e = Machine::from_yaml(&eff, "t.yaml").unwrap_err().to_string();
         assert!(
             e.starts_with("t.yaml: devices[0].model_efficiency: NaN"),
+            "{e}"
+        );
+    }
+
+    /// Two nodes of two GPUs, NVLink inside each, 400 Gb/s InfiniBand between them.
+    pub const NODES: &str = r#"
+name: test-2x2
+calibration: {source: spec-sheet}
+host: {memory: 64GiB, pinned_limit: 32GiB, tflops: 1.0, mem_bandwidth_gbps: 50}
+devices:
+- {id: cuda:0, name: GPU A, memory: 24GiB, budget: 23GiB, bf16_tflops: 100, mem_bandwidth_gbps: 1000}
+- {id: cuda:1, name: GPU A, memory: 24GiB, budget: 23GiB, bf16_tflops: 100, mem_bandwidth_gbps: 1000}
+- {id: cuda:2, name: GPU A, memory: 24GiB, budget: 23GiB, bf16_tflops: 100, mem_bandwidth_gbps: 1000, node: 1}
+- {id: cuda:3, name: GPU A, memory: 24GiB, budget: 23GiB, bf16_tflops: 100, mem_bandwidth_gbps: 1000, node: 1}
+links:
+  host_pinned_gbps: 25
+  host_pageable_gbps: 10
+  peer:
+  - {devices: [cuda:0, cuda:1], kind: nvlink, gbps: 100, allreduce: {latency_us: 10, gbps: 80}}
+  - {devices: [cuda:2, cuda:3], kind: nvlink, gbps: 100, allreduce: {latency_us: 10, gbps: 80}}
+  inter_node: {kind: infiniband, gbps: 50, latency_us: 20}
+"#;
+
+    fn cuda(n: u32) -> DeviceId {
+        DeviceId::Cuda(n)
+    }
+
+    #[test]
+    fn groups_across_nodes_go_over_the_network() {
+        let m = Machine::from_yaml(NODES, "n.yaml").unwrap();
+        assert_eq!(m.nodes(), 2);
+        assert_eq!(m.node_of(&cuda(2)), 1);
+        // Inside a node: its NVLink domain.
+        let inside = m.group_link(&[cuda(2), cuda(3)]);
+        assert_eq!(
+            (inside.kind, inside.network),
+            (Some(LinkKind::Nvlink), None)
+        );
+        assert_eq!(inside.collective.gbps, 80.0);
+        // Across: the slowest link, the network's bandwidth and latency.
+        for g in [vec![cuda(1), cuda(2)], (0..4).map(cuda).collect()] {
+            let l = m.group_link(&g);
+            assert_eq!(l.network, Some(NetworkKind::Infiniband), "{g:?}");
+            assert!(!l.staged);
+            assert_eq!(l.collective.gbps, 50.0);
+            assert_eq!(l.collective.latency_us, 20.0);
+        }
+        // A node's own share slower than the network sets the pace.
+        let slow = NODES.replacen(
+            "allreduce: {latency_us: 10, gbps: 80}}\n  inter",
+            "allreduce: {latency_us: 30, gbps: 40}}\n  inter",
+            1,
+        );
+        assert_ne!(slow, NODES);
+        let m2 = Machine::from_yaml(&slow, "n.yaml").unwrap();
+        let l = m2.group_link(&(0..4).map(cuda).collect::<Vec<_>>());
+        assert_eq!((l.collective.gbps, l.collective.latency_us), (40.0, 30.0));
+        // Copies: peer inside a node, the network (with its latency) across.
+        assert_eq!(m.transfer_gbps(&cuda(0), &cuda(1)), 100.0);
+        assert_eq!(m.transfer_gbps(&cuda(1), &cuda(2)), 50.0);
+        assert_eq!(m.transfer_s(&cuda(0), &cuda(1), 1_000_000_000), 0.01);
+        assert!((m.transfer_s(&cuda(1), &cuda(2), 1_000_000_000) - (20e-6 + 0.02)).abs() < 1e-12);
+        assert_eq!(m.transfer_s(&cuda(1), &cuda(1), 5), 0.0);
+        // The nodes are part of the identity; one-node profiles keep theirs.
+        let flat = NODES.replace(", node: 1}", "}");
+        let flat = Machine::from_yaml(
+            &flat.replace(
+                "  inter_node: {kind: infiniband, gbps: 50, latency_us: 20}\n",
+                "",
+            ),
+            "f.yaml",
+        );
+        let flat = flat.unwrap_or_else(|e| panic!("{e}"));
+        assert_ne!(flat.fingerprint(), m.fingerprint());
+        assert_eq!(Machine::from_yaml(&m.to_yaml(), "again").unwrap(), m);
+        assert!(!Machine::from_yaml(TWO, "t.yaml")
+            .unwrap()
+            .to_yaml()
+            .contains("node"));
+    }
+
+    #[test]
+    fn node_errors_name_fields() {
+        for (from, to, want) in [
+            (
+                "  inter_node: {kind: infiniband, gbps: 50, latency_us: 20}\n",
+                "",
+                "n.yaml: links.inter_node: the devices are on 2 nodes: describe the network",
+            ),
+            (
+                "gbps: 50, latency_us: 20}",
+                "gbps: 0, latency_us: 20}",
+                "n.yaml: links.inter_node.gbps: 0 is not allowed",
+            ),
+            (
+                "gbps: 50, latency_us: 20}",
+                "gbps: .nan, latency_us: 20}",
+                "n.yaml: links.inter_node.gbps: NaN is not allowed",
+            ),
+            (
+                "gbps: 50, latency_us: 20}",
+                "gbps: 50, latency_us: -1}",
+                "n.yaml: links.inter_node.latency_us: -1 is not allowed",
+            ),
+            (
+                "{kind: infiniband,",
+                "{kind: carrier-pigeon,",
+                "unknown variant `carrier-pigeon`",
+            ),
+            (
+                "mem_bandwidth_gbps: 1000, node: 1}\n- {id: cuda:3",
+                "mem_bandwidth_gbps: 1000, node: 3}\n- {id: cuda:3",
+                "n.yaml: devices[2].node: 3 but no device is on node 2",
+            ),
+            (
+                "[cuda:2, cuda:3], kind",
+                "[cuda:1, cuda:2], kind",
+                "n.yaml: links.peer[1].devices: cuda:1 is on node 0 and cuda:2 on node 1: a peer domain lies within one node",
+            ),
+        ] {
+            let bad = NODES.replacen(from, to, 1);
+            assert_ne!(bad, NODES, "{from}");
+            let e = Machine::from_yaml(&bad, "n.yaml").unwrap_err().to_string();
+            assert!(e.contains(want), "{to}: {e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
+        // The two devices of node 1 moved to node 2 leave a gap at 1: the first named.
+        let gap = NODES.replace(", node: 1}", ", node: 2}");
+        let e = Machine::from_yaml(&gap, "n.yaml").unwrap_err().to_string();
+        assert!(
+            e.contains("devices[2].node: 2 but no device is on node 1"),
             "{e}"
         );
     }

@@ -1,11 +1,11 @@
 //! The machine profiles shipped in `sim/machines/` all load, and say what they should.
 
-use mold_machine::{LinkKind, Machine};
+use mold_machine::{LinkKind, Machine, NetworkKind};
 use mold_plan::DeviceId;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-const EXPECTED: [&str; 9] = [
+const EXPECTED: [&str; 11] = [
     "1x-rtx4090",
     "2x-rtx4090",
     "2x-l40s",
@@ -15,6 +15,8 @@ const EXPECTED: [&str; 9] = [
     "8x-h100",
     "8x-l40s",
     "cpu-emu-4",
+    "2x8-h100-ib",
+    "2x2-l40s-eth",
 ];
 
 fn machines_dir() -> PathBuf {
@@ -167,4 +169,37 @@ fn emulated_box_is_all_emu() {
         .devices
         .iter()
         .all(|d| !d.fused_attention && d.headroom.0 == 64 << 20));
+}
+
+/// The multi-node profiles: NVLink (PCIe) inside each node, the network between them;
+/// every profile without `node:` is one node.
+#[test]
+fn multi_node_profiles_link_nodes_over_the_network() {
+    let all = load_all();
+    for (name, nodes) in all.iter().map(|(n, m)| (n, m.nodes())) {
+        let want = if name.starts_with("2x8-") || name.starts_with("2x2-") {
+            2
+        } else {
+            1
+        };
+        assert_eq!(nodes, want, "{name}.yaml");
+    }
+    let m = &all["2x8-h100-ib"];
+    assert_eq!(m.devices.len(), 16);
+    let node = |n: u32| (8 * n..8 * n + 8).map(cuda).collect::<Vec<_>>();
+    for n in 0..2 {
+        assert!(node(n).iter().all(|d| m.node_of(d) == n));
+        let g = m.group_link(&node(n));
+        assert_eq!((g.kind, g.network), (Some(LinkKind::Nvlink), None));
+    }
+    let net = m.links.inter_node.unwrap();
+    assert_eq!((net.kind, net.gbps), (NetworkKind::Infiniband, 50.0));
+    let across = m.group_link(&[cuda(7), cuda(8)]);
+    assert_eq!(across.network, Some(NetworkKind::Infiniband));
+    assert!(across.collective.gbps < m.group_link(&node(0)).collective.gbps);
+    assert_eq!(m.transfer_gbps(&cuda(7), &cuda(8)), 50.0);
+    let m = &all["2x2-l40s-eth"];
+    assert_eq!(m.links.inter_node.unwrap().kind, NetworkKind::Ethernet);
+    assert_eq!(m.group_link(&[cuda(0), cuda(1)]).kind, Some(LinkKind::Pcie));
+    assert!(m.group_link(&[cuda(1), cuda(2)]).network.is_some());
 }

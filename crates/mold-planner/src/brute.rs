@@ -6,7 +6,7 @@
 //! groups: it forms device groups itself from every subset of the allowed devices, each
 //! in every permitted layout (`tp × sp`), and sums costs directly. [`Space::Aligned`]
 //! keeps the groups the integer program considers (parallel groups are aligned runs of
-//! consecutive allowed devices), stated here as a rule on subsets rather than
+//! consecutive allowed devices, of all of them or of one node's), stated here as a rule on subsets rather than
 //! generated; [`Space::All`] keeps every subset, to see what that restriction costs.
 
 use crate::problem::{family_of, Choice, GroupChoice, Problem};
@@ -21,7 +21,8 @@ pub enum Space {
     /// layout.
     All,
     /// Single devices, and parallel groups that are aligned runs of consecutive allowed
-    /// devices, in every permitted layout: the integer program's candidates.
+    /// devices (of all of them, or of one node's), in every permitted layout: the
+    /// integer program's candidates.
     Aligned,
 }
 
@@ -55,12 +56,24 @@ pub fn best(req: &Request, family: Option<Family>, space: Space) -> (Option<Choi
 /// Device groups of `space`, by subset of the allowed devices and layout.
 fn groups(p: &Problem, space: Space) -> Vec<Group> {
     let n = p.allowed.len();
+    let m = &p.req.machine;
+    let node: Vec<u32> = p.allowed.iter().map(|d| m.node_of(d)).collect();
+    // Each allowed device's index among the allowed devices of its node.
+    let local: Vec<usize> = (0..n)
+        .map(|i| (0..i).filter(|&j| node[j] == node[i]).count())
+        .collect();
     let mut out = Vec::new();
     for mask in 1u32..(1u32 << n) {
         let members: Vec<usize> = (0..n).filter(|i| mask & (1 << i) != 0).collect();
         let size = members.len();
+        let run = |at: &[usize]| {
+            at[members[0]].is_multiple_of(size)
+                && members.windows(2).all(|w| at[w[1]] == at[w[0]] + 1)
+        };
+        let global: Vec<usize> = (0..n).collect();
+        // An aligned run of all the allowed devices, or of one node's.
         let aligned =
-            members[0].is_multiple_of(size) && members.windows(2).all(|w| w[1] == w[0] + 1);
+            run(&global) || (members.iter().all(|&i| node[i] == node[members[0]]) && run(&local));
         if space == Space::Aligned && !aligned {
             continue;
         }

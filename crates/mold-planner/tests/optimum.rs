@@ -5,9 +5,13 @@
 //! The enumerator forms device groups itself, from every subset of the allowed devices;
 //! the program's candidates are the aligned runs (`candidates.rs` says why), so the
 //! optimum is compared within that space, and the unrestricted optimum is checked to be
-//! no worse.
+//! no worse. Instances may put their devices on two nodes, with a network of random
+//! speed between them.
 
-use mold_machine::{Calibration, Collective, Device, Host, LinkKind, Links, Machine, PeerDomain};
+use mold_machine::{
+    Calibration, Collective, Device, Host, InterNode, LinkKind, Links, Machine, NetworkKind,
+    PeerDomain,
+};
 use mold_plan::{ByteSize, DeviceId};
 use mold_planner::brute::{self, Space};
 use mold_planner::{
@@ -40,6 +44,10 @@ struct Instance {
     pin_transformer: u32,
     /// `--pin` of the first component: 0 none, 1 host, 2+i device i.
     pin_component: u32,
+    /// Devices from this index on are on node 1 (0, or past the last device: one node),
+    /// with the network's GB/s and latency (µs) between the nodes.
+    node_split: usize,
+    network: (f64, f64),
 }
 
 fn instance() -> impl Strategy<Value = Instance> {
@@ -71,6 +79,7 @@ fn instance() -> impl Strategy<Value = Instance> {
             prop_oneof![3 => Just(0u32), 1 => 1u32..16],
             0u32..5,
         ),
+        (1usize..4, 0.5f64..200.0, 0.0f64..200.0),
     )
         .prop_map(
             |(
@@ -84,6 +93,7 @@ fn instance() -> impl Strategy<Value = Instance> {
                 stream,
                 (tp, sp, host_components, memory_objective, steps),
                 (select, pin_transformer, pin_component),
+                (node_split, gbps, latency),
             )| Instance {
                 devices,
                 peer,
@@ -101,6 +111,8 @@ fn instance() -> impl Strategy<Value = Instance> {
                 select,
                 pin_transformer,
                 pin_component,
+                node_split,
+                network: (gbps, latency),
             },
         )
 }
@@ -151,6 +163,7 @@ fn build(inst: &Instance) -> Option<Request> {
             .sum::<u64>();
     let headroom = 4096;
     let ids: Vec<DeviceId> = (0..inst.devices.len() as u32).map(DeviceId::Cuda).collect();
+    let split = inst.node_split.min(ids.len());
     let machine = Machine {
         name: "random".into(),
         description: String::new(),
@@ -185,21 +198,27 @@ fn build(inst: &Instance) -> Option<Request> {
                 uuid: None,
                 pci_bus: None,
                 compute_capability: None,
+                node: u32::from(i >= split),
             })
             .collect(),
         links: Links {
             host_pinned_gbps: 2.0,
             host_pageable_gbps: 1.0,
-            peer: if inst.peer && ids.len() > 1 {
-                vec![PeerDomain {
-                    devices: ids.clone(),
-                    kind: LinkKind::Nvlink,
-                    gbps: 50.0,
-                    allreduce: Collective {
-                        latency_us: 5.0,
-                        gbps: 40.0,
-                    },
-                }]
+            // One domain per node, of its devices.
+            peer: if inst.peer {
+                [&ids[..split], &ids[split..]]
+                    .into_iter()
+                    .filter(|d| d.len() > 1)
+                    .map(|d| PeerDomain {
+                        devices: d.to_vec(),
+                        kind: LinkKind::Nvlink,
+                        gbps: 50.0,
+                        allreduce: Collective {
+                            latency_us: 5.0,
+                            gbps: 40.0,
+                        },
+                    })
+                    .collect()
             } else {
                 vec![]
             },
@@ -207,8 +226,14 @@ fn build(inst: &Instance) -> Option<Request> {
                 latency_us: 50.0,
                 gbps: 3.0,
             },
+            inter_node: (split < ids.len()).then_some(InterNode {
+                kind: NetworkKind::Infiniband,
+                gbps: inst.network.0,
+                latency_us: inst.network.1,
+            }),
         },
     };
+    machine.validate("random").ok()?;
     // `--devices`: a non-empty subset, in machine order.
     let machine = if inst.select != 0 {
         let keep: Vec<DeviceId> = ids
@@ -369,6 +394,8 @@ fn one_device(stream: bool) -> Instance {
         select: 0,
         pin_transformer: 0,
         pin_component: 0,
+        node_split: 8,
+        network: (50.0, 5.0),
     }
 }
 
@@ -399,4 +426,9 @@ fn brute_force_forms_every_subset() {
     let (_, aligned) = brute::best_per_family(&req, Space::Aligned)[tensor].clone();
     let (_, all) = brute::best_per_family(&req, Space::All)[tensor].clone();
     assert_eq!((aligned, all), (1, 3));
+    // cuda:1 and cuda:2 on a second node: its aligned run {1,2} joins the machine's {0,1}.
+    inst.node_split = 1;
+    let req = build(&inst).unwrap();
+    let (_, aligned) = brute::best_per_family(&req, Space::Aligned)[tensor].clone();
+    assert_eq!(aligned, 2);
 }

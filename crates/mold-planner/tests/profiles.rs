@@ -1,10 +1,13 @@
 //! `mold plan` as users with mixed GPUs run it: random machine profiles (1–8 GPUs of
-//! mixed memory and speed, with and without peer links, random headroom and pinned
-//! limits) × the catalogue's models, each objective. Every instance answers within its
+//! mixed memory and speed, with and without peer links, PCIe pairs each a node of its
+//! own on a network, random headroom and pinned limits) × the catalogue's models, each objective. Every instance answers within its
 //! time limit per family, never fails as a whole because one family's search did, and the
 //! plan it writes passes `mold sim` on its machine.
 
-use mold_machine::{Calibration, Collective, Device, Host, LinkKind, Links, Machine, PeerDomain};
+use mold_machine::{
+    Calibration, Collective, Device, Host, InterNode, LinkKind, Links, Machine, NetworkKind,
+    PeerDomain,
+};
 use mold_plan::{ByteSize, DeviceId, Plan, GIB};
 use mold_planner::{Objective, PlanError, Request};
 use proptest::prelude::*;
@@ -30,6 +33,7 @@ pub fn machine() -> impl Strategy<Value = Machine> {
     )
         .prop_map(|(devs, peer, host_gib, pinned_frac, host_gbps)| {
             let ids: Vec<DeviceId> = (0..devs.len() as u32).map(DeviceId::Cuda).collect();
+            let pairs = peer == 2;
             let devices = devs
                 .iter()
                 .enumerate()
@@ -50,6 +54,8 @@ pub fn machine() -> impl Strategy<Value = Machine> {
                         uuid: None,
                         pci_bus: None,
                         compute_capability: None,
+                        // PCIe pairs: each pair a node of its own, on a network.
+                        node: if pairs { i as u32 / 2 } else { 0 },
                     }
                 })
                 .collect();
@@ -102,6 +108,11 @@ pub fn machine() -> impl Strategy<Value = Machine> {
                         latency_us: 80.0,
                         gbps: 8.0,
                     },
+                    inter_node: (pairs && ids.len() > 2).then_some(InterNode {
+                        kind: NetworkKind::Ethernet,
+                        gbps: 12.5,
+                        latency_us: 20.0,
+                    }),
                 },
             }
         })
@@ -330,4 +341,72 @@ fn hybrid_when_both_degrees_are_fixed() {
     assert!(t.parts.iter().all(|p| p.devices.len() == 1 || p.sp == 2));
     let sim = mold_sim::simulate(&o.plan, &r.model, &r.machine).unwrap();
     assert!(sim.fits());
+}
+
+/// On two nodes of 8 × H100 the planner keeps every parallel group inside one node
+/// (the network between them is slower than NVLink) and answers within its limits.
+#[test]
+fn two_h100_nodes_keep_parallel_groups_inside_a_node() {
+    let m = shipped("2x8-h100-ib");
+    for model in ["flux-dev", "qwen-image"] {
+        check(
+            m.clone(),
+            model,
+            Objective::Latency,
+            mold_planner::FAMILY_TIME_LIMIT,
+        )
+        .unwrap();
+        let spec = mold_models::find(model).unwrap();
+        let w = spec.default_workload.clone();
+        let o = mold_planner::plan(&Request::new(spec, m.clone(), w)).unwrap();
+        let t = o.plan.transformer().unwrap();
+        assert!(
+            t.parts.iter().any(|p| p.devices.len() > 1),
+            "{model}: {t:?}"
+        );
+        for p in &t.parts {
+            assert!(!m.spans_nodes(&p.devices), "{model}: {:?}", p.devices);
+        }
+    }
+}
+
+/// Groups across nodes are candidates, priced over the network: on two nodes of two
+/// L40S (whose own PCIe link is slow: 15 GB/s all-reduce) flux-dev runs sequence
+/// parallel over all four GPUs across 100 Gb/s Ethernet, and keeps its parallel groups
+/// inside a node over 10 Gb/s.
+#[test]
+fn a_group_crosses_nodes_only_when_the_network_makes_it_faster() {
+    let fast = shipped("2x2-l40s-eth");
+    let mut slow = fast.clone();
+    let net = slow.links.inter_node.as_mut().unwrap();
+    net.gbps = 1.0;
+    net.latency_us = 50.0;
+    let spec = mold_models::find("flux-dev").unwrap();
+    let w = spec.default_workload.clone();
+    let plan = |m: &Machine| {
+        mold_planner::plan(&Request::new(spec.clone(), m.clone(), w.clone())).unwrap()
+    };
+    let (o_slow, o_fast) = (plan(&slow), plan(&fast));
+    let crosses = |o: &mold_planner::Outcome, m: &Machine| {
+        o.plan
+            .transformer()
+            .unwrap()
+            .parts
+            .iter()
+            .any(|p| m.spans_nodes(&p.devices))
+    };
+    let t = o_slow.plan.transformer().unwrap();
+    assert!(t.parts.iter().any(|p| p.devices.len() == 2), "{t:?}");
+    assert!(!crosses(&o_slow, &slow), "{t:?}");
+    assert!(crosses(&o_fast, &fast), "{:?}", o_fast.plan.transformer());
+    assert!(o_fast.evaluation.request_s < o_slow.evaluation.request_s);
+    // Each is the cheaper by the cost model: the other's plan, priced on this machine,
+    // costs no less.
+    let on = |o: &mold_planner::Outcome, m: &Machine| {
+        let mut p = o.plan.clone();
+        p.machine = m.identity();
+        mold_cost::evaluate(&p, &spec, m).request_s
+    };
+    assert!(on(&o_fast, &slow) > o_slow.evaluation.request_s);
+    assert!(on(&o_slow, &fast) > o_fast.evaluation.request_s);
 }

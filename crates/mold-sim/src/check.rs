@@ -5,7 +5,7 @@
 //! holds a plan — inline under `plan:` or as `plan_file:` relative to the repository
 //! root — a `machine:` profile path (also relative to the root), optional `force: true`,
 //! and what must happen: `fits`, `{overflows: cuda:1}`, `{overflows: host}` or
-//! `{error: "text the error contains"}`.
+//! `{error: "text the error contains"}` (loading the machine profile included).
 
 use crate::text::secs;
 use crate::{compare, prepare, simulate, SimError};
@@ -313,7 +313,11 @@ fn run_scenario(
 ) -> Result<(Scenario, Result<crate::SimReport, SimError>), String> {
     let sc: Scenario = serde_yaml_ng::from_str(text).map_err(|e| format!("scenario: {e}"))?;
     let root = root_of(path);
-    let machine = Machine::load(&root.join(&sc.machine)).map_err(|e| format!("machine: {e}"))?;
+    // A profile refused is a result too: scenarios check that bad figures are named.
+    let machine = match Machine::load(&root.join(&sc.machine)) {
+        Ok(m) => m,
+        Err(e) => return Ok((sc, Err(SimError::Load(format!("machine: {e}"))))),
+    };
     let plan = match (&sc.plan, &sc.plan_file) {
         (Some(v), None) => inline_plan(v, &machine),
         (None, Some(f)) => Plan::load(&root.join(f)).map_err(|e| SimError::Load(e.to_string())),

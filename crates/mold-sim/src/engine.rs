@@ -414,7 +414,7 @@ impl<'a> Sim<'a> {
                 } else {
                     let g = self.machine.transfer_gbps(&on_id, d);
                     let s = end.max(self.devs[di].comm);
-                    let e = s + bytes as f64 / (g * 1e9);
+                    let e = s + self.machine.transfer_s(&on_id, d, bytes);
                     self.devs[di].comm = e;
                     let what = format!(
                         "conditioning from {} ({}, {} from {})",
@@ -625,7 +625,7 @@ impl<'a> Sim<'a> {
             }
             let (src, g) = self.best_source(last, d);
             let s = ready[self.di(&src)].max(self.devs[i].comm);
-            let e = s + bytes as f64 / (g * 1e9);
+            let e = s + self.machine.transfer_s(&src, d, bytes);
             self.devs[i].comm = e;
             let what = format!("latents from {src} ({}, {})", human(bytes), gbps_text(g));
             self.event(i, Lane::Comm, EventKind::Transfer, s, e, what, phase);
@@ -683,12 +683,14 @@ impl<'a> Sim<'a> {
             let (src, g) = self.best_source(from, d);
             let si = self.di(&src);
             let s = ready[si].max(self.devs[i].comm);
-            let e = s + bytes as f64 / (g * 1e9);
+            let e = s + self.machine.transfer_s(&src, d, bytes);
             self.devs[i].comm = e;
-            let how = if self.machine.domain_of(&[src.clone(), d.clone()]).is_some() {
-                "peer"
+            let how = if let Some(net) = self.machine.network_between(&src, d) {
+                format!("{} between nodes", net.kind.name())
+            } else if self.machine.domain_of(&[src.clone(), d.clone()]).is_some() {
+                "peer".to_string()
             } else {
-                "staged through host"
+                "staged through host".to_string()
             };
             let what = format!(
                 "hand-off from {src} ({}, {how}, {})",
@@ -807,10 +809,11 @@ impl<'a> Sim<'a> {
         }
         let mut done = ends.clone();
         let link = self.machine.group_link(group);
-        let via = match (link.staged, link.kind) {
-            (true, _) => "staged through host".to_string(),
-            (false, Some(k)) => format!("{k:?}").to_lowercase(),
-            (false, None) => "peer".to_string(),
+        let via = match (link.network, link.staged, link.kind) {
+            (Some(n), ..) => format!("{} between nodes", n.name()),
+            (None, true, _) => "staged through host".to_string(),
+            (None, false, Some(k)) => format!("{k:?}").to_lowercase(),
+            (None, false, None) => "peer".to_string(),
         };
         let allreduce = if info.allgathers > 0 {
             format!(

@@ -555,3 +555,68 @@ fn sequence_parallel_part_of_a_split() {
         eval.step_s
     );
 }
+
+/// `toy_machine` with cuda:2 on a second node, 20 GB/s + 50 µs InfiniBand between.
+fn toy_two_nodes() -> Machine {
+    let mut m = toy_machine(250.0, 60_000_000_000);
+    m.devices[2].node = 1;
+    m.links.inter_node = Some(mold_machine::InterNode {
+        kind: mold_machine::NetworkKind::Infiniband,
+        gbps: 20.0,
+        latency_us: 50.0,
+    });
+    Machine::from_yaml(&m.to_yaml(), "toy2.yaml").unwrap()
+}
+
+#[test]
+fn inter_node_transfers_and_collectives_use_the_network() {
+    let m = toy_model(2);
+    let mc = toy_two_nodes();
+    let c = compute(1.0, 1.0);
+    let hb = 2.0 * 1e6 * 2.0;
+    // cuda:0 → cuda:2 across nodes: latency + bytes over the network (not the host).
+    let plan = toy_plan(
+        &m,
+        &mc,
+        vec![part((0, 1), &[0], None), part((1, 2), &[2], None)],
+        1,
+    );
+    let r = simulate(&plan, &m, &mc).unwrap();
+    assert!(close(r.step_s, 2.0 * c + 50e-6 + hb / 20e9), "{}", r.step_s);
+    let h = events(&r, 2, Lane::Comm, 1);
+    assert_eq!(h[0].kind, EventKind::HandOff);
+    assert!(
+        h[0].what.contains("InfiniBand between nodes"),
+        "{}",
+        h[0].what
+    );
+    // The closed form prices the same path (the machine's slowest) for this hand-off.
+    let eval = mold_cost::evaluate(&plan, &m, &mc);
+    assert!(
+        close(eval.handoff_s, 50e-6 + hb / 20e9),
+        "{}",
+        eval.handoff_s
+    );
+    // Tensor parallel across the nodes: its all-reduces go over the network.
+    let plan = toy_plan(&m, &mc, vec![part((0, 2), &[0, 2], None)], 1);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    let ar: Vec<_> = events(&r, 0, Lane::Comm, 1)
+        .into_iter()
+        .filter(|e| e.kind == EventKind::AllReduce)
+        .collect();
+    assert!(!ar.is_empty());
+    assert!(
+        ar[0].what.contains("InfiniBand between nodes"),
+        "{}",
+        ar[0].what
+    );
+    let across = mold_cost::evaluate(&plan, &m, &mc).parts[0].allreduce_s;
+    let inside = mold_cost::evaluate(
+        &toy_plan(&m, &mc, vec![part((0, 2), &[0, 1], None)], 1),
+        &m,
+        &mc,
+    )
+    .parts[0]
+        .allreduce_s;
+    assert!(across > inside, "{across} vs {inside}");
+}

@@ -122,6 +122,7 @@ impl Inventory {
                 uuid: Some(g.uuid.clone()),
                 pci_bus: Some(g.pci_bus.clone()),
                 compute_capability: Some(g.compute_capability.clone()),
+                node: 0,
             });
         }
         let host_memory = self.host_memory.unwrap_or(ByteSize(16 * GIB));
@@ -181,6 +182,7 @@ impl Inventory {
                     latency_us: 80.0,
                     gbps: 10.0,
                 },
+                inter_node: None,
             },
         };
         m.validate("this box")
