@@ -172,6 +172,28 @@ fn sequence_parallel_streamed() {
     });
 }
 
+/// Consecutive parts on the same devices with the same layout (as the planner writes a
+/// streamed sequence-parallel group): each rank's slice goes straight on to the next
+/// part, gathered only before the final layer.
+#[test]
+fn sequence_parallel_consecutive_parts_keep_their_slices() {
+    let two = ["emu:0", "emu:1"];
+    check(|| {
+        vec![
+            part_par(&two, 1, 2, &["double 0..1"], true),
+            part_par(&two, 1, 2, &["double 1..2", "single 0..1"], true),
+            part_par(&two, 1, 2, &["single 1..3"], false),
+        ]
+    });
+    let four = ["emu:0", "emu:1", "emu:2", "emu:3"];
+    check(|| {
+        vec![
+            part_par(&four, 2, 2, &["double 0..2"], false),
+            part_par(&four, 2, 2, &["single 0..3"], true),
+        ]
+    });
+}
+
 #[test]
 fn sequence_parallel_refusals() {
     let ckpt = tiny_checkpoint(3);

@@ -56,6 +56,10 @@ struct PartRt<M: Transformer> {
     /// Tensor- and sequence-parallel degrees ([`PartSpec`]).
     tp: usize,
     sp: usize,
+    /// The next part runs on the same devices with the same layout (sequence parallel,
+    /// one process): each rank hands its slice of the sequence straight to the same rank
+    /// of the next part ([`Flow::Sliced`]) instead of gathering and scattering it again.
+    keep_sliced: bool,
     steps: Vec<BlockRef>,
     /// The ranks this process runs (all of them in a one-process run).
     ranks: Vec<Rank<M>>,
@@ -65,11 +69,13 @@ struct PartRt<M: Transformer> {
     comms: Option<Vec<Box<dyn Comm>>>,
 }
 
-/// What flows between parts: a model's activations, or the model's output after the
-/// final layer.
+/// What flows between parts: a model's activations, each rank's slice of them (between
+/// sequence-parallel parts of the same layout, [`PartRt::keep_sliced`]), or the model's
+/// output after the final layer.
 #[derive(Clone)]
 enum Flow<A> {
     Acts(A),
+    Sliced(Vec<A>),
     Out(Tensor),
 }
 
@@ -399,11 +405,17 @@ impl<M: Transformer> Executor<M> {
                 devices: spec.devices,
                 tp: spec.tp,
                 sp: spec.sp,
+                keep_sliced: false,
                 steps: spec.steps,
                 ranks,
                 local_ids,
                 comms,
             });
+        }
+        for i in 1..parts.len() {
+            let (a, b) = (&parts[i - 1], &parts[i]);
+            let same = a.devices == b.devices && a.tp == b.tp && a.sp == b.sp;
+            parts[i - 1].keep_sliced = same && a.sp > 1 && dist.is_none();
         }
         // The weights were uploaded from this thread; ranks read them from theirs, whose
         // streams are not ordered with this one.

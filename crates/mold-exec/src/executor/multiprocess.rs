@@ -113,7 +113,7 @@ impl<M: Transformer> Executor<M> {
                 let from = d.owner(&self.parts[n - 1].devices[0])?;
                 match decode_flow::<M::Acts>(&d.mesh.recv(from, &format!("out/{call}"))?)? {
                     Flow::Out(t) => Ok(t),
-                    Flow::Acts(_) => Err(ExecError::Dist(format!(
+                    Flow::Acts(_) | Flow::Sliced(_) => Err(ExecError::Dist(format!(
                         "process {from} sent activations where the output was expected"
                     ))),
                 }
@@ -135,6 +135,11 @@ fn encode_flow<A: Activations>(f: &Flow<A>) -> Result<Vec<u8>> {
             (tag, t)
         }
         Flow::Out(t) => (OUT_TAG, vec![t.clone()]),
+        Flow::Sliced(_) => {
+            return Err(ExecError::Dist(
+                "a slice of the sequence cannot cross processes".into(),
+            ))
+        }
     };
     let refs: Vec<&Tensor> = tensors.iter().collect();
     let body = dist::encode_shaped(&refs)?;

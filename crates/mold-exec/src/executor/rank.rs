@@ -100,6 +100,17 @@ impl<M: Transformer> Executor<M> {
                 message: e.to_string(),
             });
         }
+        if part.keep_sliced {
+            // Every rank's slice, in rank order, for the same ranks of the next part.
+            let mut slices = Vec::with_capacity(results.len());
+            for r in results {
+                match r {
+                    Ok(Flow::Sliced(mut v)) if v.len() == 1 => slices.extend(v.pop()),
+                    _ => return Err(ExecError::Plan("a rank produced no sequence slice".into())),
+                }
+            }
+            return Ok(Flow::Sliced(slices));
+        }
         // The lowest rank this process runs (rank 0 holds the final layer).
         match results.into_iter().next() {
             Some(Ok(a)) => Ok(a),
@@ -166,8 +177,17 @@ impl<M: Transformer> Executor<M> {
             kernels: self.opts.kernels,
             profile: self.opts.profiling.then_some(&rank.profile),
         };
+        let mut sliced = false;
         let acts = match prev {
             Some(Flow::Acts(a)) => a.map(&mut |t| runtime::hand_off(t, dev))?,
+            // The previous part ran on these devices with this layout: this rank's slice
+            // is already here.
+            Some(Flow::Sliced(v)) => {
+                sliced = true;
+                v.get(rank.index).cloned().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("no sequence slice for rank {}", rank.index))
+                })?
+            }
             Some(Flow::Out(_)) => candle_core::bail!("a part after the final layer"),
             None => {
                 let stem = rank.stem.as_ref().ok_or_else(|| {
@@ -178,7 +198,11 @@ impl<M: Transformer> Executor<M> {
         };
         // Under sequence parallelism each rank keeps its slice of the tokens through
         // the part's blocks.
-        let mut acts = self.model.scatter_sequence(acts, &ctx)?;
+        let mut acts = if sliced {
+            acts
+        } else {
+            self.model.scatter_sequence(acts, &ctx)?
+        };
         let ring_err = |e: ExecError| candle_core::Error::Msg(e.to_string());
         for (step, held) in part.steps.iter().zip(&rank.blocks) {
             if let Some(f) = &self.opts.fault {
@@ -206,6 +230,9 @@ impl<M: Transformer> Executor<M> {
                     drop(block);
                 }
             }
+        }
+        if part.keep_sliced {
+            return Ok(Flow::Sliced(vec![acts]));
         }
         // The whole sequence again, for the next part or the final layer.
         let acts = self.model.gather_sequence(acts, &ctx)?;
