@@ -22,20 +22,20 @@ pub fn split(n: usize, rank: usize, world: usize) -> Range<usize> {
 
 /// Attention over the whole sequence for a rank that holds a slice of it.
 ///
-/// `qkv` is `(3, b, heads, L_r, head_dim)`: q, k and v of this rank's tokens (normed and
-/// rotated with their own positions) for every head of the rank's tensor-parallel shard;
+/// `q`, `k`, `v` are `(b, heads, L_r, head_dim)`: this rank's tokens (normed and rotated
+/// with their own positions) for every head of the rank's tensor-parallel shard;
 /// `lens[j]` is how many tokens rank j of `ctx.sp` holds. Returns `(b, L_r, heads ·
 /// head_dim)` for this rank's tokens. The keys arrive in rank order, not in sequence
 /// order; attention does not depend on the order of the keys (each key comes with its
 /// value), and each query's output goes back to the rank that holds it.
-pub fn attention(qkv: &Tensor, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     let sp = ctx.sp;
     let (n, me) = (sp.world_size(), sp.rank());
     if n == 1 {
-        return local(&qkv.i(0)?, &qkv.i(1)?, &qkv.i(2)?, ctx);
+        return local(q, k, v, ctx);
     }
-    let (three, b, heads, l, d) = qkv.dims5()?;
-    if lens.len() != n || lens[me] != l || three != 3 {
+    let (b, heads, l, d) = q.dims4()?;
+    if lens.len() != n || lens[me] != l {
         candle_core::bail!(
             "sequence parallel attention: rank {me} of {n} holds {l} tokens, shares {lens:?}"
         );
@@ -45,10 +45,14 @@ pub fn attention(qkv: &Tensor, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     }
     let hr = |j: usize| split(heads, j, n);
     let hs = hr(me).len();
-    // Heads `split(heads, j, n)` go to rank j; every rank's tokens of this rank's heads
-    // come back.
+    // Heads `split(heads, j, n)` go to rank j, q, k and v stacked (one copy, one message);
+    // every rank's tokens of this rank's heads come back.
     let send = (0..n)
-        .map(|j| qkv.narrow(2, hr(j).start, hr(j).len())?.contiguous())
+        .map(|j| {
+            let h = hr(j);
+            let pick = |t: &Tensor| t.narrow(1, h.start, h.len());
+            Tensor::stack(&[pick(q)?, pick(k)?, pick(v)?], 0)
+        })
         .collect::<Result<Vec<_>>>()?;
     let shapes: Vec<Shape> = lens.iter().map(|&lj| (3, b, hs, lj, d).into()).collect();
     let got = sp.all_to_all(&send, &shapes)?;

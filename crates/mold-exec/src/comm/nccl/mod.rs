@@ -174,7 +174,7 @@ impl NcclComm {
         e.into()
     }
 
-    /// Waits for an all-reduce enqueued at `start` (done when `event` is), with the
+    /// Waits for a collective enqueued at `start` (done when `event` is), with the
     /// watchdog.
     fn wait(
         &self,
@@ -192,12 +192,12 @@ impl NcclComm {
                 Err(e) => {
                     return Err(self.fail(
                         slot,
-                        format!("CUDA error while waiting for the all-reduce: {e:?}"),
+                        format!("CUDA error while waiting for the collective: {e:?}"),
                     ))
                 }
             }
             if let Some(e) = async_error(comm) {
-                let m = format!("NCCL reported an error during the all-reduce: {e}");
+                let m = format!("NCCL reported an error during the collective: {e}");
                 return Err(self.fail(slot, m));
             }
             self.group.poll_signal();
@@ -209,7 +209,7 @@ impl NcclComm {
             if waited > limit {
                 let e = CommError::Timeout {
                     rank: self.group.here(self.rank),
-                    what: "the all-reduce".into(),
+                    what: "the collective".into(),
                     waited,
                     why: watchdog::why(limit),
                 };

@@ -4,7 +4,7 @@
 //! an in-place all-reduce enqueue without allocation or host wait (for
 //! [`crate::calibrate`]).
 
-use super::watchdog::{Tracker, CALL_ALL_REDUCE};
+use super::watchdog::{Tracker, CALL_ALL_REDUCE, CALL_ALL_TO_ALL};
 use super::{cudarc, describe, lock, nccl, sys, NcclComm};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape};
@@ -154,7 +154,7 @@ where
     }
     let cu_stream = stream.cu_stream() as sys::cudaStream_t;
     tracker.issued[rank].fetch_add(1, Ordering::SeqCst);
-    let r: std::result::Result<(), nccl::NcclError> = tracker.busy(rank, CALL_ALL_REDUCE, || {
+    let r: std::result::Result<(), nccl::NcclError> = tracker.busy(rank, CALL_ALL_TO_ALL, || {
         nccl::group_start()?;
         let mut first: std::result::Result<(), nccl::NcclError> = Ok(());
         for (j, out) in outs.iter_mut().enumerate() {

@@ -18,7 +18,7 @@ pub(super) fn why(limit: Duration) -> String {
 }
 
 /// What each rank is doing, for the monitor: which NCCL host call it is inside (a call
-/// that never returns cannot be timed out by the rank itself) and how many all-reduces
+/// that never returns cannot be timed out by the rank itself) and how many collectives
 /// it has issued.
 pub(super) struct Tracker {
     epoch: Instant,
@@ -26,15 +26,20 @@ pub(super) struct Tracker {
     busy_since: Vec<AtomicU64>,
     /// Per rank: index into [`CALLS`] of that call.
     busy_call: Vec<AtomicUsize>,
-    /// Per rank: all-reduces enqueued so far.
+    /// Per rank: collectives enqueued so far.
     pub(super) issued: Vec<AtomicU64>,
     /// ms since `epoch` + 1 when the group failed, 0 while healthy.
     pub(super) failed_at: AtomicU64,
 }
 
-const CALLS: [&str; 2] = ["ncclAllReduce", "ncclCommAbort"];
+const CALLS: [&str; 3] = [
+    "ncclAllReduce",
+    "ncclCommAbort",
+    "ncclSend/ncclRecv (all-to-all)",
+];
 pub(super) const CALL_ALL_REDUCE: usize = 0;
 pub(super) const CALL_ABORT: usize = 1;
+pub(super) const CALL_ALL_TO_ALL: usize = 2;
 
 impl Tracker {
     pub(super) fn new(world: usize) -> Tracker {
@@ -112,7 +117,7 @@ impl Group {
                     if t.elapsed() > limit {
                         let e = CommError::Timeout {
                             rank: where_,
-                            what: "an all-reduce enqueued".into(),
+                            what: "a collective enqueued".into(),
                             waited: t.elapsed(),
                             why: why(limit),
                         };

@@ -65,14 +65,14 @@ fn rope_cos_sin(pe: &Tensor, dtype: DType) -> CResult<(Tensor, Tensor)> {
     Ok((cos, sin))
 }
 
-/// Attention over this rank's heads: `qkv` is `(3, b, heads, L, head_dim)`, already
+/// Attention over this rank's heads: `q, k, v` are `(b, heads, L, head_dim)`, already
 /// normed and rotated; returns `(b, L, heads * head_dim)`. Under sequence parallelism
 /// `L` is this rank's tokens and `lens` every rank's count ([`sequence::attention`]).
-fn attention(qkv: &Tensor, lens: &[usize], ctx: &Ctx) -> CResult<Tensor> {
-    sequence::attention(qkv, lens, ctx)
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[usize], ctx: &Ctx) -> CResult<Tensor> {
+    sequence::attention(q, k, v, lens, ctx)
 }
 
-/// q, k, v for attention, stacked as `(3, b, heads, L, head_dim)` from the fused projections of the sequence segments in order
+/// q, k, v for attention from the fused projections of the sequence segments in order
 /// (double blocks: txt then img, each with its own q/k norms; single blocks: one): q/k
 /// RMSNorm, RoPE, `(b, heads, L, head_dim)` layout, segments concatenated along L. On CUDA
 /// one fused kernel per segment; elsewhere candle's ops.
@@ -81,7 +81,7 @@ fn prepare_qkv(
     heads: usize,
     pe: &Tensor,
     ctx: &Ctx,
-) -> CResult<Tensor> {
+) -> CResult<(Tensor, Tensor, Tensor)> {
     let fsegs: Vec<ops::QkvSegment> = segs
         .iter()
         .map(|(x, n)| ops::QkvSegment {
@@ -95,7 +95,7 @@ fn prepare_qkv(
         let (cos, sin) = rope_cos_sin(pe, DType::F32)?;
         let t = ops::qkv_prep_fused(&fsegs, heads, &cos, &sin, EPS as f32)?;
         ctx.mark("qk norm + rope + layout", &t);
-        return Ok(t);
+        return Ok((t.i(0)?, t.i(1)?, t.i(2)?));
     }
     let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
     for (x, norm) in segs {
@@ -117,7 +117,7 @@ fn prepare_qkv(
     let q = apply_rope(&q, pe)?;
     let k = apply_rope(&k, pe)?;
     ctx.mark("rope", &k);
-    Tensor::stack(&[q, k, v], 0)
+    Ok((q, k, v))
 }
 
 /// Sinusoidal embedding of `t` (scaled by 1000), `dim` wide, cos then sin.
@@ -411,14 +411,13 @@ impl DoubleBlock {
             .forward(&tm[0].scale_shift(&layer_norm(txt)?, kn)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
-        let qkv = prepare_qkv(
+        let (q, k, v) = prepare_qkv(
             &[(&txt_qkv, &self.txt.norm), (&img_qkv, &self.img.norm)],
             self.heads,
             pe,
             ctx,
         )?;
-        let attn = attention(&qkv, lens, ctx)?;
-        drop(qkv);
+        let attn = attention(&q, &k, &v, lens, ctx)?;
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
         let txt_attn = attn.narrow(1, 0, tl)?;
@@ -549,9 +548,8 @@ impl SingleBlock {
         ctx.meter.see(&x_mod);
         ctx.mark("norm + qkv/mlp linear", &x_mod);
         let mlp = x_mod.narrow(D::Minus1, 3 * self.h_local, self.mlp_local)?;
-        let qkv = prepare_qkv(&[(&x_mod, &self.norm)], self.heads, pe, ctx)?;
-        let attn = attention(&qkv, lens, ctx)?;
-        drop(qkv);
+        let (q, k, v) = prepare_qkv(&[(&x_mod, &self.norm)], self.heads, pe, ctx)?;
+        let attn = attention(&q, &k, &v, lens, ctx)?;
         let mlp = ops::bias_act(&mlp, None, true, kn)?;
         ctx.mark("gelu", &mlp);
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.

@@ -147,71 +147,60 @@ fn pe_slice(
     .contiguous()
 }
 
-fn whole_sequence_only(seq: &Option<SeqSlice>) -> CResult<()> {
-    if seq.is_some() {
-        candle_core::bail!("a sequence slice cannot leave its part: gather it first");
+impl FluxActs {
+    /// Fails on a rank's slice of the sequence: only the whole sequence leaves a part
+    /// (moved, sent or fed to the final layer).
+    fn whole_sequence_only(&self) -> CResult<()> {
+        let (FluxActs::Double { seq, .. } | FluxActs::Single { seq, .. }) = self;
+        if seq.is_some() {
+            candle_core::bail!("a sequence slice cannot leave its part: gather it first");
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 impl Activations for FluxActs {
     fn map(&self, f: &mut dyn FnMut(&Tensor) -> CResult<Tensor>) -> CResult<Self> {
+        self.whole_sequence_only()?;
         Ok(match self {
             FluxActs::Double {
-                img,
-                txt,
-                vec,
-                pe,
-                seq,
-            } => {
-                whole_sequence_only(seq)?;
-                FluxActs::Double {
-                    img: f(img)?,
-                    txt: f(txt)?,
-                    vec: f(vec)?,
-                    pe: f(pe)?,
-                    seq: None,
-                }
-            }
+                img, txt, vec, pe, ..
+            } => FluxActs::Double {
+                img: f(img)?,
+                txt: f(txt)?,
+                vec: f(vec)?,
+                pe: f(pe)?,
+                seq: None,
+            },
             FluxActs::Single {
                 x,
                 vec,
                 pe,
                 txt_len,
-                seq,
-            } => {
-                whole_sequence_only(seq)?;
-                FluxActs::Single {
-                    x: f(x)?,
-                    vec: f(vec)?,
-                    pe: f(pe)?,
-                    txt_len: *txt_len,
-                    seq: None,
-                }
-            }
+                ..
+            } => FluxActs::Single {
+                x: f(x)?,
+                vec: f(vec)?,
+                pe: f(pe)?,
+                txt_len: *txt_len,
+                seq: None,
+            },
         })
     }
 
     fn to_wire(&self) -> CResult<(u8, Vec<Tensor>)> {
+        self.whole_sequence_only()?;
         Ok(match self {
             FluxActs::Double {
-                img,
-                txt,
-                vec,
-                pe,
-                seq,
-            } => {
-                whole_sequence_only(seq)?;
-                (0, vec![img.clone(), txt.clone(), vec.clone(), pe.clone()])
-            }
+                img, txt, vec, pe, ..
+            } => (0, vec![img.clone(), txt.clone(), vec.clone(), pe.clone()]),
             FluxActs::Single {
                 x,
                 vec,
                 pe,
                 txt_len,
-                seq,
+                ..
             } => {
-                whole_sequence_only(seq)?;
                 let len = u32::try_from(*txt_len)
                     .map_err(|_| candle_core::Error::Msg(format!("txt_len {txt_len}")))?;
                 let tl = Tensor::new(&[len], &Device::Cpu)?;
@@ -542,26 +531,57 @@ impl Transformer for FluxConfig {
     }
 
     fn final_layer(&self, f: &FinalLayer, acts: FluxActs, ctx: &Ctx) -> CResult<Tensor> {
+        acts.whole_sequence_only()?;
         let (img, vec) = match acts {
-            FluxActs::Double { img, vec, seq, .. } => {
-                whole_sequence_only(&seq)?;
-                (img, vec)
-            }
+            FluxActs::Double { img, vec, .. } => (img, vec),
             FluxActs::Single {
-                x,
-                vec,
-                txt_len,
-                seq,
-                ..
-            } => {
-                whole_sequence_only(&seq)?;
-                (x.i((.., txt_len..))?, vec)
-            }
+                x, vec, txt_len, ..
+            } => (x.i((.., txt_len..))?, vec),
         };
         ctx.mark_start(&img);
         let out = f.forward(&img, &vec)?;
         ctx.mark("final layer", &out);
         ctx.meter.see(&out);
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank's slice of the sequence never leaves its part: moving, sending or feeding it
+    /// to the final layer is refused; the whole sequence passes.
+    #[test]
+    fn only_the_whole_sequence_leaves_a_part() {
+        let t = |n: usize| Tensor::zeros((1, n, 4), DType::F32, &Device::Cpu).unwrap();
+        let seq = SeqSlice {
+            rank: 0,
+            world: 2,
+            txt: 2,
+            img: 4,
+            pe: t(6),
+        };
+        let whole = FluxActs::Single {
+            x: t(6),
+            vec: t(1),
+            pe: t(6),
+            txt_len: 2,
+            seq: None,
+        };
+        let sliced = FluxActs::Double {
+            img: t(2),
+            txt: t(1),
+            vec: t(1),
+            pe: t(3),
+            seq: Some(seq),
+        };
+        assert!(whole.to_wire().is_ok() && whole.map(&mut |x| Ok(x.clone())).is_ok());
+        for e in [
+            sliced.to_wire().map(|_| ()).unwrap_err(),
+            sliced.map(&mut |x| Ok(x.clone())).map(|_| ()).unwrap_err(),
+        ] {
+            assert!(e.to_string().contains("gather it first"), "{e}");
+        }
     }
 }
