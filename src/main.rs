@@ -32,6 +32,8 @@ enum Command {
     Devices(cmd::devices::Args),
     /// Information about this box (`mold info --gpus` = `mold devices`).
     Info(cmd::devices::InfoArgs),
+    /// Serve text to image over HTTP: concurrent requests over a plan's replicas.
+    Serve(cmd::serve::Args),
 }
 
 fn main() {
@@ -44,6 +46,7 @@ fn main() {
         Command::Models(a) => cmd::plan::models(a),
         Command::Devices(a) => cmd::devices::run(a),
         Command::Info(a) => cmd::devices::info(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

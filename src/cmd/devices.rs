@@ -23,9 +23,24 @@ pub struct Args {
     pub save: Option<PathBuf>,
     /// Measure the devices (bf16 matmul, memory bandwidth, host and peer copies; NCCL
     /// all-reduce on builds with the `nccl` feature) and write the figures into the saved
-    /// profile.
-    #[arg(long, requires = "save")]
+    /// profile; with --model, that model's operations too.
+    #[arg(long)]
     pub calibrate: bool,
+    /// With --calibrate: measure this model's operations through mold's own layers — its
+    /// blocks' matrix products (full, tensor- and sequence-parallel shapes), attention
+    /// over heads x sequence, the element-wise kernels, the collectives — into the
+    /// profile's `ops` tables, which the cost model then prices blocks from. Without
+    /// --save the tables are printed.
+    #[arg(long, value_name = "MODEL", requires = "calibrate")]
+    pub model: Option<String>,
+    /// With --calibrate --model: measure the devices of this profile (e.g.
+    /// sim/machines/cpu-emu-4.yaml, emulated devices on the CPU) instead of this box's
+    /// GPUs; its figures are kept, the tables added.
+    #[arg(long, value_name = "PROFILE", requires = "model")]
+    pub machine: Option<String>,
+    /// With --model: the dtype to measure in (default: the model's transformer dtype).
+    #[arg(long, value_name = "DTYPE", requires = "model")]
+    pub dtype: Option<String>,
     /// The profile's name (default: the file name of --save without .yaml).
     #[arg(long)]
     pub name: Option<String>,
@@ -125,8 +140,23 @@ fn settings(a: &Args) -> Result<mold_config::Settings> {
 }
 
 pub fn run(a: Args) -> Result<i32> {
+    if a.calibrate && a.save.is_none() && a.model.is_none() {
+        bail!(
+            "--calibrate: name the profile to write with --save FILE (or measure one model's \
+             operations with --model MODEL)"
+        );
+    }
+    if let Some(spec) = &a.machine {
+        return calibrate_profile(&a, spec);
+    }
     if !inventory::CUDA {
         eprintln!("{}", no_cuda_message("mold devices"));
+        if a.model.is_some() {
+            eprintln!(
+                "To measure a model's operations on emulated devices: mold devices --calibrate \
+                 --model MODEL --machine sim/machines/cpu-emu-4.yaml"
+            );
+        }
         return Ok(NO_CUDA_EXIT);
     }
     let settings = settings(&a)?;
@@ -152,8 +182,157 @@ pub fn run(a: Args) -> Result<i32> {
     }
     if let Some(path) = &a.save {
         save(&a, path, &inv, headroom, caps)?;
+    } else if let Some(model) = &a.model {
+        // The tables alone, for this box as queried.
+        let m = inv.to_machine(&ProfileOptions {
+            name: "local".into(),
+            headroom,
+            caps,
+            date: inventory::today(),
+            mold_version: env!("CARGO_PKG_VERSION").into(),
+        })?;
+        let t = measure_model_ops(&a, &m, model)?;
+        print!("{}", ops_yaml(&t)?);
     }
     Ok(0)
+}
+
+/// `mold devices --calibrate --model M --machine PROFILE`: the profile's devices
+/// measured, the tables added to it (`--save`) or printed.
+fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
+    let model = a.model.as_deref().context("--machine needs --model")?;
+    let mut m = super::common::load_machine(spec)?;
+    let t = measure_model_ops(a, &m, model)?;
+    match &a.save {
+        Some(path) => {
+            if let Some(n) = &a.name {
+                m.name = n.clone();
+            }
+            add_tables(&mut m, t);
+            write_profile(path, &m)?;
+            eprintln!(
+                "machine profile written to {} ({spec} with operation tables for {model})",
+                path.display()
+            );
+        }
+        None => print!("{}", ops_yaml(&t)?),
+    }
+    Ok(0)
+}
+
+/// The tables as a profile's `ops:` list.
+fn ops_yaml(t: &mold_machine::OpTables) -> Result<String> {
+    #[derive(serde::Serialize)]
+    struct Ops<'a> {
+        ops: [&'a mold_machine::OpTables; 1],
+    }
+    Ok(serde_yaml_ng::to_string(&Ops { ops: [t] })?)
+}
+
+/// `t` into `m` (in place of any table of the same model, dtype and devices), noted in
+/// its calibration.
+fn add_tables(m: &mut Machine, t: mold_machine::OpTables) {
+    let note = format!(
+        "Operation tables for {} {} on {} measured by mold {} on {} (`mold devices \
+         --calibrate --model {}`: {} matrix products, {} attention shapes, element-wise \
+         kernels, {} collective sizes; median of timed runs).",
+        t.model,
+        t.dtype,
+        t.device,
+        env!("CARGO_PKG_VERSION"),
+        inventory::today(),
+        t.model,
+        t.gemm.len(),
+        t.attention.len(),
+        t.collectives.all_reduce.len()
+            + t.collectives.all_gather.len()
+            + t.collectives.all_to_all.len()
+    );
+    let notes = &mut m.calibration.notes;
+    if !notes.is_empty() {
+        notes.push(' ');
+    }
+    notes.push_str(&note);
+    m.set_op_tables(t);
+}
+
+/// Writes `m` to `path` and loads it back: what was written must load, here and on any
+/// other box.
+fn write_profile(path: &std::path::Path, m: &Machine) -> Result<()> {
+    std::fs::write(path, m.to_yaml()).with_context(|| format!("--save {}", path.display()))?;
+    Machine::load(path)?;
+    Ok(())
+}
+
+/// Measures `model`'s operations on `m`'s devices of its first device's name (on that
+/// device; collectives over the first 2, 4, … of them), at the shapes the cost model
+/// looks up for the model's default size at half, the same and twice its side.
+fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<mold_machine::OpTables> {
+    let spec = mold_models::find(model).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
+    let dtype = match &a.dtype {
+        Some(d) => d
+            .parse::<mold_plan::DType>()
+            .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?,
+        None => spec.transformer.default_dtype,
+    };
+    mold_exec::compute_dtype(dtype).map_err(|e| anyhow::anyhow!("--dtype {dtype}: {e}"))?;
+    let tokens = spec.tokens(&spec.default_workload);
+    if let Some(k) = spec
+        .transformer
+        .kinds
+        .iter()
+        .find(|k| mold_cost::ops::block_ops(k, tokens, 1, 1, 1, 2).is_none())
+    {
+        bail!(
+            "--model {model}: its `{}` blocks have no operation breakdown (mold prices FLUX's \
+             double and single blocks by operation): calibrate a FLUX model",
+            k.name
+        );
+    }
+    let first = m
+        .devices
+        .first()
+        .context("the machine profile has no device")?;
+    let devices: Vec<DeviceId> = m
+        .devices
+        .iter()
+        .filter(|d| d.name == first.name && d.node == first.node)
+        .map(|d| d.id.clone())
+        .collect();
+    let sizes: Vec<u32> = inventory::allreduce_group_sizes(devices.len())
+        .into_iter()
+        .map(|n| n as u32)
+        .collect();
+    let req = mold_cost::ops::ShapeRequest::default_for(&spec, devices.len() as u32, sizes);
+    let shapes = mold_cost::ops::calibration_shapes(&spec, dtype, &req);
+    let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let comm = mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok())?;
+    let bench = mold_exec::calibrate_ops::OpBench {
+        kernels,
+        comm,
+        ..Default::default()
+    };
+    let t = mold_exec::calibrate_ops::measure_ops(
+        &mold_exec::calibrate_ops::OpTarget {
+            model,
+            dtype,
+            device_name: &first.name,
+            devices: &devices,
+        },
+        &shapes,
+        &bench,
+        &mut |s| eprintln!("calibrating: {s}"),
+    )?;
+    eprintln!(
+        "operation tables: {model} {dtype} on {}: {} matrix products, {} attention shapes, \
+         element-wise {:.1} GB/s",
+        first.name,
+        t.gemm.len(),
+        t.attention.len(),
+        t.elementwise_gbps
+    );
+    Ok(t)
 }
 
 fn cap_sources(caps: &BTreeMap<DeviceId, Setting<ByteSize>>) -> String {
@@ -197,9 +376,11 @@ fn save(
             println!("\nmeasured:\n{}", serde_yaml_ng::to_string(&r)?);
         }
     }
-    std::fs::write(path, m.to_yaml()).with_context(|| format!("--save {}", path.display()))?;
-    // What was written must load back, here and on any other box.
-    Machine::load(path)?;
+    if let Some(model) = &a.model {
+        let t = measure_model_ops(a, &m, model)?;
+        add_tables(&mut m, t);
+    }
+    write_profile(path, &m)?;
     eprintln!(
         "machine profile written to {} ({})",
         path.display(),
@@ -263,6 +444,9 @@ pub fn info(a: InfoArgs) -> Result<i32> {
             json: a.json,
             save: None,
             calibrate: false,
+            model: None,
+            machine: None,
+            dtype: None,
             name: None,
             headroom: None,
             max_vram: Vec::new(),

@@ -2,7 +2,8 @@ use super::common::{load_machine, load_plan, model_of};
 use super::exec_options::{exec_options, EnvVars};
 use super::progress::{hex, say, OutputArgs, Reporter};
 use anyhow::{bail, Context, Result};
-use mold_exec::{Executor, FluxConfig};
+use mold_exec::{Executor, FluxConfig, Transformer};
+use mold_pipeline::run::{Benchable, Family};
 use mold_plan::{ByteSize, DeviceId, Plan};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -36,8 +37,9 @@ pub struct Args {
     /// Run a plan made for another machine (its predictions do not hold here).
     #[arg(long)]
     pub force: bool,
-    /// Text to image: run the whole FLUX pipeline (T5, CLIP, transformer, VAE) for this
-    /// prompt, each component where the plan places it; --weights is then a weights
+    /// Text to image: run the whole pipeline (FLUX: T5, CLIP, transformer, VAE;
+    /// Qwen-Image: Qwen2.5-VL, transformer with true CFG, VAE) for this prompt, each
+    /// component where the plan places it; --weights is then a weights
     /// directory (README: "Weights directory layout"). Without it, exec runs the
     /// transformer alone on random inputs.
     #[arg(long)]
@@ -45,6 +47,19 @@ pub struct Args {
     /// Distilled guidance strength, with --prompt (FLUX dev; default: the plan's, else 3.5).
     #[arg(long)]
     pub guidance: Option<f64>,
+    /// With --prompt, Qwen-Image: the negative prompt of true CFG (default " " when the
+    /// CFG scale is above 1).
+    #[arg(long)]
+    pub negative_prompt: Option<String>,
+    /// With --prompt, Qwen-Image: the true-CFG scale (default: the plan's, 4 for
+    /// qwen-image); 1 turns true CFG off (one transformer pass a step).
+    #[arg(long)]
+    pub cfg: Option<f64>,
+    /// With --prompt, Qwen-Image: CFG-parallel, each step's unconditional pass on the
+    /// plan's second replica (`replicas:`, e.g. from `mold plan --objective throughput`)
+    /// at the same time as the conditional pass on its first.
+    #[arg(long)]
+    pub cfg_parallel: bool,
     /// Image width in pixels, with --prompt (default: the plan's; another size is
     /// re-checked with the simulator before anything loads).
     #[arg(long)]
@@ -76,7 +91,8 @@ pub struct Args {
     pub latents: Option<PathBuf>,
     /// With --prompt: write the conditioning, the initial and per-step latents, the
     /// transformer's outputs and the decoded image to this safetensors file
-    /// (crates/mold-pipeline/src/io.rs names them).
+    /// (crates/mold-pipeline/src/io.rs names them). Without --prompt: the benchmark's
+    /// random inputs and one transformer call's `output` (for benches/parity/).
     #[arg(long, value_name = "FILE")]
     pub save_io: Option<PathBuf>,
     #[command(flatten)]
@@ -88,7 +104,11 @@ pub struct TestdataArgs {
     /// A FLUX-family model: flux-tiny, flux-dev or flux-schnell (the transformer); or
     /// flux-tiny-pipeline: a whole tiny weights directory (T5, CLIP, VAE, tokenizers,
     /// transformer) for `mold exec --prompt`; flux-tiny-hf, flux-dev-hf, flux-schnell-hf:
-    /// the same in the Hugging Face repository's layout (BFL and diffusers transformers).
+    /// the same in the Hugging Face repository's layout (BFL and diffusers transformers);
+    /// qwen-image, qwen-image-tiny: the transformer as the published repository's
+    /// `transformer/` folder (shards, index, diffusers' config.json);
+    /// qwen-image-tiny-pipeline, qwen-image-pipeline: the whole Qwen-Image repository
+    /// (transformer, text encoder, tokenizer, VAE, scheduler) for `mold exec --prompt`.
     pub name: String,
     /// Directory to write into (created if missing).
     pub dir: PathBuf,
@@ -106,7 +126,7 @@ pub struct TestdataArgs {
 
 fn flux_config(id: &str) -> Result<FluxConfig> {
     FluxConfig::by_name(id).with_context(|| {
-        format!("model `{id}`: mold exec runs FLUX-family transformers (flux-dev, flux-schnell, flux-tiny); `{id}` can be planned and simulated but not executed yet")
+        format!("model `{id}`: testdata writes flux-dev, flux-schnell, flux-tiny, qwen-image and qwen-image-tiny transformers (and the pipelines and -hf snapshots of `mold testdata --help`)")
     })
 }
 
@@ -117,8 +137,17 @@ pub fn testdata(a: TestdataArgs) -> Result<i32> {
     if a.name == "flux-tiny-pipeline" {
         return testdata_pipeline(a);
     }
+    if matches!(
+        a.name.as_str(),
+        "qwen-image-tiny-pipeline" | "qwen-image-pipeline"
+    ) {
+        return testdata_qwen_pipeline(&a);
+    }
     if let Some(model) = a.name.strip_suffix("-pipeline") {
         return testdata_full_pipeline(&a, model);
+    }
+    if let Some(cfg) = mold_exec::QwenConfig::by_name(&a.name) {
+        return testdata_qwen(&a, &cfg);
     }
     let cfg = flux_config(&a.name)?;
     let dtype = match a.dtype.as_deref() {
@@ -150,6 +179,98 @@ pub fn testdata(a: TestdataArgs) -> Result<i32> {
             "event": "done",
             "model": a.name,
             "parameters": cfg.param_count(),
+            "dtype": format!("{dtype:?}"),
+            "seed": a.seed,
+            "seconds": t.elapsed().as_secs_f64(),
+        }),
+    );
+    Ok(0)
+}
+
+/// `mold testdata qwen-image DIR` (and qwen-image-tiny): the transformer in the published
+/// repository's `transformer/` layout, in shards of `--shard-size` (default 5 GB, as
+/// published).
+fn testdata_qwen(a: &TestdataArgs, cfg: &mold_exec::QwenConfig) -> Result<i32> {
+    let dtype = match a.dtype.as_deref() {
+        None if a.name.ends_with("-tiny") => mold_exec::DType::F32,
+        None | Some("bf16") => mold_exec::DType::BF16,
+        Some("f32") => mold_exec::DType::F32,
+        Some(o) => bail!("--dtype {o}: testdata writes f32 or bf16"),
+    };
+    let shard = a.shard_size.map(|s| s.0).unwrap_or(5_000_000_000);
+    let rep = Reporter::new(a.output);
+    let t = Instant::now();
+    let files = rep.observe_writes(|| -> Result<Vec<PathBuf>> {
+        mold_exec::model::qwen::testdata::write_testdata(cfg, &a.dir, a.seed, dtype, shard)
+            .with_context(|| format!("cannot write {} into {}", a.name, a.dir.display()))
+    })?;
+    for f in &files {
+        say!(rep, "wrote {}", f.display());
+        rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
+    }
+    rep.result(
+        format_args!(
+            "{} transformer, random weights ({} parameters, {dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {}`",
+            a.name,
+            cfg.param_count(),
+            a.seed,
+            t.elapsed().as_secs_f64(),
+            a.dir.display()
+        ),
+        json!({
+            "event": "done",
+            "model": a.name,
+            "parameters": cfg.param_count(),
+            "dtype": format!("{dtype:?}"),
+            "seed": a.seed,
+            "seconds": t.elapsed().as_secs_f64(),
+        }),
+    );
+    Ok(0)
+}
+
+/// `mold testdata qwen-image-tiny-pipeline DIR` (f32) and `qwen-image-pipeline DIR`
+/// (bf16 unless --dtype f32): the whole Qwen-Image repository layout, random weights.
+fn testdata_qwen_pipeline(a: &TestdataArgs) -> Result<i32> {
+    let tiny = a.name == "qwen-image-tiny-pipeline";
+    let dtype = match (a.dtype.as_deref(), tiny) {
+        (None | Some("f32"), true) => mold_exec::DType::F32,
+        (Some(o), true) => {
+            bail!("--dtype {o}: qwen-image-tiny-pipeline is written in f32: drop --dtype")
+        }
+        (None | Some("bf16"), false) => mold_exec::DType::BF16,
+        (Some("f32"), false) => mold_exec::DType::F32,
+        (Some(o), false) => bail!("--dtype {o}: testdata writes f32 or bf16"),
+    };
+    if a.shard_size.is_some() {
+        bail!("{}: the transformer and text encoder are written in 5 GB shards as published: drop --shard-size", a.name);
+    }
+    let rep = Reporter::new(a.output);
+    let t = Instant::now();
+    let files = rep
+        .observe_writes(|| {
+            if tiny {
+                mold_pipeline::qwen_testdata::write_tiny_pipeline(&a.dir, a.seed)
+            } else {
+                mold_pipeline::qwen_testdata::write_full_pipeline(&a.dir, a.seed, dtype)
+            }
+        })
+        .with_context(|| format!("cannot write {} into {}", a.name, a.dir.display()))?;
+    for f in &files {
+        say!(rep, "wrote {}", f.display());
+        rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
+    }
+    rep.result(
+        format_args!(
+            "{}, random weights ({dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {} --prompt \"...\" --negative-prompt \"...\" --cfg 4`",
+            a.name,
+            a.seed,
+            t.elapsed().as_secs_f64(),
+            a.dir.display()
+        ),
+        json!({
+            "event": "done",
+            "model": a.name,
             "dtype": format!("{dtype:?}"),
             "seed": a.seed,
             "seconds": t.elapsed().as_secs_f64(),
@@ -419,29 +540,96 @@ pub fn run(a: Args) -> Result<i32> {
     }
     for (flag, set) in [
         ("--guidance", a.guidance.is_some()),
+        ("--negative-prompt", a.negative_prompt.is_some()),
+        ("--cfg", a.cfg.is_some()),
+        ("--cfg-parallel", a.cfg_parallel),
         ("--width", a.width.is_some()),
         ("--height", a.height.is_some()),
         ("--out", a.out.is_some()),
         ("--latents", a.latents.is_some()),
-        ("--save-io", a.save_io.is_some()),
     ] {
         if set {
             bail!("{flag} is for text to image: add --prompt \"...\" (and point --weights at a weights directory)");
         }
     }
+    if let (Some(l), Some(_)) = (&launch, &a.save_io) {
+        bail!(
+            "--save-io: a multi-process launch ({}={}) does not write the transformer's I/O; run it in one process",
+            l.world_var(),
+            l.world
+        );
+    }
     let rep = Reporter::new(a.output);
     let plan = load_plan(&a.plan)?;
     let model = model_of(&plan)?;
     let machine = machine_for(&plan, &a.machine)?;
-    // In a multi-process run each process sees only its own share of the GPUs.
+    // In a multi-process run each process sees only its node's GPUs (or its own share).
     if launch.is_none() {
         warn_if_box_differs(&plan);
     }
+    // Which plan devices this process runs and how it opens them, before anything loads.
+    let local = match &launch {
+        None => None,
+        Some(l) => {
+            let tf = plan.transformer().context("the plan has no transformer")?;
+            let devices: Vec<DeviceId> = tf.parts.iter().flat_map(|p| p.devices.clone()).collect();
+            let visible = mold_exec::dist::Visible::from_vars(|k| {
+                std::env::var(k).ok().filter(|v| !v.trim().is_empty())
+            });
+            Some(mold_exec::dist::LocalDevices::resolve(
+                &devices,
+                &machine,
+                l,
+                visible.as_ref(),
+            )?)
+        }
+    };
     let checked = mold_pipeline::run::preflight(&plan, &model, &machine, a.force, None)?;
     warn_all(&checked.warnings);
     let weights = weights_for(&plan, &a.weights)?;
+    let run = BenchRun {
+        rep,
+        plan,
+        model,
+        weights,
+        launch,
+        local,
+        opts,
+        comm_opts,
+    };
+    match mold_pipeline::run::transformer_family(&run.plan)? {
+        Family::Flux(cfg) => run_bench(a, cfg, run),
+        Family::Qwen(cfg) => run_bench(a, cfg, run),
+    }
+}
+
+/// What `mold exec` resolved before it knew the model's family.
+struct BenchRun {
+    rep: Reporter,
+    plan: Plan,
+    model: mold_models::ModelSpec,
+    weights: PathBuf,
+    launch: Option<mold_exec::dist::Launch>,
+    /// This process's devices, when `launch` is set.
+    local: Option<mold_exec::dist::LocalDevices>,
+    opts: mold_exec::ExecOptions,
+    comm_opts: mold_exec::comm::CommOptions,
+}
+
+/// The transformer benchmark (and `--verify`, `--save-io`) for a model of family `M`.
+fn run_bench<M: Benchable>(a: Args, cfg: M, run: BenchRun) -> Result<i32> {
+    let BenchRun {
+        rep,
+        plan,
+        model,
+        weights,
+        launch,
+        local,
+        opts,
+        comm_opts,
+    } = run;
     let mut warnings = Vec::new();
-    let (cfg, mut ckpt) = mold_pipeline::run::open_transformer(&plan, &weights, &mut warnings)?;
+    let mut ckpt = mold_pipeline::run::open_transformer(&cfg, &plan, &weights, &mut warnings)?;
     add_loras(&mut ckpt, &a.loras)?;
     warn_all(&warnings);
     let steps = a.steps.unwrap_or(plan.workload.steps);
@@ -450,32 +638,35 @@ pub fn run(a: Args) -> Result<i32> {
     }
     // A multi-process run: which devices are this process's, then the rendezvous (every
     // process must run the same plan and arguments), all before any weight is read.
-    let mesh = match &launch {
-        None => None,
-        Some(l) => {
-            let own = mold_exec::ownership(&plan, l.world)?;
-            let share = own.share(l.rank);
-            let local: Vec<String> = share
+    let mesh = match (&launch, local) {
+        (Some(l), Some(own)) => {
+            let local: Vec<String> = own
+                .devices()
                 .iter()
-                .filter_map(|d| own.local_id(l.rank, d).map(|x| format!("{d} as {x}")))
+                .map(|(d, x)| format!("{d} as {x}"))
                 .collect();
+            let (local_rank, per_node) = own.local_rank();
             let via = match l.launcher {
                 mold_exec::dist::Launcher::Mold => String::new(),
                 other => format!(", from {other}'s variables"),
             };
             say!(
                 rep,
-                "process {} of {}: runs {} (master {}{via})",
+                "process {} of {}: runs {} (node {}, process {local_rank} of {per_node} there; \
+                 sees {}; master {}{via})",
                 l.rank,
                 l.world,
                 local.join(", "),
+                own.node(),
+                own.ordinals(),
                 l.master
             );
             rep.event(json!({
                 "event": "process",
                 "rank": l.rank,
                 "world": l.world,
-                "local_rank": l.local_rank,
+                "node": own.node(),
+                "local_rank": local_rank,
                 "launcher": l.launcher.to_string(),
                 "master": l.master,
                 "devices": local,
@@ -503,12 +694,15 @@ pub fn run(a: Args) -> Result<i32> {
             }));
             Some((std::sync::Arc::new(mesh), own))
         }
+        _ => None,
     };
     let t0 = Instant::now();
     rep.spin(format!("loading {}", weights.display()));
     let exec = match &mesh {
         None => Executor::with_options(&cfg, &plan, &ckpt, opts.clone())?,
-        Some((m, _)) => Executor::new_multi_process(&cfg, &plan, &ckpt, opts.clone(), m.clone())?,
+        Some((m, own)) => {
+            Executor::new_multi_process(&cfg, &plan, &ckpt, opts.clone(), m.clone(), own.clone())?
+        }
     };
     rep.clear();
     say!(
@@ -528,6 +722,25 @@ pub fn run(a: Args) -> Result<i32> {
             .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
             .sum::<u64>(),
     }));
+    // Between processes: NCCL between GPUs when built with it, else TCP.
+    for (pi, from, to, path) in exec.process_hand_offs() {
+        say!(
+            rep,
+            "hand-off after part {pi}: process {from} -> process {to} over {path}"
+        );
+        rep.event(
+            json!({"event": "process_hand_off", "part": pi, "from": from, "to": to, "path": path}),
+        );
+    }
+    if let Some(path) = &a.save_io {
+        mold_pipeline::run::save_bench_io(&exec, &plan, &model, a.seed, path)?;
+        say!(
+            rep,
+            "wrote {} (the benchmark's inputs and one transformer call's output)",
+            path.display()
+        );
+        rep.event(json!({"event": "wrote", "path": path.display().to_string()}));
+    }
     let predicted = plan.predicted.step_time_s;
     let mut times = Vec::new();
     let out = mold_pipeline::run::bench(&exec, &plan, &model, a.seed, steps, &mut |s| {
@@ -557,6 +770,7 @@ pub fn run(a: Args) -> Result<i32> {
         rep,
         "step time: median {median:.4} s over {over}; plan predicted {predicted:.4} s"
     );
+    say_attention(&rep);
     let digest = mold_exec::digest(&out)?;
     rep.result(
         format_args!("output digest: {digest:016x}"),
@@ -635,9 +849,9 @@ pub fn run(a: Args) -> Result<i32> {
     if a.verify {
         let tf = plan.transformer().context("the plan has no transformer")?;
         let mut first = tf.parts[0].devices[0].clone();
-        if let Some((m, own)) = &mesh {
+        if let Some((_, own)) = &mesh {
             // The reference runs once, in the process that runs the first device.
-            match own.local_id(m.rank(), &first) {
+            match own.local_id(&first) {
                 Some(local) => first = local,
                 None => {
                     say!(rep, "\nverify: done by the process that runs {first}");
@@ -674,7 +888,7 @@ pub fn run(a: Args) -> Result<i32> {
 }
 
 /// One line per device that streams: mode, buffers, host memory, copies.
-pub fn print_streaming(exec: &Executor<FluxConfig>, rep: &Reporter) {
+pub fn print_streaming<M: Transformer>(exec: &Executor<M>, rep: &Reporter) {
     for m in exec.memory_report() {
         if m.stream_buffers == 0 {
             continue;
@@ -764,6 +978,27 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
     if a.guidance.is_some() {
         run_plan.workload.guidance = a.guidance;
     }
+    let family = mold_pipeline::run::transformer_family(&plan)?;
+    let qwen_cfg = match &family {
+        Family::Qwen(_) => {
+            let c = a.cfg.or(plan.workload.cfg_scale).unwrap_or(1.0);
+            if !c.is_finite() || c < 1.0 {
+                bail!("--cfg {c}: the true-CFG scale is a number >= 1 (1 turns true CFG off; Qwen-Image's default is 4)");
+            }
+            if a.guidance.is_some() {
+                bail!("--guidance is FLUX's distilled guidance; Qwen-Image has none: use --cfg (true CFG) instead");
+            }
+            // One transformer pass a step without true CFG, two with it.
+            run_plan.workload.cfg_scale = (c > 1.0).then_some(c);
+            c
+        }
+        Family::Flux(_) => {
+            if a.cfg.is_some() || a.negative_prompt.is_some() || a.cfg_parallel {
+                bail!("--cfg, --negative-prompt and --cfg-parallel are Qwen-Image's true CFG; FLUX models take --guidance");
+            }
+            1.0
+        }
+    };
     let checked = mold_pipeline::run::preflight(
         &run_plan,
         &model,
@@ -804,14 +1039,6 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
         }
     };
     let weights = weights_for(&plan, &a.weights)?;
-    let mut prep = mold_pipeline::prepare(&run_plan, &weights)?;
-    add_loras(&mut prep.ckpt, &a.loras)?;
-    // `prepare` opened and checked the checkpoint; only the header comparison is left.
-    warn_all(
-        &mold_pipeline::run::header_warning(&plan, &prep.layout.transformer)?
-            .into_iter()
-            .collect::<Vec<_>>(),
-    );
     let req = mold_pipeline::Request {
         prompt: prompt.to_string(),
         seed: a.seed,
@@ -822,7 +1049,44 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
         latents: a.latents.clone(),
         save_io: a.save_io.clone(),
     };
-    let out = mold_pipeline::generate(&run_plan, &prep, &req, opts, &mut |p| rep.pipeline(p))?;
+    let out = match family {
+        Family::Qwen(_) => {
+            let mut prep = mold_pipeline::qwen::prepare(&run_plan, &weights)?;
+            add_loras(&mut prep.ckpt, &a.loras)?;
+            warn_all(
+                &mold_pipeline::run::header_warning(&plan, &prep.layout.transformer)?
+                    .into_iter()
+                    .collect::<Vec<_>>(),
+            );
+            let q = mold_pipeline::qwen::QwenRequest {
+                req,
+                negative_prompt: a.negative_prompt.clone(),
+                cfg: qwen_cfg,
+            };
+            if a.cfg_parallel {
+                let replicas = run_plan.replica_plans()?;
+                let [cond, uncond, ..] = replicas.as_slice() else {
+                    bail!("--cfg-parallel runs the unconditional pass on the plan's second replica, and {} has {}: make one with `mold plan ... --objective throughput` (two replicas), or drop --cfg-parallel", a.plan.display(), if replicas.len() == 1 { "one".to_string() } else { replicas.len().to_string() });
+                };
+                mold_pipeline::qwen::generate_on(cond, Some(uncond), &prep, &q, opts, &mut |p| {
+                    rep.pipeline(p)
+                })?
+            } else {
+                mold_pipeline::qwen::generate(&run_plan, &prep, &q, opts, &mut |p| rep.pipeline(p))?
+            }
+        }
+        Family::Flux(_) => {
+            let mut prep = mold_pipeline::prepare(&run_plan, &weights)?;
+            add_loras(&mut prep.ckpt, &a.loras)?;
+            // `prepare` opened and checked the checkpoint; only the header comparison is left.
+            warn_all(
+                &mold_pipeline::run::header_warning(&plan, &prep.layout.transformer)?
+                    .into_iter()
+                    .collect::<Vec<_>>(),
+            );
+            mold_pipeline::generate(&run_plan, &prep, &req, opts, &mut |p| rep.pipeline(p))?
+        }
+    };
     let path = a.out.clone().unwrap_or_else(|| PathBuf::from("out.png"));
     mold_pipeline::write_png(&path, &out.image, &out.metadata)?;
     rep.result(
@@ -903,6 +1167,25 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
         peaks.join(", ")
     );
     Ok(0)
+}
+
+/// Which attention implementations ran (cuDNN, mold's kernel, candle's ops) and, where
+/// cuDNN was allowed but passed over, why.
+fn say_attention(rep: &Reporter) {
+    let r = mold_exec::attention_report();
+    if r.calls.is_empty() {
+        return;
+    }
+    let calls: Vec<String> = r
+        .calls
+        .iter()
+        .map(|(k, n)| format!("{k} ({n} calls)"))
+        .collect();
+    say!(rep, "attention: {}", calls.join(", "));
+    for why in &r.cudnn_refusals {
+        say!(rep, "  cuDNN not used: {why}");
+    }
+    rep.event(json!({"event": "attention", "calls": r.calls, "cudnn_refusals": r.cudnn_refusals}));
 }
 
 /// Median step time, leaving out the first step (kernel loading, allocator warm-up)

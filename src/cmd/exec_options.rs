@@ -39,7 +39,7 @@ impl EnvVars {
 }
 
 /// The executor's options: `--streaming` else `MOLD_STREAMING` (default pinned),
-/// `MOLD_KERNELS` (auto|fused|candle), `MOLD_PROFILE` (non-empty, not 0), `MOLD_FAULT`
+/// `MOLD_KERNELS` (auto|fused|mold|cudnn|candle), `MOLD_PROFILE` (non-empty, not 0), `MOLD_FAULT`
 /// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `--deterministic` else
 /// `MOLD_DETERMINISTIC` (non-empty, not 0), and the communication options. A malformed
 /// value is an error naming the variable.

@@ -7,4 +7,5 @@ pub mod exec;
 pub mod exec_options;
 pub mod plan;
 pub mod progress;
+pub mod serve;
 pub mod sim;

@@ -36,9 +36,18 @@ pub struct Args {
     /// Classifier-free guidance scale (doubles the batch); `--cfg 0` turns it off.
     #[arg(long)]
     pub cfg: Option<f64>,
-    /// latency (default) or memory. Default: MOLD_OBJECTIVE, config `objective`.
+    /// latency (default), memory, or throughput (replicas of a placement on disjoint
+    /// devices versus one group: the most images per second with --clients requests in
+    /// flight). Default: MOLD_OBJECTIVE, config `objective`.
     #[arg(long)]
     pub objective: Option<String>,
+    /// With --objective throughput: requests in flight (default 4).
+    #[arg(long, value_name = "N")]
+    pub clients: Option<u32>,
+    /// With --objective throughput: the most seconds one request may take on its replica
+    /// (queueing aside).
+    #[arg(long, value_name = "SECONDS")]
+    pub max_latency: Option<f64>,
     /// Cap a device's budget: DEVICE=SIZE, e.g. cuda:0=20GiB (repeatable). Also
     /// MOLD_MAX_VRAM=cuda:0=20GiB,cuda:1=30GiB and config `[max_vram]`; a flag wins for
     /// the devices it names.
@@ -421,6 +430,23 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
             mold_config::Objective::Memory => Objective::Memory,
         },
     };
+    if req.objective == Objective::Throughput {
+        if let Some(n) = a.clients {
+            req.serving.clients = n;
+        }
+        req.serving.max_latency_s = a.max_latency;
+    } else if let Some(flag) = [
+        a.clients.map(|n| format!("--clients {n}")),
+        a.max_latency.map(|s| format!("--max-latency {s}")),
+    ]
+    .into_iter()
+    .flatten()
+    .next()
+    {
+        bail!(
+            "{flag}: only --objective throughput weighs requests in flight: add `--objective throughput` or drop it"
+        );
+    }
     Ok((req, profile_line, machine_name))
 }
 

@@ -27,10 +27,45 @@ pub struct Args {
     /// Where a plan's recorded machine is found, as DIR/<machine name>.yaml.
     #[arg(long, value_name = "DIR", default_value = "sim/machines")]
     pub machines: PathBuf,
+    /// Also simulate a stream of N requests over the plan's replicas (default 100 with
+    /// --clients or --arrival-rate): throughput and p50/p95 latency.
+    #[arg(long, value_name = "N")]
+    pub requests: Option<u32>,
+    /// The stream as a closed loop: K clients, each submitting its next request when its
+    /// last one finishes.
+    #[arg(long, value_name = "K", conflicts_with = "arrival_rate")]
+    pub clients: Option<u32>,
+    /// The stream as arrivals at R requests a second, evenly spaced.
+    #[arg(long, value_name = "R")]
+    pub arrival_rate: Option<f64>,
+}
+
+/// The request stream the flags ask for, if any.
+fn stream_options(a: &Args) -> Result<Option<mold_sim::StreamOptions>> {
+    let arrivals = match (a.clients, a.arrival_rate) {
+        (Some(clients), _) => mold_sim::Arrivals::ClosedLoop { clients },
+        (None, Some(per_s)) => mold_sim::Arrivals::Rate { per_s },
+        (None, None) => match a.requests {
+            Some(n) => bail!(
+                "--requests {n}: say how requests come: --clients K (a closed loop) or --arrival-rate R (requests a second)"
+            ),
+            None => return Ok(None),
+        },
+    };
+    let opts = mold_sim::StreamOptions {
+        requests: a.requests.unwrap_or(100),
+        arrivals,
+    };
+    opts.check().map_err(anyhow::Error::msg)?;
+    Ok(Some(opts))
 }
 
 pub fn run(a: Args) -> Result<i32> {
+    let stream = stream_options(&a)?;
     if a.check {
+        if stream.is_some() {
+            bail!("--check runs each plan once: simulate a request stream on one plan, without --check");
+        }
         if a.paths.is_empty() {
             bail!("--check: name plan or scenario files or directories, e.g. `mold sim --check plans/ sim/scenarios/`");
         }
@@ -90,13 +125,33 @@ pub fn run(a: Args) -> Result<i32> {
     if let Some(t) = &a.timeline {
         std::fs::write(t, report.svg()).with_context(|| format!("--timeline {}", t.display()))?;
     }
+    // The stream needs every replica to fit: an overflow is reported below instead.
+    let stream = match stream {
+        Some(opts) if report.fits() => Some(
+            mold_sim::simulate_stream(&plan, &model, &machine, opts).with_context(|| {
+                format!("cannot simulate a request stream on {}", path.display())
+            })?,
+        ),
+        _ => None,
+    };
     if a.json {
-        println!("{}", report.to_json(comparison.as_ref()));
+        let json = report.to_json(comparison.as_ref());
+        match &stream {
+            None => println!("{json}"),
+            Some(s) => {
+                let mut v: serde_json::Value = serde_json::from_str(&json)?;
+                v["stream"] = serde_json::to_value(s)?;
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            }
+        }
     } else {
         println!("{profile_line}");
         print!("{}", report.table());
         if let Some(c) = &comparison {
             print!("{}", c.table());
+        }
+        if let Some(s) = &stream {
+            print!("{}", s.table());
         }
         if let Some(t) = &a.timeline {
             println!("timeline written to {}", t.display());

@@ -525,3 +525,194 @@ fn saved_profile_plans_and_simulates_anywhere() {
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     assert!(stdout(&o).contains("fits"), "{}", stdout(&o));
 }
+
+/// `mold devices --calibrate --model flux-tiny` on emulated devices measures flux-tiny's
+/// operations into the profile; `mold plan` and `mold sim` then price blocks from the
+/// tables ("calibrated by operation") and agree on the step.
+#[test]
+fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
+    let d = tempdir("devices-ops");
+    let base = machine("cpu-emu-4");
+    let prof = d.join("emu-ops.yaml");
+    let prof_s = prof.to_str().unwrap();
+    let args = [
+        "devices",
+        "--calibrate",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        &base,
+        "--save",
+        prof_s,
+    ];
+    let o = mold_with(&d, None, &[], &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("operation tables: flux-tiny f32"),
+        "{}",
+        stderr(&o)
+    );
+    let m = Machine::load(&prof).unwrap();
+    let orig = Machine::load(Path::new(&base)).unwrap();
+    // The profile's figures and identity are kept; one table is added.
+    assert_eq!(m.devices, orig.devices);
+    assert_eq!(m.links, orig.links);
+    assert_eq!(m.fingerprint(), orig.fingerprint());
+    assert_eq!(m.ops.len(), 1);
+    let t = &m.ops[0];
+    assert_eq!(
+        (t.model.as_str(), t.dtype, t.device.as_str()),
+        ("flux-tiny", mold_plan::DType::F32, "emulated device (CPU)")
+    );
+    assert!(!t.gemm.is_empty() && !t.attention.is_empty());
+    assert!(!t.collectives.all_reduce.is_empty() && !t.collectives.all_to_all.is_empty());
+    assert!(m
+        .calibration
+        .notes
+        .contains("Operation tables for flux-tiny f32"));
+    // Calibrating again replaces the table rather than adding a second.
+    let again = [
+        "devices",
+        "--calibrate",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        prof_s,
+        "--save",
+        prof_s,
+    ];
+    let o = mold_with(&d, None, &[], &again);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(Machine::load(&prof).unwrap().ops.len(), 1);
+
+    // Plans on the calibrated and the plain profile: the tables change the prediction.
+    let plan_on = |profile: &str, out: &str| {
+        let out = d.join(out);
+        let a = [
+            "plan",
+            "--model",
+            "flux-tiny",
+            "--machine",
+            profile,
+            "--tp",
+            "2",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        let o = mold_with(&d, None, &[], &a);
+        assert!(o.status.success(), "{a:?}: {}", stderr(&o));
+        (out.clone(), Plan::load(&out).unwrap())
+    };
+    let (with_path, with) = plan_on(prof_s, "with.yaml");
+    let (plain_path, plain) = plan_on(&base, "plain.yaml");
+    assert_ne!(with.predicted.step_time_s, plain.predicted.step_time_s);
+    let sim = |plan: &Path, profile: &str| {
+        let o = mold_with(
+            &d,
+            None,
+            &[],
+            &["sim", plan.to_str().unwrap(), "--machine", profile],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let s = sim(&with_path, prof_s);
+    assert!(
+        s.contains(
+            "block times: calibrated by operation (tables flux-tiny f32 on emulated device (CPU))"
+        ),
+        "{s}"
+    );
+    assert!(!s.contains("extrapolated"), "{s}");
+    // The planner's figure and the simulator's agree with tables.
+    assert!(s.contains("(-0.00%)") || s.contains("(+0.00%)"), "{s}");
+    let s = sim(&plain_path, &base);
+    assert!(!s.contains("calibrated by operation"), "{s}");
+    // Twice the largest calibrated side: priced beyond the tables, and said so.
+    let big = d.join("big.yaml");
+    let a = [
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        prof_s,
+        "--size",
+        "256x256",
+        "-o",
+        big.to_str().unwrap(),
+    ];
+    let o = mold_with(&d, None, &[], &a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = sim(&big, prof_s);
+    assert!(
+        s.contains("extrapolated at the nearest point's rate"),
+        "{s}"
+    );
+}
+
+/// Bad requests are refused in one line naming the flag, before anything is measured.
+#[test]
+fn calibrating_a_model_refuses_bad_requests() {
+    let d = tempdir("devices-ops-bad");
+    let base = machine("cpu-emu-4");
+    for (args, want) in [
+        (
+            vec![
+                "devices",
+                "--calibrate",
+                "--model",
+                "ltx-video-13b",
+                "--machine",
+                &base,
+            ],
+            "--model ltx-video-13b: its",
+        ),
+        (
+            vec![
+                "devices",
+                "--calibrate",
+                "--model",
+                "no-such-model",
+                "--machine",
+                &base,
+            ],
+            "--model:",
+        ),
+        (
+            vec![
+                "devices",
+                "--calibrate",
+                "--model",
+                "flux-tiny",
+                "--machine",
+                "/nonexistent.yaml",
+            ],
+            "--machine /nonexistent.yaml: no such file",
+        ),
+        (
+            vec![
+                "devices",
+                "--calibrate",
+                "--model",
+                "flux-tiny",
+                "--machine",
+                &base,
+                "--dtype",
+                "q4",
+            ],
+            "--dtype q4",
+        ),
+    ] {
+        let o = mold_with(&d, None, &[], &args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stdout(&o));
+        let e = stderr(&o);
+        assert!(e.contains(want), "{args:?}: {e}");
+        assert!(!e.contains("calibrating:"), "measured before refusing: {e}");
+        assert_eq!(e.trim().lines().count(), 1, "{e}");
+    }
+    // --machine without --model, --model without --calibrate: clap refuses.
+    let o = mold_with(&d, None, &[], &["devices", "--machine", &base]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let o = mold_with(&d, None, &[], &["devices", "--model", "flux-tiny"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}

@@ -2,7 +2,7 @@
 //! variables, no `MOLD_*`), on emulated devices: the same output as one process; and a
 //! launch whose variables disagree is refused before anything loads.
 
-use crate::cli_multiprocess::{digest, free_port, setup};
+use crate::cli_multiprocess::{digest, free_port, setup, two_node_profile, TP2_PER_NODE};
 use crate::util::*;
 use std::net::TcpListener;
 use std::process::{Output, Stdio};
@@ -106,7 +106,8 @@ fn torchrun_and_slurm_variables_run_what_one_process_does() {
         vec![
             ("SLURM_PROCID", r.to_string()),
             ("SLURM_NTASKS", "2".into()),
-            ("SLURM_LOCALID", "0".into()),
+            // Both on the plan's one node.
+            ("SLURM_LOCALID", r.to_string()),
             ("SLURM_JOB_NODELIST", "127.0.0.[1-2],other[01-04]".into()),
             ("SLURM_JOB_ID", job.to_string()),
         ]
@@ -169,4 +170,76 @@ fn launch_variables_that_disagree_are_refused_before_loading() {
         assert_eq!(e.lines().count(), 1, "{e}");
         assert!(!stdout(&o).contains("loaded"), "{}", stdout(&o));
     }
+}
+
+#[test]
+fn launchers_place_processes_on_a_two_node_plans_nodes() {
+    let d = tempdir("launchers-nodes");
+    let (w, p) = setup(&d, TP2_PER_NODE);
+    let m = two_node_profile(&d);
+    let args = [
+        "exec",
+        &p,
+        "--weights",
+        &w,
+        "--machine",
+        &m,
+        "--steps",
+        "2",
+        "--force",
+    ];
+    let one = digest(&mold_ok(&args).0);
+
+    // torchrun --nnodes 2 --nproc-per-node 2: local rank 1 of node 1 runs node 1's second
+    // device, opened as the node's second (LOCAL_RANK offset), and the tensor-parallel
+    // groups span processes.
+    let (store, port) = port_and_next();
+    let outs = run_with(4, &args, |r| {
+        vec![
+            ("RANK", r.to_string()),
+            ("WORLD_SIZE", "4".into()),
+            ("LOCAL_RANK", (r % 2).to_string()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port.to_string()),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
+        ]
+    });
+    drop(store);
+    check(&outs, "torchrun", &one);
+    let s3 = stdout(&outs[3]);
+    assert!(
+        s3.contains("process 3 of 4: runs emu:3 as emu:1 (node 1, process 1 of 2 there"),
+        "{s3}"
+    );
+
+    // srun -N 2 --ntasks-per-node 1: one task per node, each SLURM_LOCALID 0.
+    let job = free_slurm_job();
+    let outs = run_with(2, &args, |r| {
+        vec![
+            ("SLURM_PROCID", r.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_LOCALID", "0".into()),
+            ("SLURM_JOB_NODELIST", "127.0.0.1,other".into()),
+            ("SLURM_JOB_ID", job.to_string()),
+        ]
+    });
+    check(&outs, "Slurm", &one);
+
+    // A local rank the node-by-node numbering contradicts (cyclic task distribution).
+    let o = mold_env(
+        &args,
+        &[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_JOB_NODELIST", "n[1-2]"),
+        ],
+    );
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("SLURM_LOCALID=0, but process 1 of 4 is process 1 of its node"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
 }

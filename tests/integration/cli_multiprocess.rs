@@ -89,6 +89,35 @@ pub(crate) fn setup(d: &Path, parts: &str) -> (String, String) {
     (w, p)
 }
 
+/// cpu-emu-4 as two nodes of two emulated devices (emu:0-1 on node 0, emu:2-3 on node
+/// 1): writes it to `d` and returns its path.
+pub(crate) fn two_node_profile(d: &Path) -> String {
+    let text = std::fs::read_to_string(root().join("sim/machines/cpu-emu-4.yaml")).unwrap();
+    let text = text
+        .replace("name: cpu-emu-4", "name: cpu-emu-2x2")
+        .replace(
+            "  - id: emu:2\n",
+            "  - id: emu:2\n    node: 1\n",
+        )
+        .replace(
+            "  - id: emu:3\n",
+            "  - id: emu:3\n    node: 1\n",
+        )
+        .replace(
+            "    - devices: [emu:0, emu:1, emu:2, emu:3]\n      kind: pcie                            # in-process copies\n      gbps: 10\n      allreduce: {latency_us: 10, gbps: 5}\n",
+            "    - devices: [emu:0, emu:1]\n      kind: pcie\n      gbps: 10\n      allreduce: {latency_us: 10, gbps: 5}\n    - devices: [emu:2, emu:3]\n      kind: pcie\n      gbps: 10\n      allreduce: {latency_us: 10, gbps: 5}\n",
+        );
+    let text = format!("{text}  inter_node: {{kind: ethernet, gbps: 1, latency_us: 50}}\n");
+    assert_eq!(text.matches("node: 1").count(), 2, "{text}");
+    assert!(text.contains("[emu:2, emu:3]"), "{text}");
+    let p = d.join("cpu-emu-2x2.yaml");
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// Part 0 tensor parallel over node 0 (emu:0, emu:1), part 1 over node 1 (emu:2, emu:3).
+pub(crate) const TP2_PER_NODE: &str = "  - blocks:\n    - double 0..2\n    - single 0..1\n    devices:\n    - emu:0\n    - emu:1\n    tp: 2\n    residency: resident\n  - blocks:\n    - single 1..3\n    devices:\n    - emu:2\n    - emu:3\n    tp: 2\n    residency: resident\n";
+
 const TP4: &str = "  - blocks:\n    - double 0..2\n    - single 0..3\n    devices:\n    - emu:0\n    - emu:1\n    - emu:2\n    - emu:3\n    tp: 4\n    residency: resident\n";
 
 /// Part 0 tensor parallel over emu:0, emu:1; part 1 on emu:2.
@@ -239,4 +268,66 @@ fn launch_mistakes_are_refused_before_loading() {
         "{}",
         stderr(&o)
     );
+}
+
+#[test]
+fn a_two_node_plan_runs_one_process_per_node_as_one_process_does() {
+    let d = tempdir("mp-nodes");
+    let (w, p) = setup(&d, TP2_PER_NODE);
+    let m = two_node_profile(&d);
+    let args = [
+        "exec",
+        &p,
+        "--weights",
+        &w,
+        "--machine",
+        &m,
+        "--steps",
+        "2",
+        "--force",
+    ];
+    let one = mold_ok(&args).0;
+    let outs = run_world(2, &args, |_| vec![], &[]);
+    for (r, o) in outs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "process {r}:\n{}\n{}",
+            stdout(o),
+            stderr(o)
+        );
+        assert_eq!(digest(&stdout(o)), digest(&one), "process {r}");
+    }
+    // Node 1's devices are its process's first ones.
+    let s1 = stdout(&outs[1]);
+    assert!(
+        s1.contains(
+            "process 1 of 2: runs emu:2 as emu:0, emu:3 as emu:1 (node 1, process 0 of 1 there"
+        ),
+        "{s1}"
+    );
+    // The hand-off's path is printed at both ends (emulated devices: TCP).
+    for o in &outs {
+        assert!(
+            stdout(o).contains("hand-off after part 0: process 0 -> process 1 over TCP"),
+            "{}",
+            stdout(o)
+        );
+    }
+    // A process that would own devices of both nodes is refused before loading.
+    let o = mold_env(
+        &args,
+        &[
+            ("MOLD_WORLD_SIZE", "3"),
+            ("MOLD_RANK", "0"),
+            ("MOLD_MASTER_ADDR", "h"),
+        ],
+    );
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("MOLD_WORLD_SIZE=3, but the plan's transformer runs on 2 nodes (node 0: emu:0, emu:1; node 1: emu:2, emu:3)"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(!stdout(&o).contains("loaded"), "{}", stdout(&o));
 }

@@ -424,7 +424,7 @@ fn sp_flag_writes_a_v2_sequence_parallel_plan() {
     );
     let text = read(&p);
     assert!(
-        text.contains("version: 2") && text.contains("sp: 2"),
+        text.contains("version: 3") && text.contains("sp: 2"),
         "{text}"
     );
     assert!(s.contains("sequence parallel ×2"), "{s}");
@@ -541,4 +541,83 @@ fn two_nodes_keep_parallel_groups_inside_a_node() {
     }
     let o = mold(&["sim", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `--objective throughput`: two replicas of a one-GPU placement for 8 clients on two
+/// H200s; with a bound between the two request times, the faster group over both.
+#[test]
+fn throughput_objective_weighs_replicas_against_one_group() {
+    let d = tempdir("plan-throughput");
+    let p = d.join("plan.yaml");
+    let base = [
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/2x-h200.yaml",
+        "--objective",
+        "throughput",
+    ];
+    let s = plan_ok(&[&base[..], &["--clients", "8"]].concat(), &p);
+    assert!(s.contains("throughput with 8 requests in flight"), "{s}");
+    assert!(s.contains("* 2 × cuda:0 | cuda:1"), "{s}");
+    assert!(
+        s.contains("replicas: 2, the placement above on cuda:0 | cuda:1"),
+        "{s}"
+    );
+    let plan = mold_plan::Plan::load(&p).unwrap();
+    assert_eq!(plan.solver.objective, "throughput");
+    assert_eq!(plan.replica_count(), 2);
+    // The JSON outcome lists the candidates with the same figures.
+    let o = mold(&[
+        "plan",
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/2x-h200.yaml",
+        "--objective",
+        "throughput",
+        "--clients",
+        "8",
+        "--json",
+        "-o",
+        d.join("j.yaml").to_str().unwrap(),
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let t = &v["outcome"]["throughput"];
+    let cands = t["candidates"].as_array().unwrap();
+    let time = |replicas: u64| {
+        cands.iter().find(|c| c["replicas"] == replicas).unwrap()["request_time_s"]
+            .as_f64()
+            .unwrap()
+    };
+    let (group, replica) = (time(1), time(2));
+    assert!(group < replica, "{group} {replica}");
+    let bound = format!("{}", (group + replica) / 2.0);
+    let s = plan_ok(
+        &[&base[..], &["--clients", "8", "--max-latency", &bound]].concat(),
+        &p,
+    );
+    assert!(s.contains("* 1 × cuda:0+cuda:1"), "{s}");
+    assert!(s.contains("request over the bound"), "{s}");
+    assert_eq!(mold_plan::Plan::load(&p).unwrap().replica_count(), 1);
+    // Throughput flags name themselves.
+    let e = plan_err(&[&base[..], &["--max-latency", "0.1"]].concat());
+    assert!(
+        e.contains("--max-latency 0.1: the fastest request takes") && e.contains("raise the bound"),
+        "{e}"
+    );
+    let e = plan_err(&[&base[..], &["--clients", "0"]].concat());
+    assert!(e.contains("--clients 0:"), "{e}");
+    let e = plan_err(&[
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/2x-h200.yaml",
+        "--clients",
+        "8",
+    ]);
+    assert!(
+        e.contains("--clients 8: only --objective throughput weighs requests in flight"),
+        "{e}"
+    );
 }

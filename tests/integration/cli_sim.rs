@@ -95,3 +95,74 @@ fn check_walks_plans_and_scenarios() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A throughput plan (2 replicas) under a request stream: its invariants, from the JSON.
+#[test]
+fn request_stream_over_replicas() {
+    let d = crate::util::tempdir("sim-stream");
+    let p = d.join("plan.yaml");
+    let p = p.to_str().unwrap();
+    crate::util::mold_ok(&[
+        "plan",
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/2x-h200.yaml",
+        "--objective",
+        "throughput",
+        "--clients",
+        "8",
+        "-o",
+        p,
+    ]);
+    let stream = |flags: &[&str]| {
+        let mut a = vec![p, "--json"];
+        a.extend_from_slice(flags);
+        let (code, out, err) = run(&a);
+        assert_eq!(code, 0, "{out}{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        v["stream"].clone()
+    };
+    let s = stream(&["--requests", "32", "--clients", "8"]);
+    let reps = s["replicas"].as_array().unwrap();
+    assert_eq!(reps.len(), 2);
+    let request_s = reps[0]["request_s"].as_f64().unwrap();
+    let f = |k: &str| s[k].as_f64().unwrap();
+    // No more than every replica busy all the time; p50 ≤ p95.
+    assert!(
+        f("images_per_min") <= 60.0 * 2.0 / request_s * (1.0 + 1e-9),
+        "{s}"
+    );
+    assert!(f("images_per_min") > 60.0 * 1.5 / request_s, "{s}");
+    assert!(f("latency_p50_s") <= f("latency_p95_s"), "{s}");
+    // One client: a request's latency is its time on a replica.
+    let s = stream(&["--requests", "8", "--clients", "1"]);
+    assert!(
+        (s["latency_p95_s"].as_f64().unwrap() - request_s).abs() < 1e-9,
+        "{s}"
+    );
+    // The text report.
+    let (code, out, err) = run(&[p, "--requests", "16", "--arrival-rate", "0.25"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("request stream: 16 requests, arriving at 0.25 a second, evenly spaced, over 2 replicas"), "{out}");
+    assert!(out.contains("images/min") && out.contains("p95"), "{out}");
+    // Stream flags name themselves.
+    for (flags, want) in [
+        (
+            vec![p, "--requests", "8"],
+            "--requests 8: say how requests come",
+        ),
+        (
+            vec![p, "--arrival-rate", "0"],
+            "--arrival-rate 0: give requests a second",
+        ),
+        (
+            vec!["--check", "plans/", "--clients", "2"],
+            "--check runs each plan once",
+        ),
+    ] {
+        let (code, out, err) = run(&flags);
+        assert_ne!(code, 0, "{out}");
+        assert!(err.contains(want), "{err}");
+    }
+}

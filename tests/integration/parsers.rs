@@ -510,8 +510,8 @@ fn nonsense_of_the_right_type_is_refused_naming_the_field() {
         (
             valid_plan(),
             plan_err,
-            "version: 2",
             "version: 3",
+            "version: 4",
             "version",
         ),
         (

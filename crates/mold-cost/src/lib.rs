@@ -44,18 +44,25 @@
 //!   the group's streamed parts), the transformer stem if it runs any transformer part,
 //!   and the largest activation of anything it runs (a block's over `⌈tokens/sp⌉`
 //!   tokens); that plus its headroom must fit its budget;
-//! - every component stays loaded for the whole request.
+//! - every component stays loaded for the whole request;
+//! - where the profile has operation tables for the model, dtype and device (`ops:`,
+//!   measured by `mold devices --calibrate --model M`), a block's compute on that device
+//!   is the sum of its measured operations ([`ops`]: its matrix products, attention and
+//!   element-wise bytes at the tables' bandwidth, interpolated log-log between measured
+//!   sizes) in place of the peak rate and efficiencies above, and a collective with a
+//!   table for its group size comes from the table; the rest of this list is unchanged.
 //!
 //! Byte counts saturate at `u64::MAX` rather than wrap: a workload the model does not
 //! support (which [`validate`] refuses first) can never come out as fitting.
 
 mod group;
+pub mod ops;
 mod validate;
 
 pub use group::Group;
 pub use validate::{check_machine, validate, MachineCheck};
 
-use mold_machine::{Collective, Machine};
+use mold_machine::{Collective, CollectiveOp, Machine};
 use mold_models::{Attention, BlockKind, ComponentSpec, ModelSpec, Tokens};
 use mold_plan::{
     ByteSize, ComponentRole, DType, DeviceId, DevicePrediction, Plan, Prediction, Residency,
@@ -182,6 +189,11 @@ impl<'a> Ctx<'a> {
         let mut compute_s: f64 = 0.0;
         let mut unfused = false;
         for id in &group.devices {
+            // Measured operations where the profile has them for this block.
+            if let Ok(t) = self.block_from_tables(kind, group, dtype, id) {
+                compute_s = compute_s.max(t.total_s());
+                continue;
+            }
             let mut t = self.device_time(id, flops, weight_bytes, dtype)
                 + self.elementwise_time(id, elementwise);
             if let Some(d) = self.machine.device(id).filter(|d| !d.fused_attention) {
@@ -194,10 +206,14 @@ impl<'a> Ctx<'a> {
             compute_s = compute_s.max(t);
         }
         let hidden_local = mold_models::product(&[self.batch, local, kind.hidden, act]);
-        let allreduce_s = self.slowest(&group.tp_groups(), |c, n| {
-            kind.allreduces as f64 * c.allreduce_s(hidden_local, n)
+        let gathered = kind.per_sample_bytes(self.batch, act);
+        let allreduce_s = self.slowest_op(&group.tp_groups(), dtype, |c, n, op| {
+            kind.allreduces as f64
+                * op(CollectiveOp::AllReduce, hidden_local as f64)
+                    .unwrap_or_else(|| c.allreduce_s(hidden_local, n))
                 + kind.allgathers() as f64
-                    * c.allreduce_s(kind.per_sample_bytes(self.batch, act), n)
+                    * op(CollectiveOp::AllGather, gathered as f64)
+                        .unwrap_or_else(|| c.allreduce_s(gathered, n))
         });
         // Each all-to-all: this rank's token shard of its head columns, all but the
         // 1/sp it keeps sent to the others.
@@ -205,8 +221,10 @@ impl<'a> Ctx<'a> {
             mold_models::product(&[self.batch, local, kind.hidden.div_ceil(tp as u64), act]);
         let alltoall_s = if sp > 1 {
             let sent = shard as f64 * (sp - 1) as f64 / sp as f64;
-            self.slowest(&group.sp_groups(), |c, n| {
-                ALLTOALLS_PER_BLOCK as f64 * alltoall_s(c, sent, n)
+            self.slowest_op(&group.sp_groups(), dtype, |c, n, op| {
+                ALLTOALLS_PER_BLOCK as f64
+                    * op(CollectiveOp::AllToAll, shard as f64)
+                        .unwrap_or_else(|| alltoall_s(c, sent, n))
             })
         } else {
             0.0
@@ -233,13 +251,22 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// The slowest of `groups`' collectives, `price(link, ranks)` each (0 for groups of
-    /// one device).
-    fn slowest(&self, groups: &[Vec<DeviceId>], price: impl Fn(&Collective, usize) -> f64) -> f64 {
+    /// The slowest of `groups`' collectives, `price(link, ranks, measured)` each (0 for
+    /// groups of one device), where `measured(op, bytes)` is the group's time for `op`
+    /// from the profile's operation tables, if they have it ([`ops`]).
+    fn slowest_op(
+        &self,
+        groups: &[Vec<DeviceId>],
+        dtype: DType,
+        price: impl Fn(&Collective, usize, &dyn Fn(CollectiveOp, f64) -> Option<f64>) -> f64,
+    ) -> f64 {
         groups
             .iter()
             .filter(|g| g.len() > 1)
-            .map(|g| price(&self.machine.group_link(g).collective, g.len()))
+            .map(|g| {
+                let measured = |op, bytes| self.collective_from_tables(g, op, bytes, dtype);
+                price(&self.machine.group_link(g).collective, g.len(), &measured)
+            })
             .fold(0.0, f64::max)
     }
 
@@ -298,8 +325,9 @@ impl<'a> Ctx<'a> {
             return 0.0;
         }
         let bytes = self.handoff_bytes(dtype) as f64;
-        self.slowest(&group.sp_groups(), |c, n| {
-            allgather_s(c, bytes * (n - 1) as f64 / n as f64, n)
+        self.slowest_op(&group.sp_groups(), dtype, |c, n, op| {
+            op(CollectiveOp::AllGather, bytes)
+                .unwrap_or_else(|| allgather_s(c, bytes * (n - 1) as f64 / n as f64, n))
         })
     }
 

@@ -92,6 +92,7 @@ fn tiny_plan_on(parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
             devices: vec![],
         },
         components,
+        replicas: None,
         predicted: Evaluation::default_prediction(),
         solver: SolverRecord {
             solver: "hand".into(),
@@ -555,4 +556,41 @@ fn groups_across_nodes_pay_the_network() {
     ]);
     let bytes = Ctx::new(&model, &m, &plan.workload).handoff_bytes(DType::F32);
     assert!((split.handoff_s - ar(40e-6, 5.0, bytes)).abs() < 1e-15);
+}
+
+/// With `replicas:`, every replica is validated on its own devices and must fit there.
+#[test]
+fn every_replica_is_validated_and_must_fit() {
+    let blocks = [("double", 0, 2), ("single", 0, 3)];
+    let (mut plan, model) = tiny_plan_on(vec![part(&blocks, &[0], false)], &machine());
+    let r = |to: u32| mold_plan::Replica::from([(DeviceId::Cuda(0), DeviceId::Cuda(to))]);
+    let refusal = |plan: &Plan, m: &Machine| validate(plan, &model, m).unwrap_err().to_string();
+    plan.replicas = Some(vec![r(0), r(1)]);
+    validate(&plan, &model, &machine()).unwrap();
+    plan.replicas = Some(vec![r(0), r(7)]);
+    let e = refusal(&plan, &machine());
+    assert!(
+        e.starts_with("replicas[1]: components[0].parts[0].devices: cuda:7 is not a device"),
+        "{e}"
+    );
+    plan.replicas = Some(vec![r(1), r(1)]);
+    let e = refusal(&plan, &machine());
+    assert!(
+        e.starts_with("replicas[1]: cuda:1 is used by replicas[0] too"),
+        "{e}"
+    );
+    // cuda:1 with no room: the second replica does not fit.
+    let small = Machine::from_yaml(
+        &MACHINE.replacen(
+            "{id: cuda:1, name: G, memory: 8GiB, budget: 8GiB, headroom: 1GiB",
+            "{id: cuda:1, name: G, memory: 8GiB, budget: 2MiB, headroom: 1MiB",
+            1,
+        ),
+        "small",
+    )
+    .unwrap();
+    plan.replicas = Some(vec![r(0), r(1)]);
+    let e = refusal(&plan, &small);
+    assert!(e.starts_with("replicas[1]: does not fit on cuda:1"), "{e}");
+    assert!(!e.contains('\n'), "{e}");
 }

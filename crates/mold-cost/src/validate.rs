@@ -8,8 +8,51 @@ use mold_plan::{ComponentRole, DeviceId, Plan};
 
 /// Checks that the plan's components, block ranges, devices and parallel layouts (tensor
 /// and sequence parallel: `tp × sp` must divide every block kind's heads) make sense for
-/// `model` on `machine`.
+/// `model` on `machine`. With `replicas:`, every replica is checked so, on its own
+/// devices, and must fit in their memory (the replicas' pinned host memory together
+/// within the machine's limit); errors then start with `replicas[i]`.
 pub fn validate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Result<(), CostError> {
+    let replicas = plan
+        .replica_plans()
+        .map_err(|e| invalid(e.field, e.message))?;
+    if plan.replicas.is_none() {
+        return validate_placement(plan, model, machine);
+    }
+    let mut pinned = 0u64;
+    for (ri, r) in replicas.iter().enumerate() {
+        let at = |CostError::Invalid { field, message }| {
+            invalid(format!("replicas[{ri}]: {field}"), message)
+        };
+        validate_placement(r, model, machine).map_err(at)?;
+        let e = crate::evaluate(r, model, machine);
+        if let Some(d) = e.overflows().first() {
+            return Err(invalid(
+                format!("replicas[{ri}]"),
+                format!(
+                    "does not fit on {}: it needs {} with headroom but the budget is {}: use fewer replicas or a placement that fits there",
+                    d.device,
+                    mold_plan::ByteSize(d.peak.saturating_add(d.headroom)).ceil_mib(),
+                    mold_plan::ByteSize(d.budget).ceil_mib()
+                ),
+            ));
+        }
+        pinned = pinned.saturating_add(e.host_pinned);
+        if pinned > e.host_pinned_limit {
+            return Err(invalid(
+                format!("replicas[{ri}]"),
+                format!(
+                    "the replicas up to this one pin {} of host memory for streamed weights, over the limit of {}: use fewer replicas or fewer streamed blocks",
+                    mold_plan::ByteSize(pinned).ceil_mib(),
+                    mold_plan::ByteSize(e.host_pinned_limit).ceil_mib()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// [`validate`] for one placement (the plan's parts as written, `replicas:` aside).
+fn validate_placement(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Result<(), CostError> {
     if plan.model.id != model.id {
         return Err(invalid(
             "model.id",

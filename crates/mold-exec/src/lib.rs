@@ -39,6 +39,7 @@
 //! tensor-parallel degrees).
 
 pub mod calibrate;
+pub mod calibrate_ops;
 pub mod checkpoint;
 pub mod comm;
 pub mod dist;
@@ -54,10 +55,12 @@ pub mod verify;
 
 pub use checkpoint::{Checkpoint, TensorHeader};
 pub use error::ExecError;
-pub use executor::{check_plan, compute_dtype, ownership, Executor, PhaseTime};
+pub use executor::{check_plan, compute_dtype, Executor, PhaseTime};
 pub use fault::{Fault, FaultKind};
+pub use model::attention::{report as attention_report, AttentionReport};
 pub use model::flux::{random_inputs, FluxConfig, FluxInputs};
 pub use model::ops::Kernels;
+pub use model::qwen::{QwenConfig, QwenInputs};
 pub use model::{BlockRef, Inputs, TensorSpec, Transformer};
 pub use options::ExecOptions;
 pub use runtime::DeviceMemory;

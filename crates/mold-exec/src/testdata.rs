@@ -211,31 +211,53 @@ pub fn write_testdata_sharded(
     dtype: DType,
     max_shard_bytes: u64,
 ) -> Result<PathBuf> {
+    write_sharded(
+        dir,
+        &cfg.tensor_specs(),
+        seed,
+        dtype,
+        max_shard_bytes,
+        "flux-transformer",
+    )
+}
+
+/// Random tensors `specs` (as [`write_safetensors`] fills them) in files
+/// `{stem}-0000i-of-0000n.safetensors` of at most `max_shard_bytes` each (or one tensor
+/// when a tensor is larger), in order, plus the weight map `{stem}.safetensors.index.json`
+/// (the Hugging Face layout); returns the index path.
+pub fn write_sharded(
+    dir: &Path,
+    specs: &[TensorSpec],
+    seed: u64,
+    dtype: DType,
+    max_shard_bytes: u64,
+    stem: &str,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let es = dtype.size_in_bytes() as u64;
     let mut shards: Vec<Vec<TensorSpec>> = vec![Vec::new()];
     let mut size = 0u64;
-    for s in cfg.tensor_specs() {
+    for s in specs {
         let n = s.shape.iter().product::<usize>() as u64 * es;
         if size + n > max_shard_bytes && !shards.last().unwrap().is_empty() {
             shards.push(Vec::new());
             size = 0;
         }
         size += n;
-        shards.last_mut().unwrap().push(s);
+        shards.last_mut().unwrap().push(s.clone());
     }
     let total = shards.len();
     let mut map = serde_json::Map::new();
     let mut total_size = 0u64;
     for (i, specs) in shards.iter().enumerate() {
-        let name = format!("flux-transformer-{:05}-of-{:05}.safetensors", i + 1, total);
+        let name = format!("{stem}-{:05}-of-{:05}.safetensors", i + 1, total);
         write_safetensors(&dir.join(&name), specs, seed, dtype)?;
         for s in specs {
             total_size += s.shape.iter().product::<usize>() as u64 * es;
             map.insert(s.name.clone(), serde_json::Value::String(name.clone()));
         }
     }
-    let index = dir.join(TESTDATA_INDEX);
+    let index = dir.join(format!("{stem}.safetensors.index.json"));
     let body = serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": map});
     std::fs::write(&index, serde_json::to_string_pretty(&body).expect("json"))
         .map_err(io(&index))?;

@@ -3,6 +3,11 @@
 //! one for the box it runs on. A profile is plain data: valid on any machine.
 
 pub mod inventory;
+pub mod ops;
+
+pub use ops::{
+    AttentionPoint, CollectiveOp, CollectivePoint, CollectiveTables, GemmPoint, OpTables,
+};
 
 use mold_plan::{ByteSize, DeviceId, DeviceIdentity, MachineIdentity};
 use serde::{Deserialize, Serialize};
@@ -39,6 +44,11 @@ pub struct Machine {
     pub host: Host,
     pub devices: Vec<Device>,
     pub links: Links,
+    /// Measured operations of models on this machine's devices (`mold devices
+    /// --calibrate --model M`): the cost model prices a block from them where they
+    /// cover it ([`ops`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ops: Vec<OpTables>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -236,6 +246,52 @@ impl Device {
 }
 
 impl Machine {
+    /// The operation tables of `model` in `dtype` measured on devices named `device`.
+    pub fn op_tables(
+        &self,
+        model: &str,
+        dtype: mold_plan::DType,
+        device: &str,
+    ) -> Option<&OpTables> {
+        self.ops
+            .iter()
+            .find(|t| t.model == model && t.dtype == dtype && t.device == device)
+    }
+
+    /// Puts `tables` in place of any table of the same model, dtype and devices.
+    pub fn set_op_tables(&mut self, tables: OpTables) {
+        self.ops.retain(|t| {
+            !(t.model == tables.model && t.dtype == tables.dtype && t.device == tables.device)
+        });
+        self.ops.push(tables);
+    }
+
+    fn validate_ops(&self, source_name: &str) -> Result<(), MachineError> {
+        let bad = |field: String, message: String| MachineError::Invalid {
+            source_name: source_name.into(),
+            field,
+            message,
+        };
+        for (i, t) in self.ops.iter().enumerate() {
+            let at = format!("ops[{i}]");
+            t.validate(&at).map_err(|(f, m)| bad(f, m))?;
+            let same =
+                |o: &&OpTables| o.model == t.model && o.dtype == t.dtype && o.device == t.device;
+            if self.ops[..i].iter().any(|o| same(&o)) {
+                return Err(bad(
+                    at,
+                    format!(
+                        "a second table for {} {} on {}: keep one",
+                        t.model,
+                        t.dtype.name(),
+                        t.device
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub fn from_yaml(text: &str, source_name: &str) -> Result<Machine, MachineError> {
         let m: Machine =
             mold_plan::from_yaml_with_path(text).map_err(|message| MachineError::Parse {
@@ -372,6 +428,7 @@ impl Machine {
             ));
         }
         self.validate_nodes(source_name)?;
+        self.validate_ops(source_name)?;
         for (i, p) in l.peer.iter().enumerate() {
             let f = format!("links.peer[{i}]");
             if p.devices.len() < 2 {

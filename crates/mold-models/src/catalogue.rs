@@ -351,8 +351,34 @@ fn flux_tiny() -> ModelSpec {
     }
 }
 
+/// A Qwen-Image transformer from its architecture: dual-stream blocks, and a stem of
+/// `img_in`, `txt_norm` (RMSNorm scale) + `txt_in`, the timestep embedder, `norm_out`
+/// (adaLN, shift and scale) and `proj_out`.
+fn qwen_transformer(a: &crate::arch::QwenArch, dtype: DType) -> TransformerSpec {
+    let h = a.hidden;
+    let out = (a.patch * a.patch) as u64 * a.out_channels;
+    TransformerSpec {
+        kinds: vec![dual_stream(
+            "block",
+            a.depth,
+            h,
+            a.heads,
+            a.head_dim,
+            a.mlp_hidden,
+        )],
+        stem_params: linear(a.in_channels, h)
+            + linear(a.joint_attention_dim, h)
+            + a.joint_attention_dim
+            + linear(256, h)
+            + linear(h, h)
+            + linear(h, 2 * h)
+            + linear(h, out),
+        stem_checkpoint_bytes: None,
+        default_dtype: dtype,
+    }
+}
+
 fn qwen_image() -> ModelSpec {
-    let (h, heads, hd) = (3072, 24, 128);
     let qwen25vl = lm_encoder(
         "qwen2.5-vl",
         "Qwen2.5-VL-7B (28 layers, hidden 3584, GQA 4 KV heads) with its vision tower",
@@ -382,18 +408,7 @@ fn qwen_image() -> ModelSpec {
                 },
             },
         ],
-        transformer: TransformerSpec {
-            kinds: vec![dual_stream("block", 60, h, heads, hd, 4 * h)],
-            stem_params: linear(64, h)
-                + linear(3584, h)
-                + 3584
-                + linear(256, h)
-                + linear(h, h)
-                + linear(h, 2 * h)
-                + linear(h, 64),
-            stem_checkpoint_bytes: None,
-            default_dtype: DType::Bf16,
-        },
+        transformer: qwen_transformer(&crate::arch::QWEN_IMAGE, DType::Bf16),
         latent: LatentSpec {
             channels: 16,
             spatial_down: 8,
@@ -403,6 +418,59 @@ fn qwen_image() -> ModelSpec {
         text_tokens: 512,
         video: false,
         default_workload: image_workload(50, None, Some(4.0)),
+    }
+}
+
+/// `qwen-image-tiny`: Qwen-Image's structure at hidden 64 (4 heads × 16), 3 blocks, for
+/// tests; the executor's `QwenConfig::qwen_image_tiny` has the same shape.
+fn qwen_image_tiny() -> ModelSpec {
+    let a = crate::arch::QWEN_IMAGE_TINY;
+    let text = a.joint_attention_dim;
+    ModelSpec {
+        id: "qwen-image-tiny".into(),
+        description: "Qwen-Image architecture at hidden 64: 3 dual-stream blocks (tests)".into(),
+        components: vec![
+            lm_encoder(
+                "qwen2.5-vl",
+                "tiny Qwen2.5-VL-style language model (2 layers, hidden 32)",
+                2,
+                text,
+                text,
+                2 * text,
+                1000,
+                0,
+                4,
+            ),
+            ComponentSpec {
+                name: "vae".into(),
+                role: ComponentRole::Vae,
+                description: "tiny Qwen-Image-style VAE decoder".into(),
+                params: 200_000,
+                default_dtype: DType::F32,
+                work: Workkind::VaeDecoder {
+                    flops_per_pixel: 2.0e5,
+                    top_channels: 8,
+                },
+            },
+        ],
+        transformer: qwen_transformer(&a, DType::F32),
+        latent: LatentSpec {
+            channels: a.out_channels as u32,
+            spatial_down: 8,
+            temporal_down: 1,
+            patch: a.patch,
+        },
+        text_tokens: 8,
+        video: false,
+        default_workload: Workload {
+            width: 64,
+            height: 64,
+            frames: 1,
+            batch: 1,
+            steps: 4,
+            guidance: None,
+            cfg_scale: Some(4.0),
+        },
     }
 }
 
@@ -559,7 +627,8 @@ pub(crate) fn limits(id: &str) -> Option<Limits> {
         max_batch: MAX_BATCH,
     };
     Some(match id {
-        "flux-dev" | "flux-schnell" | "flux-tiny" | "qwen-image" | "z-image-turbo" => image(2048),
+        "flux-dev" | "flux-schnell" | "flux-tiny" | "qwen-image" | "qwen-image-tiny"
+        | "z-image-turbo" => image(2048),
         "sd3.5-large" => image(3072),
         "ltx-video-2b" | "ltx-video-13b" => Limits {
             max_side: 1280,
@@ -581,5 +650,6 @@ pub fn builtin() -> Vec<ModelSpec> {
         ltx("ltx-video-2b", 28, 2048, 32, 64),
         ltx("ltx-video-13b", 48, 4096, 32, 128),
         flux_tiny(),
+        qwen_image_tiny(),
     ]
 }

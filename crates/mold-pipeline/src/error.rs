@@ -48,6 +48,10 @@ pub enum PipelineError {
 
     #[error("{0}")]
     Candle(Box<candle_core::Error>),
+
+    /// The request's cancel flag was set (its client went away); nothing was produced.
+    #[error("cancelled: the request was cancelled before it finished")]
+    Cancelled,
 }
 
 impl From<mold_exec::ExecError> for PipelineError {

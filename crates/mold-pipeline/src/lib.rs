@@ -25,6 +25,12 @@ pub mod error;
 pub mod image;
 pub mod io;
 pub mod layout;
+pub mod qwen;
+pub mod qwen_sampling;
+pub mod qwen_testdata;
+pub mod qwen_text;
+pub mod qwen_vae;
+pub mod resident;
 pub mod run;
 pub mod sampling;
 pub mod testdata;
@@ -34,15 +40,16 @@ pub mod vae;
 pub use error::{PipelineError, Result};
 pub use image::{encode_png, read_png, write_png, RgbImage};
 pub use layout::WeightsLayout;
+pub use resident::{Decoder, Denoiser, Job, Resident, TextEncoder};
 pub use sampling::check_size;
 
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, Device, Tensor};
 use mold_exec::runtime::DeviceMap;
-use mold_exec::{Checkpoint, Executor, FluxConfig, FluxInputs};
+use mold_exec::{Checkpoint, FluxConfig};
 use mold_plan::{DeviceId, Plan};
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Instant;
+use std::sync::atomic::AtomicBool;
 
 /// What to generate.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -322,8 +329,8 @@ pub fn metadata(model_id: &str, req: &Request, guidance: Option<f64>) -> Vec<(St
 }
 
 /// Accounted bytes per device: current and peak.
-#[derive(Default)]
-struct Mem {
+#[derive(Clone, Default)]
+pub(crate) struct Mem {
     cur: BTreeMap<DeviceId, u64>,
     peak: BTreeMap<DeviceId, u64>,
 }
@@ -356,7 +363,9 @@ fn sync(d: &Device) -> Result<()> {
 }
 
 /// Runs the whole pipeline for `req`, the transformer with `opts`; `on` sees progress as
-/// it happens.
+/// it happens. Each component is loaded for this one request and released as soon as it
+/// is done (an encoder before the next loads, the transformer before the VAE);
+/// [`Resident`] keeps them loaded instead. Both run the stages of [`resident::Job`].
 pub fn generate(
     plan: &Plan,
     prep: &Prepared,
@@ -364,274 +373,38 @@ pub fn generate(
     opts: &mold_exec::ExecOptions,
     on: &mut dyn FnMut(&Progress),
 ) -> Result<Output> {
-    check_size(req.width, req.height)?;
-    if req.steps == 0 {
-        return Err(PipelineError::Plan("steps must be at least 1".into()));
-    }
-    // The given noise is read (and its shape checked) before anything loads.
-    let given = req
-        .latents
-        .as_deref()
-        .map(|p| io::read_latents(p, req.width, req.height))
-        .transpose()?;
-    let mut rec = req.save_io.as_ref().map(|_| io::IoRecord::default());
-    let flux = &prep.flux;
-    let guidance = if flux.guidance_embed {
-        Some(req.guidance.or(plan.workload.guidance).unwrap_or(3.5))
-    } else {
-        if req.guidance.is_some() {
-            on(&Progress::Note(format!(
-                "{} has no guidance embedder: --guidance is ignored",
-                plan.model.id
-            )));
-        }
-        None
-    };
-    let total = Instant::now();
-    let mut times = Timings::default();
-    let mut mem = Mem::default();
+    let never = AtomicBool::new(false);
+    let mut job = Job::begin(plan, &prep.flux, req, on)?;
     let mut devmap = DeviceMap::default();
-    let tf = plan.transformer().expect("checked by prepare");
-    let tf_dtype = mold_exec::compute_dtype(tf.dtype)?;
-    let first_ids = tf.parts[0].devices.clone();
-    let cond_dev = devmap.get(&first_ids[0])?;
+    let target = resident::Target::of(plan, &mut devmap)?;
 
     // Encode, one encoder at a time: load, encode, release.
-    let mut encoded = Vec::new();
-    for name in ["t5", "clip"] {
-        let (id, d) = placement(plan, name)?;
-        let (dtype, note) = component_dtype(name, d)?;
-        if let Some(n) = note {
-            on(&Progress::Note(n));
-        }
-        let dev = devmap.get(&id)?;
-        on(&Progress::Loading {
-            component: name.into(),
-            devices: id.to_string(),
-        });
-        let t = Instant::now();
-        let (out, weight_bytes, load_s, encode_s) = if name == "t5" {
-            let mut m = text::T5::load(&prep.layout.t5, prep.t5_tokens, dtype, &dev)?;
-            sync(&dev)?;
-            let load_s = t.elapsed().as_secs_f64();
-            mem.add(&id, m.weight_bytes);
-            let t = Instant::now();
-            let out = m.encode(&req.prompt)?;
-            sync(&dev)?;
-            (out, m.weight_bytes, load_s, t.elapsed().as_secs_f64())
-        } else {
-            let m = text::Clip::load(&prep.layout.clip, dtype, &dev)?;
-            sync(&dev)?;
-            let load_s = t.elapsed().as_secs_f64();
-            mem.add(&id, m.weight_bytes);
-            let t = Instant::now();
-            let out = m.encode(&req.prompt)?;
-            sync(&dev)?;
-            (out, m.weight_bytes, load_s, t.elapsed().as_secs_f64())
-        };
-        times.load_s += load_s;
-        times.encode_s += encode_s;
-        on(&Progress::Loaded {
-            component: name.into(),
-            devices: id.to_string(),
-            seconds: load_s,
-            weight_bytes,
-        });
-        on(&Progress::Encoded {
-            component: name.into(),
-            seconds: encode_s,
-            digest: mold_exec::digest(&out)?,
-        });
-        mem.spike(&id, bytes(&out));
-        // The encoder is dropped here (end of the branch above); its weights are freed.
-        mem.sub(&id, weight_bytes);
+    for name in resident::ENCODERS {
+        let (id, _) = placement(plan, name)?;
+        let enc = TextEncoder::load(plan, prep, name, &id, &mut devmap, on)?;
+        job.add_load_s(enc.load_s());
+        job.hold(&id, enc.weight_bytes(), true);
+        job.encode(&enc, Some(&target), &never, on)?;
+        job.hold(&id, enc.weight_bytes(), false);
+        drop(enc);
         on(&Progress::Released {
             component: name.into(),
         });
-        // Conditioning to the transformer's first devices, in its compute dtype.
-        let t = Instant::now();
-        let out = out.to_device(&cond_dev)?.to_dtype(tf_dtype)?;
-        times.encode_s += t.elapsed().as_secs_f64();
-        for d in &first_ids {
-            mem.add(d, bytes(&out));
-        }
-        encoded.push(out);
     }
-    let y = encoded.pop().expect("clip");
-    let txt = encoded.pop().expect("t5");
 
     // The transformer, on the plan's parts.
-    let tf_devices = tf
-        .parts
-        .iter()
-        .flat_map(|p| p.devices.iter().map(|d| d.to_string()))
-        .collect::<Vec<_>>();
-    let mut seen = std::collections::HashSet::new();
-    let tf_devices = tf_devices
-        .into_iter()
-        .filter(|d| seen.insert(d.clone()))
-        .collect::<Vec<_>>()
-        .join(", ");
-    on(&Progress::Loading {
-        component: "transformer".into(),
-        devices: tf_devices.clone(),
-    });
-    let t = Instant::now();
-    let exec = Executor::with_options(flux, plan, &prep.ckpt, opts.clone())?;
-    let load_s = t.elapsed().as_secs_f64();
-    times.load_s += load_s;
-    let report = exec.memory_report();
-    let tf_weights: u64 = report
-        .iter()
-        .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
-        .sum();
-    on(&Progress::Loaded {
-        component: "transformer".into(),
-        devices: tf_devices,
-        seconds: load_s,
-        weight_bytes: tf_weights,
-    });
-
-    // Denoise.
-    let t_denoise = Instant::now();
-    let batch = 1;
-    let x = match given {
-        Some(x) => x,
-        None => sampling::pack(&sampling::noise(req.seed, batch, req.width, req.height)?)?,
-    };
-    let image_tokens = x.dim(1)?;
-    let mut inputs = FluxInputs {
-        img: x.to_device(&cond_dev)?,
-        img_ids: sampling::img_ids(batch, req.width, req.height)?.to_device(&cond_dev)?,
-        txt_ids: sampling::txt_ids(batch, txt.dim(1)?)?.to_device(&cond_dev)?,
-        txt,
-        timesteps: Tensor::zeros(batch, DType::F32, &cond_dev)?,
-        y,
-        guidance: guidance
-            .map(|g| Tensor::full(g as f32, batch, &cond_dev))
-            .transpose()?,
-    };
-    for d in &first_ids {
-        mem.add(
-            d,
-            bytes(&inputs.img) + bytes(&inputs.img_ids) + bytes(&inputs.txt_ids),
-        );
-    }
-    let sched = sampling::schedule(req.steps, image_tokens, flux.guidance_embed);
-    let mut on_step = |s: sampling::StepTime| {
-        times.step_s.push(s.seconds);
-        on(&Progress::Step {
-            index: s.index as u32 + 1,
-            steps: req.steps,
-            t: s.t,
-            seconds: s.seconds,
-            digest: s.digest,
-        });
-    };
-    match &mut rec {
-        None => sampling::denoise(&exec, &mut inputs, &sched, &mut on_step)?,
-        Some(r) => {
-            io::record_inputs(r, &inputs, &sched)?;
-            // The same loop, one step at a time, to keep each step's input.
-            for (i, w) in sched.windows(2).enumerate() {
-                r.add(format!("step.{i}.latents"), &inputs.img)?;
-                r.add(
-                    format!("step.{i}.t"),
-                    &Tensor::new(&[w[0] as f32], &Device::Cpu)?,
-                )?;
-                sampling::denoise(&exec, &mut inputs, w, &mut |s| {
-                    on_step(sampling::StepTime { index: i, ..s })
-                })?;
-            }
-            r.add("final", &inputs.img)?;
-            r.add_velocities(&sched)?;
-        }
-    }
-    times.denoise_s = t_denoise.elapsed().as_secs_f64();
-    let report = exec.memory_report();
-    for m in &report {
-        mem.add(&m.device, m.resident_weight_bytes + m.stream_buffer_bytes);
-        mem.add(&DeviceId::Host, m.host_weight_bytes);
-    }
-    for m in &report {
-        mem.spike(&m.device, m.largest_activation_bytes);
-    }
-    let latents = inputs.img.clone();
-    drop(exec);
-    for m in &report {
-        mem.sub(&m.device, m.resident_weight_bytes + m.stream_buffer_bytes);
-        mem.sub(&DeviceId::Host, m.host_weight_bytes);
-    }
+    let den = Denoiser::load(plan, prep, opts, &mut devmap, on)?;
+    job.add_load_s(den.load_s());
+    let latents = job.denoise(&den, false, &never, on)?;
+    drop(den);
     on(&Progress::Released {
         component: "transformer".into(),
     });
-    for d in &first_ids {
-        mem.sub(
-            d,
-            bytes(&inputs.txt) + bytes(&inputs.y) + bytes(&inputs.img_ids) + bytes(&inputs.txt_ids),
-        );
-    }
-    drop(inputs);
 
     // Decode.
-    let (id, d) = placement(plan, "vae")?;
-    let (dtype, _) = component_dtype("vae", d)?;
-    let dev = devmap.get(&id)?;
-    on(&Progress::Loading {
-        component: "vae".into(),
-        devices: id.to_string(),
-    });
-    let t = Instant::now();
-    let vae = vae::Vae::load(&prep.layout, dtype, &dev)?;
-    sync(&dev)?;
-    let load_s = t.elapsed().as_secs_f64();
-    times.load_s += load_s;
-    mem.add(&id, vae.weight_bytes);
-    on(&Progress::Loaded {
-        component: "vae".into(),
-        devices: id.to_string(),
-        seconds: load_s,
-        weight_bytes: vae.weight_bytes,
-    });
-    let t = Instant::now();
-    let z = sampling::unpack(&latents, req.width, req.height)?;
-    let img = vae.decode(&z)?;
-    sync(&dev)?;
-    let rgb = vae::to_rgb8(&img.i(0)?)?;
-    if let (Some(mut r), Some(path)) = (rec, &req.save_io) {
-        r.add("image", &img)?;
-        r.metadata = io::metadata(&plan.model.id, req, guidance);
-        r.write(path)?;
-    }
-    times.decode_s = t.elapsed().as_secs_f64();
-    // The largest feature map: top channels at full resolution, plus the output.
-    let top = (vae.config().ch * req.width as usize * req.height as usize) as u64
-        * dtype.size_in_bytes() as u64;
-    mem.spike(&id, bytes(&z) + top + bytes(&img));
-    for d in &first_ids {
-        mem.sub(d, bytes(&latents));
-    }
-    on(&Progress::Decoded {
-        seconds: times.decode_s,
-        latents_digest: mold_exec::digest(&latents)?,
-        image_digest: mold_exec::digest(&img)?,
-    });
-    times.total_s = total.elapsed().as_secs_f64();
-    let peaks = mem
-        .peak
-        .into_iter()
-        .filter(|(_, b)| *b > 0)
-        .map(|(device, peak_bytes)| DevicePeak { device, peak_bytes })
-        .collect();
-    let (width, height, data) = rgb;
-    Ok(Output {
-        image: RgbImage {
-            width,
-            height,
-            data,
-        },
-        timings: times,
-        peaks,
-        metadata: metadata(&plan.model.id, req, guidance),
-    })
+    let (id, _) = placement(plan, "vae")?;
+    let dec = Decoder::load(plan, prep, &id, &mut devmap, on)?;
+    job.add_load_s(dec.load_s());
+    job.hold(&id, dec.weight_bytes(), true);
+    job.decode(&dec, latents, &target, &never, on)
 }

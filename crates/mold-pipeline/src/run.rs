@@ -5,7 +5,7 @@
 
 use crate::error::{PipelineError, Result};
 use crate::sampling::{self, StepTime};
-use mold_exec::{Checkpoint, Executor, FluxConfig, Tensor};
+use mold_exec::{Checkpoint, Executor, FluxConfig, QwenConfig, Tensor, Transformer};
 use mold_machine::Machine;
 use mold_models::ModelSpec;
 use mold_plan::Plan;
@@ -19,14 +19,105 @@ pub struct Checked {
     pub sim: Option<mold_sim::SimReport>,
 }
 
-/// The transformer family of a plan's model, or why exec cannot run it.
+/// The FLUX config of a plan's model (text to image runs FLUX), or why not.
 pub fn transformer_config(plan: &Plan) -> Result<FluxConfig> {
     let id = &plan.model.id;
     FluxConfig::by_name(id).ok_or_else(|| {
         PipelineError::Refused(format!(
-            "model `{id}`: mold exec runs FLUX-family transformers (flux-dev, flux-schnell, flux-tiny); `{id}` can be planned and simulated but not executed yet"
+            "model `{id}`: text to image runs FLUX-family models (flux-dev, flux-schnell, flux-tiny); `{id}`'s transformer runs on random inputs (drop --prompt)"
         ))
     })
+}
+
+/// The transformer families `mold exec` runs, by a plan's model.
+#[derive(Clone, Debug)]
+pub enum Family {
+    Flux(FluxConfig),
+    Qwen(QwenConfig),
+}
+
+/// The transformer family of a plan's model, or why exec cannot run it.
+pub fn transformer_family(plan: &Plan) -> Result<Family> {
+    let id = &plan.model.id;
+    if let Some(c) = FluxConfig::by_name(id) {
+        return Ok(Family::Flux(c));
+    }
+    if let Some(c) = QwenConfig::by_name(id) {
+        return Ok(Family::Qwen(c));
+    }
+    Err(PipelineError::Refused(format!(
+        "model `{id}`: mold exec runs flux-dev, flux-schnell, flux-tiny, qwen-image and qwen-image-tiny; `{id}` can be planned and simulated but not executed yet"
+    )))
+}
+
+/// What the benchmark needs of a family beyond [`Transformer`]: random inputs at a
+/// workload, and the named tensors of one call's inputs (for `--save-io`).
+pub trait Benchable: Transformer {
+    /// Deterministic random inputs for `width` × `height` pixels, `txt_len` text tokens.
+    fn random_inputs(
+        &self,
+        width: u32,
+        height: u32,
+        txt_len: usize,
+        batch: usize,
+        seed: u64,
+    ) -> Result<Self::Inputs>;
+    /// The inputs' tensors by name (the reference implementation's argument names).
+    fn input_tensors(x: &Self::Inputs) -> Result<Vec<(String, Tensor)>>;
+}
+
+impl Benchable for FluxConfig {
+    fn random_inputs(
+        &self,
+        width: u32,
+        height: u32,
+        txt_len: usize,
+        batch: usize,
+        seed: u64,
+    ) -> Result<mold_exec::FluxInputs> {
+        Ok(mold_exec::random_inputs(
+            self, width, height, txt_len, batch, seed,
+        )?)
+    }
+    fn input_tensors(x: &mold_exec::FluxInputs) -> Result<Vec<(String, Tensor)>> {
+        let mut v = vec![
+            ("img".to_string(), x.img.clone()),
+            ("img_ids".to_string(), x.img_ids.clone()),
+            ("txt".to_string(), x.txt.clone()),
+            ("txt_ids".to_string(), x.txt_ids.clone()),
+            ("timesteps".to_string(), x.timesteps.clone()),
+            ("y".to_string(), x.y.clone()),
+        ];
+        if let Some(g) = &x.guidance {
+            v.push(("guidance".to_string(), g.clone()));
+        }
+        Ok(v)
+    }
+}
+
+impl Benchable for QwenConfig {
+    fn random_inputs(
+        &self,
+        width: u32,
+        height: u32,
+        txt_len: usize,
+        batch: usize,
+        seed: u64,
+    ) -> Result<mold_exec::QwenInputs> {
+        Ok(mold_exec::model::qwen::random_inputs(
+            self, width, height, txt_len, batch, seed,
+        )?)
+    }
+    fn input_tensors(x: &mold_exec::QwenInputs) -> Result<Vec<(String, Tensor)>> {
+        let (h, w) = x.grid;
+        let grid = Tensor::new(&[1u32, h as u32, w as u32], &mold_exec::Device::Cpu)?;
+        Ok(vec![
+            ("hidden_states".to_string(), x.img.clone()),
+            ("encoder_hidden_states".to_string(), x.txt.clone()),
+            ("timestep".to_string(), x.timesteps.clone()),
+            ("img_shapes".to_string(), grid),
+        ])
+    }
 }
 
 /// Everything a run checks about a plan before it loads anything: the machine it runs on
@@ -41,7 +132,7 @@ pub fn preflight(
     made_for: Option<(u32, u32)>,
 ) -> Result<Checked> {
     let mut out = Checked::default();
-    transformer_config(plan)?;
+    transformer_family(plan)?;
     let refused = |m: String| PipelineError::Refused(m);
     match mold_cost::check_machine(plan, machine, force).map_err(|e| refused(e.to_string()))? {
         mold_cost::MachineCheck::Same => {}
@@ -79,17 +170,17 @@ pub fn preflight(
 }
 
 /// Opens the transformer checkpoint at `path` (headers only) and checks it holds the
-/// plan's model; warns when its header differs from the one the plan was made from.
-pub fn open_transformer(
+/// plan's model `cfg`; warns when its header differs from the one the plan was made from.
+pub fn open_transformer<M: Transformer>(
+    cfg: &M,
     plan: &Plan,
     path: &Path,
     warnings: &mut Vec<String>,
-) -> Result<(FluxConfig, Checkpoint)> {
-    let cfg = transformer_config(plan)?;
+) -> Result<Checkpoint> {
     let ckpt = Checkpoint::open(path)?;
-    ckpt.check(&cfg, &plan.model.id)?;
+    ckpt.check(cfg, &plan.model.id)?;
     warnings.extend(header_warning(plan, path)?);
-    Ok((cfg, ckpt))
+    Ok(ckpt)
 }
 
 /// A warning when the checkpoint at `path` has another header than the one the plan was
@@ -112,8 +203,8 @@ pub fn header_warning(plan: &Plan, path: &Path) -> Result<Option<String>> {
 /// The transformer benchmark: `steps` denoising steps on random inputs (seeded) at the
 /// plan's workload, over the linear schedule; returns the final latents. The
 /// executor is built by the caller (one process or several).
-pub fn bench(
-    exec: &Executor<FluxConfig>,
+pub fn bench<M: Benchable>(
+    exec: &Executor<M>,
     plan: &Plan,
     model: &ModelSpec,
     seed: u64,
@@ -132,36 +223,61 @@ pub fn bench(
         &sampling::linear_schedule(steps),
         on_step,
     )?;
-    Ok(inputs.img)
+    Ok(mold_exec::Inputs::latents(&inputs).clone())
 }
 
 /// The benchmark's random inputs at the plan's workload.
-pub fn bench_inputs(
-    cfg: &FluxConfig,
+pub fn bench_inputs<M: Benchable>(
+    cfg: &M,
     plan: &Plan,
     model: &ModelSpec,
     seed: u64,
-) -> Result<mold_exec::FluxInputs> {
+) -> Result<M::Inputs> {
     let tokens = model.tokens(&plan.workload);
-    Ok(mold_exec::random_inputs(
-        cfg,
+    cfg.random_inputs(
         plan.workload.width,
         plan.workload.height,
         tokens.txt as usize,
         plan.workload.effective_batch() as usize,
         seed,
-    )?)
+    )
+}
+
+/// One transformer call on the benchmark's random inputs (random times too), written
+/// with those inputs to `path` as f32 safetensors: the inputs under the reference
+/// implementation's argument names, the output as `output` (for the parity scripts in
+/// benches/parity/).
+pub fn save_bench_io<M: Benchable>(
+    exec: &Executor<M>,
+    plan: &Plan,
+    model: &ModelSpec,
+    seed: u64,
+    path: &Path,
+) -> Result<()> {
+    let x = bench_inputs(exec.model(), plan, model, seed)?;
+    let out = exec.forward(&x)?;
+    let mut rec = crate::io::IoRecord::default();
+    for (name, t) in M::input_tensors(&x)? {
+        rec.add(name, &t)?;
+    }
+    rec.add("output", &out)?;
+    rec.metadata.insert("model".into(), plan.model.id.clone());
+    rec.metadata.insert("seed".into(), seed.to_string());
+    if let Some(t) = plan.transformer() {
+        rec.metadata.insert("dtype".into(), t.dtype.to_string());
+    }
+    rec.write(path)
 }
 
 /// Runs the benchmark's reference: the same steps on the unsharded model on one device,
 /// with candle's ops (so the comparison checks mold's fused kernels as well as the
 /// placement).
-pub fn reference_run(
-    cfg: &FluxConfig,
+pub fn reference_run<M: Benchable>(
+    cfg: &M,
     ckpt: &Checkpoint,
     device: &mold_plan::DeviceId,
     dtype: mold_exec::DType,
-    inputs: mold_exec::FluxInputs,
+    inputs: M::Inputs,
     steps: u32,
 ) -> Result<Tensor> {
     let reference =
@@ -173,5 +289,5 @@ pub fn reference_run(
         &sampling::linear_schedule(steps),
         &mut |_| {},
     )?;
-    Ok(inputs.img)
+    Ok(mold_exec::Inputs::latents(&inputs).clone())
 }

@@ -1,23 +1,27 @@
 //! The placement plan: mold's contract between `plan`, `sim` and `exec`.
 //!
-//! A plan is YAML with `version: 2`; unknown fields are refused. A `version: 1` plan (no
-//! `tp`/`sp`: a part's devices were one tensor-parallel group) is migrated on load. It records the model,
-//! the workload, the machine it was made for, where each component's parts run, and what
-//! the planner predicted. Semantic checks that need the model catalogue or the machine
+//! A plan is YAML with `version: 3`; unknown fields are refused. A `version: 1` plan (no
+//! `tp`/`sp`: a part's devices were one tensor-parallel group) and a `version: 2` plan (no
+//! `replicas`: one copy of the placement) are migrated on load. It records the model,
+//! the workload, the machine it was made for, where each component's parts run, the
+//! replicas serving requests side by side, and what the planner predicted. Semantic checks that need the model catalogue or the machine
 //! (block coverage, device existence, tensor-parallel divisibility) live with the cost
 //! model; this crate checks what can be checked from the plan alone.
 
 mod bytes;
+mod replicas;
 mod types;
 
 pub use bytes::{ByteSize, ByteSizeError, GIB, MIB};
+pub use replicas::{shifted_replicas, ReplicaError};
 pub use types::*;
 
 use std::path::Path;
 
 /// The plan schema version this build writes. Version 2 added a part's parallel layout
-/// (`tp`, `sp`); version 1 plans are migrated on load ([`migrate_v1`]).
-pub const PLAN_VERSION: u32 = 2;
+/// (`tp`, `sp`), version 3 `replicas`; older plans are migrated on load ([`migrate_v1`],
+/// [`migrate_v2`]).
+pub const PLAN_VERSION: u32 = 3;
 
 /// The oldest plan version this build still reads (migrating it).
 pub const OLDEST_READ_VERSION: u32 = 1;
@@ -85,12 +89,18 @@ impl Plan {
             },
         };
         let mut value = value;
-        if version == 1 {
-            migrate_v1(&mut value).map_err(|(field, message)| PlanError::Invalid {
+        let migrated = |r: Result<(), (String, String)>| {
+            r.map_err(|(field, message)| PlanError::Invalid {
                 source_name: source_name.into(),
                 field,
                 message,
-            })?;
+            })
+        };
+        if version == 1 {
+            migrated(migrate_v1(&mut value))?;
+        }
+        if version <= 2 {
+            migrated(migrate_v2(&mut value))?;
         }
         let plan: Plan = from_value_with_path(value).map_err(|message| PlanError::Parse {
             source_name: source_name.to_string(),
@@ -284,7 +294,8 @@ impl Plan {
                 }
             }
         }
-        Ok(())
+        self.check_replicas()
+            .map_err(|e| invalid(e.field, e.message))
     }
 
     /// The transformer component, if the plan has one.
@@ -304,7 +315,7 @@ pub fn migrate_v1(value: &mut serde_yaml_ng::Value) -> Result<(), (String, Strin
     let Some(map) = value.as_mapping_mut() else {
         return Ok(());
     };
-    map.insert(Value::from("version"), Value::from(PLAN_VERSION));
+    map.insert(Value::from("version"), Value::from(2u32));
     let Some(components) = map.get_mut("components").and_then(Value::as_sequence_mut) else {
         return Ok(()); // deserialization names what is missing
     };
@@ -320,7 +331,7 @@ pub fn migrate_v1(value: &mut serde_yaml_ng::Value) -> Result<(), (String, Strin
                 if part.contains_key(key) {
                     return Err((
                         format!("components[{ci}].parts[{pi}].{key}"),
-                        format!("`{key}` is a version {PLAN_VERSION} field: set `version: {PLAN_VERSION}` or remove it"),
+                        format!("`{key}` is a version 2 field: set `version: {PLAN_VERSION}` or remove it"),
                     ));
                 }
             }
@@ -333,6 +344,24 @@ pub fn migrate_v1(value: &mut serde_yaml_ng::Value) -> Result<(), (String, Strin
             }
         }
     }
+    Ok(())
+}
+
+/// Rewrites a `version: 2` plan as version 3, in place: a version 2 plan is one replica,
+/// the placement as written, so only the version changes. A version 2 plan that already
+/// names `replicas` is refused (that field is version 3). Errors are (field, message).
+pub fn migrate_v2(value: &mut serde_yaml_ng::Value) -> Result<(), (String, String)> {
+    use serde_yaml_ng::Value;
+    let Some(map) = value.as_mapping_mut() else {
+        return Ok(());
+    };
+    if map.contains_key("replicas") {
+        return Err((
+            "replicas".into(),
+            format!("`replicas` is a version 3 field: set `version: {PLAN_VERSION}` or remove it"),
+        ));
+    }
+    map.insert(Value::from("version"), Value::from(3u32));
     Ok(())
 }
 

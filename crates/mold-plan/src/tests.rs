@@ -1,7 +1,7 @@
 use super::*;
 
 pub(crate) const SAMPLE: &str = r#"
-version: 2
+version: 3
 model:
   id: flux-dev
 workload:
@@ -84,9 +84,9 @@ fn refuses_unknown_fields_naming_them() {
 
 #[test]
 fn version_messages() {
-    for v in [0, 3] {
+    for v in [0, 4] {
         let e = Plan::from_yaml(
-            &SAMPLE.replace("version: 2", &format!("version: {v}")),
+            &SAMPLE.replace("version: 3", &format!("version: {v}")),
             "p.yaml",
         )
         .unwrap_err()
@@ -96,7 +96,7 @@ fn version_messages() {
             "{e}"
         );
     }
-    let e = Plan::from_yaml(&SAMPLE.replace("version: 2\n", ""), "p.yaml")
+    let e = Plan::from_yaml(&SAMPLE.replace("version: 3\n", ""), "p.yaml")
         .unwrap_err()
         .to_string();
     assert!(e.contains("version") && e.contains("missing"), "{e}");
@@ -269,13 +269,13 @@ fn version_1_is_migrated_to_tensor_parallel_parts() {
     assert_eq!((t.tp, t.sp, t.devices.len()), (2, 1, 2));
     let e = &p.components[0].parts[0];
     assert_eq!((e.tp, e.sp), (1, 1));
-    // What it writes back is version 2, and reads as the same plan.
+    // What it writes back is the current version, and reads as the same plan.
     let yaml = p.to_yaml();
     assert!(
-        yaml.contains("version: 2") && yaml.contains("tp: 2"),
+        yaml.contains(&format!("version: {PLAN_VERSION}\n")) && yaml.contains("tp: 2"),
         "{yaml}"
     );
-    assert_eq!(Plan::from_yaml(&yaml, "v2.yaml").unwrap(), p);
+    assert_eq!(Plan::from_yaml(&yaml, "v3.yaml").unwrap(), p);
     // Without migration the same text, read as version 2, is refused: 2 devices, tp 1.
     let e = Plan::from_yaml(&V1.replace("version: 1", "version: 2"), "p.yaml")
         .unwrap_err()
@@ -317,10 +317,10 @@ fn device_order_gives_sp_and_tp_ranks() {
     assert_eq!(p.degree(), 4);
 }
 
-/// The version 2 schema as written: an SP part and a hybrid SP × TP part (tp and sp are
-/// written only when above 1).
+/// A part's parallel layout as written: an SP part and a hybrid SP × TP part (tp and sp
+/// are written only when above 1).
 #[test]
-fn v2_plan_snapshot() {
+fn tp_sp_plan_snapshot() {
     let yaml = SAMPLE
         .replace(
             "  - blocks: [double 0..19, single 0..5]\n    devices: [cuda:0]\n",
@@ -334,9 +334,11 @@ fn v2_plan_snapshot() {
             "    memory: 48GiB\ncomponents:",
             "    memory: 48GiB\n  - id: cuda:2\n    name: NVIDIA L40S\n    memory: 48GiB\n  - id: cuda:3\n    name: NVIDIA L40S\n    memory: 48GiB\ncomponents:",
         );
-    let p = Plan::from_yaml(&yaml, "v2.yaml").unwrap();
+    let p = Plan::from_yaml(&yaml, "tp-sp.yaml").unwrap();
     let t = &p.transformer().unwrap().parts;
     assert_eq!((t[0].tp, t[0].sp, t[1].tp, t[1].sp), (1, 2, 2, 2));
     assert_eq!(Plan::from_yaml(&p.to_yaml(), "again.yaml").unwrap(), p);
     insta::assert_snapshot!(p.to_yaml());
 }
+
+mod replicas;

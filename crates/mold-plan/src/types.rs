@@ -221,9 +221,17 @@ pub struct Plan {
     pub workload: Workload,
     pub machine: MachineIdentity,
     pub components: Vec<ComponentPlan>,
+    /// Copies of the placement serving requests side by side (version 3): each maps every
+    /// device the placement uses to the device that copy runs on, replicas on disjoint
+    /// devices. Absent: one copy, the placement as written ([`Plan::replica_plans`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<Vec<Replica>>,
     pub predicted: Prediction,
     pub solver: SolverRecord,
 }
+
+/// Where one replica runs: each device the placement uses → the device it runs on.
+pub type Replica = std::collections::BTreeMap<DeviceId, DeviceId>;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -150,6 +150,7 @@ impl OneOrMany {
 pub enum ObjectiveName {
     Latency,
     Memory,
+    Throughput,
 }
 
 impl From<ObjectiveName> for Objective {
@@ -157,6 +158,7 @@ impl From<ObjectiveName> for Objective {
         match o {
             ObjectiveName::Latency => Objective::Latency,
             ObjectiveName::Memory => Objective::Memory,
+            ObjectiveName::Throughput => Objective::Throughput,
         }
     }
 }

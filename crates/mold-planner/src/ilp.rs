@@ -280,7 +280,9 @@ fn solve_with(
     }
 
     let objective = match req.objective {
-        Objective::Latency => latency.clone(),
+        // Throughput compares whole plans of each replica width (`throughput.rs`): each
+        // of them is the latency optimum on its devices.
+        Objective::Latency | Objective::Throughput => latency.clone(),
         // GiB + weight · seconds, divided by (memory unit in GiB).
         Objective::Memory => {
             sum(dev_mem.iter().cloned())

@@ -160,6 +160,7 @@ pub(crate) fn unpriced(
         workload: req.workload.clone(),
         machine: req.machine.identity(),
         components,
+        replicas: None,
         predicted: mold_cost::Evaluation::default_prediction(),
         solver: SolverRecord {
             solver: "microlp (good_lp)".into(),

@@ -17,7 +17,8 @@
 //!
 //! Files: `problem.rs` the problem as data, `candidates.rs` the program's device groups,
 //! `ilp.rs` its encoding for microlp, `brute.rs` the independent enumerator,
-//! `search.rs` one family's search, `layout.rs` choice → plan.
+//! `search.rs` one family's search, `layout.rs` choice → plan, `throughput.rs` the
+//! throughput objective (replicas of a placement versus one group).
 
 pub mod brute;
 mod candidates;
@@ -28,6 +29,7 @@ mod layout;
 mod problem;
 pub mod report;
 mod search;
+pub mod throughput;
 
 pub use constraints::{
     parse_cap, parse_pin, Constraints, ConstraintsFile, OneOrMany, ParallelChoice, SpChoice,
@@ -36,6 +38,7 @@ pub use constraints::{
 pub use layout::plan_from_choice;
 pub use problem::{Choice, GroupChoice, MEMORY_LATENCY_WEIGHT};
 pub use search::{solve_family, FamilySolution, Method};
+pub use throughput::{Serving, Throughput, ThroughputCandidate};
 
 use mold_machine::Machine;
 use mold_models::ModelSpec;
@@ -64,6 +67,10 @@ pub enum Objective {
     Latency,
     /// Least device memory in total, then shortest request.
     Memory,
+    /// Most images per second with [`Serving::clients`] requests in flight, a request
+    /// within [`Serving::max_latency_s`]: replicas of a placement on disjoint devices,
+    /// or one group (`throughput.rs`).
+    Throughput,
 }
 
 impl std::str::FromStr for Objective {
@@ -72,7 +79,10 @@ impl std::str::FromStr for Objective {
         match s {
             "latency" => Ok(Objective::Latency),
             "memory" => Ok(Objective::Memory),
-            _ => Err(format!("unknown objective `{s}`: use latency or memory")),
+            "throughput" => Ok(Objective::Throughput),
+            _ => Err(format!(
+                "unknown objective `{s}`: use latency, memory or throughput"
+            )),
         }
     }
 }
@@ -82,6 +92,7 @@ impl Objective {
         match self {
             Objective::Latency => "latency",
             Objective::Memory => "memory",
+            Objective::Throughput => "throughput",
         }
     }
 }
@@ -159,6 +170,8 @@ pub struct Request {
     /// How long each strategy family's search may take ([`FAMILY_TIME_LIMIT`]): past it,
     /// the best plan found so far stands, reported as not proven optimal.
     pub time_limit: Duration,
+    /// Requests in flight and the latency bound, for [`Objective::Throughput`].
+    pub serving: Serving,
 }
 
 impl Request {
@@ -178,6 +191,7 @@ impl Request {
             objective: Objective::Latency,
             checkpoint: None,
             time_limit: FAMILY_TIME_LIMIT,
+            serving: Serving::default(),
         }
     }
 
@@ -218,11 +232,17 @@ pub struct Outcome {
     pub families: Vec<FamilyResult>,
     pub evaluation: mold_cost::Evaluation,
     pub solve_time_ms: f64,
+    /// With [`Objective::Throughput`]: every replica width considered, and the pick.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub throughput: Option<Throughput>,
 }
 
 /// Plans `req`: searches each strategy family and returns the best plan. A family whose
 /// search fails says so in its row; the others still count.
 pub fn plan(req: &Request) -> Result<Outcome, PlanError> {
+    if req.objective == Objective::Throughput {
+        return throughput::plan(req);
+    }
     req.model
         .check_workload(&req.workload)
         .map_err(|e| PlanError::Constraint(e.to_string()))?;
@@ -318,6 +338,7 @@ pub fn plan(req: &Request) -> Result<Outcome, PlanError> {
         families,
         evaluation,
         solve_time_ms,
+        throughput: None,
     })
 }
 

@@ -282,7 +282,7 @@ impl<'a> Problem<'a> {
     /// plus [`MEMORY_LATENCY_WEIGHT`] per request second.
     pub fn objective(&self, request_s: f64, device_bytes: u64) -> f64 {
         match self.req.objective {
-            Objective::Latency => request_s,
+            Objective::Latency | Objective::Throughput => request_s,
             Objective::Memory => {
                 device_bytes as f64 / GIB as f64 + MEMORY_LATENCY_WEIGHT * request_s
             }

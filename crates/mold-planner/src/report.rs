@@ -184,6 +184,17 @@ pub fn summary(o: &Outcome) -> String {
         family_desc(&p.solver.strategy)
     );
     s += &placement_on(p, Some(&o.machine));
+    if let Some(t) = &o.throughput {
+        let c = &t.candidates[t.chosen];
+        if c.replicas > 1 {
+            let _ = writeln!(
+                s,
+                "  replicas: {}, the placement above on {}",
+                c.replicas,
+                replica_list(&c.devices)
+            );
+        }
+    }
     if let Some(t) = p.transformer() {
         let total: u32 = t.parts.iter().map(|x| x.block_count()).sum();
         let streamed: u32 = t
@@ -283,6 +294,76 @@ pub fn summary(o: &Outcome) -> String {
             }
         }
     }
+    if let Some(t) = &o.throughput {
+        s += &throughput_table(t);
+    }
+    s
+}
+
+/// Each replica's devices: `cuda:0 | cuda:1`.
+fn replica_list(devices: &[Vec<DeviceId>]) -> String {
+    devices
+        .iter()
+        .map(|d| device_list(d))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// The throughput objective's candidates: one row per replica width.
+fn throughput_table(t: &crate::Throughput) -> String {
+    let mut s = String::new();
+    let bound = t
+        .max_latency_s
+        .map(|b| format!(", a request within --max-latency {}", secs(b)))
+        .unwrap_or_default();
+    let _ = writeln!(
+        s,
+        "\nthroughput with {} request{} in flight{bound}:",
+        t.clients,
+        if t.clients == 1 { "" } else { "s" }
+    );
+    let _ = writeln!(
+        s,
+        "  {:<28} {:<20} {:>10} {:>10} {:>11}  status",
+        "replicas", "strategy", "request", "latency", "images/min"
+    );
+    for (i, c) in t.candidates.iter().enumerate() {
+        let mark = if i == t.chosen { "*" } else { " " };
+        match (c.request_time_s, c.latency_s, c.images_per_s) {
+            (Some(rq), Some(lat), Some(ips)) => {
+                let status = if c.within_bound {
+                    c.status.clone()
+                } else {
+                    format!("{}; request over the bound", c.status)
+                };
+                let _ = writeln!(
+                    s,
+                    "{mark} {:<28} {:<20} {:>10} {:>10} {:>11.1}  {status}",
+                    format!("{} × {}", c.replicas, replica_list(&c.devices)),
+                    c.strategy.map(Family::describe).unwrap_or("-"),
+                    secs(rq),
+                    secs(lat),
+                    ips * 60.0
+                );
+            }
+            _ => {
+                let _ = writeln!(
+                    s,
+                    "{mark} {:<28} {:<20} {:>10} {:>10} {:>11}  {}",
+                    format!("{} device(s) each", c.width),
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    c.status
+                );
+            }
+        }
+    }
+    let _ = writeln!(
+        s,
+        "  (request: one request on its replica; latency: from submission, waiting included, mean)"
+    );
     s
 }
 

@@ -232,6 +232,7 @@ fn build(inst: &Instance) -> Option<Request> {
                 latency_us: inst.network.1,
             }),
         },
+        ops: Vec::new(),
     };
     machine.validate("random").ok()?;
     // `--devices`: a non-empty subset, in machine order.

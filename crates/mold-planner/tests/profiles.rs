@@ -114,6 +114,7 @@ pub fn machine() -> impl Strategy<Value = Machine> {
                         latency_us: 20.0,
                     }),
                 },
+                ops: Vec::new(),
             }
         })
 }

@@ -30,11 +30,13 @@ mod check;
 mod engine;
 mod outcome;
 mod report;
+pub mod stream;
 mod svg;
 mod text;
 
 pub use check::{check_paths, CheckResult, CheckSummary};
 pub use engine::simulate_with;
+pub use stream::{simulate_stream, Arrivals, StreamOptions, StreamReport};
 
 use mold_machine::Machine;
 use mold_models::ModelSpec;
@@ -261,6 +263,10 @@ pub struct SimReport {
     /// Where each simulated step ends.
     pub step_ends_s: Vec<f64>,
     pub denoise_start_s: f64,
+    /// How the block times were priced, when the profile has operation tables
+    /// ([`mold_cost::ops::describe`]); empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cost_basis: Vec<String>,
 }
 
 impl SimReport {

@@ -180,6 +180,7 @@ impl Sim<'_> {
             sim_end_s: sim_end,
             step_ends_s: step_ends,
             denoise_start_s: denoise_start,
+            cost_basis: mold_cost::ops::describe(plan, self.model, self.machine),
         }
     }
 

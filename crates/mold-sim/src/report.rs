@@ -95,6 +95,9 @@ impl SimReport {
             secs(self.decode_s),
         ));
         o.push_str(&format!("bottleneck: {}\n", self.bottleneck));
+        for line in &self.cost_basis {
+            o.push_str(&format!("{line}\n"));
+        }
         if self.fits() {
             o.push_str("fits: every device within its budget\n");
         } else {

@@ -119,6 +119,7 @@ fn toy_plan(model: &ModelSpec, machine: &Machine, parts: Vec<Part>, steps: u32) 
             dtype: DType::Bf16,
             parts,
         }],
+        replicas: None,
         predicted: Evaluation::default_prediction(),
         solver: SolverRecord {
             solver: "test".into(),

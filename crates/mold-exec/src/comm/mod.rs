@@ -10,6 +10,8 @@
 //!   bit-identical to [`ThreadComm`].
 //! - `nccl::NcclComm` (feature `nccl`): one GPU per rank; all-reduce through NCCL on
 //!   candle's compute streams, with a watchdog that aborts the group instead of hanging.
+//! - [`HandOff`]: activations from one process to another (a part's output to the next
+//!   part's process): NCCL send/recv between the two GPUs, else TCP.
 //!
 //! [`make_group`] picks the implementation for a group inside one process and
 //! [`cross_process_group`] for a group that spans processes. Failures are typed
@@ -18,6 +20,7 @@
 
 mod error;
 mod group;
+mod handoff;
 mod options;
 mod tcp;
 mod thread;
@@ -27,6 +30,7 @@ pub mod nccl;
 
 pub use error::{root_cause, AbortSignal, CommError};
 pub use group::{cross_process_group, make_group};
+pub use handoff::{decode_header, encode_header, HandOff};
 pub use options::{
     CommOptions, DEFAULT_DIST_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_NCCL_TIMEOUT_S,
 };

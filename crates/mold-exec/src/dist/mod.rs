@@ -11,13 +11,16 @@
 //! `launch.rs` says how they combine). The CLI reads the variables and passes them in
 //! ([`Launch::from_vars`], [`crate::comm::CommOptions::from_vars`]).
 //!
-//! # Who runs what ([`Ownership`])
+//! # Who runs what ([`LocalDevices`], [`Ownership`])
 //!
-//! The devices of the plan's transformer, sorted, are cut into `MOLD_WORLD_SIZE`
-//! contiguous shares as equal as possible; process `p` owns share `p` and loads and runs
-//! only the ranks on those devices. A process sees its own GPUs as `cuda:0, cuda:1, …` in
-//! the order of its share (as on a node of its own; on one shared host give each process
-//! its GPUs with `CUDA_VISIBLE_DEVICES`).
+//! The CLI resolves, before the rendezvous, which plan devices this process runs and how
+//! it opens them ([`LocalDevices::resolve`], from the plan's devices, the machine
+//! profile's nodes, the launch and `CUDA_VISIBLE_DEVICES`): the nodes that hold the
+//! transformer's devices get the same number of processes each, numbered node by node;
+//! each node's sorted devices are cut into one contiguous share per process there; and a
+//! process opens its devices at their places on its node (the node's first GPU is
+//! `cuda:0`), or as `cuda:0, cuda:1, …` when it sees exactly its share's GPUs
+//! (`CUDA_VISIBLE_DEVICES`). `local.rs` has the rule in full.
 //!
 //! # Transport ([`Mesh`])
 //!
@@ -30,9 +33,10 @@
 //! rendezvous goes on. A reader thread per connection files incoming messages by sender
 //! and tag; frames and tensor messages are bounded and checked ([`wire`], [`codec`]).
 //!
-//! - Activations handed from a part in one process to a part in another travel over TCP,
-//!   staged through host memory, and so does the last part's output, which goes to every
-//!   process so that all of them run the same sampler.
+//! - Activations handed from a part in one process to a part in another go through a
+//!   [`crate::comm::HandOff`]: NCCL send/recv between the two GPUs (with the `nccl`
+//!   feature), else TCP staged through host memory. The last part's output goes to every
+//!   process over TCP, so that all of them run the same sampler.
 //! - A tensor-parallel group that spans processes all-reduces through NCCL on GPUs (the
 //!   `ncclUniqueId` travels over the mesh) and through [`crate::comm::TcpComm`] otherwise
 //!   ([`crate::comm::cross_process_group`]).
@@ -44,6 +48,7 @@
 
 pub mod codec;
 mod launch;
+mod local;
 mod mesh;
 mod ownership;
 mod rendezvous;
@@ -54,6 +59,7 @@ mod tests;
 
 pub use codec::{decode_shaped, encode_shaped};
 pub use launch::{expand_nodelist, Launch, Launcher, DEFAULT_PORT, LAUNCH_VARS};
+pub use local::{LocalDevices, Ordinals, Visible};
 pub use mesh::Mesh;
 pub use ownership::Ownership;
 pub use wire::{MAX_FRAME_BYTES, MAX_HANDSHAKE_BYTES, MAX_SECRET_BYTES, PROTOCOL_VERSION};

@@ -17,7 +17,7 @@ pub use plan_check::{check_plan, compute_dtype};
 
 use crate::checkpoint::Checkpoint;
 use crate::comm::Comm;
-use crate::dist::{Mesh, Ownership};
+use crate::dist::{LocalDevices, Mesh};
 use crate::error::{ExecError, Result};
 use crate::model::{ActivationMeter, BlockRef, Profiler, Shard, Transformer, Weights};
 use crate::options::ExecOptions;
@@ -27,7 +27,6 @@ use candle_core::{DType, Device, Tensor};
 use mold_plan::{DeviceId, Plan, Residency};
 use multiprocess::DistRt;
 use plan_check::{check_parts, transformer_of};
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 /// One profiled phase: `(label, seconds, marks)`.
@@ -151,19 +150,20 @@ impl<M: Transformer> Executor<M> {
     }
 
     /// This process's share of a multi-process run ([`crate::dist`]): loads and runs only
-    /// the ranks on the devices [`Ownership`] gives this process (opened as its own
-    /// `cuda:0, cuda:1, …`); activations cross processes over `mesh`, and every process's
-    /// [`Executor::forward`] returns the same output (on the host in the processes that
-    /// do not run the final layer). Every process must call it, then `forward` with the
-    /// same inputs, in the same order.
+    /// the ranks on the devices `local` gives this process (resolved at the CLI edge,
+    /// [`LocalDevices::resolve`]), opened under the ids it maps them to; activations cross
+    /// processes over `mesh`, and every process's [`Executor::forward`] returns the same
+    /// output (on the host in the processes that do not run the final layer). Every
+    /// process must call it, then `forward` with the same inputs, in the same order.
     pub fn new_multi_process(
         model: &M,
         plan: &Plan,
         ckpt: &Checkpoint,
         opts: ExecOptions,
         mesh: Arc<Mesh>,
+        local: LocalDevices,
     ) -> Result<Self> {
-        Self::new_in(model, plan, ckpt, opts, Some(mesh))
+        Self::new_in(model, plan, ckpt, opts, Some((mesh, local)))
     }
 
     fn new_in(
@@ -171,7 +171,7 @@ impl<M: Transformer> Executor<M> {
         plan: &Plan,
         ckpt: &Checkpoint,
         opts: ExecOptions,
-        mesh: Option<Arc<Mesh>>,
+        mesh: Option<(Arc<Mesh>, LocalDevices)>,
     ) -> Result<Self> {
         model.validate().map_err(ExecError::Config)?;
         let comp = transformer_of(plan)?;
@@ -193,11 +193,7 @@ impl<M: Transformer> Executor<M> {
             .collect();
         let dist = match mesh {
             None => None,
-            Some(mesh) => Some(DistRt {
-                own: ownership(plan, mesh.world())?,
-                mesh,
-                calls: AtomicU64::new(0),
-            }),
+            Some((mesh, local)) => Some(DistRt::new(mesh, local, &comp.parts)?),
         };
         Self::build(model, ckpt, specs, dtype, opts, dist)
     }
@@ -292,7 +288,7 @@ impl<M: Transformer> Executor<M> {
         let local_id = |d: &DeviceId| -> Option<DeviceId> {
             match &dist {
                 None => Some(d.clone()),
-                Some(x) => x.own.local_id(x.mesh.rank(), d),
+                Some(x) => x.local.local_id(d),
             }
         };
         let mut devmap = DeviceMap::new(opts.deterministic);
@@ -411,6 +407,11 @@ impl<M: Transformer> Executor<M> {
                 local_ids,
                 comms,
             });
+        }
+        // Hand-offs between processes, made once (NCCL communicators wait for the peer).
+        let mut dist = dist;
+        if let Some(d) = dist.as_mut() {
+            d.open_hand_offs(&parts)?;
         }
         for i in 1..parts.len() {
             let (a, b) = (&parts[i - 1], &parts[i]);
@@ -587,11 +588,4 @@ impl<M: Transformer> Executor<M> {
         }
         out
     }
-}
-
-/// The devices each process of a `world`-process run of `plan` runs.
-pub fn ownership(plan: &Plan, world: usize) -> Result<Ownership> {
-    let comp = transformer_of(plan)?;
-    let devices: Vec<DeviceId> = comp.parts.iter().flat_map(|p| p.devices.clone()).collect();
-    Ownership::split(&devices, world)
 }

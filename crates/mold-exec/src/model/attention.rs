@@ -1,19 +1,54 @@
 //! Scaled-dot-product attention: `softmax(q kᵀ / √d) v` over `(b, heads, L, d)` inputs,
 //! returned as `(b, L, heads · d)` — the layout the projection after it needs.
 //!
-//! On CUDA, for bf16/f16 and head dimensions 64 and 128, a fused kernel (mold's own
-//! FlashAttention-2 style forward, `kernels/flash_attn.cu`, compiled to PTX by build.rs)
-//! computes it without materialising the `L × L` scores and writes the output directly
-//! in `(b, L, heads, d)` order. Everywhere else (CPU, f32, other head sizes) the same
-//! function runs the unfused composition of candle ops, which is the reference the fused
-//! kernel is tested against.
+//! On CUDA, for bf16/f16 and head dimensions 64 and 128, a fused kernel computes it
+//! without materialising the `L × L` scores and writes the output directly in
+//! `(b, L, heads, d)` order: cuDNN's flash-attention engines where libcudnn 9 loads and
+//! takes the shape ([`super::cudnn`]), else mold's own FlashAttention-2 style forward
+//! (`kernels/flash_attn.cu`, compiled to PTX by build.rs). Everywhere else (CPU, f32,
+//! other head sizes) the same function runs the unfused composition of candle ops, which
+//! is the reference the fused kernels are tested against.
 //!
-//! `MOLD_KERNELS=candle` forces the unfused path (for comparisons and debugging);
-//! `fused` makes an unsupported case an error instead of a silent fallback.
+//! `MOLD_KERNELS=candle` forces the unfused path (for comparisons and debugging), `mold`
+//! mold's own kernel, `cudnn` requires cuDNN; `fused` makes an unsupported case an error
+//! instead of a silent fallback. [`report`] says which ran, and why cuDNN did not.
 
 use super::ops::Kernels;
 use super::ActivationMeter;
 use candle_core::{Tensor, D};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+/// Attention calls per implementation, and why cuDNN was passed over (process-wide).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AttentionReport {
+    /// `"cudnn 9.19.0"`, `"mold"`, `"candle"` → calls.
+    pub calls: BTreeMap<String, u64>,
+    /// Distinct reasons cuDNN did not run a call it was allowed to.
+    pub cudnn_refusals: Vec<String>,
+}
+
+static REPORT: Mutex<Option<AttentionReport>> = Mutex::new(None);
+
+fn note(backend: &str, refusal: Option<String>) {
+    let mut r = REPORT.lock().unwrap_or_else(|p| p.into_inner());
+    let r = r.get_or_insert_with(Default::default);
+    *r.calls.entry(backend.to_string()).or_default() += 1;
+    if let Some(why) = refusal {
+        if !r.cudnn_refusals.contains(&why) && r.cudnn_refusals.len() < 8 {
+            r.cudnn_refusals.push(why);
+        }
+    }
+}
+
+/// Which attention implementations ran in this process so far.
+pub fn report() -> AttentionReport {
+    REPORT
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .unwrap_or_default()
+}
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -44,14 +79,55 @@ pub fn attention_with(
     v: &Tensor,
     meter: &ActivationMeter,
 ) -> CResult<Tensor> {
-    if kernels.use_fused(
-        fused_supported(q),
-        "attention (head size 64 or 128, bf16/f16)",
-    )? {
+    let supported = fused_supported(q);
+    let mut refusal = None;
+    if supported && kernels.allows_cudnn() {
+        match cudnn_attention(q, k, v)? {
+            Ok((out, version)) => {
+                meter.see(&out);
+                note(&version, None);
+                return out.flatten_from(2);
+            }
+            Err(why) if kernels == Kernels::Cudnn => candle_core::bail!(
+                "MOLD_KERNELS=cudnn: cuDNN cannot run this attention ({why}); unset MOLD_KERNELS to fall back to mold's kernel"
+            ),
+            Err(why) => refusal = Some(why),
+        }
+    } else if kernels == Kernels::Cudnn {
+        candle_core::bail!(
+            "MOLD_KERNELS=cudnn: cuDNN attention needs a CUDA build, a CUDA bf16/f16 tensor and head size 64 or 128; unset MOLD_KERNELS to fall back"
+        );
+    }
+    if kernels.use_fused(supported, "attention (head size 64 or 128, bf16/f16)")? {
+        note("mold", refusal);
         fused_attention(q, k, v, meter)
     } else {
+        note("candle", refusal);
         unfused_attention(q, k, v, meter)
     }
+}
+
+/// cuDNN's attention and its version, or why it cannot run here.
+#[cfg(feature = "cuda")]
+fn cudnn_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> CResult<Result<(Tensor, String), String>> {
+    let version = match super::cudnn::version() {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(e)),
+    };
+    Ok(super::cudnn::attention(q, k, v)?.map(|t| (t, format!("cudnn {version}"))))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cudnn_attention(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+) -> CResult<Result<(Tensor, String), String>> {
+    Ok(Err("a CPU build".into()))
 }
 
 /// The composition of candle ops (materialises the `L × L` scores).
@@ -266,5 +342,18 @@ mod tests {
         let meter = ActivationMeter::default();
         let err = attention_with(Kernels::Fused, &q, &q, &q, &meter).unwrap_err();
         assert!(err.to_string().contains("MOLD_KERNELS=fused"), "{err}");
+        let err = attention_with(Kernels::Cudnn, &q, &q, &q, &meter).unwrap_err();
+        assert!(err.to_string().contains("MOLD_KERNELS=cudnn"), "{err}");
+    }
+
+    #[test]
+    fn the_report_counts_what_ran() {
+        let q = Tensor::zeros((1, 1, 3, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let meter = ActivationMeter::default();
+        let before = report().calls.get("candle").copied().unwrap_or(0);
+        attention_with(Kernels::Mold, &q, &q, &q, &meter).unwrap();
+        attention_with(Kernels::Auto, &q, &q, &q, &meter).unwrap();
+        // Other tests may run attention concurrently: at least our two calls were counted.
+        assert!(report().calls["candle"] >= before + 2);
     }
 }

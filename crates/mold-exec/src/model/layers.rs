@@ -7,6 +7,7 @@
 //!   produce partial sums that are all-reduced, and the bias is added once, after the
 //!   reduce.
 
+use super::gemm;
 use super::ops::{bias_act, Kernels};
 use super::WeightSource;
 use crate::error::Result;
@@ -74,12 +75,46 @@ impl ColumnParallel {
             bias: b,
         })
     }
+    /// `x Wᵀ + b`, the bias in the matmul's epilogue on CUDA ([`gemm::linear`]).
     pub fn forward(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
-        bias_act(&self.weight.forward(x)?, Some(&self.bias), false, k)
+        gemm::linear(x, &self.weight, &self.bias, false, k)
     }
-    /// `gelu(x Wᵀ + b)` (tanh approximation), bias and activation in one pass.
+    /// `gelu(x Wᵀ + b)` (tanh approximation), bias and activation in the epilogue.
     pub fn forward_gelu(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
-        bias_act(&self.weight.forward(x)?, Some(&self.bias), true, k)
+        gemm::linear(x, &self.weight, &self.bias, true, k)
+    }
+    /// The first `at` output features as `x Wᵀ + b`, the rest as `gelu(x Wᵀ + b)`: two
+    /// matmuls over row slices of the weight, each with its epilogue, on CUDA; elsewhere
+    /// one matmul and the activation on the second part.
+    pub fn forward_split_gelu(
+        &self,
+        x: &Tensor,
+        at: usize,
+        k: Kernels,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let w = self.weight.weight();
+        let n = w.dim(0)?;
+        if at > n {
+            candle_core::bail!("split at {at} of a {n}-feature linear");
+        }
+        let part = |start: usize, len: usize| -> candle_core::Result<_> {
+            Ok((
+                candle_nn::Linear::new(w.narrow(0, start, len)?, None),
+                self.bias.narrow(0, start, len)?,
+            ))
+        };
+        let (w1, b1) = part(0, at)?;
+        let (w2, b2) = part(at, n - at)?;
+        if k != Kernels::Candle && gemm::epilogue_applies(x, w1.weight(), &b1) {
+            return Ok((
+                gemm::linear(x, &w1, &b1, false, k)?,
+                gemm::linear(x, &w2, &b2, true, k)?,
+            ));
+        }
+        let y = self.forward(x, k)?;
+        let last = y.rank() - 1;
+        let gelu = bias_act(&y.narrow(last, at, n - at)?, None, true, k)?;
+        Ok((y.narrow(last, 0, at)?, gelu))
     }
     /// `x Wᵀ + b` for a small per-sample input (`(b, in)`, e.g. the conditioning vector):
     /// candle's matmul and broadcast add, exactly as a replicated [`Linear`] computes

@@ -6,9 +6,13 @@
 //! only through [`crate::comm::Comm`].
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cudnn;
 pub mod flux;
+pub mod gemm;
 pub mod layers;
 pub mod ops;
+pub mod qwen;
 pub mod sequence;
 pub mod transformer;
 
@@ -69,6 +73,14 @@ impl ActivationMeter {
     pub fn see(&self, t: &Tensor) {
         let bytes = (t.elem_count() * t.dtype().size_in_bytes()) as u64;
         self.0.fetch_max(bytes, Ordering::Relaxed);
+    }
+    /// Tensors live at once, counted together (e.g. the two outputs of one linear).
+    pub fn see_all(&self, ts: &[&Tensor]) {
+        let bytes: usize = ts
+            .iter()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        self.0.fetch_max(bytes as u64, Ordering::Relaxed);
     }
     pub fn largest(&self) -> u64 {
         self.0.load(Ordering::Relaxed)

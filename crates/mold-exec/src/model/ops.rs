@@ -6,7 +6,7 @@
 //!   compute each element's source index with 64-bit divisions, which on FLUX-sized
 //!   tensors costs several times the memory traffic.
 //!
-//! [`Kernels`] chooses ([`crate::ExecOptions::kernels`]; `MOLD_KERNELS=auto|fused|candle` at the CLI); the fused attention kernel
+//! [`Kernels`] chooses ([`crate::ExecOptions::kernels`]; `MOLD_KERNELS=auto|fused|mold|cudnn|candle` at the CLI); attention
 //! follows the same switch ([`super::attention`]).
 
 use candle_core::{Tensor, D};
@@ -16,32 +16,46 @@ type CResult<T> = candle_core::Result<T>;
 /// Which implementation of attention and the element-wise operations runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
-    /// mold's fused CUDA kernels where they apply, candle's ops elsewhere.
+    /// The fastest kernels that apply: attention through cuDNN where it loads and takes the
+    /// shape, else mold's own attention kernel; mold's element-wise kernels; candle's ops
+    /// elsewhere.
     Auto,
-    /// Always the fused kernels; a case they do not handle is an error.
+    /// As `Auto`, but a case no fused kernel handles is an error.
     Fused,
+    /// mold's own kernels only (attention included: never cuDNN), candle's ops elsewhere.
+    Mold,
+    /// As `Auto`, but attention must run through cuDNN: a machine or shape it cannot run
+    /// is an error.
+    Cudnn,
     /// Always candle's ops (the reference `--verify` compares against).
     Candle,
 }
 
 impl Kernels {
-    /// `auto`, `fused` or `candle`.
+    /// `auto`, `fused`, `mold`, `cudnn` or `candle`.
     pub fn parse(s: &str) -> Result<Kernels, String> {
         match s.trim() {
             "auto" | "" => Ok(Kernels::Auto),
             "fused" => Ok(Kernels::Fused),
+            "mold" => Ok(Kernels::Mold),
+            "cudnn" => Ok(Kernels::Cudnn),
             "candle" => Ok(Kernels::Candle),
             other => Err(format!(
-                "MOLD_KERNELS={other}: expected auto, fused or candle"
+                "MOLD_KERNELS={other}: expected auto, fused, mold, cudnn or candle"
             )),
         }
+    }
+
+    /// Whether attention may run through cuDNN.
+    pub(crate) fn allows_cudnn(self) -> bool {
+        matches!(self, Kernels::Auto | Kernels::Fused | Kernels::Cudnn)
     }
 
     /// Whether to take the fused path, given whether it supports the inputs.
     pub(crate) fn use_fused(self, supported: bool, what: &str) -> CResult<bool> {
         match self {
             Kernels::Candle => Ok(false),
-            Kernels::Auto => Ok(supported),
+            Kernels::Auto | Kernels::Mold | Kernels::Cudnn => Ok(supported),
             Kernels::Fused if supported => Ok(true),
             Kernels::Fused => candle_core::bail!(
                 "MOLD_KERNELS=fused: no fused kernel for this {what} (it needs a CUDA build, \
@@ -680,9 +694,11 @@ mod tests {
         assert_eq!(Kernels::parse("candle"), Ok(Kernels::Candle));
         assert_eq!(Kernels::parse(" fused"), Ok(Kernels::Fused));
         assert_eq!(Kernels::parse("auto"), Ok(Kernels::Auto));
+        assert_eq!(Kernels::parse("mold"), Ok(Kernels::Mold));
+        assert_eq!(Kernels::parse("cudnn"), Ok(Kernels::Cudnn));
         let e = Kernels::parse("fast").unwrap_err();
         assert!(
-            e.contains("MOLD_KERNELS=fast") && e.contains("auto, fused or candle"),
+            e.contains("MOLD_KERNELS=fast") && e.contains("auto, fused, mold, cudnn or candle"),
             "{e}"
         );
     }

@@ -82,6 +82,7 @@ pub fn plan_with(parts: Vec<Part>, dtype: mold_plan::DType) -> Plan {
             dtype,
             parts,
         }],
+        replicas: None,
         predicted: Prediction {
             step_time_s: 0.0,
             request_time_s: 0.0,

@@ -184,6 +184,7 @@ impl Inventory {
                 },
                 inter_node: None,
             },
+            ops: Vec::new(),
         };
         m.validate("this box")
             .map_err(|e| InventoryError::Budget(e.to_string()))?;

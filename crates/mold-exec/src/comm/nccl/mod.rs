@@ -48,6 +48,7 @@
 
 mod group;
 mod op;
+mod p2p;
 mod watchdog;
 
 pub use group::{local_group, spanning_group, unique_id};

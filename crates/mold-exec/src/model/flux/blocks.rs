@@ -544,14 +544,15 @@ impl SingleBlock {
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
         let x_mod = m[0].scale_shift(&layer_norm(x)?, kn)?;
-        let x_mod = self.linear1.forward(&x_mod, kn)?;
-        ctx.meter.see(&x_mod);
-        ctx.mark("norm + qkv/mlp linear", &x_mod);
-        let mlp = x_mod.narrow(D::Minus1, 3 * self.h_local, self.mlp_local)?;
-        let (q, k, v) = prepare_qkv(&[(&x_mod, &self.norm)], self.heads, pe, ctx)?;
+        // q, k, v with their bias; the MLP part with bias and GELU (in the matmuls'
+        // epilogues on CUDA).
+        let (x_qkv, mlp) = self
+            .linear1
+            .forward_split_gelu(&x_mod, 3 * self.h_local, kn)?;
+        ctx.meter.see_all(&[&x_qkv, &mlp]);
+        ctx.mark("norm + qkv/mlp linear + gelu", &mlp);
+        let (q, k, v) = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, ctx)?;
         let attn = attention(&q, &k, &v, lens, ctx)?;
-        let mlp = ops::bias_act(&mlp, None, true, kn)?;
-        ctx.mark("gelu", &mlp);
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
         let partial = self.linear2.partial(&[&attn, &mlp])?;
         ctx.mark("out linear", &partial);

@@ -1,0 +1,334 @@
+//! The operation breakdown, interpolation, and the cost model with operation tables.
+
+use super::*;
+use crate::{evaluate, Ctx, Group};
+use mold_machine::{AttentionPoint, CollectivePoint, GemmPoint, Machine};
+use mold_plan::DType;
+
+const TWO: &str = r#"
+name: unit
+calibration: {source: measured}
+host: {memory: 64GiB, pinned_limit: 1GiB, tflops: 1.0, mem_bandwidth_gbps: 50}
+devices:
+- {id: cuda:0, name: G, memory: 80GiB, budget: 80GiB, headroom: 1GiB, bf16_tflops: 500, mem_bandwidth_gbps: 3000}
+- {id: cuda:1, name: G, memory: 80GiB, budget: 80GiB, headroom: 1GiB, bf16_tflops: 500, mem_bandwidth_gbps: 3000}
+links:
+  host_pinned_gbps: 50
+  host_pageable_gbps: 10
+  peer:
+  - {devices: [cuda:0, cuda:1], kind: nvlink, gbps: 300, allreduce: {latency_us: 10, gbps: 200}}
+"#;
+
+fn two() -> Machine {
+    Machine::from_yaml(TWO, "unit").unwrap()
+}
+
+/// Synthetic times: a product at 400 TFLOP/s times `gemm_scale`, attention at 300
+/// TFLOP/s, collectives 10 µs + bytes at 100 GB/s.
+fn tables_for(model: &ModelSpec, dtype: DType, machine: &Machine, gemm_scale: f64) -> OpTables {
+    let req = ShapeRequest::default_for(model, 2, vec![2]);
+    let shapes = calibration_shapes(model, dtype, &req);
+    let mut t = OpTables {
+        model: model.id.clone(),
+        dtype,
+        device: machine.devices[0].name.clone(),
+        gemm: shapes
+            .gemm
+            .iter()
+            .map(|g| GemmPoint {
+                m: g.m,
+                n: g.n,
+                k: g.k,
+                seconds: gemm_scale * 2.0 * (g.m * g.n * g.k) as f64 / 400e12,
+            })
+            .collect(),
+        attention: shapes
+            .attention
+            .iter()
+            .map(|a| AttentionPoint {
+                heads: a.heads,
+                seq: a.seq,
+                head_dim: a.head_dim,
+                seconds: 4.0 * (a.heads * a.head_dim * a.seq * a.seq) as f64 / 300e12,
+            })
+            .collect(),
+        elementwise_gbps: 1500.0,
+        collectives: Default::default(),
+    };
+    for &(op, n, bytes) in &shapes.collectives {
+        let p = CollectivePoint {
+            devices: n,
+            bytes,
+            seconds: 10e-6 + bytes as f64 / 100e9,
+        };
+        match op {
+            CollectiveOp::AllReduce => t.collectives.all_reduce.push(p),
+            CollectiveOp::AllGather => t.collectives.all_gather.push(p),
+            CollectiveOp::AllToAll => t.collectives.all_to_all.push(p),
+        }
+    }
+    t.sort();
+    t.validate("ops[0]").unwrap();
+    t
+}
+
+fn with_tables(gemm_scale: f64) -> (ModelSpec, Machine) {
+    let model = mold_models::find("flux-dev").unwrap();
+    let mut m = two();
+    let t = tables_for(&model, DType::Bf16, &m, gemm_scale);
+    m.set_op_tables(t);
+    m.validate("unit").unwrap();
+    (model, m)
+}
+
+#[test]
+fn interpolation_is_exact_at_points_and_log_log_between() {
+    let pts = [(100.0, 1.0), (400.0, 2.0), (1600.0, 8.0)];
+    for &(x, y) in &pts {
+        assert_eq!(loglog(&pts, x, false), Some((y, false)));
+    }
+    // Halfway in log size between 100 and 400 (200): halfway in log time, √2.
+    let (t, out) = loglog(&pts, 200.0, false).unwrap();
+    assert!(!out && (t - 2f64.sqrt()).abs() < 1e-12, "{t}");
+    // Outside: the nearest point's rate; below with `floor`, its time.
+    assert_eq!(loglog(&pts, 3200.0, false), Some((16.0, true)));
+    assert_eq!(loglog(&pts, 50.0, false), Some((0.5, true)));
+    assert_eq!(loglog(&pts, 50.0, true), Some((1.0, true)));
+    assert_eq!(loglog(&[], 5.0, false), None);
+    assert_eq!(loglog(&pts, 0.0, false), Some((0.0, false)));
+}
+
+/// The breakdown runs the weights the catalogue counts (biases aside) and its FLOPs.
+#[test]
+fn the_breakdown_covers_the_catalogue_s_weights_and_flops() {
+    for id in ["flux-dev", "flux-tiny"] {
+        let model = mold_models::find(id).unwrap();
+        let t = model.tokens(&model.default_workload);
+        for kind in &model.transformer.kinds {
+            let ops = block_ops(kind, t, 1, 1, 1, 2).expect(&kind.name);
+            let weights: u64 = ops.gemms.iter().map(|g| g.n * g.k).sum();
+            // Biases: one per output feature of every product.
+            // (the single block's output linear is two partial products with one bias).
+            let shared = if kind.streams == 1 { kind.hidden } else { 0 };
+            let biases: u64 = ops.gemms.iter().map(|g| g.n).sum::<u64>() - shared;
+            // Partial products are row-parallel: the bias after the all-reduce.
+            let partial: u64 = ops
+                .gemms
+                .iter()
+                .filter(|g| g.run == Run::Partial)
+                .map(|g| g.n)
+                .sum();
+            assert_eq!(
+                partial - shared,
+                kind.hidden * kind.allreduces as u64 * kind.streams as u64
+            );
+            assert_eq!(
+                weights + biases,
+                kind.sharded_params(),
+                "{id} {}",
+                kind.name
+            );
+            // The catalogue counts a bias as a weight (2 FLOPs per token each).
+            let flops: f64 = ops
+                .gemms
+                .iter()
+                .map(|g| 2.0 * (g.m * (g.n * g.k + g.n)) as f64)
+                .sum::<f64>()
+                - 2.0 * (shared * (t.img + t.txt)) as f64;
+            let f = kind.flop_parts(t);
+            let want = f.token_linear + f.per_sample;
+            assert!(
+                (flops - want).abs() / want < 1e-12,
+                "{id} {}: {flops} vs {want}",
+                kind.name
+            );
+            assert_eq!(ops.attention.heads, kind.heads as u64);
+            // Two ways of eight: a quarter of the heads and of the columns, half the rows.
+            let q = block_ops(kind, t, 1, 2, 2, 2).unwrap();
+            assert_eq!(q.attention.heads, (kind.heads as u64).div_ceil(4));
+            assert_eq!(q.attention.seq, t.img + t.txt);
+            let wq: u64 = q.gemms.iter().map(|g| g.n * g.k).sum();
+            assert!(
+                wq * 2 >= weights && wq * 2 < weights + weights / 100,
+                "{wq}"
+            );
+        }
+    }
+    // Other layouts have no breakdown.
+    let ltx = mold_models::find("ltx-video-13b").unwrap();
+    let t = ltx.tokens(&ltx.default_workload);
+    assert!(block_ops(&ltx.transformer.kinds[0], t, 1, 1, 1, 2).is_none());
+}
+
+/// With tables holding every shape, a block costs the sum of its operations exactly.
+#[test]
+fn a_block_is_the_sum_of_its_measured_operations() {
+    let (model, m) = with_tables(1.0);
+    let w = model.default_workload.clone();
+    let ctx = Ctx::new(&model, &m, &w);
+    let t = m.op_tables("flux-dev", DType::Bf16, "G").unwrap();
+    for group in [
+        Group::single(DeviceId::Cuda(0)),
+        Group::tensor(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]),
+        Group::sequence(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]),
+    ] {
+        for kind in &model.transformer.kinds {
+            let ops = block_ops(kind, ctx.tokens, 1, group.tp, group.sp, 2).unwrap();
+            let mut want = ops.elementwise_bytes as f64 / 1500e9;
+            for g in &ops.gemms {
+                want += 2.0 * (g.m * g.n * g.k) as f64 / 400e12;
+            }
+            let a = ops.attention;
+            want += 4.0 * (a.heads * a.head_dim * a.seq * a.seq) as f64 / 300e12;
+            let got = ctx.block_from_tables(kind, &group, DType::Bf16, &DeviceId::Cuda(0));
+            let got = got.unwrap();
+            assert!(got.extrapolated.is_empty(), "{:?}", got.extrapolated);
+            let bc = ctx.block(kind, &group, DType::Bf16);
+            assert!(
+                (bc.compute_s - want).abs() < 1e-12 * want.max(1.0),
+                "{group} {}: {} vs {want}",
+                kind.name,
+                bc.compute_s
+            );
+            // Collectives from the tables: 10 µs + bytes at 100 GB/s.
+            if group.tp == 2 {
+                let hidden = (ctx.tokens.img + ctx.tokens.txt) * kind.hidden * 2;
+                let gathered = kind.per_sample_bytes(1, 2);
+                let want = kind.allreduces as f64 * (10e-6 + hidden as f64 / 100e9)
+                    + (10e-6 + gathered as f64 / 100e9);
+                assert!((bc.allreduce_s - want).abs() < 1e-12, "{}", bc.allreduce_s);
+            }
+            if group.sp == 2 {
+                let local = (ctx.tokens.img + ctx.tokens.txt).div_ceil(2);
+                let shard = local * kind.hidden * 2;
+                let want = 4.0 * (10e-6 + shard as f64 / 100e9);
+                assert!((bc.alltoall_s - want).abs() < 1e-12, "{}", bc.alltoall_s);
+            }
+        }
+    }
+    assert!(t.gemm.len() > 20, "{}", t.gemm.len());
+}
+
+#[test]
+fn twice_as_slow_products_take_about_twice_as_long() {
+    let (model, fast) = with_tables(1.0);
+    let (_, slow) = with_tables(2.0);
+    let w = model.default_workload.clone();
+    let one = Group::single(DeviceId::Cuda(0));
+    for kind in &model.transformer.kinds {
+        let a = Ctx::new(&model, &fast, &w)
+            .block_from_tables(kind, &one, DType::Bf16, &DeviceId::Cuda(0))
+            .unwrap();
+        let b = Ctx::new(&model, &slow, &w)
+            .block_from_tables(kind, &one, DType::Bf16, &DeviceId::Cuda(0))
+            .unwrap();
+        assert!((b.gemm_s / a.gemm_s - 2.0).abs() < 1e-9);
+        assert_eq!(b.attention_s, a.attention_s);
+        assert_eq!(b.elementwise_s, a.elementwise_s);
+        // The products are most of a FLUX block.
+        let ratio = b.total_s() / a.total_s();
+        assert!(ratio > 1.5 && ratio < 2.0, "{ratio}");
+    }
+}
+
+/// Tables for another model, dtype or device name leave the peak-rate model as it was;
+/// a size beyond the tables is priced at the nearest point's rate and reported.
+#[test]
+fn without_matching_tables_nothing_changes_and_outside_is_reported() {
+    let (model, with) = with_tables(1.0);
+    let plain = two();
+    let w = model.default_workload.clone();
+    let one = Group::single(DeviceId::Cuda(0));
+    let kind = &model.transformer.kinds[0];
+    let base = Ctx::new(&model, &plain, &w).block(kind, &one, DType::Bf16);
+    for change in [
+        |m: &mut Machine| m.ops[0].model = "flux-schnell".into(),
+        |m: &mut Machine| m.ops[0].dtype = DType::F32,
+        |m: &mut Machine| m.ops[0].device = "H".into(),
+    ] {
+        let mut m = with.clone();
+        change(&mut m);
+        assert_eq!(
+            Ctx::new(&model, &m, &w).block(kind, &one, DType::Bf16),
+            base
+        );
+    }
+    assert_ne!(
+        Ctx::new(&model, &with, &w).block(kind, &one, DType::Bf16),
+        base
+    );
+    // Twice the largest measured side: outside the range.
+    let mut big = w.clone();
+    big.width *= 4;
+    big.height *= 4;
+    let ctx = Ctx::new(&model, &with, &big);
+    let t = ctx
+        .block_from_tables(kind, &one, DType::Bf16, &DeviceId::Cuda(0))
+        .unwrap();
+    assert!(!t.extrapolated.is_empty());
+    assert!(t.extrapolated[0]
+        .to_string()
+        .contains("outside the measured"));
+    // A missing product shape: not covered, the peak-rate model prices it.
+    let mut gap = with.clone();
+    let n = block_ops(kind, ctx.tokens, 1, 1, 1, 2).unwrap().gemms[0].n;
+    gap.ops[0].gemm.retain(|p| p.n != n);
+    let got =
+        Ctx::new(&model, &gap, &w).block_from_tables(kind, &one, DType::Bf16, &DeviceId::Cuda(0));
+    assert!(matches!(got, Err(NotCovered::Gemm { .. })), "{got:?}");
+}
+
+proptest::proptest! {
+    /// Random tables (any sizes, any positive times, a few points or many) never make a
+    /// block's time panic, go non-finite or negative; interpolation stays between the
+    /// neighbouring points.
+    #[test]
+    fn random_tables_give_finite_times(
+        seed in proptest::collection::vec((1u64..20_000, 1e-7f64..1.0), 1..12),
+        scale in 1e-3f64..1e3,
+        side in 1u32..=4,
+    ) {
+        let (model, mut m) = with_tables(1.0);
+        let mut rng = seed.iter().cycle();
+        for p in m.ops[0].gemm.iter_mut() {
+            p.seconds = rng.next().unwrap().1 * scale;
+        }
+        for p in m.ops[0].attention.iter_mut() {
+            p.seconds = rng.next().unwrap().1;
+        }
+        // Random points for one product, replacing its measured ones.
+        let (n, k) = (m.ops[0].gemm[0].n, m.ops[0].gemm[0].k);
+        m.ops[0].gemm.retain(|p| (p.n, p.k) != (n, k));
+        for &(mm, s) in &seed {
+            m.ops[0].gemm.push(GemmPoint { m: mm, n, k, seconds: s });
+        }
+        m.ops[0].gemm.sort_by_key(|p| (p.n, p.k, p.m));
+        m.ops[0].gemm.dedup_by_key(|p| (p.n, p.k, p.m));
+        m.validate("p").unwrap();
+        let curve = m.ops[0].gemm_curve(n, k);
+        for pair in curve.windows(2) {
+            let mid = ((pair[0].0.ln() + pair[1].0.ln()) / 2.0).exp();
+            let (t, out) = loglog(&curve, mid, false).unwrap();
+            proptest::prop_assert!(!out);
+            proptest::prop_assert!(t >= pair[0].1.min(pair[1].1) && t <= pair[0].1.max(pair[1].1));
+        }
+        let mut w = model.default_workload.clone();
+        w.width = 256 * side;
+        w.height = 256 * side;
+        let ctx = Ctx::new(&model, &m, &w);
+        for g in [
+            Group::single(DeviceId::Cuda(0)),
+            Group::tensor(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]),
+            Group::sequence(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]),
+        ] {
+            for kind in &model.transformer.kinds {
+                let bc = ctx.block(kind, &g, DType::Bf16);
+                for v in [bc.compute_s, bc.allreduce_s, bc.alltoall_s] {
+                    proptest::prop_assert!(v.is_finite() && v >= 0.0, "{v}");
+                }
+                proptest::prop_assert!(bc.compute_s > 0.0);
+            }
+        }
+        let _ = evaluate;
+    }
+}

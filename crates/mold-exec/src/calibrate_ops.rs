@@ -1,0 +1,574 @@
+//! Operation benchmarks for `mold devices --calibrate --model M`: a model's own
+//! operations timed through mold's own layers and kernels, so the table holds what mold
+//! runs — the matrix products of its blocks through the layers the blocks run them with
+//! ([`ColumnParallel`] with its bias and GELU, in cuBLASLt's epilogue on CUDA;
+//! [`RowParallel`]'s partial product; the per-sample linear), attention through
+//! [`attention_with`] (mold's fused kernel on CUDA, candle's ops elsewhere), the
+//! element-wise kernels of [`ops`] (modulation, gated residual, bias + GELU) and the
+//! collectives of [`Comm`] over groups from [`make_group`] (NCCL on GPUs with the `nccl`
+//! feature, the thread backend otherwise). The shapes come from
+//! [`mold_cost::ops::calibration_shapes`]: those the cost model looks up.
+//!
+//! Every time is the median of `iters` runs after `warmup` untimed ones, each run
+//! ended by a device synchronise; a collective's run is the slowest rank's, the ranks
+//! lined up by a barrier before each. Emulated devices (`emu:N`) run on the CPU, so the
+//! same code measures a CPU build (tests use it with tiny shapes).
+
+use crate::comm::{make_group, Comm, CommOptions};
+use crate::error::{ExecError, Result};
+use crate::executor::compute_dtype;
+use crate::model::attention::attention_with;
+use crate::model::layers::{ColumnParallel, RowParallel};
+use crate::model::ops::{self, Kernels};
+use crate::model::{ActivationMeter, WeightSource};
+use crate::runtime::DeviceMap;
+use candle_core::{DType, Device, Shape, Tensor};
+use mold_cost::ops::{CalibrationShapes, Gemm, Run};
+use mold_machine::{
+    AttentionPoint, CollectiveOp, CollectivePoint, CollectiveTables, GemmPoint, OpTables,
+};
+use mold_plan::DeviceId;
+use std::ops::Range;
+use std::sync::Barrier;
+use std::time::Instant;
+
+/// How [`measure_ops`] times.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpBench {
+    /// Untimed runs before the timed ones (kernels loaded, allocator warm).
+    pub warmup: usize,
+    /// Timed runs; the median is kept.
+    pub iters: usize,
+    /// Which attention and element-wise implementations run (`MOLD_KERNELS`).
+    pub kernels: Kernels,
+    /// Open each GPU with a stream of its own, as `mold exec` does with it on.
+    pub own_streams: bool,
+    /// The collectives' options (the NCCL watchdog).
+    pub comm: CommOptions,
+}
+
+impl Default for OpBench {
+    /// 3 warm-ups, median of 10, the default kernels and streams.
+    fn default() -> Self {
+        OpBench {
+            warmup: 3,
+            iters: 10,
+            kernels: Kernels::Auto,
+            own_streams: false,
+            comm: CommOptions::default(),
+        }
+    }
+}
+
+impl OpBench {
+    /// Refuses a benchmark that cannot run, in one line.
+    pub fn check(&self, devices: &[DeviceId]) -> std::result::Result<(), String> {
+        if self.iters == 0 {
+            return Err("measuring operations: iters must be at least 1".into());
+        }
+        if devices.is_empty() {
+            return Err("measuring operations: no device to measure on".into());
+        }
+        if devices.iter().any(|d| d.is_host()) {
+            return Err(
+                "measuring operations: `host` is not a device: name GPUs or emulated devices"
+                    .into(),
+            );
+        }
+        let mut seen = devices.to_vec();
+        seen.sort();
+        seen.dedup();
+        if seen.len() != devices.len() {
+            return Err(format!(
+                "measuring operations: devices {} are not distinct",
+                list(devices)
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn list(devices: &[DeviceId]) -> String {
+    devices
+        .iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// What [`measure_ops`] measures for.
+pub struct OpTarget<'a> {
+    /// The catalogue id of the model (`flux-dev`).
+    pub model: &'a str,
+    /// The dtype the model runs in.
+    pub dtype: mold_plan::DType,
+    /// The profile name of the devices (the table's `device`).
+    pub device_name: &'a str,
+    /// The devices: products, attention and element-wise kernels run on the first;
+    /// collectives over the first 2, 4, … of them (`shapes.collectives`' group sizes).
+    pub devices: &'a [DeviceId],
+}
+
+/// Measures `shapes` for `target` and returns the table, sorted. Collectives over more
+/// devices than `target.devices` holds are left out.
+pub fn measure_ops(
+    target: &OpTarget,
+    shapes: &CalibrationShapes,
+    bench: &OpBench,
+    progress: &mut dyn FnMut(&str),
+) -> Result<OpTables> {
+    bench.check(target.devices).map_err(ExecError::Input)?;
+    let dtype = compute_dtype(target.dtype)?;
+    let mut map = DeviceMap::new(bench.own_streams);
+    let id = &target.devices[0];
+    let dev = map.get(id)?;
+    let on = |e: candle_core::Error, what: &str| ExecError::Device {
+        device: id.to_string(),
+        message: format!("measuring {what}: {e}"),
+    };
+    progress(&format!(
+        "{} matrix products of {} on {id} ({dtype:?}, median of {})",
+        shapes.gemm.len(),
+        target.model,
+        bench.iters
+    ));
+    let mut gemm = Vec::new();
+    for g in &shapes.gemm {
+        let seconds = time_gemm(&dev, dtype, *g, bench)
+            .map_err(|e| on(e, &format!("the product m={} n={} k={}", g.m, g.n, g.k)))?;
+        gemm.push(GemmPoint {
+            m: g.m,
+            n: g.n,
+            k: g.k,
+            seconds,
+        });
+    }
+    progress(&format!(
+        "{} attention shapes on {id}",
+        shapes.attention.len()
+    ));
+    let mut attention = Vec::new();
+    for a in &shapes.attention {
+        let q = random(&[1, a.heads, a.seq, a.head_dim], dtype, &dev)
+            .map_err(|e| on(e, "attention"))?;
+        let meter = ActivationMeter::default();
+        let seconds = median(&dev, bench, || {
+            attention_with(bench.kernels, &q, &q, &q, &meter)
+        })
+        .map_err(|e| {
+            on(
+                e,
+                &format!(
+                    "attention over {} heads x {} tokens of {}",
+                    a.heads, a.seq, a.head_dim
+                ),
+            )
+        })?;
+        attention.push(AttentionPoint {
+            heads: a.heads,
+            seq: a.seq,
+            head_dim: a.head_dim,
+            seconds,
+        });
+    }
+    progress(&format!(
+        "element-wise kernels on {id} ({} x {})",
+        shapes.elementwise.0, shapes.elementwise.1
+    ));
+    let elementwise_gbps = elementwise_gbps(&dev, dtype, shapes.elementwise, bench)
+        .map_err(|e| on(e, "element-wise kernels"))?;
+    let collectives =
+        measure_collectives(&mut map, target.devices, dtype, shapes, bench, progress)?;
+    let mut t = OpTables {
+        model: target.model.into(),
+        dtype: target.dtype,
+        device: target.device_name.into(),
+        gemm,
+        attention,
+        elementwise_gbps,
+        collectives,
+    };
+    t.sort();
+    Ok(t)
+}
+
+/// A weight source of random tensors of the shapes it is told: what a layer loads from
+/// it has the layer's real shape and dtype, so the layer runs as it does on a checkpoint.
+struct Random<'a> {
+    shapes: Vec<(String, Vec<usize>)>,
+    dtype: DType,
+    device: &'a Device,
+}
+
+impl WeightSource for Random<'_> {
+    fn load(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Tensor> {
+        let shape = self
+            .shapes
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, s)| s.clone())
+            .ok_or_else(|| ExecError::Input(format!("measuring: no tensor `{name}`")))?;
+        let count = |r: Option<&[Range<usize>]>, all: usize| {
+            r.map_or(all, |r| r.iter().map(|x| x.len()).sum())
+        };
+        let mut dims = shape.clone();
+        dims[0] = count(rows, shape[0]);
+        if dims.len() > 1 {
+            dims[1] = count(cols, shape[1]);
+        }
+        let dims: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        Ok(random(&dims, self.dtype, self.device)?)
+    }
+}
+
+/// Normal values of standard deviation 0.02 (a trained weight's scale), in `dtype`.
+fn random(dims: &[u64], dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    let dims: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+    Tensor::randn(0f32, 0.02, dims, dev)?.to_dtype(dtype)
+}
+
+/// One product `x · Wᵀ`, `W` `(n, k)`, through the layer the block runs it with
+/// ([`Run`]): a column-parallel linear with its bias (and GELU), a row-parallel layer's
+/// partial product (its bias comes after the all-reduce, an element-wise pass), or a
+/// per-sample linear on an `(m, k)` conditioning vector.
+fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_core::Result<f64> {
+    let src = Random {
+        shapes: vec![
+            ("w.weight".into(), vec![g.n as usize, g.k as usize]),
+            ("w.bias".into(), vec![g.n as usize]),
+        ],
+        dtype,
+        device: dev,
+    };
+    let msg = |e: ExecError| candle_core::Error::Msg(e.to_string());
+    let (rows, cols) = (0..g.n as usize, 0..g.k as usize);
+    let k = bench.kernels;
+    match g.run {
+        Run::Partial => {
+            let layer = RowParallel::load(&src, "w", std::slice::from_ref(&cols)).map_err(msg)?;
+            let x = random(&[1, g.m, g.k], dtype, dev)?;
+            median(dev, bench, || layer.partial(&[&x]))
+        }
+        Run::Bias | Run::BiasGelu => {
+            let layer =
+                ColumnParallel::load(&src, "w", std::slice::from_ref(&rows)).map_err(msg)?;
+            let x = random(&[1, g.m, g.k], dtype, dev)?;
+            let gelu = g.run == Run::BiasGelu;
+            median(dev, bench, || {
+                if gelu {
+                    layer.forward_gelu(&x, k)
+                } else {
+                    layer.forward(&x, k)
+                }
+            })
+        }
+        Run::PerSample => {
+            let layer =
+                ColumnParallel::load(&src, "w", std::slice::from_ref(&rows)).map_err(msg)?;
+            let x = random(&[g.m, g.k], dtype, dev)?;
+            median(dev, bench, || layer.forward_vec(&x))
+        }
+    }
+}
+
+/// Bytes per second of mold's element-wise kernels over `(1, rows, width)`: modulation
+/// (reads x, writes the result), gated residual (reads two, writes one) and bias + GELU
+/// (reads x, writes the result), their bytes over their median times.
+fn elementwise_gbps(
+    dev: &Device,
+    dtype: DType,
+    (rows, width): (u64, u64),
+    bench: &OpBench,
+) -> candle_core::Result<f64> {
+    let (rows, width) = (rows.max(1), width.max(1));
+    let x = random(&[1, rows, width], dtype, dev)?;
+    let res = random(&[1, rows, width], dtype, dev)?;
+    let vec = |_: ()| random(&[1, 1, width], dtype, dev);
+    let (scale, shift, gate) = (vec(())?, vec(())?, vec(())?);
+    let bias = random(&[width], dtype, dev)?;
+    let k = bench.kernels;
+    let x_bytes = (rows * width) as f64 * dtype.size_in_bytes() as f64;
+    let runs = [
+        (
+            2.0,
+            median(dev, bench, || ops::modulate(&x, &scale, &shift, k))?,
+        ),
+        (
+            3.0,
+            median(dev, bench, || ops::gate_residual(&res, &x, &gate, k))?,
+        ),
+        (
+            2.0,
+            median(dev, bench, || ops::bias_act(&x, Some(&bias), true, k))?,
+        ),
+    ];
+    let bytes: f64 = runs.iter().map(|(passes, _)| passes * x_bytes).sum();
+    let seconds: f64 = runs.iter().map(|(_, s)| s).sum();
+    Ok(((bytes / seconds / 1e9) * 1000.0).round().max(1.0) / 1000.0)
+}
+
+/// The median seconds of `f` on `dev`, each run synchronised; never 0 (a clock tick).
+fn median(
+    dev: &Device,
+    bench: &OpBench,
+    mut f: impl FnMut() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<f64> {
+    for _ in 0..bench.warmup {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut times = Vec::with_capacity(bench.iters);
+    for _ in 0..bench.iters.max(1) {
+        let start = Instant::now();
+        let out = f()?;
+        dev.synchronize()?;
+        times.push(start.elapsed().as_secs_f64());
+        drop(out);
+    }
+    Ok(median_of(times))
+}
+
+fn median_of(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    let n = times.len();
+    let m = if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        (times[n / 2 - 1] + times[n / 2]) / 2.0
+    };
+    // Nanoseconds: what a clock resolves; never 0.
+    ((m * 1e9).round() / 1e9).max(1e-9)
+}
+
+/// Every collective of `shapes` over the first `n` of `devices` (where there are `n`).
+fn measure_collectives(
+    map: &mut DeviceMap,
+    devices: &[DeviceId],
+    dtype: DType,
+    shapes: &CalibrationShapes,
+    bench: &OpBench,
+    progress: &mut dyn FnMut(&str),
+) -> Result<CollectiveTables> {
+    let mut out = CollectiveTables::default();
+    let mut sizes: Vec<u32> = shapes.collectives.iter().map(|c| c.1).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    for n in sizes {
+        let n_us = n as usize;
+        if n_us > devices.len() || n < 2 {
+            continue;
+        }
+        let group = &devices[..n_us];
+        let devs: Vec<Device> = group.iter().map(|d| map.get(d)).collect::<Result<_>>()?;
+        let jobs: Vec<(CollectiveOp, u64)> = shapes
+            .collectives
+            .iter()
+            .filter(|c| c.1 == n)
+            .map(|c| (c.0, c.2))
+            .collect();
+        progress(&format!(
+            "{} collectives over {} (all-reduce, all-gather, all-to-all)",
+            jobs.len(),
+            list(group)
+        ));
+        let comms = make_group(group, &bench.comm, None);
+        for (op, bytes) in jobs {
+            let (seconds, actual) = time_collective(&comms, &devs, dtype, op, bytes, bench)
+                .map_err(|e| ExecError::Device {
+                    device: list(group),
+                    message: format!("measuring {} of {bytes} bytes: {e}", op.name()),
+                })?;
+            let p = CollectivePoint {
+                devices: n,
+                bytes: actual,
+                seconds,
+            };
+            let l = match op {
+                CollectiveOp::AllReduce => &mut out.all_reduce,
+                CollectiveOp::AllGather => &mut out.all_gather,
+                CollectiveOp::AllToAll => &mut out.all_to_all,
+            };
+            // Rounding to whole elements can make two sizes one: keep the first.
+            if !l.iter().any(|q| q.devices == n && q.bytes == actual) {
+                l.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The median over runs of the slowest rank's time of one `op` of about `bytes` per
+/// rank ([`mold_machine::CollectiveTables`] says which bytes), and the bytes it moved
+/// (whole elements, divisible by the ranks).
+fn time_collective(
+    comms: &[Box<dyn Comm>],
+    devs: &[Device],
+    dtype: DType,
+    op: CollectiveOp,
+    bytes: u64,
+    bench: &OpBench,
+) -> candle_core::Result<(f64, u64)> {
+    let n = comms.len();
+    let size = dtype.size_in_bytes() as u64;
+    // Elements per rank of the message: a multiple of the ranks, at least one each.
+    let elems = (bytes / size).div_ceil(n as u64).max(1) * n as u64;
+    let runs = bench.warmup + bench.iters.max(1);
+    let barrier = Barrier::new(n);
+    let per_rank: Vec<candle_core::Result<Vec<f64>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .zip(devs)
+            .map(|(comm, dev)| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let r = rank_runs(comm.as_ref(), dev, dtype, op, elems, runs, barrier);
+                    if r.is_err() {
+                        comm.abort();
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(candle_core::Error::Msg(
+                        "a measuring thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut slowest = vec![0.0f64; runs];
+    for r in per_rank {
+        for (s, t) in slowest.iter_mut().zip(r?) {
+            *s = s.max(t);
+        }
+    }
+    let timed = slowest.split_off(bench.warmup.min(slowest.len()));
+    Ok((median_of(timed), elems * size))
+}
+
+/// One rank's runs of `op`; `elems` is the message per rank in elements (for an
+/// all-gather the gathered output, for an all-to-all the whole send buffer).
+fn rank_runs(
+    comm: &dyn Comm,
+    dev: &Device,
+    dtype: DType,
+    op: CollectiveOp,
+    elems: u64,
+    runs: usize,
+    barrier: &Barrier,
+) -> candle_core::Result<Vec<f64>> {
+    let n = comm.world_size();
+    let piece = elems / n as u64;
+    let input = match op {
+        CollectiveOp::AllReduce => random(&[elems], dtype, dev)?,
+        CollectiveOp::AllGather => random(&[piece], dtype, dev)?,
+        CollectiveOp::AllToAll => random(&[elems], dtype, dev)?,
+    };
+    let pieces: Vec<Tensor> = match op {
+        CollectiveOp::AllToAll => (0..n)
+            .map(|j| input.narrow(0, j * piece as usize, piece as usize))
+            .collect::<candle_core::Result<_>>()?,
+        _ => Vec::new(),
+    };
+    let recv: Vec<Shape> = (0..n).map(|_| Shape::from(piece as usize)).collect();
+    dev.synchronize()?;
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        barrier.wait();
+        let start = Instant::now();
+        let out = match op {
+            CollectiveOp::AllReduce => vec![comm.all_reduce_sum(&input)?],
+            CollectiveOp::AllGather => vec![comm.all_gather(&input)?],
+            CollectiveOp::AllToAll => comm.all_to_all(&pieces, &recv)?,
+        };
+        dev.synchronize()?;
+        times.push(start.elapsed().as_secs_f64());
+        drop(out);
+    }
+    comm.check()?;
+    Ok(times)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mold_cost::ops::{calibration_shapes, ShapeRequest};
+
+    fn emu(n: u32) -> Vec<DeviceId> {
+        (0..n).map(DeviceId::Emu).collect()
+    }
+
+    /// flux-tiny's shapes on emulated devices: a table of every shape asked for, which
+    /// the profile accepts, with collectives over 2 and 4 devices.
+    #[test]
+    fn tiny_shapes_measure_into_a_valid_table() {
+        let model = mold_models::find("flux-tiny").unwrap();
+        let req = ShapeRequest::default_for(&model, 4, vec![2, 4]);
+        let shapes = calibration_shapes(&model, mold_plan::DType::F32, &req);
+        let devices = emu(4);
+        let bench = OpBench {
+            warmup: 1,
+            iters: 3,
+            ..OpBench::default()
+        };
+        let t = measure_ops(
+            &OpTarget {
+                model: "flux-tiny",
+                dtype: mold_plan::DType::F32,
+                device_name: "emulated device (CPU)",
+                devices: &devices,
+            },
+            &shapes,
+            &bench,
+            &mut |_| {},
+        )
+        .unwrap();
+        t.validate("ops[0]").unwrap();
+        assert_eq!(t.gemm.len(), shapes.gemm.len());
+        assert_eq!(t.attention.len(), shapes.attention.len());
+        for g in &shapes.gemm {
+            assert!(
+                t.gemm.iter().any(|p| (p.m, p.n, p.k) == (g.m, g.n, g.k)),
+                "{g:?}"
+            );
+        }
+        for (op, n) in [
+            (CollectiveOp::AllReduce, 2),
+            (CollectiveOp::AllReduce, 4),
+            (CollectiveOp::AllToAll, 2),
+            (CollectiveOp::AllGather, 4),
+        ] {
+            assert!(!t.collective_curve(op, n).is_empty(), "{op:?} {n}");
+        }
+        assert!(t.elementwise_gbps > 0.0);
+    }
+
+    #[test]
+    fn a_benchmark_that_cannot_run_is_refused_in_one_line() {
+        let b = OpBench::default();
+        assert_eq!(b.check(&emu(2)), Ok(()));
+        assert!(b.check(&[]).unwrap_err().contains("no device"));
+        let e = b.check(&[DeviceId::Emu(0), DeviceId::Emu(0)]).unwrap_err();
+        assert!(e.contains("not distinct"), "{e}");
+        assert!(b.check(&[DeviceId::Host]).unwrap_err().contains("host"));
+        let none = OpBench {
+            iters: 0,
+            ..OpBench::default()
+        };
+        assert!(none.check(&emu(1)).unwrap_err().contains("iters"));
+        assert_eq!(median_of(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median_of(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median_of(vec![0.0]), 1e-9);
+    }
+}

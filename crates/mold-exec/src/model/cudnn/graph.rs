@@ -1,0 +1,481 @@
+//! cuDNN backend descriptors for scaled-dot-product attention: the graph (one fused SDPA
+//! operation where the library has it, cuDNN ≥ 9.13.1; otherwise the composite of two
+//! matmuls, a scale and a softmax that cuDNN's fused flash-attention engines recognise,
+//! as cudnn-frontend builds them), the engine the heuristics pick, and the finalised
+//! execution plan.
+
+use super::ffi::{self, Api, Desc, Handle};
+use std::ffi::c_void;
+
+type R<T> = Result<T, String>;
+
+/// One backend descriptor, destroyed on drop.
+pub struct D {
+    api: &'static Api,
+    pub raw: Desc,
+}
+
+// SAFETY: descriptors are plain heap objects of cuDNN's; a plan is only executed while its
+// device's handle lock is held.
+unsafe impl Send for D {}
+unsafe impl Sync for D {}
+
+impl Drop for D {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnBackendCreateDescriptor, destroyed once.
+        unsafe { (self.api.destroy_descriptor)(self.raw) };
+    }
+}
+
+fn check(api: &Api, what: &str, s: ffi::Status) -> R<()> {
+    if s == ffi::STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(api.error(what, s))
+    }
+}
+
+impl D {
+    pub fn new(api: &'static Api, kind: i32) -> R<D> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: out-pointer to a descriptor.
+        check(api, "create descriptor", unsafe {
+            (api.create_descriptor)(kind, &mut raw)
+        })?;
+        Ok(D { api, raw })
+    }
+
+    fn set_raw(&self, name: i32, ty: i32, n: usize, p: *const c_void) -> R<&Self> {
+        // SAFETY: `p` points to `n` elements of the type `ty` names.
+        check(self.api, &format!("set attribute {name}"), unsafe {
+            (self.api.set_attribute)(self.raw, name, ty, n as i64, p)
+        })?;
+        Ok(self)
+    }
+
+    pub fn i64s(&self, name: i32, v: &[i64]) -> R<&Self> {
+        self.set_raw(name, ffi::TYPE_INT64, v.len(), v.as_ptr().cast())
+    }
+
+    pub fn enum32(&self, name: i32, ty: i32, v: i32) -> R<&Self> {
+        self.set_raw(name, ty, 1, (&v as *const i32).cast())
+    }
+
+    pub fn boolean(&self, name: i32, v: bool) -> R<&Self> {
+        // cudnnBackendAttributeType CUDNN_TYPE_BOOLEAN is a C `bool`.
+        let b = v as u8;
+        self.set_raw(name, ffi::TYPE_BOOLEAN, 1, (&b as *const u8).cast())
+    }
+
+    pub fn descs(&self, name: i32, v: &[&D]) -> R<&Self> {
+        let raws: Vec<Desc> = v.iter().map(|d| d.raw).collect();
+        self.set_raw(
+            name,
+            ffi::TYPE_BACKEND_DESCRIPTOR,
+            raws.len(),
+            raws.as_ptr().cast(),
+        )
+    }
+
+    pub fn handle(&self, name: i32, h: Handle) -> R<&Self> {
+        self.set_raw(name, ffi::TYPE_HANDLE, 1, (&h as *const Handle).cast())
+    }
+
+    pub fn finalize(&self, what: &str) -> R<()> {
+        // SAFETY: a created descriptor with its attributes set.
+        check(self.api, &format!("finalize {what}"), unsafe {
+            (self.api.finalize)(self.raw)
+        })
+    }
+}
+
+/// A tensor of the graph: `uid`, dims, strides (elements), data type.
+fn tensor(
+    api: &'static Api,
+    uid: i64,
+    dims: [i64; 4],
+    strides: [i64; 4],
+    dtype: i32,
+    virt: bool,
+    by_value: bool,
+) -> R<D> {
+    let t = D::new(api, ffi::TENSOR_DESCRIPTOR)?;
+    t.enum32(ffi::ATTR_TENSOR_DATA_TYPE, ffi::TYPE_DATA_TYPE, dtype)?
+        .i64s(ffi::ATTR_TENSOR_DIMENSIONS, &dims)?
+        .i64s(ffi::ATTR_TENSOR_STRIDES, &strides)?
+        .i64s(ffi::ATTR_TENSOR_UNIQUE_ID, &[uid])?
+        .i64s(ffi::ATTR_TENSOR_BYTE_ALIGNMENT, &[16])?
+        .boolean(ffi::ATTR_TENSOR_IS_VIRTUAL, virt)?
+        .boolean(ffi::ATTR_TENSOR_IS_BY_VALUE, by_value)?;
+    t.finalize("tensor")?;
+    Ok(t)
+}
+
+/// The unique ids of the graph's real tensors (the variant pack's order).
+pub const UID_Q: i64 = 1;
+pub const UID_K: i64 = 2;
+pub const UID_V: i64 = 3;
+pub const UID_O: i64 = 4;
+pub const UID_SCALE: i64 = 5;
+
+/// What a plan is for: shapes and element strides of q, k, v (`b, h, L, d`) and of the
+/// output, which is written as `(b, L, h, d)` (strides `[L·h·d, d, h·d, 1]`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub dtype: i32,
+    pub b: i64,
+    pub h: i64,
+    pub lq: i64,
+    pub lk: i64,
+    pub d: i64,
+    pub q_strides: [i64; 4],
+    pub k_strides: [i64; 4],
+    pub v_strides: [i64; 4],
+}
+
+impl Key {
+    fn o_strides(&self) -> [i64; 4] {
+        [self.lq * self.h * self.d, self.d, self.h * self.d, 1]
+    }
+}
+
+/// Which graph a plan runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Form {
+    /// One `OPERATION_SDPA_FWD` (cuDNN ≥ 9.13.1).
+    Unified,
+    /// Matmul, scale, softmax (max, sub, exp, sum, div; log-sum-exp statistics), matmul.
+    Composite,
+}
+
+/// A finalised execution plan, with what it was built from kept alive.
+pub struct Plan {
+    _parts: Vec<D>,
+    pub plan: D,
+    pub workspace: usize,
+    pub form: Form,
+}
+
+struct Builder {
+    api: &'static Api,
+    keep: Vec<D>,
+    next_uid: i64,
+}
+
+impl Builder {
+    fn virt(&mut self, dims: [i64; 4], strides: [i64; 4], dtype: i32) -> R<usize> {
+        self.next_uid += 1;
+        let t = tensor(self.api, self.next_uid, dims, strides, dtype, true, false)?;
+        self.keep.push(t);
+        Ok(self.keep.len() - 1)
+    }
+
+    fn push(&mut self, d: D) -> usize {
+        self.keep.push(d);
+        self.keep.len() - 1
+    }
+
+    fn pointwise(&mut self, mode: i32, x: usize, b: Option<usize>, y: usize) -> R<usize> {
+        let pw = D::new(self.api, ffi::POINTWISE_DESCRIPTOR)?;
+        pw.enum32(ffi::ATTR_POINTWISE_MODE, ffi::TYPE_POINTWISE_MODE, mode)?
+            .enum32(
+                ffi::ATTR_POINTWISE_MATH_PREC,
+                ffi::TYPE_DATA_TYPE,
+                ffi::DATA_FLOAT,
+            )?;
+        pw.finalize("pointwise")?;
+        let op = D::new(self.api, ffi::OPERATION_POINTWISE_DESCRIPTOR)?;
+        op.descs(ffi::ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &[&pw])?
+            .descs(ffi::ATTR_OPERATION_POINTWISE_XDESC, &[&self.keep[x]])?;
+        if let Some(b) = b {
+            op.descs(ffi::ATTR_OPERATION_POINTWISE_BDESC, &[&self.keep[b]])?;
+        }
+        op.descs(ffi::ATTR_OPERATION_POINTWISE_YDESC, &[&self.keep[y]])?;
+        op.finalize("pointwise operation")?;
+        self.push(pw);
+        Ok(self.push(op))
+    }
+
+    fn reduction(&mut self, mode: i32, x: usize, y: usize) -> R<usize> {
+        let r = D::new(self.api, ffi::REDUCTION_DESCRIPTOR)?;
+        r.enum32(
+            ffi::ATTR_REDUCTION_COMP_TYPE,
+            ffi::TYPE_DATA_TYPE,
+            ffi::DATA_FLOAT,
+        )?
+        .enum32(
+            ffi::ATTR_REDUCTION_OPERATOR,
+            ffi::TYPE_REDUCTION_OPERATOR_TYPE,
+            mode,
+        )?;
+        r.finalize("reduction")?;
+        let op = D::new(self.api, ffi::OPERATION_REDUCTION_DESCRIPTOR)?;
+        op.descs(ffi::ATTR_OPERATION_REDUCTION_XDESC, &[&self.keep[x]])?
+            .descs(ffi::ATTR_OPERATION_REDUCTION_YDESC, &[&self.keep[y]])?
+            .descs(ffi::ATTR_OPERATION_REDUCTION_DESC, &[&r])?;
+        op.finalize("reduction operation")?;
+        self.push(r);
+        Ok(self.push(op))
+    }
+
+    fn matmul(&mut self, a: usize, b: usize, c: usize) -> R<usize> {
+        let m = D::new(self.api, ffi::MATMUL_DESCRIPTOR)?;
+        m.enum32(
+            ffi::ATTR_MATMUL_COMP_TYPE,
+            ffi::TYPE_DATA_TYPE,
+            ffi::DATA_FLOAT,
+        )?;
+        m.finalize("matmul")?;
+        let op = D::new(self.api, ffi::OPERATION_MATMUL_DESCRIPTOR)?;
+        op.descs(ffi::ATTR_OPERATION_MATMUL_ADESC, &[&self.keep[a]])?
+            .descs(ffi::ATTR_OPERATION_MATMUL_BDESC, &[&self.keep[b]])?
+            .descs(ffi::ATTR_OPERATION_MATMUL_CDESC, &[&self.keep[c]])?
+            .descs(ffi::ATTR_OPERATION_MATMUL_DESC, &[&m])?;
+        op.finalize("matmul operation")?;
+        self.push(m);
+        Ok(self.push(op))
+    }
+}
+
+/// Builds the graph of `form` for `key` and finalises the first engine configuration the
+/// heuristics (mode A, then the fallback list) offer that the library accepts.
+pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan> {
+    let mut g = Builder {
+        api,
+        keep: Vec::new(),
+        next_uid: 100,
+    };
+    let (b, h, lq, lk, d) = (key.b, key.h, key.lq, key.lk, key.d);
+    let dt = key.dtype;
+    let q = g.push(tensor(
+        api,
+        UID_Q,
+        [b, h, lq, d],
+        key.q_strides,
+        dt,
+        false,
+        false,
+    )?);
+    let scale = g.push(tensor(
+        api,
+        UID_SCALE,
+        [1, 1, 1, 1],
+        [1, 1, 1, 1],
+        ffi::DATA_FLOAT,
+        false,
+        true,
+    )?);
+    let o = g.push(tensor(
+        api,
+        UID_O,
+        [b, h, lq, d],
+        key.o_strides(),
+        dt,
+        false,
+        false,
+    )?);
+    let v = g.push(tensor(
+        api,
+        UID_V,
+        [b, h, lk, d],
+        key.v_strides,
+        dt,
+        false,
+        false,
+    )?);
+    let mut ops = Vec::new();
+    match form {
+        Form::Unified => {
+            let k = g.push(tensor(
+                api,
+                UID_K,
+                [b, h, lk, d],
+                key.k_strides,
+                dt,
+                false,
+                false,
+            )?);
+            let op = D::new(api, ffi::OPERATION_SDPA_FWD_DESCRIPTOR)?;
+            op.descs(ffi::ATTR_OPERATION_SDPA_FWD_QDESC, &[&g.keep[q]])?
+                .descs(ffi::ATTR_OPERATION_SDPA_FWD_KDESC, &[&g.keep[k]])?
+                .descs(ffi::ATTR_OPERATION_SDPA_FWD_VDESC, &[&g.keep[v]])?
+                .descs(ffi::ATTR_OPERATION_SDPA_FWD_ODESC, &[&g.keep[o]])?
+                .descs(ffi::ATTR_OPERATION_SDPA_FWD_SCALEDESC, &[&g.keep[scale]])?;
+            op.finalize("SDPA operation")?;
+            ops.push(g.push(op));
+        }
+        Form::Composite => {
+            // Kᵀ as a view: dims (b, h, d, Lk), K's strides with the last two swapped.
+            let ks = key.k_strides;
+            let kt = g.push(tensor(
+                api,
+                UID_K,
+                [b, h, d, lk],
+                [ks[0], ks[1], ks[3], ks[2]],
+                dt,
+                false,
+                false,
+            )?);
+            let sdims = [b, h, lq, lk];
+            let sstr = [h * lq * lk, lq * lk, lk, 1];
+            let rdims = [b, h, lq, 1];
+            let rstr = [h * lq, lq, 1, 1];
+            let f = ffi::DATA_FLOAT;
+            let s = g.virt(sdims, sstr, f)?;
+            ops.push(g.matmul(q, kt, s)?);
+            let scaled = g.virt(sdims, sstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_MUL, s, Some(scale), scaled)?);
+            let max = g.virt(rdims, rstr, f)?;
+            ops.push(g.reduction(ffi::REDUCE_MAX, scaled, max)?);
+            let sub = g.virt(sdims, sstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_SUB, scaled, Some(max), sub)?);
+            let exp = g.virt(sdims, sstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_EXP, sub, None, exp)?);
+            let sum = g.virt(rdims, rstr, f)?;
+            ops.push(g.reduction(ffi::REDUCE_ADD, exp, sum)?);
+            let log = g.virt(rdims, rstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_LOG, sum, None, log)?);
+            let stats = g.virt(rdims, rstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_ADD, max, Some(log), stats)?);
+            // The probabilities in the input type: the second matmul's A operand.
+            let p = g.virt(sdims, sstr, dt)?;
+            ops.push(g.pointwise(ffi::POINTWISE_DIV, exp, Some(sum), p)?);
+            ops.push(g.matmul(p, v, o)?);
+        }
+    }
+    let graph = D::new(api, ffi::OPERATIONGRAPH_DESCRIPTOR)?;
+    let op_refs: Vec<&D> = ops.iter().map(|&i| &g.keep[i]).collect();
+    graph
+        .descs(ffi::ATTR_OPERATIONGRAPH_OPS, &op_refs)?
+        .handle(ffi::ATTR_OPERATIONGRAPH_HANDLE, handle)?;
+    graph.finalize("operation graph")?;
+    let mut errors = Vec::new();
+    for mode in [ffi::HEUR_MODE_A, ffi::HEUR_MODE_FALLBACK] {
+        match engine_configs(api, &graph, mode) {
+            Ok(cfgs) => {
+                for cfg in cfgs {
+                    let plan = D::new(api, ffi::EXECUTION_PLAN_DESCRIPTOR)?;
+                    plan.handle(ffi::ATTR_EXECUTION_PLAN_HANDLE, handle)?
+                        .descs(ffi::ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&cfg])?;
+                    match plan.finalize("execution plan") {
+                        Ok(()) => {
+                            let mut ws = [0i64];
+                            let mut n = 0i64;
+                            // SAFETY: one INT64 out.
+                            let st = unsafe {
+                                (api.get_attribute)(
+                                    plan.raw,
+                                    ffi::ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                    ffi::TYPE_INT64,
+                                    1,
+                                    &mut n,
+                                    ws.as_mut_ptr().cast(),
+                                )
+                            };
+                            check(api, "workspace size", st)?;
+                            let mut parts = g.keep;
+                            parts.push(graph);
+                            parts.push(cfg);
+                            return Ok(Plan {
+                                _parts: parts,
+                                plan,
+                                workspace: ws[0].max(0) as usize,
+                                form,
+                            });
+                        }
+                        Err(e) => errors.push(e),
+                    }
+                }
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    Err(format!(
+        "no cuDNN engine runs this attention ({form:?} graph): {}",
+        errors
+            .last()
+            .cloned()
+            .unwrap_or_else(|| "the heuristics offered none".into())
+    ))
+}
+
+/// The engine configurations the heuristics offer for `graph`, best first.
+fn engine_configs(api: &'static Api, graph: &D, mode: i32) -> R<Vec<D>> {
+    let heur = D::new(api, ffi::ENGINEHEUR_DESCRIPTOR)?;
+    heur.descs(ffi::ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph])?
+        .enum32(ffi::ATTR_ENGINEHEUR_MODE, ffi::TYPE_HEUR_MODE, mode)?;
+    heur.finalize("engine heuristics")?;
+    let mut count = 0i64;
+    // SAFETY: asks for the count only.
+    let st = unsafe {
+        (api.get_attribute)(
+            heur.raw,
+            ffi::ATTR_ENGINEHEUR_RESULTS,
+            ffi::TYPE_BACKEND_DESCRIPTOR,
+            0,
+            &mut count,
+            std::ptr::null_mut(),
+        )
+    };
+    check(api, "engine heuristics results", st)?;
+    let count = count.clamp(0, 64) as usize;
+    let cfgs: Vec<D> = (0..count)
+        .map(|_| D::new(api, ffi::ENGINECFG_DESCRIPTOR))
+        .collect::<R<_>>()?;
+    let mut raws: Vec<Desc> = cfgs.iter().map(|c| c.raw).collect();
+    let mut got = 0i64;
+    // SAFETY: `count` created engine-config descriptors to fill.
+    let st = unsafe {
+        (api.get_attribute)(
+            heur.raw,
+            ffi::ATTR_ENGINEHEUR_RESULTS,
+            ffi::TYPE_BACKEND_DESCRIPTOR,
+            count as i64,
+            &mut got,
+            raws.as_mut_ptr().cast(),
+        )
+    };
+    check(api, "engine heuristics results", st)?;
+    let mut cfgs = cfgs;
+    cfgs.truncate(got.clamp(0, count as i64) as usize);
+    Ok(cfgs)
+}
+
+/// Runs `plan` with the given device pointers (q, k, v, o, workspace) and the host scale.
+pub fn execute(
+    api: &'static Api,
+    handle: Handle,
+    plan: &Plan,
+    ptrs: [u64; 4],
+    workspace: u64,
+    scale: &f32,
+) -> R<()> {
+    let pack = D::new(api, ffi::VARIANT_PACK_DESCRIPTOR)?;
+    let uids = [UID_Q, UID_K, UID_V, UID_O, UID_SCALE];
+    let data: [*mut c_void; 5] = [
+        ptrs[0] as *mut c_void,
+        ptrs[1] as *mut c_void,
+        ptrs[2] as *mut c_void,
+        ptrs[3] as *mut c_void,
+        (scale as *const f32) as *mut c_void,
+    ];
+    pack.i64s(ffi::ATTR_VARIANT_PACK_UNIQUE_IDS, &uids)?;
+    pack.set_raw(
+        ffi::ATTR_VARIANT_PACK_DATA_POINTERS,
+        ffi::TYPE_VOID_PTR,
+        data.len(),
+        data.as_ptr().cast(),
+    )?;
+    let ws = workspace as *mut c_void;
+    pack.set_raw(
+        ffi::ATTR_VARIANT_PACK_WORKSPACE,
+        ffi::TYPE_VOID_PTR,
+        1,
+        (&ws as *const *mut c_void).cast(),
+    )?;
+    pack.finalize("variant pack")?;
+    // SAFETY: a finalised plan and pack on the handle it was built with.
+    check(api, "execute attention", unsafe {
+        (api.execute)(handle, plan.plan.raw, pack.raw)
+    })
+}

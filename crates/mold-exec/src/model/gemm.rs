@@ -1,0 +1,188 @@
+//! `x Wᵀ + b`, optionally followed by tanh-GELU, with the bias and the activation applied in
+//! the matrix multiply's epilogue (cuBLASLt, CUDA builds) instead of a separate pass that
+//! reads and writes the whole output again. Elsewhere — CPU, f32, shapes cuBLASLt's
+//! epilogue does not take, `MOLD_KERNELS=candle` — candle's matmul followed by
+//! [`bias_act`] (the reference `--verify` compares against).
+
+use super::ops::{bias_act, Kernels};
+use candle_core::{Tensor, D};
+
+type CResult<T> = candle_core::Result<T>;
+
+/// `act(x Wᵀ + b)` for `x` `(…, k)`, `w` `(n, k)` (held without bias in `lin`), `b` `(n)`.
+pub fn linear(
+    x: &Tensor,
+    lin: &candle_nn::Linear,
+    b: &Tensor,
+    gelu: bool,
+    k: Kernels,
+) -> CResult<Tensor> {
+    let w = lin.weight();
+    if k != Kernels::Candle && epilogue_applies(x, w, b) {
+        #[cfg(feature = "cuda")]
+        return cuda::linear(x, w, b, gelu);
+    }
+    use candle_core::Module;
+    bias_act(&lin.forward(x)?, Some(b), gelu, k)
+}
+
+/// Whether cuBLASLt's epilogue runs this: CUDA bf16/f16, contiguous operands, sizes that
+/// keep every row 16-byte aligned.
+pub(crate) fn epilogue_applies(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    if !cfg!(feature = "cuda") || !x.device().is_cuda() {
+        return false;
+    }
+    let half = matches!(
+        x.dtype(),
+        candle_core::DType::BF16 | candle_core::DType::F16
+    );
+    let (Ok(kx), Ok((n, kw))) = (x.dim(D::Minus1), w.dims2()) else {
+        return false;
+    };
+    half && w.dtype() == x.dtype()
+        && b.dtype() == x.dtype()
+        && kx == kw
+        && b.dims() == [n]
+        && kx % 8 == 0
+        && n % 8 == 0
+        && x.is_contiguous()
+        && w.is_contiguous()
+        && b.is_contiguous()
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
+    use candle_core::cuda::{CudaDType, CudaStorage};
+    use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    type CResult<T> = candle_core::Result<T>;
+
+    /// One cuBLASLt handle (and its workspace) per device and stream.
+    fn handle(dev: &candle_core::CudaDevice) -> CResult<Arc<Mutex<CudaBlasLT>>> {
+        type Handles = Mutex<HashMap<(usize, usize), Arc<Mutex<CudaBlasLT>>>>;
+        static H: OnceLock<Handles> = OnceLock::new();
+        let stream = dev.cuda_stream();
+        let key = (stream.context().ordinal(), stream.cu_stream() as usize);
+        let mut all = H
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = all.get(&key) {
+            return Ok(h.clone());
+        }
+        let h =
+            Arc::new(Mutex::new(CudaBlasLT::new(stream).map_err(|e| {
+                candle_core::Error::Msg(format!("cuBLASLt: {e:?}"))
+            })?));
+        all.insert(key, h.clone());
+        Ok(h)
+    }
+
+    pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> CResult<Tensor> {
+        x.apply_op3_no_bwd(w, b, &Epilogue { gelu })
+    }
+
+    struct Epilogue {
+        gelu: bool,
+    }
+
+    impl CustomOp3 for Epilogue {
+        fn name(&self) -> &'static str {
+            "mold-linear-epilogue"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<(CpuStorage, Shape)> {
+            candle_core::bail!("mold-linear-epilogue runs on CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            w: &CudaStorage,
+            wl: &Layout,
+            b: &CudaStorage,
+            bl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            match x.dtype() {
+                DType::BF16 => self.run::<half::bf16>(x, xl, w, wl, b, bl),
+                DType::F16 => self.run::<half::f16>(x, xl, w, wl, b, bl),
+                dt => candle_core::bail!("mold-linear-epilogue: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    impl Epilogue {
+        fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            w: &CudaStorage,
+            wl: &Layout,
+            b: &CudaStorage,
+            bl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)>
+        where
+            CudaBlasLT: Matmul<T>,
+        {
+            let dims = xl.shape().dims();
+            let k = *dims.last().unwrap_or(&0);
+            let (n, kw) = wl.shape().dims2()?;
+            if k != kw || !xl.is_contiguous() || !wl.is_contiguous() || !bl.is_contiguous() {
+                candle_core::bail!("mold-linear-epilogue: operands do not agree");
+            }
+            let m = xl.shape().elem_count() / k.max(1);
+            let dev = &x.device;
+            let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
+            let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);
+            let bs = b.as_cuda_slice::<T>()?.slice(bl.start_offset()..);
+            // SAFETY: the matmul writes every element (beta = 0).
+            let mut out = unsafe { dev.alloc::<T>(m * n)? };
+            // Column-major view: out (n × m) = Wᵀ-as-stored (k × n)ᵀ · x (k × m).
+            let cfg = MatmulConfig {
+                transa: true,
+                transb: false,
+                transc: false,
+                m: n as u64,
+                n: m as u64,
+                k: k as u64,
+                alpha: 1.0,
+                lda: k as i64,
+                ldb: k as i64,
+                beta: 0.0,
+                ldc: n as i64,
+                stride_a: None,
+                stride_b: None,
+                stride_c: None,
+                stride_bias: None,
+                batch_size: None,
+            };
+            let act = self.gelu.then_some(Activation::Gelu);
+            let h = handle(dev)?;
+            let h = h.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: sizes and leading dimensions match the slices above.
+            unsafe { h.matmul(cfg, &ws, &xs, &mut out, Some(&bs), act.as_ref()) }
+                .map_err(|e| candle_core::Error::Msg(format!("cuBLASLt matmul: {e:?}")))?;
+            let mut shape = dims.to_vec();
+            if let Some(l) = shape.last_mut() {
+                *l = n;
+            }
+            Ok((
+                CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                Shape::from(shape),
+            ))
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! `mold serve`: flags → [`mold_serve::ServeOptions`] and a [`mold_serve::Deployment`]
+//! (the plan's replicas, checked like `mold exec` checks a plan), then the server.
+
+use super::common::{load_machine, load_model, load_plan, model_of};
+use super::exec_options::{exec_options, EnvVars};
+use anyhow::{bail, Context, Result};
+use mold_plan::Plan;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The plan to serve (from `mold plan`); its `replicas:` each serve requests.
+    #[arg(long, conflicts_with = "model", required_unless_present = "model")]
+    pub plan: Option<PathBuf>,
+    /// Plan for this model first (as `mold plan --objective throughput` would), then serve.
+    #[arg(long, requires = "machine")]
+    pub model: Option<String>,
+    /// The machine profile (default with --plan: sim/machines/<the plan's machine>.yaml).
+    #[arg(long)]
+    pub machine: Option<String>,
+    /// The weights directory (README: "Weights directory layout").
+    #[arg(long)]
+    pub weights: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = mold_serve::DEFAULT_LISTEN)]
+    pub listen: String,
+    /// Require `Authorization: Bearer <token>`, the token being this file's contents.
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Requests admitted and not yet started on a transformer; beyond it, 429.
+    #[arg(long, default_value_t = 32)]
+    pub queue: usize,
+    /// on: text encoders and the VAE run on any idle device with room; off: where the
+    /// plan places them for each replica.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub encoder_pool: String,
+    /// Serve a plan made for another machine, or one the simulator says does not fit.
+    #[arg(long)]
+    pub force: bool,
+}
+
+fn plan_for(model: &str, machine: &mold_machine::Machine) -> Result<Plan> {
+    let loaded = load_model(model, None)?;
+    let w = loaded.spec.default_workload.clone();
+    let mut req = mold_planner::Request::new(loaded.spec, machine.clone(), w);
+    req.checkpoint = loaded.checkpoint;
+    req.objective = mold_planner::Objective::Throughput;
+    let outcome = mold_planner::plan(&req)?;
+    eprintln!(
+        "planned {model} on {} ({} replica{}, objective throughput)",
+        machine.name,
+        outcome.plan.replica_count(),
+        if outcome.plan.replica_count() == 1 {
+            ""
+        } else {
+            "s"
+        }
+    );
+    Ok(outcome.plan)
+}
+
+fn token(path: &Path) -> Result<String> {
+    let t = std::fs::read_to_string(path)
+        .with_context(|| format!("--token-file {}", path.display()))?;
+    let t = t.trim().to_string();
+    if t.is_empty() {
+        bail!(
+            "--token-file {}: empty; put the bearer token clients send in it",
+            path.display()
+        );
+    }
+    Ok(t)
+}
+
+pub fn run(a: Args) -> Result<i32> {
+    let listen: SocketAddr = a.listen.parse().map_err(|e| {
+        anyhow::anyhow!(
+            "--listen {}: {e}; write HOST:PORT, e.g. {}",
+            a.listen,
+            mold_serve::DEFAULT_LISTEN
+        )
+    })?;
+    if a.queue == 0 {
+        bail!("--queue 0: give at least 1 (requests waiting beyond it get 429)");
+    }
+    let token = a.token_file.as_deref().map(token).transpose()?;
+    if !a.weights.is_dir() {
+        bail!(
+            "--weights {}: not a directory; point it at a weights directory (`mold testdata flux-tiny-pipeline DIR` writes a tiny one)",
+            a.weights.display()
+        );
+    }
+    let env = EnvVars::process();
+    let comm = mold_exec::comm::CommOptions::from_vars(|k| env.get(k))?;
+    let exec = exec_options(None, false, &env, comm)?;
+    let (plan, machine) = match (&a.plan, &a.model) {
+        (Some(p), _) => {
+            let plan = load_plan(p)?;
+            let m = match &a.machine {
+                Some(m) => m.clone(),
+                None => format!("sim/machines/{}.yaml", plan.machine.name),
+            };
+            (plan, load_machine(&m)?)
+        }
+        (None, Some(model)) => {
+            let machine = load_machine(a.machine.as_deref().unwrap_or_default())?;
+            (plan_for(model, &machine)?, machine)
+        }
+        (None, None) => bail!("give --plan PLAN, or --model ID --machine PROFILE"),
+    };
+    let model = model_of(&plan)?;
+    let replicas = plan
+        .replica_plans()
+        .context("the plan's `replicas:` section")?;
+    for (i, r) in replicas.iter().enumerate() {
+        let checked = mold_pipeline::run::preflight(r, &model, &machine, a.force, None)
+            .with_context(|| format!("replica {i}"))?;
+        for w in checked.warnings {
+            eprintln!("warning: replica {i}: {w}");
+        }
+    }
+    let opts = mold_serve::ServeOptions {
+        listen,
+        token,
+        queue: a.queue,
+        encoder_pool: a.encoder_pool == "on",
+        ..mold_serve::ServeOptions::default()
+    };
+    let deploy = mold_serve::Deployment {
+        replicas,
+        model,
+        machine,
+        weights: a.weights.clone(),
+        exec,
+    };
+    let summary = mold_serve::run(&deploy, &opts, Arc::new(|l| eprintln!("{l}")))?;
+    eprintln!(
+        "stopped: {} image{} served, {} cancelled, {} failed",
+        summary.ok,
+        if summary.ok == 1 { "" } else { "s" },
+        summary.cancelled,
+        summary.failed
+    );
+    Ok(0)
+}
