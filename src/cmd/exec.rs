@@ -204,27 +204,14 @@ fn testdata_qwen(a: &TestdataArgs, cfg: &mold_exec::QwenConfig) -> Result<i32> {
         mold_exec::model::qwen::testdata::write_testdata(cfg, &a.dir, a.seed, dtype, shard)
             .with_context(|| format!("cannot write {} into {}", a.name, a.dir.display()))
     })?;
-    for f in &files {
-        say!(rep, "wrote {}", f.display());
-        rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
-    }
-    rep.result(
-        format_args!(
-            "{} transformer, random weights ({} parameters, {dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {}`",
-            a.name,
-            cfg.param_count(),
-            a.seed,
-            t.elapsed().as_secs_f64(),
-            a.dir.display()
-        ),
-        json!({
-            "event": "done",
-            "model": a.name,
-            "parameters": cfg.param_count(),
-            "dtype": format!("{dtype:?}"),
-            "seed": a.seed,
-            "seconds": t.elapsed().as_secs_f64(),
-        }),
+    report_testdata(
+        &rep,
+        a,
+        &files,
+        &format!("{dtype:?}"),
+        Some(cfg.param_count()),
+        t,
+        format_args!("{} transformer, random weights ({} parameters, {dtype:?}, seed {}): `mold exec PLAN --weights {}`", a.name, cfg.param_count(), a.seed, a.dir.display()),
     );
     Ok(0)
 }
@@ -256,25 +243,14 @@ fn testdata_qwen_pipeline(a: &TestdataArgs) -> Result<i32> {
             }
         })
         .with_context(|| format!("cannot write {} into {}", a.name, a.dir.display()))?;
-    for f in &files {
-        say!(rep, "wrote {}", f.display());
-        rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
-    }
-    rep.result(
-        format_args!(
-            "{}, random weights ({dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {} --prompt \"...\" --negative-prompt \"...\" --cfg 4`",
-            a.name,
-            a.seed,
-            t.elapsed().as_secs_f64(),
-            a.dir.display()
-        ),
-        json!({
-            "event": "done",
-            "model": a.name,
-            "dtype": format!("{dtype:?}"),
-            "seed": a.seed,
-            "seconds": t.elapsed().as_secs_f64(),
-        }),
+    report_testdata(
+        &rep,
+        a,
+        &files,
+        &format!("{dtype:?}"),
+        None,
+        t,
+        format_args!("{}, random weights ({dtype:?}, seed {}): `mold exec PLAN --weights {} --prompt \"...\" --negative-prompt \"...\" --cfg 4`", a.name, a.seed, a.dir.display()),
     );
     Ok(0)
 }
@@ -333,24 +309,14 @@ fn testdata_full_pipeline(a: &TestdataArgs, model: &str) -> Result<i32> {
             mold_pipeline::testdata::write_full_pipeline(&a.dir, model, a.seed, dtype)
         })
         .with_context(|| format!("cannot write the {model} pipeline into {}", a.dir.display()))?;
-    for f in &files {
-        say!(rep, "wrote {}", f.display());
-        rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
-    }
-    rep.result(
-        format_args!(
-            "{model} pipeline, random weights ({dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {} --prompt \"...\"`",
-            a.seed,
-            t.elapsed().as_secs_f64(),
-            a.dir.display()
-        ),
-        json!({
-            "event": "done",
-            "model": a.name,
-            "dtype": format!("{dtype:?}"),
-            "seed": a.seed,
-            "seconds": t.elapsed().as_secs_f64(),
-        }),
+    report_testdata(
+        &rep,
+        a,
+        &files,
+        &format!("{dtype:?}"),
+        None,
+        t,
+        format_args!("{model} pipeline, random weights ({dtype:?}, seed {}): `mold exec PLAN --weights {} --prompt \"...\"`", a.seed, a.dir.display()),
     );
     Ok(0)
 }
@@ -365,26 +331,45 @@ fn testdata_pipeline(a: TestdataArgs) -> Result<i32> {
     let files = rep
         .observe_writes(|| mold_pipeline::testdata::write_tiny_pipeline(&a.dir, a.seed))
         .with_context(|| format!("cannot write the tiny pipeline into {}", a.dir.display()))?;
-    for f in &files {
+    report_testdata(
+        &rep,
+        &a,
+        &files,
+        "F32",
+        None,
+        t,
+        format_args!("tiny FLUX pipeline (seed {}): plan flux-tiny, then `mold exec PLAN --weights {} --prompt \"...\"`", a.seed, a.dir.display()),
+    );
+    Ok(0)
+}
+
+/// Prints what a `mold testdata` command wrote (a line and a JSON event per file) and its
+/// one-line result, `summary` followed by how long it took.
+fn report_testdata(
+    rep: &Reporter,
+    a: &TestdataArgs,
+    files: &[PathBuf],
+    dtype: &str,
+    parameters: Option<u64>,
+    t: Instant,
+    summary: std::fmt::Arguments,
+) {
+    for f in files {
         say!(rep, "wrote {}", f.display());
         rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
     }
-    rep.result(
-        format_args!(
-            "tiny FLUX pipeline (seed {}) in {:.1} s: plan flux-tiny, then `mold exec PLAN --weights {} --prompt \"...\"`",
-            a.seed,
-            t.elapsed().as_secs_f64(),
-            a.dir.display()
-        ),
-        json!({
-            "event": "done",
-            "model": a.name,
-            "dtype": "F32",
-            "seed": a.seed,
-            "seconds": t.elapsed().as_secs_f64(),
-        }),
-    );
-    Ok(0)
+    let secs = t.elapsed().as_secs_f64();
+    let mut done = json!({
+        "event": "done",
+        "model": a.name,
+        "dtype": dtype,
+        "seed": a.seed,
+        "seconds": secs,
+    });
+    if let Some(n) = parameters {
+        done["parameters"] = json!(n);
+    }
+    rep.result(format_args!("{summary} ({secs:.1} s)"), done);
 }
 
 /// The machine a plan runs on here: `--machine`, else `MOLD_MACHINE`, else config

@@ -81,7 +81,7 @@ pub fn attention_with(
 ) -> CResult<Tensor> {
     let supported = fused_supported(q);
     let mut refusal = None;
-    if supported && kernels.allows_cudnn() {
+    if supported && kernels.uses_libraries() {
         match cudnn_attention(q, k, v)? {
             Ok((out, version)) => {
                 meter.see(&out);
@@ -118,7 +118,7 @@ fn cudnn_attention(
         Ok(v) => v,
         Err(e) => return Ok(Err(e)),
     };
-    Ok(super::cudnn::attention(q, k, v)?.map(|t| (t, format!("cudnn {version}"))))
+    Ok(super::cudnn::attention(q, k, v)?.map(|(t, form)| (t, format!("cudnn {version} ({form})"))))
 }
 
 #[cfg(not(feature = "cuda"))]

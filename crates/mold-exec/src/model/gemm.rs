@@ -1,7 +1,7 @@
 //! `x Wᵀ + b`, optionally followed by tanh-GELU, with the bias and the activation applied in
 //! the matrix multiply's epilogue (cuBLASLt, CUDA builds) instead of a separate pass that
 //! reads and writes the whole output again. Elsewhere — CPU, f32, shapes cuBLASLt's
-//! epilogue does not take, `MOLD_KERNELS=candle` — candle's matmul followed by
+//! epilogue does not take, `MOLD_KERNELS=mold|candle` — candle's matmul followed by
 //! [`bias_act`] (the reference `--verify` compares against).
 
 use super::ops::{bias_act, Kernels};
@@ -18,7 +18,7 @@ pub fn linear(
     k: Kernels,
 ) -> CResult<Tensor> {
     let w = lin.weight();
-    if k != Kernels::Candle && epilogue_applies(x, w, b) {
+    if k.uses_libraries() && epilogue_applies(x, w, b) {
         #[cfg(feature = "cuda")]
         return cuda::linear(x, w, b, gelu);
     }

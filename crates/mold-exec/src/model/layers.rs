@@ -105,7 +105,7 @@ impl ColumnParallel {
         };
         let (w1, b1) = part(0, at)?;
         let (w2, b2) = part(at, n - at)?;
-        if k != Kernels::Candle && gemm::epilogue_applies(x, w1.weight(), &b1) {
+        if k.uses_libraries() && gemm::epilogue_applies(x, w1.weight(), &b1) {
             return Ok((
                 gemm::linear(x, &w1, &b1, false, k)?,
                 gemm::linear(x, &w2, &b2, true, k)?,

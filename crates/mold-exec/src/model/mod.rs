@@ -11,6 +11,7 @@ pub mod cudnn;
 pub mod flux;
 pub mod gemm;
 pub mod layers;
+mod modulation;
 pub mod ops;
 pub mod qwen;
 pub mod sequence;

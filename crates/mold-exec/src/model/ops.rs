@@ -22,7 +22,8 @@ pub enum Kernels {
     Auto,
     /// As `Auto`, but a case no fused kernel handles is an error.
     Fused,
-    /// mold's own kernels only (attention included: never cuDNN), candle's ops elsewhere.
+    /// mold's own kernels only — neither cuDNN attention nor cuBLASLt epilogues — and
+    /// candle's ops elsewhere.
     Mold,
     /// As `Auto`, but attention must run through cuDNN: a machine or shape it cannot run
     /// is an error.
@@ -46,8 +47,10 @@ impl Kernels {
         }
     }
 
-    /// Whether attention may run through cuDNN.
-    pub(crate) fn allows_cudnn(self) -> bool {
+    /// Whether NVIDIA's libraries may run fused work: attention through cuDNN, bias and
+    /// GELU in cuBLASLt's matmul epilogue. `mold` and `candle` keep to mold's own kernels
+    /// (the state before them, for comparisons in one run).
+    pub(crate) fn uses_libraries(self) -> bool {
         matches!(self, Kernels::Auto | Kernels::Fused | Kernels::Cudnn)
     }
 
@@ -696,6 +699,18 @@ mod tests {
         assert_eq!(Kernels::parse("auto"), Ok(Kernels::Auto));
         assert_eq!(Kernels::parse("mold"), Ok(Kernels::Mold));
         assert_eq!(Kernels::parse("cudnn"), Ok(Kernels::Cudnn));
+        // Only auto, fused and cudnn hand work to cuDNN / cuBLASLt.
+        let libs: Vec<bool> = [
+            Kernels::Auto,
+            Kernels::Fused,
+            Kernels::Cudnn,
+            Kernels::Mold,
+            Kernels::Candle,
+        ]
+        .iter()
+        .map(|k| k.uses_libraries())
+        .collect();
+        assert_eq!(libs, [true, true, true, false, false]);
         let e = Kernels::parse("fast").unwrap_err();
         assert!(
             e.contains("MOLD_KERNELS=fast") && e.contains("auto, fused, mold, cudnn or candle"),

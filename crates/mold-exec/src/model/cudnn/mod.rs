@@ -4,7 +4,7 @@
 //! own FlashAttention-2 style kernel (measured beside PyTorch's SDPA on H200: BENCHMARKS.md).
 //! cuDNN is loaded at run time ([`ffi`]); per device mold keeps one cuDNN handle and the
 //! finalised plan of every attention shape it has seen ([`graph`]). A shape no engine takes,
-//! or a machine without cuDNN, makes [`attention`] answer `Ok(None)` with the reason kept
+//! or a machine without cuDNN, makes [`attention`] answer `Ok(Err(reason))`, the reason kept
 //! for the run's report; the caller then runs mold's kernel.
 
 mod ffi;
@@ -64,8 +64,13 @@ pub fn version() -> Result<String, String> {
 }
 
 /// `softmax(q kᵀ · scale) v` for contiguous `(b, h, L, d)` bf16/f16 CUDA tensors, returned as
-/// `(b, L, h, d)`; `Ok(None)` with the reason when cuDNN cannot run it here.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<Result<Tensor, String>> {
+/// `(b, L, h, d)`, with which graph ran (`"fused SDPA"` or `"composite SDPA"`); the reason
+/// when cuDNN cannot run it here.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> CResult<Result<(Tensor, &'static str), String>> {
     let (b, h, lq, d) = q.dims4()?;
     let (_, _, lk, _) = k.dims4()?;
     let dtype = match q.dtype() {
@@ -114,6 +119,10 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<Result<Tensor, S
             Err(e) => return Ok(Err(e.clone())),
         }
     };
+    let form = match plan.form {
+        graph::Form::Unified => "fused SDPA",
+        graph::Form::Composite => "composite SDPA",
+    };
     let op = CudnnAttn {
         scale: (1.0 / (d as f64).sqrt()) as f32,
         plan,
@@ -122,23 +131,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<Result<Tensor, S
     let out = q
         .contiguous()?
         .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
-    Ok(Ok(out))
-}
-
-/// The form of the plans built so far (for the run's report): `(unified, composite)` counts.
-pub fn forms() -> (usize, usize) {
-    let all = devices().lock().unwrap_or_else(|p| p.into_inner());
-    let (mut u, mut c) = (0, 0);
-    for s in all.values() {
-        let s = s.lock().unwrap_or_else(|p| p.into_inner());
-        for p in s.plans.values().flatten() {
-            match p.form {
-                graph::Form::Unified => u += 1,
-                graph::Form::Composite => c += 1,
-            }
-        }
-    }
-    (u, c)
+    Ok(Ok((out, form)))
 }
 
 struct CudnnAttn {

@@ -15,7 +15,8 @@
 use super::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
 use crate::model::layers::{vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
-use crate::model::ops::{self, Kernels};
+use crate::model::modulation::{gather_modulation, mod_outs};
+use crate::model::ops;
 use crate::model::{sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
@@ -172,23 +173,6 @@ impl MlpEmbedder {
     }
 }
 
-struct ModOut {
-    shift: Tensor,
-    scale: Tensor,
-    gate: Tensor,
-}
-
-impl ModOut {
-    /// `x * (1 + scale) + shift`.
-    fn scale_shift(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        ops::modulate(x, &self.scale, &self.shift, k)
-    }
-    /// `res + gate * x`.
-    fn gate_residual(&self, res: &Tensor, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        ops::gate_residual(res, x, &self.gate, k)
-    }
-}
-
 /// The adaLN linear from the SiLU'd conditioning vector to `n` × (shift, scale, gate)
 /// (`out = 3n·hidden` features), column parallel: a rank holds output rows
 /// `shard.range(out)` of the weight and bias and computes that contiguous slice of the
@@ -214,50 +198,6 @@ impl Modulation {
     fn bytes(&self) -> u64 {
         self.0.bytes()
     }
-}
-
-/// The full modulation outputs, each `(b, out_i)`, from this rank's slices `(b, out_i /
-/// world)` (rank `r` holds features `r·out_i/world ..`): one all-gather for all of them
-/// (the slices side by side), none in a group of one.
-fn gather_modulation(locals: &[Tensor], ctx: &Ctx) -> CResult<Vec<Tensor>> {
-    if ctx.comm.world_size() == 1 {
-        return Ok(locals.to_vec());
-    }
-    let joined = if locals.len() == 1 {
-        locals[0].clone()
-    } else {
-        Tensor::cat(locals, D::Minus1)?
-    };
-    // (world, b, Σ out_i / world): contiguous row ranges in rank order, so each output
-    // is its columns of every rank, laid side by side.
-    let all = ctx.comm.all_gather(&joined)?;
-    let (world, b, _) = all.dims3()?;
-    let mut off = 0;
-    let mut out = Vec::with_capacity(locals.len());
-    for l in locals {
-        let k = l.dim(D::Minus1)?;
-        out.push(
-            all.narrow(2, off, k)?
-                .permute((1, 0, 2))?
-                .contiguous()?
-                .reshape((b, world * k))?,
-        );
-        off += k;
-    }
-    Ok(out)
-}
-
-/// `n` × (shift, scale, gate), each `(b, 1, hidden)`, from a full modulation output.
-fn mod_outs(full: &Tensor, n: usize) -> CResult<Vec<ModOut>> {
-    let ys = full.unsqueeze(1)?.chunk(3 * n, D::Minus1)?;
-    Ok(ys
-        .chunks(3)
-        .map(|c| ModOut {
-            shift: c[0].clone(),
-            scale: c[1].clone(),
-            gate: c[2].clone(),
-        })
-        .collect())
 }
 
 #[derive(Clone, Debug)]

@@ -18,6 +18,7 @@
 use super::config::{QwenConfig, TIME_EMBED_DIM};
 use crate::error::Result;
 use crate::model::layers::{vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
+use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops::{self, Kernels};
 use crate::model::{sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
@@ -123,61 +124,6 @@ impl Qkv {
     fn bytes(&self) -> u64 {
         vector_bytes(self.weight.weight()) + vector_bytes(&self.bias)
     }
-}
-
-/// Shift, scale and gate, each `(b, 1, hidden)`.
-struct ModOut {
-    shift: Tensor,
-    scale: Tensor,
-    gate: Tensor,
-}
-
-impl ModOut {
-    /// `x * (1 + scale) + shift`.
-    fn scale_shift(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        ops::modulate(x, &self.scale, &self.shift, k)
-    }
-    /// `res + gate * x`.
-    fn gate_residual(&self, res: &Tensor, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        ops::gate_residual(res, x, &self.gate, k)
-    }
-}
-
-/// The full modulation outputs, each `(b, out_i)`, from this rank's contiguous slices
-/// `(b, out_i / world)`: one all-gather for all of them, none in a group of one.
-fn gather_modulation(locals: &[Tensor], ctx: &Ctx) -> CResult<Vec<Tensor>> {
-    if ctx.comm.world_size() == 1 {
-        return Ok(locals.to_vec());
-    }
-    let joined = Tensor::cat(locals, D::Minus1)?;
-    // (world, b, Σ out_i / world): each output is its columns of every rank, side by side.
-    let all = ctx.comm.all_gather(&joined)?;
-    let (world, b, _) = all.dims3()?;
-    let mut off = 0;
-    let mut out = Vec::with_capacity(locals.len());
-    for l in locals {
-        let k = l.dim(D::Minus1)?;
-        out.push(
-            all.narrow(2, off, k)?
-                .permute((1, 0, 2))?
-                .contiguous()?
-                .reshape((b, world * k))?,
-        );
-        off += k;
-    }
-    Ok(out)
-}
-
-/// `(shift, scale, gate)` for the attention, then for the MLP, from a full `(b, 6h)`
-/// modulation output (the reference's `chunk(2)` then `chunk(3)`).
-fn mod_outs(full: &Tensor) -> CResult<[ModOut; 2]> {
-    let c = full.unsqueeze(1)?.chunk(6, D::Minus1)?;
-    let m = |i: usize| ModOut {
-        shift: c[i].clone(),
-        scale: c[i + 1].clone(),
-        gate: c[i + 2].clone(),
-    };
-    Ok([m(0), m(3)])
 }
 
 /// One stream's weights in a block.
@@ -340,8 +286,9 @@ impl Block {
             self.txt.modulation.forward_vec(&silu)?,
         ];
         let full = gather_modulation(&local, ctx)?;
-        let [im1, im2] = mod_outs(&full[0])?;
-        let [tm1, tm2] = mod_outs(&full[1])?;
+        let im = mod_outs(&full[0], 2)?;
+        let tm = mod_outs(&full[1], 2)?;
+        let (im1, im2, tm1, tm2) = (&im[0], &im[1], &tm[0], &tm[1]);
         ctx.mark("modulation", &tm2.gate);
         let kn = ctx.kernels;
         let img_qkv = self

@@ -2,6 +2,7 @@
 use super::*;
 use crate::checkpoint::Checkpoint;
 use crate::comm::{Comm, LocalComm, ThreadComm};
+use crate::model::ops::Kernels;
 use crate::model::ActivationMeter;
 use crate::runtime::{CheckpointSource, ShapeSource};
 use crate::testdata::write_testdata;
