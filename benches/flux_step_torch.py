@@ -539,6 +539,9 @@ def main():
     ap.add_argument("--compile-comm", choices=["traced", "eager"], default="traced",
                     help="with --compile: tp/sp collectives traced into the block graphs "
                          "(default) or run eagerly at graph breaks")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, profile one more step (torch.profiler, CUDA "
+                         "kernels) and print its kernels grouped by kind to stderr")
     ap.add_argument("--check", action="store_true",
                     help="after timing, compare one output with the unsharded eager model's "
                          "on rank 0 (max abs / max relative error in the JSON line)")
@@ -630,6 +633,8 @@ def main():
                 first_step_s = time.perf_counter() - start
             if i >= args.warmup:
                 times.append((time.perf_counter() - start) * 1e3)
+    if args.profile and cuda:
+        profile_step(model, x, sp, args, devices)
     compile_stats = None
     if args.compile:  # before --check, whose eager reference is not compiled
         from torch._dynamo.utils import counters
@@ -685,6 +690,54 @@ def main():
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def kernel_kind(name):
+    """A CUDA kernel's kind, by its name (cuBLAS/cuDNN/Triton/ATen naming)."""
+    n = name.lower()
+    if any(k in n for k in ("sdpa", "flash", "fmha", "attention", "cudnn_generated")):
+        return "attention"
+    if any(k in n for k in ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "cublas")):
+        return "gemm"
+    if any(k in n for k in ("nccl", "allreduce", "all_reduce")):
+        return "collective"
+    if "triton" in n:
+        return "fused (triton)"
+    if any(k in n for k in ("norm", "layer_norm", "rms")):
+        return "norm"
+    if any(k in n for k in ("copy", "cat", "transpose")):
+        return "copy"
+    return "elementwise / other"
+
+
+def profile_step(model, x, sp, args, devices):
+    """One step under torch.profiler: every CUDA kernel's time, grouped by kind, and the top
+    kernels, printed to stderr (so the JSON line on stdout stays one line)."""
+    from torch.profiler import ProfilerActivity, profile
+    with sdpa_context(args.sdpa), torch.inference_mode():
+        torch.cuda.synchronize(devices[0])
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            model(x, sp, args.compile)
+            torch.cuda.synchronize(devices[0])
+    kinds, count, top = {}, 0, []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0)
+        if not us or e.device_type.name != "CUDA":
+            continue
+        k = kernel_kind(e.key)
+        ms, n = kinds.get(k, (0.0, 0))
+        kinds[k] = (ms + us / 1e3, n + e.count)
+        count += e.count
+        top.append((us / 1e3, e.count, e.key))
+    total = sum(v[0] for v in kinds.values())
+    print(f"profile ({'compiled' if args.compile else 'eager'}): {count} kernels, "
+          f"{total:.1f} ms of kernel time", file=sys.stderr)
+    for k, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {k:22s} {ms:8.2f} ms  {n:6d} kernels", file=sys.stderr)
+    for ms, n, key in sorted(top, reverse=True)[:25]:
+        print(f"  {ms:8.2f} ms {n:5d}x  {key[:110]}", file=sys.stderr)
 
 
 def compile_how(comm):

@@ -14,10 +14,20 @@ error of mold's output against diffusers':
 Targets (issue 20): <= 1e-4 in f32 (qwen-image-tiny), <= 2e-2 in bf16 (qwen-image).
 The exit status is 1 above the tolerance (--tolerance, default by dtype).
 
+`--reference f32` (for a bf16 run) also runs diffusers in f32 on the same weights and
+inputs (both as the bf16 runs see them: rounded to bf16, then computed in f32) and
+reports, under `reference`, `mold_vs_f32` and `diffusers_vs_f32` (each bf16 output
+against that f32 one) beside `mold_vs_diffusers` (the number above), so that a bf16 miss
+can be judged against diffusers' own bf16 error. f32 runs here are strict
+IEEE f32: PyTorch's default TF32 for convolutions and matrix products is turned off.
+
     mold testdata qwen-image-tiny W
     mold plan --model qwen-image-tiny --machine sim/machines/cpu-emu-4.yaml --tp 2 -o p.yaml
     mold exec p.yaml --weights W --steps 1 --save-io io.safetensors
     python3 benches/parity/qwen_diffusers.py --weights W --io io.safetensors [--device cuda]
+
+    # bf16 (mold plan --dtype transformer=bf16), judged against f32:
+    python3 benches/parity/qwen_diffusers.py --weights W --io io-bf16.safetensors --reference f32
 
 The call's inputs: `hidden_states` (b, h*w, 64) packed latents, `encoder_hidden_states`
 (b, L, joint_attention_dim), `timestep` (b,) in [0, 1] (the pipeline's `timestep /
@@ -47,6 +57,19 @@ def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+def strict_f32():
+    """f32 as IEEE f32: PyTorch runs f32 convolutions (and, where asked, matrix products)
+    in TF32 on Ampere and later GPUs by default, a 10-bit mantissa."""
+    b = torch.backends
+    if hasattr(b.cudnn, "conv") and hasattr(b.cudnn.conv, "fp32_precision"):
+        b.cudnn.conv.fp32_precision = "ieee"
+        b.cudnn.rnn.fp32_precision = "ieee"
+        b.cuda.matmul.fp32_precision = "ieee"
+    else:
+        b.cudnn.allow_tf32 = False
+        b.cuda.matmul.allow_tf32 = False
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", required=True, help="directory holding transformer/ (mold testdata qwen-image[-tiny])")
@@ -54,6 +77,11 @@ def main():
     ap.add_argument("--dtype", choices=["f32", "bf16"], help="compute dtype (default: the plan's, from the io file)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tolerance", type=float, help="largest accepted error (default 1e-4 f32, 2e-2 bf16)")
+    ap.add_argument(
+        "--reference",
+        choices=["f32"],
+        help="also run diffusers in f32 and report mold's and diffusers' bf16 errors against it",
+    )
     ap.add_argument("--out", help="also write the JSON result here")
     a = ap.parse_args()
 
@@ -70,54 +98,79 @@ def main():
     dtype_name = a.dtype or meta.get("dtype", "f32")
     if dtype_name not in ("f32", "bf16"):
         raise SystemExit(f"{a.io}: the plan's dtype is {dtype_name}: pass --dtype f32 or bf16")
+    if a.reference == "f32" and dtype_name != "bf16":
+        raise SystemExit(f"--reference f32 judges a bf16 run; {a.io} is {dtype_name}: drop --reference")
     dtype = torch.float32 if dtype_name == "f32" else torch.bfloat16
     tol = a.tolerance if a.tolerance is not None else (1e-4 if dtype_name == "f32" else 2e-2)
     dev = torch.device(a.device)
+    strict_f32()
 
-    t0 = time.time()
-    model = QwenImageTransformer2DModel.from_pretrained(a.weights, subfolder="transformer", torch_dtype=dtype)
-    model = model.to(dev).eval()
-    load_s = time.time() - t0
-
-    x = io["hidden_states"].to(dev, dtype)
-    txt = io["encoder_hidden_states"].to(dev, dtype)
-    t = io["timestep"].to(dev, dtype)
     grid = tuple(int(v) for v in io["img_shapes"].tolist())
-    b = x.shape[0]
-    if grid[1] * grid[2] != x.shape[1]:
-        raise SystemExit(f"{a.io}: img_shapes {grid} does not hold {x.shape[1]} image tokens")
-    kwargs = dict(
-        hidden_states=x,
-        encoder_hidden_states=txt,
-        encoder_hidden_states_mask=None,
-        timestep=t,
-        img_shapes=[[grid]] * b,
-        return_dict=False,
-    )
-    # Older diffusers releases take the text lengths for RoPE as `txt_seq_lens`.
-    if "txt_seq_lens" in inspect.signature(model.forward).parameters:
-        kwargs["txt_seq_lens"] = [txt.shape[1]] * b
-    with torch.no_grad():
-        t1 = time.time()
-        want = model(**kwargs)[0]
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        call_s = time.time() - t1
+    b, n_img = io["hidden_states"].shape[0], io["hidden_states"].shape[1]
+    if len(grid) != 3 or grid[1] * grid[2] != n_img:
+        raise SystemExit(f"{a.io}: img_shapes {grid} does not hold {n_img} image tokens")
 
+    def run(dt, compute=None):
+        """diffusers' transformer on the io file's inputs, weights and inputs in `dt`,
+        computed in `compute` (default `dt`): (output, load s, call s)."""
+        compute = compute or dt
+        t0 = time.time()
+        model = QwenImageTransformer2DModel.from_pretrained(a.weights, subfolder="transformer", torch_dtype=dt)
+        model = model.to(dev, compute).eval()
+        load_s = time.time() - t0
+
+        def inp(k):
+            return io[k].to(dev, dt).to(compute)
+
+        txt = inp("encoder_hidden_states")
+        kwargs = dict(
+            hidden_states=inp("hidden_states"),
+            encoder_hidden_states=txt,
+            encoder_hidden_states_mask=None,
+            timestep=inp("timestep"),
+            img_shapes=[[grid]] * b,
+            return_dict=False,
+        )
+        # Older diffusers releases take the text lengths for RoPE as `txt_seq_lens`.
+        if "txt_seq_lens" in inspect.signature(model.forward).parameters:
+            kwargs["txt_seq_lens"] = [txt.shape[1]] * b
+        with torch.no_grad():
+            t1 = time.time()
+            out = model(**kwargs)[0]
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            call_s = time.time() - t1
+        out = out.float().cpu()
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return out, load_s, call_s
+
+    want, load_s, call_s = run(dtype)
     err = rel(io["output"], want)
     result = {
         "model": meta.get("model"),
         "dtype": dtype_name,
         "device": str(dev),
         "batch": b,
-        "image_tokens": x.shape[1],
-        "text_tokens": txt.shape[1],
+        "image_tokens": n_img,
+        "text_tokens": io["encoder_hidden_states"].shape[1],
         "transformer_max_relative_error": err,
         "tolerance": tol,
         "passed": err <= tol,
         "diffusers_load_s": load_s,
         "diffusers_call_s": call_s,
     }
+    if a.reference == "f32":
+        ref, _, ref_call_s = run(dtype, torch.float32)
+        result["reference"] = {
+            "dtype": "f32",
+            "weights_and_inputs": dtype_name,
+            "mold_vs_f32": rel(io["output"], ref),
+            "diffusers_vs_f32": rel(want, ref),
+            "mold_vs_diffusers": err,
+            "diffusers_f32_call_s": ref_call_s,
+        }
     text = json.dumps(result, indent=2)
     print(text)
     if a.out:

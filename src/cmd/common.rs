@@ -4,13 +4,11 @@ use mold_models::ModelSpec;
 use mold_plan::{CheckpointRef, DType, Plan};
 use std::path::Path;
 
-/// Loads a machine profile from a path. (`local`, the box as queried now, needs a CUDA
-/// build.)
+/// Loads a machine profile from a path, or `local`: the box as queried now (a CUDA build;
+/// budgets with the default headroom), which a build without CUDA refuses in one line.
 pub fn load_machine(spec: &str) -> Result<Machine> {
     if spec == "local" {
-        anyhow::bail!(
-            "--machine local: this build has no CUDA, so it cannot query this box's GPUs; pass a profile such as sim/machines/2x-h200.yaml"
-        );
+        return super::devices::local_machine(super::devices::DEFAULT_HEADROOM);
     }
     let path = Path::new(spec);
     if !path.exists() {

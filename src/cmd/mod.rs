@@ -7,5 +7,6 @@ pub mod exec;
 pub mod exec_options;
 pub mod plan;
 pub mod progress;
+pub mod run_report;
 pub mod serve;
 pub mod sim;

@@ -3,8 +3,10 @@ use super::devices;
 use anyhow::{bail, Context, Result};
 use mold_config::{Layer, Origin, Setting, Val};
 use mold_machine::Machine;
-use mold_plan::{ByteSize, DType, DeviceId};
-use mold_planner::{parse_cap, parse_pin, ConstraintsFile, Objective, Request, SpChoice, TpChoice};
+use mold_plan::{ByteSize, CfgMode, DType, DeviceId, MemoryPhases};
+use mold_planner::{
+    parse_cap, parse_pin, CfgChoice, ConstraintsFile, Objective, Request, SpChoice, TpChoice,
+};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -33,9 +35,18 @@ pub struct Args {
     /// Distilled guidance (FLUX dev).
     #[arg(long)]
     pub guidance: Option<f64>,
-    /// Classifier-free guidance scale (doubles the batch); `--cfg 0` turns it off.
-    #[arg(long)]
-    pub cfg: Option<f64>,
+    /// True CFG (classifier-free guidance, two transformer passes a step): a number is
+    /// its scale (`--cfg 0` turns it off); a word is how the two passes run: serial,
+    /// parallel (on two replicas at once), pipelined (two micro-batches through a block
+    /// split) or auto (the fastest that fits; the default). Repeatable: `--cfg 4 --cfg
+    /// pipelined`.
+    #[arg(long, value_name = "SCALE|MODE")]
+    pub cfg: Vec<String>,
+    /// one-shot (default: the text encoders are freed before the transformer loads, so
+    /// each device's peak is its largest phase) or resident (everything loaded at once,
+    /// a server; the default with --objective throughput).
+    #[arg(long, value_name = "PHASES")]
+    pub memory_phases: Option<String>,
     /// latency (default), memory, or throughput (replicas of a placement on disjoint
     /// devices versus one group: the most images per second with --clients requests in
     /// flight). Default: MOLD_OBJECTIVE, config `objective`.
@@ -329,8 +340,19 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
     if let Some(g) = a.guidance {
         w.guidance = Some(g);
     }
-    if let Some(c) = a.cfg {
-        w.cfg_scale = (c > 0.0).then_some(c);
+    let mut cfg_choice = None;
+    for c in &a.cfg {
+        match c.trim().parse::<f64>() {
+            Ok(x) if x.is_finite() && x >= 0.0 => w.cfg_scale = (x > 0.0).then_some(x),
+            Ok(x) => bail!("--cfg {x}: a CFG scale is a finite number ≥ 0 (0 turns CFG off)"),
+            Err(_) => {
+                cfg_choice = Some(
+                    c.trim()
+                        .parse::<CfgChoice>()
+                        .map_err(|e| anyhow::anyhow!("--cfg: {e}, or a scale such as 4"))?,
+                )
+            }
+        }
     }
     model.check_workload(&w)?;
 
@@ -430,6 +452,32 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
             mold_config::Objective::Memory => Objective::Memory,
         },
     };
+    req.memory_phases = match &a.memory_phases {
+        Some(m) => m
+            .parse::<MemoryPhases>()
+            .map_err(|e| anyhow::anyhow!("--memory-phases: {e}"))?,
+        // A server keeps everything loaded; one request loads phase by phase.
+        None if req.objective == Objective::Throughput => MemoryPhases::Resident,
+        None => MemoryPhases::OneShot,
+    };
+    if let Some(c) = cfg_choice {
+        if !req.true_cfg() {
+            bail!(
+                "--cfg {}: {} runs no true CFG ({}): drop it, or give a scale too (--cfg 4)",
+                a.cfg.join(" --cfg "),
+                req.model.id,
+                if req.workload.cfg_scale.is_none() {
+                    "the workload has no CFG scale"
+                } else {
+                    "it is guidance-distilled"
+                }
+            );
+        }
+        if req.objective == Objective::Throughput && c == CfgChoice::Mode(CfgMode::Parallel) {
+            bail!("--cfg parallel runs the two passes on two replicas, and with --objective throughput the replicas serve requests of their own: use --cfg serial or pipelined, or drop --objective throughput");
+        }
+        req.cfg = c;
+    }
     if req.objective == Objective::Throughput {
         if let Some(n) = a.clients {
             req.serving.clients = n;

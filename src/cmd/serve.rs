@@ -111,6 +111,14 @@ pub fn run(a: Args) -> Result<i32> {
         (None, None) => bail!("give --plan PLAN, or --model ID --machine PROFILE"),
     };
     let model = model_of(&plan)?;
+    // A CFG-parallel plan's replicas are one request's two passes, not two servers.
+    if plan.cfg_mode() == Some(mold_plan::CfgMode::Parallel) {
+        let what = match &a.plan {
+            Some(p) => format!("--plan {}", p.display()),
+            None => "the plan made for --model".into(),
+        };
+        bail!("{what}: cfg.mode is parallel (its two replicas run one request's conditional and unconditional passes at once), and mold serve runs each replica as a server of its own: re-plan with `mold plan ... --objective throughput --cfg serial` (or --cfg pipelined)");
+    }
     let replicas = plan
         .replica_plans()
         .context("the plan's `replicas:` section")?;

@@ -1,6 +1,6 @@
 use super::common::{load_machine, load_plan, model_of};
 use anyhow::{bail, Context, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -38,6 +38,11 @@ pub struct Args {
     /// The stream as arrivals at R requests a second, evenly spaced.
     #[arg(long, value_name = "R")]
     pub arrival_rate: Option<f64>,
+    /// Compare a run report (`mold exec PLAN --report run.json`) with this plan: each
+    /// phase's and each device peak's prediction, measurement and deviation, and the
+    /// largest deviation; refused when the report is of another plan.
+    #[arg(long, value_name = "RUN_JSON", conflicts_with_all = ["check", "timeline", "requests", "clients", "arrival_rate", "machine", "force"])]
+    pub compare: Option<PathBuf>,
 }
 
 /// The request stream the flags ask for, if any.
@@ -79,6 +84,9 @@ pub fn run(a: Args) -> Result<i32> {
         _ => bail!("name one plan (several paths are for --check)"),
     };
     let plan = load_plan(path)?;
+    if let Some(run) = &a.compare {
+        return compare(&plan, path, run, a.json);
+    }
     let (machine, profile) = match &a.machine {
         Some(m) => (load_machine(m)?, m.clone()),
         None => {
@@ -162,6 +170,30 @@ pub fn run(a: Args) -> Result<i32> {
             eprintln!("error: {}", o.message);
         }
         return Ok(1);
+    }
+    Ok(0)
+}
+
+/// `mold sim PLAN --compare run.json`: the report checked against the plan, then its
+/// table (or JSON); a malformed report or one of another plan is refused in one line.
+fn compare(plan: &mold_plan::Plan, plan_path: &Path, run: &Path, json: bool) -> Result<i32> {
+    let name = run.display().to_string();
+    let text = std::fs::read_to_string(run).with_context(|| {
+        format!(
+            "--compare {name}: cannot read it (write one with `mold exec PLAN --report {name}`)"
+        )
+    })?;
+    let report = mold_sim::run_report::RunReport::from_json(&text, &name)?;
+    mold_sim::run_compare::check_plan(&report, &name, plan, &plan_path.display().to_string())?;
+    if json {
+        let largest = report.largest_deviation();
+        let v = serde_json::json!({
+            "report": report,
+            "largest_deviation": largest.map(|(what, d)| serde_json::json!({"phase": what, "deviation": d})),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", report.table());
     }
     Ok(0)
 }

@@ -42,6 +42,12 @@ fn exec(plan: &Path, extra: &[&str], env: &[(&str, &str)]) -> (String, String) {
     if !extra.contains(&"--seed") {
         args.extend(["--seed", "3"]);
     }
+    // Beside the plan, in the test's directory: mold's default `out.png` is in the
+    // working directory, the repository.
+    let out = plan.with_file_name("out.png");
+    if !extra.contains(&"--out") {
+        args.extend(["--out", out.to_str().unwrap()]);
+    }
     args.extend(extra);
     ok(&args, env)
 }

@@ -15,10 +15,19 @@ fn qwen_tiny_testdata_plan_exec_verify() {
             && out.contains("diffusion_pytorch_model.safetensors.index.json"),
         "{out}"
     );
+    // The benchmark runs a step's two CFG passes as the plan's CFG mode says (a split
+    // for pipelined CFG: every device capped below the whole transformer).
+    let cap: Vec<String> = (0..4).map(|i| format!("emu:{i}=65MiB")).collect();
+    let mut pipelined = vec!["--tp", "off", "--cfg", "pipelined"];
+    for c in &cap {
+        pipelined.extend(["--max-vram", c.as_str()]);
+    }
     for (name, extra) in [
-        ("tp2", vec!["--tp", "2"]),
-        ("sp2", vec!["--sp", "2"]),
-        ("one", vec!["--tp", "off"]),
+        ("tp2", vec!["--tp", "2", "--cfg", "serial"]),
+        ("sp2", vec!["--sp", "2", "--cfg", "serial"]),
+        ("one", vec!["--tp", "off", "--cfg", "serial"]),
+        ("parallel", vec!["--tp", "off", "--cfg", "parallel"]),
+        ("pipelined", pipelined),
     ] {
         let p = d.join(format!("{name}.yaml"));
         let p = p.to_str().unwrap();
@@ -33,8 +42,17 @@ fn qwen_tiny_testdata_plan_exec_verify() {
         ];
         args.extend(extra);
         mold_ok(&args);
+        if name == "tp2" {
+            tensor_parallel_on_two(std::path::Path::new(p));
+        }
         let (s, _) = mold_ok(&["exec", p, "--weights", w, "--steps", "2", "--verify"]);
         assert!(s.contains("max relative error"), "{name}: {s}");
+        // CFG-parallel: the second replica holds the unconditional pass's transformer.
+        assert_eq!(
+            s.contains("loaded transformer (unconditional)"),
+            name == "parallel",
+            "{name}: {s}"
+        );
     }
     let tp2 = read(&d.join("tp2.yaml"));
     assert!(tp2.contains("tp: 2") && tp2.contains("block 0..3"), "{tp2}");

@@ -93,16 +93,28 @@ fn qwen_tiny_pipeline_writes_a_deterministic_png() {
         assert!(w.join(f).is_file(), "{f}");
     }
 
-    let one = plan(&d, "one", &["--tp", "off"]);
-    let tp2 = plan(&d, "tp2", &["--tp", "2"]);
+    // The reference: one device, the two CFG passes one after the other (the planner's
+    // default here would run them CFG-parallel on two replicas).
+    let one = plan(&d, "one", &["--tp", "off", "--cfg", "serial"]);
+    let tp2 = plan(&d, "tp2", &["--tp", "2", "--cfg", "serial"]);
+    tensor_parallel_on_two(&tp2);
     let cap: Vec<String> = (0..4).map(|i| format!("emu:{i}=65MiB")).collect();
     let mut split_args = vec!["--tp", "off"];
     for c in &cap {
         split_args.extend(["--max-vram", c.as_str()]);
     }
-    let split = plan(&d, "split", &split_args);
+    let mut serial_split = split_args.clone();
+    serial_split.extend(["--cfg", "serial"]);
+    let split = plan(&d, "split", &serial_split);
     let sp = mold_plan::Plan::load(&split).unwrap();
     assert!(sp.transformer().unwrap().parts.len() > 1, "{sp:?}");
+    // The same split with the two passes as micro-batches through its stages.
+    split_args.extend(["--cfg", "pipelined"]);
+    let pipelined = plan(&d, "pipelined", &split_args);
+    assert_eq!(
+        mold_plan::Plan::load(&pipelined).unwrap().cfg_mode(),
+        Some(mold_plan::CfgMode::Pipelined)
+    );
 
     let io_one = d.join("one.safetensors");
     let (a, so, se) = generate(
@@ -142,9 +154,10 @@ fn qwen_tiny_pipeline_writes_a_deterministic_png() {
     assert_eq!(get("true_cfg_scale"), "4");
     assert_eq!(get("model"), "qwen-image-tiny");
 
-    // Tensor parallel and a block split: the 1-device latents within f32 rounding.
+    // Tensor parallel, a block split and pipelined CFG: the 1-device latents within f32
+    // rounding.
     let want = final_latents(&io_one);
-    for (name, p) in [("tp2", &tp2), ("split", &split)] {
+    for (name, p) in [("tp2", &tp2), ("split", &split), ("pipelined", &pipelined)] {
         let io = d.join(format!("{name}.safetensors"));
         generate(
             p,
@@ -184,6 +197,8 @@ fn qwen_tiny_pipeline_writes_a_deterministic_png() {
         "--prompt",
         "a fox",
         "--cfg-parallel",
+        "--out",
+        d.join("refused.png").to_str().unwrap(),
     ]);
     assert!(
         e.contains("--cfg-parallel") && e.contains("--objective throughput"),
@@ -210,7 +225,18 @@ fn qwen_pipeline_refusals_name_the_problem() {
     mold_ok(&["testdata", "qwen-image-tiny-pipeline", ws]);
     let p = plan(&d, "p", &[]);
     let ps = p.to_str().unwrap();
-    let base = ["exec", ps, "--weights", ws, "--prompt", "a fox"];
+    // An --out of its own: a refusal that regressed must not write the working directory.
+    let out = d.join("refused.png");
+    let base = [
+        "exec",
+        ps,
+        "--weights",
+        ws,
+        "--prompt",
+        "a fox",
+        "--out",
+        out.to_str().unwrap(),
+    ];
     let fails = |extra: &[&str]| {
         let mut args = base.to_vec();
         args.extend(extra);
@@ -222,6 +248,16 @@ fn qwen_pipeline_refusals_name_the_problem() {
     assert!(e.contains("--cfg 0.5") && e.contains(">= 1"), "{e}");
     let e = fails(&["--guidance", "3.5"]);
     assert!(e.contains("--guidance") && e.contains("--cfg"), "{e}");
+
+    // A CFG-parallel plan's two replicas are one request's passes: mold serve, which
+    // serves each replica apart, refuses it before anything loads.
+    let par = plan(&d, "par", &["--cfg", "parallel"]);
+    let e = mold_fails(&["serve", "--plan", par.to_str().unwrap(), "--weights", ws]);
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    assert!(
+        e.contains("par.yaml") && e.contains("cfg.mode is parallel") && e.contains("--cfg serial"),
+        "{e}"
+    );
 
     // Without --prompt, the pipeline's flags are refused.
     let e = mold_fails(&["exec", ps, "--weights", ws, "--negative-prompt", "x"]);

@@ -11,6 +11,7 @@ mod cli_plan;
 mod cli_progress;
 mod cli_qwen;
 mod cli_qwen_pipeline;
+mod cli_report;
 mod cli_serve;
 mod cli_sim;
 mod parsers;

@@ -111,3 +111,25 @@ pub fn mold_fails(args: &[&str]) -> String {
     );
     stderr(&o)
 }
+
+/// Rewrites a plan's transformer as one tensor-parallel part over `emu:0` and `emu:1`.
+/// The planner prices Qwen-Image's CFG passes at batch 1, and on cpu-emu-4 `--tp 2` then
+/// keeps qwen-image-tiny on one device (the collectives cost more than they save); the
+/// executor's tensor-parallel path must still be exercised, so the tests write that plan
+/// themselves (from a `--cfg serial` plan: no replicas to remap).
+pub fn tensor_parallel_on_two(path: &Path) {
+    let mut plan = mold_plan::Plan::load(path).unwrap();
+    assert!(plan.replicas.is_none(), "{}", path.display());
+    let t = plan
+        .components
+        .iter_mut()
+        .find(|c| c.role == mold_plan::ComponentRole::Transformer)
+        .unwrap();
+    let mut part = t.parts[0].clone();
+    part.blocks = t.parts.iter().flat_map(|p| p.blocks.clone()).collect();
+    part.devices = vec![mold_plan::DeviceId::Emu(0), mold_plan::DeviceId::Emu(1)];
+    part.tp = 2;
+    part.sp = 1;
+    t.parts = vec![part];
+    std::fs::write(path, plan.to_yaml()).unwrap();
+}

@@ -44,7 +44,21 @@
 //!   the group's streamed parts), the transformer stem if it runs any transformer part,
 //!   and the largest activation of anything it runs (a block's over `⌈tokens/sp⌉`
 //!   tokens); that plus its headroom must fit its budget;
-//! - every component stays loaded for the whole request;
+//! - memory phases (the plan's `memory_phases`): `resident`, every component stays
+//!   loaded for the whole request and a device's peak counts them all at once;
+//!   `one-shot`, the text encoders are freed before the transformer loads and the
+//!   transformer before the VAE loads, so the transformer holds no device memory while
+//!   the encoders run: a device's peak is the largest of its encode phase (its encoders'
+//!   weights and the largest of their activations), its denoise phase (the transformer's
+//!   resident blocks, stream buffers, stem and largest activation) and its decode phase
+//!   (the VAE's weights and activation) ([`PhasePeaks`]);
+//! - true CFG (a `cfg_scale`) runs two transformer passes a step, each at the
+//!   workload's batch ([`Ctx::batch`]): `serial`, 2 × the pass; `parallel`, the
+//!   slower of the two replicas' passes plus the combine (the unconditional output,
+//!   latent-sized, sent to replica 0's output device over that pair's link); `pipelined`,
+//!   the two passes as micro-batches through the stages of a block split (a flow shop of
+//!   the stages and the hand-offs between them): the pass plus its slowest stage or
+//!   hand-off, (S + 1) stage times for S equal stages ([`evaluate`]);
 //! - where the profile has operation tables for the model, dtype and device (`ops:`,
 //!   measured by `mold devices --calibrate --model M`), a block's compute on that device
 //!   is the sum of its measured operations ([`ops`]: its matrix products, attention and
@@ -55,19 +69,18 @@
 //! Byte counts saturate at `u64::MAX` rather than wrap: a workload the model does not
 //! support (which [`validate`] refuses first) can never come out as fitting.
 
+mod evaluate;
 mod group;
 pub mod ops;
 mod validate;
 
+pub use evaluate::{evaluate, round6, DeviceUse, Evaluation, PartTime, PhasePeaks};
 pub use group::Group;
 pub use validate::{check_machine, validate, MachineCheck};
 
 use mold_machine::{Collective, CollectiveOp, Machine};
 use mold_models::{Attention, BlockKind, ComponentSpec, ModelSpec, Tokens};
-use mold_plan::{
-    ByteSize, ComponentRole, DType, DeviceId, DevicePrediction, Plan, Prediction, Residency,
-    Workload,
-};
+use mold_plan::{DType, DeviceId, Workload};
 use serde::Serialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -107,7 +120,7 @@ impl BlockCost {
         self.compute_s + self.allreduce_s + self.alltoall_s
     }
     /// Steady-state time per block when streamed with double buffering.
-    fn streamed_s(&self) -> f64 {
+    pub fn streamed_s(&self) -> f64 {
         self.copy_s.max(self.resident_s())
     }
     /// The part of the first streamed block that no earlier copy hides.
@@ -134,6 +147,8 @@ pub struct Ctx<'a> {
     pub machine: &'a Machine,
     pub workload: &'a Workload,
     pub tokens: Tokens,
+    /// Samples in one transformer pass: the workload's batch (true CFG runs two passes
+    /// of it a step; [`evaluate`] composes them).
     pub batch: u64,
 }
 
@@ -144,8 +159,31 @@ impl<'a> Ctx<'a> {
             machine,
             workload,
             tokens: model.tokens(workload),
-            batch: workload.effective_batch(),
+            batch: workload.batch as u64,
         }
+    }
+
+    /// Bytes of the latents (f32): what a step hands on, what the VAE decodes, and
+    /// what CFG-parallel's unconditional pass sends to be combined.
+    pub fn latent_bytes(&self) -> u64 {
+        let l = &self.model.latent;
+        mold_models::product(&[
+            self.batch,
+            self.tokens.img,
+            (l.channels * l.patch * l.patch) as u64,
+            4,
+        ])
+    }
+
+    /// Conditioning bytes a text encoder of `hidden` width hands the transformer: the
+    /// prompt's, and the negative prompt's under true CFG.
+    pub fn conditioning_bytes(&self, hidden: u64, dtype: DType) -> u64 {
+        mold_models::product(&[
+            self.workload.effective_batch(),
+            self.model.text_tokens as u64,
+            hidden,
+            dtype.activation_bytes(),
+        ])
     }
 
     fn device(&self, id: &DeviceId) -> &mold_machine::Device {
@@ -396,334 +434,5 @@ pub fn allgather_s(link: &Collective, received: f64, n: usize) -> f64 {
     alltoall_s(link, received, n)
 }
 
-/// Memory of one device under a plan.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct DeviceUse {
-    pub device: DeviceId,
-    pub weights: u64,
-    pub buffers: u64,
-    pub activation: u64,
-    /// What is live at the worst moment: weights + buffers + activation.
-    pub peak: u64,
-    pub headroom: u64,
-    pub budget: u64,
-    /// What sets `activation`: a component name or `transformer <kind>`.
-    pub activation_from: String,
-}
-
-impl DeviceUse {
-    pub fn fits(&self) -> bool {
-        self.peak.saturating_add(self.headroom) <= self.budget
-    }
-}
-
-/// The time of one transformer part within a step.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct PartTime {
-    pub index: usize,
-    pub devices: Vec<DeviceId>,
-    pub tp: u32,
-    pub sp: u32,
-    pub blocks: u32,
-    pub residency: Residency,
-    pub compute_s: f64,
-    pub allreduce_s: f64,
-    pub alltoall_s: f64,
-    pub copy_s: f64,
-    pub total_s: f64,
-}
-
-/// The closed-form evaluation of a plan: what the planner records as its prediction.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Evaluation {
-    pub step_s: f64,
-    pub handoff_s: f64,
-    /// All-gathers ending runs of parts on sequence-parallel groups, per step.
-    pub gather_s: f64,
-    /// Pipeline fill of streamed parts: once per device group per step.
-    pub fill_s: f64,
-    pub encode_s: f64,
-    pub denoise_s: f64,
-    pub decode_s: f64,
-    pub request_s: f64,
-    pub devices: Vec<DeviceUse>,
-    pub parts: Vec<PartTime>,
-    pub host_pinned: u64,
-    pub host_pinned_limit: u64,
-    pub host_ram: u64,
-    pub host_memory: u64,
-    pub streamed_per_step: u64,
-}
-
-impl Evaluation {
-    pub fn overflows(&self) -> Vec<&DeviceUse> {
-        self.devices.iter().filter(|d| !d.fits()).collect()
-    }
-
-    pub fn fits(&self) -> bool {
-        self.overflows().is_empty()
-            && self.host_pinned <= self.host_pinned_limit
-            && self.host_ram <= self.host_memory
-    }
-
-    /// The prediction block recorded in a plan (memory rounded up to MiB).
-    pub fn prediction(&self) -> Prediction {
-        Prediction {
-            step_time_s: round6(self.step_s),
-            request_time_s: round6(self.request_s),
-            encode_time_s: round6(self.encode_s),
-            denoise_time_s: round6(self.denoise_s),
-            decode_time_s: round6(self.decode_s),
-            devices: self
-                .devices
-                .iter()
-                .map(|d| DevicePrediction {
-                    device: d.device.clone(),
-                    peak: ByteSize(d.peak).ceil_mib(),
-                    budget: ByteSize(d.budget),
-                    weights: ByteSize(d.weights).ceil_mib(),
-                })
-                .collect(),
-            host_pinned: ByteSize(self.host_pinned).ceil_mib(),
-            streamed_per_step: ByteSize(self.streamed_per_step).ceil_mib(),
-        }
-    }
-}
-
-/// Rounds seconds to microseconds so recorded plans stay stable and readable.
-pub fn round6(x: f64) -> f64 {
-    (x * 1e6).round() / 1e6
-}
-
-/// Evaluates a plan that [`validate`] accepted.
-pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation {
-    let ctx = Ctx::new(model, machine, &plan.workload);
-    let mut uses: Vec<DeviceUse> = machine
-        .devices
-        .iter()
-        .map(|d| DeviceUse {
-            device: d.id.clone(),
-            weights: 0,
-            buffers: 0,
-            activation: 0,
-            peak: 0,
-            headroom: d.headroom.0,
-            budget: d.budget.0,
-            activation_from: String::new(),
-        })
-        .collect();
-    let idx = |id: &DeviceId| machine.devices.iter().position(|d| &d.id == id);
-    let mut host_ram = 0u64;
-    let (mut encode_s, mut decode_s) = (0.0, 0.0);
-    let raise_act = |u: &mut DeviceUse, bytes: u64, from: String| {
-        if bytes > u.activation {
-            u.activation = bytes;
-            u.activation_from = from;
-        }
-    };
-
-    for c in &plan.components {
-        if c.role == ComponentRole::Transformer {
-            continue;
-        }
-        let spec = model.component(&c.name).expect("validated");
-        let on = &c.parts[0].devices[0];
-        let t = ctx.component_s(spec, on, c.dtype);
-        match c.role {
-            ComponentRole::Encoder => encode_s += t,
-            _ => decode_s += t,
-        }
-        match idx(on) {
-            Some(i) => {
-                uses[i].weights = uses[i].weights.saturating_add(spec.weight_bytes(c.dtype));
-                raise_act(
-                    &mut uses[i],
-                    ctx.component_activation(spec, c.dtype),
-                    c.name.clone(),
-                );
-            }
-            None => {
-                host_ram = host_ram
-                    .saturating_add(spec.weight_bytes(c.dtype))
-                    .saturating_add(ctx.component_activation(spec, c.dtype))
-            }
-        }
-    }
-
-    let mut step_s = 0.0;
-    let mut handoff_s = 0.0;
-    let mut gather_s = 0.0;
-    let mut fill_s = 0.0;
-    let mut parts = Vec::new();
-    let mut host_pinned = 0u64;
-    let mut streamed = 0u64;
-    if let Some(tc) = plan.transformer() {
-        let dtype = tc.dtype;
-        let stem = model.transformer.stem_bytes(dtype);
-        let mut groups: Vec<Group> = Vec::new();
-        // Pipeline fill, once per device group: its copy stream runs ahead across parts.
-        let mut fills: Vec<f64> = Vec::new();
-        // Stream buffers, once per device group: its streamed parts reuse them.
-        let mut group_buffers: Vec<u64> = Vec::new();
-        let mut transitions = 0usize;
-        // Per (group, kind): the kind's cost there and its resident and streamed counts.
-        let mut per_kind: Vec<(usize, String, BlockCost, u64, u64)> = Vec::new();
-        for (pi, p) in tc.parts.iter().enumerate() {
-            let group = Group::of(p);
-            let gi = match groups.iter().position(|g| g == &group) {
-                Some(i) => i,
-                None => {
-                    groups.push(group.clone());
-                    fills.push(0.0);
-                    group_buffers.push(0);
-                    groups.len() - 1
-                }
-            };
-            let changes = pi > 0 && Group::of(&tc.parts[pi - 1]) != group;
-            if changes {
-                transitions += 1;
-            }
-            // A run of parts on one sequence-parallel group ends with an all-gather.
-            let run_ends = tc
-                .parts
-                .get(pi + 1)
-                .is_none_or(|next| Group::of(next) != group);
-            if run_ends {
-                gather_s += ctx.gather_s(&group, dtype);
-            }
-            let mut pt = PartTime {
-                index: pi,
-                devices: p.devices.clone(),
-                tp: p.tp,
-                sp: p.sp,
-                blocks: p.block_count(),
-                residency: p.residency,
-                compute_s: 0.0,
-                allreduce_s: 0.0,
-                alltoall_s: 0.0,
-                copy_s: 0.0,
-                total_s: 0.0,
-            };
-            let mut buffer: u64 = 0;
-            for r in &p.blocks {
-                let (_, kind) = model.transformer.kind(&r.kind).expect("validated");
-                let bc = ctx.block(kind, &group, dtype);
-                let n = r.len() as f64;
-                let at = match per_kind
-                    .iter()
-                    .position(|(g, k, ..)| *g == gi && *k == kind.name)
-                {
-                    Some(i) => i,
-                    None => {
-                        per_kind.push((gi, kind.name.clone(), bc, 0, 0));
-                        per_kind.len() - 1
-                    }
-                };
-                match p.residency {
-                    Residency::Resident => per_kind[at].3 += r.len() as u64,
-                    Residency::Streamed => per_kind[at].4 += r.len() as u64,
-                }
-                pt.compute_s += n * bc.compute_s;
-                pt.allreduce_s += n * bc.allreduce_s;
-                pt.alltoall_s += n * bc.alltoall_s;
-                for d in &p.devices {
-                    let i = idx(d).expect("validated");
-                    raise_act(
-                        &mut uses[i],
-                        bc.activation_bytes,
-                        format!("transformer {}", kind.name),
-                    );
-                }
-                match p.residency {
-                    Residency::Resident => {
-                        pt.total_s += n * bc.resident_s();
-                        for d in &p.devices {
-                            let u = &mut uses[idx(d).expect("validated")];
-                            u.weights = u
-                                .weights
-                                .saturating_add((r.len() as u64).saturating_mul(bc.weight_bytes));
-                        }
-                    }
-                    Residency::Streamed => {
-                        pt.copy_s += n * bc.copy_s;
-                        pt.total_s += n * bc.streamed_s();
-                        fills[gi] = fills[gi].max(bc.fill_s());
-                        buffer = buffer.max(bc.weight_bytes);
-                        let bytes = mold_models::product(&[
-                            r.len() as u64,
-                            bc.weight_bytes,
-                            p.devices.len() as u64,
-                        ]);
-                        host_pinned = host_pinned.saturating_add(bytes);
-                        streamed = streamed.saturating_add(bytes);
-                    }
-                }
-            }
-            group_buffers[gi] = group_buffers[gi].max((p.buffers() as u64).saturating_mul(buffer));
-            parts.push(pt);
-        }
-        step_s += per_kind
-            .iter()
-            .map(|(_, _, bc, r, s)| bc.group_kind_s(*r, *s))
-            .sum::<f64>();
-        fill_s = fills.iter().sum();
-        for (g, b) in groups.iter().zip(&group_buffers) {
-            for d in &g.devices {
-                let u = &mut uses[idx(d).expect("validated")];
-                u.buffers = u.buffers.saturating_add(*b);
-            }
-        }
-        step_s += fill_s;
-        // The stem is charged to every device that runs a transformer part.
-        for u in uses.iter_mut() {
-            if groups.iter().any(|g| g.devices.contains(&u.device)) {
-                u.weights = u.weights.saturating_add(stem);
-            }
-        }
-        handoff_s = transitions as f64 * ctx.handoff_s(dtype);
-        step_s += handoff_s + gather_s;
-    }
-    for u in uses.iter_mut() {
-        u.peak = u
-            .weights
-            .saturating_add(u.buffers)
-            .saturating_add(u.activation);
-    }
-    let denoise_s = step_s * plan.workload.steps as f64;
-    Evaluation {
-        step_s,
-        handoff_s,
-        gather_s,
-        fill_s,
-        encode_s,
-        denoise_s,
-        decode_s,
-        request_s: encode_s + denoise_s + decode_s,
-        devices: uses,
-        parts,
-        host_pinned,
-        host_pinned_limit: machine.host.pinned_limit.0,
-        host_ram: host_ram.saturating_add(host_pinned),
-        host_memory: machine.host.memory.0,
-        streamed_per_step: streamed,
-    }
-}
-
 #[cfg(test)]
 mod tests;
-
-impl Evaluation {
-    /// An all-zero prediction, for plans assembled by hand before evaluation.
-    pub fn default_prediction() -> Prediction {
-        Prediction {
-            step_time_s: 0.0,
-            request_time_s: 0.0,
-            encode_time_s: 0.0,
-            denoise_time_s: 0.0,
-            decode_time_s: 0.0,
-            devices: vec![],
-            host_pinned: ByteSize::ZERO,
-            streamed_per_step: ByteSize::ZERO,
-        }
-    }
-}

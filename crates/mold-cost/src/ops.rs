@@ -469,7 +469,8 @@ pub fn calibration_shapes(
     let mut out = CalibrationShapes::default();
     for w in &req.workloads {
         let tokens = model.tokens(w);
-        let batch = w.effective_batch();
+        // One transformer pass (true CFG runs two of the workload's batch).
+        let batch = w.batch as u64;
         let all = tokens.img.saturating_add(tokens.txt);
         for kind in &model.transformer.kinds {
             if out.elementwise.0.saturating_mul(out.elementwise.1) < all.saturating_mul(kind.hidden)

@@ -1,5 +1,7 @@
 use super::*;
-use mold_plan::{BlockRange, ComponentPlan, MachineIdentity, Part, SolverRecord};
+use mold_plan::{
+    BlockRange, ComponentPlan, ComponentRole, MachineIdentity, Part, Plan, Residency, SolverRecord,
+};
 
 pub const MACHINE: &str = r#"
 name: unit
@@ -86,6 +88,8 @@ fn tiny_plan_on(parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
             checkpoint: None,
         },
         workload: model.default_workload.clone(),
+        cfg: None,
+        memory_phases: Default::default(),
         machine: MachineIdentity {
             name: m.name.clone(),
             fingerprint: m.fingerprint(),
@@ -594,3 +598,5 @@ fn every_replica_is_validated_and_must_fit() {
     assert!(e.starts_with("replicas[1]: does not fit on cuda:1"), "{e}");
     assert!(!e.contains('\n'), "{e}");
 }
+
+mod cfg;

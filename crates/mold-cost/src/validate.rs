@@ -11,12 +11,58 @@ use mold_plan::{ComponentRole, DeviceId, Plan};
 /// `model` on `machine`. With `replicas:`, every replica is checked so, on its own
 /// devices, and must fit in their memory (the replicas' pinned host memory together
 /// within the machine's limit); errors then start with `replicas[i]`.
+///
+/// A plan with `cfg` must be for a model with true CFG (a `cfg_scale` in its default
+/// workload). Under CFG-parallel the two replicas are one request's two passes: each is
+/// checked as a placement, and the pair must fit together (the encoders and the VAE
+/// where replica 0 places them, a transformer on each replica's devices).
 pub fn validate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Result<(), CostError> {
+    if plan.cfg.is_some() && model.default_workload.cfg_scale.is_none() {
+        return Err(invalid(
+            "cfg",
+            format!(
+                "{} has no true CFG (its workload has no cfg_scale: it is guidance-distilled): remove `cfg` and workload.cfg_scale",
+                model.id
+            ),
+        ));
+    }
     let replicas = plan
         .replica_plans()
         .map_err(|e| invalid(e.field, e.message))?;
     if plan.replicas.is_none() {
         return validate_placement(plan, model, machine);
+    }
+    if plan.cfg_mode() == Some(mold_plan::CfgMode::Parallel) {
+        for (ri, r) in replicas.iter().enumerate() {
+            validate_placement(r, model, machine).map_err(
+                |CostError::Invalid { field, message }| {
+                    invalid(format!("replicas[{ri}]: {field}"), message)
+                },
+            )?;
+        }
+        let e = crate::evaluate(plan, model, machine);
+        if let Some(d) = e.overflows().first() {
+            return Err(invalid(
+                "cfg.mode",
+                format!(
+                    "CFG-parallel does not fit on {}: it needs {} with headroom but the budget is {}: use a placement that fits there, or `mode: serial`",
+                    d.device,
+                    mold_plan::ByteSize(d.peak.saturating_add(d.headroom)).ceil_mib(),
+                    mold_plan::ByteSize(d.budget).ceil_mib()
+                ),
+            ));
+        }
+        if e.host_pinned > e.host_pinned_limit {
+            return Err(invalid(
+                "cfg.mode",
+                format!(
+                    "the two replicas pin {} of host memory for streamed weights, over the limit of {}: use fewer streamed blocks, or `mode: serial`",
+                    mold_plan::ByteSize(e.host_pinned).ceil_mib(),
+                    mold_plan::ByteSize(e.host_pinned_limit).ceil_mib()
+                ),
+            ));
+        }
+        return Ok(());
     }
     let mut pinned = 0u64;
     for (ri, r) in replicas.iter().enumerate() {

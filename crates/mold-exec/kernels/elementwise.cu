@@ -78,102 +78,196 @@ __device__ __forceinline__ float gelu_tanh(float x) {
                            make_float2(v.x * (1.f + s.x) + h.x, v.y * (1.f + s.y) + h.y));     \
     }
 
-// y[r, c] = res[r, c] + gate[b, c] * x[r, c], b = r / len
+// y[r, c] = res[r, c] + gate[b, c] * (x[r, c] + bias[c]), b = r / len (bias may be null)
 #define MOLD_EW_GATE(NAME, T)                                                                  \
-    extern "C" __global__ void NAME(const T *res, const T *x, const T *gate, T *y, int n,      \
-                                    long long ldres, long long ldx, int len, long long sgate) { \
+    extern "C" __global__ void NAME(const T *res, const T *x, const T *bias, const T *gate,    \
+                                    T *y, int n, long long ldres, long long ldx, int len,      \
+                                    long long sgate) {                                         \
         const int c = 2 * (blockIdx.y * blockDim.x + threadIdx.x);                             \
         if (c >= n) return;                                                                    \
         const long long r = blockIdx.x;                                                        \
         const long long bt = r / len;                                                          \
         const float2 a = mold_ew::load2<T>(res + r * ldres + c);                               \
-        const float2 v = mold_ew::load2<T>(x + r * ldx + c);                                   \
+        float2 v = mold_ew::load2<T>(x + r * ldx + c);                                         \
+        if (bias) {                                                                            \
+            const float2 bb = mold_ew::load2<T>(bias + c);                                     \
+            v.x += bb.x;                                                                       \
+            v.y += bb.y;                                                                       \
+        }                                                                                      \
         const float2 g = mold_ew::load2<T>(gate + bt * sgate + c);                             \
         mold_ew::store2<T>(y + r * n + c, make_float2(a.x + g.x * v.x, a.y + g.y * v.y));      \
+    }
+
+// LayerNorm without affine parameters, then modulation, one pass over memory:
+// y[r, :] = (x[r, :] - mean) * rsqrt(var + eps) * (1 + scale[b, :]) + shift[b, :], b = r / len.
+// One block per row; the row is staged in shared memory as f32 (n floats, dynamic), the
+// mean and the variance (of the deviations, two passes over shared memory) in f32.
+// Launch: grid (rows), block 256, shared n * 4 bytes.
+namespace mold_ew {
+__device__ __forceinline__ float block_sum(float v, float *red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads(); // red may still be read from the previous call
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    const int warps = blockDim.x / 32;
+    for (int i = 0; i < warps; ++i) t += red[i];
+    return t;
+}
+} // namespace mold_ew
+
+#define MOLD_EW_LN_MODULATE(NAME, T)                                                           \
+    extern "C" __global__ void NAME(const T *x, const T *scale, const T *shift, T *y, int n,    \
+                                    long long ldx, int len, long long sscale,                  \
+                                    long long sshift, float eps) {                             \
+        extern __shared__ float row[];                                                         \
+        __shared__ float red[32];                                                              \
+        const long long r = blockIdx.x;                                                        \
+        const long long bt = r / len;                                                          \
+        const T *xr = x + r * ldx;                                                             \
+        float s = 0.f;                                                                         \
+        for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {                            \
+            const float2 v = mold_ew::load2<T>(xr + c);                                        \
+            row[c] = v.x;                                                                      \
+            row[c + 1] = v.y;                                                                  \
+            s += v.x + v.y;                                                                    \
+        }                                                                                      \
+        const float mean = mold_ew::block_sum(s, red) / n;                                     \
+        float q = 0.f;                                                                         \
+        for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {                            \
+            const float d0 = row[c] - mean, d1 = row[c + 1] - mean;                            \
+            q += d0 * d0 + d1 * d1;                                                            \
+        }                                                                                      \
+        const float rstd = rsqrtf(mold_ew::block_sum(q, red) / n + eps);                       \
+        for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {                            \
+            const float2 sc = mold_ew::load2<T>(scale + bt * sscale + c);                      \
+            const float2 sh = mold_ew::load2<T>(shift + bt * sshift + c);                      \
+            mold_ew::store2<T>(y + r * n + c,                                                  \
+                               make_float2((row[c] - mean) * rstd * (1.f + sc.x) + sh.x,       \
+                                           (row[c + 1] - mean) * rstd * (1.f + sc.y) + sh.y)); \
+        }                                                                                      \
     }
 
 #define MOLD_EW_ALL(SUFFIX, T)                                                                 \
     MOLD_EW_BIAS(mold_bias_add_##SUFFIX, T, 0)                                                 \
     MOLD_EW_BIAS(mold_bias_gelu_##SUFFIX, T, 1)                                                \
     MOLD_EW_MODULATE(mold_modulate_##SUFFIX, T)                                                \
-    MOLD_EW_GATE(mold_gate_residual_##SUFFIX, T)
+    MOLD_EW_GATE(mold_gate_residual_##SUFFIX, T)                                              \
+    MOLD_EW_LN_MODULATE(mold_ln_modulate_##SUFFIX, T)
 
 MOLD_EW_ALL(bf16, __nv_bfloat16)
 MOLD_EW_ALL(f16, __half)
 MOLD_EW_ALL(f32, float)
 
-// q/k/v preparation for attention, one warp per (token, head, which ∈ {q, k, v}):
-// reads a row segment of the fused projection `qkv` (row = token, [q | k | v] each
-// heads × D wide, row stride `ld`), applies RMSNorm (scale q_scale / k_scale, f32) and
-// RoPE (interleaved pairs, tables cos/sin (len_tot, D/2) per batch, f32) to q and k,
-// and writes q, k, v transposed into out = (3, B, heads, len_tot, D) at sequence offset
-// l_off — so txt and img segments land concatenated without a copy.
-// Launch: grid (ceil(len * heads * 3 / 4), B), block 128.
+// q/k/v preparation for attention, one warp per (token, head): reads the row segments of
+// q, k and v of the fused projection `qkv` (row = token, [q | k | v] each heads × D wide,
+// row stride `ld`), applies RMSNorm (scale q_scale / k_scale) and RoPE (interleaved pairs,
+// tables cos/sin (len_tot, D/2) per batch, in T or f32: the `_f32tab` kernels) to q and k, and writes q, k, v transposed
+// into out = (3, B, heads, len_tot, D) at sequence offset l_off — so txt and img segments
+// land concatenated without a copy. All loads of a warp (q, k, v, the tables, the scales)
+// are issued before any arithmetic, so each warp keeps several requests in flight.
+// Launch: grid (ceil(len * heads / 4), B), block 128.
 namespace mold_ew {
-template <typename T, int D>
+template <typename T> __device__ __forceinline__ float tof(T v);
+template <> __device__ __forceinline__ float tof<__nv_bfloat16>(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ float tof<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float tof<float>(float v) { return v; }
+
+template <typename T, typename C, int D>
 __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, int l_off,
                                          int len_tot, int heads, const T *q_scale,
-                                         const T *k_scale, const float *cos_t,
-                                         const float *sin_t, long long cs_batch, T *out,
-                                         float eps) {
+                                         const T *k_scale, const C *cos_t, const C *sin_t,
+                                         long long cs_batch, T *out, float eps) {
     constexpr int E = D / 32; // elements per lane (even)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long idx = static_cast<long long>(blockIdx.x) * 4 + warp;
-    const int which = idx % 3;
-    const int h = (idx / 3) % heads;
-    const long long l = idx / (3LL * heads);
+    const int h = idx % heads;
+    const long long l = idx / heads;
     if (l >= len) return;
     const int b = blockIdx.y;
     const int B = gridDim.y;
     const T *src = qkv + (static_cast<long long>(b) * len + l) * ld +
-                   static_cast<long long>(which) * heads * D + static_cast<long long>(h) * D +
-                   lane * E;
-    float x[E];
+                   static_cast<long long>(h) * D + lane * E;
+    const long long hd = static_cast<long long>(heads) * D;
+    const long long pos = l_off + l;
+    const C *c = cos_t + b * cs_batch + pos * (D / 2) + lane * (E / 2);
+    const C *s = sin_t + b * cs_batch + pos * (D / 2) + lane * (E / 2);
+    float x[3][E], cs[E / 2], sn[E / 2], w[2][E];
 #pragma unroll
-    for (int e = 0; e < E; e += 2) {
-        const float2 v = load2<T>(src + e);
-        x[e] = v.x;
-        x[e + 1] = v.y;
-    }
-    if (which < 2) {
-        float ss = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) ss += x[e] * x[e];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-        const float r = rsqrtf(ss / D + eps);
-        const T *scale = which == 0 ? q_scale : k_scale;
-        const long long pos = l_off + l;
-        const float *c = cos_t + b * cs_batch + pos * (D / 2) + lane * (E / 2);
-        const float *s = sin_t + b * cs_batch + pos * (D / 2) + lane * (E / 2);
+    for (int which = 0; which < 3; ++which) {
 #pragma unroll
         for (int e = 0; e < E; e += 2) {
-            const float2 w = load2<T>(scale + lane * E + e);
-            const float x0 = x[e] * r * w.x, x1 = x[e + 1] * r * w.y;
-            const float cc = c[e / 2], sn = s[e / 2];
-            x[e] = x0 * cc - x1 * sn;
-            x[e + 1] = x0 * sn + x1 * cc;
+            const float2 v = load2<T>(src + which * hd + e);
+            x[which][e] = v.x;
+            x[which][e + 1] = v.y;
         }
     }
-    T *dst = out + ((static_cast<long long>(which) * B + b) * heads + h) * len_tot * D +
-             (l_off + l) * D + lane * E;
 #pragma unroll
-    for (int e = 0; e < E; e += 2) store2<T>(dst + e, make_float2(x[e], x[e + 1]));
+    for (int e = 0; e < E / 2; ++e) {
+        cs[e] = tof<C>(c[e]);
+        sn[e] = tof<C>(s[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < E; e += 2) {
+        const float2 a = load2<T>(q_scale + lane * E + e);
+        const float2 k = load2<T>(k_scale + lane * E + e);
+        w[0][e] = a.x;
+        w[0][e + 1] = a.y;
+        w[1][e] = k.x;
+        w[1][e + 1] = k.y;
+    }
+    float ss[2] = {0.f, 0.f};
+#pragma unroll
+    for (int which = 0; which < 2; ++which)
+#pragma unroll
+        for (int e = 0; e < E; ++e) ss[which] += x[which][e] * x[which][e];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ss[0] += __shfl_xor_sync(0xffffffff, ss[0], o);
+        ss[1] += __shfl_xor_sync(0xffffffff, ss[1], o);
+    }
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+        const float r = rsqrtf(ss[which] / D + eps);
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            const float x0 = x[which][e] * r * w[which][e];
+            const float x1 = x[which][e + 1] * r * w[which][e + 1];
+            const float cc = cs[e / 2], sv = sn[e / 2];
+            x[which][e] = x0 * cc - x1 * sv;
+            x[which][e + 1] = x0 * sv + x1 * cc;
+        }
+    }
+#pragma unroll
+    for (int which = 0; which < 3; ++which) {
+        T *dst = out + ((static_cast<long long>(which) * B + b) * heads + h) * len_tot * D +
+                 pos * D + lane * E;
+#pragma unroll
+        for (int e = 0; e < E; e += 2)
+            store2<T>(dst + e, make_float2(x[which][e], x[which][e + 1]));
+    }
 }
 } // namespace mold_ew
 
-#define MOLD_QKV_PREP(NAME, T, D)                                                              \
+#define MOLD_QKV_PREP(NAME, T, C, D)                                                           \
     extern "C" __global__ void NAME(const T *qkv, long long ld, int len, int l_off,            \
                                     int len_tot, int heads, const T *q_scale,                  \
-                                    const T *k_scale, const float *cos_t, const float *sin_t,  \
+                                    const T *k_scale, const C *cos_t, const C *sin_t,          \
                                     long long cs_batch, T *out, float eps) {                   \
-        mold_ew::qkv_prep<T, D>(qkv, ld, len, l_off, len_tot, heads, q_scale, k_scale, cos_t,   \
-                                sin_t, cs_batch, out, eps);                                    \
+        mold_ew::qkv_prep<T, C, D>(qkv, ld, len, l_off, len_tot, heads, q_scale, k_scale,       \
+                                   cos_t, sin_t, cs_batch, out, eps);                          \
     }
+#define MOLD_QKV_PREP_ALL(SUFFIX, T, D)                                                        \
+    MOLD_QKV_PREP(mold_qkv_prep_##SUFFIX##_d##D, T, T, D)                                     \
+    MOLD_QKV_PREP(mold_qkv_prep_##SUFFIX##_d##D##_f32tab, T, float, D)
 
-MOLD_QKV_PREP(mold_qkv_prep_bf16_d128, __nv_bfloat16, 128)
-MOLD_QKV_PREP(mold_qkv_prep_bf16_d64, __nv_bfloat16, 64)
-MOLD_QKV_PREP(mold_qkv_prep_f16_d128, __half, 128)
-MOLD_QKV_PREP(mold_qkv_prep_f16_d64, __half, 64)
-MOLD_QKV_PREP(mold_qkv_prep_f32_d128, float, 128)
-MOLD_QKV_PREP(mold_qkv_prep_f32_d64, float, 64)
+MOLD_QKV_PREP_ALL(bf16, __nv_bfloat16, 128)
+MOLD_QKV_PREP_ALL(bf16, __nv_bfloat16, 64)
+MOLD_QKV_PREP_ALL(f16, __half, 128)
+MOLD_QKV_PREP_ALL(f16, __half, 64)
+MOLD_QKV_PREP(mold_qkv_prep_f32_d128, float, float, 128)
+MOLD_QKV_PREP(mold_qkv_prep_f32_d64, float, float, 64)

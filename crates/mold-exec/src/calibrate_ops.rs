@@ -252,7 +252,7 @@ fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_cor
         Run::Partial => {
             let layer = RowParallel::load(&src, "w", std::slice::from_ref(&cols)).map_err(msg)?;
             let x = random(&[1, g.m, g.k], dtype, dev)?;
-            median(dev, bench, || layer.partial(&[&x]))
+            median(dev, bench, || layer.partial(&[&x], k))
         }
         Run::Bias | Run::BiasGelu => {
             let layer =
@@ -271,13 +271,14 @@ fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_cor
             let layer =
                 ColumnParallel::load(&src, "w", std::slice::from_ref(&rows)).map_err(msg)?;
             let x = random(&[g.m, g.k], dtype, dev)?;
-            median(dev, bench, || layer.forward_vec(&x))
+            median(dev, bench, || layer.forward_vec(&x, k))
         }
     }
 }
 
-/// Bytes per second of mold's element-wise kernels over `(1, rows, width)`: modulation
-/// (reads x, writes the result), gated residual (reads two, writes one) and bias + GELU
+/// Bytes per second of mold's element-wise kernels over `(1, rows, width)`: LayerNorm +
+/// modulation (reads x, writes the result), gated residual with the row-parallel bias
+/// (reads two, writes one) and bias + GELU
 /// (reads x, writes the result), their bytes over their median times.
 fn elementwise_gbps(
     dev: &Device,
@@ -296,11 +297,13 @@ fn elementwise_gbps(
     let runs = [
         (
             2.0,
-            median(dev, bench, || ops::modulate(&x, &scale, &shift, k))?,
+            median(dev, bench, || ops::ln_modulate(&x, &scale, &shift, 1e-6, k))?,
         ),
         (
             3.0,
-            median(dev, bench, || ops::gate_residual(&res, &x, &gate, k))?,
+            median(dev, bench, || {
+                ops::gate_residual(&res, &x, Some(&bias), &gate, k)
+            })?,
         ),
         (
             2.0,

@@ -46,6 +46,7 @@ pub mod dist;
 pub mod error;
 pub mod executor;
 pub mod fault;
+pub mod memory_probe;
 pub mod model;
 pub mod options;
 pub mod runtime;

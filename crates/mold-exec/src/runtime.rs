@@ -76,7 +76,9 @@ fn cuda_device(n: u32, id: &DeviceId, own_stream: bool) -> Result<Device> {
     let err = |e: candle_core::Error| ExecError::Device {
         device: id.to_string(),
         message: format!(
-            "cannot open it ({e}): check the GPU exists and is visible (CUDA_VISIBLE_DEVICES)"
+            // One line: candle's error may carry a captured backtrace after it.
+            "cannot open it ({}): check the GPU exists and is visible (CUDA_VISIBLE_DEVICES)",
+            e.to_string().lines().next().unwrap_or("no CUDA device")
         ),
     };
     if !own_stream {

@@ -430,17 +430,22 @@ fn qwen_image_tiny() -> ModelSpec {
         id: "qwen-image-tiny".into(),
         description: "Qwen-Image architecture at hidden 64: 3 dual-stream blocks (tests)".into(),
         components: vec![
-            lm_encoder(
-                "qwen2.5-vl",
-                "tiny Qwen2.5-VL-style language model (2 layers, hidden 32)",
-                2,
-                text,
-                text,
-                2 * text,
-                1000,
-                0,
-                4,
-            ),
+            // f32 like the rest of the tiny model (its test data is f32): the parity
+            // script compares it with diffusers in f32.
+            ComponentSpec {
+                default_dtype: DType::F32,
+                ..lm_encoder(
+                    "qwen2.5-vl",
+                    "tiny Qwen2.5-VL-style language model (2 layers, hidden 32)",
+                    2,
+                    text,
+                    text,
+                    2 * text,
+                    1000,
+                    0,
+                    4,
+                )
+            },
             ComponentSpec {
                 name: "vae".into(),
                 role: ComponentRole::Vae,

@@ -30,6 +30,7 @@ pub mod qwen_sampling;
 pub mod qwen_testdata;
 pub mod qwen_text;
 pub mod qwen_vae;
+pub mod report;
 pub mod resident;
 pub mod run;
 pub mod sampling;

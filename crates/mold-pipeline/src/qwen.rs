@@ -11,7 +11,9 @@
 //!    is released; the conditioning moves to the transformer's first devices.
 //! 3. **Denoise**: seeded noise packed in 2×2 patches, the shifted flow-matching
 //!    schedule, one conditional and (true CFG) one unconditional transformer pass per
-//!    step, combined; then the transformer is released.
+//!    step, combined; then the transformer is released. The two passes run as the
+//!    plan's CFG mode says ([`Plan::cfg_mode`]): serially, CFG-parallel on a second
+//!    device group ([`generate_on`]), or pipelined through the stages of a block split.
 //! 4. **Decode**: the VAE on its device, then RGB bytes as diffusers rounds them, and
 //!    the PNG's settings.
 //!
@@ -35,7 +37,7 @@ use crate::{
 use candle_core::{DType, Device, IndexOp, Tensor};
 use mold_exec::runtime::DeviceMap;
 use mold_exec::{Checkpoint, Executor, QwenConfig, QwenInputs};
-use mold_plan::{DeviceId, Plan};
+use mold_plan::{CfgMode, DeviceId, Plan};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -424,6 +426,12 @@ pub fn generate_on(
         check_cfg_parallel(plan, u, q)?;
         mold_exec::check_plan(&prep.cfg, u)?;
     }
+    let pipelined = plan.cfg_mode() == Some(CfgMode::Pipelined);
+    if pipelined && uncond.is_some() {
+        return Err(PipelineError::Plan(
+            "the plan's cfg.mode is pipelined (both passes through its block split), but the unconditional pass was also given devices of its own (CFG-parallel): use a plan with `cfg: {mode: parallel}` for that, or drop --cfg-parallel".into(),
+        ));
+    }
     let req = &q.req;
     let started = Instant::now();
     let mut times = Timings::default();
@@ -512,6 +520,16 @@ pub fn generate_on(
             cond: &exec,
             uncond: u,
         },
+        None if pipelined => {
+            on(&Progress::Note(match q.negative() {
+                Some(_) => format!(
+                    "pipelined CFG: each step's two passes as micro-batches through {} stages of the transformer",
+                    exec.pipeline_stages().len()
+                ),
+                None => format!("pipelined CFG: --cfg {} runs one pass a step, nothing to pipeline", q.cfg),
+            }));
+            qwen_sampling::Passes::Pipelined(&exec)
+        }
         None => qwen_sampling::Passes::Serial(&exec),
     };
     let t_denoise = Instant::now();
@@ -706,6 +724,68 @@ predicted:
   streamed_per_step: 0
 solver: {solver: hand, status: optimal, objective: latency, objective_value: 0.0, strategy: tensor, solve_time_ms: 0.0}
 ";
+
+    /// [`PLAN`] as a version 4 plan with its transformer split over emu:0 and emu:1,
+    /// one replica, and `cfg` (none: serial).
+    fn split_plan(cfg: Option<&str>) -> Plan {
+        let cfg = cfg
+            .map(|m| format!("cfg: {{mode: {m}}}\n"))
+            .unwrap_or_default();
+        let yaml = PLAN
+            .replace("version: 3", "version: 4")
+            .replace("machine:", &format!("{cfg}machine:"))
+            .replace(
+                "parts: [{blocks: [block 0..3], devices: [emu:0, emu:1], tp: 2, residency: resident}]",
+                "parts: [{blocks: [block 0..1], devices: [emu:0], residency: resident}, {blocks: [block 1..3], devices: [emu:1], residency: resident}]",
+            )
+            .replace("replicas:\n- {emu:0: emu:0, emu:1: emu:1}\n- {emu:0: emu:2, emu:1: emu:3}\n", "");
+        assert!(
+            yaml.contains("block 1..3") && !yaml.contains("replicas"),
+            "{yaml}"
+        );
+        Plan::from_yaml(&yaml, "test plan").unwrap()
+    }
+
+    /// A plan whose `cfg.mode` is pipelined runs each step's two passes as micro-batches
+    /// through its block split and makes the serial plan's image; CFG-parallel on top of
+    /// it is refused in one line.
+    #[test]
+    fn cfg_pipelined_pipeline_equals_serial() {
+        let dir = std::env::temp_dir().join(format!("mold-qwen-pipelined-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        crate::qwen_testdata::write_tiny_pipeline(&dir, 1).unwrap();
+        let (serial_plan, pipelined) = (split_plan(None), split_plan(Some("pipelined")));
+        assert_eq!(serial_plan.cfg_mode(), Some(CfgMode::Serial));
+        assert_eq!(pipelined.cfg_mode(), Some(CfgMode::Pipelined));
+        let prep = prepare(&pipelined, &dir).unwrap();
+        let opts = mold_exec::ExecOptions::default();
+        let q = request(4.0);
+        let serial = generate(&serial_plan, &prep, &q, &opts, &mut |_| {}).unwrap();
+        let mut seen = Vec::new();
+        let pipe = generate(&pipelined, &prep, &q, &opts, &mut |p| {
+            seen.push(p.to_string())
+        })
+        .unwrap();
+        assert_eq!(serial.image, pipe.image);
+        assert!(
+            seen.iter().any(|s| s
+                == "note: pipelined CFG: each step's two passes as micro-batches through 2 stages of the transformer"),
+            "{seen:?}"
+        );
+        // Without true CFG there is one pass a step: nothing to pipeline, same image.
+        let one = generate(&pipelined, &prep, &request(1.0), &opts, &mut |_| {}).unwrap();
+        let one_serial = generate(&serial_plan, &prep, &request(1.0), &opts, &mut |_| {}).unwrap();
+        assert_eq!(one.image, one_serial.image);
+        let other = Plan::from_yaml(PLAN, "test plan")
+            .unwrap()
+            .replica_plans()
+            .unwrap()[1]
+            .clone();
+        let e = generate_on(&pipelined, Some(&other), &prep, &q, &opts, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cfg.mode is pipelined"), "{e}");
+    }
 
     fn request(cfg: f64) -> QwenRequest {
         QwenRequest {

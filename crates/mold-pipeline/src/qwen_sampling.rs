@@ -12,6 +12,9 @@
 //!   one loop does the same for a single pass).
 //! - True CFG: `c = v_neg + s · (v_cond − v_neg)`, rescaled token by token to the
 //!   conditional prediction's norm: `v = c · ‖v_cond‖ / ‖c‖` (norms over the channels).
+//!   The two passes of a step run as the plan's CFG mode says ([`Passes`]): one after
+//!   the other, on two device groups at once (CFG-parallel), or as two micro-batches
+//!   through the stages of a block split (pipelined); all three give the same latents.
 
 use crate::error::{PipelineError, Result};
 use candle_core::{DType, Tensor, D};
@@ -203,46 +206,9 @@ pub struct Guidance {
     pub scale: f64,
 }
 
-type QwenExec = mold_exec::Executor<mold_exec::QwenConfig>;
-
-/// Where a step's transformer passes run.
-pub enum Passes<'a> {
-    /// Both passes on one executor, one after the other.
-    Serial(&'a QwenExec),
-    /// CFG-parallel: the conditional pass on `cond`, the unconditional one on `uncond`
-    /// (another device group holding the same transformer), at the same time; the
-    /// unconditional prediction moves to the conditional one's device to be combined.
-    Parallel {
-        cond: &'a QwenExec,
-        uncond: &'a QwenExec,
-    },
-}
-
-/// One step's predictions: the conditional one and, with true CFG, the unconditional one.
-fn predict(
-    passes: &Passes,
-    cond: &mold_exec::QwenInputs,
-    neg: Option<&mold_exec::QwenInputs>,
-) -> Result<(Tensor, Option<Tensor>)> {
-    match (passes, neg) {
-        (Passes::Serial(e) | Passes::Parallel { cond: e, .. }, None) => {
-            Ok((e.forward(cond)?, None))
-        }
-        (Passes::Serial(e), Some(n)) => Ok((e.forward(cond)?, Some(e.forward(n)?))),
-        (Passes::Parallel { cond: a, uncond: b }, Some(n)) => {
-            let (va, vb) = std::thread::scope(|s| {
-                let h = s.spawn(|| b.forward(n).map_err(PipelineError::from));
-                let va = a.forward(cond);
-                (va, h.join())
-            });
-            let vb = vb.map_err(|_| PipelineError::Component {
-                component: "transformer".into(),
-                message: "the unconditional pass's thread panicked".into(),
-            })?;
-            Ok((va?, Some(vb?)))
-        }
-    }
-}
+/// Where a step's transformer passes run: serially, CFG-parallel or pipelined
+/// ([`crate::sampling::Passes`]).
+pub type Passes<'a> = crate::sampling::Passes<'a, mold_exec::QwenConfig>;
 
 /// The Qwen-Image denoising loop: over `sigmas`, the transformer on `inputs` (the
 /// conditional pass) and, with `guidance`, on the same latents with the negative
@@ -276,7 +242,7 @@ pub fn denoise(
         // GPUs): finish what this thread queued first.
         inputs.latents().device().synchronize()?;
         let x = inputs.latents().clone();
-        let v = match predict(passes, inputs, neg.as_ref())? {
+        let v = match crate::sampling::predict(passes, inputs, neg.as_ref())? {
             (v, Some(vn)) => combine(&v, &vn, guidance.map_or(1.0, |g| g.scale))?,
             (v, None) => v,
         };
@@ -378,6 +344,86 @@ mod tests {
         // Without guidance the negative pass does not run: another result.
         let plain = run(&Passes::Serial(&a), None);
         assert!(mold_exec::max_relative_error(&serial, &plain).unwrap() > 1e-3);
+    }
+
+    /// A plan of qwen-image-tiny's transformer with `parts` (YAML flow sequence).
+    fn split_plan(parts: &str) -> mold_plan::Plan {
+        let yaml = format!(
+            "version: 3
+model: {{id: qwen-image-tiny}}
+workload: {{width: 32, height: 32, steps: 2, cfg_scale: 4.0}}
+machine:
+  name: cpu-emu-4
+  fingerprint: sha256:70c9ec7dbfc3fc8c
+  devices:
+  - {{id: emu:0, name: emulated device (CPU), memory: 4GiB}}
+  - {{id: emu:1, name: emulated device (CPU), memory: 4GiB}}
+  - {{id: emu:2, name: emulated device (CPU), memory: 4GiB}}
+  - {{id: emu:3, name: emulated device (CPU), memory: 4GiB}}
+components:
+- {{name: transformer, role: transformer, dtype: f32, parts: {parts}}}
+predicted: {{step_time_s: 0.0, request_time_s: 0.0, encode_time_s: 0.0, denoise_time_s: 0.0, decode_time_s: 0.0, devices: [], host_pinned: 0, streamed_per_step: 0}}
+solver: {{solver: hand, status: optimal, objective: latency, objective_value: 0.0, strategy: split, solve_time_ms: 0.0}}
+"
+        );
+        mold_plan::Plan::from_yaml(&yaml, "test plan").unwrap()
+    }
+
+    /// Pipelined CFG (a step's two passes as two micro-batches through the stages of a
+    /// block split) gives the serial loop's latents bit for bit, over 2 and 3 stages,
+    /// with a tensor-parallel and a streamed stage.
+    #[test]
+    fn cfg_pipelined_equals_serial() {
+        use mold_exec::{Executor, QwenConfig};
+        let dir = std::env::temp_dir().join(format!("mold-qwen-cfgpipe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = QwenConfig::qwen_image_tiny();
+        mold_exec::model::qwen::testdata::write_testdata(&cfg, &dir, 5, DType::F32, 1 << 30)
+            .unwrap();
+        let ckpt = mold_exec::Checkpoint::open(
+            &dir.join("transformer/diffusion_pytorch_model.safetensors.index.json"),
+        )
+        .unwrap();
+        let x = mold_exec::model::qwen::random_inputs(&cfg, 64, 32, 5, 1, 3).unwrap();
+        let neg = mold_exec::model::qwen::random_inputs(&cfg, 64, 32, 7, 1, 4).unwrap();
+        let g = Guidance {
+            txt: neg.txt,
+            scale: 4.0,
+        };
+        let sigmas = SchedulerConfig::qwen_image().sigmas(3, 8);
+        let run = |p: &Passes| {
+            let mut inp = x.clone();
+            let mut digests = Vec::new();
+            denoise(
+                p,
+                &mut inp,
+                Some(&g),
+                &sigmas,
+                &mut |_, _, _| Ok(()),
+                &mut |s| digests.push(s.digest),
+            )
+            .unwrap();
+            (inp.img, digests)
+        };
+        for parts in [
+            "[{blocks: [block 0..1], devices: [emu:0], residency: resident}, {blocks: [block 1..3], devices: [emu:1], residency: resident}]",
+            "[{blocks: [block 0..1], devices: [emu:0, emu:1], tp: 2, residency: resident}, {blocks: [block 1..2], devices: [emu:2], residency: streamed}, {blocks: [block 2..3], devices: [emu:3], residency: resident}]",
+        ] {
+            let exec = Executor::new(&cfg, &split_plan(parts), &ckpt).unwrap();
+            let (serial, sd) = run(&Passes::Serial(&exec));
+            let (pipe, pd) = run(&Passes::Pipelined(&exec));
+            assert_eq!(sd, pd, "{parts}: latents digests step by step");
+            assert_eq!(
+                mold_exec::max_relative_error(&serial, &pipe).unwrap(),
+                0.0,
+                "{parts}"
+            );
+            assert_eq!(exec.last_micro_batch_timeline().len(), 2 * exec_parts(parts));
+        }
+    }
+
+    fn exec_parts(yaml_parts: &str) -> usize {
+        yaml_parts.matches("blocks:").count()
     }
 
     proptest! {

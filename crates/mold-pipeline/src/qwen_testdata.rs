@@ -165,32 +165,60 @@ fn bytes_to_unicode() -> Vec<char> {
     by_byte
 }
 
-/// Words the tiny tokenizer's merges are learnt from: the template's and a few of a
-/// prompt's.
-const CORPUS: &str = "Describe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships of the objects and background: system user assistant a red fox in the snow, a cat sitting on the table, blue sky over a mountain river, a photo of a golden house at night";
+/// Words the tiny tokenizer's merges are learnt from: the template's system prompt and a
+/// few of a prompt's.
+const CORPUS: &str = "Describe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships of the objects and background: a red fox in the snow, a cat sitting on the table, blue sky over a mountain river, a photo of a golden house at night";
 
-/// Merges at most.
+/// The template's role words, each right after `<|im_start|>` (no leading space).
+const ROLES: [&str; 3] = ["system", "user", "assistant"];
+
+/// Merges learnt by frequency at most (before the ones that complete the words).
 const MERGES: usize = 160;
 
 /// The tiny tokenizer's files in `dir`: byte-level BPE (the 256 byte characters, then
-/// one token per merge, learnt greedily from [`CORPUS`]), then `<|endoftext|>`,
-/// `<|im_start|>`, `<|im_end|>` as added special tokens.
+/// one token per merge: learnt greedily from [`CORPUS`] and [`ROLES`], then the merges
+/// that make each of their words one token), then `<|endoftext|>`, `<|im_start|>`,
+/// `<|im_end|>` as added special tokens. As with Qwen2.5-VL's tokenizer, the template's
+/// system prompt and `<|im_start|>user\n` are then the [`DROP_TOKENS`] tokens the
+/// pipeline drops, so the conditioning starts at the prompt.
+///
+/// [`DROP_TOKENS`]: crate::qwen_text::DROP_TOKENS
 pub fn write_tokenizer(dir: &Path) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(PipelineError::io(dir))?;
     let map = bytes_to_unicode();
     let mut vocab: Vec<String> = map.iter().map(|c| c.to_string()).collect();
     // Words as the pre-tokenizer cuts them: a leading space joins the word (Ġ).
     let mut words: Vec<Vec<String>> = Vec::new();
-    for (i, w) in CORPUS.split(' ').enumerate() {
-        let w = if i == 0 {
+    let spaced = CORPUS.split(' ').enumerate().map(|(i, w)| {
+        let w = w.trim_end_matches([',', ':']);
+        if i == 0 {
             w.to_string()
         } else {
             format!(" {w}")
-        };
-        let w = w.trim_end_matches([',', ':']).to_string();
+        }
+    });
+    for w in spaced.chain(ROLES.iter().map(|r| r.to_string())) {
         words.push(w.bytes().map(|b| map[b as usize].to_string()).collect());
     }
     let mut merges: Vec<(String, String)> = Vec::new();
+    let apply = |words: &mut Vec<Vec<String>>, pair: &(String, String)| {
+        let joined = format!("{}{}", pair.0, pair.1);
+        for w in words.iter_mut() {
+            let mut out = Vec::with_capacity(w.len());
+            let mut i = 0;
+            while i < w.len() {
+                if i + 1 < w.len() && w[i] == pair.0 && w[i + 1] == pair.1 {
+                    out.push(joined.clone());
+                    i += 2;
+                } else {
+                    out.push(w[i].clone());
+                    i += 1;
+                }
+            }
+            *w = out;
+        }
+        joined
+    };
     while merges.len() < MERGES {
         let mut counts: BTreeMap<(String, String), usize> = BTreeMap::new();
         for w in &words {
@@ -208,23 +236,24 @@ pub fn write_tokenizer(dir: &Path) -> Result<Vec<PathBuf>> {
         if n < 2 {
             break;
         }
-        let joined = format!("{}{}", pair.0, pair.1);
-        for w in &mut words {
-            let mut out = Vec::with_capacity(w.len());
-            let mut i = 0;
-            while i < w.len() {
-                if i + 1 < w.len() && w[i] == pair.0 && w[i + 1] == pair.1 {
-                    out.push(joined.clone());
-                    i += 2;
-                } else {
-                    out.push(w[i].clone());
-                    i += 1;
-                }
-            }
-            *w = out;
+        let joined = apply(&mut words, &pair);
+        // Two merges may make one token (`th`+`e`, `t`+`he`): one id.
+        if !vocab.contains(&joined) {
+            vocab.push(joined);
         }
-        vocab.push(joined);
         merges.push(pair);
+    }
+    // Then every word one token: its first two pieces merged, until one is left.
+    for k in 0..words.len() {
+        while words[k].len() > 1 {
+            let pair = (words[k][0].clone(), words[k][1].clone());
+            let joined = apply(&mut words, &pair);
+            // Two merges may make one token (`th`+`e`, `t`+`he`): one id.
+            if !vocab.contains(&joined) {
+                vocab.push(joined);
+            }
+            merges.push(pair);
+        }
     }
     let v: serde_json::Map<String, serde_json::Value> = vocab
         .iter()
@@ -381,6 +410,35 @@ pub fn write_full_pipeline(dir: &Path, seed: u64, dtype: DType) -> Result<Vec<Pa
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// As with Qwen2.5-VL's tokenizer, the template up to `<|im_start|>user\n` is the
+    /// 34 tokens the pipeline drops, so the conditioning is the prompt's tokens and the
+    /// template's 5 closing ones (`<|im_end|>`, `\n`, `<|im_start|>`, `assistant`, `\n`).
+    #[test]
+    fn the_dropped_tokens_are_the_template_prefix() {
+        use crate::qwen_text::{load_tokenizer, DROP_TOKENS, PROMPT_TEMPLATE};
+        let dir = std::env::temp_dir().join(format!("mold-qwen-td-{}-tok", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let files = write_tokenizer(&dir).unwrap();
+        let tok = load_tokenizer(&files[0]).unwrap();
+        let (prefix, _) = PROMPT_TEMPLATE.split_once("{}").unwrap();
+        let ids = |s: &str| crate::text::tokenize(&tok, &files[0], s).unwrap();
+        assert_eq!(ids(prefix).len(), DROP_TOKENS);
+        for prompt in ["a red fox in the snow", "blurry", "ein Fuchs, 3 Äpfel"] {
+            let all = ids(&PROMPT_TEMPLATE.replace("{}", prompt));
+            assert_eq!(all.len(), DROP_TOKENS + ids(prompt).len() + 5, "{prompt}");
+            assert_eq!(
+                tok.decode(&all[DROP_TOKENS..], false).unwrap(),
+                format!("{prompt}<|im_end|>\n<|im_start|>assistant\n")
+            );
+        }
+        // Every id is in the tiny model's vocabulary.
+        let max = ids(&PROMPT_TEMPLATE.replace("{}", "x"))
+            .into_iter()
+            .max()
+            .unwrap();
+        assert!((max as usize) < TextSize::tiny(32).vocab, "{max}");
+    }
 
     /// Qwen2.5-VL-7B's language model and LM head: 8.3 B parameters (the catalogue's
     /// encoder, less its 675 M vision tower).

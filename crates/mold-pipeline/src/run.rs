@@ -4,11 +4,11 @@
 //! flags, calls these and prints.
 
 use crate::error::{PipelineError, Result};
-use crate::sampling::{self, StepTime};
+use crate::sampling::{self, Passes, StepTime};
 use mold_exec::{Checkpoint, Executor, FluxConfig, QwenConfig, Tensor, Transformer};
 use mold_machine::Machine;
 use mold_models::ModelSpec;
-use mold_plan::Plan;
+use mold_plan::{CfgMode, Plan};
 use std::path::Path;
 
 /// What the checks before a run found worth telling the user (and did not refuse).
@@ -203,8 +203,15 @@ pub fn header_warning(plan: &Plan, path: &Path) -> Result<Option<String>> {
 /// The transformer benchmark: `steps` denoising steps on random inputs (seeded) at the
 /// plan's workload, over the linear schedule; returns the final latents. The
 /// executor is built by the caller (one process or several).
+///
+/// With true CFG (a workload `cfg_scale`) a step is what the plan prices: two passes at
+/// the workload's batch, a conditional and an unconditional one ([`bench_inputs`]), run
+/// as the plan's CFG mode says ([`bench_passes`]: serially, as two micro-batches through
+/// the split when pipelined, on the two replicas at once when CFG-parallel and `uncond`,
+/// the second replica's executor, is given), then combined.
 pub fn bench<M: Benchable>(
     exec: &Executor<M>,
+    uncond: Option<&Executor<M>>,
     plan: &Plan,
     model: &ModelSpec,
     seed: u64,
@@ -216,34 +223,110 @@ pub fn bench<M: Benchable>(
             "--steps 0: give at least 1 denoising step".into(),
         ));
     }
-    let mut inputs = bench_inputs(exec.model(), plan, model, seed)?;
-    sampling::denoise(
-        exec,
-        &mut inputs,
+    let inputs = bench_inputs(exec.model(), plan, model, seed)?;
+    run_bench(&bench_passes(exec, uncond, plan), inputs, steps, on_step)
+}
+
+/// Where the benchmark runs a step's passes: as the plan's CFG mode says; CFG-parallel
+/// only with `uncond` (the second replica's executor: a multi-process run has none, and
+/// then runs the two passes one after the other).
+pub fn bench_passes<'a, M: Benchable>(
+    exec: &'a Executor<M>,
+    uncond: Option<&'a Executor<M>>,
+    plan: &Plan,
+) -> Passes<'a, M> {
+    match (plan.cfg_mode(), uncond) {
+        (Some(CfgMode::Parallel), Some(u)) => Passes::Parallel {
+            cond: exec,
+            uncond: u,
+        },
+        (Some(CfgMode::Pipelined), _) => Passes::Pipelined(exec),
+        _ => Passes::Serial(exec),
+    }
+}
+
+/// The plan of the executor that runs the benchmark's unconditional passes: a
+/// CFG-parallel plan's second replica; `None` for every other plan.
+pub fn uncond_plan(plan: &Plan) -> Result<Option<Plan>> {
+    if plan.cfg_mode() != Some(CfgMode::Parallel) {
+        return Ok(None);
+    }
+    let mut replicas = plan
+        .replica_plans()
+        .map_err(|e| PipelineError::Plan(e.to_string()))?;
+    if replicas.len() < 2 {
+        return Err(PipelineError::Plan(format!(
+            "cfg.mode is parallel, but the plan has {} replica(s): CFG-parallel runs the unconditional pass on `replicas[1]`; re-plan with `mold plan --cfg parallel`",
+            replicas.len()
+        )));
+    }
+    Ok(Some(replicas.swap_remove(1)))
+}
+
+/// The denoising steps of the benchmark (and its reference) on `inputs`.
+fn run_bench<M: Benchable>(
+    passes: &Passes<M>,
+    inputs: BenchInputs<M::Inputs>,
+    steps: u32,
+    on_step: &mut dyn FnMut(StepTime),
+) -> Result<Tensor> {
+    let BenchInputs { mut cond, uncond } = inputs;
+    // True CFG's combination (Qwen-Image's: the one model with true CFG).
+    let scale = uncond.as_ref().map_or(1.0, |(_, s)| *s);
+    let combine = |c: &Tensor, n: &Tensor| crate::qwen_sampling::combine(c, n, scale);
+    let guided = uncond.map(|(neg, _)| sampling::Guided {
+        neg,
+        combine: &combine,
+    });
+    sampling::denoise_passes(
+        passes,
+        &mut cond,
+        guided,
         &sampling::linear_schedule(steps),
         on_step,
     )?;
-    Ok(mold_exec::Inputs::latents(&inputs).clone())
+    Ok(mold_exec::Inputs::latents(&cond).clone())
 }
 
-/// The benchmark's random inputs at the plan's workload.
+/// The benchmark's random inputs at the plan's workload: the conditional pass's at the
+/// workload's batch and, with true CFG, the unconditional pass's (other random text, from
+/// `seed + 1`; each step gives it the conditional pass's latents and time) with the
+/// guidance scale.
+pub struct BenchInputs<I> {
+    pub cond: I,
+    pub uncond: Option<(I, f64)>,
+}
+
+/// The benchmark's random inputs at the plan's workload ([`BenchInputs`]).
 pub fn bench_inputs<M: Benchable>(
     cfg: &M,
     plan: &Plan,
     model: &ModelSpec,
     seed: u64,
-) -> Result<M::Inputs> {
+) -> Result<BenchInputs<M::Inputs>> {
     let tokens = model.tokens(&plan.workload);
-    cfg.random_inputs(
-        plan.workload.width,
-        plan.workload.height,
-        tokens.txt as usize,
-        plan.workload.effective_batch() as usize,
-        seed,
-    )
+    let w = &plan.workload;
+    let at = |seed: u64| {
+        cfg.random_inputs(
+            w.width,
+            w.height,
+            tokens.txt as usize,
+            w.batch as usize,
+            seed,
+        )
+    };
+    let uncond = match w.cfg_scale {
+        Some(scale) => Some((at(seed.wrapping_add(1))?, scale)),
+        None => None,
+    };
+    Ok(BenchInputs {
+        cond: at(seed)?,
+        uncond,
+    })
 }
 
-/// One transformer call on the benchmark's random inputs (random times too), written
+/// One transformer call on the benchmark's random inputs (random times too; with true
+/// CFG, the conditional pass's), written
 /// with those inputs to `path` as f32 safetensors: the inputs under the reference
 /// implementation's argument names, the output as `output` (for the parity scripts in
 /// benches/parity/).
@@ -254,7 +337,7 @@ pub fn save_bench_io<M: Benchable>(
     seed: u64,
     path: &Path,
 ) -> Result<()> {
-    let x = bench_inputs(exec.model(), plan, model, seed)?;
+    let x = bench_inputs(exec.model(), plan, model, seed)?.cond;
     let out = exec.forward(&x)?;
     let mut rec = crate::io::IoRecord::default();
     for (name, t) in M::input_tensors(&x)? {
@@ -271,23 +354,153 @@ pub fn save_bench_io<M: Benchable>(
 
 /// Runs the benchmark's reference: the same steps on the unsharded model on one device,
 /// with candle's ops (so the comparison checks mold's fused kernels as well as the
-/// placement).
+/// placement), true CFG's passes one after the other.
 pub fn reference_run<M: Benchable>(
     cfg: &M,
     ckpt: &Checkpoint,
     device: &mold_plan::DeviceId,
     dtype: mold_exec::DType,
-    inputs: M::Inputs,
+    inputs: BenchInputs<M::Inputs>,
     steps: u32,
 ) -> Result<Tensor> {
     let reference =
         Executor::reference(cfg, ckpt, device, dtype)?.with_kernels(mold_exec::Kernels::Candle);
-    let mut inputs = inputs;
-    sampling::denoise(
-        &reference,
-        &mut inputs,
-        &sampling::linear_schedule(steps),
-        &mut |_| {},
-    )?;
-    Ok(mold_exec::Inputs::latents(&inputs).clone())
+    run_bench(&Passes::Serial(&reference), inputs, steps, &mut |_| {})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mold_exec::{DType, QwenConfig};
+    use mold_plan::DeviceId;
+    use std::collections::BTreeMap;
+
+    /// qwen-image-tiny with true CFG, its transformer split over `emu:0` and `emu:1`;
+    /// `cfg` is the plan's `cfg:` line, `replicas` its `replicas:` block (or nothing).
+    fn plan(cfg: &str, replicas: &str) -> Plan {
+        let yaml = format!(
+            "version: 4
+model: {{id: qwen-image-tiny}}
+workload: {{width: 64, height: 32, steps: 2, cfg_scale: 4.0}}
+{cfg}
+machine:
+  name: cpu-emu-4
+  fingerprint: sha256:70c9ec7dbfc3fc8c
+  devices:
+  - {{id: emu:0, name: emulated device (CPU), memory: 4GiB}}
+  - {{id: emu:1, name: emulated device (CPU), memory: 4GiB}}
+  - {{id: emu:2, name: emulated device (CPU), memory: 4GiB}}
+  - {{id: emu:3, name: emulated device (CPU), memory: 4GiB}}
+components:
+- name: transformer
+  role: transformer
+  dtype: f32
+  parts:
+  - {{blocks: [block 0..1], devices: [emu:0], residency: resident}}
+  - {{blocks: [block 1..3], devices: [emu:1], residency: resident}}
+{replicas}
+predicted: {{step_time_s: 0.0, request_time_s: 0.0, encode_time_s: 0.0, denoise_time_s: 0.0, decode_time_s: 0.0, devices: [], host_pinned: 0, streamed_per_step: 0}}
+solver: {{solver: hand, status: optimal, objective: latency, objective_value: 0.0, strategy: split, solve_time_ms: 0.0}}
+"
+        );
+        Plan::from_yaml(&yaml, "test plan").unwrap()
+    }
+
+    /// Transformer passes run by an executor since its profile was cleared, by
+    /// micro-batch (`None`: plain calls), from its profile's marks: every pass marks each
+    /// phase of each part the same number of times.
+    fn passes(exec: &Executor<QwenConfig>, per_pass: u64) -> BTreeMap<Option<String>, u64> {
+        let mut out = BTreeMap::new();
+        for (_, phases) in exec.profile_report() {
+            for (label, _, marks) in phases {
+                let mb = label
+                    .strip_prefix("mb")
+                    .and_then(|r| r.split_once(' '))
+                    .map(|(j, _)| j.to_string());
+                *out.entry(mb).or_insert(0) += marks;
+            }
+        }
+        out.into_iter().map(|(k, v)| (k, v / per_pass)).collect()
+    }
+
+    /// The benchmark of a true-CFG plan runs what the plan prices: two passes a step at
+    /// the workload's batch, serially, as two micro-batches (pipelined) or on the two
+    /// replicas (CFG-parallel), all three the latents of the serial reference.
+    #[test]
+    fn cfg_benchmark_runs_the_plans_passes() {
+        let dir = std::env::temp_dir().join(format!("mold-bench-cfg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = QwenConfig::qwen_image_tiny();
+        mold_exec::model::qwen::testdata::write_testdata(&cfg, &dir, 5, DType::F32, 1 << 30)
+            .unwrap();
+        let ckpt = Checkpoint::open(
+            &dir.join("transformer/diffusion_pytorch_model.safetensors.index.json"),
+        )
+        .unwrap();
+        let model = mold_models::find("qwen-image-tiny").unwrap();
+        let steps = 2;
+
+        let serial = plan("cfg: {mode: serial}", "");
+        let x = bench_inputs(&cfg, &serial, &model, 9).unwrap();
+        assert_eq!(x.cond.img.dims()[0], 1, "a pass at the workload's batch");
+        let (neg, scale) = x.uncond.as_ref().unwrap();
+        assert_eq!((neg.img.dims(), *scale), (x.cond.img.dims(), 4.0));
+        let want = reference_run(&cfg, &ckpt, &DeviceId::Emu(0), DType::F32, x, steps).unwrap();
+
+        // One pass's marks, from one plain call.
+        let exec = |p: &Plan| Executor::new(&cfg, p, &ckpt).unwrap().with_profiling(true);
+        let e = exec(&serial);
+        e.forward(&bench_inputs(&cfg, &serial, &model, 9).unwrap().cond)
+            .unwrap();
+        let per_pass: u64 = e
+            .profile_report()
+            .iter()
+            .flat_map(|(_, v)| v.iter().map(|p| p.2))
+            .sum();
+        assert!(per_pass > 0);
+        e.clear_profile();
+
+        let check = |name: &str, got: &Tensor| {
+            let err = mold_exec::max_relative_error(got, &want).unwrap();
+            assert!(err <= 1e-6, "{name}: max relative error {err}");
+        };
+        let got = bench(&e, None, &serial, &model, 9, steps, &mut |_| {}).unwrap();
+        check("serial", &got);
+        let two = BTreeMap::from([(None, 2 * steps as u64)]);
+        assert_eq!(passes(&e, per_pass), two, "serial");
+
+        let pipelined = plan("cfg: {mode: pipelined}", "");
+        let e = exec(&pipelined);
+        let got = bench(&e, None, &pipelined, &model, 9, steps, &mut |_| {}).unwrap();
+        check("pipelined", &got);
+        let mbs = BTreeMap::from([
+            (Some("0".to_string()), steps as u64),
+            (Some("1".to_string()), steps as u64),
+        ]);
+        assert_eq!(passes(&e, per_pass), mbs, "pipelined");
+
+        let parallel = plan(
+            "cfg: {mode: parallel}",
+            "replicas:\n- {emu:0: emu:0, emu:1: emu:1}\n- {emu:0: emu:2, emu:1: emu:3}",
+        );
+        let u = uncond_plan(&parallel).unwrap().unwrap();
+        assert_eq!(
+            u.transformer().unwrap().parts[0].devices,
+            [DeviceId::Emu(2)]
+        );
+        let (e, eu) = (exec(&parallel), exec(&u));
+        let got = bench(&e, Some(&eu), &parallel, &model, 9, steps, &mut |_| {}).unwrap();
+        check("parallel", &got);
+        let one = BTreeMap::from([(None, steps as u64)]);
+        assert_eq!(passes(&e, per_pass), one, "parallel: conditional");
+        assert_eq!(passes(&eu, per_pass), one, "parallel: unconditional");
+        // Without the second replica's executor (a multi-process run): serially.
+        let e = exec(&parallel);
+        let got = bench(&e, None, &parallel, &model, 9, steps, &mut |_| {}).unwrap();
+        check("parallel without its replica", &got);
+        assert_eq!(passes(&e, per_pass), two, "parallel without its replica");
+        // Plans without true CFG's modes have no second replica to load.
+        assert!(uncond_plan(&serial).unwrap().is_none());
+        assert!(uncond_plan(&pipelined).unwrap().is_none());
+    }
 }

@@ -1,8 +1,11 @@
 //! The FLUX sampler's pieces: image sizes, seeded noise, 2×2 latent patch packing, the
-//! (shifted) rectified-flow schedule.
+//! (shifted) rectified-flow schedule; and the denoising loop every transformer run
+//! shares, with where a step's passes run ([`Passes`]: true CFG's two serially,
+//! CFG-parallel or pipelined).
 
 use crate::error::{PipelineError, Result};
 use candle_core::{DType, Device, Tensor};
+use mold_exec::{Executor, Transformer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -148,13 +151,97 @@ pub struct StepTime {
     pub digest: u64,
 }
 
+/// Where a step's transformer passes run. True CFG has two a step (the conditional and
+/// the unconditional one), run as the plan's CFG mode says ([`mold_plan::CfgMode`]);
+/// without it, a step is one pass on the conditional executor.
+pub enum Passes<'a, M: Transformer> {
+    /// Every pass on one executor, one after the other.
+    Serial(&'a Executor<M>),
+    /// CFG-parallel: the conditional pass on `cond`, the unconditional one on `uncond`
+    /// (another device group holding the same transformer), at the same time; the
+    /// unconditional prediction moves to the conditional one's device to be combined.
+    Parallel {
+        cond: &'a Executor<M>,
+        uncond: &'a Executor<M>,
+    },
+    /// Pipelined CFG: both passes on one executor as two micro-batches, the conditional
+    /// one first ([`Executor::forward_micro_batches`]): with a block split, one stage runs
+    /// the unconditional pass while the next runs the conditional one.
+    Pipelined(&'a Executor<M>),
+}
+
+impl<M: Transformer> Passes<'_, M> {
+    /// The executor of the conditional pass (the only one without true CFG).
+    pub fn cond(&self) -> &Executor<M> {
+        match self {
+            Passes::Serial(e) | Passes::Pipelined(e) | Passes::Parallel { cond: e, .. } => e,
+        }
+    }
+}
+
+/// One step's predictions: the conditional one and, given the unconditional pass's inputs
+/// `neg`, the unconditional one, run where `passes` says.
+pub fn predict<M: Transformer>(
+    passes: &Passes<M>,
+    cond: &M::Inputs,
+    neg: Option<&M::Inputs>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    match (passes, neg) {
+        (p, None) => Ok((p.cond().forward(cond)?, None)),
+        (Passes::Serial(e), Some(n)) => Ok((e.forward(cond)?, Some(e.forward(n)?))),
+        (Passes::Pipelined(e), Some(n)) => {
+            match <[Tensor; 2]>::try_from(e.forward_micro_batches(&[cond, n])?) {
+                Ok([vc, vn]) => Ok((vc, Some(vn))),
+                Err(v) => Err(PipelineError::Component {
+                    component: "transformer".into(),
+                    message: format!("pipelined CFG: {} outputs for 2 passes", v.len()),
+                }),
+            }
+        }
+        (Passes::Parallel { cond: a, uncond: b }, Some(n)) => {
+            let (va, vb) = std::thread::scope(|s| {
+                let h = s.spawn(|| b.forward(n).map_err(PipelineError::from));
+                let va = a.forward(cond);
+                (va, h.join())
+            });
+            let vb = vb.map_err(|_| PipelineError::Component {
+                component: "transformer".into(),
+                message: "the unconditional pass's thread panicked".into(),
+            })?;
+            Ok((va?, Some(vb?)))
+        }
+    }
+}
+
+/// True CFG's unconditional pass for [`denoise_passes`]: its inputs (each step gives
+/// them the conditional inputs' latents and time) and how a step's two predictions
+/// combine into one (conditional, unconditional → velocity).
+pub struct Guided<'a, I> {
+    pub neg: I,
+    pub combine: &'a dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+}
+
 /// The denoising loop, the one every path runs: rectified-flow Euler steps over `sched`
 /// (`x ← x + (t_next − t) · v(x, t)`). The model computes in the plan's dtype; the latents
 /// stay in theirs, on their device. Each step waits for the device before reading the
-/// clock; `on_step` sees it.
-pub fn denoise<M: mold_exec::Transformer>(
-    exec: &mold_exec::Executor<M>,
+/// clock; `on_step` sees it. One pass a step on `exec` ([`denoise_passes`] with
+/// [`Passes::Serial`] and no unconditional pass).
+pub fn denoise<M: Transformer>(
+    exec: &Executor<M>,
     inputs: &mut M::Inputs,
+    sched: &[f64],
+    on_step: &mut dyn FnMut(StepTime),
+) -> crate::Result<()> {
+    denoise_passes(&Passes::Serial(exec), inputs, None, sched, on_step)
+}
+
+/// [`denoise`] with true CFG's passes: `v` is the conditional prediction or, with
+/// `guided`, the combination of the conditional and the unconditional one, the passes run
+/// where `passes` says. A step's time covers both passes and the combination.
+pub fn denoise_passes<M: Transformer>(
+    passes: &Passes<M>,
+    inputs: &mut M::Inputs,
+    mut guided: Option<Guided<'_, M::Inputs>>,
     sched: &[f64],
     on_step: &mut dyn FnMut(StepTime),
 ) -> crate::Result<()> {
@@ -163,15 +250,25 @@ pub fn denoise<M: mold_exec::Transformer>(
         let (t, t_next) = (w[0], w[1]);
         let start = std::time::Instant::now();
         inputs.set_time(t)?;
+        if let Some(g) = &mut guided {
+            g.neg.set_latents(inputs.latents().clone());
+            g.neg.set_time(t)?;
+        }
         // The pipeline's CUDA devices queue work on the calling thread's own stream; the
         // executor reads the inputs from its rank threads, on other streams: finish what
         // this thread queued (the time, the last update, the conditioning) before they
         // read it.
         inputs.latents().device().synchronize()?;
-        let x = inputs.latents();
-        let v = exec.forward(inputs)?;
+        let x = inputs.latents().clone();
+        let v = match (
+            predict(passes, inputs, guided.as_ref().map(|g| &g.neg))?,
+            &guided,
+        ) {
+            ((vc, Some(vn)), Some(g)) => (g.combine)(&vc, &vn)?,
+            ((vc, _), _) => vc,
+        };
         let v = v.to_device(x.device())?.to_dtype(x.dtype())?;
-        let next = (x + v.affine(t_next - t, 0.0)?)?;
+        let next = (&x + v.affine(t_next - t, 0.0)?)?;
         // GPU kernels run asynchronously: wait for them before reading the clock.
         next.device().synchronize()?;
         let seconds = start.elapsed().as_secs_f64();

@@ -1,8 +1,9 @@
 //! The placement plan: mold's contract between `plan`, `sim` and `exec`.
 //!
-//! A plan is YAML with `version: 3`; unknown fields are refused. A `version: 1` plan (no
-//! `tp`/`sp`: a part's devices were one tensor-parallel group) and a `version: 2` plan (no
-//! `replicas`: one copy of the placement) are migrated on load. It records the model,
+//! A plan is YAML with `version: 4`; unknown fields are refused. A `version: 1` plan (no
+//! `tp`/`sp`: a part's devices were one tensor-parallel group), a `version: 2` plan (no
+//! `replicas`: one copy of the placement) and a `version: 3` plan (no `cfg` nor
+//! `memory_phases`: true CFG serial, everything resident) are migrated on load. It records the model,
 //! the workload, the machine it was made for, where each component's parts run, the
 //! replicas serving requests side by side, and what the planner predicted. Semantic checks that need the model catalogue or the machine
 //! (block coverage, device existence, tensor-parallel divisibility) live with the cost
@@ -19,9 +20,10 @@ pub use types::*;
 use std::path::Path;
 
 /// The plan schema version this build writes. Version 2 added a part's parallel layout
-/// (`tp`, `sp`), version 3 `replicas`; older plans are migrated on load ([`migrate_v1`],
-/// [`migrate_v2`]).
-pub const PLAN_VERSION: u32 = 3;
+/// (`tp`, `sp`), version 3 `replicas`, version 4 `cfg` (how true CFG's two passes run)
+/// and `memory_phases`; older plans are migrated on load ([`migrate_v1`],
+/// [`migrate_v2`], [`migrate_v3`]).
+pub const PLAN_VERSION: u32 = 4;
 
 /// The oldest plan version this build still reads (migrating it).
 pub const OLDEST_READ_VERSION: u32 = 1;
@@ -101,6 +103,9 @@ impl Plan {
         }
         if version <= 2 {
             migrated(migrate_v2(&mut value))?;
+        }
+        if version <= 3 {
+            migrated(migrate_v3(&mut value))?;
         }
         let plan: Plan = from_value_with_path(value).map_err(|message| PlanError::Parse {
             source_name: source_name.to_string(),
@@ -295,7 +300,86 @@ impl Plan {
             }
         }
         self.check_replicas()
-            .map_err(|e| invalid(e.field, e.message))
+            .map_err(|e| invalid(e.field, e.message))?;
+        self.check_cfg().map_err(|(f, m)| invalid(f, m))
+    }
+
+    /// How true CFG runs, if the workload has it: the plan's `cfg`, serial without one.
+    pub fn cfg_mode(&self) -> Option<CfgMode> {
+        self.workload
+            .cfg_scale
+            .map(|_| self.cfg.map_or(CfgMode::Serial, |c| c.mode))
+    }
+
+    /// The transformer's pipeline stages: runs of consecutive parts on the same devices
+    /// in the same layout, as indices into its parts (empty without a transformer).
+    pub fn stages(&self) -> Vec<std::ops::Range<usize>> {
+        let Some(t) = self.transformer() else {
+            return vec![];
+        };
+        let same = |a: &Part, b: &Part| a.devices == b.devices && (a.tp, a.sp) == (b.tp, b.sp);
+        let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+        for (i, p) in t.parts.iter().enumerate() {
+            match out.last_mut() {
+                Some(r) if same(&t.parts[r.end - 1], p) => r.end = i + 1,
+                _ => out.push(i..i + 1),
+            }
+        }
+        out
+    }
+
+    /// `cfg` against the workload, the replicas and the transformer's stages.
+    fn check_cfg(&self) -> Result<(), (String, String)> {
+        let Some(c) = &self.cfg else { return Ok(()) };
+        if self.workload.cfg_scale.is_none() {
+            return Err((
+                "cfg".into(),
+                "the workload has no cfg_scale (true CFG): remove `cfg`, or set workload.cfg_scale"
+                    .into(),
+            ));
+        }
+        match c.mode {
+            CfgMode::Serial => Ok(()),
+            CfgMode::Parallel if self.replica_count() != 2 => Err((
+                "cfg.mode".into(),
+                format!(
+                    "parallel runs the conditional pass on replicas[0] and the unconditional one on replicas[1], and the plan has {} replica(s): list exactly 2 (`mold plan --cfg parallel`), or use `mode: serial`",
+                    self.replica_count()
+                ),
+            )),
+            CfgMode::Parallel => Ok(()),
+            CfgMode::Pipelined => {
+                let stages = self.stages();
+                if stages.len() < 2 {
+                    return Err((
+                        "cfg.mode".into(),
+                        format!(
+                            "pipelined runs the two passes through the stages of a block split, and the transformer has {} stage(s) (runs of parts on one device group): split its blocks over 2 or more device groups, or use `mode: serial`",
+                            stages.len()
+                        ),
+                    ));
+                }
+                let t = self.transformer().expect("stages imply a transformer");
+                let mut owner: std::collections::BTreeMap<&DeviceId, usize> = Default::default();
+                for (si, r) in stages.iter().enumerate() {
+                    for d in &t.parts[r.start].devices {
+                        if let Some(other) = owner.insert(d, si) {
+                            if other != si {
+                                return Err((
+                                    "cfg.mode".into(),
+                                    format!(
+                                        "pipelined needs each stage on devices of its own, and {d} runs stages {} and {}: keep each device group's blocks in one range, or use `mode: serial`",
+                                        other + 1,
+                                        si + 1
+                                    ),
+                                ));
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
     }
 
     /// The transformer component, if the plan has one.
@@ -362,6 +446,38 @@ pub fn migrate_v2(value: &mut serde_yaml_ng::Value) -> Result<(), (String, Strin
         ));
     }
     map.insert(Value::from("version"), Value::from(3u32));
+    Ok(())
+}
+
+/// Rewrites a `version: 3` plan as version 4, in place: a version 3 plan ran true CFG's
+/// two passes serially and kept every component loaded, so it gets `cfg: {mode: serial}`
+/// where its workload has a `cfg_scale`, and `memory_phases: resident`. A version 3 plan
+/// that already names `cfg` or `memory_phases` is refused (those fields are version 4).
+/// Errors are (field, message).
+pub fn migrate_v3(value: &mut serde_yaml_ng::Value) -> Result<(), (String, String)> {
+    use serde_yaml_ng::{Mapping, Value};
+    let Some(map) = value.as_mapping_mut() else {
+        return Ok(());
+    };
+    for key in ["cfg", "memory_phases"] {
+        if map.contains_key(key) {
+            return Err((
+                key.into(),
+                format!("`{key}` is a version 4 field: set `version: {PLAN_VERSION}` or remove it"),
+            ));
+        }
+    }
+    map.insert(Value::from("version"), Value::from(4u32));
+    let cfg = map
+        .get("workload")
+        .and_then(|w| w.get("cfg_scale"))
+        .is_some_and(|c| !c.is_null());
+    if cfg {
+        let mut c = Mapping::new();
+        c.insert(Value::from("mode"), Value::from("serial"));
+        map.insert(Value::from("cfg"), Value::Mapping(c));
+    }
+    map.insert(Value::from("memory_phases"), Value::from("resident"));
     Ok(())
 }
 

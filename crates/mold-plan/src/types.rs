@@ -219,6 +219,15 @@ pub struct Plan {
     pub version: u32,
     pub model: ModelRef,
     pub workload: Workload,
+    /// How a step's two true-CFG passes (conditional, unconditional) run (version 4):
+    /// absent when the workload has no true CFG (`cfg_scale`; FLUX is guidance-distilled).
+    /// A plan with a `cfg_scale` and no `cfg` runs them serially ([`Plan::cfg_mode`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cfg: Option<CfgPlan>,
+    /// Whether the components are loaded one phase at a time (version 4; absent:
+    /// resident, what earlier versions meant).
+    #[serde(default)]
+    pub memory_phases: MemoryPhases,
     pub machine: MachineIdentity,
     pub components: Vec<ComponentPlan>,
     /// Copies of the placement serving requests side by side (version 3): each maps every
@@ -228,6 +237,98 @@ pub struct Plan {
     pub replicas: Option<Vec<Replica>>,
     pub predicted: Prediction,
     pub solver: SolverRecord,
+}
+
+/// How true CFG runs a step's two transformer passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CfgPlan {
+    pub mode: CfgMode,
+}
+
+/// The CFG strategies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CfgMode {
+    /// The conditional pass, then the unconditional one, on the same placement.
+    Serial,
+    /// The conditional pass on `replicas[0]`, the unconditional one on `replicas[1]`,
+    /// at the same time; the unconditional output is then sent to replica 0's output
+    /// device and combined there.
+    Parallel,
+    /// The two passes as two micro-batches (conditional first) through the stages of a
+    /// block split: stage s works on one while stage s+1 works on the other.
+    Pipelined,
+}
+
+impl CfgMode {
+    pub const ALL: [CfgMode; 3] = [CfgMode::Serial, CfgMode::Parallel, CfgMode::Pipelined];
+    pub fn name(self) -> &'static str {
+        match self {
+            CfgMode::Serial => "serial",
+            CfgMode::Parallel => "parallel",
+            CfgMode::Pipelined => "pipelined",
+        }
+    }
+}
+
+impl fmt::Display for CfgMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CfgMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        CfgMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown CFG mode `{s}`: use serial, parallel or pipelined"))
+    }
+}
+
+/// When a request's components hold device memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemoryPhases {
+    /// One request, one phase at a time: the text encoders are freed before the
+    /// transformer loads, and the transformer before the VAE loads, so each device's
+    /// peak is the largest of its encode, denoise and decode phases (what `mold exec
+    /// --prompt` does).
+    OneShot,
+    /// Everything loaded at once for the whole run (a server): peaks count every
+    /// component together.
+    #[default]
+    Resident,
+}
+
+impl MemoryPhases {
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryPhases::OneShot => "one-shot",
+            MemoryPhases::Resident => "resident",
+        }
+    }
+}
+
+impl fmt::Display for MemoryPhases {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for MemoryPhases {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "one-shot" => Ok(MemoryPhases::OneShot),
+            "resident" => Ok(MemoryPhases::Resident),
+            _ => Err(format!(
+                "unknown memory phases `{s}`: use one-shot (encoders freed before the transformer loads) or resident (everything loaded at once)"
+            )),
+        }
+    }
 }
 
 /// Where one replica runs: each device the placement uses → the device it runs on.
@@ -265,7 +366,8 @@ pub struct Workload {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guidance: Option<f64>,
     /// Classifier-free guidance scale; when set, every step runs a conditional and an
-    /// unconditional pass (batch doubled).
+    /// unconditional transformer pass of `batch` samples each (the plan's `cfg` says how
+    /// they run) and the text encoders encode a negative prompt too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cfg_scale: Option<f64>,
 }
@@ -279,7 +381,8 @@ fn is_one(n: &u32) -> bool {
 }
 
 impl Workload {
-    /// Samples per transformer call: batch, doubled under classifier-free guidance.
+    /// Samples through the transformer per step, and prompts per text encoder: batch,
+    /// doubled under classifier-free guidance (each transformer pass takes `batch`).
     pub fn effective_batch(&self) -> u64 {
         self.batch as u64 * if self.cfg_scale.is_some() { 2 } else { 1 }
     }

@@ -278,24 +278,42 @@ impl Walk<'_, '_> {
         if !self.p.family_allowed(family) {
             return;
         }
+        // Pipelined CFG: each device in one stage.
+        if self.p.pipelined {
+            let mut seen = vec![false; self.p.req.machine.devices.len()];
+            for &g in &used {
+                for &d in &self.members[g] {
+                    if std::mem::replace(&mut seen[d], true) {
+                        return;
+                    }
+                }
+            }
+        }
         let picks: Vec<(usize, &[(u32, u32)])> =
             used.iter().map(|&g| (g, self.pick[g].as_slice())).collect();
         let mem = self.transformer_memory(&picks);
         let mut step = self.p.handoff_s * (used.len() as f64 - 1.0);
         let mut pinned = 0u64;
+        // Pipelined CFG: the slowest stage or hand-off, once more.
+        let mut bottleneck = self.p.handoff_s;
         for &g in &used {
             // A group's blocks are one run of parts: its closing all-gather, once.
-            step += self.p.gather_s(&self.groups[g]);
+            let mut stage = self.p.gather_s(&self.groups[g]);
             let mut fill: f64 = 0.0;
             for (k, (r, s)) in self.pick[g].iter().enumerate() {
                 let c = &self.costs[g][k];
-                step += c.group_kind_s(*r as u64, *s as u64);
+                stage += c.group_kind_s(*r as u64, *s as u64);
                 if *s > 0 {
                     fill = fill.max(c.fill_s());
                     pinned += *s as u64 * c.weight_bytes * self.groups[g].len() as u64;
                 }
             }
-            step += fill;
+            stage += fill;
+            step += stage;
+            bottleneck = bottleneck.max(stage);
+        }
+        if self.p.pipelined {
+            step += bottleneck;
         }
         let host = &self.p.req.machine.host;
         if pinned > host.pinned_limit.0 {
@@ -339,6 +357,10 @@ impl Walk<'_, '_> {
         let devs = &self.p.req.machine.devices;
         let mut m: Vec<(u64, u64)> = mem.to_vec();
         let mut extra = vec![0u64; devs.len()];
+        // One-shot phases: the encoders' (weights, largest activation) and the VAE's
+        // bytes on each device.
+        let mut enc = vec![(0u64, 0u64); devs.len()];
+        let mut dec = vec![0u64; devs.len()];
         let mut host = pinned;
         let mut t = self.p.steps * step;
         for (c, &i) in self.p.components.iter().zip(at) {
@@ -350,6 +372,10 @@ impl Walk<'_, '_> {
                     m[d].1 = m[d].1.max(o.activation_bytes);
                     if c.is_vae {
                         extra[d] += self.p.vae_reserve();
+                        dec[d] += o.weight_bytes + o.activation_bytes;
+                    } else {
+                        enc[d].0 += o.weight_bytes;
+                        enc[d].1 = enc[d].1.max(o.activation_bytes);
                     }
                 }
                 None => host += o.weight_bytes + o.activation_bytes,
@@ -358,14 +384,25 @@ impl Walk<'_, '_> {
         if host > self.p.req.machine.host.memory.0 {
             return;
         }
+        let one_shot = self.p.phases == mold_plan::MemoryPhases::OneShot;
+        let mut bytes = 0u64;
         for d in 0..devs.len() {
             let r = if runs[d] { reserve } else { 0 };
-            if m[d].0 + m[d].1 + r + extra[d] > self.p.cap(d) {
-                return;
+            let cap = self.p.cap(d);
+            if one_shot {
+                let (e, n, v) = (enc[d].0 + enc[d].1, mem[d].0 + mem[d].1, dec[d]);
+                if e > cap || n + r > cap || v + extra[d] > cap {
+                    return;
+                }
+                bytes += e.max(n).max(v);
+            } else {
+                if m[d].0 + m[d].1 + r + extra[d] > cap {
+                    return;
+                }
+                bytes += m[d].0 + m[d].1;
             }
         }
         self.best[fi].1 += 1;
-        let bytes: u64 = m.iter().map(|(b, a)| b + a).sum();
         let objective = self.p.objective(t, bytes);
         if self.best[fi]
             .0

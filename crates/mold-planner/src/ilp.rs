@@ -16,8 +16,14 @@
 //! transformer part) + the largest activation A[d] + the transfer reserves + headroom ≤
 //! budget. Host: streamed weights ≤ pinned limit; host components + pinned ≤ host memory.
 //!   t[g,k] ≥ compute(g,k) · (nr+ns), t[g,k] ≥ copy(g,k) · ns   kind k's time on g
+//! Memory phases one-shot: per device, the encode phase (encoders' weights + their
+//! largest activation), the denoise phase (the transformer's bytes + its largest
+//! activation + the transfer reserve) and the decode phase (the VAE's weights,
+//! activation and latents) each within the budget, `peak[d]` the largest of them.
 //! Objective (latency): Σ component times + steps · (Σ t + Σ fill + Σ gather(g) ·
-//! used[g] + hand-offs · (groups used − 1)) — `mold_cost::evaluate`'s request time,
+//! used[g] + hand-offs · (groups used − 1)), steps doubled under serial true CFG; under
+//! pipelined CFG plus a bottleneck b ≥ every group's time, b ≥ one hand-off, with each
+//! device in at most one used group (each group a stage) — `mold_cost::evaluate`'s request time,
 //! term for term (a group's blocks are one run of parts, so a sequence-parallel group's
 //! closing all-gather is paid once when it is used).
 //!
@@ -33,7 +39,7 @@ use good_lp::{
     constraint, microlp, variable, Expression, ProblemVariables, ResolutionError, Solution,
     SolutionStatus, SolverModel, Variable, WithTimeLimit,
 };
-use mold_plan::{DeviceId, GIB};
+use mold_plan::{DeviceId, MemoryPhases, GIB};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -243,40 +249,88 @@ fn solve_with(
     }
     let handoff = sec(p.handoff_s);
     let mut step = Expression::from(-handoff);
+    // Each group's time in a pass: under pipelined CFG, a stage.
+    let mut stages: Vec<Expression> = Vec::new();
     for g in 0..groups.len() {
+        let mut stage = Expression::from(0.0);
         for k in 0..nk {
             match t[g][k] {
-                Some(tv) => step += tv,
-                None => step += sec(bc[g][k].resident_s()) * nr[g][k],
+                Some(tv) => stage += tv,
+                None => stage += sec(bc[g][k].resident_s()) * nr[g][k],
             }
         }
-        step += fill[g];
-        step += (handoff + sec(gather[g])) * used[g];
+        stage += fill[g];
+        stage += sec(gather[g]) * used[g];
+        step += stage.clone();
+        step += handoff * used[g];
+        stages.push(stage);
+    }
+    // Pipelined CFG: the second micro-batch ends one bottleneck (the slowest stage or
+    // hand-off) after the first (`mold_cost::evaluate`).
+    let bottleneck = p.pipelined.then(|| vars.add(variable().min(handoff)));
+    if let Some(b) = bottleneck {
+        step += b;
     }
     let latency = comp_time + p.steps * step;
 
-    // Per-device memory (memory units), reused by the memory objective.
+    // Per-device memory (memory units), reused by the memory objective: resident, every
+    // component's weights and the largest activation of all (`act`); one-shot, the
+    // largest of the encode phase (`enc_act`: the encoders' largest activation), the
+    // denoise phase (`act`: the transformer's) and the decode phase (`peak`).
+    let one_shot = p.phases == MemoryPhases::OneShot;
+    let enc_act: Vec<Variable> = devs.iter().map(|_| vars.add(variable().min(0))).collect();
+    let peak: Vec<Variable> = devs.iter().map(|_| vars.add(variable().min(0))).collect();
     let mut dev_mem: Vec<Expression> = Vec::new();
+    let mut encode_mem: Vec<Expression> = Vec::new();
+    let mut decode_mem: Vec<Expression> = Vec::new();
+    let mut denoise_mem: Vec<Expression> = Vec::new();
     for (di, d) in devs.iter().enumerate() {
-        let mut e = Expression::from(0.0);
+        let (mut enc, mut dec, mut den) = (
+            Expression::from(0.0),
+            Expression::from(0.0),
+            Expression::from(0.0),
+        );
         for (ci, c) in comps.iter().enumerate() {
             for (oi, o) in c.options.iter().enumerate() {
                 if o.at == d.id {
-                    e += mem(o.weight_bytes) * x[ci][oi];
+                    if c.is_vae {
+                        dec += mem(o.weight_bytes + o.activation_bytes) * x[ci][oi];
+                    } else {
+                        enc += mem(o.weight_bytes) * x[ci][oi];
+                    }
                 }
             }
         }
+        enc += enc_act[di];
         for (g, grp) in groups.iter().enumerate() {
             if grp.devices.contains(&d.id) {
                 for k in 0..nk {
-                    e += mem(bc[g][k].weight_bytes) * nr[g][k];
+                    den += mem(bc[g][k].weight_bytes) * nr[g][k];
                 }
-                e += buf[g];
+                den += buf[g];
             }
         }
-        e += mem(p.stem) * ud[di];
-        e += act[di];
+        den += mem(p.stem) * ud[di];
+        den += act[di];
+        let e = if one_shot {
+            Expression::from(peak[di])
+        } else {
+            // Resident: `act` is the largest activation of all; the encoders' and the
+            // VAE's weights count beside the transformer's.
+            let mut e = den.clone();
+            for (ci, c) in comps.iter().enumerate() {
+                for (oi, o) in c.options.iter().enumerate() {
+                    if o.at == d.id {
+                        e += mem(o.weight_bytes) * x[ci][oi];
+                    }
+                }
+            }
+            e
+        };
         dev_mem.push(e);
+        encode_mem.push(enc);
+        decode_mem.push(dec);
+        denoise_mem.push(den);
     }
 
     let objective = match req.objective {
@@ -363,20 +417,50 @@ fn solve_with(
             }
         }
         let mut reserved = mem(reserve) * ud[di];
+        let mut vae_reserved = Expression::from(0.0);
         for (ci, c) in comps.iter().enumerate() {
             for (oi, o) in c.options.iter().enumerate() {
                 if o.at == d.id {
-                    problem =
-                        problem.with(constraint!(act[di] >= mem(o.activation_bytes) * x[ci][oi]));
+                    if !one_shot {
+                        problem = problem
+                            .with(constraint!(act[di] >= mem(o.activation_bytes) * x[ci][oi]));
+                    } else if !c.is_vae {
+                        problem = problem.with(constraint!(
+                            enc_act[di] >= mem(o.activation_bytes) * x[ci][oi]
+                        ));
+                    }
                     if c.is_vae {
-                        reserved += mem(p.vae_reserve()) * x[ci][oi];
+                        vae_reserved += mem(p.vae_reserve()) * x[ci][oi];
                     }
                 }
             }
         }
-        problem = problem.with(constraint!(
-            dev_mem[di].clone() + reserved <= mem(p.cap(di))
-        ));
+        let cap = mem(p.cap(di));
+        if one_shot {
+            for phase in [&encode_mem[di], &denoise_mem[di], &decode_mem[di]] {
+                problem = problem.with(constraint!(peak[di] >= phase.clone()));
+            }
+            problem = problem.with(constraint!(encode_mem[di].clone() <= cap));
+            problem = problem.with(constraint!(denoise_mem[di].clone() + reserved <= cap));
+            problem = problem.with(constraint!(decode_mem[di].clone() + vae_reserved <= cap));
+        } else {
+            reserved += vae_reserved;
+            problem = problem.with(constraint!(dev_mem[di].clone() + reserved <= cap));
+        }
+    }
+    // Pipelined CFG: each device in one stage, the bottleneck over every stage.
+    if let Some(b) = bottleneck {
+        for stage in &stages {
+            problem = problem.with(constraint!(b >= stage.clone()));
+        }
+        for d in devs {
+            let on = groups
+                .iter()
+                .enumerate()
+                .filter(|(_, grp)| grp.devices.contains(&d.id))
+                .map(|(g, _)| Expression::from(used[g]));
+            problem = problem.with(constraint!(sum(on) <= 1.0));
+        }
     }
     let mut pinned = Expression::from(0.0);
     for (g, grp) in groups.iter().enumerate() {

@@ -158,6 +158,8 @@ pub(crate) fn unpriced(
             checkpoint: req.checkpoint.clone(),
         },
         workload: req.workload.clone(),
+        cfg: req.cfg_mode().map(|mode| mold_plan::CfgPlan { mode }),
+        memory_phases: req.memory_phases,
         machine: req.machine.identity(),
         components,
         replicas: None,

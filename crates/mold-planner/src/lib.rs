@@ -22,6 +22,7 @@
 
 pub mod brute;
 mod candidates;
+pub mod cfg;
 mod constraints;
 mod diagnose;
 mod ilp;
@@ -31,6 +32,7 @@ pub mod report;
 mod search;
 pub mod throughput;
 
+pub use cfg::{CfgCandidate, CfgChoice};
 pub use constraints::{
     parse_cap, parse_pin, Constraints, ConstraintsFile, OneOrMany, ParallelChoice, SpChoice,
     TpChoice,
@@ -42,7 +44,7 @@ pub use throughput::{Serving, Throughput, ThroughputCandidate};
 
 use mold_machine::Machine;
 use mold_models::ModelSpec;
-use mold_plan::{CheckpointRef, DType, Plan, Workload};
+use mold_plan::{CfgMode, CheckpointRef, DType, MemoryPhases, Plan, Workload};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -172,6 +174,12 @@ pub struct Request {
     pub time_limit: Duration,
     /// Requests in flight and the latency bound, for [`Objective::Throughput`].
     pub serving: Serving,
+    /// How true CFG's two passes run, for a workload with a `cfg_scale` on a model that
+    /// has true CFG (`cfg.rs`).
+    pub cfg: CfgChoice,
+    /// Whether the components are loaded one phase at a time (a one-shot request) or
+    /// all at once (a server).
+    pub memory_phases: MemoryPhases,
 }
 
 impl Request {
@@ -192,7 +200,29 @@ impl Request {
             checkpoint: None,
             time_limit: FAMILY_TIME_LIMIT,
             serving: Serving::default(),
+            cfg: CfgChoice::Auto,
+            memory_phases: MemoryPhases::Resident,
         }
+    }
+
+    /// Whether the workload runs true CFG: a `cfg_scale`, on a model that has it (a
+    /// guidance-distilled model given a scale is priced as two passes, written without
+    /// `cfg`).
+    pub fn true_cfg(&self) -> bool {
+        self.workload.cfg_scale.is_some() && self.model.default_workload.cfg_scale.is_some()
+    }
+
+    /// The CFG mode a single search prices: the one asked for (`auto` searches each,
+    /// `cfg.rs`; a single search prices serial); `None` without true CFG, and serial for a
+    /// guidance-distilled model given a scale.
+    pub fn cfg_mode(&self) -> Option<CfgMode> {
+        if !self.true_cfg() {
+            return None;
+        }
+        Some(match self.cfg {
+            CfgChoice::Auto => CfgMode::Serial,
+            CfgChoice::Mode(m) => m,
+        })
     }
 
     pub fn dtype(&self, component: &str) -> DType {
@@ -235,6 +265,10 @@ pub struct Outcome {
     /// With [`Objective::Throughput`]: every replica width considered, and the pick.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub throughput: Option<Throughput>,
+    /// With true CFG and `--cfg auto`: every CFG mode considered (the pick's row first
+    /// marked chosen).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cfg_modes: Vec<CfgCandidate>,
 }
 
 /// Plans `req`: searches each strategy family and returns the best plan. A family whose
@@ -243,6 +277,14 @@ pub fn plan(req: &Request) -> Result<Outcome, PlanError> {
     if req.objective == Objective::Throughput {
         return throughput::plan(req);
     }
+    if req.true_cfg() {
+        return cfg::plan(req);
+    }
+    plan_one(req)
+}
+
+/// [`plan`] for one CFG mode (the request's [`Request::cfg_mode`]), latency or memory.
+pub(crate) fn plan_one(req: &Request) -> Result<Outcome, PlanError> {
     req.model
         .check_workload(&req.workload)
         .map_err(|e| PlanError::Constraint(e.to_string()))?;
@@ -339,6 +381,7 @@ pub fn plan(req: &Request) -> Result<Outcome, PlanError> {
         evaluation,
         solve_time_ms,
         throughput: None,
+        cfg_modes: vec![],
     })
 }
 
@@ -355,6 +398,9 @@ fn why_empty(req: &Request, fam: Family) -> String {
     let parallel = groups.len() - singles;
     let (tp, sp) = (req.constraints.tp, req.constraints.sp);
     if !p.family_allowed(fam) {
+        if p.pipelined && !matches!(fam, Family::Split | Family::Mixed) {
+            return "one stage: pipelined CFG needs a split".into();
+        }
         if let SpChoice::Degree(n) = sp {
             return format!("excluded by --sp {n}");
         }

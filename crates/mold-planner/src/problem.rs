@@ -14,7 +14,7 @@
 use crate::{Family, Objective, Request};
 use mold_cost::{BlockCost, Ctx, Group};
 use mold_models::Workkind;
-use mold_plan::{ComponentRole, DeviceId, GIB};
+use mold_plan::{CfgMode, ComponentRole, DeviceId, MemoryPhases, GIB};
 use std::collections::BTreeMap;
 
 /// Weight of latency in the `memory` objective (GiB per second): least device memory in
@@ -78,7 +78,14 @@ pub(crate) struct Problem<'a> {
     /// Stream buffers per streaming group.
     pub buffers: u64,
     pub stream: bool,
+    /// Transformer passes a plan pays per request: steps, times 2 under serial true CFG
+    /// (under CFG-parallel each replica runs one pass a step; pipelined, one pass plus
+    /// the bottleneck stage, `pipelined`).
     pub steps: f64,
+    /// Pipelined CFG: the step is a pass plus its slowest stage or hand-off, and the
+    /// device groups are disjoint (each a stage).
+    pub pipelined: bool,
+    pub phases: MemoryPhases,
     /// One hand-off between device groups (seconds).
     pub handoff_s: f64,
     pub stem: u64,
@@ -137,12 +144,9 @@ impl<'a> Problem<'a> {
             .components
             .iter()
             .map(|c| match &c.work {
-                Workkind::TextEncoder { hidden, .. } => mold_models::product(&[
-                    ctx.batch,
-                    req.model.text_tokens as u64,
-                    *hidden,
-                    req.dtype(&c.name).activation_bytes(),
-                ]),
+                Workkind::TextEncoder { hidden, .. } => {
+                    ctx.conditioning_bytes(*hidden, req.dtype(&c.name))
+                }
                 _ => 0,
             })
             .fold(0u64, u64::saturating_add);
@@ -155,13 +159,8 @@ impl<'a> Problem<'a> {
             .max()
             .unwrap_or(0)
             .max(ctx.handoff_bytes(dtype));
-        let l = &req.model.latent;
-        let latents = mold_models::product(&[
-            ctx.batch,
-            ctx.tokens.img,
-            (l.channels * l.patch * l.patch) as u64,
-            4,
-        ]);
+        let latents = ctx.latent_bytes();
+        let cfg = req.cfg_mode();
         let max_degree = (2..=allowed.len() as u32)
             .filter(|&n| !layouts(req, n).is_empty())
             .max()
@@ -177,7 +176,14 @@ impl<'a> Problem<'a> {
             components,
             buffers: req.constraints.stream_buffers as u64,
             stream: req.constraints.stream,
-            steps: req.workload.steps as f64,
+            steps: req.workload.steps as f64
+                * if cfg == Some(CfgMode::Serial) {
+                    2.0
+                } else {
+                    1.0
+                },
+            pipelined: cfg == Some(CfgMode::Pipelined),
+            phases: req.memory_phases,
             handoff_s: ctx.handoff_s(dtype),
             stem: req.model.transformer.stem_bytes(dtype),
             conditioning,
@@ -211,9 +217,11 @@ impl<'a> Problem<'a> {
     /// parallelism, so plans without a sequence-parallel group (one device, a block
     /// split) are not considered. (`--tp N` only fixes the degree of the groups that
     /// are tensor parallel.)
+    /// Pipelined CFG needs two or more stages: a split (or mixed) plan.
     pub fn family_allowed(&self, family: Family) -> bool {
         !(matches!(self.req.constraints.sp, crate::SpChoice::Degree(_))
             && matches!(family, Family::Single | Family::Split))
+            && (!self.pipelined || matches!(family, Family::Split | Family::Mixed))
     }
 
     /// The `(tp, sp)` layouts a group of `size` devices (two or more) may take, by the
@@ -255,9 +263,16 @@ impl<'a> Problem<'a> {
     /// Whether an evaluated plan of `family` fits every budget with the transfer
     /// reserves: exact, in bytes (the solver meets its constraints only to tolerances).
     pub fn fits(&self, plan: &mold_plan::Plan, ev: &mold_cost::Evaluation, family: Family) -> bool {
+        // Every transformer's devices: both replicas' under CFG-parallel.
+        let placements = match plan.cfg_mode() {
+            Some(CfgMode::Parallel) => plan.replica_plans().unwrap_or_default(),
+            _ => vec![],
+        };
         let runs = |id: &DeviceId| {
-            plan.transformer()
-                .is_some_and(|t| t.parts.iter().any(|p| p.devices.contains(id)))
+            std::iter::once(plan)
+                .chain(&placements)
+                .filter_map(|p| p.transformer())
+                .any(|t| t.parts.iter().any(|p| p.devices.contains(id)))
         };
         let vae_on = |id: &DeviceId| {
             plan.components.iter().any(|c| {
@@ -267,14 +282,25 @@ impl<'a> Problem<'a> {
         ev.host_pinned <= ev.host_pinned_limit
             && ev.host_ram <= ev.host_memory
             && ev.devices.iter().all(|d| {
-                let mut need = d.peak.saturating_add(d.headroom);
-                if runs(&d.device) {
-                    need = need.saturating_add(self.transformer_reserve(family));
-                }
-                if vae_on(&d.device) {
-                    need = need.saturating_add(self.vae_reserve());
-                }
-                need <= d.budget
+                let t = if runs(&d.device) {
+                    self.transformer_reserve(family)
+                } else {
+                    0
+                };
+                let v = if vae_on(&d.device) {
+                    self.vae_reserve()
+                } else {
+                    0
+                };
+                let need = match plan.memory_phases {
+                    MemoryPhases::Resident => d.peak.saturating_add(t).saturating_add(v),
+                    MemoryPhases::OneShot => d
+                        .phases
+                        .encode
+                        .max(d.phases.denoise.saturating_add(t))
+                        .max(d.phases.decode.saturating_add(v)),
+                };
+                need.saturating_add(d.headroom) <= d.budget
             })
     }
 

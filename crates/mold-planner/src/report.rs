@@ -171,10 +171,38 @@ pub fn summary(o: &Outcome) -> String {
         },
         w.steps,
         w.batch,
-        if w.cfg_scale.is_some() {
-            " (CFG: 2 passes a step)"
-        } else {
-            ""
+        match (w.cfg_scale.is_some(), p.cfg) {
+            (false, _) => String::new(),
+            (true, None) => " (CFG: 2 passes a step)".to_string(),
+            (true, Some(c)) => format!(" (true CFG: 2 passes a step, {})", c.mode),
+        }
+    );
+    if let Some(c) = p.cfg {
+        let how = match c.mode {
+            mold_plan::CfgMode::Serial => {
+                format!("serial, 2 × the pass {}", secs(e.pass_s))
+            }
+            mold_plan::CfgMode::Parallel => format!(
+                "parallel, the unconditional pass on replicas[1] at the same time: pass {} + combine {}",
+                secs(e.pass_s),
+                secs(e.combine_s)
+            ),
+            mold_plan::CfgMode::Pipelined => format!(
+                "pipelined, two micro-batches through {} stages: pass {} + bottleneck {}",
+                e.stage_s.len(),
+                secs(e.pass_s),
+                secs(e.bottleneck_s)
+            ),
+        };
+        let _ = writeln!(s, "true CFG: {how}");
+    }
+    let _ = writeln!(
+        s,
+        "memory phases: {}",
+        match p.memory_phases {
+            mold_plan::MemoryPhases::OneShot =>
+                "one-shot (encoders freed before the transformer loads; peaks per phase)",
+            mold_plan::MemoryPhases::Resident => "resident (every component loaded at once)",
         }
     );
     let _ = writeln!(
@@ -291,6 +319,39 @@ pub fn summary(o: &Outcome) -> String {
                     "-",
                     f.status
                 );
+            }
+        }
+    }
+    if !o.cfg_modes.is_empty() {
+        let _ = writeln!(s, "\ntrue CFG modes (families above: the chosen mode's):");
+        let _ = writeln!(
+            s,
+            "  {:<10} {:>10} {:>10}  strategy / status",
+            "mode", "step", "request"
+        );
+        for c in &o.cfg_modes {
+            let mark = if c.chosen { "*" } else { " " };
+            match (c.step_time_s, c.request_time_s) {
+                (Some(st), Some(rq)) => {
+                    let _ = writeln!(
+                        s,
+                        "{mark} {:<10} {:>10} {:>10}  {}",
+                        c.mode.name(),
+                        secs(st),
+                        secs(rq),
+                        c.strategy.as_deref().map(family_desc).unwrap_or("")
+                    );
+                }
+                _ => {
+                    let _ = writeln!(
+                        s,
+                        "{mark} {:<10} {:>10} {:>10}  {}",
+                        c.mode.name(),
+                        "-",
+                        "-",
+                        c.status
+                    );
+                }
             }
         }
     }

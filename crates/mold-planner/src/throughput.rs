@@ -211,7 +211,16 @@ fn candidate(req: &Request, devices: &[DeviceId], k: usize) -> ThroughputCandida
         outcome: None,
     };
     let sub = match on_devices(req, &runs[0]) {
-        Ok(sub) => sub,
+        // The replicas serve requests: CFG's passes stay on each replica's devices.
+        Ok(mut sub) => {
+            if matches!(
+                sub.cfg,
+                crate::CfgChoice::Auto | crate::CfgChoice::Mode(mold_plan::CfgMode::Parallel)
+            ) {
+                sub.cfg = crate::CfgChoice::Mode(mold_plan::CfgMode::Serial);
+            }
+            sub
+        }
         Err(why) => {
             c.status = why;
             return c;
@@ -271,7 +280,7 @@ fn candidate(req: &Request, devices: &[DeviceId], k: usize) -> ThroughputCandida
 
 /// `req` with every component and the transformer kept to `run` (and the host, where
 /// components may use it), solved for latency.
-fn on_devices(req: &Request, run: &[DeviceId]) -> Result<Request, String> {
+pub(crate) fn on_devices(req: &Request, run: &[DeviceId]) -> Result<Request, String> {
     let mut sub = req.clone();
     sub.objective = Objective::Latency;
     let names = req

@@ -12,10 +12,11 @@ use mold_machine::{
     Calibration, Collective, Device, Host, InterNode, LinkKind, Links, Machine, NetworkKind,
     PeerDomain,
 };
-use mold_plan::{ByteSize, DeviceId};
+use mold_plan::{ByteSize, CfgMode, DeviceId, MemoryPhases};
 use mold_planner::brute::{self, Space};
 use mold_planner::{
-    plan_from_choice, solve_family, Family, Method, Objective, Request, SpChoice, TpChoice,
+    plan_from_choice, solve_family, CfgChoice, Family, Method, Objective, Request, SpChoice,
+    TpChoice,
 };
 use proptest::prelude::*;
 use std::time::Duration;
@@ -48,6 +49,11 @@ struct Instance {
     /// with the network's GB/s and latency (µs) between the nodes.
     node_split: usize,
     network: (f64, f64),
+    /// True CFG: 0 none, 1 serial, 2 pipelined (CFG-parallel is composed from a
+    /// latency solve on half the devices, not a search space of its own).
+    cfg: u32,
+    /// Memory phases one-shot (else resident).
+    one_shot: bool,
 }
 
 fn instance() -> impl Strategy<Value = Instance> {
@@ -79,7 +85,13 @@ fn instance() -> impl Strategy<Value = Instance> {
             prop_oneof![3 => Just(0u32), 1 => 1u32..16],
             0u32..5,
         ),
-        (1usize..4, 0.5f64..200.0, 0.0f64..200.0),
+        (
+            1usize..4,
+            0.5f64..200.0,
+            0.0f64..200.0,
+            0u32..3,
+            any::<bool>(),
+        ),
     )
         .prop_map(
             |(
@@ -93,7 +105,7 @@ fn instance() -> impl Strategy<Value = Instance> {
                 stream,
                 (tp, sp, host_components, memory_objective, steps),
                 (select, pin_transformer, pin_component),
-                (node_split, gbps, latency),
+                (node_split, gbps, latency, cfg, one_shot),
             )| Instance {
                 devices,
                 peer,
@@ -113,6 +125,8 @@ fn instance() -> impl Strategy<Value = Instance> {
                 pin_component,
                 node_split,
                 network: (gbps, latency),
+                cfg,
+                one_shot,
             },
         )
 }
@@ -294,6 +308,18 @@ fn build(inst: &Instance) -> Option<Request> {
             }
         }
     }
+    if inst.cfg > 0 {
+        req.model.default_workload.cfg_scale = Some(4.0);
+        req.workload.cfg_scale = Some(4.0);
+        req.cfg = CfgChoice::Mode(if inst.cfg == 1 {
+            CfgMode::Serial
+        } else {
+            CfgMode::Pipelined
+        });
+    }
+    if inst.one_shot {
+        req.memory_phases = MemoryPhases::OneShot;
+    }
     req.constraints.check(&req.model, &req.machine).ok()?;
     Some(req)
 }
@@ -397,6 +423,8 @@ fn one_device(stream: bool) -> Instance {
         pin_component: 0,
         node_split: 8,
         network: (50.0, 5.0),
+        cfg: 0,
+        one_shot: false,
     }
 }
 

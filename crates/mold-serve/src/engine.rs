@@ -27,7 +27,7 @@ use tokio::sync::{mpsc, oneshot};
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("{0}")]
+    #[error(transparent)]
     Pipeline(#[from] PipelineError),
     #[error("{0}")]
     Plan(String),

@@ -18,7 +18,7 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Start(#[from] StartError),
     #[error("the HTTP server failed: {0}")]
     Io(#[from] std::io::Error),

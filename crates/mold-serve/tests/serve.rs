@@ -462,3 +462,86 @@ fn shutdown_finishes_the_requests_in_flight() {
     // Nothing listens any more.
     assert!(std::net::TcpStream::connect(addr).is_err());
 }
+
+/// Seconds each device was busy, from `/metrics`, after `n` concurrent requests on one
+/// replica (on emu:0-1 of four devices) with the encoder pool on or off.
+fn busy_after_load(encoder_pool: bool, n: u64) -> Vec<f64> {
+    let o = ServeOptions {
+        encoder_pool,
+        ..opts()
+    };
+    let h = mold_serve::spawn(&deployment(1), &o).unwrap();
+    let addr = h.addr();
+    let threads: Vec<_> = (0..n)
+        .map(|s| {
+            std::thread::spawn(move || {
+                let r = client()
+                    .post(format!("http://{addr}/v1/generate"))
+                    .json(&body(s, 2))
+                    .send()
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let status: serde_json::Value = client()
+        .get(format!("http://{addr}/status"))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(status["encoder_pool"], encoder_pool, "{status}");
+    let busy = (0..4)
+        .map(|d| {
+            metric(
+                addr,
+                &format!("mold_device_busy_seconds_total{{device=\"emu:{d}\"}}"),
+            )
+        })
+        .collect();
+    assert_eq!(h.shutdown().unwrap().ok, n);
+    busy
+}
+
+#[test]
+fn with_the_encoder_pool_off_encoders_and_the_vae_stay_where_the_plan_puts_them() {
+    // Off (`mold serve --encoder-pool off`): the replica's own devices only.
+    let off = busy_after_load(false, 8);
+    assert!(off[0] + off[1] > 0.0, "{off:?}");
+    assert_eq!((off[2], off[3]), (0.0, 0.0), "{off:?}");
+    // On, with the same load: encoders borrow the idle emu:2 and emu:3 (eight requests
+    // queued at once, four encoder workers, the planned device taken by the first).
+    let on = busy_after_load(true, 8);
+    assert!(on[2] + on[3] > 0.0, "{on:?}");
+}
+
+#[test]
+fn a_server_that_cannot_start_says_why_once() {
+    let empty = std::env::temp_dir().join(format!("mold-serve-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let d = Deployment {
+        weights: empty.clone(),
+        ..deployment(1)
+    };
+    let e = match mold_serve::spawn(&d, &opts()) {
+        Ok(_) => panic!("a server without weights started"),
+        Err(e) => e,
+    };
+    // What `mold serve` prints: the error and its sources (anyhow's `{:#}`).
+    let mut chain = e.to_string();
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        chain.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    assert_eq!(chain.matches("lacks files").count(), 1, "{chain}");
+    assert!(
+        chain.contains("mold testdata flux-tiny-pipeline"),
+        "{chain}"
+    );
+    assert!(!chain.contains('\n'), "{chain}");
+    let _ = std::fs::remove_dir_all(&empty);
+}

@@ -6,7 +6,9 @@ use crate::{Event, EventKind, Lane, Live, SimError, SimOptions, SimReport};
 use mold_cost::{BlockCost, Ctx, Group};
 use mold_machine::Machine;
 use mold_models::{ModelSpec, Workkind};
-use mold_plan::{ComponentRole, DType, DeviceId, Plan, Residency};
+use mold_plan::{
+    CfgMode, ComponentPlan, ComponentRole, DType, DeviceId, MemoryPhases, Plan, Residency,
+};
 use std::collections::HashMap;
 
 /// Steps simulated event by event: the first (the copy stream starts idle), then enough
@@ -59,6 +61,49 @@ struct GroupStream {
     /// Earliest start of this step's copies, per rank.
     gate: Vec<f64>,
     seen_this_step: bool,
+}
+
+/// A transformer placement being run: its device groups and their streaming state.
+struct PassRun<'p> {
+    tc: &'p ComponentPlan,
+    groups: Vec<Group>,
+    streams: Vec<GroupStream>,
+    /// Each part's group.
+    group_of: Vec<usize>,
+}
+
+impl<'p> PassRun<'p> {
+    fn new(tc: &'p ComponentPlan) -> PassRun<'p> {
+        let mut groups: Vec<Group> = Vec::new();
+        let mut streams: Vec<GroupStream> = Vec::new();
+        let mut group_of = Vec::new();
+        for p in &tc.parts {
+            let group = Group::of(p);
+            let gi = match groups.iter().position(|g| g == &group) {
+                Some(i) => i,
+                None => {
+                    groups.push(group);
+                    streams.push(GroupStream {
+                        buffers: 0,
+                        done: vec![Vec::new(); p.devices.len()],
+                        gate: vec![0.0; p.devices.len()],
+                        seen_this_step: false,
+                    });
+                    groups.len() - 1
+                }
+            };
+            if p.residency == Residency::Streamed {
+                streams[gi].buffers = streams[gi].buffers.max(p.buffers() as usize);
+            }
+            group_of.push(gi);
+        }
+        PassRun {
+            tc,
+            groups,
+            streams,
+            group_of,
+        }
+    }
 }
 
 pub(crate) struct Sim<'a> {
@@ -245,11 +290,12 @@ impl<'a> Sim<'a> {
         best
     }
 
-    /// Conditioning bytes one text encoder hands the transformer.
+    /// Conditioning bytes one text encoder hands the transformer (the negative prompt's
+    /// too under true CFG).
     fn conditioning_bytes(&self, name: &str, dtype: DType) -> u64 {
         match self.model.component(name).map(|c| &c.work) {
             Some(Workkind::TextEncoder { hidden, .. }) => {
-                self.ctx.batch * self.model.text_tokens as u64 * hidden * dtype.activation_bytes()
+                self.ctx.conditioning_bytes(*hidden, dtype)
             }
             _ => 0,
         }
@@ -257,13 +303,13 @@ impl<'a> Sim<'a> {
 
     /// Bytes of the latents (f32) between steps and into the VAE.
     fn latent_bytes(&self) -> u64 {
-        let l = &self.model.latent;
-        self.ctx.batch * self.ctx.tokens.img * (l.channels * l.patch * l.patch) as u64 * 4
+        self.ctx.latent_bytes()
     }
 
-    /// Weights, stream buffers and pinned host memory: live for the whole request.
-    fn load(&mut self) {
-        let plan = self.plan;
+    /// Components' weights (the encoders' first, then the VAE's, as allocation
+    /// indices) and host memory: loaded at the start (see [`Sim::phase_allocs`]).
+    fn load_components(&mut self, plan: &Plan) -> (Vec<usize>, Vec<usize>) {
+        let (mut encoders, mut vaes) = (Vec::new(), Vec::new());
         for c in &plan.components {
             if c.role == ComponentRole::Transformer {
                 continue;
@@ -280,10 +326,20 @@ impl<'a> Sim<'a> {
                 });
             } else {
                 self.weights[on] += w;
+                match c.role {
+                    ComponentRole::Encoder => encoders.push(self.allocs.len()),
+                    _ => vaes.push(self.allocs.len()),
+                }
                 self.alloc(on, 0.0, None, w, format!("{} weights", c.name), "load");
             }
         }
-        let Some(tc) = plan.transformer() else { return };
+        (encoders, vaes)
+    }
+
+    /// A transformer placement's resident blocks, stream buffers, stem and pinned host
+    /// memory; the allocations' indices.
+    fn load_transformer(&mut self, tc: &ComponentPlan) -> Vec<usize> {
+        let first = self.allocs.len();
         let dtype = tc.dtype;
         let n = self.devs.len();
         let mut resident = vec![0u64; n];
@@ -362,19 +418,67 @@ impl<'a> Sim<'a> {
                 }
             }
         }
+        (first..self.allocs.len()).collect()
+    }
+
+    /// One-shot phases: encoders' weights live until `encoded`, the transformer's from
+    /// then until `denoised`, the VAE's from then on; resident, all for the whole run.
+    fn phase_allocs(
+        &mut self,
+        (encoders, vaes): (&[usize], &[usize]),
+        transformer: &[usize],
+        encoded: f64,
+        denoised: f64,
+    ) {
+        if self.plan.memory_phases != MemoryPhases::OneShot {
+            return;
+        }
+        for &i in encoders {
+            self.allocs[i].end = Some(encoded);
+        }
+        for &i in transformer {
+            self.allocs[i].start = encoded;
+            self.allocs[i].end = Some(denoised);
+        }
+        for &i in vaes {
+            self.allocs[i].start = denoised;
+        }
     }
 
     fn run(&mut self) -> SimReport {
-        let plan = self.plan;
-        self.load();
+        let mode = self.plan.cfg_mode();
+        // The placements that run passes: under CFG-parallel both replicas (the
+        // conditional one runs the encoders and the VAE), else the plan as written.
+        let placements: Vec<Plan> = match mode {
+            Some(CfgMode::Parallel) => self
+                .plan
+                .replica_plans()
+                .unwrap_or_else(|_| vec![self.plan.clone()]),
+            _ => vec![self.plan.clone()],
+        };
+        let plan = &placements[0];
+        let components = self.load_components(plan);
+        let mut transformer_allocs = Vec::new();
+        for p in &placements {
+            if let Some(tc) = p.transformer() {
+                transformer_allocs.extend(self.load_transformer(tc));
+            }
+        }
         self.host_ram += self.host_pinned;
 
         // Encode: each encoder on its device, then its conditioning to the
-        // transformer's first devices.
-        let first: Vec<DeviceId> = plan
-            .transformer()
-            .map(|t| t.parts[0].devices.clone())
-            .unwrap_or_default();
+        // transformer's first devices (each replica's under CFG-parallel).
+        let mut first: Vec<DeviceId> = Vec::new();
+        for p in &placements {
+            if let Some(t) = p.transformer() {
+                for d in &t.parts[0].devices {
+                    if !first.contains(d) {
+                        first.push(d.clone());
+                    }
+                }
+            }
+        }
+        let mut encoded = 0.0f64;
         let mut cond_ready = vec![0.0f64; self.devs.len()];
         let mut cond_allocs: Vec<usize> = Vec::new();
         for c in &plan.components {
@@ -387,6 +491,7 @@ impl<'a> Sim<'a> {
             let start = self.devs[on].compute;
             let end = start + self.ctx.component_s(spec, &on_id, c.dtype);
             self.devs[on].compute = end;
+            encoded = encoded.max(end);
             let phase = format!("encode: {}", c.name);
             self.event(
                 on,
@@ -447,7 +552,12 @@ impl<'a> Sim<'a> {
         let mut step_ends: Vec<f64> = Vec::new();
         let mut last_group: Vec<DeviceId> = first.clone();
         let mut ready = cond_ready.clone();
-        if let Some(tc) = plan.transformer() {
+        let mut runs: Vec<PassRun> = placements
+            .iter()
+            .filter_map(|p| p.transformer())
+            .map(PassRun::new)
+            .collect();
+        if !runs.is_empty() {
             denoise_start = first
                 .iter()
                 .map(|d| cond_ready[self.di(d)])
@@ -456,92 +566,69 @@ impl<'a> Sim<'a> {
                 let i = self.di(d);
                 ready[i] = denoise_start;
             }
-            let dtype = tc.dtype;
-            let mut groups: Vec<Group> = Vec::new();
-            let mut streams: Vec<GroupStream> = Vec::new();
-            let mut group_of = Vec::new();
-            for p in &tc.parts {
-                let group = Group::of(p);
-                let gi = match groups.iter().position(|g| g == &group) {
-                    Some(i) => i,
-                    None => {
-                        groups.push(group);
-                        streams.push(GroupStream {
-                            buffers: 0,
-                            done: vec![Vec::new(); p.devices.len()],
-                            gate: vec![denoise_start; p.devices.len()],
-                            seen_this_step: false,
-                        });
-                        groups.len() - 1
+            for r in runs.iter_mut() {
+                for g in r.streams.iter_mut() {
+                    for x in g.gate.iter_mut() {
+                        *x = denoise_start;
                     }
-                };
-                if p.residency == Residency::Streamed {
-                    streams[gi].buffers = streams[gi].buffers.max(p.buffers() as usize);
                 }
-                group_of.push(gi);
             }
-            let hand_bytes = self.ctx.handoff_bytes(dtype);
             let latent = self.latent_bytes();
-            let last_devs = tc.parts.last().unwrap().devices.clone();
+            last_group = runs[0].tc.parts.last().unwrap().devices.clone();
             for s in 1..=sim_steps {
-                for st in streams.iter_mut() {
-                    st.seen_this_step = false;
+                // The step's input: the latents, back on each placement's first devices.
+                if s > 1 {
+                    for r in &runs {
+                        let to = r.tc.parts[0].devices.clone();
+                        let phase = format!("step {s}, part 1");
+                        self.step_input(&last_group, &to, latent, &mut ready, &phase);
+                    }
                 }
-                for (pi, p) in tc.parts.iter().enumerate() {
-                    let phase = format!("step {s}, part {}", pi + 1);
-                    let g = group_of[pi];
-                    // The part's input.
-                    if pi == 0 {
-                        if s > 1 {
-                            self.step_input(&last_devs, &p.devices, latent, &mut ready, &phase);
+                match mode {
+                    None => self.pass(&mut runs[0], s, "", &mut ready),
+                    Some(CfgMode::Serial) => {
+                        self.pass(&mut runs[0], s, "cond", &mut ready);
+                        // The unconditional pass starts when the conditional one ends.
+                        let end = self.end_of(&last_group, &ready);
+                        for d in &runs[0].tc.parts[0].devices {
+                            let i = self.di(d);
+                            ready[i] = ready[i].max(end);
                         }
-                    } else if group_of[pi - 1] != g {
-                        let prev = tc.parts[pi - 1].devices.clone();
-                        self.handoff(&prev, &p.devices, hand_bytes, dtype, &mut ready, &phase);
+                        self.pass(&mut runs[0], s, "uncond", &mut ready);
                     }
-                    if p.residency == Residency::Streamed && !streams[g].seen_this_step {
-                        streams[g].seen_this_step = true;
-                        if !self.opts.prefetch {
-                            for (li, d) in p.devices.iter().enumerate() {
-                                streams[g].gate[li] = ready[self.di(d)];
-                            }
-                        }
-                    }
-                    for r in &p.blocks {
-                        let info = self.info(&r.kind, &groups[g], dtype);
-                        for b in r.start..r.end {
-                            let what = format!("{} {b}", r.kind);
-                            let moment = format!("{phase}, {what}");
-                            self.block(
-                                p,
-                                &info,
-                                &what,
-                                &moment,
-                                &phase,
-                                &mut streams[g],
-                                &mut ready,
-                            );
+                    Some(CfgMode::Pipelined) => {
+                        // Two micro-batches, each with its own inputs' readiness; the
+                        // devices' streams order them.
+                        let mut second = ready.clone();
+                        self.pass(&mut runs[0], s, "mb0", &mut ready);
+                        self.pass(&mut runs[0], s, "mb1", &mut second);
+                        for (r, x) in ready.iter_mut().zip(second) {
+                            *r = r.max(x);
                         }
                     }
-                    // A run of parts on a sequence-parallel group ends with an
-                    // all-gather of the hidden state.
-                    if group_of.get(pi + 1) != Some(&g) {
-                        let group = groups[g].clone();
-                        self.gather(&group, hand_bytes, dtype, &mut ready, &phase);
+                    Some(CfgMode::Parallel) => {
+                        self.pass(&mut runs[0], s, "cond", &mut ready);
+                        if runs.len() > 1 {
+                            self.pass(&mut runs[1], s, "uncond", &mut ready);
+                            let from = runs[1].tc.parts.last().unwrap().devices[0].clone();
+                            let to = last_group[0].clone();
+                            self.combine(&from, &to, latent, s, &mut ready);
+                        }
                     }
-                    last_group = p.devices.clone();
                 }
-                let end = last_group
-                    .iter()
-                    .map(|d| ready[self.di(d)])
-                    .fold(0.0, f64::max);
-                step_ends.push(end);
+                step_ends.push(self.end_of(&last_group, &ready));
             }
         }
         let denoise_end = step_ends.last().copied().unwrap_or(denoise_start);
         for i in cond_allocs {
             self.allocs[i].end = Some(denoise_end);
         }
+        self.phase_allocs(
+            (&components.0, &components.1),
+            &transformer_allocs,
+            encoded,
+            denoise_end,
+        );
 
         // Decode: latents to the VAE's device, then the VAE.
         let mut sim_end = denoise_end;
@@ -602,6 +689,91 @@ impl<'a> Sim<'a> {
             sim_end = sim_end.max(s.compute).max(s.copy).max(s.comm);
         }
         self.finish(denoise_start, step_ends, sim_end, sim_steps)
+    }
+
+    /// When the last of `devices` is ready.
+    fn end_of(&self, devices: &[DeviceId], ready: &[f64]) -> f64 {
+        devices
+            .iter()
+            .map(|d| ready[self.di(d)])
+            .fold(0.0, f64::max)
+    }
+
+    /// One transformer pass of step `s` through `run`'s parts (`label`: which pass or
+    /// micro-batch, in the events' phase), from and into `ready`.
+    fn pass(&mut self, run: &mut PassRun, s: u32, label: &str, ready: &mut [f64]) {
+        let tc = run.tc;
+        let dtype = tc.dtype;
+        let hand_bytes = self.ctx.handoff_bytes(dtype);
+        for st in run.streams.iter_mut() {
+            st.seen_this_step = false;
+        }
+        for (pi, p) in tc.parts.iter().enumerate() {
+            let phase = if label.is_empty() {
+                format!("step {s}, part {}", pi + 1)
+            } else {
+                format!("step {s}, {label}, part {}", pi + 1)
+            };
+            let g = run.group_of[pi];
+            if pi > 0 && run.group_of[pi - 1] != g {
+                let prev = tc.parts[pi - 1].devices.clone();
+                self.handoff(&prev, &p.devices, hand_bytes, dtype, ready, &phase);
+            }
+            if p.residency == Residency::Streamed && !run.streams[g].seen_this_step {
+                run.streams[g].seen_this_step = true;
+                if !self.opts.prefetch {
+                    for (li, d) in p.devices.iter().enumerate() {
+                        run.streams[g].gate[li] = ready[self.di(d)];
+                    }
+                }
+            }
+            for r in &p.blocks {
+                let info = self.info(&r.kind, &run.groups[g], dtype);
+                for b in r.start..r.end {
+                    let what = format!("{} {b}", r.kind);
+                    let moment = format!("{phase}, {what}");
+                    self.block(p, &info, &what, &moment, &phase, &mut run.streams[g], ready);
+                }
+            }
+            // A run of parts on a sequence-parallel group ends with an all-gather of
+            // the hidden state.
+            if run.group_of.get(pi + 1) != Some(&g) {
+                let group = run.groups[g].clone();
+                self.gather(&group, hand_bytes, dtype, ready, &phase);
+            }
+        }
+    }
+
+    /// CFG-parallel's combine: the unconditional pass's output to the conditional one's
+    /// output device.
+    fn combine(&mut self, from: &DeviceId, to: &DeviceId, bytes: u64, s: u32, ready: &mut [f64]) {
+        if from == to {
+            return;
+        }
+        let (fi, ti) = (self.di(from), self.di(to));
+        let start = ready[fi].max(self.devs[ti].comm);
+        let end = start + self.machine.transfer_s(from, to, bytes);
+        self.devs[ti].comm = end;
+        let g = self.machine.transfer_gbps(from, to);
+        let phase = format!("step {s}, combine");
+        let what = format!(
+            "unconditional output from {from} ({}, {})",
+            human(bytes),
+            gbps_text(g)
+        );
+        self.event(
+            ti,
+            Lane::Comm,
+            EventKind::Transfer,
+            start,
+            end,
+            what,
+            &phase,
+        );
+        if self.opts.transfer_buffers {
+            self.alloc(ti, start, Some(end), bytes, "CFG combine".into(), &phase);
+        }
+        ready[ti] = ready[ti].max(end);
     }
 
     /// Moves the next step's input to the first part's devices.

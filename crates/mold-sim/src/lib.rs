@@ -30,6 +30,8 @@ mod check;
 mod engine;
 mod outcome;
 mod report;
+pub mod run_compare;
+pub mod run_report;
 pub mod stream;
 mod svg;
 mod text;

@@ -107,9 +107,13 @@ pub fn simulate_stream(
     opts.check().map_err(SimError::Invalid)?;
     // The whole plan first: its refusals name `replicas[i]`.
     mold_cost::validate(plan, model, machine).map_err(|e| SimError::Invalid(e.to_string()))?;
-    let replicas = plan
-        .replica_plans()
-        .map_err(|e| SimError::Invalid(e.to_string()))?;
+    // Under CFG-parallel the two replicas serve one request together: one server.
+    let replicas = if plan.cfg_mode() == Some(mold_plan::CfgMode::Parallel) {
+        vec![plan.clone()]
+    } else {
+        plan.replica_plans()
+            .map_err(|e| SimError::Invalid(e.to_string()))?
+    };
     let mut timed = Vec::with_capacity(replicas.len());
     for (i, r) in replicas.iter().enumerate() {
         let sim = crate::simulate(r, model, machine).map_err(|e| match e {
@@ -131,7 +135,11 @@ pub fn simulate_stream(
                 format!("the plan does not fit: {why}")
             }));
         }
-        let used = r.placement_devices();
+        // Every replica's devices (both, for a CFG-parallel pair).
+        let used: std::collections::BTreeSet<DeviceId> = r
+            .replica_plans()
+            .map(|rs| rs.iter().flat_map(|p| p.placement_devices()).collect())
+            .unwrap_or_else(|_| r.placement_devices());
         let devices = machine
             .devices
             .iter()

@@ -262,12 +262,20 @@ impl SimReport {
                 {
                     let x0 = x(e.start_s);
                     let wd = (x(e.end_s) - x0).max(0.6);
+                    // True CFG's second pass (or micro-batch) in a lighter shade, so the
+                    // two show apart where they overlap across devices.
+                    let second = e.phase.contains(", mb1,") || e.phase.contains(", uncond,");
                     let _ = writeln!(
                         s,
-                        r#"<rect x="{x0:.2}" y="{:.1}" width="{wd:.2}" height="{}" fill="{}"><title>{}</title></rect>"#,
+                        r#"<rect x="{x0:.2}" y="{:.1}" width="{wd:.2}" height="{}" fill="{}"{}><title>{}</title></rect>"#,
                         ly + 1.0,
                         LANE_H - 4.0,
                         color(e.kind),
+                        if second {
+                            r#" fill-opacity="0.55""#
+                        } else {
+                            ""
+                        },
                         esc(&format!(
                             "{} — {}: {} ({} → {})",
                             e.phase,

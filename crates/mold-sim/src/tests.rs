@@ -112,6 +112,8 @@ fn toy_plan(model: &ModelSpec, machine: &Machine, parts: Vec<Part>, steps: u32) 
             checkpoint: None,
         },
         workload: w,
+        cfg: None,
+        memory_phases: Default::default(),
         machine: machine.identity(),
         components: vec![ComponentPlan {
             name: "transformer".into(),
@@ -621,3 +623,5 @@ fn inter_node_transfers_and_collectives_use_the_network() {
         .allreduce_s;
     assert!(across > inside, "{across} vs {inside}");
 }
+
+mod cfg;

@@ -7,11 +7,15 @@
 //! - [`plan_check`]: the plan's parts against the model, before anything loads;
 //! - `build` (here): devices, weights, rings and communicators;
 //! - [`rank`]: one part's ranks running their blocks (threads for tensor parallelism);
+//! - [`pipeline`]: several micro-batches through the parts at once (a thread per stage);
 //! - [`multiprocess`]: a run spread over several processes.
 
 mod multiprocess;
+pub mod pipeline;
 pub mod plan_check;
 mod rank;
+
+pub use pipeline::MicroBatchSpan;
 
 pub use plan_check::{check_plan, compute_dtype};
 
@@ -27,6 +31,7 @@ use candle_core::{DType, Device, Tensor};
 use mold_plan::{DeviceId, Plan, Residency};
 use multiprocess::DistRt;
 use plan_check::{check_parts, transformer_of};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 /// One profiled phase: `(label, seconds, marks)`.
@@ -43,10 +48,51 @@ struct Rank<M: Transformer> {
     blocks: Vec<Held<M::Block>>,
     meter: ActivationMeter,
     profile: Profiler,
+    /// Phase times of each micro-batch index of [`Executor::forward_micro_batches`]
+    /// (grown on first use), apart from [`Rank::profile`]'s single calls.
+    mb_profiles: Mutex<Vec<Arc<Profiler>>>,
     resident_bytes: u64,
     /// `sync` streaming: the largest streamed block and the host bytes of all of them.
     sync_stream_bytes: u64,
     sync_host_bytes: u64,
+}
+
+impl<M: Transformer> Rank<M> {
+    /// The profiler of micro-batch `j`.
+    fn mb_profile(&self, j: usize) -> Arc<Profiler> {
+        let mut v = self.mb_profiles.lock().unwrap_or_else(|e| e.into_inner());
+        while v.len() <= j {
+            v.push(Arc::default());
+        }
+        v[j].clone()
+    }
+
+    /// Every phase this rank timed, largest first: single calls under the model's labels,
+    /// micro-batch `j` under `mb{j} <label>`.
+    fn profile_report(&self) -> Vec<PhaseTime> {
+        let mut out = self.profile.report();
+        let mbs = self.mb_profiles.lock().unwrap_or_else(|e| e.into_inner());
+        for (j, p) in mbs.iter().enumerate() {
+            out.extend(
+                p.report()
+                    .into_iter()
+                    .map(|(label, s, n)| (mb_label(j, label), s, n)),
+            );
+        }
+        out.sort_by(|a, b| b.1.total_cmp(&a.1));
+        out
+    }
+}
+
+/// `mb{j} {label}` as a static label, made once per pair: the model's phase labels are
+/// a fixed set and micro-batch indices are bounded by the largest call, so the few
+/// strings this keeps for the process's lifetime are bounded too.
+fn mb_label(j: usize, label: &'static str) -> &'static str {
+    static LABELS: Mutex<BTreeMap<(usize, &'static str), &'static str>> =
+        Mutex::new(BTreeMap::new());
+    let mut m = LABELS.lock().unwrap_or_else(|e| e.into_inner());
+    m.entry((j, label))
+        .or_insert_with(|| Box::leak(format!("mb{j} {label}").into_boxed_str()))
 }
 
 struct PartRt<M: Transformer> {
@@ -69,12 +115,21 @@ struct PartRt<M: Transformer> {
 }
 
 /// What flows between parts: a model's activations, each rank's slice of them (between
-/// sequence-parallel parts of the same layout, [`PartRt::keep_sliced`]), or the model's
-/// output after the final layer.
+/// sequence-parallel parts of the same layout, [`PartRt::keep_sliced`]), the
+/// activations already copied to each rank's device of the next part (between the
+/// stages of [`Executor::forward_micro_batches`]), or the model's output after the final
+/// layer.
 #[derive(Clone)]
 enum Flow<A> {
     Acts(A),
     Sliced(Vec<A>),
+    Placed {
+        /// One copy per rank of the next part, on its device.
+        copies: Vec<A>,
+        /// What they were copied from, kept alive until the next part has finished
+        /// (with a stream per device nothing else waits for the copy to have read it).
+        _source: A,
+    },
     Out(Tensor),
 }
 
@@ -88,6 +143,9 @@ pub struct Executor<M: Transformer> {
     /// One per device that runs streamed blocks (pipelined streaming).
     rings: Vec<(DeviceId, Mutex<Ring<M::Block>>)>,
     dist: Option<DistRt>,
+    /// When each part ran each micro-batch in the last
+    /// [`Executor::forward_micro_batches`] call.
+    timeline: Mutex<Vec<MicroBatchSpan>>,
 }
 
 impl<M: Transformer> std::fmt::Debug for Executor<M> {
@@ -381,6 +439,7 @@ impl<M: Transformer> Executor<M> {
                     blocks,
                     meter: ActivationMeter::default(),
                     profile: Profiler::default(),
+                    mb_profiles: Mutex::default(),
                     resident_bytes,
                     sync_stream_bytes,
                     sync_host_bytes,
@@ -438,6 +497,7 @@ impl<M: Transformer> Executor<M> {
             opts,
             rings: rings.into_iter().map(|(d, r)| (d, Mutex::new(r))).collect(),
             dist,
+            timeline: Mutex::default(),
         })
     }
 
@@ -465,20 +525,30 @@ impl<M: Transformer> Executor<M> {
     }
 
     /// Time per phase and device since the last [`Executor::clear_profile`]: for each
-    /// rank, `(label, seconds, marks)`, largest first. Empty unless profiling.
+    /// rank (one entry per part a device serves), `(label, seconds, marks)`, largest
+    /// first; phases of [`Executor::forward_micro_batches`] are labelled by micro-batch
+    /// (`mb0 attention`, `mb1 attention`, …). Empty unless profiling.
     pub fn profile_report(&self) -> Vec<(DeviceId, Vec<PhaseTime>)> {
         self.parts
             .iter()
             .flat_map(|p| p.ranks.iter())
-            .map(|r| (r.id.clone(), r.profile.report()))
+            .map(|r| (r.id.clone(), r.profile_report()))
             .filter(|(_, v)| !v.is_empty())
             .collect()
     }
 
-    /// Forgets the phase times so far (e.g. the warm-up step's).
+    /// Forgets the phase times so far (e.g. the warm-up step's), micro-batches' too.
     pub fn clear_profile(&self) {
         for r in self.parts.iter().flat_map(|p| p.ranks.iter()) {
             r.profile.clear();
+            for p in r
+                .mb_profiles
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+            {
+                p.clear();
+            }
         }
     }
 
@@ -538,7 +608,7 @@ impl<M: Transformer> Executor<M> {
         }
         let mut flow: Option<Flow<M::Acts>> = None;
         for part in &self.parts {
-            flow = Some(self.run_part(part, flow.as_ref(), inputs)?);
+            flow = Some(self.run_part(part, flow.as_ref(), inputs, None)?);
         }
         match flow {
             Some(Flow::Out(t)) => Ok(t),

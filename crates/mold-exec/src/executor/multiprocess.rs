@@ -208,7 +208,7 @@ impl<M: Transformer> Executor<M> {
                         .recv(&format!("acts/{call}/{pi}"))?;
                     flow = Some(flow_from_wire(head, ts)?);
                 }
-                Some(self.run_part(part, flow.as_ref(), inputs)?)
+                Some(self.run_part(part, flow.as_ref(), inputs, None)?)
             };
             if d.owner(&part.devices[0])? == me {
                 let out = out.as_ref().ok_or_else(|| {
@@ -240,9 +240,9 @@ impl<M: Transformer> Executor<M> {
                 let (head, ts) = HandOff::tcp(d.mesh.clone(), from).recv(&format!("out/{call}"))?;
                 match flow_from_wire::<M::Acts>(head, ts)? {
                     Flow::Out(t) => Ok(t),
-                    Flow::Acts(_) | Flow::Sliced(_) => Err(ExecError::Dist(format!(
-                        "process {from} sent activations where the output was expected"
-                    ))),
+                    Flow::Acts(_) | Flow::Sliced(_) | Flow::Placed { .. } => Err(ExecError::Dist(
+                        format!("process {from} sent activations where the output was expected"),
+                    )),
                 }
             }
         }
@@ -264,6 +264,9 @@ fn flow_to_wire<A: Activations>(f: &Flow<A>) -> Result<(u8, Vec<Tensor>)> {
         Flow::Out(t) => Ok((OUT_TAG, vec![t.clone()])),
         Flow::Sliced(_) => Err(ExecError::Dist(
             "a slice of the sequence cannot cross processes".into(),
+        )),
+        Flow::Placed { .. } => Err(ExecError::Dist(
+            "activations placed on the next part's devices cannot cross processes".into(),
         )),
     }
 }

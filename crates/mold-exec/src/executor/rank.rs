@@ -4,7 +4,7 @@
 use super::{Executor, Flow, PartRt, Rank};
 use crate::comm::{Comm, LocalComm};
 use crate::error::{ExecError, Result};
-use crate::model::{Activations, Ctx, Transformer, Weights};
+use crate::model::{Activations, Ctx, Inputs, Transformer, Weights};
 use crate::runtime::{self, Held};
 use std::borrow::Cow;
 
@@ -26,16 +26,18 @@ type Groups = (Vec<Box<dyn Comm>>, Vec<Box<dyn Comm>>);
 
 impl<M: Transformer> Executor<M> {
     /// Runs `part` on what the previous part produced (`None`: the call's inputs, for
-    /// the first part).
+    /// the first part); `mb`: which micro-batch of [`Executor::forward_micro_batches`]
+    /// this is (`None` for [`Executor::forward`]), for the profile's labels.
     pub(super) fn run_part(
         &self,
         part: &PartRt<M>,
         prev: Option<&Flow<M::Acts>>,
         inputs: &M::Inputs,
+        mb: Option<usize>,
     ) -> Result<Flow<M::Acts>> {
         if part.devices.len() == 1 {
             let rank = &part.ranks[0];
-            let out = self.run_rank(part, rank, &LocalComm, &LocalComm, prev, inputs)?;
+            let out = self.run_rank(part, rank, &LocalComm, &LocalComm, prev, inputs, mb)?;
             // The next part reads it on its own devices' streams (from another thread
             // under tensor parallelism), which are not ordered with this one: finish it.
             rank.device.synchronize()?;
@@ -57,6 +59,24 @@ impl<M: Transformer> Executor<M> {
                 )
             }
         };
+        // Every rank's input is copied to its device here, before any rank starts. A
+        // rank that copied it itself, from another GPU, would wait for that GPU's stream,
+        // which with a stream per device (`--deterministic`) can already hold its peer's
+        // first collective, waiting for this rank: the TP2 hang seen on 2 × H200.
+        let placed_prev: Vec<Flow<M::Acts>> = match prev {
+            Some(Flow::Acts(a)) => self
+                .copy_to_ranks(part, |dev| a.map(&mut |t| runtime::hand_off(t, dev)))?
+                .into_iter()
+                .map(Flow::Acts)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let placed_inputs: Vec<M::Inputs> = match prev {
+            None => {
+                self.copy_to_ranks(part, |dev| inputs.map(&mut |t| runtime::hand_off(t, dev)))?
+            }
+            Some(_) => Vec::new(),
+        };
         let results: Vec<std::thread::Result<candle_core::Result<Flow<M::Acts>>>> =
             std::thread::scope(|s| {
                 let handles: Vec<_> = part
@@ -65,13 +85,15 @@ impl<M: Transformer> Executor<M> {
                     .enumerate()
                     .map(|(i, rank)| {
                         let (comm, sp) = (tp_comms[i], sp_comms[i]);
+                        let inputs = placed_inputs.get(i).unwrap_or(inputs);
+                        let prev = placed_prev.get(i).or(prev);
                         s.spawn(move || {
                             let mut guard = AbortGuard(comm, sp, false);
                             // Finish this rank's kernels before its thread hands the
                             // result on: other devices' streams are not ordered with
                             // this one (a no-op on the CPU).
                             let r = self
-                                .run_rank(part, rank, comm, sp, prev, inputs)
+                                .run_rank(part, rank, comm, sp, prev, inputs, mb)
                                 .and_then(|a| rank.device.synchronize().map(|_| a))
                                 // A collective may fail after it was enqueued.
                                 .and_then(|a| comm.check().map(|_| a))
@@ -160,6 +182,7 @@ impl<M: Transformer> Executor<M> {
         (fill(tp_comms), fill(sp_comms))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run_rank(
         &self,
         part: &PartRt<M>,
@@ -168,18 +191,43 @@ impl<M: Transformer> Executor<M> {
         sp: &dyn Comm,
         prev: Option<&Flow<M::Acts>>,
         inputs: &M::Inputs,
+        mb: Option<usize>,
     ) -> candle_core::Result<Flow<M::Acts>> {
         let dev = &rank.device;
+        let mb_profile = mb
+            .filter(|_| self.opts.profiling)
+            .map(|j| rank.mb_profile(j));
+        let profile = match &mb_profile {
+            Some(p) => p.as_ref(),
+            None => &rank.profile,
+        };
         let ctx = Ctx {
             comm,
             sp,
             meter: &rank.meter,
             kernels: self.opts.kernels,
-            profile: self.opts.profiling.then_some(&rank.profile),
+            profile: self.opts.profiling.then_some(profile),
         };
+        // Start the clock here: the stem's first phase is not charged with whatever ran
+        // on this thread since its last mark (the previous call, or waiting for a
+        // micro-batch).
+        if let Some(p) = ctx.profile {
+            p.mark(None, dev);
+        }
         let mut sliced = false;
         let acts = match prev {
             Some(Flow::Acts(a)) => a.map(&mut |t| runtime::hand_off(t, dev))?,
+            // The previous stage's thread copied them here (a no-op hand-off, unless
+            // they arrived elsewhere).
+            Some(Flow::Placed { copies: v, .. }) => v
+                .get(rank.index)
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "no placed activations for rank {}",
+                        rank.index
+                    ))
+                })?
+                .map(&mut |t| runtime::hand_off(t, dev))?,
             // The previous part ran on these devices with this layout: this rank's slice
             // is already here.
             Some(Flow::Sliced(v)) => {

@@ -29,6 +29,14 @@ pub fn linear(
 /// Whether cuBLASLt's epilogue runs this: CUDA bf16/f16, contiguous operands, sizes that
 /// keep every row 16-byte aligned.
 pub(crate) fn epilogue_applies(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    matmul_applies(x, w)
+        && b.dtype() == x.dtype()
+        && w.dim(0).is_ok_and(|n| b.dims() == [n])
+        && b.is_contiguous()
+}
+
+/// `x Wᵀ` in cuBLASLt: CUDA bf16/f16, contiguous operands, rows 16-byte aligned.
+fn matmul_applies(x: &Tensor, w: &Tensor) -> bool {
     if !cfg!(feature = "cuda") || !x.device().is_cuda() {
         return false;
     }
@@ -40,14 +48,39 @@ pub(crate) fn epilogue_applies(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
         return false;
     };
     half && w.dtype() == x.dtype()
-        && b.dtype() == x.dtype()
         && kx == kw
-        && b.dims() == [n]
         && kx % 8 == 0
         && n % 8 == 0
         && x.is_contiguous()
         && w.is_contiguous()
-        && b.is_contiguous()
+}
+
+/// Whether [`accumulate`] runs `acc += x Wᵀ` in cuBLASLt: as [`matmul_applies`], `acc`
+/// the contiguous `(…, n)` output of an earlier product over the same rows.
+pub(crate) fn accumulate_applies(acc: &Tensor, x: &Tensor, w: &Tensor) -> bool {
+    let rows = |t: &Tensor| -> Option<usize> {
+        t.dims()
+            .split_last()
+            .map(|(_, r)| r.iter().product::<usize>())
+    };
+    matmul_applies(x, w)
+        && acc.dtype() == x.dtype()
+        && acc.is_contiguous()
+        && acc.dim(D::Minus1).ok() == w.dim(0).ok()
+        && rows(acc) == rows(x)
+        && acc.device().same_device(x.device())
+}
+
+/// `acc += x Wᵀ` in place (cuBLASLt with beta = 1, so the sum is never written twice).
+/// Callers check [`accumulate_applies`]; without CUDA this is an error.
+pub(crate) fn accumulate(acc: &Tensor, x: &Tensor, w: &Tensor) -> CResult<()> {
+    #[cfg(feature = "cuda")]
+    return acc.inplace_op3(x, w, &cuda::Accumulate);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (acc, x, w);
+        candle_core::bail!("accumulating matmul needs a CUDA build")
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -55,7 +88,7 @@ mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
     use candle_core::cuda::{CudaDType, CudaStorage};
-    use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+    use candle_core::{CpuStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Tensor};
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
 
@@ -184,5 +217,97 @@ mod cuda {
                 Shape::from(shape),
             ))
         }
+    }
+
+    /// `acc += x Wᵀ` (beta = 1).
+    pub(super) struct Accumulate;
+
+    impl InplaceOp3 for Accumulate {
+        fn name(&self) -> &'static str {
+            "mold-linear-accumulate"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &mut CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<()> {
+            candle_core::bail!("mold-linear-accumulate runs on CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            acc: &mut CudaStorage,
+            al: &Layout,
+            x: &CudaStorage,
+            xl: &Layout,
+            w: &CudaStorage,
+            wl: &Layout,
+        ) -> CResult<()> {
+            match x.dtype() {
+                DType::BF16 => accumulate::<half::bf16>(acc, al, x, xl, w, wl),
+                DType::F16 => accumulate::<half::f16>(acc, al, x, xl, w, wl),
+                dt => candle_core::bail!("mold-linear-accumulate: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    fn accumulate<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        acc: &mut CudaStorage,
+        al: &Layout,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> CResult<()>
+    where
+        CudaBlasLT: Matmul<T>,
+    {
+        let k = *xl.shape().dims().last().unwrap_or(&0);
+        let (n, kw) = wl.shape().dims2()?;
+        let m = xl.shape().elem_count() / k.max(1);
+        if k != kw
+            || al.shape().elem_count() != m * n
+            || !al.is_contiguous()
+            || !xl.is_contiguous()
+            || !wl.is_contiguous()
+        {
+            candle_core::bail!("mold-linear-accumulate: operands do not agree");
+        }
+        let dev = x.device.clone();
+        let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);
+        let start = al.start_offset();
+        let mut out = acc
+            .as_cuda_slice_mut::<T>()?
+            .slice_mut(start..start + m * n);
+        let cfg = MatmulConfig {
+            transa: true,
+            transb: false,
+            transc: false,
+            m: n as u64,
+            n: m as u64,
+            k: k as u64,
+            alpha: 1.0,
+            lda: k as i64,
+            ldb: k as i64,
+            beta: 1.0,
+            ldc: n as i64,
+            stride_a: None,
+            stride_b: None,
+            stride_c: None,
+            stride_bias: None,
+            batch_size: None,
+        };
+        let h = handle(&dev)?;
+        let h = h.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: sizes and leading dimensions match the slices above; C and D are the
+        // same buffer, which cuBLASLt allows when their layouts are equal.
+        unsafe { h.matmul(cfg, &ws, &xs, &mut out, None, None) }
+            .map_err(|e| candle_core::Error::Msg(format!("cuBLASLt matmul: {e:?}")))
     }
 }

@@ -7,9 +7,9 @@
 //!   produce partial sums that are all-reduced, and the bias is added once, after the
 //!   reduce.
 
-use super::gemm;
 use super::ops::{bias_act, Kernels};
 use super::WeightSource;
+use super::{gemm, Ctx};
 use crate::error::Result;
 use candle_core::{Device, Module, Tensor};
 use std::ops::Range;
@@ -117,10 +117,10 @@ impl ColumnParallel {
         Ok((y.narrow(last, 0, at)?, gelu))
     }
     /// `x Wᵀ + b` for a small per-sample input (`(b, in)`, e.g. the conditioning vector):
-    /// candle's matmul and broadcast add, exactly as a replicated [`Linear`] computes
-    /// these rows (no fused kernel: they want `(b, l, n)` activations).
-    pub fn forward_vec(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.weight.forward(x)?.broadcast_add(&self.bias)
+    /// on CUDA one cuBLASLt matmul with the bias in its epilogue, elsewhere candle's matmul
+    /// and broadcast add, as a replicated [`Linear`] computes these rows.
+    pub fn forward_vec(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
+        gemm::linear(x, &self.weight, &self.bias, false, k)
     }
     pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
         Ok(ColumnParallel {
@@ -158,7 +158,7 @@ impl RowParallel {
     }
     /// This rank's partial product (no bias), `Σᵢ xs[i] Wᵢᵀ` with `xs[i]` the input
     /// features of `cols[i]`: all-reduce it, then [`Self::add_bias`].
-    pub fn partial(&self, xs: &[&Tensor]) -> candle_core::Result<Tensor> {
+    pub fn partial(&self, xs: &[&Tensor], k: Kernels) -> candle_core::Result<Tensor> {
         if xs.len() != self.weights.len() {
             candle_core::bail!(
                 "row-parallel linear over {} input segments given {}",
@@ -168,16 +168,25 @@ impl RowParallel {
         }
         let mut acc: Option<Tensor> = None;
         for (x, w) in xs.iter().zip(&self.weights) {
-            let y = w.forward(x)?;
             acc = Some(match acc {
-                None => y,
-                Some(a) => (a + y)?,
+                None => w.forward(x)?,
+                // On CUDA the next product is accumulated into the sum in the matmul
+                // (cuBLASLt, beta = 1) instead of a separate add over the output.
+                Some(a) if k.uses_libraries() && gemm::accumulate_applies(&a, x, w.weight()) => {
+                    gemm::accumulate(&a, x, w.weight())?;
+                    a
+                }
+                Some(a) => (a + w.forward(x)?)?,
             });
         }
         acc.ok_or_else(|| candle_core::Error::Msg("row-parallel linear without input".into()))
     }
     pub fn add_bias(&self, reduced: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
         bias_act(reduced, Some(&self.bias), false, k)
+    }
+    /// The bias (added once, after the all-reduce; e.g. in a gated residual's pass).
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
     }
     pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
         Ok(RowParallel {
@@ -192,6 +201,29 @@ impl RowParallel {
     pub fn bytes(&self) -> u64 {
         self.weights.iter().map(lin_bytes).sum::<u64>() + bytes(&self.bias)
     }
+}
+
+/// The two streams' row-parallel partial sums (txt, img), summed over the tensor-parallel
+/// group with one all-reduce (the two side by side along the sequence); in a group of one
+/// they are already the sums, and nothing is copied.
+pub(crate) fn reduce_pair(
+    txt: Tensor,
+    img: Tensor,
+    label: &'static str,
+    ctx: &Ctx,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    ctx.meter.see(&img);
+    ctx.mark(label, &img);
+    if ctx.comm.world_size() == 1 {
+        return Ok((txt, img));
+    }
+    let tl = txt.dim(1)?;
+    let il = img.dim(1)?;
+    let partial = Tensor::cat(&[&txt, &img], 1)?;
+    ctx.meter.see(&partial);
+    let reduced = ctx.comm.all_reduce_sum(&partial)?;
+    ctx.mark("all-reduce", &reduced);
+    Ok((reduced.narrow(1, 0, tl)?, reduced.narrow(1, tl, il)?))
 }
 
 /// A replicated weight vector (e.g. an RMSNorm scale).

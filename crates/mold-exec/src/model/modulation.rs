@@ -16,13 +16,21 @@ pub(crate) struct ModOut {
 }
 
 impl ModOut {
-    /// `x * (1 + scale) + shift`.
-    pub(crate) fn scale_shift(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        ops::modulate(x, &self.scale, &self.shift, k)
+    /// `layer_norm(x) * (1 + scale) + shift` (LayerNorm without affine parameters), in one
+    /// pass on CUDA.
+    pub(crate) fn norm_scale_shift(&self, x: &Tensor, eps: f32, k: Kernels) -> CResult<Tensor> {
+        ops::ln_modulate(x, &self.scale, &self.shift, eps, k)
     }
-    /// `res + gate * x`.
-    pub(crate) fn gate_residual(&self, res: &Tensor, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        ops::gate_residual(res, x, &self.gate, k)
+    /// `res + gate * (x + bias)`: a row-parallel layer's bias, after its all-reduce, added
+    /// in the gated residual's pass.
+    pub(crate) fn gate_bias_residual(
+        &self,
+        res: &Tensor,
+        x: &Tensor,
+        bias: &Tensor,
+        k: Kernels,
+    ) -> CResult<Tensor> {
+        ops::gate_residual(res, x, Some(bias), &self.gate, k)
     }
 }
 

@@ -67,6 +67,8 @@ pub trait Inputs: Clone + Send + Sync {
     fn set_latents(&mut self, x: Tensor);
     /// Sets the time of the next call (1 = pure noise, 0 = clean), for every sample.
     fn set_time(&mut self, t: f64) -> CResult<()>;
+    /// The inputs with `f` applied to each tensor (e.g. a hand-off to a rank's device).
+    fn map(&self, f: &mut dyn FnMut(&Tensor) -> CResult<Tensor>) -> CResult<Self>;
 }
 
 /// A transformer family: its blocks, checks, loading and forward pieces.

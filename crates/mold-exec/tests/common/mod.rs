@@ -71,6 +71,8 @@ pub fn plan_with(parts: Vec<Part>, dtype: mold_plan::DType) -> Plan {
             guidance: Some(3.5),
             cfg_scale: None,
         },
+        cfg: None,
+        memory_phases: Default::default(),
         machine: MachineIdentity {
             name: "test".into(),
             fingerprint: "0".into(),

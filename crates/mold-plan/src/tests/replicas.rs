@@ -124,18 +124,21 @@ fn replica_plans_refuse_a_plan_built_in_code() {
 
 #[test]
 fn version_2_is_migrated_as_one_replica() {
-    let v2 = SAMPLE.replace("version: 3", "version: 2");
+    let v2 = SAMPLE.replace("version: 4", "version: 2");
     let p = Plan::from_yaml(&v2, "v2.yaml").unwrap();
     assert_eq!(p.version, PLAN_VERSION);
     assert_eq!(p.replica_plans().unwrap(), vec![p.clone()]);
-    assert_eq!(p, Plan::from_yaml(SAMPLE, "v3.yaml").unwrap());
-    // What it writes back is version 3, and reads as the same plan.
+    assert_eq!(p, Plan::from_yaml(SAMPLE, "v4.yaml").unwrap());
+    // What it writes back is the current version, and reads as the same plan.
     let yaml = p.to_yaml();
-    assert!(yaml.contains("version: 3\n"), "{yaml}");
-    assert_eq!(Plan::from_yaml(&yaml, "v3.yaml").unwrap(), p);
+    assert!(
+        yaml.contains(&format!("version: {PLAN_VERSION}\n")),
+        "{yaml}"
+    );
+    assert_eq!(Plan::from_yaml(&yaml, "v4.yaml").unwrap(), p);
     // A version 2 plan naming a version 3 field is refused, naming it.
     let e = Plan::from_yaml(
-        &with_replicas(TWO).replace("version: 3", "version: 2"),
+        &with_replicas(TWO).replace("version: 4", "version: 2"),
         "v2.yaml",
     )
     .unwrap_err()

@@ -14,7 +14,7 @@
 
 use super::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
-use crate::model::layers::{vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
+use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops;
 use crate::model::{sequence, Ctx, Shard, WeightSource};
@@ -24,14 +24,9 @@ type CResult<T> = candle_core::Result<T>;
 
 const EPS: f64 = 1e-6;
 
-/// LayerNorm without affine parameters (BFL `elementwise_affine=False`), through
-/// candle's fused layer-norm kernel (candle-nn's `LayerNorm` takes a slow composed path,
-/// with f32 copies, when there is no bias).
+/// LayerNorm without affine parameters (BFL `elementwise_affine=False`).
 fn layer_norm(x: &Tensor) -> CResult<Tensor> {
-    let h = x.dim(D::Minus1)?;
-    let ones = Tensor::ones(h, x.dtype(), x.device())?;
-    let zeros = Tensor::zeros(h, x.dtype(), x.device())?;
-    candle_nn::ops::layer_norm(&x.contiguous()?, &ones, &zeros, EPS as f32)
+    ops::layer_norm(x, EPS as f32)
 }
 
 /// RoPE rotation matrices for one position axis: `(b, n, dim/2, 2, 2)`.
@@ -50,7 +45,7 @@ fn rope(pos: &Tensor, dim: usize, theta: f64) -> CResult<Tensor> {
     out.reshape((b, n, d, 2, 2))
 }
 
-/// RoPE on `(b, h, L, d)` with the table from [`positional_embedding`]: BFL rotates
+/// RoPE on `(b, h, L, d)` with the table from [`rope_table`]: BFL rotates
 /// interleaved pairs `(x[2i], x[2i+1])` by the matrix `[[cos, -sin], [sin, cos]]`, which is
 /// candle's fused `rope_i` with the table's `cos` and `sin` entries.
 fn apply_rope(x: &Tensor, pe: &Tensor) -> CResult<Tensor> {
@@ -58,12 +53,23 @@ fn apply_rope(x: &Tensor, pe: &Tensor) -> CResult<Tensor> {
     candle_nn::rotary_emb::rope_i(&x.contiguous()?, &cos, &sin)
 }
 
-/// `cos` and `sin`, each `(b, L, head_dim/2)` and contiguous, from the rotation table.
+/// `cos` and `sin`, each `(b, L, head_dim/2)` and contiguous, from the table
+/// [`rope_table`] made (views, unless `dtype` differs from the table's).
 fn rope_cos_sin(pe: &Tensor, dtype: DType) -> CResult<(Tensor, Tensor)> {
-    let pe = pe.i((.., 0))?; // (b, L, d/2, 2, 2)
-    let cos = pe.i((.., .., .., 0, 0))?.to_dtype(dtype)?.contiguous()?;
-    let sin = pe.i((.., .., .., 1, 0))?.to_dtype(dtype)?.contiguous()?;
+    let cos = pe.i(0)?.to_dtype(dtype)?.contiguous()?;
+    let sin = pe.i(1)?.to_dtype(dtype)?.contiguous()?;
     Ok((cos, sin))
+}
+
+/// The RoPE table the blocks take, `(2, b, L, head_dim/2)`: `cos` then `sin` of every
+/// position's angles, from [`positional_embedding`]'s rotation matrices
+/// `[[cos, -sin], [sin, cos]]` — made once per forward, so no block slices the rotation
+/// matrices again. The sequence is dimension 2, as in the matrices.
+pub fn rope_table(pe: &Tensor) -> CResult<Tensor> {
+    let pe = pe.i((.., 0))?; // (b, L, d/2, 2, 2)
+    let cos = pe.i((.., .., .., 0, 0))?;
+    let sin = pe.i((.., .., .., 1, 0))?;
+    Tensor::stack(&[&cos, &sin], 0)?.contiguous()
 }
 
 /// Attention over this rank's heads: `q, k, v` are `(b, heads, L, head_dim)`, already
@@ -93,7 +99,8 @@ fn prepare_qkv(
         .collect();
     let supported = ops::qkv_prep_supported(&fsegs, heads);
     if ctx.kernels.use_fused(supported, "q/k/v preparation")? {
-        let (cos, sin) = rope_cos_sin(pe, DType::F32)?;
+        // The table in the activations' dtype, as the candle path below rotates with it.
+        let (cos, sin) = (pe.i(0)?, pe.i(1)?);
         let t = ops::qkv_prep_fused(&fsegs, heads, &cos, &sin, EPS as f32)?;
         ctx.mark("qk norm + rope + layout", &t);
         return Ok((t.i(0)?, t.i(1)?, t.i(2)?));
@@ -189,8 +196,8 @@ impl Modulation {
         )?))
     }
     /// This rank's slice of the output, `(b, out / world)`; `silu_vec` is `silu(vec)`.
-    fn partial(&self, silu_vec: &Tensor) -> CResult<Tensor> {
-        self.0.forward_vec(silu_vec)
+    fn partial(&self, silu_vec: &Tensor, k: ops::Kernels) -> CResult<Tensor> {
+        self.0.forward_vec(silu_vec, k)
     }
     fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
         Ok(Modulation(self.0.map_tensors(f)?))
@@ -333,22 +340,23 @@ impl DoubleBlock {
         ctx.mark_start(img);
         let silu_vec = vec.silu()?;
         let local = [
-            self.img.modulation.partial(&silu_vec)?,
-            self.txt.modulation.partial(&silu_vec)?,
+            self.img.modulation.partial(&silu_vec, ctx.kernels)?,
+            self.txt.modulation.partial(&silu_vec, ctx.kernels)?,
         ];
         let full = gather_modulation(&local, ctx)?;
         let im = mod_outs(&full[0], 2)?;
         let tm = mod_outs(&full[1], 2)?;
         ctx.mark("modulation", &tm[1].gate);
         let kn = ctx.kernels;
+        let eps = EPS as f32;
         let img_qkv = self
             .img
             .qkv
-            .forward(&im[0].scale_shift(&layer_norm(img)?, kn)?, kn)?;
+            .forward(&im[0].norm_scale_shift(img, eps, kn)?, kn)?;
         let txt_qkv = self
             .txt
             .qkv
-            .forward(&tm[0].scale_shift(&layer_norm(txt)?, kn)?, kn)?;
+            .forward(&tm[0].norm_scale_shift(txt, eps, kn)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = prepare_qkv(
@@ -363,49 +371,35 @@ impl DoubleBlock {
         let txt_attn = attn.narrow(1, 0, tl)?;
         let img_attn = attn.narrow(1, tl, il)?;
 
-        // One all-reduce for both streams' attention projections.
-        let partial = Tensor::cat(
-            &[
-                self.txt.proj.partial(&[&txt_attn])?,
-                self.img.proj.partial(&[&img_attn])?,
-            ],
-            1,
+        let (txt_proj, img_proj) = layers::reduce_pair(
+            self.txt.proj.partial(&[&txt_attn], kn)?,
+            self.img.proj.partial(&[&img_attn], kn)?,
+            "attn out linear",
+            ctx,
         )?;
-        ctx.meter.see(&partial);
-        ctx.mark("attn out linear", &partial);
-        let reduced = ctx.comm.all_reduce_sum(&partial)?;
-        ctx.mark("all-reduce", &reduced);
-        let txt_proj = self.txt.proj.add_bias(&reduced.narrow(1, 0, tl)?, kn)?;
-        let img_proj = self.img.proj.add_bias(&reduced.narrow(1, tl, il)?, kn)?;
-        let img = im[0].gate_residual(img, &img_proj, kn)?;
-        let txt = tm[0].gate_residual(txt, &txt_proj, kn)?;
+        // The projections' biases in the gated residual's pass.
+        let img = im[0].gate_bias_residual(img, &img_proj, self.img.proj.bias(), kn)?;
+        let txt = tm[0].gate_bias_residual(txt, &txt_proj, self.txt.proj.bias(), kn)?;
         ctx.mark("bias + gate + residual", &txt);
 
-        // One all-reduce for both streams' MLPs.
         let img_h = self
             .img
             .mlp0
-            .forward_gelu(&im[1].scale_shift(&layer_norm(&img)?, kn)?, kn)?;
+            .forward_gelu(&im[1].norm_scale_shift(&img, eps, kn)?, kn)?;
         let txt_h = self
             .txt
             .mlp0
-            .forward_gelu(&tm[1].scale_shift(&layer_norm(&txt)?, kn)?, kn)?;
+            .forward_gelu(&tm[1].norm_scale_shift(&txt, eps, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
-        let partial = Tensor::cat(
-            &[
-                self.txt.mlp2.partial(&[&txt_h])?,
-                self.img.mlp2.partial(&[&img_h])?,
-            ],
-            1,
+        let (txt_mlp, img_mlp) = layers::reduce_pair(
+            self.txt.mlp2.partial(&[&txt_h], kn)?,
+            self.img.mlp2.partial(&[&img_h], kn)?,
+            "mlp out linear",
+            ctx,
         )?;
-        ctx.mark("mlp out linear", &partial);
-        let reduced = ctx.comm.all_reduce_sum(&partial)?;
-        ctx.mark("all-reduce", &reduced);
-        let txt_mlp = self.txt.mlp2.add_bias(&reduced.narrow(1, 0, tl)?, kn)?;
-        let img_mlp = self.img.mlp2.add_bias(&reduced.narrow(1, tl, il)?, kn)?;
-        let img = im[1].gate_residual(&img, &img_mlp, kn)?;
-        let txt = tm[1].gate_residual(&txt, &txt_mlp, kn)?;
+        let img = im[1].gate_bias_residual(&img, &img_mlp, self.img.mlp2.bias(), kn)?;
+        let txt = tm[1].gate_bias_residual(&txt, &txt_mlp, self.txt.mlp2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &txt);
         Ok((img, txt))
     }
@@ -479,11 +473,11 @@ impl SingleBlock {
         ctx: &Ctx,
     ) -> CResult<Tensor> {
         ctx.mark_start(x);
-        let local = self.modulation.partial(&vec.silu()?)?;
+        let local = self.modulation.partial(&vec.silu()?, ctx.kernels)?;
         let m = mod_outs(&gather_modulation(&[local], ctx)?[0], 1)?;
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
-        let x_mod = m[0].scale_shift(&layer_norm(x)?, kn)?;
+        let x_mod = m[0].norm_scale_shift(x, EPS as f32, kn)?;
         // q, k, v with their bias; the MLP part with bias and GELU (in the matmuls'
         // epilogues on CUDA).
         let (x_qkv, mlp) = self
@@ -494,12 +488,11 @@ impl SingleBlock {
         let (q, k, v) = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, ctx)?;
         let attn = attention(&q, &k, &v, lens, ctx)?;
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
-        let partial = self.linear2.partial(&[&attn, &mlp])?;
+        let partial = self.linear2.partial(&[&attn, &mlp], kn)?;
         ctx.mark("out linear", &partial);
         let reduced = ctx.comm.all_reduce_sum(&partial)?;
         ctx.mark("all-reduce", &reduced);
-        let out = self.linear2.add_bias(&reduced, kn)?;
-        let out = m[0].gate_residual(x, &out, kn)?;
+        let out = m[0].gate_bias_residual(x, &reduced, self.linear2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &out);
         Ok(out)
     }
@@ -581,8 +574,12 @@ impl Stem {
     ) -> CResult<StemOut> {
         let dtype = img.dtype();
         let ids = Tensor::cat(&[txt_ids, img_ids], 1)?;
-        let pe = positional_embedding(&ids.to_dtype(DType::F32)?, &self.axes_dim, self.theta)?
-            .to_dtype(dtype)?;
+        let pe = rope_table(&positional_embedding(
+            &ids.to_dtype(DType::F32)?,
+            &self.axes_dim,
+            self.theta,
+        )?)?
+        .to_dtype(dtype)?;
         let txt = self.txt_in.forward(txt)?;
         let img = self.img_in.forward(img)?;
         let mut vec =

@@ -39,6 +39,20 @@ impl Inputs for FluxInputs {
         self.timesteps = self.timesteps.ones_like()?.affine(t, 0.0)?;
         Ok(())
     }
+    fn map(
+        &self,
+        f: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
+        Ok(Self {
+            img: f(&self.img)?,
+            img_ids: f(&self.img_ids)?,
+            txt: f(&self.txt)?,
+            txt_ids: f(&self.txt_ids)?,
+            timesteps: f(&self.timesteps)?,
+            y: f(&self.y)?,
+            guidance: self.guidance.as_ref().map(&mut *f).transpose()?,
+        })
+    }
 }
 
 /// Checks `x` against the model: shapes, and guidance for guidance-distilled models.

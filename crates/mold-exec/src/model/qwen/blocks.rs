@@ -17,7 +17,7 @@
 
 use super::config::{QwenConfig, TIME_EMBED_DIM};
 use crate::error::Result;
-use crate::model::layers::{vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
+use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops::{self, Kernels};
 use crate::model::{sequence, Ctx, Shard, WeightSource};
@@ -30,10 +30,7 @@ const EPS: f64 = 1e-6;
 /// LayerNorm without affine parameters (`elementwise_affine=False`), through candle's
 /// fused layer-norm kernel.
 fn layer_norm(x: &Tensor) -> CResult<Tensor> {
-    let h = x.dim(D::Minus1)?;
-    let ones = Tensor::ones(h, x.dtype(), x.device())?;
-    let zeros = Tensor::zeros(h, x.dtype(), x.device())?;
-    candle_nn::ops::layer_norm(&x.contiguous()?, &ones, &zeros, EPS as f32)
+    ops::layer_norm(x, EPS as f32)
 }
 
 /// The sinusoidal timestep embedding of diffusers' `Timesteps(256, flip_sin_to_cos=True,
@@ -282,8 +279,8 @@ impl Block {
         ctx.mark_start(img);
         let silu = temb.silu()?;
         let local = [
-            self.img.modulation.forward_vec(&silu)?,
-            self.txt.modulation.forward_vec(&silu)?,
+            self.img.modulation.forward_vec(&silu, ctx.kernels)?,
+            self.txt.modulation.forward_vec(&silu, ctx.kernels)?,
         ];
         let full = gather_modulation(&local, ctx)?;
         let im = mod_outs(&full[0], 2)?;
@@ -291,14 +288,15 @@ impl Block {
         let (im1, im2, tm1, tm2) = (&im[0], &im[1], &tm[0], &tm[1]);
         ctx.mark("modulation", &tm2.gate);
         let kn = ctx.kernels;
+        let eps = EPS as f32;
         let img_qkv = self
             .img
             .qkv
-            .forward(&im1.scale_shift(&layer_norm(img)?, kn)?, kn)?;
+            .forward(&im1.norm_scale_shift(img, eps, kn)?, kn)?;
         let txt_qkv = self
             .txt
             .qkv
-            .forward(&tm1.scale_shift(&layer_norm(txt)?, kn)?, kn)?;
+            .forward(&tm1.norm_scale_shift(txt, eps, kn)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = self.prepare_qkv(&txt_qkv, &img_qkv, pe, ctx)?;
@@ -306,49 +304,37 @@ impl Block {
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
 
-        // One all-reduce for both streams' output projections.
-        let partial = Tensor::cat(
-            &[
-                self.txt.out.partial(&[&attn.narrow(1, 0, tl)?])?,
-                self.img.out.partial(&[&attn.narrow(1, tl, il)?])?,
-            ],
-            1,
+        // One all-reduce for both streams' output projections (none in a group of one);
+        // their biases in the gated residual's pass.
+        let (txt_attn, img_attn) = layers::reduce_pair(
+            self.txt.out.partial(&[&attn.narrow(1, 0, tl)?], kn)?,
+            self.img.out.partial(&[&attn.narrow(1, tl, il)?], kn)?,
+            "attn out linear",
+            ctx,
         )?;
-        ctx.meter.see(&partial);
-        ctx.mark("attn out linear", &partial);
-        let reduced = ctx.comm.all_reduce_sum(&partial)?;
-        ctx.mark("all-reduce", &reduced);
-        let txt_attn = self.txt.out.add_bias(&reduced.narrow(1, 0, tl)?, kn)?;
-        let img_attn = self.img.out.add_bias(&reduced.narrow(1, tl, il)?, kn)?;
-        let img = im1.gate_residual(img, &img_attn, kn)?;
-        let txt = tm1.gate_residual(txt, &txt_attn, kn)?;
+        let img = im1.gate_bias_residual(img, &img_attn, self.img.out.bias(), kn)?;
+        let txt = tm1.gate_bias_residual(txt, &txt_attn, self.txt.out.bias(), kn)?;
         ctx.mark("bias + gate + residual", &txt);
 
         // One all-reduce for both streams' MLPs.
         let img_h = self
             .img
             .mlp_in
-            .forward_gelu(&im2.scale_shift(&layer_norm(&img)?, kn)?, kn)?;
+            .forward_gelu(&im2.norm_scale_shift(&img, eps, kn)?, kn)?;
         let txt_h = self
             .txt
             .mlp_in
-            .forward_gelu(&tm2.scale_shift(&layer_norm(&txt)?, kn)?, kn)?;
+            .forward_gelu(&tm2.norm_scale_shift(&txt, eps, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
-        let partial = Tensor::cat(
-            &[
-                self.txt.mlp_out.partial(&[&txt_h])?,
-                self.img.mlp_out.partial(&[&img_h])?,
-            ],
-            1,
+        let (txt_mlp, img_mlp) = layers::reduce_pair(
+            self.txt.mlp_out.partial(&[&txt_h], kn)?,
+            self.img.mlp_out.partial(&[&img_h], kn)?,
+            "mlp out linear",
+            ctx,
         )?;
-        ctx.mark("mlp out linear", &partial);
-        let reduced = ctx.comm.all_reduce_sum(&partial)?;
-        ctx.mark("all-reduce", &reduced);
-        let txt_mlp = self.txt.mlp_out.add_bias(&reduced.narrow(1, 0, tl)?, kn)?;
-        let img_mlp = self.img.mlp_out.add_bias(&reduced.narrow(1, tl, il)?, kn)?;
-        let img = im2.gate_residual(&img, &img_mlp, kn)?;
-        let txt = tm2.gate_residual(&txt, &txt_mlp, kn)?;
+        let img = im2.gate_bias_residual(&img, &img_mlp, self.img.mlp_out.bias(), kn)?;
+        let txt = tm2.gate_bias_residual(&txt, &txt_mlp, self.txt.mlp_out.bias(), kn)?;
         ctx.mark("bias + gate + residual", &txt);
         Ok((img, txt))
     }

@@ -36,6 +36,17 @@ impl Inputs for QwenInputs {
         self.timesteps = self.timesteps.ones_like()?.affine(t, 0.0)?;
         Ok(())
     }
+    fn map(
+        &self,
+        f: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
+        Ok(Self {
+            img: f(&self.img)?,
+            txt: f(&self.txt)?,
+            timesteps: f(&self.timesteps)?,
+            grid: self.grid,
+        })
+    }
 }
 
 /// Checks `x` against the model's shapes.

@@ -120,7 +120,7 @@ fn check_sharded_modulation(batch: usize, exact: bool) {
                                     .iter()
                                     .map(|p| {
                                         let m = Modulation::load(src, p, *out, shard).unwrap();
-                                        let t = m.partial(silu).unwrap();
+                                        let t = m.partial(silu, crate::Kernels::Auto).unwrap();
                                         assert_eq!(t.dims(), &[batch, out / world]);
                                         t
                                     })
@@ -282,7 +282,7 @@ fn split_linear2_matches_the_concatenated_product() {
             let l2 = RowParallel::load(&src, "single_blocks.1.linear2", &cols).unwrap();
             let a = attn.narrow(2, cols[0].start, cols[0].len()).unwrap();
             let x = mlp.narrow(2, cols[1].start - h, cols[1].len()).unwrap();
-            let p = l2.partial(&[&a, &x]).unwrap();
+            let p = l2.partial(&[&a, &x], crate::Kernels::Auto).unwrap();
             sum = Some(match sum {
                 None => p,
                 Some(s) => (s + p).unwrap(),

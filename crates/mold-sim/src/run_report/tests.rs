@@ -1,0 +1,335 @@
+use super::*;
+use crate::run_compare::check_plan;
+use mold_machine::Machine;
+use proptest::prelude::*;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/run-report.json"))
+        .unwrap()
+}
+
+/// A shipped plan, its machine and its simulation.
+fn shipped(name: &str, machine: &str) -> (Plan, SimReport) {
+    let plan = Plan::load(&root().join("plans").join(name)).unwrap();
+    let m = Machine::load(&root().join("sim/machines").join(machine)).unwrap();
+    let model = mold_models::find(&plan.model.id).unwrap();
+    let sim = crate::simulate(&plan, &model, &m).unwrap();
+    (plan, sim)
+}
+
+fn report(plan: &Plan, phases: Vec<PhaseRow>) -> RunReport {
+    RunReport {
+        version: RUN_REPORT_VERSION,
+        plan: PlanId {
+            fingerprint: plan_fingerprint(plan),
+            model: plan.model.id.clone(),
+            machine: plan.machine.name.clone(),
+        },
+        run: RunInfo {
+            kind: RunKind::Pipeline,
+            steps: plan.workload.steps,
+            width: plan.workload.width,
+            height: plan.workload.height,
+            profiled: false,
+            predicted_by: "mold sim".into(),
+        },
+        phases,
+        memory: vec![],
+    }
+}
+
+#[test]
+fn the_compare_table_of_a_fixed_report() {
+    let r = RunReport::from_json(&fixture(), "run-report.json").unwrap();
+    insta::assert_snapshot!(r.table());
+}
+
+#[test]
+fn the_fixed_report_round_trips() {
+    let r = RunReport::from_json(&fixture(), "run-report.json").unwrap();
+    let again = RunReport::from_json(&r.to_json(), "again").unwrap();
+    assert_eq!(r, again);
+    let (what, d) = r.largest_deviation().unwrap();
+    assert_eq!(what, "encode: t5");
+    assert!(d > 20.0, "{d}");
+    let s = r.summary();
+    assert!(
+        s.starts_with("step 111.8 ms measured vs 96.2 ms predicted (+16.2 %)"),
+        "{s}"
+    );
+}
+
+#[test]
+fn malformed_reports_are_refused_in_one_line_naming_the_field() {
+    let text = fixture();
+    let cases = [
+        (
+            text.replace("\"version\": 1", "\"version\": 2"),
+            "run report version 2, this mold reads version 1",
+        ),
+        (text.replace("\"version\": 1,", ""), "no `version` number"),
+        (
+            text.replace(
+                "\"kind\": \"pipeline\"",
+                "\"kind\": \"pipeline\", \"colour\": 1",
+            ),
+            "unknown field `colour`",
+        ),
+        (
+            text.replace("\"measured_s\": 0.2301", "\"measured_s\": -0.2301"),
+            "phases[0].measured_s: -0.2301 is not a time",
+        ),
+        (
+            text.replace(
+                "\"fingerprint\": \"fnv1a:0123456789abcdef\"",
+                "\"fingerprint\": \"\"",
+            ),
+            "plan.fingerprint: empty",
+        ),
+        ("{".to_string(), "not a mold run report"),
+        ("[]".to_string(), "no `version` number"),
+    ];
+    for (bad, want) in cases {
+        let e = RunReport::from_json(&bad, "run.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("run.json: "), "{e}");
+        assert!(e.contains(want), "{want}: {e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+}
+
+#[test]
+fn a_report_of_another_plan_is_refused() {
+    let (plan, sim) = shipped("flux-dev@2x-h200.yaml", "2x-h200.yaml");
+    let r = report(&plan, predicted_phases(&plan, &sim, RunKind::Pipeline));
+    check_plan(&r, "run.json", &plan, "plan.yaml").unwrap();
+    let (other, _) = shipped("flux-dev@1x-rtx4090.yaml", "1x-rtx4090.yaml");
+    let e = check_plan(&r, "run.json", &other, "other.yaml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("run.json: plan.fingerprint: the report is of another plan"),
+        "{e}"
+    );
+    assert!(e.contains("other.yaml"), "{e}");
+    assert!(e.contains("flux-dev on 2x-h200"), "{e}");
+    // The same plan with another workload is another plan too.
+    let mut changed = plan.clone();
+    changed.workload.steps += 1;
+    assert!(check_plan(&r, "run.json", &changed, "changed.yaml").is_err());
+}
+
+#[test]
+fn predictions_are_the_simulations() {
+    let (plan, sim) = shipped("flux-dev@2x-h200.yaml", "2x-h200.yaml");
+    let rows = predicted_phases(&plan, &sim, RunKind::Pipeline);
+    let get = |name: &str| {
+        rows.iter()
+            .find(|r| r.phase == name)
+            .unwrap_or_else(|| panic!("{name}: {rows:?}"))
+            .predicted_s
+            .unwrap()
+    };
+    assert_eq!(get("step"), sim.step_s);
+    assert_eq!(get("encode"), sim.encode_s);
+    assert_eq!(get("decode"), sim.decode_s);
+    assert_eq!(get("request"), sim.request_s);
+    assert_eq!(get("denoise"), sim.denoise_s);
+    // Every encoder the plan places has its row.
+    for c in plan
+        .components
+        .iter()
+        .filter(|c| c.role == mold_plan::ComponentRole::Encoder)
+    {
+        assert!(get(&format!("encode: {}", c.name)) > 0.0, "{}", c.name);
+    }
+    // The parts' compute and collectives fit in the step.
+    let tc = plan.transformer().unwrap();
+    let mut within = 0.0;
+    for pi in 0..tc.parts.len() {
+        within += get(&format!("part {}: blocks", pi + 1));
+        if let Some(c) = rows
+            .iter()
+            .find(|r| r.phase == format!("part {}: collectives", pi + 1))
+        {
+            within += c.predicted_s.unwrap();
+        }
+    }
+    assert!(
+        within > 0.0 && within <= sim.step_s * (1.0 + 1e-9),
+        "{within} vs {}",
+        sim.step_s
+    );
+    // A transformer-only run has no encode, decode or request rows.
+    let t = predicted_phases(&plan, &sim, RunKind::Transformer);
+    assert!(t.iter().all(|r| !matches!(
+        r.kind,
+        PhaseKind::Encode | PhaseKind::Decode | PhaseKind::Request
+    )));
+}
+
+#[test]
+fn a_tensor_parallel_plan_predicts_collectives() {
+    let (plan, sim) = shipped("flux-dev@2x-h200.yaml", "2x-h200.yaml");
+    let tc = plan.transformer().unwrap();
+    let rows = predicted_phases(&plan, &sim, RunKind::Transformer);
+    for (pi, p) in tc.parts.iter().enumerate() {
+        let c = rows
+            .iter()
+            .find(|r| r.phase == format!("part {}: collectives", pi + 1));
+        if p.devices.len() > 1 {
+            assert!(c.unwrap().predicted_s.unwrap() > 0.0, "{rows:?}");
+        }
+    }
+}
+
+#[test]
+fn a_streamed_plan_predicts_copies_and_waits_per_device() {
+    let (plan, sim) = shipped("flux-dev@1x-rtx4090.yaml", "1x-rtx4090.yaml");
+    let rows = predicted_phases(&plan, &sim, RunKind::Transformer);
+    let copies = rows
+        .iter()
+        .find(|r| r.phase == "streaming copies: cuda:0")
+        .unwrap_or_else(|| panic!("{rows:?}"));
+    assert!(copies.predicted_s.unwrap() > 0.0);
+    let wait = rows
+        .iter()
+        .find(|r| r.phase == "streamed weight wait: cuda:0")
+        .unwrap();
+    let w = wait.predicted_s.unwrap();
+    assert!(w >= 0.0 && w <= sim.step_s, "{w}");
+}
+
+#[test]
+fn measurements_go_beside_their_predictions() {
+    let (plan, sim) = shipped("flux-dev@2x-h200.yaml", "2x-h200.yaml");
+    let mut m = Measurements {
+        encoders: vec![("t5".into(), 0.25)],
+        encode_s: Some(0.3),
+        step_s: Some(0.11),
+        denoise_s: Some(3.0),
+        decode_s: Some(0.6),
+        request_s: Some(4.0),
+        ..Default::default()
+    };
+    let rows = phase_rows(&plan, &sim, RunKind::Pipeline, &m);
+    let get =
+        |rows: &[PhaseRow], name: &str| rows.iter().find(|r| r.phase == name).unwrap().clone();
+    assert_eq!(get(&rows, "encode: t5").measured_s, Some(0.25));
+    assert_eq!(get(&rows, "encode: clip").measured_s, None);
+    assert_eq!(get(&rows, "step").measured_s, Some(0.11));
+    assert_eq!(get(&rows, "decode").measured_s, Some(0.6));
+    let part = get(&rows, "part 1: blocks");
+    assert_eq!(part.measured_s, None);
+    assert!(part.note.unwrap().contains("MOLD_PROFILE"));
+    m.profiled = true;
+    m.parts.insert(
+        0,
+        PartMeasured {
+            compute_s: 0.09,
+            collective_s: 0.01,
+        },
+    );
+    let rows = phase_rows(&plan, &sim, RunKind::Pipeline, &m);
+    assert_eq!(get(&rows, "part 1: blocks").measured_s, Some(0.09));
+    assert_eq!(get(&rows, "part 1: blocks").note, None);
+}
+
+/// Times JSON writes and reads back exactly (binary fractions of few digits; serde_json
+/// without `float_roundtrip` may miss the last bit of others).
+fn seconds() -> impl Strategy<Value = f64> {
+    (0u32..10_000_000).prop_map(|k| k as f64 / 1024.0)
+}
+
+fn row_strategy() -> impl Strategy<Value = PhaseRow> {
+    (
+        "[a-z :0-9]{1,20}",
+        prop::sample::select(vec![
+            PhaseKind::Encode,
+            PhaseKind::Compute,
+            PhaseKind::Collective,
+            PhaseKind::HandOff,
+            PhaseKind::Streaming,
+            PhaseKind::Decode,
+            PhaseKind::Step,
+            PhaseKind::Denoise,
+            PhaseKind::Request,
+        ]),
+        any::<bool>(),
+        prop::option::of(seconds()),
+        prop::option::of(seconds()),
+        prop::option::of("[a-z ]{0,12}"),
+        prop::collection::vec(0u32..8, 0..3),
+    )
+        .prop_map(|(phase, kind, per_step, p, m, note, devs)| PhaseRow {
+            phase,
+            kind,
+            per_step,
+            devices: devs.into_iter().map(DeviceId::Cuda).collect(),
+            predicted_s: p,
+            measured_s: m,
+            note,
+        })
+}
+
+fn memory_strategy() -> impl Strategy<Value = MemoryRow> {
+    (
+        0u32..8,
+        prop::option::of(any::<u64>()),
+        prop::option::of(any::<u64>()),
+        prop::option::of((
+            any::<bool>(),
+            any::<u64>(),
+            prop::option::of(any::<u64>()),
+            prop::collection::vec(("[a-z 0-9]{1,10}", any::<u64>()), 0..3),
+        )),
+    )
+        .prop_map(|(d, p, a, m)| MemoryRow {
+            device: DeviceId::Cuda(d),
+            predicted_peak_bytes: p,
+            accounted_peak_bytes: a,
+            measured: m.map(|(alloc, peak, pool, samples)| MeasuredPeak {
+                source: if alloc {
+                    MemorySource::Allocator
+                } else {
+                    MemorySource::Accounted
+                },
+                peak_bytes: peak,
+                pool_high_bytes: pool,
+                samples: samples
+                    .into_iter()
+                    .map(|(phase, bytes)| MemorySample { phase, bytes })
+                    .collect(),
+            }),
+        })
+}
+
+proptest! {
+    /// Whatever a report holds, it reads back as written, and its largest deviation is
+    /// one of its rows' and no smaller than any other's.
+    #[test]
+    fn any_report_round_trips(
+        phases in prop::collection::vec(row_strategy(), 0..8),
+        memory in prop::collection::vec(memory_strategy(), 0..4),
+    ) {
+        let plan = Plan::load(&root().join("plans/flux-tiny@cpu-emu-4.yaml")).unwrap();
+        let mut r = report(&plan, phases);
+        r.memory = memory;
+        let back = RunReport::from_json(&r.to_json(), "r.json").unwrap();
+        prop_assert_eq!(&back, &r);
+        if let Some((_, d)) = r.largest_deviation() {
+            for p in &r.phases {
+                if let Some(x) = p.deviation() { prop_assert!(x.abs() <= d.abs()); }
+            }
+            for m in &r.memory {
+                if let Some(x) = m.deviation() { prop_assert!(x.abs() <= d.abs()); }
+            }
+        }
+    }
+}
