@@ -1139,6 +1139,10 @@ mod tests {
         let vae = Vae::load(&l, DType::F32, &dev).unwrap();
         let z = Tensor::zeros((1, 16, 4, 6), DType::F32, &dev).unwrap();
         assert_eq!(vae.decode(&z).unwrap().dims(), [1, 3, 32, 48]);
+        // A plan's bf16 VAE on the host or an emulated device decodes too (in f32).
+        let vae = Vae::load(&l, DType::BF16, &dev).unwrap();
+        let z = Tensor::zeros((1, 16, 4, 6), DType::BF16, &dev).unwrap();
+        assert_eq!(vae.decode(&z).unwrap().dims(), [1, 3, 32, 48]);
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

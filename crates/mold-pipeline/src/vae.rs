@@ -97,7 +97,15 @@ pub struct Vae {
 }
 
 impl Vae {
+    /// Loads the decoder in `dtype`; on a CPU device a bf16 decoder computes in f32
+    /// (candle's CPU matrix products, which its convolutions use, have no bf16: a bf16
+    /// VAE on the host or an emulated device would fail at decode, after denoising).
     pub fn load(layout: &WeightsLayout, dtype: DType, dev: &Device) -> Result<Vae> {
+        let dtype = if dev.is_cpu() && dtype == DType::BF16 {
+            DType::F32
+        } else {
+            dtype
+        };
         let cfg = AeConfig::for_layout(layout)?;
         let files = [layout.ae.clone()];
         let weight_bytes = crate::text::weight_bytes(&files, dtype, |n| n.starts_with("decoder."))?;
