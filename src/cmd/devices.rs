@@ -28,9 +28,10 @@ pub struct Args {
     pub calibrate: bool,
     /// With --calibrate: measure this model's operations through mold's own layers — its
     /// blocks' matrix products (full, tensor- and sequence-parallel shapes), attention
-    /// over heads x sequence, the element-wise kernels, the collectives — into the
-    /// profile's `ops` tables, which the cost model then prices blocks from. Without
-    /// --save the tables are printed.
+    /// over heads x sequence, the element-wise kernels, the collectives; for FLUX also its
+    /// text encoders and VAE decoder (at half, the same and twice the default side) —
+    /// into the profile's `ops` tables, which the cost model then prices blocks, encode
+    /// and decode from. Without --save the tables are printed.
     #[arg(long, value_name = "MODEL", requires = "calibrate")]
     pub model: Option<String>,
     /// With --calibrate --model: measure the devices of this profile (e.g.
@@ -235,7 +236,7 @@ fn add_tables(m: &mut Machine, t: mold_machine::OpTables) {
     let note = format!(
         "Operation tables for {} {} on {} measured by mold {} on {} (`mold devices \
          --calibrate --model {}`: {} matrix products, {} attention shapes, element-wise \
-         kernels, {} collective sizes; median of timed runs).",
+         kernels, {} collective sizes, {} text-encoder and VAE runs; median of timed runs).",
         t.model,
         t.dtype,
         t.device,
@@ -246,7 +247,8 @@ fn add_tables(m: &mut Machine, t: mold_machine::OpTables) {
         t.attention.len(),
         t.collectives.all_reduce.len()
             + t.collectives.all_gather.len()
-            + t.collectives.all_to_all.len()
+            + t.collectives.all_to_all.len(),
+        t.components.len()
     );
     let notes = &mut m.calibration.notes;
     if !notes.is_empty() {
@@ -324,13 +326,31 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<mold_machine:
         &bench,
         &mut |s| eprintln!("calibrating: {s}"),
     )?;
+    let mut t = t;
+    if mold_exec::FluxConfig::by_name(model).is_some() {
+        // The text encoders, and the VAE at half, the same and twice the default side.
+        let (w, h) = (spec.default_workload.width, spec.default_workload.height);
+        let sizes = [(w / 2, h / 2), (w, h), (w * 2, h * 2)];
+        let dev = mold_exec::runtime::DeviceMap::new(false)
+            .get(&first.id)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", first.id))?;
+        t.components = mold_pipeline::calibrate::time_components(
+            model,
+            &dev,
+            &sizes,
+            &Default::default(),
+            &mut |s| eprintln!("calibrating: {s} on {}", first.id),
+        )?;
+        t.sort();
+    }
     eprintln!(
         "operation tables: {model} {dtype} on {}: {} matrix products, {} attention shapes, \
-         element-wise {:.1} GB/s",
+         element-wise {:.1} GB/s, {} encoder and decoder runs",
         first.name,
         t.gemm.len(),
         t.attention.len(),
-        t.elementwise_gbps
+        t.elementwise_gbps,
+        t.components.len()
     );
     Ok(t)
 }

@@ -792,7 +792,12 @@ fn run_bench<M: Benchable>(a: Args, cfg: M, run: BenchRun) -> Result<i32> {
             warn_all(&["the plan's CFG is parallel (two replicas at once); a multi-process run runs the two passes one after the other, so steps take longer than the plan's".to_string()]);
             None
         }
-        (None, _) => None,
+        (None, _) => {
+            if mesh.is_some() && plan.cfg_mode() == Some(mold_plan::CfgMode::Pipelined) {
+                warn_all(&["the plan's CFG is pipelined (two micro-batches through the split); a multi-process run runs them one after the other, so steps take longer than the plan's".to_string()]);
+            }
+            None
+        }
     };
     let u = uncond.as_ref();
     let out = mold_pipeline::run::bench(&exec, u, &plan, &model, a.seed, steps, &mut |s| {

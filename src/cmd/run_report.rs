@@ -35,10 +35,17 @@ pub fn check_path(path: &Path) -> Result<()> {
 /// A probe of the allocator on every GPU the plan uses (`cuda:N` opened as ordinal N:
 /// one process), made now so that its baseline is the run's start; `None` without GPUs.
 pub fn probe(plan: &Plan) -> Result<Option<MemoryProbe>> {
+    allocator_probe(&probed_devices(plan)).context("--report: the allocator's memory in use")
+}
+
+/// The GPUs `plan` uses, every replica's (CFG-parallel runs its second pass on the
+/// second replica's devices), each once, with its ordinal.
+fn probed_devices(plan: &Plan) -> Vec<(DeviceId, usize)> {
+    let replicas = plan.replica_plans().unwrap_or_else(|_| vec![plan.clone()]);
     let mut devices: Vec<(DeviceId, usize)> = Vec::new();
-    for d in plan
-        .components
+    for d in replicas
         .iter()
+        .flat_map(|r| r.components.iter())
         .flat_map(|c| c.parts.iter().flat_map(|p| p.devices.iter()))
     {
         if let DeviceId::Cuda(n) = d {
@@ -47,7 +54,7 @@ pub fn probe(plan: &Plan) -> Result<Option<MemoryProbe>> {
             }
         }
     }
-    allocator_probe(&devices).context("--report: the allocator's memory in use")
+    devices
 }
 
 /// The simulation of `plan` with `steps` steps: the transformer benchmark's prediction.
@@ -90,4 +97,20 @@ pub fn write(
         }),
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_replica_s_gpus_are_probed() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let plan = Plan::load(&root.join("plans/qwen-image@2x-h200.yaml")).unwrap();
+        assert!(plan.replicas.is_some());
+        let ids: Vec<DeviceId> = probed_devices(&plan).into_iter().map(|(d, _)| d).collect();
+        assert_eq!(ids, [DeviceId::Cuda(0), DeviceId::Cuda(1)]);
+        let one = Plan::load(&root.join("plans/flux-dev@1x-rtx4090.yaml")).unwrap();
+        assert_eq!(probed_devices(&one), [(DeviceId::Cuda(0), 0)]);
+    }
 }

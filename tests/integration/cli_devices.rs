@@ -566,6 +566,23 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     );
     assert!(!t.gemm.is_empty() && !t.attention.is_empty());
     assert!(!t.collectives.all_reduce.is_empty() && !t.collectives.all_to_all.is_empty());
+    // The text encoders once each, the VAE at half, the same and twice the default side.
+    let runs: Vec<(&str, u64)> = t
+        .components
+        .iter()
+        .map(|p| (p.component.as_str(), p.size))
+        .collect();
+    assert_eq!(
+        runs,
+        [
+            ("clip", 77),
+            ("t5", 8),
+            ("vae", 32 * 32),
+            ("vae", 64 * 64),
+            ("vae", 128 * 128)
+        ],
+        "{runs:?}"
+    );
     assert!(m
         .calibration
         .notes
@@ -606,6 +623,48 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     let (with_path, with) = plan_on(prof_s, "with.yaml");
     let (plain_path, plain) = plan_on(&base, "plain.yaml");
     assert_ne!(with.predicted.step_time_s, plain.predicted.step_time_s);
+    // Encoders and the VAE on an emulated device: encode and decode are the measured runs.
+    let on_emu = |profile: &str| {
+        let out = d.join("emu0.yaml");
+        let a = [
+            "plan",
+            "--model",
+            "flux-tiny",
+            "--machine",
+            profile,
+            "--tp",
+            "off",
+            "--encoder-gpu",
+            "0",
+            "--vae-gpu",
+            "0",
+            "--transformer-gpu",
+            "0",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        let o = mold_with(&d, None, &[], &a);
+        assert!(o.status.success(), "{a:?}: {}", stderr(&o));
+        Plan::load(&out).unwrap().predicted
+    };
+    // The profile as the second calibration left it.
+    let now = Machine::load(&prof).unwrap().ops[0].clone();
+    let measured = |c: &str, size: u64| {
+        now.components
+            .iter()
+            .find(|p| p.component == c && p.size == size)
+            .unwrap()
+            .seconds
+    };
+    let p = on_emu(prof_s);
+    let close = |a: f64, b: f64| (a - b).abs() <= 2e-6 + 1e-3 * b;
+    assert!(
+        close(p.encode_time_s, measured("t5", 8) + measured("clip", 77)),
+        "{p:?} {:?}",
+        now.components
+    );
+    assert!(close(p.decode_time_s, measured("vae", 64 * 64)), "{p:?}");
+    assert_ne!(on_emu(&base).decode_time_s, p.decode_time_s);
     let sim = |plan: &Path, profile: &str| {
         let o = mold_with(
             &d,

@@ -79,7 +79,7 @@ pub use group::Group;
 pub use validate::{check_machine, validate, MachineCheck};
 
 use mold_machine::{Collective, CollectiveOp, Machine};
-use mold_models::{Attention, BlockKind, ComponentSpec, ModelSpec, Tokens};
+use mold_models::{Attention, BlockKind, ComponentSpec, ModelSpec, Tokens, Workkind};
 use mold_plan::{DType, DeviceId, Workload};
 use serde::Serialize;
 
@@ -406,9 +406,60 @@ impl<'a> Ctx<'a> {
     }
 
     /// Seconds for a whole component (encoder or VAE) on one device or the host.
+    /// A text encoder's or the VAE's time for one request on `on`: from the profile's
+    /// measured runs of it where there are any ([`Ctx::component_from_tables`]), else
+    /// from its FLOPs at the device's rate.
     pub fn component_s(&self, c: &ComponentSpec, on: &DeviceId, dtype: DType) -> f64 {
+        if let Some(s) = self.component_from_tables(c, on, dtype) {
+            return s;
+        }
         let flops = c.flops(self.model, self.workload);
         self.device_time(on, flops, c.weight_bytes(dtype), dtype)
+    }
+
+    /// `c` in `dtype` on `on` from the measured runs in the profile's operation tables
+    /// of this model on `on`'s kind of device (`mold devices --calibrate --model`): a
+    /// decoder's time at this image's pixels (interpolated in log–log between the
+    /// measured sizes, scaled by pixels beyond them) for every frame and sample; a text
+    /// encoder's measured run for every prompt (two under true CFG). `None` without a
+    /// point for it.
+    pub fn component_from_tables(
+        &self,
+        c: &ComponentSpec,
+        on: &DeviceId,
+        dtype: DType,
+    ) -> Option<f64> {
+        let name = &self.machine.device(on)?.name;
+        let mut curve: Vec<(f64, f64)> = Vec::new();
+        for t in self
+            .machine
+            .ops
+            .iter()
+            .filter(|t| t.model == self.model.id && &t.device == name)
+        {
+            for p in t.component_curve(&c.name, dtype) {
+                if !curve.iter().any(|q| q.0 == p.0) {
+                    curve.push(p);
+                }
+            }
+        }
+        curve.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let w = self.workload;
+        match c.work {
+            Workkind::TextEncoder { .. } => {
+                // Run at the model's prompt length; the point nearest to it.
+                let tokens = self.model.text_tokens as f64;
+                let (_, s) = curve
+                    .iter()
+                    .min_by(|a, b| (a.0 - tokens).abs().total_cmp(&(b.0 - tokens).abs()))?;
+                Some(s * w.effective_batch() as f64)
+            }
+            Workkind::VaeDecoder { .. } => {
+                let pixels = w.width as f64 * w.height as f64;
+                let (s, _) = ops::loglog(&curve, pixels, false)?;
+                Some(s * w.frames as f64 * w.batch as f64)
+            }
+        }
     }
 
     pub fn component_activation(&self, c: &ComponentSpec, dtype: DType) -> u64 {

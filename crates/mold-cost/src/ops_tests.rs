@@ -54,6 +54,7 @@ fn tables_for(model: &ModelSpec, dtype: DType, machine: &Machine, gemm_scale: f6
             .collect(),
         elementwise_gbps: 1500.0,
         collectives: Default::default(),
+        components: Vec::new(),
     };
     for &(op, n, bytes) in &shapes.collectives {
         let p = CollectivePoint {
@@ -276,6 +277,65 @@ fn without_matching_tables_nothing_changes_and_outside_is_reported() {
     let got =
         Ctx::new(&model, &gap, &w).block_from_tables(kind, &one, DType::Bf16, &DeviceId::Cuda(0));
     assert!(matches!(got, Err(NotCovered::Gemm { .. })), "{got:?}");
+}
+
+#[test]
+fn measured_encoders_and_decoder_price_their_phases() {
+    let model = mold_models::find("flux-dev").unwrap();
+    let plain = two();
+    let w = model.default_workload.clone();
+    let on = DeviceId::Cuda(0);
+    let px = (w.width * w.height) as u64;
+    let mut m = plain.clone();
+    let mut t = tables_for(&model, DType::Bf16, &m, 1.0);
+    let point = |c: &str, dtype: DType, size: u64, seconds: f64| mold_machine::ComponentPoint {
+        component: c.into(),
+        dtype,
+        size,
+        seconds,
+    };
+    let t5 = model.component("t5").unwrap();
+    let vae = model.component("vae").unwrap();
+    t.components = vec![
+        point("t5", t5.default_dtype, model.text_tokens as u64, 0.25),
+        point("vae", vae.default_dtype, px / 4, 0.2),
+        point("vae", vae.default_dtype, px, 0.6),
+    ];
+    t.sort();
+    t.validate("ops[0]").unwrap();
+    m.set_op_tables(t);
+    let ctx = Ctx::new(&model, &m, &w);
+    // At a measured size: the measurement (an encoder once per prompt).
+    let prompts = w.effective_batch() as f64;
+    assert_eq!(ctx.component_s(t5, &on, t5.default_dtype), 0.25 * prompts);
+    assert_eq!(ctx.component_s(vae, &on, vae.default_dtype), 0.6);
+    // Between two sizes: between their times; beyond: scaled by pixels.
+    let mut half = w.clone();
+    half.width /= 2;
+    half.height = half.height * 3 / 4;
+    let between = Ctx::new(&model, &m, &half).component_s(vae, &on, vae.default_dtype);
+    assert!(between > 0.2 && between < 0.6, "{between}");
+    let mut big = w.clone();
+    big.width *= 2;
+    let s = Ctx::new(&model, &m, &big).component_s(vae, &on, vae.default_dtype);
+    assert!((s - 1.2).abs() < 1e-9, "{s}");
+    // Another dtype, another kind of device, or no point: the FLOPs model, unchanged.
+    let base = Ctx::new(&model, &plain, &w);
+    assert_eq!(
+        ctx.component_s(vae, &on, DType::F32),
+        base.component_s(vae, &on, DType::F32)
+    );
+    let clip = model.component("clip").unwrap();
+    assert_eq!(
+        ctx.component_s(clip, &on, clip.default_dtype),
+        base.component_s(clip, &on, clip.default_dtype)
+    );
+    let mut other = m.clone();
+    other.ops[0].device = "H".into();
+    assert_eq!(
+        Ctx::new(&model, &other, &w).component_s(vae, &on, vae.default_dtype),
+        base.component_s(vae, &on, vae.default_dtype)
+    );
 }
 
 proptest::proptest! {

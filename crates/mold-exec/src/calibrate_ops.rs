@@ -187,6 +187,7 @@ pub fn measure_ops(
         attention,
         elementwise_gbps,
         collectives,
+        components: Vec::new(),
     };
     t.sort();
     Ok(t)

@@ -6,7 +6,8 @@ pub mod inventory;
 pub mod ops;
 
 pub use ops::{
-    AttentionPoint, CollectiveOp, CollectivePoint, CollectiveTables, GemmPoint, OpTables,
+    AttentionPoint, CollectiveOp, CollectivePoint, CollectiveTables, ComponentPoint, GemmPoint,
+    OpTables,
 };
 
 use mold_plan::{ByteSize, DeviceId, DeviceIdentity, MachineIdentity};

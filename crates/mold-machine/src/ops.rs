@@ -35,6 +35,25 @@ pub struct OpTables {
     pub elementwise_gbps: f64,
     #[serde(default)]
     pub collectives: CollectiveTables,
+    /// The pipeline's other components run alone on one of the devices, warm: each text
+    /// encoder over its prompt tokens, the VAE decoding one image. Sorted by
+    /// (component, dtype, size).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub components: Vec<ComponentPoint>,
+}
+
+/// One run of a pipeline component (batch 1, weights resident, after a warm-up run).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComponentPoint {
+    /// The component's name in the model's catalogue entry (`t5`, `clip`, `vae`).
+    pub component: String,
+    /// The dtype it was planned in (what a plan's component says).
+    pub dtype: DType,
+    /// The image's pixels (width × height) for a decoder; the prompt's tokens for a text
+    /// encoder.
+    pub size: u64,
+    pub seconds: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -137,6 +156,15 @@ impl OpTables {
             .collect()
     }
 
+    /// The measured sizes of `component` planned in `dtype`, with their times, by size.
+    pub fn component_curve(&self, component: &str, dtype: DType) -> Vec<(f64, f64)> {
+        self.components
+            .iter()
+            .filter(|p| p.component == component && p.dtype == dtype)
+            .map(|p| (p.size as f64, p.seconds))
+            .collect()
+    }
+
     /// Sorts every list into the order [`OpTables::validate`] requires (a measurement
     /// writes its points in the order it took them).
     pub fn sort(&mut self) {
@@ -149,6 +177,7 @@ impl OpTables {
         ] {
             l.sort_by_key(|p| (p.devices, p.bytes));
         }
+        self.components.sort_by_key(component_key);
     }
 
     /// Checks the table, naming the first bad field under `at` (`ops[0]`) in one line.
@@ -241,8 +270,45 @@ impl OpTables {
                 "(devices, bytes)",
             )?;
         }
+        let mut previous: Option<(String, String, u64)> = None;
+        for (i, p) in self.components.iter().enumerate() {
+            let f = format!("{at}.components[{i}]");
+            if p.component.trim().is_empty() {
+                return err(
+                    format!("{f}.component"),
+                    "empty: name the component (t5, clip, vae)".into(),
+                );
+            }
+            if p.size == 0 {
+                return err(format!("{f}.size"), "0: a size is at least 1".into());
+            }
+            seconds(&format!("{f}.seconds"), p.seconds)?;
+            let key = component_key(p);
+            if let Some(prev) = &previous {
+                if key == *prev {
+                    return err(
+                        f,
+                        "measured twice (component, dtype, size): keep one point".into(),
+                    );
+                }
+                if key < *prev {
+                    return err(
+                        f,
+                        format!(
+                            "out of order: sort the points by (component, dtype, size) ({key:?} after {prev:?})"
+                        ),
+                    );
+                }
+            }
+            previous = Some(key);
+        }
         Ok(())
     }
+}
+
+/// The order of [`OpTables::components`].
+fn component_key(p: &ComponentPoint) -> (String, String, u64) {
+    (p.component.clone(), p.dtype.to_string(), p.size)
 }
 
 /// A time or rate: finite and above 0.
@@ -283,6 +349,10 @@ ops:
   collectives:
     all_reduce:
     - {devices: 2, bytes: 8192, seconds: 0.00001}
+  components:
+  - {component: t5, dtype: fp16, size: 512, seconds: 0.02}
+  - {component: vae, dtype: bf16, size: 262144, seconds: 0.004}
+  - {component: vae, dtype: bf16, size: 1048576, seconds: 0.015}
 "#;
 
     #[test]
@@ -295,6 +365,12 @@ ops:
             vec![(512.0, 0.0001), (4096.0, 0.0007)]
         );
         assert!(t.gemm_curve(3072, 12288).is_empty());
+        assert_eq!(
+            t.component_curve("vae", DType::Bf16),
+            vec![(262144.0, 0.004), (1048576.0, 0.015)]
+        );
+        assert_eq!(t.component_curve("t5", DType::Fp16), vec![(512.0, 0.02)]);
+        assert!(t.component_curve("t5", DType::Bf16).is_empty());
         assert_eq!(
             t.collective_curve(CollectiveOp::AllReduce, 2),
             vec![(8192.0, 0.00001)]
@@ -341,6 +417,31 @@ ops:
                 "seq: 4608, head_dim: 128, seconds: 0.002",
                 "seq: 4608, head_dim: 128, seconds: .inf",
                 "t.yaml: ops[0].attention[0].seconds: inf is not allowed",
+            ),
+            (
+                "size: 1048576, seconds: 0.015",
+                "size: 1048576, seconds: .nan",
+                "t.yaml: ops[0].components[2].seconds: NaN is not allowed",
+            ),
+            (
+                "size: 1048576, seconds: 0.015",
+                "size: 1024, seconds: 0.015",
+                "t.yaml: ops[0].components[2]: out of order: sort the points by (component, dtype, size)",
+            ),
+            (
+                "size: 1048576, seconds: 0.015",
+                "size: 262144, seconds: 0.015",
+                "t.yaml: ops[0].components[2]: measured twice",
+            ),
+            (
+                "size: 512, seconds: 0.02",
+                "size: 0, seconds: 0.02",
+                "t.yaml: ops[0].components[0].size: 0",
+            ),
+            (
+                "{component: t5,",
+                "{component: ' ',",
+                "t.yaml: ops[0].components[0].component: empty",
             ),
             (
                 "elementwise_gbps: 1500",

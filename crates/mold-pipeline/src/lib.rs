@@ -21,6 +21,7 @@
 //! conditioning, the transformer's largest activation as exec meters it, encoder and VAE
 //! outputs), not allocator peaks.
 
+pub mod calibrate;
 pub mod error;
 pub mod image;
 pub mod io;

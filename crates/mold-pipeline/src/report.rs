@@ -15,6 +15,18 @@ use mold_sim::run_report::{
 use mold_sim::SimReport;
 use std::collections::BTreeMap;
 
+/// A profile label without the micro-batch prefix `mbJ ` that
+/// `Executor::forward_micro_batches` puts on its phases (pipelined CFG): both passes'
+/// phases count as the step's.
+fn without_micro_batch(label: &str) -> &str {
+    if let Some((digits, rest)) = label.strip_prefix("mb").and_then(|r| r.split_once(' ')) {
+        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+            return rest;
+        }
+    }
+    label
+}
+
 /// Profile labels that are a part's collectives (`mold-exec`'s `Ctx::mark` labels).
 fn is_collective(label: &str) -> bool {
     label.starts_with("all-reduce")
@@ -143,9 +155,10 @@ impl Recorder {
             next += k + 1;
             let (mut compute, mut collective) = (0.0, 0.0);
             for (label, secs, _) in phases {
+                let label = without_micro_batch(label);
                 if is_collective(label) {
                     collective += secs;
-                } else if *label == STREAM_WAIT {
+                } else if label == STREAM_WAIT {
                     *wait.entry(dev.clone()).or_default() += secs / steps;
                 } else if !outside_blocks(label) {
                     compute += secs;
@@ -379,5 +392,26 @@ mod tests {
         assert_eq!(measured.peak_bytes, 1100);
         assert!((m.deviation().unwrap() - 0.1).abs() < 1e-12);
         assert_eq!(rep.plan.fingerprint, plan_fingerprint(&plan));
+    }
+}
+
+#[cfg(test)]
+mod label_tests {
+    use super::*;
+
+    #[test]
+    fn micro_batch_phases_are_classified_as_their_own_labels() {
+        for (label, want) in [
+            ("mb0 all-reduce", "all-reduce"),
+            ("mb1 weight fetch (streamed)", STREAM_WAIT),
+            ("mb12 stem", "stem"),
+            ("all-to-all q/k/v", "all-to-all q/k/v"),
+            ("mbx stem", "mbx stem"),
+            ("mb stem", "mb stem"),
+        ] {
+            assert_eq!(without_micro_batch(label), want, "{label}");
+        }
+        assert!(is_collective(without_micro_batch("mb0 all-reduce")));
+        assert!(outside_blocks(without_micro_batch("mb1 final layer")));
     }
 }

@@ -305,8 +305,11 @@ impl T5 {
 /// CLIP's text config from an HF `config.json` (`CLIPTextModel`, or a `CLIPModel` one
 /// with a `text_config`).
 pub fn clip_config(files: &EncoderFiles) -> Result<ClipTextConfig> {
-    let path = &files.config;
-    let v = read_json(path)?;
+    clip_config_from(read_json(&files.config)?, &files.config)
+}
+
+/// [`clip_config`] of a parsed `config.json` (`path` names it in errors).
+pub fn clip_config_from(v: serde_json::Value, path: &Path) -> Result<ClipTextConfig> {
     let v = v.get("text_config").cloned().unwrap_or(v);
     let bad = |m: String| PipelineError::Config {
         path: path.display().to_string(),

@@ -196,7 +196,8 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// What one block of each kind costs on `group`.
+    /// What one block of each kind costs on `group`; under pipelined CFG with two
+    /// activations live (`mold_cost::evaluate` counts the same).
     pub fn costs(&self, group: &Group) -> Vec<BlockCost> {
         let dtype = self.req.dtype("transformer");
         self.req
@@ -204,7 +205,13 @@ impl<'a> Problem<'a> {
             .transformer
             .kinds
             .iter()
-            .map(|k| self.ctx.block(k, group, dtype))
+            .map(|k| {
+                let mut c = self.ctx.block(k, group, dtype);
+                if self.pipelined {
+                    c.activation_bytes = c.activation_bytes.saturating_mul(2);
+                }
+                c
+            })
             .collect()
     }
 
