@@ -251,7 +251,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
     let passes: Vec<Pass> = placements
         .iter()
         .filter_map(|p| p.transformer())
-        .map(|tc| pass(tc, &ctx, model, mode, &mut held, &idx))
+        .map(|tc| pass(tc, &ctx, model, &mut held, &idx))
         .collect();
     let pass_s = passes.iter().map(|p| p.step_s).fold(0.0, f64::max);
     let first = passes.first();
@@ -367,7 +367,6 @@ fn pass(
     tc: &ComponentPlan,
     ctx: &Ctx,
     model: &ModelSpec,
-    mode: Option<CfgMode>,
     held: &mut [Held],
     idx: &dyn Fn(&DeviceId) -> Option<usize>,
 ) -> Pass {
@@ -443,16 +442,10 @@ fn pass(
             pt.compute_s += n * bc.compute_s;
             pt.allreduce_s += n * bc.allreduce_s;
             pt.alltoall_s += n * bc.alltoall_s;
-            // Pipelined CFG: a stage starts the second micro-batch while the first one's
-            // output still waits to be handed on, so two activations are live at once.
-            let act = match mode {
-                Some(CfgMode::Pipelined) => bc.activation_bytes.saturating_mul(2),
-                _ => bc.activation_bytes,
-            };
             for d in &p.devices {
                 let h = &mut held[idx(d).expect("validated")];
-                h.transformer_activation = h.transformer_activation.max(act);
-                h.raise(act, format!("transformer {}", kind.name));
+                h.transformer_activation = h.transformer_activation.max(bc.activation_bytes);
+                h.raise(bc.activation_bytes, format!("transformer {}", kind.name));
             }
             match p.residency {
                 Residency::Resident => {

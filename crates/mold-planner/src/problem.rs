@@ -196,8 +196,7 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// What one block of each kind costs on `group`; under pipelined CFG with two
-    /// activations live (`mold_cost::evaluate` counts the same).
+    /// What one block of each kind costs on `group`.
     pub fn costs(&self, group: &Group) -> Vec<BlockCost> {
         let dtype = self.req.dtype("transformer");
         self.req
@@ -205,13 +204,7 @@ impl<'a> Problem<'a> {
             .transformer
             .kinds
             .iter()
-            .map(|k| {
-                let mut c = self.ctx.block(k, group, dtype);
-                if self.pipelined {
-                    c.activation_bytes = c.activation_bytes.saturating_mul(2);
-                }
-                c
-            })
+            .map(|k| self.ctx.block(k, group, dtype))
             .collect()
     }
 

@@ -1054,6 +1054,10 @@ impl<'a> Sim<'a> {
                 moment,
             );
             ready[i] = done[li];
+            // The executor runs a block's collectives on the device's compute stream:
+            // nothing else (another micro-batch's block under pipelined CFG) computes
+            // there before they end.
+            self.devs[i].compute = self.devs[i].compute.max(done[li]);
             if streamed {
                 st.done[li].push(done[li]);
             }
