@@ -664,6 +664,25 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
         now.components
     );
     assert!(close(p.decode_time_s, measured("vae", 64 * 64)), "{p:?}");
+    let o = mold_with(
+        &d,
+        None,
+        &[],
+        &[
+            "sim",
+            d.join("emu0.yaml").to_str().unwrap(),
+            "--machine",
+            prof_s,
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(
+            "encode and decode: measured runs for t5 on emu:0, clip on emu:0, vae on emu:0"
+        ),
+        "{}",
+        stdout(&o)
+    );
     assert_ne!(on_emu(&base).decode_time_s, p.decode_time_s);
     let sim = |plan: &Path, profile: &str| {
         let o = mold_with(

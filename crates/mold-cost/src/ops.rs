@@ -602,6 +602,31 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
     for o in outside {
         out.push(format!("extrapolated at the nearest point's rate: {o}"));
     }
+    // Encoders and the VAE: measured runs where the tables have them.
+    let (mut measured, mut modelled) = (Vec::new(), Vec::new());
+    for c in plan.components.iter().filter(|c| c.name != tc.name) {
+        let (Some(spec), Some(on)) = (
+            model.component(&c.name),
+            c.parts.first().and_then(|p| p.devices.first()),
+        ) else {
+            continue;
+        };
+        match ctx.component_from_tables(spec, on, c.dtype) {
+            Some(_) => measured.push(format!("{} on {on}", c.name)),
+            None => modelled.push(c.name.clone()),
+        }
+    }
+    if !measured.is_empty() {
+        out.push(format!(
+            "encode and decode: measured runs for {}{}",
+            measured.join(", "),
+            if modelled.is_empty() {
+                String::new()
+            } else {
+                format!("; FLOPs at the device's rate for {}", modelled.join(", "))
+            }
+        ));
+    }
     out
 }
 
