@@ -320,14 +320,25 @@ fn elementwise_gbps(
 fn median(
     dev: &Device,
     bench: &OpBench,
+    f: impl FnMut() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<f64> {
+    median_time(dev, bench.warmup, bench.iters, f)
+}
+
+/// `f` run `warmup` times untimed, then timed `iters` times (at least once), each run
+/// synchronised on `dev`: the median of the timed runs, in seconds.
+pub fn median_time(
+    dev: &Device,
+    warmup: usize,
+    iters: usize,
     mut f: impl FnMut() -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<f64> {
-    for _ in 0..bench.warmup {
+    for _ in 0..warmup {
         f()?;
     }
     dev.synchronize()?;
-    let mut times = Vec::with_capacity(bench.iters);
-    for _ in 0..bench.iters.max(1) {
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
         let start = Instant::now();
         let out = f()?;
         dev.synchronize()?;

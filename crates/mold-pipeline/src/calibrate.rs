@@ -15,7 +15,6 @@ use candle_transformers::models::flux::autoencoder::Decoder;
 use candle_transformers::models::t5;
 use mold_exec::FluxConfig;
 use mold_machine::ComponentPoint;
-use std::time::Instant;
 
 /// How many runs: untimed first, then timed.
 #[derive(Clone, Copy, Debug)]
@@ -82,7 +81,7 @@ pub fn time_components(
         .map_err(|e| bad(format!("the T5 config of `{model}`: {e}")))?;
     let mut m = t5::T5EncoderModel::load(VarBuilder::zeros(dt, dev), &cfg)?;
     let ids = Tensor::zeros((1, tokens), DType::U32, dev)?;
-    let seconds = median(dev, bench, || Ok(m.forward(&ids)?))?;
+    let seconds = median(dev, bench, || m.forward(&ids))?;
     drop(m);
     points.push(ComponentPoint {
         component: "t5".into(),
@@ -97,7 +96,7 @@ pub fn time_components(
     progress(&format!("clip over {len} tokens ({planned})"));
     let m = ClipTextTransformer::new(VarBuilder::zeros(dt, dev).pp("text_model"), &cfg)?;
     let ids = Tensor::zeros((1, len), DType::U32, dev)?;
-    let seconds = median(dev, bench, || Ok(m.forward_with_mask(&ids, usize::MAX)?))?;
+    let seconds = median(dev, bench, || m.forward_with_mask(&ids, usize::MAX))?;
     drop(m);
     points.push(ComponentPoint {
         component: "clip".into(),
@@ -111,7 +110,7 @@ pub fn time_components(
     for &(w, h) in sizes {
         progress(&format!("vae decoding {w}x{h} ({planned})"));
         let z = Tensor::zeros((1, ae.z_channels, h as usize / 8, w as usize / 8), dt, dev)?;
-        let seconds = median(dev, bench, || Ok(decoder.forward(&z)?))?;
+        let seconds = median(dev, bench, || decoder.forward(&z))?;
         points.push(ComponentPoint {
             component: "vae".into(),
             dtype: planned,
@@ -124,25 +123,13 @@ pub fn time_components(
     Ok(points)
 }
 
+/// The median of `bench.iters` synchronised runs of `f` after `bench.warmup` untimed ones.
 fn median(
     dev: &Device,
     bench: &ComponentBench,
-    mut f: impl FnMut() -> Result<Tensor>,
+    f: impl FnMut() -> candle_core::Result<Tensor>,
 ) -> Result<f64> {
-    for _ in 0..bench.warmup {
-        f()?;
-    }
-    dev.synchronize()?;
-    let mut times = Vec::new();
-    for _ in 0..bench.iters.max(1) {
-        let start = Instant::now();
-        let out = f()?;
-        dev.synchronize()?;
-        times.push(start.elapsed().as_secs_f64());
-        drop(out);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2].max(1e-9))
+    Ok(mold_exec::calibrate_ops::median_time(dev, bench.warmup, bench.iters, f)?.max(1e-9))
 }
 
 #[cfg(test)]
