@@ -431,10 +431,12 @@ impl<'a> Ctx<'a> {
     ) -> Option<f64> {
         let name = &self.machine.device(on)?.name;
         let mut curve: Vec<(f64, f64)> = Vec::new();
+        // The newest table first (a calibration appends, or replaces its own dtype's).
         for t in self
             .machine
             .ops
             .iter()
+            .rev()
             .filter(|t| t.model == self.model.id && &t.device == name)
         {
             for p in t.component_curve(&c.name, dtype) {

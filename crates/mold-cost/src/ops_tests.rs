@@ -330,6 +330,15 @@ fn measured_encoders_and_decoder_price_their_phases() {
         ctx.component_s(clip, &on, clip.default_dtype),
         base.component_s(clip, &on, clip.default_dtype)
     );
+    // Calibrated again with another transformer dtype: the newest table's runs count.
+    let mut again = m.clone();
+    let mut t32 = tables_for(&model, DType::F32, &again, 1.0);
+    t32.components = vec![point("vae", vae.default_dtype, px, 0.3)];
+    again.set_op_tables(t32);
+    assert_eq!(
+        Ctx::new(&model, &again, &w).component_s(vae, &on, vae.default_dtype),
+        0.3
+    );
     let mut other = m.clone();
     other.ops[0].device = "H".into();
     assert_eq!(

@@ -922,6 +922,8 @@ impl<'a> Sim<'a> {
                 self.alloc(i, s, Some(e), bytes, "all-gather buffer".into(), &moment);
             }
             ready[i] = e;
+            // On the compute stream, as a block's collectives ([`Self::block`]).
+            self.devs[i].compute = self.devs[i].compute.max(e);
         }
     }
 
