@@ -7,7 +7,7 @@
 use crate::error::{PipelineError, Result};
 use crate::testdata::{clip_l_config, t5_xxl_config, tiny_clip_config, tiny_t5_config};
 use crate::vae::AeConfig;
-use crate::{component_dtype, text};
+use crate::{component_dtype, on_device_dtype, text};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::clip::text_model::ClipTextTransformer;
@@ -66,12 +66,7 @@ pub fn time_components(
             .ok_or_else(|| bad(format!("model `{model}` has no `{name}` component")))?
             .default_dtype;
         let (dt, _) = component_dtype(name, planned)?;
-        let dt = if dev.is_cpu() && dt == DType::BF16 {
-            DType::F32
-        } else {
-            dt
-        };
-        Ok((planned, dt))
+        Ok((planned, on_device_dtype(dt, dev)))
     };
     let mut points = Vec::new();
 

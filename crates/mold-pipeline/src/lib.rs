@@ -240,6 +240,17 @@ fn component_dtype(name: &str, d: mold_plan::DType) -> Result<(DType, Option<Str
     Ok((dt, None))
 }
 
+/// The dtype a component planned in `dt` computes in on `dev`: candle's CPU matrix
+/// products have no bf16, so on a CPU device (the host, an emulated device) bf16 widens
+/// to f32.
+pub(crate) fn on_device_dtype(dt: DType, dev: &Device) -> DType {
+    if dev.is_cpu() && dt == DType::BF16 {
+        DType::F32
+    } else {
+        dt
+    }
+}
+
 /// Checks the plan against the weights directory without loading anything: files,
 /// transformer tensors (from headers), encoder/VAE configs against the transformer,
 /// component placement and dtypes.

@@ -101,11 +101,7 @@ impl Vae {
     /// (candle's CPU matrix products, which its convolutions use, have no bf16: a bf16
     /// VAE on the host or an emulated device would fail at decode, after denoising).
     pub fn load(layout: &WeightsLayout, dtype: DType, dev: &Device) -> Result<Vae> {
-        let dtype = if dev.is_cpu() && dtype == DType::BF16 {
-            DType::F32
-        } else {
-            dtype
-        };
+        let dtype = crate::on_device_dtype(dtype, dev);
         let cfg = AeConfig::for_layout(layout)?;
         let files = [layout.ae.clone()];
         let weight_bytes = crate::text::weight_bytes(&files, dtype, |n| n.starts_with("decoder."))?;

@@ -13,7 +13,7 @@
 
 use crate::problem::Problem;
 use crate::{Family, Objective, Outcome, PlanError, Request};
-use mold_plan::{shifted_replicas, CfgMode, DeviceId};
+use mold_plan::{CfgMode, DeviceId};
 use serde::Serialize;
 
 /// `mold plan --cfg`: a mode, or `auto` (the best of them).
@@ -162,18 +162,7 @@ fn parallel(req: &Request) -> Result<Outcome, PlanError> {
         )),
         e => e,
     })?;
-    let used = o.plan.placement_devices();
-    let (at, from): (Vec<usize>, Vec<DeviceId>) = runs[0]
-        .iter()
-        .enumerate()
-        .filter(|(_, d)| used.contains(d))
-        .map(|(i, d)| (i, d.clone()))
-        .unzip();
-    let onto: Vec<Vec<DeviceId>> = runs
-        .iter()
-        .map(|r| at.iter().map(|&i| r[i].clone()).collect())
-        .collect();
-    o.plan.replicas = Some(shifted_replicas(&from, &onto));
+    o.plan.replicas = Some(crate::throughput::replicas_over_runs(&o.plan, &runs));
     let refuse = |why: String| {
         PlanError::Infeasible(format!(
             "CFG-parallel: the replica on {} does not fit: {why}",

@@ -307,16 +307,10 @@ pub(crate) fn on_devices(req: &Request, run: &[DeviceId]) -> Result<Request, Str
     Ok(sub)
 }
 
-/// The replicas of `plan` (placed on `runs[0]`) shifted onto the following runs, as long
-/// as each fits its run's budgets with the planner's transfer reserves and the whole
-/// passes validation; `None` for one replica.
-fn replicas_that_fit(
-    req: &Request,
-    sub: &Request,
-    plan: &Plan,
-    family: Option<Family>,
-    runs: &[Vec<DeviceId>],
-) -> Option<Vec<mold_plan::Replica>> {
+/// The replicas that put `plan` (placed on devices of `runs[0]`) on every run: the
+/// device at place `i` of the first run maps to place `i` of each (replica 0 is the plan
+/// itself).
+pub(crate) fn replicas_over_runs(plan: &Plan, runs: &[Vec<DeviceId>]) -> Vec<mold_plan::Replica> {
     let used = plan.placement_devices();
     // The used devices in their run's order, each with its place in the run.
     let (at, from): (Vec<usize>, Vec<DeviceId>) = runs[0]
@@ -329,7 +323,20 @@ fn replicas_that_fit(
         .iter()
         .map(|r| at.iter().map(|&i| r[i].clone()).collect())
         .collect();
-    let all = shifted_replicas(&from, &onto);
+    shifted_replicas(&from, &onto)
+}
+
+/// The replicas of `plan` (placed on `runs[0]`) shifted onto the following runs, as long
+/// as each fits its run's budgets with the planner's transfer reserves and the whole
+/// passes validation; `None` for one replica.
+fn replicas_that_fit(
+    req: &Request,
+    sub: &Request,
+    plan: &Plan,
+    family: Option<Family>,
+    runs: &[Vec<DeviceId>],
+) -> Option<Vec<mold_plan::Replica>> {
+    let all = replicas_over_runs(plan, runs);
     let p = Problem::new(sub);
     let mut kept = 1;
     for j in 1..all.len() {

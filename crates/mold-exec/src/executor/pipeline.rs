@@ -282,7 +282,9 @@ impl<M: Transformer> Executor<M> {
                 "a part before the last produced no activations to hand on".into(),
             ));
         };
-        let placed = self.copy_to_ranks(next, |dev| a.map(&mut |t| runtime::hand_off(t, dev)))?;
+        let placed = self.copy_to_ranks(next, "handing activations on", |dev| {
+            a.map(&mut |t| runtime::hand_off(t, dev))
+        })?;
         Ok(Flow::Placed {
             copies: placed,
             _source: a,
@@ -295,6 +297,7 @@ impl<M: Transformer> Executor<M> {
     pub(super) fn copy_to_ranks<T>(
         &self,
         part: &PartRt<M>,
+        what: &str,
         copy: impl Fn(&candle_core::Device) -> candle_core::Result<T>,
     ) -> Result<Vec<T>> {
         let mut placed = Vec::with_capacity(part.ranks.len());
@@ -302,7 +305,7 @@ impl<M: Transformer> Executor<M> {
             let dev = &rank.device;
             let failed = |e: candle_core::Error| ExecError::Device {
                 device: rank.id.to_string(),
-                message: format!("handing activations on: {e}"),
+                message: format!("{what}: {e}"),
             };
             let c = copy(dev).map_err(failed)?;
             if !self.opts.deterministic {

@@ -65,16 +65,18 @@ impl<M: Transformer> Executor<M> {
         // first collective, waiting for this rank: the TP2 hang seen on 2 × H200.
         let placed_prev: Vec<Flow<M::Acts>> = match prev {
             Some(Flow::Acts(a)) => self
-                .copy_to_ranks(part, |dev| a.map(&mut |t| runtime::hand_off(t, dev)))?
+                .copy_to_ranks(part, "handing activations on", |dev| {
+                    a.map(&mut |t| runtime::hand_off(t, dev))
+                })?
                 .into_iter()
                 .map(Flow::Acts)
                 .collect(),
             _ => Vec::new(),
         };
         let placed_inputs: Vec<M::Inputs> = match prev {
-            None => {
-                self.copy_to_ranks(part, |dev| inputs.map(&mut |t| runtime::hand_off(t, dev)))?
-            }
+            None => self.copy_to_ranks(part, "copying the step's inputs", |dev| {
+                inputs.map(&mut |t| runtime::hand_off(t, dev))
+            })?,
             Some(_) => Vec::new(),
         };
         let results: Vec<std::thread::Result<candle_core::Result<Flow<M::Acts>>>> =
