@@ -51,8 +51,44 @@ fn main() {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             std::process::exit(1);
         }
+    }
+}
+
+/// The error and its causes on one line, each cause once: typed errors that already show
+/// their source in their own message (`{path}: {source}`) would otherwise print it twice.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if text.is_empty() || line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+
+    #[test]
+    fn a_cause_its_error_already_shows_is_printed_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file");
+        // mold-plan's I/O error shows its source in its own message
+        let e = anyhow::Error::new(mold_plan::PlanError::Io {
+            path: "p.yaml".into(),
+            source: io,
+        })
+        .context("cannot use plan p.yaml");
+        assert_eq!(one_line(&e), "cannot use plan p.yaml: p.yaml: No such file");
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(one_line(&plain), "outer: inner");
     }
 }

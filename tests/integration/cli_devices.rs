@@ -726,6 +726,34 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
         s.contains("extrapolated at the nearest point's rate"),
         "{s}"
     );
+    // The decoder too, on the emulated device: its largest measured run is 128x128.
+    let big0 = d.join("big-emu0.yaml");
+    let mut a = a.to_vec();
+    let last = a.len() - 1;
+    a[last] = big0.to_str().unwrap();
+    a.splice(
+        1..1,
+        [
+            "--tp",
+            "off",
+            "--encoder-gpu",
+            "0",
+            "--vae-gpu",
+            "0",
+            "--transformer-gpu",
+            "0",
+        ],
+    );
+    let o = mold_with(&d, None, &[], &a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = sim(&big0, prof_s);
+    assert!(
+        s.contains("encode and decode, beyond the measured runs: vae at 256x256 (0.07 MP), outside the measured"),
+        "{s}"
+    );
+    // Within the measured sizes nothing is said.
+    let s = sim(&d.join("emu0.yaml"), prof_s);
+    assert!(!s.contains("beyond the measured runs"), "{s}");
 }
 
 /// Bad requests are refused in one line naming the flag, before anything is measured.

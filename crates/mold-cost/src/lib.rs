@@ -429,6 +429,17 @@ impl<'a> Ctx<'a> {
         on: &DeviceId,
         dtype: DType,
     ) -> Option<f64> {
+        self.component_estimate(c, on, dtype).map(|e| e.seconds)
+    }
+
+    /// [`Ctx::component_from_tables`] with what it had to assume: where the run asked
+    /// for lies outside the measured points, `outside` says so in words.
+    pub fn component_estimate(
+        &self,
+        c: &ComponentSpec,
+        on: &DeviceId,
+        dtype: DType,
+    ) -> Option<ComponentEstimate> {
         let name = &self.machine.device(on)?.name;
         let mut curve: Vec<(f64, f64)> = Vec::new();
         // The newest table first (a calibration appends, or replaces its own dtype's).
@@ -449,17 +460,35 @@ impl<'a> Ctx<'a> {
         let w = self.workload;
         match c.work {
             Workkind::TextEncoder { .. } => {
-                // Run at the model's prompt length; the point nearest to it.
+                // Run at the model's prompt length (CLIP at its fixed 77, where the
+                // calibration timed it); the point nearest to it, taken as is.
                 let tokens = self.model.text_tokens as f64;
                 let (_, s) = curve
                     .iter()
                     .min_by(|a, b| (a.0 - tokens).abs().total_cmp(&(b.0 - tokens).abs()))?;
-                Some(s * w.effective_batch() as f64)
+                Some(ComponentEstimate {
+                    seconds: s * w.effective_batch() as f64,
+                    outside: None,
+                })
             }
             Workkind::VaeDecoder { .. } => {
                 let pixels = w.width as f64 * w.height as f64;
-                let (s, _) = ops::loglog(&curve, pixels, false)?;
-                Some(s * w.frames as f64 * w.batch as f64)
+                let (s, outside) = ops::loglog(&curve, pixels, false)?;
+                let (lo, hi) = (curve.first()?.0, curve.last()?.0);
+                Some(ComponentEstimate {
+                    seconds: s * w.frames as f64 * w.batch as f64,
+                    outside: outside.then(|| {
+                        format!(
+                            "{} at {}x{} ({:.2} MP), outside the measured {:.2}–{:.2} MP (scaled by pixels)",
+                            c.name,
+                            w.width,
+                            w.height,
+                            pixels / 1e6,
+                            lo / 1e6,
+                            hi / 1e6
+                        )
+                    }),
+                })
             }
         }
     }
@@ -467,6 +496,14 @@ impl<'a> Ctx<'a> {
     pub fn component_activation(&self, c: &ComponentSpec, dtype: DType) -> u64 {
         c.activation_bytes(self.model, self.workload, dtype.activation_bytes())
     }
+}
+
+/// A pipeline component's time from measured runs ([`Ctx::component_estimate`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ComponentEstimate {
+    pub seconds: f64,
+    /// Set when a decoder's image lies outside the measured sizes: what was measured.
+    pub outside: Option<String>,
 }
 
 /// All-to-alls a block runs under sequence parallelism: q, k and v from token shards to

@@ -603,7 +603,7 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
         out.push(format!("extrapolated at the nearest point's rate: {o}"));
     }
     // Encoders and the VAE: measured runs where the tables have them.
-    let (mut measured, mut modelled) = (Vec::new(), Vec::new());
+    let (mut measured, mut modelled, mut beyond) = (Vec::new(), Vec::new(), Vec::new());
     for c in plan.components.iter().filter(|c| c.name != tc.name) {
         let (Some(spec), Some(on)) = (
             model.component(&c.name),
@@ -611,8 +611,13 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
         ) else {
             continue;
         };
-        match ctx.component_from_tables(spec, on, c.dtype) {
-            Some(_) => measured.push(format!("{} on {on}", c.name)),
+        match ctx.component_estimate(spec, on, c.dtype) {
+            Some(e) => {
+                measured.push(format!("{} on {on}", c.name));
+                if let Some(o) = e.outside {
+                    beyond.push(o);
+                }
+            }
             None => modelled.push(c.name.clone()),
         }
     }
@@ -626,6 +631,9 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
                 format!("; FLOPs at the device's rate for {}", modelled.join(", "))
             }
         ));
+    }
+    for b in beyond {
+        out.push(format!("encode and decode, beyond the measured runs: {b}"));
     }
     out
 }
