@@ -209,7 +209,9 @@ fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
             if let Some(n) = &a.name {
                 m.name = n.clone();
             }
-            add_tables(&mut m, t);
+            for t in t {
+                add_tables(&mut m, t);
+            }
             write_profile(path, &m)?;
             eprintln!(
                 "machine profile written to {} ({spec} with operation tables for {model})",
@@ -222,12 +224,12 @@ fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
 }
 
 /// The tables as a profile's `ops:` list.
-fn ops_yaml(t: &mold_machine::OpTables) -> Result<String> {
+fn ops_yaml(t: &[mold_machine::OpTables]) -> Result<String> {
     #[derive(serde::Serialize)]
     struct Ops<'a> {
-        ops: [&'a mold_machine::OpTables; 1],
+        ops: &'a [mold_machine::OpTables],
     }
-    Ok(serde_yaml_ng::to_string(&Ops { ops: [t] })?)
+    Ok(serde_yaml_ng::to_string(&Ops { ops: t })?)
 }
 
 /// `t` into `m` (in place of any table of the same model, dtype and devices), noted in
@@ -266,10 +268,29 @@ fn write_profile(path: &std::path::Path, m: &Machine) -> Result<()> {
     Ok(())
 }
 
-/// Measures `model`'s operations on `m`'s devices of its first device's name (on that
-/// device; collectives over the first 2, 4, … of them), at the shapes the cost model
-/// looks up for the model's default size at half, the same and twice its side.
-fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<mold_machine::OpTables> {
+/// The devices of `m` by kind (name and node), kinds in the order their first device
+/// appears: each kind gets its own operation tables (the cost model looks tables up by
+/// device name).
+fn device_kinds(m: &Machine) -> Vec<Vec<DeviceId>> {
+    let mut kinds: Vec<Vec<DeviceId>> = Vec::new();
+    for d in &m.devices {
+        let same = |k: &&mut Vec<DeviceId>| {
+            m.device(&k[0])
+                .is_some_and(|f| f.name == d.name && f.node == d.node)
+        };
+        match kinds.iter_mut().find(|k| same(k)) {
+            Some(k) => k.push(d.id.clone()),
+            None => kinds.push(vec![d.id.clone()]),
+        }
+    }
+    kinds
+}
+
+/// Measures `model`'s operations on each kind of device in `m` (on its first device;
+/// collectives over the first 2, 4, … of that kind), at the shapes the cost model looks
+/// up for the model's default size at half, the same and twice its side: one table per
+/// kind, in the order [`device_kinds`] gives.
+fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<mold_machine::OpTables>> {
     let spec = mold_models::find(model).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
     let dtype = match &a.dtype {
         Some(d) => d
@@ -291,22 +312,44 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<mold_machine:
             k.name
         );
     }
-    let first = m
-        .devices
-        .first()
-        .context("the machine profile has no device")?;
-    let devices: Vec<DeviceId> = m
-        .devices
-        .iter()
-        .filter(|d| d.name == first.name && d.node == first.node)
-        .map(|d| d.id.clone())
-        .collect();
+    let kinds = device_kinds(m);
+    if kinds.is_empty() {
+        bail!("the machine profile has no device");
+    }
+    let mut tables = Vec::new();
+    for devices in &kinds {
+        let first = m.device(&devices[0]).context("a device of the profile")?;
+        if kinds.len() > 1 {
+            eprintln!(
+                "calibrating {} ({} of this kind: {})",
+                first.name,
+                devices.len(),
+                devices
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        tables.push(measure_kind(model, &spec, dtype, first, devices)?);
+    }
+    Ok(tables)
+}
+
+/// [`measure_model_ops`] for one kind of device: `devices`, `first` of them.
+fn measure_kind(
+    model: &str,
+    spec: &ModelSpec,
+    dtype: mold_plan::DType,
+    first: &mold_machine::Device,
+    devices: &[DeviceId],
+) -> Result<mold_machine::OpTables> {
     let sizes: Vec<u32> = inventory::allreduce_group_sizes(devices.len())
         .into_iter()
         .map(|n| n as u32)
         .collect();
-    let req = mold_cost::ops::ShapeRequest::default_for(&spec, devices.len() as u32, sizes);
-    let shapes = mold_cost::ops::calibration_shapes(&spec, dtype, &req);
+    let req = mold_cost::ops::ShapeRequest::default_for(spec, devices.len() as u32, sizes);
+    let shapes = mold_cost::ops::calibration_shapes(spec, dtype, &req);
     let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let comm = mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok())?;
@@ -320,7 +363,7 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<mold_machine:
             model,
             dtype,
             device_name: &first.name,
-            devices: &devices,
+            devices,
         },
         &shapes,
         &bench,
@@ -397,8 +440,9 @@ fn save(
         }
     }
     if let Some(model) = &a.model {
-        let t = measure_model_ops(a, &m, model)?;
-        add_tables(&mut m, t);
+        for t in measure_model_ops(a, &m, model)? {
+            add_tables(&mut m, t);
+        }
     }
     write_profile(path, &m)?;
     eprintln!(

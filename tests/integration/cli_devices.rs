@@ -756,6 +756,108 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     assert!(!s.contains("beyond the measured runs"), "{s}");
 }
 
+/// A box of two kinds of device gets a table for each kind, each measured on that kind
+/// (collectives over that kind's devices), and the planner prices both from them.
+#[test]
+fn calibrating_a_mixed_box_measures_every_kind() {
+    let d = tempdir("devices-ops-mixed");
+    let base = std::fs::read_to_string(machine("cpu-emu-4")).unwrap();
+    // emu:2 and emu:3 become a second kind.
+    let mut text = String::new();
+    for (i, chunk) in base.split("  - id: ").enumerate() {
+        if i > 0 {
+            text.push_str("  - id: ");
+        }
+        if chunk.starts_with("emu:2") || chunk.starts_with("emu:3") {
+            text.push_str(&chunk.replace(
+                "name: emulated device (CPU)",
+                "name: emulated device (CPU, second kind)",
+            ));
+        } else {
+            text.push_str(chunk);
+        }
+    }
+    let mixed = d.join("mixed.yaml");
+    std::fs::write(
+        &mixed,
+        text.replace("name: cpu-emu-4", "name: cpu-emu-mixed"),
+    )
+    .unwrap();
+    let prof = d.join("mixed-ops.yaml");
+    let args = [
+        "devices",
+        "--calibrate",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        mixed.to_str().unwrap(),
+        "--save",
+        prof.to_str().unwrap(),
+    ];
+    let o = mold_with(&d, None, &[], &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains(
+            "calibrating emulated device (CPU, second kind) (2 of this kind: emu:2, emu:3)"
+        ),
+        "{err}"
+    );
+    let m = Machine::load(&prof).unwrap();
+    let kinds: Vec<&str> = m.ops.iter().map(|t| t.device.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "emulated device (CPU)",
+            "emulated device (CPU, second kind)"
+        ]
+    );
+    for t in &m.ops {
+        assert!(
+            !t.gemm.is_empty() && !t.attention.is_empty(),
+            "{}",
+            t.device
+        );
+        // Two devices of each kind: all-reduces over two of them.
+        assert!(
+            t.collectives.all_reduce.iter().all(|p| p.devices == 2),
+            "{}",
+            t.device
+        );
+        assert!(!t.components.is_empty(), "{}", t.device);
+    }
+    // A plan over all four devices is priced by operation on both kinds.
+    let plan = d.join("p.yaml");
+    let a = [
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        prof.to_str().unwrap(),
+        "-o",
+        plan.to_str().unwrap(),
+    ];
+    let o = mold_with(&d, None, &[], &a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = mold_with(
+        &d,
+        None,
+        &[],
+        &[
+            "sim",
+            plan.to_str().unwrap(),
+            "--machine",
+            prof.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        !stdout(&o).contains("the peak-rate model"),
+        "{}",
+        stdout(&o)
+    );
+}
+
 /// Bad requests are refused in one line naming the flag, before anything is measured.
 #[test]
 fn calibrating_a_model_refuses_bad_requests() {
