@@ -225,9 +225,24 @@ def main():
     txt, vec = put(io["t5"]), put(io["clip"])
     img_ids, txt_ids = io["img_ids"][0].to(dev), io["txt_ids"][0].to(dev)
     g = io["guidance"].to(dev) if "guidance" in io else None
-    def velocities(tf, cast, tcast):
+    def block_outputs(tf, into):
+        """Hooks that append every block's output (double blocks, then single blocks) to
+        `into` as f32 on the CPU, while `into` is not None; returns the hooks' handles."""
+        def hook(_m, _inp, out):
+            if into is None or len(into) >= n_blocks:
+                return
+            parts = out if isinstance(out, tuple) else (out,)
+            into.append(torch.cat([p.detach().float().flatten().cpu() for p in parts
+                                   if torch.is_tensor(p)]))
+        blocks = list(tf.transformer_blocks) + list(tf.single_transformer_blocks)
+        n_blocks = len(blocks)
+        return [b.register_forward_hook(hook) for b in blocks]
+
+    def velocities(tf, cast, tcast, blocks=None):
         """The transformer's output at every step from mold's inputs, `cast` to its dtype
-        (the timestep and guidance by `tcast`)."""
+        (the timestep and guidance by `tcast`); with `blocks` (a list), every block's output
+        at the first step appended to it."""
+        handles = block_outputs(tf, blocks) if blocks is not None else []
         out = []
         for i in range(steps):
             t = io[f"step.{i}.t"].to(dev)
@@ -236,13 +251,17 @@ def main():
                               guidance=None if g is None else tcast(g), pooled_projections=cast(vec),
                               encoder_hidden_states=cast(txt), txt_ids=txt_ids, img_ids=img_ids,
                               return_dict=False)[0].float().cpu())
+        for h in handles:
+            h.remove()
         return out
 
     res["transformer"] = {}
     first = None
+    first_blocks = [] if a.reference else None
     for fmt in [f for f in a.formats.split(",") if f]:
         tf = load_transformer(fmt).to(dev).eval()
-        vs = velocities(tf, lambda t: t.to(dev, dt), lambda t: t.to(dev, dt))
+        vs = velocities(tf, lambda t: t.to(dev, dt), lambda t: t.to(dev, dt),
+                        first_blocks if first is None else None)
         first = first or vs
         errs = [rel(io[f"step.{i}.velocity"], v) for i, v in enumerate(vs)]
         res["transformer"][fmt] = {"per_step": errs, "max": max(errs)}
@@ -255,13 +274,22 @@ def main():
         # them to the model dtype first, a known difference, README).
         fmt = a.formats.split(",")[0]
         tf = load_transformer(fmt).to(dev).float().eval()
-        ref = velocities(tf, lambda t: t.to(dev, dt).float(), lambda t: t.to(dev).float())
+        ref_blocks = []
+        ref = velocities(tf, lambda t: t.to(dev, dt).float(), lambda t: t.to(dev).float(),
+                         ref_blocks)
         mold = [io[f"step.{i}.velocity"] for i in range(steps)]
+        n_double = len(tf.transformer_blocks)
         res["transformer"]["reference"] = {
             "dtype": "f32", "format": fmt,
             "mold_vs_f32": [rel(m, r) for m, r in zip(mold, ref)],
             "diffusers_vs_f32": [rel(d, r) for d, r in zip(first, ref)],
             "mold_vs_diffusers": res["transformer"][fmt]["per_step"],
+            # Where bf16 rounding grows through the network: each block's output (txt and
+            # img streams together) of the bf16 model against the f32 one, first step.
+            "diffusers_bf16_vs_f32_per_block": {
+                "double": [rel(b, r) for b, r in zip(first_blocks[:n_double], ref_blocks[:n_double])],
+                "single": [rel(b, r) for b, r in zip(first_blocks[n_double:], ref_blocks[n_double:])],
+            },
         }
         del tf
         if dev.type == "cuda":
