@@ -136,6 +136,8 @@ def main():
     ap.add_argument("--snapshot", required=True, type=Path, help="the Hugging Face-layout directory")
     ap.add_argument("--io", required=True, type=Path, help="mold exec --save-io FILE")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--t5-dtype", choices=["bf16", "fp16", "f32"],
+                    help="T5's dtype, as the plan gives it (default: --dtype; mold's flux plans run T5 in fp16)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--formats", default="diffusers,bfl", help="transformer formats to compare")
     ap.add_argument("--no-pipeline", action="store_true", help="skip the whole-pipeline run")
@@ -192,7 +194,8 @@ def main():
         pooled = clip(ids, output_hidden_states=False).pooler_output
     res["clip"] = rel(io["clip"], pooled)
     tok2 = T5Tok.from_pretrained(snap / "tokenizer_2")
-    t5 = T5EncoderModel.from_pretrained(snap / "text_encoder_2", torch_dtype=dt).to(dev)
+    t5_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "f32": torch.float32}.get(a.t5_dtype, dt)
+    t5 = T5EncoderModel.from_pretrained(snap / "text_encoder_2", torch_dtype=t5_dt).to(dev)
     ids2 = tok2(prompt, padding="max_length", max_length=tokens, truncation=True,
                 return_tensors="pt").input_ids.to(dev)
     with torch.no_grad():
@@ -238,14 +241,32 @@ def main():
         n_blocks = len(blocks)
         return [b.register_forward_hook(hook) for b in blocks]
 
-    def velocities(tf, cast, tcast, blocks=None):
+    def velocities(tf, cast, tcast, blocks=None, exact_t=False):
         """The transformer's output at every step from mold's inputs, `cast` to its dtype
         (the timestep and guidance by `tcast`); with `blocks` (a list), every block's output
-        at the first step appended to it."""
+        at the first step appended to it. With `exact_t`, the timestep and guidance reach
+        the embedding unrounded: FluxTransformer2DModel.forward casts them to the model's
+        dtype before scaling by 1000 (in bf16 t·1000 is then off by up to ~2), where mold
+        and the f32 reference embed the exact value."""
         handles = block_outputs(tf, blocks) if blocks is not None else []
+        exact = {}
+        emb = tf.time_text_embed
+        if exact_t:
+            orig = emb.forward
+
+            def unrounded(timestep, *rest):
+                rest = list(rest)
+                if len(rest) == 2 and rest[0] is not None:  # (guidance, pooled)
+                    rest[0] = exact["g"] * 1000
+                return orig(exact["t"] * 1000, *rest)
+
+            emb.forward = unrounded
         out = []
         for i in range(steps):
             t = io[f"step.{i}.t"].to(dev)
+            exact["t"] = t.float()
+            if g is not None:
+                exact["g"] = g.float()
             with torch.no_grad():
                 out.append(tf(hidden_states=cast(io[f"step.{i}.latents"]), timestep=tcast(t),
                               guidance=None if g is None else tcast(g), pooled_projections=cast(vec),
@@ -253,18 +274,28 @@ def main():
                               return_dict=False)[0].float().cpu())
         for h in handles:
             h.remove()
+        if exact_t:
+            del emb.forward  # the class's own again
         return out
 
     res["transformer"] = {}
     first = None
     first_blocks = [] if a.reference else None
+    rounded = None
     for fmt in [f for f in a.formats.split(",") if f]:
         tf = load_transformer(fmt).to(dev).eval()
         vs = velocities(tf, lambda t: t.to(dev, dt), lambda t: t.to(dev, dt),
-                        first_blocks if first is None else None)
-        first = first or vs
+                        first_blocks if first is None and dt == torch.float32 else None)
         errs = [rel(io[f"step.{i}.velocity"], v) for i, v in enumerate(vs)]
         res["transformer"][fmt] = {"per_step": errs, "max": max(errs)}
+        if dt != torch.float32 and first is None:
+            # The same model with the timestep unrounded: the computation mold runs.
+            rounded = vs
+            vs = velocities(tf, lambda t: t.to(dev, dt), lambda t: t.to(dev, dt),
+                            first_blocks, exact_t=True)
+            errs = [rel(io[f"step.{i}.velocity"], v) for i, v in enumerate(vs)]
+            res["transformer"][fmt + "_exact_t"] = {"per_step": errs, "max": max(errs)}
+        first = first or vs
         del tf
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -283,7 +314,8 @@ def main():
             "dtype": "f32", "format": fmt,
             "mold_vs_f32": [rel(m, r) for m, r in zip(mold, ref)],
             "diffusers_vs_f32": [rel(d, r) for d, r in zip(first, ref)],
-            "mold_vs_diffusers": res["transformer"][fmt]["per_step"],
+            "diffusers_rounded_t_vs_f32": [rel(d, r) for d, r in zip(rounded or first, ref)],
+            "mold_vs_diffusers": res["transformer"].get(fmt + "_exact_t", res["transformer"][fmt])["per_step"],
             # Where bf16 rounding grows through the network: each block's output (txt and
             # img streams together) of the bf16 model against the f32 one, first step.
             "diffusers_bf16_vs_f32_per_block": {
