@@ -137,7 +137,8 @@ def main():
     ap.add_argument("--io", required=True, type=Path, help="mold exec --save-io FILE")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--t5-dtype", choices=["bf16", "fp16", "f32"],
-                    help="T5's dtype, as the plan gives it (default: --dtype; mold's flux plans run T5 in fp16)")
+                    help="T5's dtype (default: --dtype). mold computes a T5 planned in fp16 in bf16 "
+                         "(fp16 overflows in T5): pass bf16 for such plans")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--formats", default="diffusers,bfl", help="transformer formats to compare")
     ap.add_argument("--no-pipeline", action="store_true", help="skip the whole-pipeline run")
@@ -201,6 +202,17 @@ def main():
     with torch.no_grad():
         t5_out = t5(ids2, output_hidden_states=False)[0]
     res["t5"] = rel(io["t5"], t5_out)
+    if a.reference and t5_dt != torch.float32:
+        # Both lower-precision T5 runs against T5 in f32 (the same weights widened).
+        del t5
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        t5 = T5EncoderModel.from_pretrained(snap / "text_encoder_2", torch_dtype=torch.float32).to(dev)
+        with torch.no_grad():
+            t5_ref = t5(ids2, output_hidden_states=False)[0]
+        res["t5_reference"] = {"dtype": "f32", "mold_vs_f32": rel(io["t5"], t5_ref),
+                               "transformers_vs_f32": rel(t5_out, t5_ref)}
+        del t5_ref
     res["token_ids_equal_note"] = "ids are transformers' own; mold's are not saved"
 
     # The transformer alone, at every step, from mold's inputs.
