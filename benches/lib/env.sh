@@ -1,0 +1,20 @@
+# Sourced by the device scripts in benches/: the GPU machine's environment and mold's binary.
+#   gpu_env          CUDA libraries from the machine's PyTorch wheels (site-packages/nvidia/*/lib)
+#                    on LD_LIBRARY_PATH, NVLink multicast off in NCCL (never change it there)
+#   mold_bin DIR     prints the binary to run: $MOLD when set (e.g. target/debug/mold for a dry run
+#                    on emulated devices), else DIR/mold unpacked once from .carry/mold.gz
+gpu_env() {
+    local site d libs=""
+    site="$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)" || site=""
+    for d in "$site"/nvidia/*/lib; do [ -d "$d" ] && libs="${libs:+$libs:}$d"; done
+    export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NCCL_NVLS_ENABLE=0
+}
+
+mold_bin() {
+    if [ -n "${MOLD:-}" ]; then echo "$MOLD"; return; fi
+    local bin="$1/mold"
+    if [ ! -x "$bin" ]; then
+        gzip -dc .carry/mold.gz > "$bin" && chmod +x "$bin" || { echo "mold_bin: no .carry/mold.gz" >&2; return 1; }
+    fi
+    echo "$bin"
+}
