@@ -38,6 +38,7 @@ passes none when the prompt has no padding).
 import argparse
 import inspect
 import json
+import statistics
 import sys
 import time
 
@@ -82,6 +83,13 @@ def main():
         choices=["f32"],
         help="also run diffusers in f32 and report mold's and diffusers' bf16 errors against it",
     )
+    ap.add_argument("--time", type=int, default=0, metavar="N",
+                    help="also time N more calls of the same inputs after 2 warm-up calls (median, "
+                         "synchronised): diffusers' step beside mold's in the same device call")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the transformer first, as a user chasing speed would: "
+                         "regional (compile_repeated_blocks, one graph for the 60 blocks) where "
+                         "diffusers has it, else torch.compile of the whole model")
     ap.add_argument("--out", help="also write the JSON result here")
     a = ap.parse_args()
 
@@ -117,6 +125,14 @@ def main():
         t0 = time.time()
         model = QwenImageTransformer2DModel.from_pretrained(a.weights, subfolder="transformer", torch_dtype=dt)
         model = model.to(dev, compute).eval()
+        compiled = None
+        if a.compile and compute == dt:
+            if hasattr(model, "compile_repeated_blocks"):
+                model.compile_repeated_blocks(fullgraph=True)
+                compiled = "compile_repeated_blocks(fullgraph=True)"
+            else:
+                model = torch.compile(model)
+                compiled = "torch.compile(model)"
         load_s = time.time() - t0
 
         def inp(k):
@@ -140,12 +156,28 @@ def main():
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             call_s = time.time() - t1
+            if a.time > 0 and compute == dt:
+                sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+                for _ in range(2):
+                    model(**kwargs)
+                sync()
+                ms = []
+                for _ in range(a.time):
+                    t2 = time.perf_counter()
+                    model(**kwargs)
+                    sync()
+                    ms.append((time.perf_counter() - t2) * 1e3)
+                timing["call_ms_median"] = statistics.median(ms)
+                timing["call_ms_all"] = [round(x, 3) for x in ms]
+                timing["mode"] = compiled or "eager"
+                timing["first_call_s"] = call_s
         out = out.float().cpu()
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         return out, load_s, call_s
 
+    timing = {}
     want, load_s, call_s = run(dtype)
     err = rel(io["output"], want)
     result = {
@@ -161,6 +193,12 @@ def main():
         "diffusers_load_s": load_s,
         "diffusers_call_s": call_s,
     }
+    if timing:
+        # True CFG runs the transformer twice a step (the prompt, then the negative prompt),
+        # as QwenImagePipeline does: a step is two calls of this batch.
+        timing["batch"] = b
+        timing["cfg_step_ms"] = 2 * timing["call_ms_median"]
+        result["diffusers_timing"] = timing
     if a.reference == "f32":
         ref, _, ref_call_s = run(dtype, torch.float32)
         result["reference"] = {
