@@ -268,16 +268,17 @@ fn write_profile(path: &std::path::Path, m: &Machine) -> Result<()> {
     Ok(())
 }
 
-/// The devices of `m` by kind (name and node), kinds in the order their first device
-/// appears: each kind gets its own operation tables (the cost model looks tables up by
-/// device name).
+/// The devices of `m` on its first device's node (the one this process reaches) by kind
+/// (device name), kinds in the order their first device appears: each kind gets its own
+/// operation tables (the cost model looks tables up by device name, so other nodes'
+/// devices of the same name share them).
 fn device_kinds(m: &Machine) -> Vec<Vec<DeviceId>> {
+    let Some(node) = m.devices.first().map(|d| &d.node) else {
+        return Vec::new();
+    };
     let mut kinds: Vec<Vec<DeviceId>> = Vec::new();
-    for d in &m.devices {
-        let same = |k: &&mut Vec<DeviceId>| {
-            m.device(&k[0])
-                .is_some_and(|f| f.name == d.name && f.node == d.node)
-        };
+    for d in m.devices.iter().filter(|d| &d.node == node) {
+        let same = |k: &&mut Vec<DeviceId>| m.device(&k[0]).is_some_and(|f| f.name == d.name);
         match kinds.iter_mut().find(|k| same(k)) {
             Some(k) => k.push(d.id.clone()),
             None => kinds.push(vec![d.id.clone()]),
@@ -557,6 +558,29 @@ pub fn info(a: InfoArgs) -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn profile(name: &str) -> Machine {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        Machine::load(&root.join("sim/machines").join(format!("{name}.yaml"))).unwrap()
+    }
+
+    /// Calibration by operation measures each kind of GPU this process reaches once:
+    /// a mixed box gives two kinds, a two-node box only its first node's devices.
+    #[test]
+    fn device_kinds_are_the_local_nodes_kinds() {
+        let mixed = device_kinds(&profile("rtx3090+rtx4060ti"));
+        assert_eq!(mixed.len(), 2, "{mixed:?}");
+        assert!(mixed.iter().all(|k| k.len() == 1), "{mixed:?}");
+        let two_nodes = profile("2x8-h100-ib");
+        let kinds = device_kinds(&two_nodes);
+        assert_eq!(kinds.len(), 1, "{kinds:?}");
+        assert_eq!(kinds[0].len(), 8, "{kinds:?}");
+        let first_node = &two_nodes.devices[0].node;
+        assert!(kinds[0]
+            .iter()
+            .all(|d| &two_nodes.device(d).unwrap().node == first_node));
+        assert_eq!(device_kinds(&profile("cpu-emu-4"))[0].len(), 4);
+    }
 
     #[test]
     fn headroom_grows_with_the_size() {
