@@ -1,6 +1,8 @@
 # Sourced by the device scripts in benches/: the GPU machine's environment and mold's binary.
 #   gpu_env          CUDA libraries from the machine's PyTorch wheels (site-packages/nvidia/*/lib)
 #                    on LD_LIBRARY_PATH, NVLink multicast off in NCCL (never change it there)
+#   diffusers_wheels installs the diffusers wheels carried in .whl into /tmp/site (on
+#                    PYTHONPATH) unless the machine's Python already has diffusers
 #   mold_bin DIR     prints the binary to run: $MOLD when set (e.g. target/debug/mold for a dry run
 #                    on emulated devices), else DIR/mold unpacked once from .carry/mold.gz
 gpu_env() {
@@ -17,4 +19,11 @@ mold_bin() {
         gzip -dc .carry/mold.gz > "$bin" && chmod +x "$bin" || { echo "mold_bin: no .carry/mold.gz" >&2; return 1; }
     fi
     echo "$bin"
+}
+
+diffusers_wheels() {
+    python3 -c "import diffusers" 2>/dev/null && return
+    [ -d .whl ] || { echo "diffusers_wheels: no diffusers and no .whl (benches/parity/README.md)" >&2; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 }
