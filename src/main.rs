@@ -34,6 +34,10 @@ enum Command {
     Info(cmd::devices::InfoArgs),
     /// Serve text to image over HTTP: concurrent requests over a plan's replicas.
     Serve(cmd::serve::Args),
+    /// What `mold devices --calibrate --model M` spawns: a model's encoders and decoder
+    /// run first in a fresh process (hidden: not for direct use).
+    #[command(hide = true)]
+    CalibrateFirstUse(cmd::devices::FirstUseArgs),
 }
 
 fn main() {
@@ -47,6 +51,7 @@ fn main() {
         Command::Devices(a) => cmd::devices::run(a),
         Command::Info(a) => cmd::devices::info(a),
         Command::Serve(a) => cmd::serve::run(a),
+        Command::CalibrateFirstUse(a) => cmd::devices::first_use(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -29,9 +29,11 @@ pub struct Args {
     /// With --calibrate: measure this model's operations through mold's own layers — its
     /// blocks' matrix products (full, tensor- and sequence-parallel shapes), attention
     /// over heads x sequence, the element-wise kernels, the collectives; for FLUX also its
-    /// text encoders and VAE decoder (at half, the same and twice the default side) —
-    /// into the profile's `ops` tables, which the cost model then prices blocks, encode
-    /// and decode from. Without --save the tables are printed.
+    /// text encoders and VAE decoder (at half, the same and twice the default side), warm,
+    /// and what their first run adds in a fresh process (child processes of this binary,
+    /// as a one-shot `mold exec` meets it) — into the profile's `ops` tables, which the
+    /// cost model then prices blocks, encode and decode from. Without --save the tables
+    /// are printed.
     #[arg(long, value_name = "MODEL", requires = "calibrate")]
     pub model: Option<String>,
     /// With --calibrate --model: measure the devices of this profile (e.g.
@@ -52,6 +54,28 @@ pub struct Args {
     /// MOLD_MAX_VRAM and config `[max_vram]`).
     #[arg(long = "max-vram", value_name = "DEV=SIZE")]
     pub max_vram: Vec<String>,
+}
+
+/// `mold calibrate-first-use` (hidden): the fresh process `mold devices --calibrate
+/// --model M` spawns to time its components' first runs
+/// ([`mold_pipeline::calibrate::first_use`]); prints the runs as JSON on stdout.
+#[derive(clap::Args, Debug)]
+pub struct FirstUseArgs {
+    /// The FLUX model whose text encoders and VAE decoder run.
+    #[arg(long, value_name = "MODEL")]
+    pub model: String,
+    /// The device they run on (cuda:0, emu:0).
+    #[arg(long, value_name = "DEVICE")]
+    pub device: String,
+    /// The decoded image's width.
+    #[arg(long)]
+    pub width: u32,
+    /// The decoded image's height.
+    #[arg(long)]
+    pub height: u32,
+    /// The machine profile the device is one of (the calibration's --machine).
+    #[arg(long, value_name = "PROFILE")]
+    pub machine: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -198,6 +222,107 @@ pub fn run(a: Args) -> Result<i32> {
     Ok(0)
 }
 
+/// `mold calibrate-first-use`: `a.model`'s components run first in this process on
+/// `a.device`, the runs printed as one line of JSON.
+pub fn first_use(a: FirstUseArgs) -> Result<i32> {
+    let id: DeviceId = a
+        .device
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--device {}: {e}", a.device))?;
+    if let Some(spec) = &a.machine {
+        let m = super::common::load_machine(spec)?;
+        if m.device(&id).is_none() {
+            bail!("--device {id}: not a device of the machine profile {spec}");
+        }
+    }
+    let dev = mold_exec::runtime::DeviceMap::new(false)
+        .get(&id)
+        .map_err(|e| anyhow::anyhow!("{id}: {e}"))?;
+    let runs = mold_pipeline::calibrate::first_use(
+        &a.model,
+        &dev,
+        (a.width, a.height),
+        &Default::default(),
+        &mut |s| eprintln!("calibrating: {s} on {id}"),
+    )?;
+    println!("{}", serde_json::to_string(&runs)?);
+    Ok(0)
+}
+
+/// Fresh processes [`measure_first_use`] runs at least: first use varies from process
+/// to process by a third, so its mean needs a few.
+const FIRST_USE_PROCESSES: usize = 5;
+
+/// Each component's first run in a fresh process on `device` (of the profile `machine`,
+/// where the calibration was given one), into `points`' `first_use_seconds`: children
+/// (`mold calibrate-first-use`, this binary), each running the text encoders and then
+/// the decoder, as a one-shot `mold exec` does — one per decoder size, and at least
+/// [`FIRST_USE_PROCESSES`], taking the sizes in turn; each point gets the mean of its
+/// runs. A child that cannot start or fails is said in one line and the calibration goes
+/// on without its figures.
+fn measure_first_use(
+    model: &str,
+    machine: Option<&str>,
+    device: &DeviceId,
+    sizes: &[(u32, u32)],
+    points: &mut [mold_machine::ComponentPoint],
+) {
+    let mut runs = Vec::new();
+    let n = sizes.len().max(FIRST_USE_PROCESSES);
+    for &(w, h) in sizes.iter().cycle().take(n) {
+        eprintln!(
+            "calibrating: first use of the encoders and the vae decoding {w}x{h} in a fresh \
+             process on {device}"
+        );
+        match first_use_child(model, machine, device, (w, h)) {
+            Ok(r) => runs.extend(r),
+            Err(e) => eprintln!(
+                "calibrating: first use in a fresh process not measured ({w}x{h} on \
+                 {device}): {e:#}"
+            ),
+        }
+    }
+    mold_pipeline::calibrate::record_first_use(points, &runs);
+}
+
+/// One `mold calibrate-first-use` child and what it printed.
+fn first_use_child(
+    model: &str,
+    machine: Option<&str>,
+    device: &DeviceId,
+    (w, h): (u32, u32),
+) -> Result<Vec<mold_pipeline::calibrate::FirstUseRun>> {
+    let exe = std::env::current_exe().context("the mold binary's path")?;
+    let mut c = std::process::Command::new(&exe);
+    c.arg("calibrate-first-use")
+        .args(["--model", model, "--device", &device.to_string()])
+        .args(["--width", &w.to_string(), "--height", &h.to_string()])
+        .stdin(std::process::Stdio::null());
+    if let Some(m) = machine {
+        c.args(["--machine", m]);
+    }
+    let o = c
+        .output()
+        .with_context(|| format!("cannot start {}", exe.display()))?;
+    let last = |b: &[u8]| {
+        String::from_utf8_lossy(b)
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .map(|l| l.trim().to_string())
+    };
+    if !o.status.success() {
+        bail!(
+            "the child process failed ({}): {}",
+            o.status,
+            last(&o.stderr).unwrap_or_else(|| "no message".into())
+        );
+    }
+    let line = last(&o.stdout).context("the child process printed nothing")?;
+    serde_json::from_str(&line)
+        .with_context(|| format!("the child process printed `{line}`, not its runs as JSON"))
+}
+
 /// `mold devices --calibrate --model M --machine PROFILE`: the profile's devices
 /// measured, the tables added to it (`--save`) or printed.
 fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
@@ -332,18 +457,27 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<mold_mach
                     .join(", ")
             );
         }
-        tables.push(measure_kind(model, &spec, dtype, first, devices)?);
+        tables.push(measure_kind(
+            model,
+            &spec,
+            dtype,
+            first,
+            devices,
+            a.machine.as_deref(),
+        )?);
     }
     Ok(tables)
 }
 
-/// [`measure_model_ops`] for one kind of device: `devices`, `first` of them.
+/// [`measure_model_ops`] for one kind of device: `devices`, `first` of them, of the
+/// profile `machine` where the calibration names one (`--machine`).
 fn measure_kind(
     model: &str,
     spec: &ModelSpec,
     dtype: mold_plan::DType,
     first: &mold_machine::Device,
     devices: &[DeviceId],
+    machine: Option<&str>,
 ) -> Result<mold_machine::OpTables> {
     let sizes: Vec<u32> = inventory::allreduce_group_sizes(devices.len())
         .into_iter()
@@ -385,16 +519,32 @@ fn measure_kind(
             &Default::default(),
             &mut |s| eprintln!("calibrating: {s} on {}", first.id),
         )?;
+        // This process has run its products by now: first use needs fresh ones.
+        measure_first_use(model, machine, &first.id, &sizes, &mut t.components);
         t.sort();
     }
+    let first_use = t
+        .components
+        .iter()
+        .filter_map(|p| {
+            let unit = if p.component == "vae" { "px" } else { "tokens" };
+            p.first_use_seconds
+                .map(|f| format!("{} ({} {unit}) {:.1} ms", p.component, p.size, f * 1e3))
+        })
+        .collect::<Vec<_>>();
     eprintln!(
         "operation tables: {model} {dtype} on {}: {} matrix products, {} attention shapes, \
-         element-wise {:.1} GB/s, {} encoder and decoder runs",
+         element-wise {:.1} GB/s, {} encoder and decoder runs{}",
         first.name,
         t.gemm.len(),
         t.attention.len(),
         t.elementwise_gbps,
-        t.components.len()
+        t.components.len(),
+        if first_use.is_empty() {
+            String::new()
+        } else {
+            format!("; first use in a fresh process: {}", first_use.join(", "))
+        }
     );
     Ok(t)
 }

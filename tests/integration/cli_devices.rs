@@ -452,6 +452,7 @@ fn saved_profile(name: &str) -> Machine {
         matmul_n: 8192,
         mem_bandwidth_gbps: 2950.0,
         host_pinned_gbps: 26.1,
+        host_pinned_busy_gbps: Some(22.9),
         host_pageable_gbps: 9.3,
         copy_bytes: GIB,
     };
@@ -754,6 +755,207 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     // Within the measured sizes nothing is said.
     let s = sim(&d.join("emu0.yaml"), prof_s);
     assert!(!s.contains("beyond the measured runs"), "{s}");
+}
+
+/// `mold devices --calibrate --model flux-tiny` on emulated devices also times each
+/// component's first run in fresh processes (the hidden `mold calibrate-first-use`, this
+/// binary, one per decoder size, on the same --machine): t5, clip and every vae point
+/// get a finite `first_use_seconds` >= 0. `mold sim` shows it, the plan's encode and
+/// decode stay warm, and a one-shot `mold exec --report` predicts warm + first use.
+#[test]
+fn calibrating_a_model_measures_first_use_in_fresh_processes() {
+    let d = tempdir("devices-first-use");
+    let base = machine("cpu-emu-4");
+    let prof = d.join("emu-first.yaml");
+    let prof_s = prof.to_str().unwrap();
+    let args = [
+        "devices",
+        "--calibrate",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        &base,
+        "--save",
+        prof_s,
+    ];
+    let o = mold_with(&d, None, &[], &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    for size in ["32x32", "64x64", "128x128"] {
+        assert!(
+            err.contains(&format!(
+                "first use of the encoders and the vae decoding {size} in a fresh process on emu:0"
+            )),
+            "{err}"
+        );
+    }
+    assert!(!err.contains("not measured"), "{err}");
+    assert!(err.contains("; first use in a fresh process: "), "{err}");
+    let t = Machine::load(&prof).unwrap().ops[0].clone();
+    let mut names: Vec<&str> = Vec::new();
+    for p in &t.components {
+        let f = p
+            .first_use_seconds
+            .unwrap_or_else(|| panic!("{} {}: no first use", p.component, p.size));
+        assert!(f.is_finite() && f >= 0.0, "{p:?}");
+        if !names.contains(&p.component.as_str()) {
+            names.push(&p.component);
+        }
+    }
+    assert_eq!(names, ["clip", "t5", "vae"]);
+    assert_eq!(t.components.len(), 5, "{:?}", t.components);
+
+    // The child itself: its runs as JSON on stdout in `mold exec`'s order; a device the
+    // profile lacks refused in one line; not listed in --help.
+    let child = |device: &str| {
+        mold_with(
+            &d,
+            None,
+            &[],
+            &[
+                "calibrate-first-use",
+                "--model",
+                "flux-tiny",
+                "--device",
+                device,
+                "--width",
+                "32",
+                "--height",
+                "32",
+                "--machine",
+                &base,
+            ],
+        )
+    };
+    let o = child("emu:1");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let runs: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let order: Vec<(&str, u64)> = runs
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["component"].as_str().unwrap(),
+                r["size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(order, [("t5", 8), ("clip", 77), ("vae", 32 * 32)]);
+    let o = child("emu:9");
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("--device emu:9: not a device of the machine profile") && e.lines().count() == 1,
+        "{e}"
+    );
+    let help = stdout(&mold_with(&d, None, &[], &["--help"]));
+    assert!(
+        help.contains("devices") && !help.contains("calibrate-first-use"),
+        "{help}"
+    );
+
+    // A plan with everything on emu:0: `mold sim` names the first use, the plan's
+    // encode is the warm runs, and a one-shot run's report adds the first use.
+    let plan = d.join("emu0.yaml");
+    let plan_s = plan.to_str().unwrap();
+    let a = [
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        prof_s,
+        "--tp",
+        "off",
+        "--encoder-gpu",
+        "0",
+        "--vae-gpu",
+        "0",
+        "--transformer-gpu",
+        "0",
+        "-o",
+        plan_s,
+    ];
+    let o = mold_with(&d, None, &[], &a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let point = |c: &str| t.components.iter().find(|p| p.component == c).unwrap();
+    let (t5, clip) = (point("t5"), point("clip"));
+    let close = |a: f64, b: f64| (a - b).abs() <= 2e-6 + 1e-3 * b;
+    let predicted = Plan::load(&plan).unwrap().predicted;
+    assert!(
+        close(predicted.encode_time_s, t5.seconds + clip.seconds),
+        "{predicted:?}"
+    );
+    let o = mold_with(&d, None, &[], &["sim", plan_s, "--machine", prof_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = stdout(&o);
+    assert!(
+        s.contains("first use in a fresh process (measured; a one-shot `mold exec` pays it once")
+            && s.contains("t5 on emu:0 +"),
+        "{s}"
+    );
+    let weights = d.join("w");
+    let o = mold_with(
+        &d,
+        None,
+        &[],
+        &["testdata", "flux-tiny-pipeline", weights.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run = d.join("run.json");
+    let o = mold_with(
+        &d,
+        None,
+        &[],
+        &[
+            "exec",
+            plan_s,
+            "--machine",
+            prof_s,
+            "--weights",
+            weights.to_str().unwrap(),
+            "--prompt",
+            "a red fox in snow",
+            "--steps",
+            "2",
+            "--out",
+            d.join("fox.png").to_str().unwrap(),
+            "--report",
+            run.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&run).unwrap()).unwrap();
+    let row = |phase: &str| {
+        v["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["phase"] == phase)
+            .unwrap_or_else(|| panic!("no row {phase}: {v:#}"))
+            .clone()
+    };
+    let t5_row = row("encode: t5");
+    let want = t5.seconds + t5.first_use_seconds.unwrap();
+    assert!(
+        close(t5_row["predicted_s"].as_f64().unwrap(), want),
+        "{t5_row:#} vs {want}"
+    );
+    assert!(
+        t5_row["note"]
+            .as_str()
+            .unwrap()
+            .contains("first use in a fresh process (t5;"),
+        "{t5_row:#}"
+    );
+    assert!(
+        row("decode")["note"]
+            .as_str()
+            .unwrap()
+            .contains("first use in a fresh process (vae;"),
+        "{v:#}"
+    );
 }
 
 /// A box of two kinds of device gets a table for each kind, each measured on that kind

@@ -106,8 +106,15 @@ pub struct BlockCost {
     pub allreduce_s: f64,
     /// Sequence-parallel all-to-alls of the block (four: q, k, v in, output back).
     pub alltoall_s: f64,
-    /// Host→device copy of one device's share of the block's weights (pinned).
+    /// Host→device copy of one device's share of the block's weights (pinned), the
+    /// device otherwise idle.
     pub copy_s: f64,
+    /// The share of the copy rate lost while the device computes beside it, `1 − ρ`
+    /// for the profile's measured busy/idle ratio ρ ([`Machine::copy_busy_ratio`]; 0
+    /// without a busy rate). Over a stretch where copies never stop and compute `C`
+    /// runs beside them, the copies of `B` bytes end after `B/r + (1 − ρ)·C`: each
+    /// second of compute moves only `ρ` seconds' worth of idle-rate copying.
+    pub copy_contention: f64,
     /// Weight bytes on each device of the group.
     pub weight_bytes: u64,
     /// Peak activation bytes on each device while the block runs.
@@ -119,9 +126,11 @@ impl BlockCost {
     pub fn resident_s(&self) -> f64 {
         self.compute_s + self.allreduce_s + self.alltoall_s
     }
-    /// Steady-state time per block when streamed with double buffering.
+    /// Steady-state time per block when streamed with double buffering: the next
+    /// block's copy runs beside this block's compute.
     pub fn streamed_s(&self) -> f64 {
-        self.copy_s.max(self.resident_s())
+        let compute = self.resident_s();
+        (self.copy_s + self.copy_contention * compute).max(compute)
     }
     /// The part of the first streamed block that no earlier copy hides.
     pub fn fill_s(&self) -> f64 {
@@ -133,11 +142,17 @@ impl BlockCost {
     /// copies). With the streamed blocks spread among the resident ones (as the planner
     /// lays them out) the executor gets there; bunched together they cost more, which the
     /// simulator, replaying the actual order, shows. (Every streamed: n · max(copy,
-    /// compute), the double-buffering figure.)
+    /// compute), the double-buffering figure.) Copy-bound, every block's compute but
+    /// the last streamed one's runs beside a copy and slows it by
+    /// [`BlockCost::copy_contention`]: max(compute, copies + contention · (compute −
+    /// one block)).
     pub fn group_kind_s(&self, resident: u64, streamed: u64) -> f64 {
         let compute = (resident + streamed) as f64 * self.resident_s();
+        if streamed == 0 {
+            return compute;
+        }
         let copies = streamed as f64 * self.copy_s;
-        compute.max(copies)
+        compute.max(copies + self.copy_contention * (compute - self.resident_s()))
     }
 }
 
@@ -284,6 +299,7 @@ impl<'a> Ctx<'a> {
             allreduce_s,
             alltoall_s,
             copy_s: weight_bytes as f64 / (self.machine.links.host_pinned_gbps * 1e9),
+            copy_contention: 1.0 - self.machine.copy_busy_ratio(),
             weight_bytes,
             activation_bytes,
         }
@@ -433,7 +449,9 @@ impl<'a> Ctx<'a> {
     }
 
     /// [`Ctx::component_from_tables`] with what it had to assume: where the run asked
-    /// for lies outside the measured points, `outside` says so in words.
+    /// for lies outside the measured points, `outside` says so in words; and what the
+    /// component's first run in a fresh process adds, where the profile measured it
+    /// ([`ComponentEstimate::first_use_s`]).
     pub fn component_estimate(
         &self,
         c: &ComponentSpec,
@@ -441,7 +459,8 @@ impl<'a> Ctx<'a> {
         dtype: DType,
     ) -> Option<ComponentEstimate> {
         let name = &self.machine.device(on)?.name;
-        let mut curve: Vec<(f64, f64)> = Vec::new();
+        // (size, warm seconds, first use): one point per size.
+        let mut points: Vec<(f64, f64, Option<f64>)> = Vec::new();
         // The newest table first (a calibration appends, or replaces its own dtype's).
         for t in self
             .machine
@@ -450,24 +469,35 @@ impl<'a> Ctx<'a> {
             .rev()
             .filter(|t| t.model == self.model.id && &t.device == name)
         {
-            for p in t.component_curve(&c.name, dtype) {
-                if !curve.iter().any(|q| q.0 == p.0) {
-                    curve.push(p);
+            for p in t.component_points(&c.name, dtype) {
+                let size = p.size as f64;
+                if !points.iter().any(|q| q.0 == size) {
+                    points.push((size, p.seconds, p.first_use_seconds));
                 }
             }
         }
-        curve.sort_by(|a, b| a.0.total_cmp(&b.0));
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let curve: Vec<(f64, f64)> = points.iter().map(|p| (p.0, p.1)).collect();
+        // The point nearest to `size` (by ratio: sizes are compared as scales).
+        let nearest = |size: f64| {
+            points.iter().min_by(|a, b| {
+                (a.0.ln() - size.ln())
+                    .abs()
+                    .total_cmp(&(b.0.ln() - size.ln()).abs())
+            })
+        };
         let w = self.workload;
         match c.work {
             Workkind::TextEncoder { .. } => {
                 // Run at the model's prompt length (CLIP at its fixed 77, where the
                 // calibration timed it); the point nearest to it, taken as is.
                 let tokens = self.model.text_tokens as f64;
-                let (_, s) = curve
+                let (_, s, first) = points
                     .iter()
                     .min_by(|a, b| (a.0 - tokens).abs().total_cmp(&(b.0 - tokens).abs()))?;
                 Some(ComponentEstimate {
                     seconds: s * w.effective_batch() as f64,
+                    first_use_s: *first,
                     outside: None,
                 })
             }
@@ -477,6 +507,7 @@ impl<'a> Ctx<'a> {
                 let (lo, hi) = (curve.first()?.0, curve.last()?.0);
                 Some(ComponentEstimate {
                     seconds: s * w.frames as f64 * w.batch as f64,
+                    first_use_s: nearest(pixels).and_then(|p| p.2),
                     outside: outside.then(|| {
                         format!(
                             "{} at {}x{} ({:.2} MP), outside the measured {:.2}–{:.2} MP (scaled by pixels)",
@@ -501,7 +532,15 @@ impl<'a> Ctx<'a> {
 /// A pipeline component's time from measured runs ([`Ctx::component_estimate`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ComponentEstimate {
+    /// Warm: what every request pays with the component loaded (the planner's objective,
+    /// the simulator's encode and decode, `mold serve`).
     pub seconds: f64,
+    /// What its first run in a fresh process adds, once per process (not per prompt,
+    /// frame or sample): the measured point's `first_use_seconds` — the text encoder's
+    /// point at the prompt length, the decoder's nearest measured size. Only a one-shot
+    /// `mold exec` pays it (its run report adds it to encode and decode); `None` where
+    /// the profile did not measure it.
+    pub first_use_s: Option<f64>,
     /// Set when a decoder's image lies outside the measured sizes: what was measured.
     pub outside: Option<String>,
 }

@@ -604,6 +604,7 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
     }
     // Encoders and the VAE: measured runs where the tables have them.
     let (mut measured, mut modelled, mut beyond) = (Vec::new(), Vec::new(), Vec::new());
+    let mut first_use = Vec::new();
     for c in plan.components.iter().filter(|c| c.name != tc.name) {
         let (Some(spec), Some(on)) = (
             model.component(&c.name),
@@ -614,6 +615,9 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
         match ctx.component_estimate(spec, on, c.dtype) {
             Some(e) => {
                 measured.push(format!("{} on {on}", c.name));
+                if let Some(f) = e.first_use_s {
+                    first_use.push(format!("{} on {on} +{}", c.name, ms_text(f)));
+                }
                 if let Some(o) = e.outside {
                     beyond.push(o);
                 }
@@ -635,7 +639,31 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
     for b in beyond {
         out.push(format!("encode and decode, beyond the measured runs: {b}"));
     }
+    if !first_use.is_empty() {
+        out.push(format!(
+            "first use in a fresh process (measured; a one-shot `mold exec` pays it once, \
+             its run report adds it to encode and decode; not in the plan's figures nor \
+             `mold serve`'s): {}",
+            first_use.join(", ")
+        ));
+    }
     out
+}
+
+/// Seconds as milliseconds, three significant figures at most (`98.0 ms`, `0.412 ms`).
+fn ms_text(s: f64) -> String {
+    let ms = s * 1e3;
+    if ms == 0.0 {
+        "0 ms".into()
+    } else if ms >= 100.0 {
+        format!("{ms:.0} ms")
+    } else if ms >= 10.0 {
+        format!("{ms:.1} ms")
+    } else if ms >= 1.0 {
+        format!("{ms:.2} ms")
+    } else {
+        format!("{ms:.3} ms")
+    }
 }
 
 #[cfg(test)]

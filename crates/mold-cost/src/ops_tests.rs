@@ -293,6 +293,7 @@ fn measured_encoders_and_decoder_price_their_phases() {
         dtype,
         size,
         seconds,
+        first_use_seconds: None,
     };
     let t5 = model.component("t5").unwrap();
     let vae = model.component("vae").unwrap();
@@ -345,6 +346,78 @@ fn measured_encoders_and_decoder_price_their_phases() {
         Ctx::new(&model, &other, &w).component_s(vae, &on, vae.default_dtype),
         base.component_s(vae, &on, vae.default_dtype)
     );
+}
+
+/// A point's `first_use_seconds` comes out beside the warm time, never in it: the
+/// encoder's point at the prompt length, the decoder's nearest measured size, once (not
+/// per prompt); without it, `None` and the same warm times.
+#[test]
+fn first_use_is_the_nearest_points_and_apart_from_the_warm_time() {
+    let model = mold_models::find("flux-dev").unwrap();
+    let w = model.default_workload.clone();
+    let on = DeviceId::Cuda(0);
+    let px = (w.width * w.height) as u64;
+    let t5 = model.component("t5").unwrap();
+    let vae = model.component("vae").unwrap();
+    let profile = |first: [Option<f64>; 3]| {
+        let mut m = two();
+        let mut t = tables_for(&model, DType::Bf16, &m, 1.0);
+        let point =
+            |c: &str, dtype, size, seconds, first_use_seconds| mold_machine::ComponentPoint {
+                component: String::from(c),
+                dtype,
+                size,
+                seconds,
+                first_use_seconds,
+            };
+        t.components = vec![
+            point(
+                "t5",
+                t5.default_dtype,
+                model.text_tokens as u64,
+                0.25,
+                first[0],
+            ),
+            point("vae", vae.default_dtype, px / 4, 0.2, first[1]),
+            point("vae", vae.default_dtype, px, 0.6, first[2]),
+        ];
+        t.sort();
+        t.validate("ops[0]").unwrap();
+        m.set_op_tables(t);
+        m
+    };
+    let with = profile([Some(0.1), Some(0.05), Some(0.04)]);
+    let without = profile([None, None, None]);
+    let est = |m: &Machine, w: &mold_plan::Workload, c| {
+        Ctx::new(&model, m, w)
+            .component_estimate(c, &on, c.default_dtype)
+            .unwrap()
+    };
+    let prompts = w.effective_batch() as f64;
+    let e = est(&with, &w, t5);
+    assert_eq!((e.seconds, e.first_use_s), (0.25 * prompts, Some(0.1)));
+    let e = est(&with, &w, vae);
+    assert_eq!((e.seconds, e.first_use_s), (0.6, Some(0.04)));
+    // A quarter of the pixels and a little more: the nearer point, the smaller size.
+    let mut small = w.clone();
+    small.width /= 2;
+    small.height = small.height * 9 / 16;
+    assert_eq!(est(&with, &small, vae).first_use_s, Some(0.05));
+    // Twice the frames and samples: the warm time scales, the first use does not.
+    let mut two_images = w.clone();
+    two_images.batch = 2;
+    let e = est(&with, &two_images, vae);
+    assert_eq!((e.seconds, e.first_use_s), (1.2, Some(0.04)));
+    // Without the field: no first use, and every warm time as before.
+    for c in [t5, vae] {
+        let (a, b) = (est(&with, &w, c), est(&without, &w, c));
+        assert_eq!(b.first_use_s, None);
+        assert_eq!(a.seconds, b.seconds);
+        assert_eq!(
+            Ctx::new(&model, &with, &w).component_s(c, &on, c.default_dtype),
+            Ctx::new(&model, &without, &w).component_s(c, &on, c.default_dtype)
+        );
+    }
 }
 
 proptest::proptest! {

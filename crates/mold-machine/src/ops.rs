@@ -36,8 +36,8 @@ pub struct OpTables {
     #[serde(default)]
     pub collectives: CollectiveTables,
     /// The pipeline's other components run alone on one of the devices, warm: each text
-    /// encoder over its prompt tokens, the VAE decoding one image. Sorted by
-    /// (component, dtype, size).
+    /// encoder over its prompt tokens, the VAE decoding one image; with what their first
+    /// run in a fresh process costs on top. Sorted by (component, dtype, size).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub components: Vec<ComponentPoint>,
 }
@@ -54,6 +54,13 @@ pub struct ComponentPoint {
     /// encoder.
     pub size: u64,
     pub seconds: f64,
+    /// What the component's first run in a fresh process takes beyond `seconds` (its cold
+    /// run less its warm median, both timed in one new process that runs the components
+    /// in a one-shot `mold exec`'s order: the CUDA libraries' kernels loaded on first use
+    /// land there). Paid once per process; `None` in profiles calibrated before it was
+    /// measured, which price as they did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_use_seconds: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -162,6 +169,14 @@ impl OpTables {
             .iter()
             .filter(|p| p.component == component && p.dtype == dtype)
             .map(|p| (p.size as f64, p.seconds))
+            .collect()
+    }
+
+    /// The measured points of `component` planned in `dtype`, by size.
+    pub fn component_points(&self, component: &str, dtype: DType) -> Vec<&ComponentPoint> {
+        self.components
+            .iter()
+            .filter(|p| p.component == component && p.dtype == dtype)
             .collect()
     }
 
@@ -283,6 +298,14 @@ impl OpTables {
                 return err(format!("{f}.size"), "0: a size is at least 1".into());
             }
             seconds(&format!("{f}.seconds"), p.seconds)?;
+            if let Some(v) = p.first_use_seconds {
+                if !(v.is_finite() && v >= 0.0) {
+                    return err(
+                        format!("{f}.first_use_seconds"),
+                        format!("{v} is not allowed: give a finite number >= 0"),
+                    );
+                }
+            }
             let key = component_key(p);
             if let Some(prev) = &previous {
                 if key == *prev {
@@ -351,7 +374,7 @@ ops:
     - {devices: 2, bytes: 8192, seconds: 0.00001}
   components:
   - {component: t5, dtype: fp16, size: 512, seconds: 0.02}
-  - {component: vae, dtype: bf16, size: 262144, seconds: 0.004}
+  - {component: vae, dtype: bf16, size: 262144, seconds: 0.004, first_use_seconds: 0.03}
   - {component: vae, dtype: bf16, size: 1048576, seconds: 0.015}
 "#;
 
@@ -424,6 +447,21 @@ ops:
                 "t.yaml: ops[0].components[2].seconds: NaN is not allowed",
             ),
             (
+                "seconds: 0.004, first_use_seconds: 0.03",
+                "seconds: 0.004, first_use_seconds: -0.1",
+                "t.yaml: ops[0].components[1].first_use_seconds: -0.1 is not allowed",
+            ),
+            (
+                "seconds: 0.004, first_use_seconds: 0.03",
+                "seconds: 0.004, first_use_seconds: .nan",
+                "t.yaml: ops[0].components[1].first_use_seconds: NaN is not allowed",
+            ),
+            (
+                "seconds: 0.004, first_use_seconds: 0.03",
+                "seconds: 0.004, first_use_seconds: .inf",
+                "t.yaml: ops[0].components[1].first_use_seconds: inf is not allowed",
+            ),
+            (
                 "size: 1048576, seconds: 0.015",
                 "size: 1024, seconds: 0.015",
                 "t.yaml: ops[0].components[2]: out of order: sort the points by (component, dtype, size)",
@@ -479,6 +517,37 @@ ops:
         assert!(
             e.contains("t.yaml: ops[1]: a second table for flux-dev bf16 on GPU A"),
             "{e}"
+        );
+    }
+
+    /// `first_use_seconds` is optional: a profile without it loads as before and is
+    /// written back without it; one with it keeps it (0 included: a first run no slower).
+    #[test]
+    fn first_use_seconds_is_optional_and_round_trips() {
+        let m = Machine::from_yaml(WITH_OPS, "t.yaml").unwrap();
+        let firsts: Vec<Option<f64>> = m.ops[0]
+            .components
+            .iter()
+            .map(|p| p.first_use_seconds)
+            .collect();
+        assert_eq!(firsts, [None, Some(0.03), None]);
+        let yaml = m.to_yaml();
+        assert_eq!(yaml.matches("first_use_seconds").count(), 1, "{yaml}");
+        assert_eq!(Machine::from_yaml(&yaml, "again").unwrap(), m);
+        let zero = WITH_OPS.replace("first_use_seconds: 0.03", "first_use_seconds: 0");
+        let z = Machine::from_yaml(&zero, "t.yaml").unwrap();
+        assert_eq!(z.ops[0].components[1].first_use_seconds, Some(0.0));
+        let old = WITH_OPS.replace(", first_use_seconds: 0.03", "");
+        let o = Machine::from_yaml(&old, "t.yaml").unwrap();
+        assert!(o.ops[0]
+            .components
+            .iter()
+            .all(|p| p.first_use_seconds.is_none()));
+        assert!(!o.to_yaml().contains("first_use_seconds"));
+        let points = o.ops[0].component_points("vae", DType::Bf16);
+        assert_eq!(
+            points.iter().map(|p| p.size).collect::<Vec<_>>(),
+            [262144, 1048576]
         );
     }
 

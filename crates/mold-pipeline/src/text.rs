@@ -119,11 +119,19 @@ pub fn load_tokenizer(path: &Path, len: usize, pad_tokens: &[&str]) -> Result<To
     } else {
         std::fs::read_to_string(path).map_err(PipelineError::io(path))?
     };
-    let mut tok: Tokenizer =
-        text.parse()
-            .map_err(|e: Box<dyn std::error::Error + Send + Sync>| {
-                bad(diagnose_tokenizer(&text).unwrap_or_else(|| e.to_string()))
+    // The tokenizers crate can panic while it reads a malformed file (a decoder whose
+    // fields do not deserialise, found by the fuzz test): a refusal naming the file.
+    let parsed =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| text.parse::<Tokenizer>()))
+            .map_err(|p| {
+                let why = panic_text(p.as_ref());
+                bad(diagnose_tokenizer(&text).unwrap_or_else(|| {
+                    format!("reading it failed inside the tokenizers crate ({why})")
+                }))
             })?;
+    let mut tok: Tokenizer = parsed.map_err(|e: Box<dyn std::error::Error + Send + Sync>| {
+        bad(diagnose_tokenizer(&text).unwrap_or_else(|| e.to_string()))
+    })?;
     let (pad_token, pad_id) = pad_tokens
         .iter()
         .find_map(|t| tok.token_to_id(t).map(|id| (t.to_string(), id)))
@@ -198,6 +206,14 @@ fn diagnose_tokenizer(text: &str) -> Option<String> {
         })
 }
 
+/// A caught panic's message.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
 /// Token ids of `prompt`, exactly the tokenizer's fixed length.
 /// A panic inside the tokenizers crate (on a malformed file) is an error naming the file.
 pub fn tokenize(tok: &Tokenizer, path: &Path, prompt: &str) -> Result<Vec<u32>> {
@@ -207,11 +223,7 @@ pub fn tokenize(tok: &Tokenizer, path: &Path, prompt: &str) -> Result<Vec<u32>> 
     };
     let enc = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tok.encode(prompt, true)))
         .map_err(|p| {
-            let why = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
+            let why = panic_text(p.as_ref());
             bad(format!(
                 "encoding failed inside the tokenizers crate ({why}): check post_processor's special tokens"
             ))

@@ -222,8 +222,8 @@ fn solve_with(
                 .collect()
         })
         .collect();
-    // Kind k on group g: max(compute of all its blocks, copies of the streamed ones)
-    // (`BlockCost::group_kind_s`), as t[g][k] ≥ both.
+    // Kind k on group g: max(compute of all its blocks, copies of the streamed ones
+    // slowed by the compute beside them) (`BlockCost::group_kind_s`), as t[g][k] ≥ both.
     let t: Vec<Vec<Option<Variable>>> = (0..groups.len())
         .map(|g| {
             (0..nk)
@@ -376,7 +376,12 @@ fn solve_with(
             if let (Some(sv), Some(nv), Some(tv)) = (s[g][k], ns[g][k], t[g][k]) {
                 let b = &bc[g][k];
                 problem = problem.with(constraint!(tv >= sec(b.resident_s()) * (nr[g][k] + nv)));
-                problem = problem.with(constraint!(tv >= sec(b.copy_s) * nv));
+                // Copies, and what the compute beside them (every block's but one
+                // streamed block's, `sv` being 1 when any is) takes from their rate.
+                let slowed = sec(b.copy_contention * b.resident_s());
+                problem = problem.with(constraint!(
+                    tv >= sec(b.copy_s) * nv + slowed * (nr[g][k] + nv) - slowed * sv
+                ));
                 problem = problem.with(constraint!(nv <= counts[k] * sv));
                 problem = problem.with(constraint!(sv <= nv));
                 problem = problem.with(constraint!(buf[g] >= mem(p.buffers * b.weight_bytes) * sv));

@@ -102,6 +102,7 @@ pub fn machine() -> impl Strategy<Value = Machine> {
                 devices,
                 links: Links {
                     host_pinned_gbps: host_gbps,
+                    host_pinned_busy_gbps: None,
                     host_pageable_gbps: host_gbps / 2.0,
                     peer,
                     host_staged_allreduce: Collective {

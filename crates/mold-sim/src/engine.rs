@@ -22,6 +22,36 @@ pub(crate) struct Streams {
     pub(crate) compute: f64,
     pub(crate) copy: f64,
     pub(crate) comm: f64,
+    /// The compute lane's busy intervals, in order: a streamed copy beside them runs at
+    /// the profile's busy rate ([`copy_end`]).
+    pub(crate) busy: Vec<(f64, f64)>,
+}
+
+/// When a copy that starts at `start` and takes `work` seconds on an idle device ends,
+/// with the device computing over the intervals `busy` (sorted, disjoint): inside them
+/// it progresses at `ratio` of its idle rate (`Machine::copy_busy_ratio`).
+pub(crate) fn copy_end(busy: &[(f64, f64)], start: f64, work: f64, ratio: f64) -> f64 {
+    if ratio >= 1.0 || work <= 0.0 {
+        return start + work;
+    }
+    let (mut t, mut left) = (start, work);
+    let first = busy.partition_point(|&(_, b)| b <= start);
+    for &(a, b) in &busy[first..] {
+        if a > t {
+            if left <= a - t {
+                return t + left;
+            }
+            left -= a - t;
+            t = a;
+        }
+        let room = (b - t) * ratio;
+        if left <= room {
+            return t + left / ratio;
+        }
+        left -= room;
+        t = b;
+    }
+    t + left
 }
 
 /// Bytes live on a device from `start` to `end` (`None`: to the end of the request).
@@ -141,6 +171,7 @@ pub fn simulate_with(
             compute: 0.0,
             copy: 0.0,
             comm: 0.0,
+            busy: Vec::new(),
         })
         .collect();
     devs.push(Streams {
@@ -148,6 +179,7 @@ pub fn simulate_with(
         compute: 0.0,
         copy: 0.0,
         comm: 0.0,
+        busy: Vec::new(),
     });
     let n = devs.len();
     let mut sim = Sim {
@@ -194,6 +226,11 @@ impl<'a> Sim<'a> {
         what: String,
         phase: &str,
     ) {
+        if lane == Lane::Compute && end > start {
+            let busy = &mut self.devs[dev].busy;
+            let at = busy.partition_point(|&(a, _)| a <= start);
+            busy.insert(at, (start, end));
+        }
         self.events.push(Event {
             device: self.devs[dev].id.clone(),
             lane,
@@ -956,7 +993,12 @@ impl<'a> Sim<'a> {
                     0.0
                 };
                 let s = self.devs[i].copy.max(st.gate[li]).max(buffer_free);
-                let e = s + bc.copy_s;
+                let e = copy_end(
+                    &self.devs[i].busy,
+                    s,
+                    bc.copy_s,
+                    self.machine.copy_busy_ratio(),
+                );
                 self.devs[i].copy = e;
                 self.event(
                     i,

@@ -269,6 +269,24 @@ pub struct SimReport {
     /// ([`mold_cost::ops::describe`]); empty otherwise.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub cost_basis: Vec<String>,
+    /// What each encoder's and decoder's first run in a fresh process adds, where the
+    /// profile measured it ([`mold_cost::ComponentEstimate::first_use_s`]). Kept apart:
+    /// `encode_s`, `decode_s`, `request_s` and the events are warm — what the planner's
+    /// objective and `mold serve` (components resident, paid once at start) use — and
+    /// only a one-shot `mold exec` run report adds these
+    /// ([`run_report::predicted_phases`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub first_use: Vec<FirstUse>,
+}
+
+/// A component's first use in a fresh process ([`SimReport::first_use`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FirstUse {
+    /// The plan's component (`t5`, `clip`, `vae`).
+    pub component: String,
+    pub role: mold_plan::ComponentRole,
+    pub device: DeviceId,
+    pub seconds: f64,
 }
 
 impl SimReport {

@@ -4,7 +4,10 @@
 
 use crate::engine::Sim;
 use crate::text::{human, live_list, secs};
-use crate::{DeviceReport, Event, EventKind, HostReport, Lane, Live, Overflow, SimReport};
+use crate::{
+    DeviceReport, Event, EventKind, FirstUse, HostReport, Lane, Live, Overflow, SimReport,
+};
+use mold_plan::ComponentRole;
 
 impl Sim<'_> {
     pub(crate) fn finish(
@@ -181,7 +184,38 @@ impl Sim<'_> {
             step_ends_s: step_ends,
             denoise_start_s: denoise_start,
             cost_basis: mold_cost::ops::describe(plan, self.model, self.machine),
+            first_use: self.first_use(),
         }
+    }
+
+    /// The plan's encoders' and decoders' first use in a fresh process, where the
+    /// profile's measured runs have it.
+    fn first_use(&self) -> Vec<FirstUse> {
+        let mut out = Vec::new();
+        for c in &self.plan.components {
+            if c.role == ComponentRole::Transformer {
+                continue;
+            }
+            let (Some(spec), Some(on)) = (
+                self.model.component(&c.name),
+                c.parts.first().and_then(|p| p.devices.first()),
+            ) else {
+                continue;
+            };
+            if let Some(seconds) = self
+                .ctx
+                .component_estimate(spec, on, c.dtype)
+                .and_then(|e| e.first_use_s)
+            {
+                out.push(FirstUse {
+                    component: c.name.clone(),
+                    role: c.role,
+                    device: on.clone(),
+                    seconds,
+                });
+            }
+        }
+        out
     }
 
     /// Sweeps a device's allocations: (peak, when, moment, live at the peak, curve).

@@ -15,7 +15,9 @@
 //! Times are seconds (per denoising step where `per_step`, else per request), sizes bytes;
 //! a side that was not predicted or not measured is `null`. Every prediction comes from
 //! the simulator ([`crate::simulate`], the cost model `mold sim` prints), never
-//! re-derived: [`predicted_phases`] reads the simulated steady step's events.
+//! re-derived: [`predicted_phases`] reads the simulated steady step's events, and for a
+//! text-to-image run adds the components' first use in a fresh process
+//! ([`SimReport::first_use`]) to encode and decode, saying so in the row's note.
 
 use crate::{EventKind, Lane, SimReport};
 use mold_plan::{DeviceId, Plan};
@@ -432,6 +434,15 @@ fn part_of(phase: &str) -> Option<usize> {
 }
 
 /// The rows of [`phase_rows`] with their predictions only.
+///
+/// A run report is of one `mold exec` run: a fresh process that runs each component
+/// once, where the CUDA libraries load their kernels on first use inside whatever runs
+/// first (the encoders). So a text-to-image run's encoder, `encode`, `decode` and
+/// `request` rows predict the simulator's warm time plus the profile's measured first
+/// use of those components ([`SimReport::first_use`]; each row's note gives both parts).
+/// Nothing else adds it: `mold sim`'s encode and decode, the planner's objective (a cost
+/// per process, not per request) and `mold serve` (components resident, paid once at
+/// start) stay warm. A profile without first-use figures predicts as before.
 pub fn predicted_phases(plan: &Plan, sim: &SimReport, kind: RunKind) -> Vec<PhaseRow> {
     let row =
         |phase: String, k: PhaseKind, per_step: bool, devices: Vec<DeviceId>, s: f64| PhaseRow {
@@ -444,23 +455,56 @@ pub fn predicted_phases(plan: &Plan, sim: &SimReport, kind: RunKind) -> Vec<Phas
             note: None,
         };
     let dur = |e: &crate::Event| e.duration_s();
+    // First use in a fresh process, by component, where the profile has it.
+    let first_of = |keep: &dyn Fn(&crate::FirstUse) -> bool| -> Option<(f64, Vec<&str>)> {
+        let f: Vec<&crate::FirstUse> = sim.first_use.iter().filter(|f| keep(f)).collect();
+        (!f.is_empty()).then(|| {
+            (
+                f.iter().map(|f| f.seconds).sum(),
+                f.iter().map(|f| f.component.as_str()).collect(),
+            )
+        })
+    };
+    // `warm` plus `first` as a row.
+    let with_first = |mut r: PhaseRow, first: Option<(f64, Vec<&str>)>| {
+        if let (Some(warm), Some((f, names))) = (r.predicted_s, first) {
+            r.predicted_s = Some(warm + f);
+            r.note = Some(format!(
+                "predicted: {} warm + {} first use in a fresh process ({}; measured by \
+                 `mold devices --calibrate --model`)",
+                ms(warm),
+                ms(f),
+                names.join(", ")
+            ));
+        }
+        r
+    };
+    let role = |r: mold_plan::ComponentRole| move |f: &crate::FirstUse| f.role == r;
     let mut rows = Vec::new();
     if kind == RunKind::Pipeline {
         for e in sim.events.iter().filter(|e| e.kind == EventKind::Encoder) {
-            rows.push(row(
-                format!("encode: {}", e.what),
-                PhaseKind::Encode,
-                false,
-                vec![e.device.clone()],
-                dur(e),
+            let first = first_of(&|f| f.component == e.what && f.device == e.device);
+            rows.push(with_first(
+                row(
+                    format!("encode: {}", e.what),
+                    PhaseKind::Encode,
+                    false,
+                    vec![e.device.clone()],
+                    dur(e),
+                ),
+                first,
             ));
         }
-        rows.push(row(
-            "encode".into(),
-            PhaseKind::Encode,
-            false,
-            vec![],
-            sim.encode_s,
+        // `generate` runs the encoders one after another: their first uses add up.
+        rows.push(with_first(
+            row(
+                "encode".into(),
+                PhaseKind::Encode,
+                false,
+                vec![],
+                sim.encode_s,
+            ),
+            first_of(&role(mold_plan::ComponentRole::Encoder)),
         ));
     }
     // The steady step: the last one simulated. Its events' phases are `step S, part P`,
@@ -584,19 +628,25 @@ pub fn predicted_phases(plan: &Plan, sim: &SimReport, kind: RunKind) -> Vec<Phas
         sim.denoise_s,
     ));
     if kind == RunKind::Pipeline {
-        rows.push(row(
-            "decode".into(),
-            PhaseKind::Decode,
-            false,
-            vec![],
-            sim.decode_s,
+        rows.push(with_first(
+            row(
+                "decode".into(),
+                PhaseKind::Decode,
+                false,
+                vec![],
+                sim.decode_s,
+            ),
+            first_of(&role(mold_plan::ComponentRole::Vae)),
         ));
-        rows.push(row(
-            "request".into(),
-            PhaseKind::Request,
-            false,
-            vec![],
-            sim.request_s,
+        rows.push(with_first(
+            row(
+                "request".into(),
+                PhaseKind::Request,
+                false,
+                vec![],
+                sim.request_s,
+            ),
+            first_of(&|_| true),
         ));
     }
     rows

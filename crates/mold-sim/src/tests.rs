@@ -203,6 +203,67 @@ fn streaming_copy_bound_exposes_only_the_first_copy() {
     assert!(close(r.step_s, eval.step_s));
 }
 
+/// The toy machine with a busy host→device rate: `ratio` of the idle one.
+fn toy_machine_busy(pinned_gbps: f64, ratio: f64) -> Machine {
+    let mut mc = toy_machine(pinned_gbps, 60_000_000_000);
+    mc.links.host_pinned_busy_gbps = Some(pinned_gbps * ratio);
+    mc.validate("toy.yaml").unwrap();
+    mc
+}
+
+#[test]
+fn copies_beside_compute_run_at_the_busy_rate() {
+    // Copy-bound (k = 2 ms, c ≈ 1.14 ms) with copies at half rate while the device
+    // computes: the first copy runs alone; each later one shares c with the block
+    // before it, so it ends k + (1 − ρ)·c after it starts.
+    let m = toy_model(4);
+    let (k, c, rho) = (2e-3, compute(1.0, 1.0), 0.5);
+    let mc = toy_machine_busy(250.0, rho);
+    let plan = toy_plan(&m, &mc, vec![part((0, 4), &[0], Some(2))], 1);
+    let r = simulate(&plan, &m, &mc).unwrap();
+    let want = k + 3.0 * (k + (1.0 - rho) * c) + c;
+    assert!(close(r.step_s, want), "{} vs {want}", r.step_s);
+    let copies = events(&r, 0, Lane::Copy, 1);
+    assert!(close(copies[0].duration_s(), k));
+    for e in &copies[1..] {
+        assert!(close(e.duration_s(), k + (1.0 - rho) * c), "{e:?}");
+    }
+    // Slower than the same plan on a profile without a busy rate (4k + c) ...
+    let idle = toy_machine(250.0, 60_000_000_000);
+    let r_idle = simulate(&plan, &m, &idle).unwrap();
+    assert!(close(r_idle.step_s, 4.0 * k + c));
+    assert!(r.step_s > r_idle.step_s + 1e-4);
+    // ... and the planner's closed form charges the same.
+    let eval = mold_cost::evaluate(&plan, &m, &mc);
+    assert!(close(eval.step_s, want), "{} vs {want}", eval.step_s);
+    // A busy rate equal to the idle one changes nothing.
+    let same = toy_machine_busy(250.0, 1.0);
+    assert!(close(
+        simulate(&plan, &m, &same).unwrap().step_s,
+        r_idle.step_s
+    ));
+}
+
+#[test]
+fn copy_end_integrates_the_busy_rate() {
+    use crate::engine::copy_end;
+    let busy = [(1.0, 2.0), (3.0, 5.0)];
+    // Idle all the way.
+    assert_eq!(copy_end(&busy, 5.0, 1.0, 0.5), 6.0);
+    assert_eq!(copy_end(&busy, 0.0, 0.5, 0.5), 0.5);
+    // 1 s idle, then 1 s busy at half rate (0.5 done), then 0.5 idle.
+    assert!(close(copy_end(&busy, 0.0, 2.0, 0.5), 2.5));
+    // Starting inside an interval: 0.5 s busy = 0.25, then 1 s idle, then busy.
+    assert!(close(copy_end(&busy, 1.5, 1.5, 0.5), 3.5));
+    // Past the last interval.
+    assert!(close(
+        copy_end(&busy, 0.0, 10.0, 0.5),
+        5.0 + (10.0 - 1.0 - 0.5 - 1.0 - 1.0)
+    ));
+    // Ratio 1: the idle time, whatever runs.
+    assert_eq!(copy_end(&busy, 0.0, 2.0, 1.0), 2.0);
+}
+
 #[test]
 fn streaming_compute_bound_hides_copies_after_the_first() {
     // 500 MB at 1000 GB/s: copy 0.5 ms < compute 1 ms.

@@ -30,6 +30,9 @@ pub struct DeviceMeasurement {
     /// Device-to-device copy, read + write.
     pub mem_bandwidth_gbps: f64,
     pub host_pinned_gbps: f64,
+    /// The pinned copy again, with bf16 matrix products running on the device beside it.
+    #[serde(default)]
+    pub host_pinned_busy_gbps: Option<f64>,
     pub host_pageable_gbps: f64,
     /// Bytes per copy.
     pub copy_bytes: u64,
@@ -105,6 +108,20 @@ pub fn apply_measurements(m: &mut Machine, r: &Measurements, date: &str, mold_ve
         };
         m.links.host_pinned_gbps = min(|d| d.host_pinned_gbps);
         m.links.host_pageable_gbps = min(|d| d.host_pageable_gbps);
+        // Kept only where every device measured it: the slowest, like the idle rate.
+        m.links.host_pinned_busy_gbps = r
+            .devices
+            .iter()
+            .map(|d| d.host_pinned_busy_gbps)
+            .collect::<Option<Vec<f64>>>()
+            .map(|v| round1(v.into_iter().fold(f64::INFINITY, f64::min)));
+        if m.links.host_pinned_busy_gbps.is_some() {
+            measured.push(
+                "the pinned host->device copy again with bf16 matrix products running on the \
+                 device (the rate a streamed block's copy gets beside compute)"
+                    .into(),
+            );
+        }
     }
     if !r.peer_copies.is_empty() {
         measured.push("peer copy GB/s (slowest pair of each domain)".into());

@@ -176,6 +176,7 @@ impl Inventory {
             devices,
             links: Links {
                 host_pinned_gbps: pinned,
+                host_pinned_busy_gbps: None,
                 host_pageable_gbps: 10.0,
                 peer: self.peer_domains(),
                 host_staged_allreduce: Collective {

@@ -189,6 +189,7 @@ fn measurements_are_applied() {
         matmul_n: 8192,
         mem_bandwidth_gbps: 3000.0,
         host_pinned_gbps: 25.0 + o as f64,
+        host_pinned_busy_gbps: Some(22.0 + o as f64),
         host_pageable_gbps: 9.0,
         copy_bytes: GIB,
     };
@@ -214,11 +215,22 @@ fn measurements_are_applied() {
         allreduce: None,
         not_measured: vec![],
     };
+    // A device that did not measure it leaves the profile without a busy rate.
+    let mut partly = r.clone();
+    partly.devices[2].host_pinned_busy_gbps = None;
+    let mut m2 = inv.to_machine(&opts()).unwrap();
+    apply_measurements(&mut m2, &partly, "2026-02-03", "0.1.0");
+    assert_eq!(m2.links.host_pinned_busy_gbps, None);
+    assert_eq!(m2.copy_busy_ratio(), 1.0);
     let before = m.links.peer[0].allreduce;
     apply_measurements(&mut m, &r, "2026-02-03", "0.1.0");
     assert_eq!(m.devices[1].bf16_tflops, 701.0);
     assert_eq!(m.devices[3].mem_bandwidth_gbps, 3000.0);
     assert_eq!(m.links.host_pinned_gbps, 25.0);
+    // The busy rate: the slowest device's, and the ratio the cost model uses.
+    assert_eq!(m.links.host_pinned_busy_gbps, Some(22.0));
+    assert!((m.copy_busy_ratio() - 22.0 / 25.0).abs() < 1e-12);
+    assert!(m.calibration.notes.contains("matrix products running"));
     assert_eq!(m.links.peer[0].gbps, 380.0);
     assert_eq!(m.links.peer[1].gbps, 21.0);
     assert_eq!(m.links.peer[0].allreduce, before);

@@ -174,6 +174,121 @@ fn predictions_are_the_simulations() {
     )));
 }
 
+/// `plan`'s machine with measured encoder and decoder runs for its components (H200's
+/// figures from issue 19: T5 32.4 ms warm, CLIP 4.7 ms, the VAE 613.5 ms), each with
+/// `first` as its first use in a fresh process (T5 0.098 s, CLIP 0.105 s, VAE 0.039 s),
+/// or none.
+fn with_component_runs(plan: &Plan, first: bool) -> Machine {
+    let mut m = Machine::load(&root().join("sim/machines/2x-h200.yaml")).unwrap();
+    let model = mold_models::find(&plan.model.id).unwrap();
+    let w = &plan.workload;
+    let mut t = mold_machine::OpTables {
+        model: plan.model.id.clone(),
+        dtype: plan.transformer().unwrap().dtype,
+        device: m.devices[0].name.clone(),
+        gemm: vec![],
+        attention: vec![],
+        elementwise_gbps: 1000.0,
+        collectives: Default::default(),
+        components: vec![],
+    };
+    for (name, size, warm, first_use) in [
+        ("t5", model.text_tokens as u64, 0.0324, 0.098),
+        ("clip", 77, 0.0047, 0.105),
+        ("vae", w.width as u64 * w.height as u64, 0.6135, 0.039),
+    ] {
+        let c = plan.components.iter().find(|c| c.name == name).unwrap();
+        t.components.push(mold_machine::ComponentPoint {
+            component: name.into(),
+            dtype: c.dtype,
+            size,
+            seconds: warm,
+            first_use_seconds: first.then_some(first_use),
+        });
+    }
+    t.sort();
+    m.set_op_tables(t);
+    m.validate("2x-h200.yaml").unwrap();
+    m
+}
+
+/// A one-shot run's encode and decode are predicted warm plus the calibrated first use,
+/// each part named in the row's note; without first-use figures, as before; the
+/// simulation itself (what the planner and `mold serve` see) is warm either way.
+#[test]
+fn a_one_shot_run_adds_the_calibrated_first_use_to_encode_and_decode() {
+    let plan = Plan::load(&root().join("plans/flux-dev@2x-h200.yaml")).unwrap();
+    let model = mold_models::find(&plan.model.id).unwrap();
+    let sim_on =
+        |first: bool| crate::simulate(&plan, &model, &with_component_runs(&plan, first)).unwrap();
+    let (with, without) = (sim_on(true), sim_on(false));
+    assert!(without.first_use.is_empty(), "{:?}", without.first_use);
+    assert_eq!(with.first_use.len(), 3, "{:?}", with.first_use);
+    for (a, b) in [
+        (with.encode_s, without.encode_s),
+        (with.decode_s, without.decode_s),
+        (with.request_s, without.request_s),
+        (with.step_s, without.step_s),
+    ] {
+        assert_eq!(a, b);
+    }
+    let rows_with = predicted_phases(&plan, &with, RunKind::Pipeline);
+    let rows_without = predicted_phases(&plan, &without, RunKind::Pipeline);
+    let get = |rows: &[PhaseRow], name: &str| {
+        rows.iter()
+            .find(|r| r.phase == name)
+            .unwrap_or_else(|| panic!("{name}: {rows:?}"))
+            .clone()
+    };
+    let prompts = plan.workload.effective_batch() as f64;
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.max(1.0);
+    // Without first use: the warm measured runs, no note.
+    let t5 = get(&rows_without, "encode: t5");
+    assert!(close(t5.predicted_s.unwrap(), 0.0324 * prompts), "{t5:?}");
+    assert_eq!(t5.note, None);
+    assert_eq!(
+        get(&rows_without, "encode").predicted_s,
+        Some(without.encode_s)
+    );
+    assert_eq!(
+        get(&rows_without, "decode").predicted_s,
+        Some(without.decode_s)
+    );
+    assert_eq!(
+        get(&rows_without, "request").predicted_s,
+        Some(without.request_s)
+    );
+    // With it: warm + first use, the two parts in the note.
+    for (name, first) in [
+        ("encode: t5", 0.098),
+        ("encode: clip", 0.105),
+        ("encode", 0.098 + 0.105),
+        ("decode", 0.039),
+        ("request", 0.098 + 0.105 + 0.039),
+    ] {
+        let (a, b) = (get(&rows_with, name), get(&rows_without, name));
+        let (a_s, b_s) = (a.predicted_s.unwrap(), b.predicted_s.unwrap());
+        assert!(close(a_s, b_s + first), "{name}: {a_s} vs {b_s} + {first}");
+        let note = a.note.unwrap_or_default();
+        assert!(
+            note.contains(&format!("{} warm + {} first use", ms(b_s), ms(first))),
+            "{name}: {note}"
+        );
+    }
+    // The transformer's rows are the same; a transformer-only run has no first use.
+    assert_eq!(get(&rows_with, "step"), get(&rows_without, "step"));
+    assert_eq!(
+        predicted_phases(&plan, &with, RunKind::Transformer),
+        predicted_phases(&plan, &without, RunKind::Transformer)
+    );
+    // `sim --compare` shows the sum and, in its notes, the parts.
+    let table = report(&plan, rows_with).table();
+    assert!(
+        table.contains("first use in a fresh process (t5, clip"),
+        "{table}"
+    );
+}
+
 #[test]
 fn a_tensor_parallel_plan_predicts_collectives() {
     let (plan, sim) = shipped("flux-dev@2x-h200.yaml", "2x-h200.yaml");
