@@ -527,6 +527,49 @@ fn saved_profile_plans_and_simulates_anywhere() {
     assert!(stdout(&o).contains("fits"), "{}", stdout(&o));
 }
 
+/// `mold devices --calibrate --model flux-tiny --machine MACHINE --save SAVE` in `d`,
+/// asserted to succeed; what it printed on stderr.
+fn calibrate_flux_tiny(d: &Path, machine: &str, save: &str) -> String {
+    let args = [
+        "devices",
+        "--calibrate",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        machine,
+        "--save",
+        save,
+    ];
+    let o = mold_with(d, None, &[], &args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    stderr(&o)
+}
+
+/// A flux-tiny plan made on `profile` with everything on its first device (`--tp off`,
+/// the encoders, the VAE and the transformer on GPU 0), written to `out`.
+fn plan_all_on_device_0(d: &Path, profile: &str, out: &Path) -> Plan {
+    let a = [
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        profile,
+        "--tp",
+        "off",
+        "--encoder-gpu",
+        "0",
+        "--vae-gpu",
+        "0",
+        "--transformer-gpu",
+        "0",
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    let o = mold_with(d, None, &[], &a);
+    assert!(o.status.success(), "{a:?}: {}", stderr(&o));
+    Plan::load(out).unwrap()
+}
+
 /// `mold devices --calibrate --model flux-tiny` on emulated devices measures flux-tiny's
 /// operations into the profile; `mold plan` and `mold sim` then price blocks from the
 /// tables ("calibrated by operation") and agree on the step.
@@ -536,23 +579,8 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     let base = machine("cpu-emu-4");
     let prof = d.join("emu-ops.yaml");
     let prof_s = prof.to_str().unwrap();
-    let args = [
-        "devices",
-        "--calibrate",
-        "--model",
-        "flux-tiny",
-        "--machine",
-        &base,
-        "--save",
-        prof_s,
-    ];
-    let o = mold_with(&d, None, &[], &args);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("operation tables: flux-tiny f32"),
-        "{}",
-        stderr(&o)
-    );
+    let err = calibrate_flux_tiny(&d, &base, prof_s);
+    assert!(err.contains("operation tables: flux-tiny f32"), "{err}");
     let m = Machine::load(&prof).unwrap();
     let orig = Machine::load(Path::new(&base)).unwrap();
     // The profile's figures and identity are kept; one table is added.
@@ -589,18 +617,7 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
         .notes
         .contains("Operation tables for flux-tiny f32"));
     // Calibrating again replaces the table rather than adding a second.
-    let again = [
-        "devices",
-        "--calibrate",
-        "--model",
-        "flux-tiny",
-        "--machine",
-        prof_s,
-        "--save",
-        prof_s,
-    ];
-    let o = mold_with(&d, None, &[], &again);
-    assert!(o.status.success(), "{}", stderr(&o));
+    calibrate_flux_tiny(&d, prof_s, prof_s);
     assert_eq!(Machine::load(&prof).unwrap().ops.len(), 1);
 
     // Plans on the calibrated and the plain profile: the tables change the prediction.
@@ -625,29 +642,7 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     let (plain_path, plain) = plan_on(&base, "plain.yaml");
     assert_ne!(with.predicted.step_time_s, plain.predicted.step_time_s);
     // Encoders and the VAE on an emulated device: encode and decode are the measured runs.
-    let on_emu = |profile: &str| {
-        let out = d.join("emu0.yaml");
-        let a = [
-            "plan",
-            "--model",
-            "flux-tiny",
-            "--machine",
-            profile,
-            "--tp",
-            "off",
-            "--encoder-gpu",
-            "0",
-            "--vae-gpu",
-            "0",
-            "--transformer-gpu",
-            "0",
-            "-o",
-            out.to_str().unwrap(),
-        ];
-        let o = mold_with(&d, None, &[], &a);
-        assert!(o.status.success(), "{a:?}: {}", stderr(&o));
-        Plan::load(&out).unwrap().predicted
-    };
+    let on_emu = |profile: &str| plan_all_on_device_0(&d, profile, &d.join("emu0.yaml")).predicted;
     // The profile as the second calibration left it.
     let now = Machine::load(&prof).unwrap().ops[0].clone();
     let measured = |c: &str, size: u64| {
@@ -768,19 +763,7 @@ fn calibrating_a_model_measures_first_use_in_fresh_processes() {
     let base = machine("cpu-emu-4");
     let prof = d.join("emu-first.yaml");
     let prof_s = prof.to_str().unwrap();
-    let args = [
-        "devices",
-        "--calibrate",
-        "--model",
-        "flux-tiny",
-        "--machine",
-        &base,
-        "--save",
-        prof_s,
-    ];
-    let o = mold_with(&d, None, &[], &args);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let err = stderr(&o);
+    let err = calibrate_flux_tiny(&d, &base, prof_s);
     for size in ["32x32", "64x64", "128x128"] {
         assert!(
             err.contains(&format!(
@@ -859,29 +842,10 @@ fn calibrating_a_model_measures_first_use_in_fresh_processes() {
     // encode is the warm runs, and a one-shot run's report adds the first use.
     let plan = d.join("emu0.yaml");
     let plan_s = plan.to_str().unwrap();
-    let a = [
-        "plan",
-        "--model",
-        "flux-tiny",
-        "--machine",
-        prof_s,
-        "--tp",
-        "off",
-        "--encoder-gpu",
-        "0",
-        "--vae-gpu",
-        "0",
-        "--transformer-gpu",
-        "0",
-        "-o",
-        plan_s,
-    ];
-    let o = mold_with(&d, None, &[], &a);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let predicted = plan_all_on_device_0(&d, prof_s, &plan).predicted;
     let point = |c: &str| t.components.iter().find(|p| p.component == c).unwrap();
     let (t5, clip) = (point("t5"), point("clip"));
     let close = |a: f64, b: f64| (a - b).abs() <= 2e-6 + 1e-3 * b;
-    let predicted = Plan::load(&plan).unwrap().predicted;
     assert!(
         close(predicted.encode_time_s, t5.seconds + clip.seconds),
         "{predicted:?}"
@@ -986,19 +950,7 @@ fn calibrating_a_mixed_box_measures_every_kind() {
     )
     .unwrap();
     let prof = d.join("mixed-ops.yaml");
-    let args = [
-        "devices",
-        "--calibrate",
-        "--model",
-        "flux-tiny",
-        "--machine",
-        mixed.to_str().unwrap(),
-        "--save",
-        prof.to_str().unwrap(),
-    ];
-    let o = mold_with(&d, None, &[], &args);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let err = stderr(&o);
+    let err = calibrate_flux_tiny(&d, mixed.to_str().unwrap(), prof.to_str().unwrap());
     assert!(
         err.contains(
             "calibrating emulated device (CPU, second kind) (2 of this kind: emu:2, emu:3)"

@@ -190,15 +190,31 @@ fn best_s(
     Ok(best)
 }
 
-fn matmul_tflops(ordinal: usize, n: usize) -> Result<f64, InventoryError> {
+/// Device `ordinal` through candle, and two random bf16 `n × n` matrices on it.
+fn bf16_operands(
+    ordinal: usize,
+    n: usize,
+) -> Result<
+    (
+        candle_core::Device,
+        candle_core::Tensor,
+        candle_core::Tensor,
+    ),
+    InventoryError,
+> {
     use candle_core::{DType, Device, Tensor};
     let dev = Device::new_cuda(ordinal).map_err(cal)?;
-    let a = Tensor::randn(0f32, 1.0, (n, n), &dev)
-        .and_then(|t| t.to_dtype(DType::BF16))
-        .map_err(cal)?;
-    let b = Tensor::randn(0f32, 1.0, (n, n), &dev)
-        .and_then(|t| t.to_dtype(DType::BF16))
-        .map_err(cal)?;
+    let random = || {
+        Tensor::randn(0f32, 1.0, (n, n), &dev)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .map_err(cal)
+    };
+    let (a, b) = (random()?, random()?);
+    Ok((dev, a, b))
+}
+
+fn matmul_tflops(ordinal: usize, n: usize) -> Result<f64, InventoryError> {
+    let (dev, a, b) = bf16_operands(ordinal, n)?;
     let iters = 10;
     let s = best_s(3, || {
         for _ in 0..iters {
@@ -213,35 +229,23 @@ fn matmul_tflops(ordinal: usize, n: usize) -> Result<f64, InventoryError> {
 /// Seconds of the pinned host→device copy of `pinned` into `dst` while bf16 matrix
 /// products run on the device (best of 3): the rate a streamed block's copy gets beside
 /// the compute of the blocks before it. The products are queued on candle's stream of
-/// this thread, enough of them for several times the idle copy (`idle_s`), the copy goes
-/// on a stream of its own; a copy that outlived the products (the compute stream idle
-/// when it ended) does not count. `None` when no repetition stayed under load.
+/// this thread, enough of them (at the device's measured `tflops`) for several times the
+/// idle copy (`idle_s`), the copy goes on a stream of its own; a copy that outlived the
+/// products (the compute stream idle when it ended) does not count. `None` when no
+/// repetition stayed under load.
 fn htod_busy_s(
     ordinal: usize,
     ctx: &Arc<CudaContext>,
     dst: &DevBuf,
     pinned: &Pinned,
     idle_s: f64,
+    tflops: f64,
 ) -> Result<Option<f64>, InventoryError> {
-    use candle_core::{DType, Device, Tensor};
     let n = 4096usize;
-    let dev = Device::new_cuda(ordinal).map_err(cal)?;
-    let a = Tensor::randn(0f32, 1.0, (n, n), &dev)
-        .and_then(|t| t.to_dtype(DType::BF16))
-        .map_err(cal)?;
-    let b = Tensor::randn(0f32, 1.0, (n, n), &dev)
-        .and_then(|t| t.to_dtype(DType::BF16))
-        .map_err(cal)?;
+    let (dev, a, b) = bf16_operands(ordinal, n)?;
     let compute = dev.as_cuda_device().map_err(cal)?.cuda_stream();
     // One product's time, to size the queue.
-    drop(a.matmul(&b).map_err(cal)?);
-    dev.synchronize().map_err(cal)?;
-    let t = Instant::now();
-    for _ in 0..8 {
-        drop(a.matmul(&b).map_err(cal)?);
-    }
-    dev.synchronize().map_err(cal)?;
-    let gemm_s = (t.elapsed().as_secs_f64() / 8.0).max(1e-6);
+    let gemm_s = (2.0 * (n as f64).powi(3) / (tflops.max(1e-3) * 1e12)).max(1e-6);
     let copy = ctx.new_stream().map_err(err)?;
     let mut best: Option<f64> = None;
     let mut queued = ((4.0 * idle_s / gemm_s).ceil() as usize + 4).min(20_000);
@@ -316,7 +320,14 @@ pub fn calibrate(
             g.id(),
             bytes / MIB as usize
         ));
-        let htod_busy = htod_busy_s(g.ordinal as usize, ctx, &dst, &pinned, htod_pinned)?;
+        let htod_busy = htod_busy_s(
+            g.ordinal as usize,
+            ctx,
+            &dst,
+            &pinned,
+            htod_pinned,
+            bf16_tflops,
+        )?;
         if htod_busy.is_none() {
             progress(&format!(
                 "{}: the matrix products ended before the copy: busy copy rate not measured",
