@@ -67,3 +67,19 @@ pub fn model_of(plan: &Plan) -> Result<ModelSpec> {
     }
     mold_models::find(&plan.model.id).context("model.id")
 }
+
+/// `WIDTHxHEIGHT` of the option `flag` (`--size`), refused in one line naming the fix.
+pub fn parse_size(flag: &str, size: &str) -> Result<(u32, u32)> {
+    let (x, y) = size
+        .split_once(['x', 'X'])
+        .with_context(|| format!("{flag} {size}: write WIDTHxHEIGHT, e.g. 1024x1024"))?;
+    let w = x
+        .trim()
+        .parse()
+        .with_context(|| format!("{flag} {size}: width `{x}` is not a number"))?;
+    let h = y
+        .trim()
+        .parse()
+        .with_context(|| format!("{flag} {size}: height `{y}` is not a number"))?;
+    Ok((w, h))
+}

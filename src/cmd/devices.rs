@@ -41,6 +41,12 @@ pub struct Args {
     /// GPUs; its figures are kept, the tables added.
     #[arg(long, value_name = "PROFILE", requires = "model")]
     pub machine: Option<String>,
+    /// With --model: measure at this output size WIDTHxHEIGHT too (repeatable), beside
+    /// half, the same and twice the model's default side: the products, attention and
+    /// (FLUX) decoder at the sequence a run at that size has, so its step is priced from
+    /// measured points instead of between them.
+    #[arg(long = "size", value_name = "WxH", requires = "model")]
+    pub sizes: Vec<String>,
     /// With --model: the dtype to measure in (default: the model's transformer dtype).
     #[arg(long, value_name = "DTYPE", requires = "model")]
     pub dtype: Option<String>,
@@ -438,6 +444,18 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<mold_mach
             k.name
         );
     }
+    let mut extra = Vec::new();
+    for size in &a.sizes {
+        let (width, height) = super::common::parse_size("--size", size)?;
+        let w = Workload {
+            width,
+            height,
+            ..spec.default_workload.clone()
+        };
+        spec.check_workload(&w)
+            .map_err(|e| anyhow::anyhow!("--size {size}: {e}"))?;
+        extra.push(w);
+    }
     let kinds = device_kinds(m);
     if kinds.is_empty() {
         bail!("the machine profile has no device");
@@ -463,6 +481,7 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<mold_mach
             dtype,
             first,
             devices,
+            &extra,
             a.machine.as_deref(),
         )?);
     }
@@ -477,13 +496,15 @@ fn measure_kind(
     dtype: mold_plan::DType,
     first: &mold_machine::Device,
     devices: &[DeviceId],
+    extra: &[Workload],
     machine: Option<&str>,
 ) -> Result<mold_machine::OpTables> {
     let sizes: Vec<u32> = inventory::allreduce_group_sizes(devices.len())
         .into_iter()
         .map(|n| n as u32)
         .collect();
-    let req = mold_cost::ops::ShapeRequest::default_for(spec, devices.len() as u32, sizes);
+    let mut req = mold_cost::ops::ShapeRequest::default_for(spec, devices.len() as u32, sizes);
+    req.workloads.extend(extra.iter().cloned());
     let shapes = mold_cost::ops::calibration_shapes(spec, dtype, &req);
     let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -508,7 +529,10 @@ fn measure_kind(
     if mold_exec::FluxConfig::by_name(model).is_some() {
         // The text encoders, and the VAE at half, the same and twice the default side.
         let (w, h) = (spec.default_workload.width, spec.default_workload.height);
-        let sizes = [(w / 2, h / 2), (w, h), (w * 2, h * 2)];
+        let mut sizes = vec![(w / 2, h / 2), (w, h), (w * 2, h * 2)];
+        sizes.extend(extra.iter().map(|x| (x.width, x.height)));
+        sizes.sort_by_key(|&(w, h)| (u64::from(w) * u64::from(h), w));
+        sizes.dedup();
         let dev = mold_exec::runtime::DeviceMap::new(false)
             .get(&first.id)
             .map_err(|e| anyhow::anyhow!("{}: {e}", first.id))?;
@@ -661,6 +685,7 @@ pub fn info(a: InfoArgs) -> Result<i32> {
             calibrate: false,
             model: None,
             machine: None,
+            sizes: Vec::new(),
             dtype: None,
             name: None,
             headroom: None,

@@ -316,17 +316,7 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
     let model = loaded.spec;
     let mut w = model.default_workload.clone();
     if let Some(size) = &a.size {
-        let (x, y) = size
-            .split_once(['x', 'X'])
-            .with_context(|| format!("--size {size}: write WIDTHxHEIGHT, e.g. 1024x1024"))?;
-        w.width = x
-            .trim()
-            .parse()
-            .with_context(|| format!("--size {size}: width `{x}` is not a number"))?;
-        w.height = y
-            .trim()
-            .parse()
-            .with_context(|| format!("--size {size}: height `{y}` is not a number"))?;
+        (w.width, w.height) = super::common::parse_size("--size", size)?;
     }
     if let Some(f) = a.frames {
         w.frames = f;

@@ -1061,6 +1061,32 @@ fn calibrating_a_model_refuses_bad_requests() {
             ],
             "--dtype q4",
         ),
+        (
+            vec![
+                "devices",
+                "--calibrate",
+                "--model",
+                "flux-tiny",
+                "--machine",
+                &base,
+                "--size",
+                "256x",
+            ],
+            "--size 256x: height `` is not a number",
+        ),
+        (
+            vec![
+                "devices",
+                "--calibrate",
+                "--model",
+                "flux-tiny",
+                "--machine",
+                &base,
+                "--size",
+                "250x256",
+            ],
+            "--size 250x256: workload.width",
+        ),
     ] {
         let o = mold_with(&d, None, &[], &args);
         assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stdout(&o));
@@ -1069,9 +1095,113 @@ fn calibrating_a_model_refuses_bad_requests() {
         assert!(!e.contains("calibrating:"), "measured before refusing: {e}");
         assert_eq!(e.trim().lines().count(), 1, "{e}");
     }
-    // --machine without --model, --model without --calibrate: clap refuses.
+    // --machine without --model, --model without --calibrate, --size without --model:
+    // clap refuses.
+    let o = mold_with(
+        &d,
+        None,
+        &[],
+        &["devices", "--calibrate", "--size", "64x64"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = mold_with(&d, None, &[], &["devices", "--machine", &base]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = mold_with(&d, None, &[], &["devices", "--model", "flux-tiny"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}
+
+/// `mold devices --calibrate --model flux-tiny --size 256x256` measures the products,
+/// attention and decoder at that size too: a plan at it is priced from measured points,
+/// where without the size it was extrapolated (`calibrating_a_model_on_emulated_devices_
+/// feeds_plan_and_sim`).
+#[test]
+fn calibrating_at_a_size_measures_its_sequence() {
+    let d = tempdir("devices-ops-size");
+    let base = machine("cpu-emu-4");
+    let prof = d.join("cal.yaml");
+    let args = [
+        "devices",
+        "--calibrate",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        &base,
+        "--save",
+        prof.to_str().unwrap(),
+        "--size",
+        "256x256",
+    ];
+    let o = mold_with(&d, None, &[], &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m = Machine::load(&prof).unwrap();
+    let spec = mold_models::find("flux-tiny").unwrap();
+    let w = mold_plan::Workload {
+        width: 256,
+        height: 256,
+        ..spec.default_workload.clone()
+    };
+    let t = spec.tokens(&w);
+    let table = &m.ops[0];
+    assert!(
+        table.attention.iter().any(|a| a.seq == t.img + t.txt),
+        "{:?}",
+        table.attention
+    );
+    assert!(
+        table.gemm.iter().any(|g| g.m == t.img),
+        "no product over the {} image tokens",
+        t.img
+    );
+    assert!(
+        table
+            .components
+            .iter()
+            .any(|c| c.component == "vae" && c.size == 256 * 256),
+        "{:?}",
+        table.components
+    );
+    // No copy engine on emulated devices: no copy rate measured.
+    assert_eq!(table.htod_busy_ratio, None);
+    let big = d.join("big.yaml");
+    let o = mold_with(
+        &d,
+        None,
+        &[],
+        &[
+            "plan",
+            "--model",
+            "flux-tiny",
+            "--machine",
+            prof.to_str().unwrap(),
+            "--tp",
+            "off",
+            "--encoder-gpu",
+            "0",
+            "--vae-gpu",
+            "0",
+            "--transformer-gpu",
+            "0",
+            "--size",
+            "256x256",
+            "-o",
+            big.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = mold_with(
+        &d,
+        None,
+        &[],
+        &[
+            "sim",
+            big.to_str().unwrap(),
+            "--machine",
+            prof.to_str().unwrap(),
+        ],
+    );
+    let s = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(s.contains("calibrated by operation"), "{s}");
+    assert!(!s.contains("extrapolated"), "{s}");
+    assert!(!s.contains("beyond the measured runs"), "{s}");
 }

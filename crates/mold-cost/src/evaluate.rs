@@ -82,8 +82,9 @@ pub struct Evaluation {
     pub cfg: Option<CfgMode>,
     /// CFG-parallel: the unconditional output sent to replica 0's output device.
     pub combine_s: f64,
-    /// Pipelined CFG: what the second micro-batch adds to a pass, the slowest stage or
-    /// hand-off.
+    /// Pipelined CFG: what the second micro-batch adds to a pass, the slowest stage
+    /// with its hand-off ([`pipelined_bottleneck`]: `max(t_i + h)` over the stages
+    /// before the last, and the last stage's time).
     pub bottleneck_s: f64,
     /// Each pipeline stage's time in one pass (a device group's blocks, fill and
     /// closing all-gather), in execution order.
@@ -156,6 +157,17 @@ impl Evaluation {
             host_pinned: ByteSize::ZERO,
             streamed_per_step: ByteSize::ZERO,
         }
+    }
+}
+
+/// The steady cycle of a pipeline of `stage_s` (in execution order) whose stages each
+/// hand their output on themselves, `handoff_s` a hand-off, before taking the next
+/// micro-batch: the largest of `t_i + h` over every stage but the last, and of the
+/// last stage's `t_n` (it hands nothing on). 0 without stages.
+pub fn pipelined_bottleneck(stage_s: &[f64], handoff_s: f64) -> f64 {
+    match stage_s.split_last() {
+        None => 0.0,
+        Some((last, rest)) => rest.iter().map(|t| t + handoff_s).fold(*last, f64::max),
     }
 }
 
@@ -271,14 +283,17 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
             pass_s + combine_s
         }
         Some(CfgMode::Pipelined) => {
-            // Two micro-batches through a flow shop of the stages and the hand-offs
-            // between them: the second finishes one bottleneck after the first.
+            // Two micro-batches through a flow shop whose machines are the stages: a
+            // stage's thread makes its hand-off itself and waits for it before it takes
+            // the next micro-batch (`mold-exec`'s `executor/pipeline.rs`), so every
+            // stage but the last is busy for its time plus one hand-off, the last for
+            // its time. The second micro-batch finishes one bottleneck after the first.
             let handoff = if stage_s.len() > 1 {
                 first.map_or(0.0, |p| p.handoff_s / (stage_s.len() - 1) as f64)
             } else {
                 0.0
             };
-            bottleneck_s = stage_s.iter().cloned().fold(handoff, f64::max);
+            bottleneck_s = pipelined_bottleneck(&stage_s, handoff);
             pass_s + bottleneck_s
         }
     };

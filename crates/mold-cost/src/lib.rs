@@ -57,8 +57,10 @@
 //!   slower of the two replicas' passes plus the combine (the unconditional output,
 //!   latent-sized, sent to replica 0's output device over that pair's link); `pipelined`,
 //!   the two passes as micro-batches through the stages of a block split (a flow shop of
-//!   the stages and the hand-offs between them): the pass plus its slowest stage or
-//!   hand-off, (S + 1) stage times for S equal stages ([`evaluate`]);
+//!   the stages, each stage making its own hand-off before it takes the next
+//!   micro-batch, as the executor's stage threads do): the pass plus the bottleneck
+//!   `max(t_1 + h, …, t_{S−1} + h, t_S)` ([`pipelined_bottleneck`]), (S + 1) stage
+//!   times and S hand-offs for S equal stages ([`evaluate`]);
 //! - where the profile has operation tables for the model, dtype and device (`ops:`,
 //!   measured by `mold devices --calibrate --model M`), a block's compute on that device
 //!   is the sum of its measured operations ([`ops`]: its matrix products, attention and
@@ -74,7 +76,9 @@ mod group;
 pub mod ops;
 mod validate;
 
-pub use evaluate::{evaluate, round6, DeviceUse, Evaluation, PartTime, PhasePeaks};
+pub use evaluate::{
+    evaluate, pipelined_bottleneck, round6, DeviceUse, Evaluation, PartTime, PhasePeaks,
+};
 pub use group::Group;
 pub use validate::{check_machine, validate, MachineCheck};
 
@@ -110,7 +114,7 @@ pub struct BlockCost {
     /// device otherwise idle.
     pub copy_s: f64,
     /// The share of the copy rate lost while the device computes beside it, `1 − ρ`
-    /// for the profile's measured busy/idle ratio ρ ([`Machine::copy_busy_ratio`]; 0
+    /// for the measured busy/idle ratio ρ ([`Ctx::copy_busy_ratio`]; 0
     /// without a busy rate). Over a stretch where copies never stop and compute `C`
     /// runs beside them, the copies of `B` bytes end after `B/r + (1 − ρ)·C`: each
     /// second of compute moves only `ρ` seconds' worth of idle-rate copying.
@@ -299,7 +303,7 @@ impl<'a> Ctx<'a> {
             allreduce_s,
             alltoall_s,
             copy_s: weight_bytes as f64 / (self.machine.links.host_pinned_gbps * 1e9),
-            copy_contention: 1.0 - self.machine.copy_busy_ratio(),
+            copy_contention: 1.0 - self.copy_busy_ratio(group, dtype),
             weight_bytes,
             activation_bytes,
         }
@@ -344,6 +348,25 @@ impl<'a> Ctx<'a> {
             .saturating_mul(kind.allreduces as u64)
             .saturating_add(12 * h + 2 * kind.mlp_hidden);
         mold_models::product(&[batch, local, act, per_token])
+    }
+
+    /// The pinned host→device rate beside compute, as a share of the idle rate, on the
+    /// slowest device of `group`: the ratio measured beside this model's own blocks
+    /// where the device's operation tables have it
+    /// ([`mold_machine::OpTables::htod_busy_ratio`],
+    /// at most 1), else the profile's GEMM-only [`Machine::copy_busy_ratio`].
+    pub fn copy_busy_ratio(&self, group: &Group, dtype: DType) -> f64 {
+        let general = self.machine.copy_busy_ratio();
+        group
+            .devices
+            .iter()
+            .map(|id| {
+                self.op_tables(id, dtype)
+                    .and_then(|t| t.htod_busy_ratio)
+                    .filter(|r| r.is_finite() && *r > 0.0)
+                    .map_or(general, |r| r.min(1.0))
+            })
+            .fold(1.0, f64::min)
     }
 
     /// Seconds for `bytes` of element-wise traffic on one device, at the profile's

@@ -409,6 +409,9 @@ pub struct CalibrationShapes {
     pub elementwise: (u64, u64),
     /// Per-rank message bytes, by collective and group size: `(op, devices, bytes)`.
     pub collectives: Vec<(CollectiveOp, u32, u64)>,
+    /// One block of each kind, whole on one device, at the model's default workload:
+    /// what the host→device copy of a streamed block is timed beside.
+    pub blocks: Vec<BlockOps>,
 }
 
 /// What [`calibration_shapes`] covers.
@@ -504,6 +507,13 @@ pub fn calibration_shapes(
             }
         }
     }
+    let base = &model.default_workload;
+    out.blocks = model
+        .transformer
+        .kinds
+        .iter()
+        .filter_map(|k| block_ops(k, model.tokens(base), base.batch as u64, 1, 1, act))
+        .collect();
     out.gemm.sort();
     // One point per (m, n, k): the table's key.
     out.gemm.dedup_by_key(|g| (g.m, g.n, g.k));

@@ -53,6 +53,7 @@ fn tables_for(model: &ModelSpec, dtype: DType, machine: &Machine, gemm_scale: f6
             })
             .collect(),
         elementwise_gbps: 1500.0,
+        htod_busy_ratio: None,
         collectives: Default::default(),
         components: Vec::new(),
     };
@@ -473,4 +474,35 @@ proptest::proptest! {
         }
         let _ = evaluate;
     }
+}
+
+/// A copy rate measured beside the model's own blocks prices that model's streamed
+/// copies, in preference to the profile's GEMM-only rate; other models keep the profile's.
+#[test]
+fn the_copy_rate_beside_the_model_s_blocks_is_preferred() {
+    let (model, mut m) = with_tables(1.0);
+    let w = model.default_workload.clone();
+    let kind = &model.transformer.kinds[0];
+    let one = Group::single(DeviceId::Cuda(0));
+    let pair = Group::tensor(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]);
+    let contention = |m: &Machine, g: &Group| Ctx::new(&model, m, &w).block(kind, g, DType::Bf16);
+    // Neither rate: copies beside compute run at the idle rate.
+    assert_eq!(contention(&m, &one).copy_contention, 0.0);
+    // The profile's GEMM-only rate alone.
+    m.links.host_pinned_busy_gbps = Some(45.0);
+    assert!((contention(&m, &one).copy_contention - 0.1).abs() < 1e-12);
+    // The table's ratio wins, for this model and dtype.
+    m.ops[0].htod_busy_ratio = Some(0.75);
+    let b = contention(&m, &one);
+    assert!((b.copy_contention - 0.25).abs() < 1e-12, "{b:?}");
+    assert!(
+        (b.streamed_s() - (b.copy_s + 0.25 * b.resident_s()).max(b.resident_s())).abs() < 1e-15
+    );
+    assert!((contention(&m, &pair).copy_contention - 0.25).abs() < 1e-12);
+    // Not for another dtype's blocks (no table): the profile's rate.
+    let other = Ctx::new(&model, &m, &w).block(kind, &one, DType::Fp16);
+    assert!((other.copy_contention - 0.1).abs() < 1e-12, "{other:?}");
+    // A measured ratio above 1 is noise: no faster than idle.
+    m.ops[0].htod_busy_ratio = Some(1.2);
+    assert_eq!(contention(&m, &one).copy_contention, 0.0);
 }

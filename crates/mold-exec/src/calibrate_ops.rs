@@ -14,6 +14,7 @@
 //! lined up by a barrier before each. Emulated devices (`emu:N`) run on the CPU, so the
 //! same code measures a CPU build (tests use it with tiny shapes).
 
+use crate::calibrate_copy::{self, Load};
 use crate::comm::{make_group, Comm, CommOptions};
 use crate::error::{ExecError, Result};
 use crate::executor::compute_dtype;
@@ -23,14 +24,18 @@ use crate::model::ops::{self, Kernels};
 use crate::model::{ActivationMeter, WeightSource};
 use crate::runtime::DeviceMap;
 use candle_core::{DType, Device, Shape, Tensor};
-use mold_cost::ops::{CalibrationShapes, Gemm, Run};
+use mold_cost::ops::{AttentionShape, BlockOps, CalibrationShapes, Gemm, Run};
 use mold_machine::{
     AttentionPoint, CollectiveOp, CollectivePoint, CollectiveTables, GemmPoint, OpTables,
 };
 use mold_plan::DeviceId;
 use std::ops::Range;
+use std::rc::Rc;
 use std::sync::Barrier;
 use std::time::Instant;
+
+/// The host→device copy timed beside the model's blocks: about one streamed block.
+const COPY_BYTES: usize = 512 << 20;
 
 /// How [`measure_ops`] times.
 #[derive(Clone, Debug, PartialEq)]
@@ -177,6 +182,20 @@ pub fn measure_ops(
     ));
     let elementwise_gbps = elementwise_gbps(&dev, dtype, shapes.elementwise, bench)
         .map_err(|e| on(e, "element-wise kernels"))?;
+    let mut htod_busy_ratio = None;
+    if dev.is_cuda() && !shapes.blocks.is_empty() {
+        progress(&format!(
+            "the host→device copy of {} MiB on {id}, idle and beside {}'s operations",
+            COPY_BYTES >> 20,
+            target.model
+        ));
+        let loads = copy_loads(&dev, dtype, &shapes.blocks, bench.kernels)
+            .map_err(|e| on(e, "the loads the copy runs beside"))?;
+        if let Some(c) = calibrate_copy::measure(&dev, &loads, COPY_BYTES)? {
+            progress(&format!("host→device copy: {}", c.summary()));
+            htod_busy_ratio = c.ratio(COPY_BESIDE_BLOCKS).map(|r| (r * 1e4).round() / 1e4);
+        }
+    }
     let collectives =
         measure_collectives(&mut map, target.devices, dtype, shapes, bench, progress)?;
     let mut t = OpTables {
@@ -186,6 +205,7 @@ pub fn measure_ops(
         gemm,
         attention,
         elementwise_gbps,
+        htod_busy_ratio,
         collectives,
         components: Vec::new(),
     };
@@ -238,6 +258,16 @@ fn random(dims: &[u64], dtype: DType, dev: &Device) -> candle_core::Result<Tenso
 /// partial product (its bias comes after the all-reduce, an element-wise pass), or a
 /// per-sample linear on an `(m, k)` conditioning vector.
 fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_core::Result<f64> {
+    median(dev, bench, gemm_load(dev, dtype, g, bench.kernels)?)
+}
+
+/// [`time_gemm`]'s product with its layer and random input built, ready to run.
+fn gemm_load(
+    dev: &Device,
+    dtype: DType,
+    g: Gemm,
+    k: Kernels,
+) -> candle_core::Result<Load<'static>> {
     let src = Random {
         shapes: vec![
             ("w.weight".into(), vec![g.n as usize, g.k as usize]),
@@ -248,19 +278,18 @@ fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_cor
     };
     let msg = |e: ExecError| candle_core::Error::Msg(e.to_string());
     let (rows, cols) = (0..g.n as usize, 0..g.k as usize);
-    let k = bench.kernels;
-    match g.run {
+    Ok(match g.run {
         Run::Partial => {
             let layer = RowParallel::load(&src, "w", std::slice::from_ref(&cols)).map_err(msg)?;
             let x = random(&[1, g.m, g.k], dtype, dev)?;
-            median(dev, bench, || layer.partial(&[&x], k))
+            Box::new(move || layer.partial(&[&x], k))
         }
         Run::Bias | Run::BiasGelu => {
             let layer =
                 ColumnParallel::load(&src, "w", std::slice::from_ref(&rows)).map_err(msg)?;
             let x = random(&[1, g.m, g.k], dtype, dev)?;
             let gelu = g.run == Run::BiasGelu;
-            median(dev, bench, || {
+            Box::new(move || {
                 if gelu {
                     layer.forward_gelu(&x, k)
                 } else {
@@ -272,10 +301,138 @@ fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_cor
             let layer =
                 ColumnParallel::load(&src, "w", std::slice::from_ref(&rows)).map_err(msg)?;
             let x = random(&[g.m, g.k], dtype, dev)?;
-            median(dev, bench, || layer.forward_vec(&x, k))
+            Box::new(move || layer.forward_vec(&x, k))
         }
-    }
+    })
 }
+
+/// Attention over `a` (one sample's heads, repeated for `batch` samples) through
+/// [`attention_with`], its random q = k = v built.
+fn attention_load(
+    dev: &Device,
+    dtype: DType,
+    a: AttentionShape,
+    batch: u64,
+    k: Kernels,
+) -> candle_core::Result<Load<'static>> {
+    let q = random(&[batch.max(1), a.heads, a.seq, a.head_dim], dtype, dev)?;
+    let meter = ActivationMeter::default();
+    Ok(Box::new(move || attention_with(k, &q, &q, &q, &meter)))
+}
+
+/// mold's element-wise kernels over `(1, rows, width)`, each with the passes over `x`
+/// it makes ([`elementwise_gbps`]).
+fn elementwise_loads(
+    dev: &Device,
+    dtype: DType,
+    (rows, width): (u64, u64),
+    k: Kernels,
+) -> candle_core::Result<Vec<(f64, Load<'static>)>> {
+    let (rows, width) = (rows.max(1), width.max(1));
+    let x = random(&[1, rows, width], dtype, dev)?;
+    let res = random(&[1, rows, width], dtype, dev)?;
+    let vec = || random(&[1, 1, width], dtype, dev);
+    let (scale, shift, gate) = (vec()?, vec()?, vec()?);
+    let bias = random(&[width], dtype, dev)?;
+    let (x1, x2, b2) = (x.clone(), x.clone(), bias.clone());
+    Ok(vec![
+        (
+            2.0,
+            Box::new(move || ops::ln_modulate(&x, &scale, &shift, 1e-6, k)),
+        ),
+        (
+            3.0,
+            Box::new(move || ops::gate_residual(&res, &x1, Some(&bias), &gate, k)),
+        ),
+        (
+            2.0,
+            Box::new(move || ops::bias_act(&x2, Some(&b2), true, k)),
+        ),
+    ])
+}
+
+/// What [`calibrate_copy::measure`] times the copy beside, on `dev`: candle's kernels
+/// over broadcast operands (each uploads its layout first), every kind's matrix
+/// products, its attention, its element-wise kernels (repeated for the block's
+/// element-wise bytes), and a block of each kind whole (all three in order).
+fn copy_loads(
+    dev: &Device,
+    dtype: DType,
+    blocks: &[BlockOps],
+    k: Kernels,
+) -> candle_core::Result<Vec<(String, Load<'static>)>> {
+    type Part = Rc<dyn Fn() -> candle_core::Result<Tensor>>;
+    let part = |l: Load<'static>| -> Part { Rc::from(l) };
+    let mut gemms: Vec<Part> = Vec::new();
+    let mut attention: Vec<Part> = Vec::new();
+    let mut elementwise: Vec<Part> = Vec::new();
+    let mut whole: Vec<Part> = Vec::new();
+    for b in blocks {
+        let mut block: Vec<Part> = Vec::new();
+        for g in &b.gemms {
+            let p = part(gemm_load(dev, dtype, *g, k)?);
+            gemms.push(p.clone());
+            block.push(p);
+        }
+        let p = part(attention_load(dev, dtype, b.attention, b.batch, k)?);
+        attention.push(p.clone());
+        block.push(p);
+        let rows = b.batch.saturating_mul(b.attention.seq);
+        let width = b.attention.heads.saturating_mul(b.attention.head_dim);
+        let runs = elementwise_loads(dev, dtype, (rows, width), k)?;
+        let per_round: f64 = runs.iter().map(|(passes, _)| passes).sum::<f64>()
+            * (rows * width) as f64
+            * dtype.size_in_bytes() as f64;
+        let rounds = (b.elementwise_bytes as f64 / per_round.max(1.0))
+            .round()
+            .max(1.0) as usize;
+        let runs: Vec<Part> = runs.into_iter().map(|(_, l)| part(l)).collect();
+        for _ in 0..rounds {
+            for r in &runs {
+                elementwise.push(r.clone());
+                block.push(r.clone());
+            }
+        }
+        whole.extend(block);
+    }
+    let all = |parts: Vec<Part>| -> Load<'static> {
+        Box::new(move || {
+            let mut last = None;
+            for p in &parts {
+                last = Some(p()?);
+            }
+            last.ok_or_else(|| candle_core::Error::Msg("nothing to run".into()))
+        })
+    };
+    // candle's kernels over broadcast or strided operands upload their layout (dims and
+    // strides) with a small host→device copy on the compute stream before each launch:
+    // does a stream of those slow the weight copy beside them?
+    let width = blocks
+        .iter()
+        .map(|b| b.attention.heads.saturating_mul(b.attention.head_dim))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let small = random(&[1, 256, width], dtype, dev)?;
+    let row = random(&[1, 1, width], dtype, dev)?;
+    let strided: Load<'static> = Box::new(move || {
+        let mut y = small.broadcast_add(&row)?;
+        for _ in 0..15 {
+            y = y.broadcast_add(&row)?;
+        }
+        Ok(y)
+    });
+    Ok(vec![
+        ("strided kernels".into(), strided),
+        ("matrix products".into(), all(gemms)),
+        ("attention".into(), all(attention)),
+        ("element-wise kernels".into(), all(elementwise)),
+        (COPY_BESIDE_BLOCKS.into(), all(whole)),
+    ])
+}
+
+/// The load whose copy rate goes into the table: the model's blocks run whole.
+const COPY_BESIDE_BLOCKS: &str = "its blocks";
 
 /// Bytes per second of mold's element-wise kernels over `(1, rows, width)`: LayerNorm +
 /// modulation (reads x, writes the result), gated residual with the row-parallel bias
@@ -287,32 +444,12 @@ fn elementwise_gbps(
     (rows, width): (u64, u64),
     bench: &OpBench,
 ) -> candle_core::Result<f64> {
-    let (rows, width) = (rows.max(1), width.max(1));
-    let x = random(&[1, rows, width], dtype, dev)?;
-    let res = random(&[1, rows, width], dtype, dev)?;
-    let vec = |_: ()| random(&[1, 1, width], dtype, dev);
-    let (scale, shift, gate) = (vec(())?, vec(())?, vec(())?);
-    let bias = random(&[width], dtype, dev)?;
-    let k = bench.kernels;
-    let x_bytes = (rows * width) as f64 * dtype.size_in_bytes() as f64;
-    let runs = [
-        (
-            2.0,
-            median(dev, bench, || ops::ln_modulate(&x, &scale, &shift, 1e-6, k))?,
-        ),
-        (
-            3.0,
-            median(dev, bench, || {
-                ops::gate_residual(&res, &x, Some(&bias), &gate, k)
-            })?,
-        ),
-        (
-            2.0,
-            median(dev, bench, || ops::bias_act(&x, Some(&bias), true, k))?,
-        ),
-    ];
-    let bytes: f64 = runs.iter().map(|(passes, _)| passes * x_bytes).sum();
-    let seconds: f64 = runs.iter().map(|(_, s)| s).sum();
+    let x_bytes = (rows.max(1) * width.max(1)) as f64 * dtype.size_in_bytes() as f64;
+    let (mut bytes, mut seconds) = (0.0, 0.0);
+    for (passes, run) in elementwise_loads(dev, dtype, (rows, width), bench.kernels)? {
+        bytes += passes * x_bytes;
+        seconds += median(dev, bench, run)?;
+    }
     Ok(((bytes / seconds / 1e9) * 1000.0).round().max(1.0) / 1000.0)
 }
 

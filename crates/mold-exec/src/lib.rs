@@ -39,6 +39,7 @@
 //! tensor-parallel degrees).
 
 pub mod calibrate;
+pub mod calibrate_copy;
 pub mod calibrate_ops;
 pub mod checkpoint;
 pub mod comm;

@@ -497,7 +497,7 @@ pub fn host_memory_available(limit: Option<u64>) -> Option<(u64, &'static str)> 
 }
 
 #[cfg(feature = "cuda")]
-mod gpu {
+pub(crate) mod gpu {
     //! The CUDA side of a ring: pinned staging, the copy stream, per-slot events.
     use crate::error::{ExecError, Result};
     use candle_core::cuda::cudarc::driver::{

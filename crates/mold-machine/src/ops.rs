@@ -35,6 +35,14 @@ pub struct OpTables {
     pub elementwise_gbps: f64,
     #[serde(default)]
     pub collectives: CollectiveTables,
+    /// The pinned host→device copy's rate while this model's blocks compute on the
+    /// device, over its idle rate, both timed in one calibration: what a streamed
+    /// block's copy gets beside the blocks before it. Preferred to the profile's
+    /// GEMM-only `links.host_pinned_busy_gbps` for this model's blocks; at most 1 where
+    /// it is used (above is noise). `None` where it was not measured (emulated devices,
+    /// older profiles).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub htod_busy_ratio: Option<f64>,
     /// The pipeline's other components run alone on one of the devices, warm: each text
     /// encoder over its prompt tokens, the VAE decoding one image; with what their first
     /// run in a fresh process costs on top. Sorted by (component, dtype, size).
@@ -211,6 +219,9 @@ impl OpTables {
             );
         }
         seconds(&format!("{at}.elementwise_gbps"), self.elementwise_gbps)?;
+        if let Some(r) = self.htod_busy_ratio {
+            seconds(&format!("{at}.htod_busy_ratio"), r)?;
+        }
         // Each list: positive sizes, finite positive times, keys strictly increasing.
         fn list<P>(
             field: &str,
@@ -485,6 +496,11 @@ ops:
                 "elementwise_gbps: 1500",
                 "elementwise_gbps: 0",
                 "t.yaml: ops[0].elementwise_gbps: 0 is not allowed",
+            ),
+            (
+                "elementwise_gbps: 1500",
+                "elementwise_gbps: 1500\n  htod_busy_ratio: -0.5",
+                "t.yaml: ops[0].htod_busy_ratio: -0.5 is not allowed",
             ),
             (
                 "{devices: 2, bytes",

@@ -294,8 +294,9 @@ impl Walk<'_, '_> {
         let mem = self.transformer_memory(&picks);
         let mut step = self.p.handoff_s * (used.len() as f64 - 1.0);
         let mut pinned = 0u64;
-        // Pipelined CFG: the slowest stage or hand-off, once more.
-        let mut bottleneck = self.p.handoff_s;
+        // Each used group's time, with where the plan puts it: by the first kind it
+        // runs, then its last, then the group (`layout.rs`).
+        let mut stages: Vec<((usize, usize, &Group), f64)> = Vec::new();
         for &g in &used {
             // A group's blocks are one run of parts: its closing all-gather, once.
             let mut stage = self.p.gather_s(&self.groups[g]);
@@ -310,9 +311,27 @@ impl Walk<'_, '_> {
             }
             stage += fill;
             step += stage;
-            bottleneck = bottleneck.max(stage);
+            let runs: Vec<usize> = (0..nk)
+                .filter(|&k| self.pick[g][k].0 + self.pick[g][k].1 > 0)
+                .collect();
+            let first = runs.first().copied().unwrap_or(0);
+            let last = runs.last().copied().unwrap_or(0);
+            stages.push(((first, last, &self.groups[g]), stage));
         }
         if self.p.pipelined {
+            // Pipelined CFG: the slowest stage once more, each stage but the last with
+            // the hand-off it makes before it takes the second micro-batch.
+            stages.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut bottleneck: f64 = 0.0;
+            for (i, (_, stage)) in stages.iter().enumerate() {
+                let hands_off = i + 1 < stages.len();
+                let busy = if hands_off {
+                    stage + self.p.handoff_s
+                } else {
+                    *stage
+                };
+                bottleneck = bottleneck.max(busy);
+            }
             step += bottleneck;
         }
         let host = &self.p.req.machine.host;

@@ -4,7 +4,8 @@
 //! - `serial`: the strategy families' search (`lib.rs`) with every step's passes
 //!   doubled;
 //! - `pipelined`: the split and mixed families, the step a pass plus its slowest stage
-//!   or hand-off, each device in one stage (`ilp.rs`, `brute.rs`);
+//!   (with its hand-off, for every stage but the last), each device in one stage
+//!   (`ilp.rs`, `brute.rs`);
 //! - `parallel`: two replicas, each the latency-optimal placement of one pass on half of
 //!   the transformer's devices (the machinery of `throughput.rs`: the placement on the
 //!   first half, shifted onto the second), the encoders and the VAE with the first.

@@ -22,10 +22,22 @@
 //! activation and latents) each within the budget, `peak[d]` the largest of them.
 //! Objective (latency): Σ component times + steps · (Σ t + Σ fill + Σ gather(g) ·
 //! used[g] + hand-offs · (groups used − 1)), steps doubled under serial true CFG; under
-//! pipelined CFG plus a bottleneck b ≥ every group's time, b ≥ one hand-off, with each
-//! device in at most one used group (each group a stage) — `mold_cost::evaluate`'s request time,
-//! term for term (a group's blocks are one run of parts, so a sequence-parallel group's
-//! closing all-gather is paid once when it is used).
+//! pipelined CFG plus a bottleneck b ≥ time(g) + hand-off · hands[g] for every group,
+//! b ≥ one hand-off, with each device in at most one used group (each group a stage) —
+//! `mold_cost::evaluate`'s request time, term for term (a group's blocks are one run of
+//! parts, so a sequence-parallel group's closing all-gather is paid once when it is
+//! used). A stage makes its own hand-off before it takes the next micro-batch, so
+//! hands[g] is 1 for every used group but the last in `layout.rs`'s order (by first
+//! kind, last kind, then `Group`'s order), with K the last kind that has blocks:
+//!   only[g] ≤ u[g,K], only[g] ≤ 1 − u[g,k] (k < K), only[g] ≥ u[g,K] − Σ_{k<K} u[g,k]
+//!     (g runs kind K only; a group running K and an earlier kind straddles into K and
+//!     comes before those)
+//!   hands[g] ≥ used[g] − u[g,K]            (g runs no block of K: a later group does)
+//!   after[i] ≥ only[order i], after[i] ≥ after[i+1]   (groups in `Group`'s order)
+//!   hands[order i] ≥ after[i+1]            (a group of K only follows it)
+//!   hands[g] ≥ after[0] − only[g]          (g straddles into K, a group of K only follows)
+//! No big-M is needed: an unused group's hands[g] may be forced to 1, giving b ≥ one
+//! hand-off, which holds anyway.
 //!
 //! Units: bytes are counted in the instance's largest memory coefficient and seconds in
 //! its largest time coefficient, so every coefficient is at most 1 whatever the model's
@@ -265,12 +277,29 @@ fn solve_with(
         step += handoff * used[g];
         stages.push(stage);
     }
-    // Pipelined CFG: the second micro-batch ends one bottleneck (the slowest stage or
-    // hand-off) after the first (`mold_cost::evaluate`).
+    // Pipelined CFG: the second micro-batch ends one bottleneck after the first: the
+    // largest of every stage's time plus the hand-off it makes, the last stage's time
+    // alone (`mold_cost::pipelined_bottleneck`). At least one hand-off, since a
+    // pipeline has two stages or more.
     let bottleneck = p.pipelined.then(|| vars.add(variable().min(handoff)));
     if let Some(b) = bottleneck {
         step += b;
     }
+    // Pipelined CFG: which groups hand off, i.e. every used group but the last in
+    // `layout.rs`'s order (by the first kind a group runs, then its last kind, then the
+    // group itself). Continuous in [0, 1], each exact once the u are whole:
+    //   only[g]   g runs blocks of the last kind only
+    //   after[i]  some group at or after position i of `Group`'s order does
+    //   hands[g]  some used group comes after g (g's stage makes a hand-off)
+    let pipe = bottleneck.map(|_| {
+        let mut unit = || -> Vec<Variable> {
+            groups
+                .iter()
+                .map(|_| vars.add(variable().min(0).max(1)))
+                .collect()
+        };
+        (unit(), unit(), unit())
+    });
     let latency = comp_time + p.steps * step;
 
     // Per-device memory (memory units), reused by the memory objective: resident, every
@@ -453,10 +482,38 @@ fn solve_with(
             problem = problem.with(constraint!(dev_mem[di].clone() + reserved <= cap));
         }
     }
-    // Pipelined CFG: each device in one stage, the bottleneck over every stage.
-    if let Some(b) = bottleneck {
-        for stage in &stages {
-            problem = problem.with(constraint!(b >= stage.clone()));
+    // Pipelined CFG: each device in one stage; the bottleneck over every stage, plus a
+    // hand-off for each but the last.
+    if let (Some(b), Some((only, after, hands))) = (bottleneck, &pipe) {
+        for (g, stage) in stages.iter().enumerate() {
+            problem = problem.with(constraint!(b >= stage.clone() + handoff * hands[g]));
+        }
+        // The last kind that has blocks: the last stage runs some of it.
+        if let Some(last) = (0..nk).rev().find(|&k| counts[k] > 0.0) {
+            for g in 0..groups.len() {
+                let earlier = sum(u[g][..last].iter().map(|v| Expression::from(*v)));
+                problem = problem.with(constraint!(only[g] <= u[g][last]));
+                for v in &u[g][..last] {
+                    problem = problem.with(constraint!(only[g] <= 1.0 - *v));
+                }
+                problem = problem.with(constraint!(only[g] >= u[g][last] - earlier));
+                // A group without blocks of the last kind comes before one with them.
+                problem = problem.with(constraint!(hands[g] >= used[g] - u[g][last]));
+            }
+            // Groups of the last kind only come after every other group, in `Group`'s
+            // order among themselves.
+            let mut order: Vec<usize> = (0..groups.len()).collect();
+            order.sort_by(|a, c| groups[*a].cmp(&groups[*c]));
+            for (i, &g) in order.iter().enumerate() {
+                problem = problem.with(constraint!(after[i] >= only[g]));
+                if i + 1 < order.len() {
+                    problem = problem.with(constraint!(after[i] >= after[i + 1]));
+                    // A group of the last kind only follows g in `Group`'s order.
+                    problem = problem.with(constraint!(hands[g] >= after[i + 1]));
+                }
+                // g runs an earlier kind too, and some group runs the last kind only.
+                problem = problem.with(constraint!(hands[g] >= after[0] - only[g]));
+            }
         }
         for d in devs {
             let on = groups

@@ -80,10 +80,11 @@ pub(crate) struct Problem<'a> {
     pub stream: bool,
     /// Transformer passes a plan pays per request: steps, times 2 under serial true CFG
     /// (under CFG-parallel each replica runs one pass a step; pipelined, one pass plus
-    /// the bottleneck stage, `pipelined`).
+    /// the bottleneck, `pipelined`).
     pub steps: f64,
-    /// Pipelined CFG: the step is a pass plus its slowest stage or hand-off, and the
-    /// device groups are disjoint (each a stage).
+    /// Pipelined CFG: the step is a pass plus its bottleneck (the slowest stage, each
+    /// stage but the last with the hand-off it makes), and the device groups are
+    /// disjoint (each a stage).
     pub pipelined: bool,
     pub phases: MemoryPhases,
     /// One hand-off between device groups (seconds).

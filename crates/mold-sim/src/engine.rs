@@ -29,7 +29,7 @@ pub(crate) struct Streams {
 
 /// When a copy that starts at `start` and takes `work` seconds on an idle device ends,
 /// with the device computing over the intervals `busy` (sorted, disjoint): inside them
-/// it progresses at `ratio` of its idle rate (`Machine::copy_busy_ratio`).
+/// it progresses at `ratio` of its idle rate (`mold_cost::Ctx::copy_busy_ratio`).
 pub(crate) fn copy_end(busy: &[(f64, f64)], start: f64, work: f64, ratio: f64) -> f64 {
     if ratio >= 1.0 || work <= 0.0 {
         return start + work;
@@ -846,6 +846,13 @@ impl<'a> Sim<'a> {
     }
 
     /// Hands the hidden state from one part's group to the next part's, to every rank.
+    ///
+    /// The sending devices take nothing else until the last copy has ended: the
+    /// executor's thread that ran the sending part makes the copies itself and waits
+    /// for them before it runs anything more (`mold-exec`'s `executor/pipeline.rs`,
+    /// `Executor::place`), so under pipelined CFG the next micro-batch starts on those
+    /// devices after its predecessor's hand-off, as `mold_cost::pipelined_bottleneck`
+    /// charges it.
     #[allow(clippy::too_many_arguments)]
     fn handoff(
         &mut self,
@@ -882,8 +889,10 @@ impl<'a> Sim<'a> {
                 }
                 ready[i] = ready[i].max(e);
             }
+            self.sender_waits(from, done + t);
             return;
         }
+        let mut last_end: Option<f64> = None;
         for d in to {
             if from.contains(d) {
                 continue;
@@ -926,6 +935,20 @@ impl<'a> Sim<'a> {
                 );
             }
             ready[i] = e;
+            last_end = Some(last_end.map_or(e, |x: f64| x.max(e)));
+        }
+        if let Some(end) = last_end {
+            self.sender_waits(from, end);
+        }
+    }
+
+    /// The sending devices of a hand-off take no more work until `end`, when its last
+    /// copy has ended ([`Self::handoff`]): their compute lane waits, without computing
+    /// (a streamed copy beside it keeps its idle rate).
+    fn sender_waits(&mut self, from: &[DeviceId], end: f64) {
+        for d in from {
+            let i = self.di(d);
+            self.devs[i].compute = self.devs[i].compute.max(end);
         }
     }
 
@@ -993,12 +1016,7 @@ impl<'a> Sim<'a> {
                     0.0
                 };
                 let s = self.devs[i].copy.max(st.gate[li]).max(buffer_free);
-                let e = copy_end(
-                    &self.devs[i].busy,
-                    s,
-                    bc.copy_s,
-                    self.machine.copy_busy_ratio(),
-                );
+                let e = copy_end(&self.devs[i].busy, s, bc.copy_s, 1.0 - bc.copy_contention);
                 self.devs[i].copy = e;
                 self.event(
                     i,

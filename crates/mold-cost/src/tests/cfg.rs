@@ -106,8 +106,9 @@ fn a_pass_runs_the_workload_batch_and_serial_runs_two() {
     assert!(close(e.pass_s, e.stage_s[0] + e.stage_s[1] + e.handoff_s));
 }
 
-/// Two micro-batches through two equal stages take three stage times (plus the one
-/// hand-off each pass makes): 3/4 of the serial step, less half a hand-off.
+/// Two micro-batches through two equal stages take three stage times plus two
+/// hand-offs (the one each pass makes, and the first stage's, which it waits for before
+/// it takes the second micro-batch): 3/4 of the serial step, plus half a hand-off.
 #[test]
 fn pipelined_two_equal_stages_is_three_quarters_of_serial() {
     let m = machine();
@@ -119,14 +120,14 @@ fn pipelined_two_equal_stages_is_three_quarters_of_serial() {
     let (t, h) = (piped.stage_s[0], piped.handoff_s);
     assert_eq!(piped.stage_s[0], piped.stage_s[1]);
     assert!(t > h && h > 0.0);
-    assert_eq!(piped.bottleneck_s, t);
+    assert!(close(piped.bottleneck_s, t + h), "{}", piped.bottleneck_s);
     assert!(
-        close(piped.step_s, 3.0 * t + h),
+        close(piped.step_s, 3.0 * t + 2.0 * h),
         "{} {}",
         piped.step_s,
-        3.0 * t + h
+        3.0 * t + 2.0 * h
     );
-    assert!(close(piped.step_s, 0.75 * serial.step_s - 0.5 * h));
+    assert!(close(piped.step_s, 0.75 * serial.step_s + 0.5 * h));
     // Streamed weights are copied for each micro-batch: as often as serially.
     assert_eq!(piped.streamed_per_step, serial.streamed_per_step);
     // Unequal stages: the slower one is the bottleneck, (10 + 50) + 50 blocks' time.
@@ -142,6 +143,81 @@ fn pipelined_two_equal_stages_is_three_quarters_of_serial() {
         u.step_s,
         u.stage_s[0] + 2.0 * u.stage_s[1] + u.handoff_s
     ));
+}
+
+/// The bottleneck of a pipeline whose stages make their own hand-offs: `t_i + h` for
+/// every stage but the last, `t_n` for the last (it hands nothing on). Not the largest
+/// of the stages and one hand-off, as if hand-offs ran on a resource of their own.
+#[test]
+fn pipelined_bottleneck_charges_each_hand_off_to_its_sender() {
+    // The formula on its own, with figures where the old `max(t_i, h)` differs.
+    assert_eq!(pipelined_bottleneck(&[], 1.0), 0.0);
+    assert_eq!(pipelined_bottleneck(&[3.0], 1.0), 3.0);
+    // Equal stages: t + h (the old form: t).
+    assert_eq!(pipelined_bottleneck(&[2.0, 2.0], 0.5), 2.5);
+    // A hand-off slower than every stage: t_1 + h (the old form: h).
+    assert_eq!(pipelined_bottleneck(&[1.0, 1.0], 4.0), 5.0);
+    // The slowest stage last hands nothing on; first, it does.
+    assert_eq!(pipelined_bottleneck(&[1.0, 2.0, 4.0], 0.5), 4.0);
+    assert_eq!(pipelined_bottleneck(&[4.0, 2.0, 1.0], 0.5), 4.5);
+    // The last stage within a hand-off of an earlier one: the earlier one decides.
+    assert_eq!(pipelined_bottleneck(&[2.0, 2.25], 0.5), 2.5);
+
+    // Evaluated plans: qwen-image's 60 blocks over three identical devices.
+    let m = super::machine4();
+    let model = qwen();
+    let three = |cuts: [u32; 2]| {
+        let plan = plan_of(
+            "qwen-image",
+            vec![
+                part("block", 0, cuts[0], 0),
+                part("block", cuts[0], cuts[1], 1),
+                part("block", cuts[1], 60, 2),
+            ],
+            &m,
+            Some(CfgMode::Pipelined),
+        );
+        validate(&plan, &model, &m).unwrap();
+        evaluate(&plan, &model, &m)
+    };
+    for cuts in [[20, 40], [10, 30], [30, 50], [25, 50]] {
+        let e = three(cuts);
+        let (t, h) = (&e.stage_s, e.handoff_s / 2.0);
+        assert_eq!(t.len(), 3);
+        assert!(h > 0.0);
+        let want = (t[0] + h).max(t[1] + h).max(t[2]);
+        assert!(
+            close(e.bottleneck_s, want),
+            "{cuts:?}: {} vs {want}",
+            e.bottleneck_s
+        );
+        assert!(close(e.step_s, e.pass_s + want), "{cuts:?}");
+        assert!(
+            close(e.pass_s, t.iter().sum::<f64>() + e.handoff_s),
+            "{cuts:?}"
+        );
+        // Where an earlier stage is the slowest, its hand-off counts: more than the
+        // old `max(t_i, h)`.
+        let old = t.iter().cloned().fold(h, f64::max);
+        if t[2] < t[0].max(t[1]) + h {
+            assert!(
+                e.bottleneck_s > old,
+                "{cuts:?}: {} vs {old}",
+                e.bottleneck_s
+            );
+        } else {
+            assert!(close(e.bottleneck_s, old), "{cuts:?}");
+        }
+    }
+    // Equal stages: a stage and its hand-off; the slowest stage last (10, 20, 30
+    // blocks): that stage alone.
+    let even = three([20, 40]);
+    assert!(close(
+        even.bottleneck_s,
+        even.stage_s[0] + even.handoff_s / 2.0
+    ));
+    let rising = three([10, 30]);
+    assert!(close(rising.bottleneck_s, rising.stage_s[2]));
 }
 
 /// Two replicas at once: one pass, then the unconditional output to replica 0.

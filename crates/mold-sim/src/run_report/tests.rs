@@ -189,6 +189,7 @@ fn with_component_runs(plan: &Plan, first: bool) -> Machine {
         gemm: vec![],
         attention: vec![],
         elementwise_gbps: 1000.0,
+        htod_busy_ratio: None,
         collectives: Default::default(),
         components: vec![],
     };

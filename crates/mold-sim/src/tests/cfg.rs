@@ -12,11 +12,21 @@ fn machine() -> Machine {
 /// qwen-image on 2x-h200: the encoder and VAE on cuda:0, the transformer's blocks
 /// `a..30` on cuda:0 and `30..60` on cuda:1 (`split`), or all on cuda:0.
 fn plan(mode: Option<&str>, split: bool, phases: &str, m: &Machine) -> Plan {
-    let parts = if split {
-        "  - {blocks: [block 0..30], devices: [cuda:0], residency: resident}\n  - {blocks: [block 30..60], devices: [cuda:1], residency: resident}\n"
-    } else {
-        "  - {blocks: [block 0..60], devices: [cuda:0], residency: resident}\n"
-    };
+    let cuts: &[u32] = if split { &[30] } else { &[] };
+    plan_cut(mode, cuts, phases, m)
+}
+
+/// As [`plan`], the transformer's 60 blocks cut at `cuts` over cuda:0, cuda:1, ….
+fn plan_cut(mode: Option<&str>, cuts: &[u32], phases: &str, m: &Machine) -> Plan {
+    let mut parts = String::new();
+    let ends: Vec<u32> = cuts.iter().copied().chain([60]).collect();
+    let mut start = 0;
+    for (d, end) in ends.iter().enumerate() {
+        parts += &format!(
+            "  - {{blocks: [block {start}..{end}], devices: [cuda:{d}], residency: resident}}\n"
+        );
+        start = *end;
+    }
     let cfg = mode
         .map(|m| format!("cfg: {{mode: {m}}}\n"))
         .unwrap_or_default();
@@ -109,6 +119,69 @@ fn pipelined_micro_batches_overlap_across_devices() {
         r.step_s,
         serial.step_s
     );
+}
+
+/// Pipelined: a stage takes its second micro-batch only once it has handed its first
+/// one on (the executor's stage thread makes the copy and waits for it), so the replay
+/// of the planner's model is the closed form's `pass + max(t_i + h …, t_last)`
+/// whichever stage is the slowest, over two stages and three.
+#[test]
+fn pipelined_stage_waits_for_its_hand_off() {
+    let model = model();
+    let h100 = {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        Machine::load(&root.join("sim/machines/4x-h100.yaml")).unwrap()
+    };
+    let cases: [(&Machine, &[u32]); 6] = [
+        (&machine(), &[30]),
+        (&machine(), &[29]),
+        (&machine(), &[31]),
+        (&h100, &[20, 40]),
+        (&h100, &[25, 50]),
+        (&h100, &[10, 30]),
+    ];
+    for (m, cuts) in cases {
+        let p = plan_cut(Some("pipelined"), cuts, "resident", m);
+        let e = mold_cost::evaluate(&p, &model, m);
+        let h = e.handoff_s / cuts.len() as f64;
+        assert!(h > 0.0);
+        assert!(close(
+            e.bottleneck_s,
+            mold_cost::pipelined_bottleneck(&e.stage_s, h),
+            1e-12
+        ));
+        let r = simulate_with(&p, &model, m, SimOptions::planner()).unwrap();
+        assert!(
+            close(r.step_s, e.step_s, 1e-9),
+            "{cuts:?}: simulated {} vs closed form {}",
+            r.step_s,
+            e.step_s
+        );
+        // Event by event: the first stage's second micro-batch starts when its first
+        // one's hand-off to the second stage ends.
+        let fine = simulate(&p, &model, m).unwrap();
+        let handoff_end = fine
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::HandOff && e.phase == "step 2, mb0, part 2")
+            .map(|e| e.end_s)
+            .fold(0.0, f64::max);
+        let mb1_start = fine
+            .events
+            .iter()
+            .filter(|e| {
+                e.device.to_string() == "cuda:0"
+                    && e.kind == EventKind::Block
+                    && e.phase == "step 2, mb1, part 1"
+            })
+            .map(|e| e.start_s)
+            .fold(f64::INFINITY, f64::min);
+        assert!(handoff_end > 0.0 && mb1_start.is_finite(), "{cuts:?}");
+        assert!(
+            close(mb1_start, handoff_end, 1e-12),
+            "{cuts:?}: mb1 starts at {mb1_start}, mb0's hand-off ends at {handoff_end}"
+        );
+    }
 }
 
 /// CFG-parallel: the unconditional pass on cuda:1 at the same time as the conditional

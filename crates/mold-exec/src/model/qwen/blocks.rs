@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops::{self, Kernels};
-use crate::model::{sequence, Ctx, Shard, WeightSource};
+use crate::model::{gemm, sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
 type CResult<T> = candle_core::Result<T>;
@@ -107,9 +107,11 @@ impl Qkv {
             bias: Tensor::cat(&b, 0)?,
         })
     }
+    /// `x Wᵀ + b`, the bias in the matmul's epilogue on CUDA ([`gemm::linear`]), as the
+    /// cost model's `Run::Bias` product measures it (a separate bias pass read and wrote
+    /// the 3·hidden outputs once more per token).
     fn forward(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        use candle_core::Module;
-        ops::bias_act(&self.weight.forward(x)?, Some(&self.bias), false, k)
+        gemm::linear(x, &self.weight, &self.bias, false, k)
     }
     fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
         let w = f(self.weight.weight())?;
@@ -369,6 +371,32 @@ pub struct Stem {
     t2: Linear,
     axes_dim: [usize; 3],
     theta: f64,
+    /// The last rotation table made, for `(grid h, grid w, text tokens)` on a device: every pass of
+    /// a request (each step, both CFG passes) has the same positions, and the table is
+    /// computed on the host (tens of thousands of sin/cos), so it is made once.
+    pe: PeCache,
+}
+
+/// [`Stem::pe`]: shared by the clones of one stem; a new one after `to_device`.
+#[derive(Clone, Debug, Default)]
+struct PeCache(std::sync::Arc<std::sync::Mutex<Option<PeEntry>>>);
+
+/// `((grid h, grid w, text tokens), the device's location)` and the table.
+type PeKey = ((usize, usize, usize), candle_core::DeviceLocation);
+type PeEntry = (PeKey, Tensor);
+
+impl PeCache {
+    fn get(&self, key: PeKey, make: impl FnOnce() -> CResult<Tensor>) -> CResult<Tensor> {
+        let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((k, t)) = slot.as_ref() {
+            if *k == key {
+                return Ok(t.clone());
+            }
+        }
+        let t = make()?;
+        *slot = Some((key, t.clone()));
+        Ok(t)
+    }
 }
 
 /// Activations entering the first block.
@@ -392,6 +420,7 @@ impl Stem {
             t2: Linear::load(src, &format!("{t}.linear_2"))?,
             axes_dim: cfg.axes_dim,
             theta: cfg.theta,
+            pe: PeCache::default(),
         })
     }
 
@@ -414,14 +443,18 @@ impl Stem {
                 .forward(&timestep_embedding(timesteps, dtype)?)?
                 .silu()?,
         )?;
-        let pe = super::rope::table(
-            &self.axes_dim,
-            self.theta,
-            grid.0,
-            grid.1,
-            txt.dim(1)?,
-            img.device(),
-        )?;
+        let txt_len = txt.dim(1)?;
+        let key = ((grid.0, grid.1, txt_len), img.device().location());
+        let pe = self.pe.get(key, || {
+            super::rope::table(
+                &self.axes_dim,
+                self.theta,
+                grid.0,
+                grid.1,
+                txt_len,
+                img.device(),
+            )
+        })?;
         Ok(StemOut { img, txt, temb, pe })
     }
 
@@ -434,6 +467,7 @@ impl Stem {
             t2: self.t2.to_device(d)?,
             axes_dim: self.axes_dim,
             theta: self.theta,
+            pe: PeCache::default(),
         })
     }
 
@@ -481,5 +515,32 @@ impl FinalLayer {
 
     pub fn bytes(&self) -> u64 {
         self.norm.bytes() + self.proj.bytes()
+    }
+}
+
+#[cfg(test)]
+mod pe_cache_tests {
+    use super::*;
+
+    /// The table is made once per (grid, text tokens, device) and reused by every pass;
+    /// another grid makes a new one.
+    #[test]
+    fn the_rotation_table_is_made_once_per_grid() {
+        let cache = PeCache::default();
+        let dev = Device::Cpu;
+        let made = std::cell::Cell::new(0);
+        let make = |v: f32| {
+            made.set(made.get() + 1);
+            Tensor::new(&[v], &dev)
+        };
+        let key = |h| ((h, 4, 7), dev.location());
+        let a = cache.get(key(4), || make(1.0)).unwrap();
+        let clone = cache.clone();
+        let b = clone.get(key(4), || make(2.0)).unwrap();
+        assert_eq!(made.get(), 1);
+        assert_eq!(b.to_vec1::<f32>().unwrap(), a.to_vec1::<f32>().unwrap());
+        let c = cache.get(key(8), || make(3.0)).unwrap();
+        assert_eq!(made.get(), 2);
+        assert_eq!(c.to_vec1::<f32>().unwrap(), [3.0]);
     }
 }
