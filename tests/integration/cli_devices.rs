@@ -546,9 +546,10 @@ fn calibrate_flux_tiny(d: &Path, machine: &str, save: &str) -> String {
 }
 
 /// A flux-tiny plan made on `profile` with everything on its first device (`--tp off`,
-/// the encoders, the VAE and the transformer on GPU 0), written to `out`.
-fn plan_all_on_device_0(d: &Path, profile: &str, out: &Path) -> Plan {
-    let a = [
+/// the encoders, the VAE and the transformer on GPU 0), written to `out`; `extra` more
+/// `mold plan` arguments (`--size 256x256`).
+fn plan_all_on_device_0(d: &Path, profile: &str, out: &Path, extra: &[&str]) -> Plan {
+    let mut a = vec![
         "plan",
         "--model",
         "flux-tiny",
@@ -565,9 +566,22 @@ fn plan_all_on_device_0(d: &Path, profile: &str, out: &Path) -> Plan {
         "-o",
         out.to_str().unwrap(),
     ];
+    a.extend_from_slice(extra);
     let o = mold_with(d, None, &[], &a);
     assert!(o.status.success(), "{a:?}: {}", stderr(&o));
     Plan::load(out).unwrap()
+}
+
+/// `mold sim PLAN --machine PROFILE` in `d`, asserted to succeed; what it printed.
+fn sim_text(d: &Path, plan: &Path, profile: &str) -> String {
+    let o = mold_with(
+        d,
+        None,
+        &[],
+        &["sim", plan.to_str().unwrap(), "--machine", profile],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o)
 }
 
 /// `mold devices --calibrate --model flux-tiny` on emulated devices measures flux-tiny's
@@ -642,7 +656,8 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     let (plain_path, plain) = plan_on(&base, "plain.yaml");
     assert_ne!(with.predicted.step_time_s, plain.predicted.step_time_s);
     // Encoders and the VAE on an emulated device: encode and decode are the measured runs.
-    let on_emu = |profile: &str| plan_all_on_device_0(&d, profile, &d.join("emu0.yaml")).predicted;
+    let on_emu =
+        |profile: &str| plan_all_on_device_0(&d, profile, &d.join("emu0.yaml"), &[]).predicted;
     // The profile as the second calibration left it.
     let now = Machine::load(&prof).unwrap().ops[0].clone();
     let measured = |c: &str, size: u64| {
@@ -680,16 +695,7 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
         stdout(&o)
     );
     assert_ne!(on_emu(&base).decode_time_s, p.decode_time_s);
-    let sim = |plan: &Path, profile: &str| {
-        let o = mold_with(
-            &d,
-            None,
-            &[],
-            &["sim", plan.to_str().unwrap(), "--machine", profile],
-        );
-        assert!(o.status.success(), "{}", stderr(&o));
-        stdout(&o)
-    };
+    let sim = |plan: &Path, profile: &str| sim_text(&d, plan, profile);
     let s = sim(&with_path, prof_s);
     assert!(
         s.contains(
@@ -724,24 +730,7 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     );
     // The decoder too, on the emulated device: its largest measured run is 128x128.
     let big0 = d.join("big-emu0.yaml");
-    let mut a = a.to_vec();
-    let last = a.len() - 1;
-    a[last] = big0.to_str().unwrap();
-    a.splice(
-        1..1,
-        [
-            "--tp",
-            "off",
-            "--encoder-gpu",
-            "0",
-            "--vae-gpu",
-            "0",
-            "--transformer-gpu",
-            "0",
-        ],
-    );
-    let o = mold_with(&d, None, &[], &a);
-    assert!(o.status.success(), "{}", stderr(&o));
+    plan_all_on_device_0(&d, prof_s, &big0, &["--size", "256x256"]);
     let s = sim(&big0, prof_s);
     assert!(
         s.contains("encode and decode, beyond the measured runs: vae at 256x256 (0.07 MP), outside the measured"),
@@ -842,7 +831,7 @@ fn calibrating_a_model_measures_first_use_in_fresh_processes() {
     // encode is the warm runs, and a one-shot run's report adds the first use.
     let plan = d.join("emu0.yaml");
     let plan_s = plan.to_str().unwrap();
-    let predicted = plan_all_on_device_0(&d, prof_s, &plan).predicted;
+    let predicted = plan_all_on_device_0(&d, prof_s, &plan, &[]).predicted;
     let point = |c: &str| t.components.iter().find(|p| p.component == c).unwrap();
     let (t5, clip) = (point("t5"), point("clip"));
     let close = |a: f64, b: f64| (a - b).abs() <= 2e-6 + 1e-3 * b;
@@ -1163,44 +1152,9 @@ fn calibrating_at_a_size_measures_its_sequence() {
     // No copy engine on emulated devices: no copy rate measured.
     assert_eq!(table.htod_busy_ratio, None);
     let big = d.join("big.yaml");
-    let o = mold_with(
-        &d,
-        None,
-        &[],
-        &[
-            "plan",
-            "--model",
-            "flux-tiny",
-            "--machine",
-            prof.to_str().unwrap(),
-            "--tp",
-            "off",
-            "--encoder-gpu",
-            "0",
-            "--vae-gpu",
-            "0",
-            "--transformer-gpu",
-            "0",
-            "--size",
-            "256x256",
-            "-o",
-            big.to_str().unwrap(),
-        ],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = mold_with(
-        &d,
-        None,
-        &[],
-        &[
-            "sim",
-            big.to_str().unwrap(),
-            "--machine",
-            prof.to_str().unwrap(),
-        ],
-    );
-    let s = stdout(&o);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let prof_s = prof.to_str().unwrap();
+    plan_all_on_device_0(&d, prof_s, &big, &["--size", "256x256"]);
+    let s = sim_text(&d, &big, prof_s);
     assert!(s.contains("calibrated by operation"), "{s}");
     assert!(!s.contains("extrapolated"), "{s}");
     assert!(!s.contains("beyond the measured runs"), "{s}");

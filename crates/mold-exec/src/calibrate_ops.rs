@@ -661,6 +661,33 @@ mod tests {
         (0..n).map(DeviceId::Emu).collect()
     }
 
+    /// The loads the copy is timed beside (built only on GPUs in a calibration) run on
+    /// the CPU too: one of each kind plus the whole blocks, each giving an output, the
+    /// blocks' element-wise kernels repeated for their bytes.
+    #[test]
+    fn the_copy_s_loads_are_the_blocks_operations() {
+        let model = mold_models::find("flux-tiny").unwrap();
+        let req = ShapeRequest::default_for(&model, 1, vec![]);
+        let shapes = calibration_shapes(&model, mold_plan::DType::F32, &req);
+        assert_eq!(shapes.blocks.len(), model.transformer.kinds.len());
+        let loads = copy_loads(&Device::Cpu, DType::F32, &shapes.blocks, Kernels::Auto).unwrap();
+        let names: Vec<&str> = loads.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "strided kernels",
+                "matrix products",
+                "attention",
+                "element-wise kernels",
+                COPY_BESIDE_BLOCKS
+            ]
+        );
+        for (name, load) in &loads {
+            let y = load().unwrap();
+            assert!(y.elem_count() > 0, "{name}");
+        }
+    }
+
     /// flux-tiny's shapes on emulated devices: a table of every shape asked for, which
     /// the profile accepts, with collectives over 2 and 4 devices.
     #[test]
