@@ -27,3 +27,15 @@ diffusers_wheels() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 }
+
+# smi_sample FILE: samples every GPU's clocks, power, temperature and clock-event (throttle)
+# reasons every 200 ms into FILE (CSV, a read-only nvidia-smi query) in the background; prints
+# the sampler's pid (kill it when done), nothing where there is no nvidia-smi.
+smi_sample() {
+    command -v nvidia-smi > /dev/null || return 0
+    local reasons=clocks_event_reasons.active
+    nvidia-smi --query-gpu=$reasons --format=csv,noheader > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,$reasons \
+        --format=csv -lms 200 > "$1" 2>/dev/null &
+    echo $!
+}

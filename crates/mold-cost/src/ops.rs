@@ -555,6 +555,7 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
     let mut tables: Vec<String> = Vec::new();
     let mut gaps: Vec<String> = Vec::new();
     let mut outside: Vec<String> = Vec::new();
+    let mut per_block: Vec<String> = Vec::new();
     let push = |v: &mut Vec<String>, s: String| {
         if !v.contains(&s) {
             v.push(s);
@@ -577,6 +578,23 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
                                 format!("{} {} on {}", model.id, tc.dtype, d.name),
                             );
                         }
+                        push(
+                            &mut per_block,
+                            format!(
+                                "{} block on {id}{}: products {}, attention {}, \
+                                 element-wise {} = {}",
+                                kind.name,
+                                if group.devices.len() > 1 {
+                                    format!(" of {group}")
+                                } else {
+                                    String::new()
+                                },
+                                ms_text(t.gemm_s),
+                                ms_text(t.attention_s),
+                                ms_text(t.elementwise_s),
+                                ms_text(t.total_s())
+                            ),
+                        );
                         for e in t.extrapolated {
                             push(&mut outside, format!("{} {group}: {e}", kind.name));
                         }
@@ -605,6 +623,9 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
              this plan's blocks)"
                 .into(),
         );
+    }
+    for b in per_block {
+        out.push(format!("per block: {b}"));
     }
     for g in gaps {
         out.push(format!("not in the tables: {g}"));

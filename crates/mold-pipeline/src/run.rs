@@ -223,7 +223,13 @@ pub fn bench<M: Benchable>(
             "--steps 0: give at least 1 denoising step".into(),
         ));
     }
-    let inputs = bench_inputs(exec.model(), plan, model, seed)?;
+    let mut inputs = bench_inputs(exec.model(), plan, model, seed)?;
+    // On the device that reads them, as the pipeline's encoders leave them: from the
+    // host, every step uploaded them again (behind the streaming ring's weight copies on
+    // the copy engine, in a streamed plan).
+    if let Some(dev) = exec.input_device() {
+        inputs = inputs.to_device(&dev)?;
+    }
     run_bench(&bench_passes(exec, uncond, plan), inputs, steps, on_step)
 }
 
@@ -295,6 +301,20 @@ fn run_bench<M: Benchable>(
 pub struct BenchInputs<I> {
     pub cond: I,
     pub uncond: Option<(I, f64)>,
+}
+
+impl<I: mold_exec::Inputs> BenchInputs<I> {
+    /// Every tensor on `dev` (the values unchanged).
+    pub fn to_device(self, dev: &candle_core::Device) -> Result<Self> {
+        let mut mv = |t: &Tensor| t.to_device(dev);
+        Ok(BenchInputs {
+            cond: self.cond.map(&mut mv)?,
+            uncond: match self.uncond {
+                Some((x, s)) => Some((x.map(&mut mv)?, s)),
+                None => None,
+            },
+        })
+    }
 }
 
 /// The benchmark's random inputs at the plan's workload ([`BenchInputs`]).

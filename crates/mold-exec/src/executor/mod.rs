@@ -146,6 +146,9 @@ pub struct Executor<M: Transformer> {
     /// When each part ran each micro-batch in the last
     /// [`Executor::forward_micro_batches`] call.
     timeline: Mutex<Vec<MicroBatchSpan>>,
+    /// Times a part's kernels were waited for before the next part ran
+    /// ([`Executor::part_waits`]).
+    waits: std::sync::atomic::AtomicU64,
 }
 
 impl<M: Transformer> std::fmt::Debug for Executor<M> {
@@ -498,6 +501,7 @@ impl<M: Transformer> Executor<M> {
             rings: rings.into_iter().map(|(d, r)| (d, Mutex::new(r))).collect(),
             dist,
             timeline: Mutex::default(),
+            waits: Default::default(),
         })
     }
 
@@ -607,13 +611,48 @@ impl<M: Transformer> Executor<M> {
             return r;
         }
         let mut flow: Option<Flow<M::Acts>> = None;
-        for part in &self.parts {
-            flow = Some(self.run_part(part, flow.as_ref(), inputs, None)?);
+        for (pi, part) in self.parts.iter().enumerate() {
+            flow = Some(self.run_part(part, flow.as_ref(), inputs, None, self.must_finish(pi))?);
         }
         match flow {
             Some(Flow::Out(t)) => Ok(t),
             _ => Err(ExecError::Plan("the last part produced no output".into())),
         }
+    }
+
+    /// Whether part `pi`'s kernels must be done before the next part starts: yes, unless
+    /// the next part runs on the same single device, whose kernels this thread then
+    /// queues on the same stream after these (ordered without a wait). The last part
+    /// finishes (its output leaves the executor). A wait at every boundary drained the
+    /// GPU in a plan that alternates resident and streamed parts on one device: about
+    /// 1 ms idle at each of its 44 boundaries while the host queued the next kernels,
+    /// and the streamed blocks' copies issued late (BENCHMARKS.md, issue 19, thirteenth
+    /// session).
+    fn must_finish(&self, pi: usize) -> bool {
+        let (this, next) = (&self.parts[pi], self.parts.get(pi + 1));
+        !matches!(next, Some(n) if this.devices.len() == 1
+            && n.devices.len() == 1
+            && n.devices == this.devices
+            && !this.ranks.is_empty()
+            && !n.ranks.is_empty())
+    }
+
+    /// Where a caller best keeps its inputs: the device of the first part's first rank,
+    /// when this process runs it (`None` otherwise). The model reads them there without a
+    /// host→device copy each call; from the host, each call's uploads also queue on the
+    /// copy engine behind any weight copy the streaming ring has in flight.
+    pub fn input_device(&self) -> Option<candle_core::Device> {
+        self.parts
+            .first()
+            .and_then(|p| p.ranks.first())
+            .map(|r| r.device.clone())
+    }
+
+    /// How many times, in all calls so far, the host waited for a part's kernels to end
+    /// before going on ([`Executor::must_finish`]; a part of several ranks always counts
+    /// one): one per call for parts that all run on one device.
+    pub fn part_waits(&self) -> u64 {
+        self.waits.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Accounted memory per device, summed over the parts each device serves (in

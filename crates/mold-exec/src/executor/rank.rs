@@ -27,22 +27,31 @@ type Groups = (Vec<Box<dyn Comm>>, Vec<Box<dyn Comm>>);
 impl<M: Transformer> Executor<M> {
     /// Runs `part` on what the previous part produced (`None`: the call's inputs, for
     /// the first part); `mb`: which micro-batch of [`Executor::forward_micro_batches`]
-    /// this is (`None` for [`Executor::forward`]), for the profile's labels.
+    /// this is (`None` for [`Executor::forward`]), for the profile's labels. `finish`:
+    /// return only once the part's kernels are done ([`Executor::must_finish`]); a part
+    /// of several ranks always finishes (its ranks run on threads of their own).
     pub(super) fn run_part(
         &self,
         part: &PartRt<M>,
         prev: Option<&Flow<M::Acts>>,
         inputs: &M::Inputs,
         mb: Option<usize>,
+        finish: bool,
     ) -> Result<Flow<M::Acts>> {
         if part.devices.len() == 1 {
             let rank = &part.ranks[0];
             let out = self.run_rank(part, rank, &LocalComm, &LocalComm, prev, inputs, mb)?;
-            // The next part reads it on its own devices' streams (from another thread
+            // Another device's part reads it on its own streams (from another thread
             // under tensor parallelism), which are not ordered with this one: finish it.
-            rank.device.synchronize()?;
+            if finish {
+                rank.device.synchronize()?;
+                self.waits
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             return Ok(out);
         }
+        self.waits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let made;
         let (tp_comms, sp_comms): (Vec<&dyn Comm>, Vec<&dyn Comm>) = match &part.comms {
             // Made once for a multi-process run: only tensor parallelism spans processes

@@ -6,6 +6,7 @@
 //! only through [`crate::comm::Comm`].
 
 pub mod attention;
+mod cache;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
 pub mod flux;

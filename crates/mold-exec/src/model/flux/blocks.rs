@@ -530,7 +530,20 @@ pub struct Stem {
     guidance_in: Option<MlpEmbedder>,
     axes_dim: [usize; 3],
     theta: f64,
+    /// The last rotation table made, for the position tensors it was made from (by
+    /// identity: candle's tensors are immutable and their ids never reused) on a device
+    /// in a dtype: every call of a request passes the same ids, so it is made once.
+    pe: PeCache,
 }
+
+/// `(txt_ids, img_ids, device, dtype)` of a rotation table ([`Stem::pe`]).
+type PeKey = (
+    candle_core::TensorId,
+    candle_core::TensorId,
+    candle_core::DeviceLocation,
+    DType,
+);
+type PeCache = crate::model::cache::LastMade<PeKey>;
 
 /// Activations entering the double blocks.
 pub struct StemOut {
@@ -554,6 +567,7 @@ impl Stem {
             },
             axes_dim: cfg.axes_dim,
             theta: cfg.theta,
+            pe: PeCache::default(),
         })
     }
 
@@ -573,13 +587,16 @@ impl Stem {
         guidance: Option<&Tensor>,
     ) -> CResult<StemOut> {
         let dtype = img.dtype();
-        let ids = Tensor::cat(&[txt_ids, img_ids], 1)?;
-        let pe = rope_table(&positional_embedding(
-            &ids.to_dtype(DType::F32)?,
-            &self.axes_dim,
-            self.theta,
-        )?)?
-        .to_dtype(dtype)?;
+        let key = (txt_ids.id(), img_ids.id(), img.device().location(), dtype);
+        let pe = self.pe.get(key, || {
+            let ids = Tensor::cat(&[txt_ids, img_ids], 1)?;
+            rope_table(&positional_embedding(
+                &ids.to_dtype(DType::F32)?,
+                &self.axes_dim,
+                self.theta,
+            )?)?
+            .to_dtype(dtype)
+        })?;
         let txt = self.txt_in.forward(txt)?;
         let img = self.img_in.forward(img)?;
         let mut vec =
@@ -610,6 +627,7 @@ impl Stem {
                 .transpose()?,
             axes_dim: self.axes_dim,
             theta: self.theta,
+            pe: PeCache::default(),
         })
     }
 

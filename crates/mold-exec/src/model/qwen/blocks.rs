@@ -377,27 +377,9 @@ pub struct Stem {
     pe: PeCache,
 }
 
-/// [`Stem::pe`]: shared by the clones of one stem; a new one after `to_device`.
-#[derive(Clone, Debug, Default)]
-struct PeCache(std::sync::Arc<std::sync::Mutex<Option<PeEntry>>>);
-
-/// `((grid h, grid w, text tokens), the device's location)` and the table.
+/// `((grid h, grid w, text tokens), the device's location)`: what the table depends on.
 type PeKey = ((usize, usize, usize), candle_core::DeviceLocation);
-type PeEntry = (PeKey, Tensor);
-
-impl PeCache {
-    fn get(&self, key: PeKey, make: impl FnOnce() -> CResult<Tensor>) -> CResult<Tensor> {
-        let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((k, t)) = slot.as_ref() {
-            if *k == key {
-                return Ok(t.clone());
-            }
-        }
-        let t = make()?;
-        *slot = Some((key, t.clone()));
-        Ok(t)
-    }
-}
+type PeCache = crate::model::cache::LastMade<PeKey>;
 
 /// Activations entering the first block.
 pub struct StemOut {
@@ -515,32 +497,5 @@ impl FinalLayer {
 
     pub fn bytes(&self) -> u64 {
         self.norm.bytes() + self.proj.bytes()
-    }
-}
-
-#[cfg(test)]
-mod pe_cache_tests {
-    use super::*;
-
-    /// The table is made once per (grid, text tokens, device) and reused by every pass;
-    /// another grid makes a new one.
-    #[test]
-    fn the_rotation_table_is_made_once_per_grid() {
-        let cache = PeCache::default();
-        let dev = Device::Cpu;
-        let made = std::cell::Cell::new(0);
-        let make = |v: f32| {
-            made.set(made.get() + 1);
-            Tensor::new(&[v], &dev)
-        };
-        let key = |h| ((h, 4, 7), dev.location());
-        let a = cache.get(key(4), || make(1.0)).unwrap();
-        let clone = cache.clone();
-        let b = clone.get(key(4), || make(2.0)).unwrap();
-        assert_eq!(made.get(), 1);
-        assert_eq!(b.to_vec1::<f32>().unwrap(), a.to_vec1::<f32>().unwrap());
-        let c = cache.get(key(8), || make(3.0)).unwrap();
-        assert_eq!(made.get(), 2);
-        assert_eq!(c.to_vec1::<f32>().unwrap(), [3.0]);
     }
 }

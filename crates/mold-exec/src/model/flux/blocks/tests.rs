@@ -295,3 +295,43 @@ fn split_linear2_matches_the_concatenated_product() {
         }
     }
 }
+
+/// The rotation table is made once for the position tensors of a request (every step's
+/// call passes the same ones) and its values are what a fresh stem makes; new position
+/// tensors (another request) make a new table.
+#[test]
+fn the_rotation_table_is_made_once_per_request() {
+    let cfg = FluxConfig::flux_tiny();
+    let t = tiny_checkpoint("pe-cache", 3);
+    let src = CheckpointSource {
+        ckpt: &t.ckpt,
+        dtype: DType::F32,
+    };
+    let stem = Stem::load(&src, &cfg).unwrap();
+    let x = crate::model::flux::inputs::random_inputs(&cfg, 64, 32, 5, 1, 1).unwrap();
+    let run = |stem: &Stem, x: &crate::model::flux::FluxInputs, t: f32| {
+        stem.forward(
+            &x.img,
+            &x.img_ids,
+            &x.txt,
+            &x.txt_ids,
+            &Tensor::new(&[t], &Device::Cpu).unwrap(),
+            &x.y,
+            x.guidance.as_ref(),
+        )
+        .unwrap()
+        .pe
+    };
+    let first = run(&stem, &x, 0.9);
+    let again = run(&stem, &x, 0.5);
+    assert_eq!(first.id(), again.id(), "a later step made the table again");
+    let fresh = run(&Stem::load(&src, &cfg).unwrap(), &x, 0.5);
+    assert_ne!(fresh.id(), first.id());
+    assert_eq!(bits(&fresh), bits(&first));
+    // Another request's positions (equal values, other tensors): made again.
+    let y = crate::model::flux::FluxInputs {
+        img_ids: x.img_ids.copy().unwrap(),
+        ..x.clone()
+    };
+    assert_ne!(run(&stem, &y, 0.5).id(), first.id());
+}
