@@ -225,8 +225,7 @@ pub fn bench<M: Benchable>(
     }
     let mut inputs = bench_inputs(exec.model(), plan, model, seed)?;
     // On the device that reads them, as the pipeline's encoders leave them: from the
-    // host, every step uploaded them again (behind the streaming ring's weight copies on
-    // the copy engine, in a streamed plan).
+    // host, every step uploaded them again.
     if let Some(dev) = exec.input_device() {
         inputs = inputs.to_device(&dev)?;
     }

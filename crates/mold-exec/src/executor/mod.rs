@@ -624,10 +624,10 @@ impl<M: Transformer> Executor<M> {
     /// the next part runs on the same single device, whose kernels this thread then
     /// queues on the same stream after these (ordered without a wait). The last part
     /// finishes (its output leaves the executor). A wait at every boundary drained the
-    /// GPU in a plan that alternates resident and streamed parts on one device: about
-    /// 1 ms idle at each of its 44 boundaries while the host queued the next kernels,
-    /// and the streamed blocks' copies issued late (BENCHMARKS.md, issue 19, thirteenth
-    /// session).
+    /// GPU in a plan that alternates resident and streamed parts on one device: 0.5–1 ms
+    /// idle at each of its 44 boundaries while the host queued the next kernels, and the
+    /// ring's copies 25 % slower while the host waited (BENCHMARKS.md, issue 19,
+    /// thirteenth session).
     fn must_finish(&self, pi: usize) -> bool {
         let (this, next) = (&self.parts[pi], self.parts.get(pi + 1));
         !matches!(next, Some(n) if this.devices.len() == 1
@@ -639,8 +639,8 @@ impl<M: Transformer> Executor<M> {
 
     /// Where a caller best keeps its inputs: the device of the first part's first rank,
     /// when this process runs it (`None` otherwise). The model reads them there without a
-    /// host→device copy each call; from the host, each call's uploads also queue on the
-    /// copy engine behind any weight copy the streaming ring has in flight.
+    /// host→device copy each call (from the host, a streamed plan's per-step upload was
+    /// seen to start only when a weight copy of the ring ended).
     pub fn input_device(&self) -> Option<candle_core::Device> {
         self.parts
             .first()
