@@ -11,44 +11,18 @@ stall) can cost a step at most; it is what a CUDA graph could win back.
     python3 gaps.py trace.csv [--device 0] [--split-ms 2] [--min-kernels 500] [--json]
 """
 import argparse
-import csv
 import json
 import statistics
 import sys
 
-
-def load(path, device):
-    ev = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if int(row["device"]) != device:
-                continue
-            s, e = int(row["start_ns"]), int(row["end_ns"])
-            if e >= s > 0:
-                ev.append((s, e, row["kind"], row["name"]))
-    ev.sort()
-    return ev
-
-
-def stretches(ev, split_ns):
-    """Groups events (sorted by start) into stretches separated by idle gaps > split_ns."""
-    out, cur, busy_end = [], [], None
-    for s, e, kind, name in ev:
-        if cur and s - busy_end > split_ns:
-            out.append(cur)
-            cur, busy_end = [], None
-        cur.append((s, e, kind, name))
-        busy_end = e if busy_end is None else max(busy_end, e)
-    if cur:
-        out.append(cur)
-    return out
+from classes import load, stretches
 
 
 def analyse(st):
-    span = max(e for _, e, _, _ in st) - st[0][0]
+    span = max(x[1] for x in st) - st[0][0]
     busy, gaps = 0, []
     cs, ce = st[0][0], st[0][1]
-    for s, e, _, _ in st[1:]:
+    for s, e, *_ in st[1:]:
         if s > ce:
             busy += ce - cs
             gaps.append(s - ce)

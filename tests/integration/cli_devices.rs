@@ -996,6 +996,18 @@ fn calibrating_a_mixed_box_measures_every_kind() {
         ),
         "{s}"
     );
+    // Each kind's price by operation, on each device that runs it.
+    for kind in ["double", "single"] {
+        assert!(
+            s.lines().any(
+                |l| l.starts_with(&format!("per block: {kind} block on emu:"))
+                    && l.contains("products")
+                    && l.contains("attention")
+                    && l.contains("element-wise")
+            ),
+            "{s}"
+        );
+    }
 }
 
 /// Bad requests are refused in one line naming the flag, before anything is measured.
@@ -1003,80 +1015,33 @@ fn calibrating_a_mixed_box_measures_every_kind() {
 fn calibrating_a_model_refuses_bad_requests() {
     let d = tempdir("devices-ops-bad");
     let base = machine("cpu-emu-4");
-    for (args, want) in [
+    // (model, machine, further flags), what the one line must say.
+    let cases: [(&str, &str, &[&str], &str); 6] = [
+        ("ltx-video-13b", &base, &[], "--model ltx-video-13b: its"),
+        ("no-such-model", &base, &[], "--model:"),
         (
-            vec![
-                "devices",
-                "--calibrate",
-                "--model",
-                "ltx-video-13b",
-                "--machine",
-                &base,
-            ],
-            "--model ltx-video-13b: its",
-        ),
-        (
-            vec![
-                "devices",
-                "--calibrate",
-                "--model",
-                "no-such-model",
-                "--machine",
-                &base,
-            ],
-            "--model:",
-        ),
-        (
-            vec![
-                "devices",
-                "--calibrate",
-                "--model",
-                "flux-tiny",
-                "--machine",
-                "/nonexistent.yaml",
-            ],
+            "flux-tiny",
+            "/nonexistent.yaml",
+            &[],
             "--machine /nonexistent.yaml: no such file",
         ),
+        ("flux-tiny", &base, &["--dtype", "q4"], "--dtype q4"),
         (
-            vec![
-                "devices",
-                "--calibrate",
-                "--model",
-                "flux-tiny",
-                "--machine",
-                &base,
-                "--dtype",
-                "q4",
-            ],
-            "--dtype q4",
-        ),
-        (
-            vec![
-                "devices",
-                "--calibrate",
-                "--model",
-                "flux-tiny",
-                "--machine",
-                &base,
-                "--size",
-                "256x",
-            ],
+            "flux-tiny",
+            &base,
+            &["--size", "256x"],
             "--size 256x: height `` is not a number",
         ),
         (
-            vec![
-                "devices",
-                "--calibrate",
-                "--model",
-                "flux-tiny",
-                "--machine",
-                &base,
-                "--size",
-                "250x256",
-            ],
+            "flux-tiny",
+            &base,
+            &["--size", "250x256"],
             "--size 250x256: workload.width",
         ),
-    ] {
+    ];
+    for (model, on, extra, want) in cases {
+        let mut args = vec!["devices", "--calibrate", "--model", model, "--machine", on];
+        args.extend_from_slice(extra);
         let o = mold_with(&d, None, &[], &args);
         assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stdout(&o));
         let e = stderr(&o);
