@@ -8,7 +8,7 @@ use crate::ilp::{self, Failure, Solved};
 use crate::layout::unpriced;
 use crate::problem::{family_of, Choice, Problem};
 use crate::{Family, Request};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Instances whose enumeration walks at most this many block splits × placements (a
 /// bound: contiguity and budgets prune most) are small enough for the exhaustive
@@ -38,12 +38,21 @@ pub struct FamilySolution {
     pub trouble: Option<String>,
 }
 
-/// Searches `family` within `limit`; with `None`, every family in turn, an equal share
-/// of `limit` each, for the best of all.
+/// Searches `family` within `limit`; with `None`, every family in turn, for the best of
+/// all, each within an equal share of what is left of `limit`: the time an easy family
+/// does not use goes to the families after it (the mixed family, the hardest, is last).
 pub fn solve_family(req: &Request, family: Option<Family>, limit: Duration) -> FamilySolution {
     let Some(family) = family else {
-        let share = limit / Family::ALL.len() as u32;
-        let mut all = Family::ALL.map(|f| solve_family(req, Some(f), share));
+        let start = Instant::now();
+        let mut all: Vec<FamilySolution> = Vec::with_capacity(Family::ALL.len());
+        for (i, f) in Family::ALL.into_iter().enumerate() {
+            let left = limit.saturating_sub(start.elapsed());
+            all.push(solve_family(
+                req,
+                Some(f),
+                shares(left, Family::ALL.len() - i),
+            ));
+        }
         let proven = all.iter().all(|s| s.proven);
         let trouble = all
             .iter()
@@ -137,6 +146,11 @@ pub(crate) fn price(p: &Problem, c: &Choice) -> Option<f64> {
         .map(|d| d.peak)
         .fold(0u64, u64::saturating_add);
     Some(p.objective(ev.request_s, bytes))
+}
+
+/// An equal share of `left` for each of `families` still to search.
+fn shares(left: Duration, families: usize) -> Duration {
+    left / families.max(1) as u32
 }
 
 pub(crate) fn secs(d: Duration) -> String {
