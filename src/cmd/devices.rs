@@ -3,8 +3,9 @@
 //! configuration in effect.
 use anyhow::{bail, Context, Result};
 use mold_config::{Layer, Setting, Val};
+use mold_exec::calibrate_ops::Timing;
 use mold_machine::inventory::{self, Inventory, ProfileOptions};
-use mold_machine::Machine;
+use mold_machine::{Machine, OpTables};
 use mold_models::ModelSpec;
 use mold_plan::{ByteSize, DeviceId, Workload, GIB, MIB};
 use std::collections::BTreeMap;
@@ -50,6 +51,12 @@ pub struct Args {
     /// With --model: the dtype to measure in (default: the model's transformer dtype).
     #[arg(long, value_name = "DTYPE", requires = "model")]
     pub dtype: Option<String>,
+    /// With --model: how an operation on one device is timed: `sustained`, back to back
+    /// for 250 ms as in a step, at the clocks a GPU's power limit allows under load (the
+    /// default on GPUs), or `alone`, each run drained before the next (the default on
+    /// emulated devices, whose clocks do not settle under load).
+    #[arg(long, value_name = "HOW", requires = "model", value_parser = ["sustained", "alone"])]
+    pub timing: Option<String>,
     /// The profile's name (default: the file name of --save without .yaml).
     #[arg(long)]
     pub name: Option<String>,
@@ -340,8 +347,8 @@ fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
             if let Some(n) = &a.name {
                 m.name = n.clone();
             }
-            for t in t {
-                add_tables(&mut m, t);
+            for (t, timing) in t {
+                add_tables(&mut m, t, timing);
             }
             write_profile(path, &m)?;
             eprintln!(
@@ -355,21 +362,23 @@ fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
 }
 
 /// The tables as a profile's `ops:` list.
-fn ops_yaml(t: &[mold_machine::OpTables]) -> Result<String> {
+fn ops_yaml(t: &[(OpTables, Timing)]) -> Result<String> {
     #[derive(serde::Serialize)]
     struct Ops<'a> {
-        ops: &'a [mold_machine::OpTables],
+        ops: Vec<&'a OpTables>,
     }
-    Ok(serde_yaml_ng::to_string(&Ops { ops: t })?)
+    let ops = t.iter().map(|(t, _)| t).collect();
+    Ok(serde_yaml_ng::to_string(&Ops { ops })?)
 }
 
 /// `t` into `m` (in place of any table of the same model, dtype and devices), noted in
 /// its calibration.
-fn add_tables(m: &mut Machine, t: mold_machine::OpTables) {
+fn add_tables(m: &mut Machine, t: OpTables, timing: Timing) {
     let note = format!(
         "Operation tables for {} {} on {} measured by mold {} on {} (`mold devices \
          --calibrate --model {}`: {} matrix products, {} attention shapes, element-wise \
-         kernels, {} collective sizes, {} text-encoder and VAE runs; median of timed runs).",
+         kernels, {} collective sizes, {} text-encoder and VAE runs; operations timed {}, \
+         collectives, encoders and the decoder each run alone).",
         t.model,
         t.dtype,
         t.device,
@@ -381,7 +390,8 @@ fn add_tables(m: &mut Machine, t: mold_machine::OpTables) {
         t.collectives.all_reduce.len()
             + t.collectives.all_gather.len()
             + t.collectives.all_to_all.len(),
-        t.components.len()
+        t.components.len(),
+        timing.describe()
     );
     let notes = &mut m.calibration.notes;
     if !notes.is_empty() {
@@ -422,7 +432,7 @@ fn device_kinds(m: &Machine) -> Vec<Vec<DeviceId>> {
 /// collectives over the first 2, 4, … of that kind), at the shapes the cost model looks
 /// up for the model's default size at half, the same and twice its side: one table per
 /// kind, in the order [`device_kinds`] gives.
-fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<mold_machine::OpTables>> {
+fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<(OpTables, Timing)>> {
     let spec = mold_models::find(model).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
     let dtype = match &a.dtype {
         Some(d) => d
@@ -476,29 +486,26 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<mold_mach
             );
         }
         tables.push(measure_kind(
-            model,
-            &spec,
-            dtype,
-            first,
-            devices,
-            &extra,
-            a.machine.as_deref(),
+            a, model, &spec, dtype, first, devices, &extra,
         )?);
     }
     Ok(tables)
 }
 
 /// [`measure_model_ops`] for one kind of device: `devices`, `first` of them, of the
-/// profile `machine` where the calibration names one (`--machine`).
+/// profile `a.machine` where the calibration names one (`--machine`); the tables and how
+/// they were timed.
 fn measure_kind(
+    a: &Args,
     model: &str,
     spec: &ModelSpec,
     dtype: mold_plan::DType,
     first: &mold_machine::Device,
     devices: &[DeviceId],
     extra: &[Workload],
-    machine: Option<&str>,
-) -> Result<mold_machine::OpTables> {
+) -> Result<(OpTables, Timing)> {
+    let machine = a.machine.as_deref();
+    let timing = op_timing(a.timing.as_deref(), devices);
     let sizes: Vec<u32> = inventory::allreduce_group_sizes(devices.len())
         .into_iter()
         .map(|n| n as u32)
@@ -512,6 +519,7 @@ fn measure_kind(
     let bench = mold_exec::calibrate_ops::OpBench {
         kernels,
         comm,
+        timing,
         ..Default::default()
     };
     let t = mold_exec::calibrate_ops::measure_ops(
@@ -570,7 +578,18 @@ fn measure_kind(
             format!("; first use in a fresh process: {}", first_use.join(", "))
         }
     );
-    Ok(t)
+    Ok((t, timing))
+}
+
+/// `--timing`: as named, else sustained on GPUs and alone on emulated devices (the
+/// CPU's clocks do not settle under a GPU's power limit, and tests stay fast).
+fn op_timing(named: Option<&str>, devices: &[DeviceId]) -> Timing {
+    match named {
+        Some("alone") => Timing::Alone,
+        Some(_) => Timing::SUSTAINED,
+        None if devices.iter().all(|d| matches!(d, DeviceId::Cuda(_))) => Timing::SUSTAINED,
+        None => Timing::Alone,
+    }
 }
 
 fn cap_sources(caps: &BTreeMap<DeviceId, Setting<ByteSize>>) -> String {
@@ -615,8 +634,8 @@ fn save(
         }
     }
     if let Some(model) = &a.model {
-        for t in measure_model_ops(a, &m, model)? {
-            add_tables(&mut m, t);
+        for (t, timing) in measure_model_ops(a, &m, model)? {
+            add_tables(&mut m, t, timing);
         }
     }
     write_profile(path, &m)?;
@@ -687,6 +706,7 @@ pub fn info(a: InfoArgs) -> Result<i32> {
             machine: None,
             sizes: Vec::new(),
             dtype: None,
+            timing: None,
             name: None,
             headroom: None,
             max_vram: Vec::new(),

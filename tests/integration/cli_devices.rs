@@ -630,6 +630,15 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
         .calibration
         .notes
         .contains("Operation tables for flux-tiny f32"));
+    // Emulated devices time each run alone by default (GPUs back to back).
+    assert!(
+        m.calibration
+            .notes
+            .contains("operations timed median of timed runs, each alone"),
+        "{}",
+        m.calibration.notes
+    );
+    assert!(err.contains("median of 10)"), "{err}");
     // Calibrating again replaces the table rather than adding a second.
     calibrate_flux_tiny(&d, prof_s, prof_s);
     assert_eq!(Machine::load(&prof).unwrap().ops.len(), 1);
@@ -1123,4 +1132,44 @@ fn calibrating_at_a_size_measures_its_sequence() {
     assert!(s.contains("calibrated by operation"), "{s}");
     assert!(!s.contains("extrapolated"), "{s}");
     assert!(!s.contains("beyond the measured runs"), "{s}");
+}
+
+/// `--timing sustained` times each operation back to back for 250 ms, on emulated
+/// devices too, and says so; a timing that does not exist is refused in one line.
+#[test]
+fn devices_calibrate_sustained_timing() {
+    let d = tempdir("devices-ops-sustained");
+    let base = machine("cpu-emu-4");
+    let prof = d.join("emu-ops.yaml");
+    let args = [
+        "devices",
+        "--calibrate",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        base.as_str(),
+        "--timing",
+        "sustained",
+        "--save",
+        prof.to_str().unwrap(),
+    ];
+    let o = mold_with(&d, None, &[], &args);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("back to back for 250 ms, median per-run time of rounds of 20 ms"),
+        "{err}"
+    );
+    let m = Machine::load(&prof).unwrap();
+    assert!(m
+        .calibration
+        .notes
+        .contains("operations timed back to back"));
+    m.ops[0].validate("ops[0]").unwrap();
+
+    let mut bad = args;
+    bad[7] = "fast";
+    let o = mold_with(&d, None, &[], &bad);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--timing"), "{}", stderr(&o));
 }

@@ -9,9 +9,12 @@
 //! feature, the thread backend otherwise). The shapes come from
 //! [`mold_cost::ops::calibration_shapes`]: those the cost model looks up.
 //!
-//! Every time is the median of `iters` runs after `warmup` untimed ones, each run
-//! ended by a device synchronise; a collective's run is the slowest rank's, the ranks
-//! lined up by a barrier before each. Emulated devices (`emu:N`) run on the CPU, so the
+//! An operation on one device is timed as [`OpBench::timing`] says: alone (the median
+//! of `iters` runs after `warmup` untimed ones, each ended by a device synchronise), or
+//! sustained (back to back for a while, as in a step, where a GPU at its power limit
+//! clocks lower than one that idles between runs: on an H200, 7-14 % longer per
+//! operation). A collective's run is the slowest rank's, the ranks lined up by a barrier
+//! before each, always alone. Emulated devices (`emu:N`) run on the CPU, so the
 //! same code measures a CPU build (tests use it with tiny shapes).
 
 use crate::calibrate_copy::{self, Load};
@@ -32,7 +35,7 @@ use mold_plan::DeviceId;
 use std::ops::Range;
 use std::rc::Rc;
 use std::sync::Barrier;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The host→device copy timed beside the model's blocks: about one streamed block.
 const COPY_BYTES: usize = 512 << 20;
@@ -50,6 +53,41 @@ pub struct OpBench {
     pub own_streams: bool,
     /// The collectives' options (the NCCL watchdog).
     pub comm: CommOptions,
+    /// How an operation on one device is timed.
+    pub timing: Timing,
+}
+
+/// How [`measure_ops`] times an operation on one device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Timing {
+    /// Each run alone, the device drained before and after it (`warmup`, then the
+    /// median of `iters`): a GPU idle between runs, at the clocks of a light load.
+    Alone,
+    /// Runs back to back, one synchronise per round of about `round`, rounds for at
+    /// least `span`: the per-run time of the median round of the later half — the
+    /// device as loaded as in a step, at the clocks its power limit then allows.
+    Sustained { round: Duration, span: Duration },
+}
+
+impl Timing {
+    /// The sustained timing `mold devices --calibrate` uses on GPUs: rounds of 20 ms
+    /// for 250 ms.
+    pub const SUSTAINED: Timing = Timing::Sustained {
+        round: Duration::from_millis(20),
+        span: Duration::from_millis(250),
+    };
+
+    /// How a profile's note describes it.
+    pub fn describe(&self) -> String {
+        match self {
+            Timing::Alone => "median of timed runs, each alone".into(),
+            Timing::Sustained { round, span } => format!(
+                "back to back for {} ms, median per-run time of rounds of {} ms",
+                span.as_millis(),
+                round.as_millis()
+            ),
+        }
+    }
 }
 
 impl Default for OpBench {
@@ -61,6 +99,7 @@ impl Default for OpBench {
             kernels: Kernels::Auto,
             own_streams: false,
             comm: CommOptions::default(),
+            timing: Timing::Alone,
         }
     }
 }
@@ -70,6 +109,14 @@ impl OpBench {
     pub fn check(&self, devices: &[DeviceId]) -> std::result::Result<(), String> {
         if self.iters == 0 {
             return Err("measuring operations: iters must be at least 1".into());
+        }
+        if let Timing::Sustained { round, span } = self.timing {
+            if round.is_zero() || span < round {
+                return Err(format!(
+                    "measuring operations: sustained timing needs a round above 0 and a \
+                     span of at least one round (round {round:?}, span {span:?})"
+                ));
+            }
         }
         if devices.is_empty() {
             return Err("measuring operations: no device to measure on".into());
@@ -131,11 +178,14 @@ pub fn measure_ops(
         device: id.to_string(),
         message: format!("measuring {what}: {e}"),
     };
+    let timing = match bench.timing {
+        Timing::Alone => format!("median of {}", bench.iters),
+        t => t.describe(),
+    };
     progress(&format!(
-        "{} matrix products of {} on {id} ({dtype:?}, median of {})",
+        "{} matrix products of {} on {id} ({dtype:?}, {timing})",
         shapes.gemm.len(),
         target.model,
-        bench.iters
     ));
     let mut gemm = Vec::new();
     for g in &shapes.gemm {
@@ -459,7 +509,44 @@ fn median(
     bench: &OpBench,
     f: impl FnMut() -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<f64> {
-    median_time(dev, bench.warmup, bench.iters, f)
+    match bench.timing {
+        Timing::Alone => median_time(dev, bench.warmup, bench.iters, f),
+        Timing::Sustained { round, span } => sustained_time(dev, round, span, f),
+    }
+}
+
+/// The most runs in one round of [`sustained_time`], whatever the estimate says.
+const MOST_PER_ROUND: usize = 100_000;
+
+/// `f` run back to back on `dev`: after one warm-up and one timed run (the estimate of a
+/// round's length), rounds of about `round` with one synchronise each, until `span` has
+/// passed (four rounds at least). The per-run time of the median round of the later
+/// half, in seconds: the earlier rounds are the clocks settling under the load.
+pub fn sustained_time(
+    dev: &Device,
+    round: Duration,
+    span: Duration,
+    mut f: impl FnMut() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<f64> {
+    drop(f()?);
+    dev.synchronize()?;
+    let start = Instant::now();
+    drop(f()?);
+    dev.synchronize()?;
+    let one = start.elapsed().as_secs_f64().max(1e-7);
+    let per_round = ((round.as_secs_f64() / one).round() as usize).clamp(1, MOST_PER_ROUND);
+    let begin = Instant::now();
+    let mut rounds = Vec::new();
+    while rounds.len() < 4 || begin.elapsed() < span {
+        let t = Instant::now();
+        for _ in 0..per_round {
+            drop(f()?);
+        }
+        dev.synchronize()?;
+        rounds.push(t.elapsed().as_secs_f64() / per_round as f64);
+    }
+    let later = rounds.split_off(rounds.len() / 2);
+    Ok(median_of(later))
 }
 
 /// `f` run `warmup` times untimed, then timed `iters` times (at least once), each run
@@ -733,6 +820,29 @@ mod tests {
         assert!(t.elementwise_gbps > 0.0);
     }
 
+    /// Sustained timing runs the operation back to back for the whole span, rounds of
+    /// many runs with one synchronise each, and reports one run's time: well below a
+    /// round's, and above 0.
+    #[test]
+    fn sustained_timing_runs_back_to_back_for_its_span() {
+        let dev = Device::Cpu;
+        let x = Tensor::ones((64, 64), DType::F32, &dev).unwrap();
+        let mut runs = 0usize;
+        let start = Instant::now();
+        let (round, span) = (Duration::from_millis(5), Duration::from_millis(60));
+        let t = sustained_time(&dev, round, span, || {
+            runs += 1;
+            x.matmul(&x)
+        })
+        .unwrap();
+        assert!(start.elapsed() >= span);
+        // Two runs to estimate, then at least four rounds of several runs each.
+        assert!(runs > 2 + 4, "{runs} runs");
+        assert!(t > 0.0 && t < round.as_secs_f64(), "{t} s per run");
+        let per_run = start.elapsed().as_secs_f64() / runs as f64;
+        assert!(t < 4.0 * per_run, "{t} s per run, {per_run} s on average");
+    }
+
     #[test]
     fn a_benchmark_that_cannot_run_is_refused_in_one_line() {
         let b = OpBench::default();
@@ -746,6 +856,16 @@ mod tests {
             ..OpBench::default()
         };
         assert!(none.check(&emu(1)).unwrap_err().contains("iters"));
+        for (round, span) in [(0, 10), (20, 10)] {
+            let b = OpBench {
+                timing: Timing::Sustained {
+                    round: Duration::from_millis(round),
+                    span: Duration::from_millis(span),
+                },
+                ..OpBench::default()
+            };
+            assert!(b.check(&emu(1)).unwrap_err().contains("sustained"));
+        }
         assert_eq!(median_of(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median_of(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median_of(vec![0.0]), 1e-9);
