@@ -10,6 +10,7 @@
 //! - [`pipeline`]: several micro-batches through the parts at once (a thread per stage);
 //! - [`multiprocess`]: a run spread over several processes.
 
+mod load_ahead;
 mod multiprocess;
 pub mod pipeline;
 pub mod plan_check;
@@ -398,41 +399,50 @@ impl<M: Transformer> Executor<M> {
                     None
                 };
                 let mut blocks = Vec::with_capacity(spec.steps.len());
-                for step in &spec.steps {
-                    let b = model.load_block(&src, *step, shard)?;
-                    let bytes = b.bytes();
-                    blocks.push(match spec.residency {
-                        Residency::Resident => {
-                            resident_bytes += bytes;
-                            Held::Resident(b.to_device(&device)?)
-                        }
-                        Residency::Streamed if opts.streaming == Streaming::Sync => {
-                            sync_host_bytes += bytes;
-                            sync_stream_bytes = sync_stream_bytes.max(bytes);
-                            Held::Sync(b)
-                        }
-                        Residency::Streamed => {
-                            let ri = match rings.iter().position(|(d, _)| d == id) {
-                                Some(i) => i,
-                                None => {
-                                    rings.push((
-                                        id.clone(),
-                                        Ring::new(
-                                            device.clone(),
-                                            dtype,
-                                            opts.streaming,
-                                            spec.buffers,
-                                        ),
-                                    ));
-                                    rings.len() - 1
-                                }
-                            };
-                            let ring = &mut rings[ri].1;
-                            ring.want_buffers(spec.buffers);
-                            Held::Streamed(ri, ring.add(&b)?)
-                        }
-                    });
-                }
+                // Blocks are read on several threads, uploaded here in order.
+                let readers = load_ahead::threads();
+                let steps = &spec.steps;
+                load_ahead::in_order(
+                    steps.len(),
+                    readers,
+                    readers,
+                    |i| model.load_block(&src, steps[i], shard),
+                    |_, b| {
+                        let bytes = b.bytes();
+                        blocks.push(match spec.residency {
+                            Residency::Resident => {
+                                resident_bytes += bytes;
+                                Held::Resident(b.to_device(&device)?)
+                            }
+                            Residency::Streamed if opts.streaming == Streaming::Sync => {
+                                sync_host_bytes += bytes;
+                                sync_stream_bytes = sync_stream_bytes.max(bytes);
+                                Held::Sync(b)
+                            }
+                            Residency::Streamed => {
+                                let ri = match rings.iter().position(|(d, _)| d == id) {
+                                    Some(i) => i,
+                                    None => {
+                                        rings.push((
+                                            id.clone(),
+                                            Ring::new(
+                                                device.clone(),
+                                                dtype,
+                                                opts.streaming,
+                                                spec.buffers,
+                                            ),
+                                        ));
+                                        rings.len() - 1
+                                    }
+                                };
+                                let ring = &mut rings[ri].1;
+                                ring.want_buffers(spec.buffers);
+                                Held::Streamed(ri, ring.add(&b)?)
+                            }
+                        });
+                        Ok(())
+                    },
+                )?;
                 ranks.push(Rank {
                     id: id.clone(),
                     index: rank,
