@@ -2,14 +2,24 @@
 //! uploads them in order. Reading a block is host work (slices of the memory-mapped files
 //! copied into tensors: about 0.9 GB/s on one core, measured on Qwen-Image's 41 GB), the
 //! upload a device copy (about 8 GB/s from pageable memory); read one after the other,
-//! loading took 54 s where the copies alone take 5.
+//! loading took 54 s where the copies alone take 5. Up to 8 blocks are read ahead, one per
+//! thread, and no more than [`AHEAD_BYTES`] of them, so the host memory loading takes
+//! beyond the plan's own stays bounded whatever a block weighs.
 
 use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex};
 
-/// How many threads read blocks: the machine's cores, at most 8.
-pub(crate) fn threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+/// Host memory that blocks read ahead of their upload may hold at once (beyond what the
+/// plan's streamed blocks take, which `check_host_memory` counts).
+pub(crate) const AHEAD_BYTES: u64 = 6 << 30;
+
+/// How many blocks are read ahead at once, each on its own thread: the machine's cores,
+/// at most 8, and no more than [`AHEAD_BYTES`] of blocks of `largest` bytes (at least
+/// one). Qwen-Image's and FLUX's blocks (under 0.7 GB in bf16) get all 8.
+pub(crate) fn readers(largest: u64) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let fit = (AHEAD_BYTES / largest.max(1)).max(1);
+    cores.min(usize::try_from(fit).unwrap_or(usize::MAX))
 }
 
 struct State<T, E> {
@@ -135,6 +145,21 @@ mod tests {
                 most.load(Ordering::SeqCst) <= ahead,
                 "{threads} threads, {ahead} ahead"
             );
+        }
+    }
+
+    /// Blocks read ahead never hold more than `AHEAD_BYTES` together, and one is always
+    /// read.
+    #[test]
+    fn the_look_ahead_is_bounded_by_bytes() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        assert_eq!(readers(700 << 20), cores);
+        assert_eq!(readers(AHEAD_BYTES / 2), cores.min(2));
+        assert_eq!(readers(AHEAD_BYTES * 3), 1);
+        assert_eq!(readers(0), cores);
+        for largest in [1u64, 1 << 20, 700 << 20, 2 << 30, 7 << 30] {
+            let n = readers(largest) as u64;
+            assert!(n == 1 || n * largest <= AHEAD_BYTES, "{largest}: {n}");
         }
     }
 

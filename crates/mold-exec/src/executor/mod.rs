@@ -365,6 +365,7 @@ impl<M: Transformer> Executor<M> {
         })?;
         let mut rings: Vec<(DeviceId, Ring<M::Block>)> = Vec::new();
         let src = CheckpointSource { ckpt, dtype };
+        let shapes = runtime::ShapeSource { ckpt, dtype };
         let n = specs.len();
         let mut parts = Vec::with_capacity(n);
         for (pi, spec) in specs.into_iter().enumerate() {
@@ -399,8 +400,13 @@ impl<M: Transformer> Executor<M> {
                     None
                 };
                 let mut blocks = Vec::with_capacity(spec.steps.len());
-                // Blocks are read on several threads, uploaded here in order.
-                let readers = load_ahead::threads();
+                // Blocks are read on several threads, as many as the largest (its size
+                // from the shapes alone) allows, and uploaded here in order.
+                let mut largest = 0;
+                for step in &spec.steps {
+                    largest = largest.max(model.load_block(&shapes, *step, shard)?.bytes());
+                }
+                let readers = load_ahead::readers(largest);
                 let steps = &spec.steps;
                 load_ahead::in_order(
                     steps.len(),
