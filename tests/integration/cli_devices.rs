@@ -634,7 +634,7 @@ fn calibrating_a_model_on_emulated_devices_feeds_plan_and_sim() {
     assert!(
         m.calibration
             .notes
-            .contains("operations timed median of timed runs, each alone"),
+            .contains("operations timed alone, the median of timed runs"),
         "{}",
         m.calibration.notes
     );

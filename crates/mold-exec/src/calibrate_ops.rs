@@ -80,7 +80,7 @@ impl Timing {
     /// How a profile's note describes it.
     pub fn describe(&self) -> String {
         match self {
-            Timing::Alone => "median of timed runs, each alone".into(),
+            Timing::Alone => "alone, the median of timed runs".into(),
             Timing::Sustained { round, span } => format!(
                 "back to back for {} ms, median per-run time of rounds of {} ms",
                 span.as_millis(),

@@ -47,11 +47,8 @@ pub fn solve_family(req: &Request, family: Option<Family>, limit: Duration) -> F
         let mut all: Vec<FamilySolution> = Vec::with_capacity(Family::ALL.len());
         for (i, f) in Family::ALL.into_iter().enumerate() {
             let left = limit.saturating_sub(start.elapsed());
-            all.push(solve_family(
-                req,
-                Some(f),
-                shares(left, Family::ALL.len() - i),
-            ));
+            let share = left / (Family::ALL.len() - i) as u32;
+            all.push(solve_family(req, Some(f), share));
         }
         let proven = all.iter().all(|s| s.proven);
         let trouble = all
@@ -146,11 +143,6 @@ pub(crate) fn price(p: &Problem, c: &Choice) -> Option<f64> {
         .map(|d| d.peak)
         .fold(0u64, u64::saturating_add);
     Some(p.objective(ev.request_s, bytes))
-}
-
-/// An equal share of `left` for each of `families` still to search.
-fn shares(left: Duration, families: usize) -> Duration {
-    left / families.max(1) as u32
 }
 
 pub(crate) fn secs(d: Duration) -> String {
