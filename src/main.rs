@@ -38,6 +38,11 @@ enum Command {
     /// run first in a fresh process (hidden: not for direct use).
     #[command(hide = true)]
     CalibrateFirstUse(cmd::devices::FirstUseArgs),
+    /// What `mold devices --calibrate --model M` spawns on a GPU: the CUDA libraries'
+    /// device memory once the model's blocks have run in a fresh process (hidden: not for
+    /// direct use).
+    #[command(hide = true)]
+    CalibrateFootprint(cmd::devices::FootprintArgs),
 }
 
 fn main() {
@@ -52,6 +57,7 @@ fn main() {
         Command::Info(a) => cmd::devices::info(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::CalibrateFirstUse(a) => cmd::devices::first_use(a),
+        Command::CalibrateFootprint(a) => cmd::devices::footprint(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -53,9 +53,11 @@ pub struct Args {
     pub dtype: Option<String>,
     /// With --model: how an operation on one device is timed: `sustained`, back to back
     /// for 250 ms as in a step, at the clocks a GPU's power limit allows under load (the
-    /// default on GPUs), or `alone`, each run drained before the next (the default on
-    /// emulated devices, whose clocks do not settle under load).
-    #[arg(long, value_name = "HOW", requires = "model", value_parser = ["sustained", "alone"])]
+    /// default on GPUs); `mixed`, each operation timed inside its block, the block's
+    /// operations back to back for 250 ms, at the clock the block's whole mix runs at;
+    /// or `alone`, each run drained before the next (the default on emulated devices,
+    /// whose clocks do not settle under load).
+    #[arg(long, value_name = "HOW", requires = "model", value_parser = ["sustained", "mixed", "alone"])]
     pub timing: Option<String>,
     /// The profile's name (default: the file name of --save without .yaml).
     #[arg(long)]
@@ -86,6 +88,25 @@ pub struct FirstUseArgs {
     /// The decoded image's height.
     #[arg(long)]
     pub height: u32,
+    /// The machine profile the device is one of (the calibration's --machine).
+    #[arg(long, value_name = "PROFILE")]
+    pub machine: Option<String>,
+}
+
+/// `mold calibrate-footprint` (hidden): the fresh process `mold devices --calibrate
+/// --model M` spawns on a GPU to measure the CUDA libraries' device memory
+/// ([`mold_exec::calibrate_footprint`]); prints it as one line of JSON on stdout.
+#[derive(clap::Args, Debug)]
+pub struct FootprintArgs {
+    /// The model whose blocks' operations run once.
+    #[arg(long, value_name = "MODEL")]
+    pub model: String,
+    /// The GPU they run on (cuda:0).
+    #[arg(long, value_name = "DEVICE")]
+    pub device: String,
+    /// The dtype they run in (default: the model's transformer dtype).
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
     /// The machine profile the device is one of (the calibration's --machine).
     #[arg(long, value_name = "PROFILE")]
     pub machine: Option<String>,
@@ -262,6 +283,53 @@ pub fn first_use(a: FirstUseArgs) -> Result<i32> {
     Ok(0)
 }
 
+/// `mold calibrate-footprint`: the CUDA libraries' device memory on `a.device` once
+/// `a.model`'s blocks have run in this process, printed as one line of JSON. The memory
+/// probe is made before anything else touches the GPU: its baseline is the device with
+/// this process's CUDA context and nothing more.
+pub fn footprint(a: FootprintArgs) -> Result<i32> {
+    let id: DeviceId = a
+        .device
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--device {}: {e}", a.device))?;
+    let DeviceId::Cuda(ordinal) = id else {
+        bail!(
+            "--device {id}: no allocator to read on emulated devices or the host: the CUDA \
+             libraries' device memory is measured on GPUs (cuda:N) only"
+        );
+    };
+    if let Some(spec) = &a.machine {
+        let m = super::common::load_machine(spec)?;
+        if m.device(&id).is_none() {
+            bail!("--device {id}: not a device of the machine profile {spec}");
+        }
+    }
+    let spec = mold_models::find(&a.model).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
+    let dtype = match &a.dtype {
+        Some(d) => d
+            .parse::<mold_plan::DType>()
+            .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?,
+        None => spec.transformer.default_dtype,
+    };
+    let blocks = mold_exec::calibrate_footprint::footprint_ops(&spec, dtype)?;
+    let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let probe = mold_exec::memory_probe::allocator_probe(&[(id.clone(), ordinal as usize)])?
+        .with_context(|| {
+            format!("--device {id}: this build has no CUDA, so there is no allocator to read")
+        })?;
+    let f = mold_exec::calibrate_footprint::measure_footprint(
+        &probe,
+        &id,
+        dtype,
+        &blocks,
+        kernels,
+        &mut |s| eprintln!("calibrating: {s}"),
+    )?;
+    println!("{}", serde_json::to_string(&f)?);
+    Ok(0)
+}
+
 /// Fresh processes [`measure_first_use`] runs at least: first use varies from process
 /// to process by a third, so its mean needs a few.
 const FIRST_USE_PROCESSES: usize = 5;
@@ -305,16 +373,31 @@ fn first_use_child(
     device: &DeviceId,
     (w, h): (u32, u32),
 ) -> Result<Vec<mold_pipeline::calibrate::FirstUseRun>> {
-    let exe = std::env::current_exe().context("the mold binary's path")?;
-    let mut c = std::process::Command::new(&exe);
-    c.arg("calibrate-first-use")
-        .args(["--model", model, "--device", &device.to_string()])
-        .args(["--width", &w.to_string(), "--height", &h.to_string()])
-        .stdin(std::process::Stdio::null());
+    let mut args: Vec<String> = ["calibrate-first-use", "--model", model, "--device"]
+        .map(String::from)
+        .into();
+    args.push(device.to_string());
+    args.extend([
+        "--width".into(),
+        w.to_string(),
+        "--height".into(),
+        h.to_string(),
+    ]);
     if let Some(m) = machine {
-        c.args(["--machine", m]);
+        args.extend(["--machine".into(), m.to_string()]);
     }
-    let o = c
+    let line = child_line(&args)?;
+    serde_json::from_str(&line)
+        .with_context(|| format!("the child process printed `{line}`, not its runs as JSON"))
+}
+
+/// This binary run with `args` in a child process: the last line it printed on stdout,
+/// or an error with its last line on stderr where it failed.
+fn child_line(args: &[String]) -> Result<String> {
+    let exe = std::env::current_exe().context("the mold binary's path")?;
+    let o = std::process::Command::new(&exe)
+        .args(args)
+        .stdin(std::process::Stdio::null())
         .output()
         .with_context(|| format!("cannot start {}", exe.display()))?;
     let last = |b: &[u8]| {
@@ -331,9 +414,69 @@ fn first_use_child(
             last(&o.stderr).unwrap_or_else(|| "no message".into())
         );
     }
-    let line = last(&o.stdout).context("the child process printed nothing")?;
-    serde_json::from_str(&line)
-        .with_context(|| format!("the child process printed `{line}`, not its runs as JSON"))
+    last(&o.stdout).context("the child process printed nothing")
+}
+
+/// Fresh processes [`measure_libraries`] runs: their median is kept.
+const FOOTPRINT_PROCESSES: usize = 3;
+
+/// The CUDA libraries' device memory on `device` (a GPU, of the profile `machine` where
+/// the calibration was given one) with `model`'s blocks run in `dtype`: children (`mold
+/// calibrate-footprint`, this binary), [`FOOTPRINT_PROCESSES`] of them, the median kept
+/// (the upper one of two), rounded up to MiB. A child that cannot start or fails is said
+/// in one line and the calibration goes on; `None` where none succeeded.
+fn measure_libraries(
+    model: &str,
+    machine: Option<&str>,
+    dtype: mold_plan::DType,
+    device: &DeviceId,
+) -> Option<ByteSize> {
+    let mut bytes = Vec::new();
+    for i in 1..=FOOTPRINT_PROCESSES {
+        eprintln!(
+            "calibrating: the CUDA libraries' device memory in a fresh process on {device} \
+             ({i} of {FOOTPRINT_PROCESSES})"
+        );
+        match footprint_child(model, machine, dtype, device) {
+            Ok(f) => bytes.push(f.library_bytes),
+            Err(e) => eprintln!(
+                "calibrating: the CUDA libraries' device memory not measured ({device}): {e:#}"
+            ),
+        }
+    }
+    median_bytes(bytes)
+}
+
+/// The median of `bytes` (the upper of the middle two for an even count), rounded up to
+/// MiB; `None` for none.
+fn median_bytes(mut bytes: Vec<u64>) -> Option<ByteSize> {
+    bytes.sort_unstable();
+    bytes.get(bytes.len() / 2).map(|&b| ByteSize(b).ceil_mib())
+}
+
+/// One `mold calibrate-footprint` child and what it printed.
+fn footprint_child(
+    model: &str,
+    machine: Option<&str>,
+    dtype: mold_plan::DType,
+    device: &DeviceId,
+) -> Result<mold_exec::calibrate_footprint::Footprint> {
+    let mut args: Vec<String> = vec![
+        "calibrate-footprint".into(),
+        "--model".into(),
+        model.into(),
+        "--device".into(),
+        device.to_string(),
+        "--dtype".into(),
+        dtype.to_string(),
+    ];
+    if let Some(m) = machine {
+        args.extend(["--machine".into(), m.to_string()]);
+    }
+    let line = child_line(&args)?;
+    serde_json::from_str(&line).with_context(|| {
+        format!("the child process printed `{line}`, not the libraries' memory as JSON")
+    })
 }
 
 /// `mold devices --calibrate --model M --machine PROFILE`: the profile's devices
@@ -377,7 +520,7 @@ fn add_tables(m: &mut Machine, t: OpTables, timing: Timing) {
     let note = format!(
         "Operation tables for {} {} on {} measured by mold {} on {} (`mold devices \
          --calibrate --model {}`: {} matrix products, {} attention shapes, element-wise \
-         kernels, {} collective sizes, {} text-encoder and VAE runs; operations timed {}, \
+         kernels, {} collective sizes, {} text-encoder and VAE runs{}; operations timed {}, \
          collectives, encoders and the decoder each run alone).",
         t.model,
         t.dtype,
@@ -391,6 +534,11 @@ fn add_tables(m: &mut Machine, t: OpTables, timing: Timing) {
             + t.collectives.all_gather.len()
             + t.collectives.all_to_all.len(),
         t.components.len(),
+        if t.library_bytes.is_some() {
+            ", the CUDA libraries' device memory in fresh processes"
+        } else {
+            ""
+        },
         timing.describe()
     );
     let notes = &mut m.calibration.notes;
@@ -555,6 +703,10 @@ fn measure_kind(
         measure_first_use(model, machine, &first.id, &sizes, &mut t.components);
         t.sort();
     }
+    if matches!(first.id, DeviceId::Cuda(_)) {
+        // In fresh processes: this one has loaded every library by now.
+        t.library_bytes = measure_libraries(model, machine, dtype, &first.id);
+    }
     let first_use = t
         .components
         .iter()
@@ -566,12 +718,16 @@ fn measure_kind(
         .collect::<Vec<_>>();
     eprintln!(
         "operation tables: {model} {dtype} on {}: {} matrix products, {} attention shapes, \
-         element-wise {:.1} GB/s, {} encoder and decoder runs{}",
+         element-wise {:.1} GB/s, {} encoder and decoder runs{}{}",
         first.name,
         t.gemm.len(),
         t.attention.len(),
         t.elementwise_gbps,
         t.components.len(),
+        match t.library_bytes {
+            Some(b) => format!("; CUDA libraries' device memory {}", b.human()),
+            None => String::new(),
+        },
         if first_use.is_empty() {
             String::new()
         } else {
@@ -586,6 +742,7 @@ fn measure_kind(
 fn op_timing(named: Option<&str>, devices: &[DeviceId]) -> Timing {
     match named {
         Some("alone") => Timing::Alone,
+        Some("mixed") => Timing::MIXED,
         Some(_) => Timing::SUSTAINED,
         None if devices.iter().all(|d| matches!(d, DeviceId::Cuda(_))) => Timing::SUSTAINED,
         None => Timing::Alone,

@@ -785,6 +785,9 @@ fn calibrating_a_model_measures_first_use_in_fresh_processes() {
     }
     assert_eq!(names, ["clip", "t5", "vae"]);
     assert_eq!(t.components.len(), 5, "{:?}", t.components);
+    // Emulated devices have no allocator to read: no libraries' memory, no child for it.
+    assert_eq!(t.library_bytes, None);
+    assert!(!err.contains("CUDA libraries"), "{err}");
 
     // The child itself: its runs as JSON on stdout in `mold exec`'s order; a device the
     // profile lacks refused in one line; not listed in --help.
@@ -918,6 +921,55 @@ fn calibrating_a_model_measures_first_use_in_fresh_processes() {
             .contains("first use in a fresh process (vae;"),
         "{v:#}"
     );
+}
+
+/// `mold calibrate-footprint` (hidden; what `mold devices --calibrate --model` spawns on
+/// a GPU) reads a GPU's allocator: an emulated device or the host is refused in one line,
+/// as are a device the profile lacks, an unknown model and (on a build without CUDA) a
+/// GPU; nothing on stdout, no panic; not listed in --help.
+#[test]
+fn calibrate_footprint_refuses_what_it_cannot_measure_in_one_line() {
+    let d = tempdir("footprint");
+    let emu = machine("cpu-emu-4");
+    let run = |args: &[&str]| {
+        let mut a = vec!["calibrate-footprint", "--model"];
+        a.extend_from_slice(args);
+        mold_with(&d, None, &[], &a)
+    };
+    let refused = |o: &Output, want: &str| {
+        let e = stderr(o);
+        assert_eq!(o.status.code(), Some(1), "{e}");
+        assert!(e.contains(want), "{want}: {e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(!e.contains("panicked"), "{e}");
+        assert!(stdout(o).is_empty(), "{}", stdout(o));
+    };
+    refused(
+        &run(&["flux-tiny", "--device", "emu:0", "--machine", &emu]),
+        "--device emu:0: no allocator to read on emulated devices or the host",
+    );
+    refused(
+        &run(&["flux-tiny", "--device", "host"]),
+        "no allocator to read",
+    );
+    refused(&run(&["flux-tiny", "--device", "gpu0"]), "--device gpu0:");
+    refused(
+        &run(&["flux-tiny", "--device", "cuda:9", "--machine", &emu]),
+        "--device cuda:9: not a device of the machine profile",
+    );
+    refused(&run(&["no-such-model", "--device", "cuda:0"]), "--model");
+    refused(
+        &run(&["flux-tiny", "--device", "cuda:0", "--dtype", "fp4"]),
+        "--dtype",
+    );
+    if !cfg!(feature = "cuda") {
+        refused(
+            &run(&["flux-tiny", "--device", "cuda:0"]),
+            "--device cuda:0: this build has no CUDA, so there is no allocator to read",
+        );
+    }
+    let help = stdout(&mold_with(&d, None, &[], &["--help"]));
+    assert!(!help.contains("calibrate-footprint"), "{help}");
 }
 
 /// A box of two kinds of device gets a table for each kind, each measured on that kind

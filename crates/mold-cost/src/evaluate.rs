@@ -38,15 +38,24 @@ pub struct DeviceUse {
     pub buffers: u64,
     /// The largest activation of anything it runs.
     pub activation: u64,
-    /// What is live at the worst moment: resident, weights + buffers + activation;
-    /// one-shot, the largest of `phases`.
+    /// The CUDA libraries' device memory, held in every phase where the plan uses the
+    /// device and the profile measured it ([`plan_libraries`]); 0 otherwise.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub libraries: u64,
+    /// What is live at the worst moment: resident, weights + buffers + activation +
+    /// libraries; one-shot, the largest of `phases`.
     pub peak: u64,
     pub headroom: u64,
     pub budget: u64,
     /// What sets `activation`: a component name or `transformer <kind>`.
     pub activation_from: String,
-    /// Each phase on its own (what a one-shot request holds at each time).
+    /// Each phase on its own (what a one-shot request holds at each time), the
+    /// libraries in each.
     pub phases: PhasePeaks,
+}
+
+fn is_zero(b: &u64) -> bool {
+    *b == 0
 }
 
 impl DeviceUse {
@@ -174,6 +183,44 @@ pub fn pipelined_bottleneck(stage_s: &[f64], handoff_s: f64) -> f64 {
 /// Rounds seconds to microseconds so recorded plans stay stable and readable.
 pub fn round6(x: f64) -> f64 {
     (x * 1e6).round() / 1e6
+}
+
+/// The CUDA libraries' device memory on each of the machine's devices (in its order)
+/// under `plan`: [`Ctx::library_bytes`] for the plan's transformer dtype on every device
+/// the plan puts a component or a transformer part on (both replicas' under
+/// CFG-parallel), 0 on the others. What [`evaluate`] adds to each phase of a device's
+/// peak, the simulator allocates at load and the planner keeps out of its capacity.
+pub fn plan_libraries(plan: &Plan, ctx: &Ctx) -> Vec<u64> {
+    let placements: Vec<Plan> = match plan.cfg_mode() {
+        Some(CfgMode::Parallel) => plan.replica_plans().unwrap_or_else(|_| vec![plan.clone()]),
+        _ => vec![plan.clone()],
+    };
+    let dtype = plan
+        .transformer()
+        .map_or(ctx.model.transformer.default_dtype, |t| t.dtype);
+    let component_on = |id: &DeviceId| {
+        placements[0].components.iter().any(|c| {
+            c.role != ComponentRole::Transformer
+                && c.parts.first().and_then(|p| p.devices.first()) == Some(id)
+        })
+    };
+    let transformer_on = |id: &DeviceId| {
+        placements
+            .iter()
+            .filter_map(|p| p.transformer())
+            .any(|t| t.parts.iter().any(|p| p.devices.contains(id)))
+    };
+    ctx.machine
+        .devices
+        .iter()
+        .map(|d| {
+            if component_on(&d.id) || transformer_on(&d.id) {
+                ctx.library_bytes(&d.id, dtype)
+            } else {
+                0
+            }
+        })
+        .collect()
 }
 
 /// One device's memory, by phase.
@@ -311,18 +358,28 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
         .map(|p| p.streamed)
         .fold(0u64, u64::saturating_add)
         .saturating_mul(repeats);
+    let libraries = plan_libraries(plan, &ctx);
     let uses: Vec<DeviceUse> = machine
         .devices
         .iter()
         .zip(&held)
-        .map(|(d, h)| {
+        .zip(&libraries)
+        .map(|((d, h), &lib)| {
+            // The libraries stay loaded from the first use to the end: in every phase.
             let phases = PhasePeaks {
-                encode: h.encoder_weights.saturating_add(h.encoder_activation),
+                encode: h
+                    .encoder_weights
+                    .saturating_add(h.encoder_activation)
+                    .saturating_add(lib),
                 denoise: h
                     .transformer_weights
                     .saturating_add(h.buffers)
-                    .saturating_add(h.transformer_activation),
-                decode: h.vae_weights.saturating_add(h.vae_activation),
+                    .saturating_add(h.transformer_activation)
+                    .saturating_add(lib),
+                decode: h
+                    .vae_weights
+                    .saturating_add(h.vae_activation)
+                    .saturating_add(lib),
             };
             let weights = h
                 .encoder_weights
@@ -331,7 +388,8 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
             let peak = match plan.memory_phases {
                 MemoryPhases::Resident => weights
                     .saturating_add(h.buffers)
-                    .saturating_add(h.activation),
+                    .saturating_add(h.activation)
+                    .saturating_add(lib),
                 MemoryPhases::OneShot => phases.max(),
             };
             DeviceUse {
@@ -339,6 +397,7 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
                 weights,
                 buffers: h.buffers,
                 activation: h.activation,
+                libraries: lib,
                 peak,
                 headroom: d.headroom.0,
                 budget: d.budget.0,

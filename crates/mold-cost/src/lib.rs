@@ -66,7 +66,12 @@
 //!   is the sum of its measured operations ([`ops`]: its matrix products, attention and
 //!   element-wise bytes at the tables' bandwidth, interpolated log-log between measured
 //!   sizes) in place of the peak rate and efficiencies above, and a collective with a
-//!   table for its group size comes from the table; the rest of this list is unchanged.
+//!   table for its group size comes from the table; the rest of this list is unchanged;
+//! - where that table also holds `library_bytes` (the CUDA libraries' device memory
+//!   beyond the tensors: kernel code, cuBLAS/cuDNN handles and workspaces,
+//!   measured in a fresh process), every device the plan puts anything on holds it for
+//!   the whole request, in every phase ([`Ctx::library_bytes`], [`plan_libraries`]); the
+//!   planner leaves it out of the device's capacity and the simulator allocates it at load.
 //!
 //! Byte counts saturate at `u64::MAX` rather than wrap: a workload the model does not
 //! support (which [`validate`] refuses first) can never come out as fitting.
@@ -77,7 +82,8 @@ pub mod ops;
 mod validate;
 
 pub use evaluate::{
-    evaluate, pipelined_bottleneck, round6, DeviceUse, Evaluation, PartTime, PhasePeaks,
+    evaluate, pipelined_bottleneck, plan_libraries, round6, DeviceUse, Evaluation, PartTime,
+    PhasePeaks,
 };
 pub use group::Group;
 pub use validate::{check_machine, validate, MachineCheck};
@@ -442,6 +448,16 @@ impl<'a> Ctx<'a> {
             }
         }
         slowest
+    }
+
+    /// The CUDA libraries' device memory on `id` (kernel code, cuBLAS/cuDNN handles and
+    /// workspaces) with the model's transformer in `dtype`: the `library_bytes` of the
+    /// profile's operation tables for this model, dtype and `id`'s kind of device; 0
+    /// without them (older profiles, emulated devices, the host): priced as before.
+    pub fn library_bytes(&self, id: &DeviceId, dtype: DType) -> u64 {
+        self.op_tables(id, dtype)
+            .and_then(|t| t.library_bytes)
+            .map_or(0, |b| b.0)
     }
 
     /// Seconds for a whole component (encoder or VAE) on one device or the host.

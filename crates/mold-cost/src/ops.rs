@@ -412,6 +412,10 @@ pub struct CalibrationShapes {
     /// One block of each kind, whole on one device, at the model's default workload:
     /// what the host→device copy of a streamed block is timed beside.
     pub blocks: Vec<BlockOps>,
+    /// Every block the tables price, once: each kind at each workload and `(tp, sp)`
+    /// layout, whose operations hold every product and attention shape above. A mixed
+    /// calibration times each operation inside its block's mix.
+    pub mixes: Vec<BlockOps>,
 }
 
 /// What [`calibration_shapes`] covers.
@@ -482,8 +486,11 @@ pub fn calibration_shapes(
             }
             for &(tp, sp) in &req.layouts {
                 if let Some(ops) = block_ops(kind, tokens, batch, tp, sp, act) {
-                    out.gemm.extend(ops.gemms);
+                    out.gemm.extend(ops.gemms.iter().copied());
                     out.attention.push(ops.attention);
+                    if !out.mixes.contains(&ops) {
+                        out.mixes.push(ops);
+                    }
                 }
                 let local = kind.stream_token_count(tokens).div_ceil(sp as u64);
                 let hidden = mold_models::product(&[batch, local, kind.hidden, act]);

@@ -54,6 +54,7 @@ fn tables_for(model: &ModelSpec, dtype: DType, machine: &Machine, gemm_scale: f6
             .collect(),
         elementwise_gbps: 1500.0,
         htod_busy_ratio: None,
+        library_bytes: None,
         collectives: Default::default(),
         components: Vec::new(),
     };
@@ -505,4 +506,35 @@ fn the_copy_rate_beside_the_model_s_blocks_is_preferred() {
     // A measured ratio above 1 is noise: no faster than idle.
     m.ops[0].htod_busy_ratio = Some(1.2);
     assert_eq!(contention(&m, &one).copy_contention, 0.0);
+}
+
+/// The mixes a mixed calibration times hold every product and attention shape the
+/// tables are asked for, each block once, and the default workload's one-rank blocks
+/// among them (so what is priced was timed inside its own block).
+#[test]
+fn the_calibration_s_mixes_cover_every_shape_once() {
+    for id in ["flux-dev", "flux-tiny", "qwen-image"] {
+        let model = mold_models::find(id).unwrap();
+        let req = ShapeRequest::default_for(&model, 4, vec![2, 4]);
+        let shapes = calibration_shapes(&model, DType::Bf16, &req);
+        assert!(!shapes.mixes.is_empty(), "{id}");
+        for g in &shapes.gemm {
+            assert!(
+                shapes.mixes.iter().any(|b| b.gemms.contains(g)),
+                "{id}: {g:?} in no mix"
+            );
+        }
+        for a in &shapes.attention {
+            assert!(
+                shapes.mixes.iter().any(|b| b.attention == *a),
+                "{id}: {a:?} in no mix"
+            );
+        }
+        for (i, b) in shapes.mixes.iter().enumerate() {
+            assert!(!shapes.mixes[..i].contains(b), "{id}: mix {i} twice");
+        }
+        for b in &shapes.blocks {
+            assert!(shapes.mixes.contains(b), "{id}: a default block not timed");
+        }
+    }
 }

@@ -600,3 +600,4 @@ fn every_replica_is_validated_and_must_fit() {
 }
 
 mod cfg;
+mod libraries;

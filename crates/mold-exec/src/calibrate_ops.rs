@@ -67,6 +67,11 @@ pub enum Timing {
     /// least `span`: the per-run time of the median round of the later half — the
     /// device as loaded as in a step, at the clocks its power limit then allows.
     Sustained { round: Duration, span: Duration },
+    /// Each operation inside the mix of the block it belongs to, the block's operations
+    /// run back to back in its order, rounds of about `round` for at least `span` per
+    /// block ([`crate::calibrate_mix`]): the clock the block's whole mix runs at under
+    /// the power limit. An operation in no block is timed sustained.
+    Mixed { round: Duration, span: Duration },
 }
 
 impl Timing {
@@ -77,12 +82,25 @@ impl Timing {
         span: Duration::from_millis(250),
     };
 
+    /// The mixed timing `mold devices --calibrate --timing mixed` uses: rounds of 20 ms
+    /// for 250 ms per block.
+    pub const MIXED: Timing = Timing::Mixed {
+        round: Duration::from_millis(20),
+        span: Duration::from_millis(250),
+    };
+
     /// How a profile's note describes it.
     pub fn describe(&self) -> String {
         match self {
             Timing::Alone => "alone, the median of timed runs".into(),
             Timing::Sustained { round, span } => format!(
                 "back to back for {} ms, median per-run time of rounds of {} ms",
+                span.as_millis(),
+                round.as_millis()
+            ),
+            Timing::Mixed { round, span } => format!(
+                "inside their blocks, each block's operations back to back for {} ms, the \
+                 median of rounds of {} ms",
                 span.as_millis(),
                 round.as_millis()
             ),
@@ -110,11 +128,16 @@ impl OpBench {
         if self.iters == 0 {
             return Err("measuring operations: iters must be at least 1".into());
         }
-        if let Timing::Sustained { round, span } = self.timing {
+        if let Timing::Sustained { round, span } | Timing::Mixed { round, span } = self.timing {
             if round.is_zero() || span < round {
                 return Err(format!(
-                    "measuring operations: sustained timing needs a round above 0 and a \
-                     span of at least one round (round {round:?}, span {span:?})"
+                    "measuring operations: {} timing needs a round above 0 and a span of at \
+                     least one round (round {round:?}, span {span:?})",
+                    if matches!(self.timing, Timing::Mixed { .. }) {
+                        "mixed"
+                    } else {
+                        "sustained"
+                    }
                 ));
             }
         }
@@ -182,6 +205,25 @@ pub fn measure_ops(
         Timing::Alone => format!("median of {}", bench.iters),
         t => t.describe(),
     };
+    let mixed = match bench.timing {
+        Timing::Mixed { round, span } => {
+            progress(&format!(
+                "{} blocks of {} on {id}, each operation timed inside its block ({dtype:?}, {timing})",
+                shapes.mixes.len(),
+                target.model,
+            ));
+            crate::calibrate_mix::measure(
+                &dev,
+                dtype,
+                &shapes.mixes,
+                bench.kernels,
+                (round, span),
+                progress,
+            )
+            .map_err(|e| on(e, "the blocks' operations in their mix"))?
+        }
+        _ => Default::default(),
+    };
     progress(&format!(
         "{} matrix products of {} on {id} ({dtype:?}, {timing})",
         shapes.gemm.len(),
@@ -189,8 +231,11 @@ pub fn measure_ops(
     ));
     let mut gemm = Vec::new();
     for g in &shapes.gemm {
-        let seconds = time_gemm(&dev, dtype, *g, bench)
-            .map_err(|e| on(e, &format!("the product m={} n={} k={}", g.m, g.n, g.k)))?;
+        let seconds = match mixed.gemm_s(g) {
+            Some(s) => s,
+            None => time_gemm(&dev, dtype, *g, bench)
+                .map_err(|e| on(e, &format!("the product m={} n={} k={}", g.m, g.n, g.k)))?,
+        };
         gemm.push(GemmPoint {
             m: g.m,
             n: g.n,
@@ -204,21 +249,20 @@ pub fn measure_ops(
     ));
     let mut attention = Vec::new();
     for a in &shapes.attention {
-        let q = random(&[1, a.heads, a.seq, a.head_dim], dtype, &dev)
-            .map_err(|e| on(e, "attention"))?;
-        let meter = ActivationMeter::default();
-        let seconds = median(&dev, bench, || {
-            attention_with(bench.kernels, &q, &q, &q, &meter)
-        })
-        .map_err(|e| {
-            on(
-                e,
-                &format!(
-                    "attention over {} heads x {} tokens of {}",
-                    a.heads, a.seq, a.head_dim
-                ),
+        let what = || {
+            format!(
+                "attention over {} heads x {} tokens of {}",
+                a.heads, a.seq, a.head_dim
             )
-        })?;
+        };
+        let seconds = match mixed.attention_s(a) {
+            Some(s) => s,
+            None => {
+                let run = attention_load(&dev, dtype, *a, 1, bench.kernels)
+                    .map_err(|e| on(e, &what()))?;
+                median(&dev, bench, run).map_err(|e| on(e, &what()))?
+            }
+        };
         attention.push(AttentionPoint {
             heads: a.heads,
             seq: a.seq,
@@ -230,8 +274,11 @@ pub fn measure_ops(
         "element-wise kernels on {id} ({} x {})",
         shapes.elementwise.0, shapes.elementwise.1
     ));
-    let elementwise_gbps = elementwise_gbps(&dev, dtype, shapes.elementwise, bench)
-        .map_err(|e| on(e, "element-wise kernels"))?;
+    let elementwise_gbps = match mixed.elementwise_gbps() {
+        Some(g) => g,
+        None => elementwise_gbps(&dev, dtype, shapes.elementwise, bench)
+            .map_err(|e| on(e, "element-wise kernels"))?,
+    };
     let mut htod_busy_ratio = None;
     if dev.is_cuda() && !shapes.blocks.is_empty() {
         progress(&format!(
@@ -256,6 +303,7 @@ pub fn measure_ops(
         attention,
         elementwise_gbps,
         htod_busy_ratio,
+        library_bytes: None,
         collectives,
         components: Vec::new(),
     };
@@ -312,7 +360,7 @@ fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_cor
 }
 
 /// [`time_gemm`]'s product with its layer and random input built, ready to run.
-fn gemm_load(
+pub(crate) fn gemm_load(
     dev: &Device,
     dtype: DType,
     g: Gemm,
@@ -357,22 +405,29 @@ fn gemm_load(
 }
 
 /// Attention over `a` (one sample's heads, repeated for `batch` samples) through
-/// [`attention_with`], its random q = k = v built.
-fn attention_load(
+/// [`attention_with`], its random q, k and v built: three tensors, as the block passes
+/// (one tensor for all three would let the kernel read keys and values from the cache
+/// the queries filled).
+pub(crate) fn attention_load(
     dev: &Device,
     dtype: DType,
     a: AttentionShape,
     batch: u64,
     k: Kernels,
 ) -> candle_core::Result<Load<'static>> {
-    let q = random(&[batch.max(1), a.heads, a.seq, a.head_dim], dtype, dev)?;
+    let dims = [batch.max(1), a.heads, a.seq, a.head_dim];
+    let (q, kt, v) = (
+        random(&dims, dtype, dev)?,
+        random(&dims, dtype, dev)?,
+        random(&dims, dtype, dev)?,
+    );
     let meter = ActivationMeter::default();
-    Ok(Box::new(move || attention_with(k, &q, &q, &q, &meter)))
+    Ok(Box::new(move || attention_with(k, &q, &kt, &v, &meter)))
 }
 
 /// mold's element-wise kernels over `(1, rows, width)`, each with the passes over `x`
 /// it makes ([`elementwise_gbps`]).
-fn elementwise_loads(
+pub(crate) fn elementwise_loads(
     dev: &Device,
     dtype: DType,
     (rows, width): (u64, u64),
@@ -511,7 +566,9 @@ fn median(
 ) -> candle_core::Result<f64> {
     match bench.timing {
         Timing::Alone => median_time(dev, bench.warmup, bench.iters, f),
-        Timing::Sustained { round, span } => sustained_time(dev, round, span, f),
+        Timing::Sustained { round, span } | Timing::Mixed { round, span } => {
+            sustained_time(dev, round, span, f)
+        }
     }
 }
 
@@ -820,6 +877,44 @@ mod tests {
         assert!(t.elementwise_gbps > 0.0);
     }
 
+    /// The mixed timing fills the same table: every product and attention shape, from
+    /// inside the blocks, with an element-wise rate.
+    #[test]
+    fn mixed_timing_measures_into_a_valid_table() {
+        let model = mold_models::find("flux-tiny").unwrap();
+        let req = ShapeRequest::default_for(&model, 1, vec![]);
+        let shapes = calibration_shapes(&model, mold_plan::DType::F32, &req);
+        let bench = OpBench {
+            timing: Timing::Mixed {
+                round: Duration::from_millis(1),
+                span: Duration::from_millis(2),
+            },
+            ..OpBench::default()
+        };
+        let mut said = Vec::new();
+        let t = measure_ops(
+            &OpTarget {
+                model: "flux-tiny",
+                dtype: mold_plan::DType::F32,
+                device_name: "emulated device (CPU)",
+                devices: &emu(1),
+            },
+            &shapes,
+            &bench,
+            &mut |s| said.push(s.to_string()),
+        )
+        .unwrap();
+        t.validate("ops[0]").unwrap();
+        assert_eq!(t.gemm.len(), shapes.gemm.len());
+        assert_eq!(t.attention.len(), shapes.attention.len());
+        assert!(t.elementwise_gbps > 0.0);
+        assert!(
+            said.iter().any(|s| s.contains("timed inside its block")),
+            "{said:?}"
+        );
+        assert!(Timing::MIXED.describe().contains("inside their blocks"));
+    }
+
     /// Sustained timing runs the operation back to back for the whole span, rounds of
     /// many runs with one synchronise each, and reports one run's time: well below a
     /// round's, and above 0.
@@ -865,6 +960,14 @@ mod tests {
                 ..OpBench::default()
             };
             assert!(b.check(&emu(1)).unwrap_err().contains("sustained"));
+            let b = OpBench {
+                timing: Timing::Mixed {
+                    round: Duration::from_millis(round),
+                    span: Duration::from_millis(span),
+                },
+                ..OpBench::default()
+            };
+            assert!(b.check(&emu(1)).unwrap_err().contains("mixed"));
         }
         assert_eq!(median_of(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median_of(vec![4.0, 1.0, 2.0, 3.0]), 2.5);

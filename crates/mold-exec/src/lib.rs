@@ -40,6 +40,8 @@
 
 pub mod calibrate;
 pub mod calibrate_copy;
+pub mod calibrate_footprint;
+pub mod calibrate_mix;
 pub mod calibrate_ops;
 pub mod checkpoint;
 pub mod comm;

@@ -10,6 +10,9 @@
 //! allocates from that pool, so it catches peaks inside a phase that the samples at its
 //! boundaries miss. Devices the allocator cannot be asked about (emulated, the host, CPU
 //! builds) get no probe: the run report gives their accounted figures instead.
+//!
+//! [`MemoryProbe::growth`] reads each device's use and its pool's reserved memory against
+//! the baseline: what [`crate::calibrate_footprint`] takes the CUDA libraries' memory from.
 
 use crate::error::ExecError;
 use mold_plan::DeviceId;
@@ -25,6 +28,11 @@ pub trait UsedMemory: Send {
     }
     /// The allocator pool's bytes in use now, where the allocator keeps a pool.
     fn pool_used_bytes(&self) -> Option<u64> {
+        None
+    }
+    /// The device memory the allocator's pool holds now (in use or kept for reuse),
+    /// where the allocator keeps a pool: what of [`UsedMemory::used_bytes`] is the pool's.
+    fn pool_reserved_bytes(&self) -> Option<u64> {
         None
     }
     /// Restarts the pool's high-water mark from what is in use now.
@@ -44,6 +52,20 @@ pub struct ProbedPeak {
     pub samples: Vec<(String, u64)>,
 }
 
+/// One device's memory now against its baseline ([`MemoryProbe::growth`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Growth {
+    pub device: DeviceId,
+    /// Bytes in use now less at the baseline (0 where fewer are in use).
+    pub used_bytes: u64,
+    /// What the allocator's pool holds now less at the baseline (0 where it shrank);
+    /// `None` where the allocator keeps no pool.
+    pub pool_reserved_bytes: Option<u64>,
+    /// What of the pool is in use now less at the baseline (0 where less is); `None`
+    /// where the allocator keeps no pool.
+    pub pool_used_bytes: Option<u64>,
+}
+
 /// Samples device memory at phase boundaries; see the module documentation.
 pub struct MemoryProbe {
     devices: Vec<ProbeDevice>,
@@ -56,6 +78,8 @@ struct ProbeDevice {
     source: Box<dyn UsedMemory>,
     baseline: u64,
     pool_baseline: u64,
+    /// The pool's reserved memory at the baseline, where the allocator keeps a pool.
+    reserved_baseline: Option<u64>,
     samples: Vec<(String, u64)>,
 }
 
@@ -70,11 +94,13 @@ impl MemoryProbe {
                 message: format!("cannot read the memory in use: {e}"),
             })?;
             let pool_baseline = source.pool_used_bytes().unwrap_or(0);
+            let reserved_baseline = source.pool_reserved_bytes();
             out.push(ProbeDevice {
                 id,
                 source,
                 baseline,
                 pool_baseline,
+                reserved_baseline,
                 samples: Vec::new(),
             });
         }
@@ -87,6 +113,35 @@ impl MemoryProbe {
     /// The devices probed, in the order given.
     pub fn devices(&self) -> Vec<DeviceId> {
         self.devices.iter().map(|d| d.id.clone()).collect()
+    }
+
+    /// Each device's memory in use now, its pool's reserved memory and what of the pool is
+    /// in use, each against the baseline (saturating); a device that cannot be read is an
+    /// error naming it.
+    pub fn growth(&self) -> Result<Vec<Growth>, ExecError> {
+        self.devices
+            .iter()
+            .map(|d| {
+                let used = d.source.used_bytes().map_err(|e| ExecError::Device {
+                    device: d.id.to_string(),
+                    message: format!("cannot read the memory in use: {e}"),
+                })?;
+                let reserved = d
+                    .source
+                    .pool_reserved_bytes()
+                    .map(|r| r.saturating_sub(d.reserved_baseline.unwrap_or(0)));
+                let pool_used = d
+                    .source
+                    .pool_used_bytes()
+                    .map(|u| u.saturating_sub(d.pool_baseline));
+                Ok(Growth {
+                    device: d.id.clone(),
+                    used_bytes: used.saturating_sub(d.baseline),
+                    pool_reserved_bytes: reserved,
+                    pool_used_bytes: pool_used,
+                })
+            })
+            .collect()
     }
 
     /// Reads every device at the end of `phase`. A device that cannot be read is skipped
@@ -217,6 +272,10 @@ mod cuda {
 
         fn pool_used_bytes(&self) -> Option<u64> {
             self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        }
+
+        fn pool_reserved_bytes(&self) -> Option<u64> {
+            self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
         }
 
         fn reset_high(&self) {

@@ -9,7 +9,7 @@
 //! device name). Its keys are sorted and unique so a lookup is a search, and every
 //! time is finite and positive; [`OpTables::validate`] says which field is wrong.
 
-use mold_plan::DType;
+use mold_plan::{ByteSize, DType};
 use serde::{Deserialize, Serialize};
 
 /// One model's measured operations on one kind of device.
@@ -43,6 +43,19 @@ pub struct OpTables {
     /// older profiles).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub htod_busy_ratio: Option<f64>,
+    /// The device memory the CUDA libraries hold beyond the tensors once the model's
+    /// blocks have run: kernel code loaded on first use (candle's and mold's
+    /// modules, cuBLAS/cuBLASLt's and cuDNN's generated kernels), cuBLAS/cuBLASLt handles
+    /// and workspaces, curand, streams. Measured in a fresh process (`mold calibrate-footprint`,
+    /// spawned by `mold devices --calibrate --model M`): the device's memory in use after
+    /// each of the blocks' operations has run once and their tensors are dropped, less
+    /// before (the CUDA context already made), less what the memory pool grew by and keeps
+    /// free for reuse (the tensors' memory); the median of three processes.
+    /// The cost model, the simulator and the planner count it in every device the plan
+    /// uses. `None` in profiles calibrated before it was measured and on emulated devices:
+    /// priced as before, without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub library_bytes: Option<ByteSize>,
     /// The pipeline's other components run alone on one of the devices, warm: each text
     /// encoder over its prompt tokens, the VAE decoding one image; with what their first
     /// run in a fresh process costs on top. Sorted by (component, dtype, size).
@@ -565,6 +578,35 @@ ops:
             points.iter().map(|p| p.size).collect::<Vec<_>>(),
             [262144, 1048576]
         );
+    }
+
+    /// `library_bytes` is optional: a profile without it (every profile calibrated before
+    /// it was measured) loads with `None` and is written back without it; one with it
+    /// keeps it through a write and a load.
+    #[test]
+    fn library_bytes_is_optional_and_round_trips() {
+        let old = Machine::from_yaml(WITH_OPS, "t.yaml").unwrap();
+        assert_eq!(old.ops[0].library_bytes, None);
+        assert!(!old.to_yaml().contains("library_bytes"));
+        let with = WITH_OPS.replace(
+            "elementwise_gbps: 1500\n",
+            "elementwise_gbps: 1500\n  library_bytes: 214MiB\n",
+        );
+        let m = Machine::from_yaml(&with, "t.yaml").unwrap();
+        assert_eq!(
+            m.ops[0].library_bytes,
+            Some(mold_plan::ByteSize(214 * mold_plan::MIB))
+        );
+        let yaml = m.to_yaml();
+        assert!(yaml.contains("library_bytes: 214MiB"), "{yaml}");
+        assert_eq!(Machine::from_yaml(&yaml, "again").unwrap(), m);
+        assert_eq!(m.fingerprint(), old.fingerprint());
+        let bad = WITH_OPS.replace(
+            "elementwise_gbps: 1500\n",
+            "elementwise_gbps: 1500\n  library_bytes: lots\n",
+        );
+        let e = Machine::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+        assert!(e.contains("not a size"), "{e}");
     }
 
     #[test]

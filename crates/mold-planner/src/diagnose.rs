@@ -19,7 +19,11 @@ pub fn explain(req: &Request) -> String {
         .devices
         .iter()
         .filter(|d| req.constraints.allowed("transformer", &d.id))
-        .map(|d| (d.id.to_string(), d.budget.0.saturating_sub(d.headroom.0)))
+        .map(|d| {
+            let cap = d.budget.0.saturating_sub(d.headroom.0);
+            let libraries = ctx.library_bytes(&d.id, dtype);
+            (d.id.to_string(), cap.saturating_sub(libraries))
+        })
         .collect();
     let (big_id, big) = caps
         .iter()

@@ -14,7 +14,8 @@
 //! ordered so each runs one contiguous range (`layout.rs` does it).
 //! Per device d: components' weights + resident blocks + buffers + stem (if d runs any
 //! transformer part) + the largest activation A[d] + the transfer reserves + headroom ≤
-//! budget. Host: streamed weights ≤ pinned limit; host components + pinned ≤ host memory.
+//! budget less the CUDA libraries' measured memory (`Problem::cap`). Host: streamed
+//! weights ≤ pinned limit; host components + pinned ≤ host memory.
 //!   t[g,k] ≥ compute(g,k) · (nr+ns), t[g,k] ≥ copy(g,k) · ns   kind k's time on g
 //! Memory phases one-shot: per device, the encode phase (encoders' weights + their
 //! largest activation), the denoise phase (the transformer's bytes + its largest

@@ -4,8 +4,9 @@
 //! for the solver; the exhaustive enumerator (`brute.rs`) walks it directly.
 //!
 //! Memory per device: components' weights + resident blocks + stream buffers + stem (if
-//! the device runs any transformer part) + its largest activation, plus headroom and the
-//! transfer reserve (below), within its budget. The transfer reserve is what the
+//! the device runs any transformer part) + its largest activation, plus headroom, the
+//! CUDA libraries' measured device memory (where the profile has it) and the transfer
+//! reserve (below), within its budget. The transfer reserve is what the
 //! simulator (and the executor) holds beside that and `mold_cost::evaluate` does not
 //! count: conditioning on the transformer's first devices, hand-off and all-reduce
 //! buffers, latents. Without it a plan filled to the last byte of its budget was refused
@@ -231,10 +232,17 @@ impl<'a> Problem<'a> {
         layouts(self.req, size as u32)
     }
 
-    /// Bytes each device may hold for the plan: budget less headroom.
+    /// Bytes each device may hold for the plan: budget less headroom, less the CUDA
+    /// libraries' device memory where the profile measured it ([`Ctx::library_bytes`]:
+    /// `mold_cost::evaluate` and the simulator count it on every device the plan uses, so
+    /// a device that holds anything holds it too; one that holds nothing fits any cap).
     pub fn cap(&self, device: usize) -> u64 {
         let d = &self.req.machine.devices[device];
-        d.budget.0.saturating_sub(d.headroom.0)
+        let libraries = self.ctx.library_bytes(&d.id, self.req.dtype("transformer"));
+        d.budget
+            .0
+            .saturating_sub(d.headroom.0)
+            .saturating_sub(libraries)
     }
 
     /// The transfer reserve of a device that runs transformer blocks, in plans of
@@ -263,6 +271,8 @@ impl<'a> Problem<'a> {
 
     /// Whether an evaluated plan of `family` fits every budget with the transfer
     /// reserves: exact, in bytes (the solver meets its constraints only to tolerances).
+    /// `ev`'s peaks and phases hold the CUDA libraries' measured memory already
+    /// (`DeviceUse::libraries`), as [`Problem::cap`] leaves room for.
     pub fn fits(&self, plan: &mold_plan::Plan, ev: &mold_cost::Evaluation, family: Family) -> bool {
         // Every transformer's devices: both replicas' under CFG-parallel.
         let placements = match plan.cfg_mode() {

@@ -263,7 +263,13 @@ pub fn summary(o: &Outcome) -> String {
             ByteSize(d.headroom).human(),
             ByteSize(d.budget).human(),
             100.0 * used as f64 / d.budget as f64,
-            if d.peak == 0 { "  (unused)" } else { "" }
+            if d.peak == 0 {
+                "  (unused)".to_string()
+            } else if d.libraries > 0 {
+                format!("  (CUDA libraries {})", ByteSize(d.libraries).human())
+            } else {
+                String::new()
+            }
         );
     }
     let _ = writeln!(

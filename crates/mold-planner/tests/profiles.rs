@@ -226,6 +226,61 @@ fn a_budget_filled_to_the_last_megabyte_passes_the_simulator() {
     }
 }
 
+/// `m` with a flux-dev bf16 operation table for its first device's kind (no times:
+/// blocks priced as without it), its CUDA libraries' memory `library` where given.
+fn with_library_table(m: &Machine, library: Option<u64>) -> Machine {
+    let mut t: mold_machine::OpTables = serde_yaml_ng::from_str(&format!(
+        "{{model: flux-dev, dtype: bf16, device: {:?}, elementwise_gbps: 1000}}",
+        m.devices[0].name
+    ))
+    .unwrap();
+    t.library_bytes = library.map(ByteSize);
+    let mut out = m.clone();
+    out.set_op_tables(t);
+    out
+}
+
+#[test]
+fn measured_libraries_come_out_of_the_capacity_so_the_planner_streams_more() {
+    // One RTX 4090 whose budget is what flux-dev's plan needs plus a MiB, the encoders
+    // and the VAE kept on it: the planner fills it. With 200 MiB of CUDA libraries
+    // measured in the profile the same budget holds 200 MiB less: the planner streams
+    // more of the blocks' bytes, and its plan still fits by the cost model and the
+    // simulator, both of which count the libraries; the plan made without them does not.
+    let lib = 200 << 20;
+    let model = mold_models::find("flux-dev").unwrap();
+    let request = |m: &Machine| {
+        let mut r = Request::new(model.clone(), m.clone(), model.default_workload.clone());
+        r.constraints.host_components = false;
+        r
+    };
+    let table = with_library_table(&shipped("1x-rtx4090"), None);
+    let o = mold_planner::plan(&request(&table)).unwrap();
+    let mut tight = table;
+    let d = &mut tight.devices[0];
+    d.budget = ByteSize(o.evaluation.devices[0].peak + d.headroom.0 + (1 << 20));
+    d.memory = d.budget;
+    let before = mold_planner::plan(&request(&tight)).unwrap();
+    assert_eq!(before.evaluation.devices[0].libraries, 0);
+    let req = request(&with_library_table(&tight, Some(lib)));
+    let after = mold_planner::plan(&req).unwrap();
+    let streamed = |o: &mold_planner::Outcome| o.evaluation.streamed_per_step;
+    assert!(
+        streamed(&after) > streamed(&before),
+        "{} bytes streamed a step with the libraries, {} without",
+        streamed(&after),
+        streamed(&before)
+    );
+    let d = &after.evaluation.devices[0];
+    assert_eq!(d.libraries, lib);
+    assert!(d.fits(), "{d:?}");
+    assert!(d.peak - lib < before.evaluation.devices[0].peak, "{d:?}");
+    let sim = mold_sim::simulate(&after.plan, &req.model, &req.machine).unwrap();
+    assert!(sim.fits(), "{}", sim.overflows[0].message);
+    let sim = mold_sim::simulate(&before.plan, &req.model, &req.machine).unwrap();
+    assert!(!sim.fits());
+}
+
 #[test]
 fn qwen_image_on_eight_mixed_gpus_without_peer_links_answers_within_the_limit() {
     // The slow instance: qwen-image, eight mixed GPUs, no peer links, memory

@@ -27,6 +27,9 @@ pub(crate) struct Streams {
     pub(crate) busy: Vec<(f64, f64)>,
 }
 
+/// What the libraries' allocation is called in the memory timeline.
+pub(crate) const LIBRARIES: &str = "libraries (kernels, cuBLAS/cuDNN workspaces)";
+
 /// When a copy that starts at `start` and takes `work` seconds on an idle device ends,
 /// with the device computing over the intervals `busy` (sorted, disjoint): inside them
 /// it progresses at `ratio` of its idle rate (`mold_cost::Ctx::copy_busy_ratio`).
@@ -458,6 +461,16 @@ impl<'a> Sim<'a> {
         (first..self.allocs.len()).collect()
     }
 
+    /// The CUDA libraries' device memory where the profile measured it
+    /// ([`mold_cost::plan_libraries`], what the cost model adds to every phase): live from
+    /// the start to the end of the request on each device the plan uses.
+    fn load_libraries(&mut self) {
+        let libraries = mold_cost::plan_libraries(self.plan, &self.ctx);
+        for (i, bytes) in libraries.into_iter().enumerate() {
+            self.alloc(i, 0.0, None, bytes, LIBRARIES.into(), "load");
+        }
+    }
+
     /// One-shot phases: encoders' weights live until `encoded`, the transformer's from
     /// then until `denoised`, the VAE's from then on; resident, all for the whole run.
     fn phase_allocs(
@@ -501,6 +514,7 @@ impl<'a> Sim<'a> {
                 transformer_allocs.extend(self.load_transformer(tc));
             }
         }
+        self.load_libraries();
         self.host_ram += self.host_pinned;
 
         // Encode: each encoder on its device, then its conditioning to the

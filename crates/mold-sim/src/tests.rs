@@ -686,3 +686,4 @@ fn inter_node_transfers_and_collectives_use_the_network() {
 }
 
 mod cfg;
+mod libraries;
