@@ -44,10 +44,15 @@ pub trait UsedMemory: Send {
 pub struct ProbedPeak {
     pub device: DeviceId,
     /// The largest of the samples and the pool's high-water mark less the pool's use at
-    /// the baseline: bytes above the baseline.
+    /// the baseline plus the memory outside the pool: bytes above the baseline.
     pub peak_bytes: u64,
     /// The pool's high-water mark less its use at the baseline, where the allocator keeps one.
     pub pool_high_bytes: Option<u64>,
+    /// The most memory in use outside the pool at a sample (in use above the baseline less
+    /// what the pool grew by: kernel code, library handles and workspaces allocated
+    /// directly), where the allocator keeps a pool. It is in use at the pool's
+    /// high-water mark too, so the peak counts both.
+    pub outside_pool_bytes: Option<u64>,
     /// (phase, bytes above the baseline) at each boundary sampled.
     pub samples: Vec<(String, u64)>,
 }
@@ -81,6 +86,8 @@ struct ProbeDevice {
     /// The pool's reserved memory at the baseline, where the allocator keeps a pool.
     reserved_baseline: Option<u64>,
     samples: Vec<(String, u64)>,
+    /// The most in use outside the pool at a sample, where the pool's reserve is read.
+    outside_pool: Option<u64>,
 }
 
 impl MemoryProbe {
@@ -102,6 +109,7 @@ impl MemoryProbe {
                 pool_baseline,
                 reserved_baseline,
                 samples: Vec::new(),
+                outside_pool: None,
             });
         }
         Ok(MemoryProbe {
@@ -149,9 +157,15 @@ impl MemoryProbe {
     pub fn sample(&mut self, phase: &str) {
         for d in &mut self.devices {
             match d.source.used_bytes() {
-                Ok(b) => d
-                    .samples
-                    .push((phase.to_string(), b.saturating_sub(d.baseline))),
+                Ok(b) => {
+                    let used = b.saturating_sub(d.baseline);
+                    if let Some(r) = d.source.pool_reserved_bytes() {
+                        let grew = r.saturating_sub(d.reserved_baseline.unwrap_or(0));
+                        let outside = used.saturating_sub(grew);
+                        d.outside_pool = Some(d.outside_pool.unwrap_or(0).max(outside));
+                    }
+                    d.samples.push((phase.to_string(), used))
+                }
                 Err(e) => {
                     if self.error.is_none() {
                         self.error = Some(format!("{}: at {phase}: {e}", d.id));
@@ -172,10 +186,13 @@ impl MemoryProbe {
                     .pool_high_bytes()
                     .map(|h| h.saturating_sub(d.pool_baseline));
                 let sampled = d.samples.iter().map(|(_, b)| *b).max().unwrap_or(0);
+                let outside = d.outside_pool.filter(|_| pool.is_some());
                 ProbedPeak {
                     device: d.id,
-                    peak_bytes: sampled.max(pool.unwrap_or(0)),
+                    peak_bytes: sampled
+                        .max(pool.unwrap_or(0).saturating_add(outside.unwrap_or(0))),
                     pool_high_bytes: pool,
+                    outside_pool_bytes: outside,
                     samples: d.samples,
                 }
             })
@@ -308,6 +325,7 @@ mod tests {
         used: Arc<Mutex<u64>>,
         high: Arc<Mutex<Option<u64>>>,
         pool_used: Arc<Mutex<Option<u64>>>,
+        reserved: Arc<Mutex<Option<u64>>>,
         fail: Arc<Mutex<bool>>,
     }
 
@@ -324,6 +342,33 @@ mod tests {
         fn pool_used_bytes(&self) -> Option<u64> {
             *self.pool_used.lock().unwrap()
         }
+        fn pool_reserved_bytes(&self) -> Option<u64> {
+            *self.reserved.lock().unwrap()
+        }
+    }
+
+    /// Memory outside the pool (kernel code, library handles) is in use at the pool's
+    /// high-water mark too: the peak is the pool's mark plus the most seen outside it.
+    #[test]
+    fn memory_outside_the_pool_adds_to_the_pool_s_peak() {
+        let f = Fake::default();
+        *f.used.lock().unwrap() = 1000;
+        *f.pool_used.lock().unwrap() = Some(0);
+        *f.reserved.lock().unwrap() = Some(0);
+        let mut p = MemoryProbe::new(vec![(DeviceId::Cuda(0), Box::new(f.clone()))]).unwrap();
+        // Loaded: 5000 in the pool, 300 outside it (1000 + 5000 + 300 in use).
+        *f.used.lock().unwrap() = 6300;
+        *f.reserved.lock().unwrap() = Some(5000);
+        p.sample("loaded");
+        // A step's transient tensors peaked at 7000 in the pool, freed before the sample;
+        // the libraries now hold 400 outside it.
+        *f.high.lock().unwrap() = Some(7000);
+        *f.used.lock().unwrap() = 6400;
+        p.sample("step 1");
+        let (peaks, _) = p.finish();
+        assert_eq!(peaks[0].outside_pool_bytes, Some(400));
+        assert_eq!(peaks[0].pool_high_bytes, Some(7000));
+        assert_eq!(peaks[0].peak_bytes, 7400);
     }
 
     #[test]

@@ -235,6 +235,7 @@ impl Recorder {
                         source: MemorySource::Allocator,
                         peak_bytes: p.peak_bytes,
                         pool_high_bytes: p.pool_high_bytes,
+                        outside_pool_bytes: p.outside_pool_bytes,
                         samples: p
                             .samples
                             .iter()
@@ -248,6 +249,7 @@ impl Recorder {
                         source: MemorySource::Accounted,
                         peak_bytes: b,
                         pool_high_bytes: None,
+                        outside_pool_bytes: None,
                         samples: Vec::new(),
                     }),
                 };

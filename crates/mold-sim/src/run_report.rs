@@ -9,7 +9,8 @@
 //! run:     {kind, steps, width, height, profiled, predicted_by}
 //! phases:  [{phase, kind, per_step, devices, predicted_s, measured_s, note}]
 //! memory:  [{device, predicted_peak_bytes, accounted_peak_bytes,
-//!            measured: {source, peak_bytes, pool_high_bytes, samples: [{phase, bytes}]}}]
+//!            measured: {source, peak_bytes, pool_high_bytes, outside_pool_bytes,
+//!                       samples: [{phase, bytes}]}}]
 //! ```
 //!
 //! Times are seconds (per denoising step where `per_step`, else per request), sizes bytes;
@@ -167,9 +168,14 @@ pub struct MeasuredPeak {
     pub source: MemorySource,
     pub peak_bytes: u64,
     /// The allocator pool's own high-water mark (CUDA's default memory pool), when it
-    /// keeps one; `peak_bytes` is the larger of it and the samples.
+    /// keeps one; `peak_bytes` is the larger of the samples and it plus
+    /// `outside_pool_bytes`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool_high_bytes: Option<u64>,
+    /// The most memory in use outside that pool at a sample (kernel code, library handles
+    /// and workspaces allocated directly), where it was read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outside_pool_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub samples: Vec<MemorySample>,
 }

@@ -419,6 +419,7 @@ fn memory_strategy() -> impl Strategy<Value = MemoryRow> {
                 },
                 peak_bytes: peak,
                 pool_high_bytes: pool,
+                outside_pool_bytes: pool.map(|p| p % 1_000_003),
                 samples: samples
                     .into_iter()
                     .map(|(phase, bytes)| MemorySample { phase, bytes })
