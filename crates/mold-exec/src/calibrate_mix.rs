@@ -109,23 +109,26 @@ pub fn measure(
 /// A load run several times in one block.
 type Shared = std::rc::Rc<dyn Fn() -> candle_core::Result<candle_core::Tensor>>;
 
-/// The block's operations in the order it runs them: its products, its attention, then
-/// its element-wise kernels repeated for its element-wise bytes (as the copy's loads
-/// are built in `calibrate_ops`).
+/// The block's operations: its products, then its attention, with its element-wise
+/// kernels (repeated for its element-wise bytes, as the copy's loads are built in
+/// `calibrate_ops`) spread evenly before them, as a block runs its norms, modulation,
+/// activations and residuals between its products. Spread, not bunched: a run of
+/// small kernels alone would leave the device waiting on their launches, which a block
+/// hides behind the products around them.
 fn block_loads(
     dev: &Device,
     dtype: DType,
     b: &BlockOps,
     k: Kernels,
 ) -> candle_core::Result<(Vec<Slot>, Vec<Load<'static>>)> {
-    let mut slots = Vec::new();
-    let mut loads = Vec::new();
+    let mut big: Vec<(Slot, Load<'static>)> = Vec::new();
     for g in &b.gemms {
-        slots.push(Slot::Gemm(*g));
-        loads.push(gemm_load(dev, dtype, *g, k)?);
+        big.push((Slot::Gemm(*g), gemm_load(dev, dtype, *g, k)?));
     }
-    slots.push(Slot::Attention(b.attention, b.batch));
-    loads.push(attention_load(dev, dtype, b.attention, b.batch, k)?);
+    big.push((
+        Slot::Attention(b.attention, b.batch),
+        attention_load(dev, dtype, b.attention, b.batch, k)?,
+    ));
     let rows = b.batch.max(1).saturating_mul(b.attention.seq);
     let width = b.attention.heads.saturating_mul(b.attention.head_dim);
     let x_bytes = (rows * width) as f64 * dtype.size_in_bytes() as f64;
@@ -138,14 +141,29 @@ fn block_loads(
         .into_iter()
         .map(|(passes, l)| (passes, std::rc::Rc::from(l)))
         .collect();
+    let mut small: Vec<(Slot, Load<'static>)> = Vec::new();
     for _ in 0..rounds {
         for (passes, run) in &runs {
-            slots.push(Slot::Elementwise(passes * x_bytes));
             let run = run.clone();
-            loads.push(Box::new(move || run()));
+            small.push((Slot::Elementwise(passes * x_bytes), Box::new(move || run())));
         }
     }
-    Ok((slots, loads))
+    Ok(spread(big, small).into_iter().unzip())
+}
+
+/// `small` spread evenly before the items of `big`, in order: before big item `i` go
+/// small items `i·s/b .. (i+1)·s/b`.
+fn spread<T>(big: Vec<T>, small: Vec<T>) -> Vec<T> {
+    let (nb, ns) = (big.len().max(1), small.len());
+    let mut out = Vec::with_capacity(big.len() + ns);
+    let mut small = small.into_iter();
+    for (i, item) in big.into_iter().enumerate() {
+        let take = (i + 1) * ns / nb - i * ns / nb;
+        out.extend(small.by_ref().take(take));
+        out.push(item);
+    }
+    out.extend(small);
+    out
 }
 
 /// The most repetitions of a block in one round, whatever the estimate says.
@@ -322,6 +340,18 @@ mod tests {
         assert_eq!(a, b, "every load runs in every repetition");
         // Two to estimate, then at least four rounds.
         assert!(a >= 2 + 4, "{a} runs");
+    }
+
+    /// The small kernels go evenly between the big ones, every item once, in order.
+    #[test]
+    fn small_kernels_are_spread_between_the_big_ones() {
+        assert_eq!(
+            spread(vec![100, 200, 300], vec![1, 2, 3, 4, 5, 6, 7]),
+            vec![1, 2, 100, 3, 4, 200, 5, 6, 7, 300]
+        );
+        assert_eq!(spread(vec![100], vec![1, 2]), vec![1, 2, 100]);
+        assert_eq!(spread(Vec::new(), vec![1, 2]), vec![1, 2]);
+        assert_eq!(spread(vec![100, 200], Vec::new()), vec![100, 200]);
     }
 
     /// flux-tiny's mixes on the CPU: every product and attention shape the calibration

@@ -189,8 +189,7 @@ impl MemoryProbe {
                 let outside = d.outside_pool.filter(|_| pool.is_some());
                 ProbedPeak {
                     device: d.id,
-                    peak_bytes: sampled
-                        .max(pool.unwrap_or(0).saturating_add(outside.unwrap_or(0))),
+                    peak_bytes: sampled.max(pool.unwrap_or(0).saturating_add(outside.unwrap_or(0))),
                     pool_high_bytes: pool,
                     outside_pool_bytes: outside,
                     samples: d.samples,
