@@ -51,12 +51,12 @@ pub struct Args {
     /// With --model: the dtype to measure in (default: the model's transformer dtype).
     #[arg(long, value_name = "DTYPE", requires = "model")]
     pub dtype: Option<String>,
-    /// With --model: how an operation on one device is timed: `sustained`, back to back
-    /// for 250 ms as in a step, at the clocks a GPU's power limit allows under load (the
-    /// default on GPUs); `mixed`, each operation timed inside its block, the block's
-    /// operations back to back for 250 ms, at the clock the block's whole mix runs at;
-    /// or `alone`, each run drained before the next (the default on emulated devices,
-    /// whose clocks do not settle under load).
+    /// With --model: how an operation on one device is timed: `mixed`, each operation
+    /// timed inside its block, the block's operations back to back for 250 ms, at the
+    /// clock the block's whole mix runs at under the power limit (the default on GPUs);
+    /// `sustained`, each operation back to back by itself for 250 ms; or `alone`, each run
+    /// drained before the next (the default on emulated devices, whose clocks do not
+    /// settle under load).
     #[arg(long, value_name = "HOW", requires = "model", value_parser = ["sustained", "mixed", "alone"])]
     pub timing: Option<String>,
     /// The profile's name (default: the file name of --save without .yaml).
@@ -737,14 +737,14 @@ fn measure_kind(
     Ok((t, timing))
 }
 
-/// `--timing`: as named, else sustained on GPUs and alone on emulated devices (the
-/// CPU's clocks do not settle under a GPU's power limit, and tests stay fast).
+/// `--timing`: as named, else mixed on GPUs and alone on emulated devices (the CPU's
+/// clocks do not settle under a GPU's power limit, and tests stay fast).
 fn op_timing(named: Option<&str>, devices: &[DeviceId]) -> Timing {
     match named {
         Some("alone") => Timing::Alone,
-        Some("mixed") => Timing::MIXED,
-        Some(_) => Timing::SUSTAINED,
-        None if devices.iter().all(|d| matches!(d, DeviceId::Cuda(_))) => Timing::SUSTAINED,
+        Some("sustained") => Timing::SUSTAINED,
+        Some(_) => Timing::MIXED,
+        None if devices.iter().all(|d| matches!(d, DeviceId::Cuda(_))) => Timing::MIXED,
         None => Timing::Alone,
     }
 }
@@ -945,6 +945,18 @@ mod tests {
         assert!(small >= ByteSize(GIB), "{small}");
         assert!(big > small, "{big} vs {small}");
         assert_eq!(big.0 % (256 * MIB), 0);
+    }
+
+    /// GPUs are timed inside their blocks unless told otherwise; emulated devices alone.
+    #[test]
+    fn operations_on_gpus_are_timed_in_their_mix_by_default() {
+        let gpus = [DeviceId::Cuda(0), DeviceId::Cuda(1)];
+        let emu = [DeviceId::Emu(0)];
+        assert_eq!(op_timing(None, &gpus), Timing::MIXED);
+        assert_eq!(op_timing(None, &emu), Timing::Alone);
+        assert_eq!(op_timing(Some("sustained"), &gpus), Timing::SUSTAINED);
+        assert_eq!(op_timing(Some("alone"), &gpus), Timing::Alone);
+        assert_eq!(op_timing(Some("mixed"), &emu), Timing::MIXED);
     }
 
     #[test]
