@@ -134,6 +134,23 @@ fn parts_on_one_device_follow_each_other_without_a_wait() {
             ],
             2,
         ),
+        // A tensor-parallel group's consecutive parts run as one: each rank's thread
+        // goes on to the next part itself, and the host waits once (the last part).
+        (
+            vec![
+                part(&["emu:0", "emu:1"], &["double 0..1"], true),
+                part(&["emu:0", "emu:1"], &["double 1..2", "single 0..1"], false),
+                part(&["emu:0", "emu:1"], &["single 1..3"], true),
+            ],
+            1,
+        ),
+        (
+            vec![
+                part(&["emu:0", "emu:1"], &["double 0..2"], false),
+                part(&["emu:1", "emu:0"], &["single 0..3"], false),
+            ],
+            2,
+        ),
     ];
     for (parts, waits) in cases {
         let ex = Executor::new_with_streaming(&cfg, &plan(parts.clone()), &ckpt, Streaming::Pinned)
@@ -181,6 +198,30 @@ fn tensor_parallel_parts_stream_their_shards() {
     assert_eq!(m.len(), 2);
     assert_eq!(m[0].host_weight_bytes, m[1].host_weight_bytes);
     assert_eq!(m[0].stream_buffers, 2);
+}
+
+/// A tensor-parallel group's parts run as one run (no wait, no copy to the ranks
+/// between them) give exactly what the same group gives as one resident part, step
+/// after step.
+#[test]
+fn a_tensor_parallel_group_s_parts_run_as_one_unchanged() {
+    let cfg = FluxConfig::flux_tiny();
+    let ckpt = tiny_checkpoint(11);
+    let group = ["emu:0", "emu:1"];
+    let one = plan(vec![part(&group, &["double 0..2", "single 0..3"], false)]);
+    let parts = plan(vec![
+        part(&group, &["double 0..1"], true),
+        part(&group, &["double 1..2", "single 0..1"], false),
+        part(&group, &["single 1..3"], true),
+    ]);
+    let a = Executor::new(&cfg, &one, &ckpt).unwrap();
+    let b = Executor::new_with_streaming(&cfg, &parts, &ckpt, Streaming::Pinned).unwrap();
+    for s in 0..3 {
+        let x = tiny_inputs(200 + s);
+        let (ya, yb) = (a.forward(&x).unwrap(), b.forward(&x).unwrap());
+        assert_eq!(max_relative_error(&yb, &ya).unwrap(), 0.0, "step {s}");
+    }
+    assert_eq!(b.part_waits(), 3);
 }
 
 #[test]

@@ -627,8 +627,23 @@ impl<M: Transformer> Executor<M> {
             return r;
         }
         let mut flow: Option<Flow<M::Acts>> = None;
-        for (pi, part) in self.parts.iter().enumerate() {
-            flow = Some(self.run_part(part, flow.as_ref(), inputs, None, self.must_finish(pi))?);
+        let mut pi = 0;
+        while pi < self.parts.len() {
+            // A tensor-parallel group's consecutive parts run as one, without a wait
+            // between them.
+            let mut end = pi + 1;
+            while end < self.parts.len() && self.same_group(end - 1, end) {
+                end += 1;
+            }
+            let run = &self.parts[pi..end];
+            flow = Some(self.run_parts(
+                run,
+                flow.as_ref(),
+                inputs,
+                None,
+                self.must_finish(end - 1),
+            )?);
+            pi = end;
         }
         match flow {
             Some(Flow::Out(t)) => Ok(t),
@@ -645,6 +660,27 @@ impl<M: Transformer> Executor<M> {
     /// ring's copies 25 % slower while the host waited (BENCHMARKS.md, issue 19,
     /// thirteenth session).
     fn must_finish(&self, pi: usize) -> bool {
+        self.must_finish_part(pi)
+    }
+
+    /// Whether parts `a` and `b` (consecutive, one process) run as one run on one
+    /// tensor-parallel group ([`Executor::run_parts`]): the same devices, ranks and
+    /// layout, several ranks, no sequence parallelism (whose slices flow by rank index)
+    /// and no communicators of their own (a group spanning processes).
+    fn same_group(&self, a: usize, b: usize) -> bool {
+        let (x, y) = (&self.parts[a], &self.parts[b]);
+        x.devices.len() > 1
+            && x.devices == y.devices
+            && (x.tp, x.sp) == (y.tp, y.sp)
+            && x.sp == 1
+            && !x.keep_sliced
+            && x.comms.is_none()
+            && y.comms.is_none()
+            && x.ranks.len() == y.ranks.len()
+            && x.local_ids == y.local_ids
+    }
+
+    fn must_finish_part(&self, pi: usize) -> bool {
         let (this, next) = (&self.parts[pi], self.parts.get(pi + 1));
         !matches!(next, Some(n) if this.devices.len() == 1
             && n.devices.len() == 1

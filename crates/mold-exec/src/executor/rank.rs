@@ -38,7 +38,27 @@ impl<M: Transformer> Executor<M> {
         mb: Option<usize>,
         finish: bool,
     ) -> Result<Flow<M::Acts>> {
-        if part.devices.len() == 1 {
+        self.run_parts(std::slice::from_ref(part), prev, inputs, mb, finish)
+    }
+
+    /// [`Executor::run_part`] over `run`: consecutive parts of one tensor-parallel group
+    /// ([`Executor::same_group`]; one part otherwise). Each rank's thread runs every part
+    /// of the run in turn on its own activations (replicated by the all-reduces, so its
+    /// own equal rank 0's), and the host waits once, after the last: a wait and a copy
+    /// of the activations to every rank at each boundary cost a TP2 plan with 39 parts a
+    /// pass about 3.5 ms each (BENCHMARKS.md, issue 19, fifteenth session).
+    pub(super) fn run_parts(
+        &self,
+        run: &[PartRt<M>],
+        prev: Option<&Flow<M::Acts>>,
+        inputs: &M::Inputs,
+        mb: Option<usize>,
+        finish: bool,
+    ) -> Result<Flow<M::Acts>> {
+        let part = run
+            .first()
+            .ok_or_else(|| ExecError::Plan("an empty run of parts".into()))?;
+        if part.devices.len() == 1 && run.len() == 1 {
             let rank = &part.ranks[0];
             let out = self.run_rank(part, rank, &LocalComm, &LocalComm, prev, inputs, mb)?;
             // Another device's part reads it on its own streams (from another thread
@@ -100,11 +120,26 @@ impl<M: Transformer> Executor<M> {
                         let prev = placed_prev.get(i).or(prev);
                         s.spawn(move || {
                             let mut guard = AbortGuard(comm, sp, false);
+                            // The run's parts in turn, each on what this rank's previous
+                            // part left on its device.
+                            let mut r = self.run_rank(part, rank, comm, sp, prev, inputs, mb);
+                            for next in &run[1..] {
+                                r = r.and_then(|a| {
+                                    self.run_rank(
+                                        next,
+                                        &next.ranks[i],
+                                        comm,
+                                        sp,
+                                        Some(&a),
+                                        inputs,
+                                        mb,
+                                    )
+                                });
+                            }
                             // Finish this rank's kernels before its thread hands the
                             // result on: other devices' streams are not ordered with
                             // this one (a no-op on the CPU).
-                            let r = self
-                                .run_rank(part, rank, comm, sp, prev, inputs, mb)
+                            let r = r
                                 .and_then(|a| rank.device.synchronize().map(|_| a))
                                 // A collective may fail after it was enqueued.
                                 .and_then(|a| comm.check().map(|_| a))
@@ -133,7 +168,8 @@ impl<M: Transformer> Executor<M> {
                 message: e.to_string(),
             });
         }
-        if part.keep_sliced {
+        let last = run.last().unwrap_or(part);
+        if last.keep_sliced {
             // Every rank's slice, in rank order, for the same ranks of the next part.
             let mut slices = Vec::with_capacity(results.len());
             for r in results {
