@@ -19,7 +19,7 @@
 //! workspace, 32 MiB on Hopper, comes from the pool and lives as long as its handle).
 //! Collectives (NCCL's buffers) are not run.
 
-use crate::calibrate_ops::{attention_load, elementwise_loads, gemm_load};
+use crate::calibrate_mix::block_loads;
 use crate::error::{ExecError, Result};
 use crate::executor::compute_dtype;
 use crate::memory_probe::{Growth, MemoryProbe};
@@ -96,8 +96,9 @@ pub fn footprint_ops(model: &ModelSpec, dtype: DType) -> Result<Vec<BlockOps>> {
 }
 
 /// Runs every operation of `blocks` once on `dev` (each block's products, attention and
-/// element-wise kernels; the inputs and weights of one operation at a time), synchronises
-/// after each block and drops its tensors; how many operations ran.
+/// element-wise kernels, as the calibration builds them:
+/// [`crate::calibrate_mix::block_loads`]), synchronises after each block and drops its
+/// tensors; how many operations ran.
 pub fn run_once(
     dev: &Device,
     dtype: candle_core::DType,
@@ -106,22 +107,12 @@ pub fn run_once(
 ) -> candle_core::Result<usize> {
     let mut ran = 0;
     for b in blocks {
-        let mut outputs: Vec<Tensor> = Vec::new();
-        for g in &b.gemms {
-            let run = gemm_load(dev, dtype, *g, kernels)?;
-            outputs.push(run()?);
-            ran += 1;
-        }
-        let run = attention_load(dev, dtype, b.attention, b.batch, kernels)?;
-        outputs.push(run()?);
-        drop(run);
-        ran += 1;
-        let rows = b.batch.saturating_mul(b.attention.seq);
-        let width = b.attention.heads.saturating_mul(b.attention.head_dim);
-        for (_, run) in elementwise_loads(dev, dtype, (rows, width), kernels)? {
-            outputs.push(run()?);
-            ran += 1;
-        }
+        let (_, loads) = block_loads(dev, dtype, b, kernels)?;
+        let outputs = loads
+            .iter()
+            .map(|run| run())
+            .collect::<candle_core::Result<Vec<Tensor>>>()?;
+        ran += loads.len();
         dev.synchronize()?;
         drop(outputs);
     }
@@ -151,12 +142,8 @@ pub fn measure_footprint(
     let dtype = compute_dtype(dtype)?;
     let mut map = DeviceMap::new(false);
     let dev = map.get(device)?;
-    let ops: usize = blocks
-        .iter()
-        .map(|b| b.gemms.len() + 1 + 3)
-        .fold(0, usize::saturating_add);
     progress(&format!(
-        "{ops} operations of {} block kinds once on {device} ({dtype:?})",
+        "the operations of {} block kinds once on {device} ({dtype:?})",
         blocks.len()
     ));
     let ran = run_once(&dev, dtype, blocks, kernels).map_err(|e| ExecError::Device {
@@ -236,9 +223,23 @@ mod tests {
         assert_eq!(fp.pool_live_bytes, None);
         assert_eq!(fp.device, id);
         // flux-tiny: a double block (2 modulation + 8 products) and a single block (1 +
-        // 3), each with its attention and three element-wise kernels.
-        let want: usize = blocks.iter().map(|b| b.gemms.len() + 4).sum();
+        // 3), each with its attention and its element-wise kernels (three, repeated for
+        // the block's element-wise bytes).
+        let cpu = compute_dtype(dtype).unwrap();
+        let want: usize = blocks
+            .iter()
+            .map(|b| {
+                block_loads(&Device::Cpu, cpu, b, Kernels::Auto)
+                    .unwrap()
+                    .1
+                    .len()
+            })
+            .sum();
         assert_eq!(fp.operations, want);
+        assert!(
+            want >= blocks.iter().map(|b| b.gemms.len() + 4).sum(),
+            "{want}"
+        );
         assert!(fp.operations >= 2 * 4, "{fp:?}");
         assert_eq!(said.len(), 1, "{said:?}");
         // One line of JSON, read back the same.

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 /// What one operation of a mix is, for its table.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Slot {
+pub(crate) enum Slot {
     Gemm(Gemm),
     /// Attention over `batch` samples.
     Attention(AttentionShape, u64),
@@ -115,7 +115,7 @@ type Shared = std::rc::Rc<dyn Fn() -> candle_core::Result<candle_core::Tensor>>;
 /// activations and residuals between its products. Spread, not bunched: a run of
 /// small kernels alone would leave the device waiting on their launches, which a block
 /// hides behind the products around them.
-fn block_loads(
+pub(crate) fn block_loads(
     dev: &Device,
     dtype: DType,
     b: &BlockOps,

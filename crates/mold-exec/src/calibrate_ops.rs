@@ -18,6 +18,7 @@
 //! same code measures a CPU build (tests use it with tiny shapes).
 
 use crate::calibrate_copy::{self, Load};
+use crate::calibrate_mix::Slot;
 use crate::comm::{make_group, Comm, CommOptions};
 use crate::error::{ExecError, Result};
 use crate::executor::compute_dtype;
@@ -459,7 +460,8 @@ pub(crate) fn elementwise_loads(
 /// What [`calibrate_copy::measure`] times the copy beside, on `dev`: candle's kernels
 /// over broadcast operands (each uploads its layout first), every kind's matrix
 /// products, its attention, its element-wise kernels (repeated for the block's
-/// element-wise bytes), and a block of each kind whole (all three in order).
+/// element-wise bytes), and a block of each kind whole (as the mixed timing runs it,
+/// [`crate::calibrate_mix::block_loads`]).
 fn copy_loads(
     dev: &Device,
     dtype: DType,
@@ -473,32 +475,16 @@ fn copy_loads(
     let mut elementwise: Vec<Part> = Vec::new();
     let mut whole: Vec<Part> = Vec::new();
     for b in blocks {
-        let mut block: Vec<Part> = Vec::new();
-        for g in &b.gemms {
-            let p = part(gemm_load(dev, dtype, *g, k)?);
-            gemms.push(p.clone());
-            block.push(p);
-        }
-        let p = part(attention_load(dev, dtype, b.attention, b.batch, k)?);
-        attention.push(p.clone());
-        block.push(p);
-        let rows = b.batch.saturating_mul(b.attention.seq);
-        let width = b.attention.heads.saturating_mul(b.attention.head_dim);
-        let runs = elementwise_loads(dev, dtype, (rows, width), k)?;
-        let per_round: f64 = runs.iter().map(|(passes, _)| passes).sum::<f64>()
-            * (rows * width) as f64
-            * dtype.size_in_bytes() as f64;
-        let rounds = (b.elementwise_bytes as f64 / per_round.max(1.0))
-            .round()
-            .max(1.0) as usize;
-        let runs: Vec<Part> = runs.into_iter().map(|(_, l)| part(l)).collect();
-        for _ in 0..rounds {
-            for r in &runs {
-                elementwise.push(r.clone());
-                block.push(r.clone());
+        let (slots, loads) = crate::calibrate_mix::block_loads(dev, dtype, b, k)?;
+        for (slot, l) in slots.into_iter().zip(loads) {
+            let p = part(l);
+            match slot {
+                Slot::Gemm(_) => gemms.push(p.clone()),
+                Slot::Attention(..) => attention.push(p.clone()),
+                Slot::Elementwise(_) => elementwise.push(p.clone()),
             }
+            whole.push(p);
         }
-        whole.extend(block);
     }
     let all = |parts: Vec<Part>| -> Load<'static> {
         Box::new(move || {

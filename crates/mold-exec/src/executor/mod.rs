@@ -660,7 +660,12 @@ impl<M: Transformer> Executor<M> {
     /// ring's copies 25 % slower while the host waited (BENCHMARKS.md, issue 19,
     /// thirteenth session).
     fn must_finish(&self, pi: usize) -> bool {
-        self.must_finish_part(pi)
+        let (this, next) = (&self.parts[pi], self.parts.get(pi + 1));
+        !matches!(next, Some(n) if this.devices.len() == 1
+            && n.devices.len() == 1
+            && n.devices == this.devices
+            && !this.ranks.is_empty()
+            && !n.ranks.is_empty())
     }
 
     /// Whether parts `a` and `b` (consecutive, one process) run as one run on one
@@ -678,15 +683,6 @@ impl<M: Transformer> Executor<M> {
             && y.comms.is_none()
             && x.ranks.len() == y.ranks.len()
             && x.local_ids == y.local_ids
-    }
-
-    fn must_finish_part(&self, pi: usize) -> bool {
-        let (this, next) = (&self.parts[pi], self.parts.get(pi + 1));
-        !matches!(next, Some(n) if this.devices.len() == 1
-            && n.devices.len() == 1
-            && n.devices == this.devices
-            && !this.ranks.is_empty()
-            && !n.ranks.is_empty())
     }
 
     /// Where a caller best keeps its inputs: the device of the first part's first rank,
