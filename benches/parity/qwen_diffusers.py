@@ -71,6 +71,65 @@ def strict_f32():
         b.cuda.matmul.allow_tf32 = False
 
 
+IO_INPUTS = ("hidden_states", "encoder_hidden_states", "timestep", "img_shapes")
+
+
+def read_io(path, need=IO_INPUTS + ("output",)):
+    """mold's io file (`mold exec PLAN --weights DIR --save-io FILE`, no --prompt): its
+    tensors, its metadata and the patch grid (1, h, w); exits when a key in `need` is
+    missing or the grid does not hold the image tokens."""
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+    io = load_file(path)
+    missing = [k for k in need if k not in io]
+    if missing:
+        raise SystemExit(
+            f"{path}: no {', '.join(missing)}: write it with `mold exec PLAN --weights DIR --save-io FILE` (without --prompt)"
+        )
+    grid = tuple(int(v) for v in io["img_shapes"].tolist())
+    n_img = io["hidden_states"].shape[1]
+    if len(grid) != 3 or grid[1] * grid[2] != n_img:
+        raise SystemExit(f"{path}: img_shapes {grid} does not hold {n_img} image tokens")
+    return io, meta, grid
+
+
+def load_transformer(weights, dt, dev, compute=None):
+    """diffusers' QwenImageTransformer2DModel from `weights`/transformer (mold testdata's
+    layout), weights read in `dt`, moved to `dev` in `compute` (default `dt`), eval mode."""
+    from diffusers import QwenImageTransformer2DModel
+
+    model = QwenImageTransformer2DModel.from_pretrained(weights, subfolder="transformer", torch_dtype=dt)
+    return model.to(dev, compute or dt).eval()
+
+
+def compile_model(model):
+    """torch.compile as a user chasing speed would: regional (compile_repeated_blocks, one
+    graph for the repeated blocks) where diffusers has it, else the whole model.
+    Returns (model, how)."""
+    if hasattr(model, "compile_repeated_blocks"):
+        model.compile_repeated_blocks(fullgraph=True)
+        return model, "compile_repeated_blocks(fullgraph=True)"
+    return torch.compile(model), "torch.compile(model)"
+
+
+def call_kwargs(model, hidden_states, encoder_hidden_states, timestep, grid):
+    """The keyword arguments of one transformer call on these inputs: every text token
+    valid (no mask), `grid` = (1, h, w) for every batch item."""
+    b = hidden_states.shape[0]
+    kwargs = dict(
+        hidden_states=hidden_states,
+        encoder_hidden_states=encoder_hidden_states,
+        encoder_hidden_states_mask=None,
+        timestep=timestep,
+        img_shapes=[[grid]] * b,
+        return_dict=False,
+    )
+    # Older diffusers releases take the text lengths for RoPE as `txt_seq_lens`.
+    if "txt_seq_lens" in inspect.signature(model.forward).parameters:
+        kwargs["txt_seq_lens"] = [encoder_hidden_states.shape[1]] * b
+    return kwargs
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", required=True, help="directory holding transformer/ (mold testdata qwen-image[-tiny])")
@@ -93,16 +152,7 @@ def main():
     ap.add_argument("--out", help="also write the JSON result here")
     a = ap.parse_args()
 
-    from diffusers import QwenImageTransformer2DModel
-
-    with safe_open(a.io, framework="pt") as f:
-        meta = f.metadata() or {}
-    io = load_file(a.io)
-    missing = [k for k in ("hidden_states", "encoder_hidden_states", "timestep", "img_shapes", "output") if k not in io]
-    if missing:
-        raise SystemExit(
-            f"{a.io}: no {', '.join(missing)}: write it with `mold exec PLAN --weights DIR --save-io FILE` (without --prompt)"
-        )
+    io, meta, grid = read_io(a.io)
     dtype_name = a.dtype or meta.get("dtype", "f32")
     if dtype_name not in ("f32", "bf16"):
         raise SystemExit(f"{a.io}: the plan's dtype is {dtype_name}: pass --dtype f32 or bf16")
@@ -113,43 +163,23 @@ def main():
     dev = torch.device(a.device)
     strict_f32()
 
-    grid = tuple(int(v) for v in io["img_shapes"].tolist())
     b, n_img = io["hidden_states"].shape[0], io["hidden_states"].shape[1]
-    if len(grid) != 3 or grid[1] * grid[2] != n_img:
-        raise SystemExit(f"{a.io}: img_shapes {grid} does not hold {n_img} image tokens")
 
     def run(dt, compute=None):
         """diffusers' transformer on the io file's inputs, weights and inputs in `dt`,
         computed in `compute` (default `dt`): (output, load s, call s)."""
         compute = compute or dt
         t0 = time.time()
-        model = QwenImageTransformer2DModel.from_pretrained(a.weights, subfolder="transformer", torch_dtype=dt)
-        model = model.to(dev, compute).eval()
+        model = load_transformer(a.weights, dt, dev, compute)
         compiled = None
         if a.compile and compute == dt:
-            if hasattr(model, "compile_repeated_blocks"):
-                model.compile_repeated_blocks(fullgraph=True)
-                compiled = "compile_repeated_blocks(fullgraph=True)"
-            else:
-                model = torch.compile(model)
-                compiled = "torch.compile(model)"
+            model, compiled = compile_model(model)
         load_s = time.time() - t0
 
         def inp(k):
             return io[k].to(dev, dt).to(compute)
 
-        txt = inp("encoder_hidden_states")
-        kwargs = dict(
-            hidden_states=inp("hidden_states"),
-            encoder_hidden_states=txt,
-            encoder_hidden_states_mask=None,
-            timestep=inp("timestep"),
-            img_shapes=[[grid]] * b,
-            return_dict=False,
-        )
-        # Older diffusers releases take the text lengths for RoPE as `txt_seq_lens`.
-        if "txt_seq_lens" in inspect.signature(model.forward).parameters:
-            kwargs["txt_seq_lens"] = [txt.shape[1]] * b
+        kwargs = call_kwargs(model, inp("hidden_states"), inp("encoder_hidden_states"), inp("timestep"), grid)
         with torch.no_grad():
             t1 = time.time()
             out = model(**kwargs)[0]

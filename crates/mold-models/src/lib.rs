@@ -172,6 +172,9 @@ impl BlockKind {
     /// Peak live activation bytes while one block runs on one rank of a group of `tp`:
     /// the residual and its modulated copy, q/k/v and attention output shards, the MLP
     /// hidden shard, and — when attention is not fused — the f32 scores and softmax.
+    /// The executor's blocks drop each intermediate after its last use so that they stay
+    /// within it (`mold-exec`'s test `block_memory`); a block that kept them all to its
+    /// end held about 1.8× this (FLUX on an H200, `benches/peak-trace`).
     pub fn activation_bytes(&self, t: Tokens, batch: u64, act: u64, tp: u32, fused: bool) -> u64 {
         let tp = tp.max(1) as u64;
         let tok = self.stream_tokens(t);

@@ -84,8 +84,9 @@ impl ColumnParallel {
         gemm::linear(x, &self.weight, &self.bias, true, k)
     }
     /// The first `at` output features as `x Wᵀ + b`, the rest as `gelu(x Wᵀ + b)`: two
-    /// matmuls over row slices of the weight, each with its epilogue, on CUDA; elsewhere
-    /// one matmul and the activation on the second part.
+    /// matmuls over row slices of the weight, each with its bias (and GELU) — in its
+    /// epilogue on CUDA. Not one matmul sliced after: its first slice would keep the
+    /// whole output alive as long as it lives, the MLP part's bytes twice over.
     pub fn forward_split_gelu(
         &self,
         x: &Tensor,
@@ -105,16 +106,10 @@ impl ColumnParallel {
         };
         let (w1, b1) = part(0, at)?;
         let (w2, b2) = part(at, n - at)?;
-        if k.uses_libraries() && gemm::epilogue_applies(x, w1.weight(), &b1) {
-            return Ok((
-                gemm::linear(x, &w1, &b1, false, k)?,
-                gemm::linear(x, &w2, &b2, true, k)?,
-            ));
-        }
-        let y = self.forward(x, k)?;
-        let last = y.rank() - 1;
-        let gelu = bias_act(&y.narrow(last, at, n - at)?, None, true, k)?;
-        Ok((y.narrow(last, 0, at)?, gelu))
+        Ok((
+            gemm::linear(x, &w1, &b1, false, k)?,
+            gemm::linear(x, &w2, &b2, true, k)?,
+        ))
     }
     /// `x Wᵀ + b` for a small per-sample input (`(b, in)`, e.g. the conditioning vector):
     /// on CUDA one cuBLASLt matmul with the bias in its epilogue, elsewhere candle's matmul

@@ -328,16 +328,20 @@ impl DoubleBlock {
         })
     }
 
+    /// The block over `img` and `txt`, taken by value: each intermediate (the inputs
+    /// included) is dropped after its last use, not at the end of the call, so the
+    /// block's peak is its MLP's — about what [`mold_models::BlockKind::activation_bytes`]
+    /// counts — and not every intermediate at once.
     pub fn forward(
         &self,
-        img: &Tensor,
-        txt: &Tensor,
+        img: Tensor,
+        txt: Tensor,
         vec: &Tensor,
         pe: &Tensor,
         lens: &[usize],
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
-        ctx.mark_start(img);
+        ctx.mark_start(&img);
         let silu_vec = vec.silu()?;
         let local = [
             self.img.modulation.partial(&silu_vec, ctx.kernels)?,
@@ -352,11 +356,11 @@ impl DoubleBlock {
         let img_qkv = self
             .img
             .qkv
-            .forward(&im[0].norm_scale_shift(img, eps, kn)?, kn)?;
+            .forward(&im[0].norm_scale_shift(&img, eps, kn)?, kn)?;
         let txt_qkv = self
             .txt
             .qkv
-            .forward(&tm[0].norm_scale_shift(txt, eps, kn)?, kn)?;
+            .forward(&tm[0].norm_scale_shift(&txt, eps, kn)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = prepare_qkv(
@@ -365,31 +369,32 @@ impl DoubleBlock {
             pe,
             ctx,
         )?;
+        drop((img_qkv, txt_qkv));
         let attn = attention(&q, &k, &v, lens, ctx)?;
+        drop((q, k, v));
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
-        let txt_attn = attn.narrow(1, 0, tl)?;
-        let img_attn = attn.narrow(1, tl, il)?;
-
         let (txt_proj, img_proj) = layers::reduce_pair(
-            self.txt.proj.partial(&[&txt_attn], kn)?,
-            self.img.proj.partial(&[&img_attn], kn)?,
+            self.txt.proj.partial(&[&attn.narrow(1, 0, tl)?], kn)?,
+            self.img.proj.partial(&[&attn.narrow(1, tl, il)?], kn)?,
             "attn out linear",
             ctx,
         )?;
+        drop(attn);
         // The projections' biases in the gated residual's pass.
-        let img = im[0].gate_bias_residual(img, &img_proj, self.img.proj.bias(), kn)?;
-        let txt = tm[0].gate_bias_residual(txt, &txt_proj, self.txt.proj.bias(), kn)?;
-        ctx.mark("bias + gate + residual", &txt);
+        let img_mid = im[0].gate_bias_residual(&img, &img_proj, self.img.proj.bias(), kn)?;
+        let txt_mid = tm[0].gate_bias_residual(&txt, &txt_proj, self.txt.proj.bias(), kn)?;
+        drop((img, txt, img_proj, txt_proj));
+        ctx.mark("bias + gate + residual", &txt_mid);
 
         let img_h = self
             .img
             .mlp0
-            .forward_gelu(&im[1].norm_scale_shift(&img, eps, kn)?, kn)?;
+            .forward_gelu(&im[1].norm_scale_shift(&img_mid, eps, kn)?, kn)?;
         let txt_h = self
             .txt
             .mlp0
-            .forward_gelu(&tm[1].norm_scale_shift(&txt, eps, kn)?, kn)?;
+            .forward_gelu(&tm[1].norm_scale_shift(&txt_mid, eps, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (txt_mlp, img_mlp) = layers::reduce_pair(
@@ -398,8 +403,10 @@ impl DoubleBlock {
             "mlp out linear",
             ctx,
         )?;
-        let img = im[1].gate_bias_residual(&img, &img_mlp, self.img.mlp2.bias(), kn)?;
-        let txt = tm[1].gate_bias_residual(&txt, &txt_mlp, self.txt.mlp2.bias(), kn)?;
+        drop((img_h, txt_h));
+        let img = im[1].gate_bias_residual(&img_mid, &img_mlp, self.img.mlp2.bias(), kn)?;
+        drop((img_mid, img_mlp));
+        let txt = tm[1].gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &txt);
         Ok((img, txt))
     }
@@ -464,35 +471,42 @@ impl SingleBlock {
         })
     }
 
+    /// The block over `x`, taken by value: each intermediate is dropped after its last
+    /// use (see [`DoubleBlock::forward`]).
     pub fn forward(
         &self,
-        x: &Tensor,
+        x: Tensor,
         vec: &Tensor,
         pe: &Tensor,
         lens: &[usize],
         ctx: &Ctx,
     ) -> CResult<Tensor> {
-        ctx.mark_start(x);
+        ctx.mark_start(&x);
         let local = self.modulation.partial(&vec.silu()?, ctx.kernels)?;
         let m = mod_outs(&gather_modulation(&[local], ctx)?[0], 1)?;
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
-        let x_mod = m[0].norm_scale_shift(x, EPS as f32, kn)?;
         // q, k, v with their bias; the MLP part with bias and GELU (in the matmuls'
         // epilogues on CUDA).
-        let (x_qkv, mlp) = self
-            .linear1
-            .forward_split_gelu(&x_mod, 3 * self.h_local, kn)?;
+        let (x_qkv, mlp) = self.linear1.forward_split_gelu(
+            &m[0].norm_scale_shift(&x, EPS as f32, kn)?,
+            3 * self.h_local,
+            kn,
+        )?;
         ctx.meter.see_all(&[&x_qkv, &mlp]);
         ctx.mark("norm + qkv/mlp linear + gelu", &mlp);
         let (q, k, v) = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, ctx)?;
+        drop(x_qkv);
         let attn = attention(&q, &k, &v, lens, ctx)?;
+        drop((q, k, v));
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
         let partial = self.linear2.partial(&[&attn, &mlp], kn)?;
+        drop((attn, mlp));
         ctx.mark("out linear", &partial);
         let reduced = ctx.comm.all_reduce_sum(&partial)?;
+        drop(partial);
         ctx.mark("all-reduce", &reduced);
-        let out = m[0].gate_bias_residual(x, &reduced, self.linear2.bias(), kn)?;
+        let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &out);
         Ok(out)
     }

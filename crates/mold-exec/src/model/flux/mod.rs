@@ -483,7 +483,7 @@ impl Transformer for FluxConfig {
                 },
             ) => {
                 let lens = lens(&seq, img.dim(1)? + txt.dim(1)?);
-                let (img, txt) = b.forward(&img, &txt, &vec, &pe, &lens, ctx)?;
+                let (img, txt) = b.forward(img, txt, &vec, &pe, &lens, ctx)?;
                 ctx.meter.see(&img);
                 FluxActs::Double {
                     img,
@@ -514,7 +514,7 @@ impl Transformer for FluxConfig {
                     } => (x, vec, pe, txt_len, seq),
                 };
                 let lens = lens(&seq, x.dim(1)?);
-                let x = b.forward(&x, &vec, &pe, &lens, ctx)?;
+                let x = b.forward(x, &vec, &pe, &lens, ctx)?;
                 ctx.meter.see(&x);
                 FluxActs::Single {
                     x,

@@ -269,16 +269,20 @@ impl Block {
     /// The block on this rank's tokens: `img` `(b, L_img, h)`, `txt` `(b, L_txt, h)`,
     /// `temb` `(b, h)`, `pe` the rotation table of `[txt; img]`; `lens` every
     /// sequence-parallel rank's token count ([`sequence::attention`]).
+    /// The block over `img` and `txt`, taken by value: each intermediate (the inputs
+    /// included) is dropped after its last use, not at the end of the call, so the
+    /// block's peak is its MLP's — about what [`mold_models::BlockKind::activation_bytes`]
+    /// counts — and not every intermediate at once.
     pub fn forward(
         &self,
-        img: &Tensor,
-        txt: &Tensor,
+        img: Tensor,
+        txt: Tensor,
         temb: &Tensor,
         pe: &Tensor,
         lens: &[usize],
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
-        ctx.mark_start(img);
+        ctx.mark_start(&img);
         let silu = temb.silu()?;
         let local = [
             self.img.modulation.forward_vec(&silu, ctx.kernels)?,
@@ -294,15 +298,17 @@ impl Block {
         let img_qkv = self
             .img
             .qkv
-            .forward(&im1.norm_scale_shift(img, eps, kn)?, kn)?;
+            .forward(&im1.norm_scale_shift(&img, eps, kn)?, kn)?;
         let txt_qkv = self
             .txt
             .qkv
-            .forward(&tm1.norm_scale_shift(txt, eps, kn)?, kn)?;
+            .forward(&tm1.norm_scale_shift(&txt, eps, kn)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = self.prepare_qkv(&txt_qkv, &img_qkv, pe, ctx)?;
+        drop((img_qkv, txt_qkv));
         let attn = sequence::attention(&q, &k, &v, lens, ctx)?;
+        drop((q, k, v));
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
 
@@ -314,19 +320,21 @@ impl Block {
             "attn out linear",
             ctx,
         )?;
-        let img = im1.gate_bias_residual(img, &img_attn, self.img.out.bias(), kn)?;
-        let txt = tm1.gate_bias_residual(txt, &txt_attn, self.txt.out.bias(), kn)?;
-        ctx.mark("bias + gate + residual", &txt);
+        drop(attn);
+        let img_mid = im1.gate_bias_residual(&img, &img_attn, self.img.out.bias(), kn)?;
+        let txt_mid = tm1.gate_bias_residual(&txt, &txt_attn, self.txt.out.bias(), kn)?;
+        drop((img, txt, img_attn, txt_attn));
+        ctx.mark("bias + gate + residual", &txt_mid);
 
         // One all-reduce for both streams' MLPs.
         let img_h = self
             .img
             .mlp_in
-            .forward_gelu(&im2.norm_scale_shift(&img, eps, kn)?, kn)?;
+            .forward_gelu(&im2.norm_scale_shift(&img_mid, eps, kn)?, kn)?;
         let txt_h = self
             .txt
             .mlp_in
-            .forward_gelu(&tm2.norm_scale_shift(&txt, eps, kn)?, kn)?;
+            .forward_gelu(&tm2.norm_scale_shift(&txt_mid, eps, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (txt_mlp, img_mlp) = layers::reduce_pair(
@@ -335,8 +343,10 @@ impl Block {
             "mlp out linear",
             ctx,
         )?;
-        let img = im2.gate_bias_residual(&img, &img_mlp, self.img.mlp_out.bias(), kn)?;
-        let txt = tm2.gate_bias_residual(&txt, &txt_mlp, self.txt.mlp_out.bias(), kn)?;
+        drop((img_h, txt_h));
+        let img = im2.gate_bias_residual(&img_mid, &img_mlp, self.img.mlp_out.bias(), kn)?;
+        drop((img_mid, img_mlp));
+        let txt = tm2.gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp_out.bias(), kn)?;
         ctx.mark("bias + gate + residual", &txt);
         Ok((img, txt))
     }

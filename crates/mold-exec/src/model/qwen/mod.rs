@@ -314,9 +314,22 @@ impl Transformer for QwenConfig {
             Some(s) => s.lens(),
             None => vec![acts.img.dim(1)? + acts.txt.dim(1)?],
         };
-        let (img, txt) = b.forward(&acts.img, &acts.txt, &acts.temb, &acts.pe, &lens, ctx)?;
+        let QwenActs {
+            img,
+            txt,
+            temb,
+            pe,
+            seq,
+        } = acts;
+        let (img, txt) = b.forward(img, txt, &temb, &pe, &lens, ctx)?;
         ctx.meter.see(&img);
-        Ok(QwenActs { img, txt, ..acts })
+        Ok(QwenActs {
+            img,
+            txt,
+            temb,
+            pe,
+            seq,
+        })
     }
 
     fn final_layer(&self, f: &FinalLayer, acts: QwenActs, ctx: &Ctx) -> CResult<Tensor> {
