@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+sys.dont_write_bytecode = True  # no __pycache__ beside the scripts from the import below
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from qwen_diffusers import IO_INPUTS, call_kwargs, compile_model, load_transformer, read_io, rel, strict_f32  # noqa: E402
 
@@ -156,7 +157,10 @@ def tensor_parallel(model, impl, rank, world, dev):
             from diffusers import TensorParallelConfig
         except ImportError as e:
             raise SystemExit(f"--tp-impl diffusers: this diffusers has no TensorParallelConfig ({e})")
-        model.enable_parallelism(config=TensorParallelConfig(tp_degree=world))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("tp",))
+        model.enable_parallelism(config=TensorParallelConfig(mesh=mesh))
     else:
         raise SystemExit(f"unknown --tp-impl {impl}")
     if dev.type == "cuda":
@@ -204,8 +208,8 @@ def main():
         raise SystemExit(f"--mode {a.mode} needs 2 processes: torchrun --standalone --nproc_per_node=2 {sys.argv[0]} ...")
     if a.mode == "cfg" and world != 2:
         raise SystemExit(f"--mode cfg runs the two CFG passes on 2 ranks, not {world}")
-    if a.tp_impl == "diffusers" and a.device != "cuda" and a.mode == "tp2":
-        raise SystemExit("--tp-impl diffusers: diffusers' tensor parallelism takes CUDA devices only")
+    if a.device == "cuda" and local >= torch.cuda.device_count():
+        raise SystemExit(f"rank {rank}: local rank {local} but this box has {torch.cuda.device_count()} GPU(s)")
     dev = torch.device("cuda", local) if a.device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -218,8 +222,6 @@ def main():
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     strict_f32()
-    if not cuda:
-        torch.manual_seed(0)
 
     # --- inputs ------------------------------------------------------------------------
     io, meta, grid = read_io(a.io, need=IO_INPUTS)

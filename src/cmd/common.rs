@@ -83,3 +83,17 @@ pub fn parse_size(flag: &str, size: &str) -> Result<(u32, u32)> {
         .with_context(|| format!("{flag} {size}: height `{y}` is not a number"))?;
     Ok((w, h))
 }
+
+/// Keeps NCCL off the GPU-to-GPU path for the rest of this process and its children
+/// (`--no-peer`): `NCCL_P2P_DISABLE=1`, so its collectives go through host memory as on a
+/// box without peer access. Set here, at the edge, before any communicator exists: NCCL
+/// reads its settings only from the environment. A different value the user set is
+/// replaced, with a line saying so.
+pub fn no_peer_access(env: &super::exec_options::EnvVars) {
+    if let Some(v) = env.get("NCCL_P2P_DISABLE") {
+        if v.trim() != "1" {
+            eprintln!("--no-peer: NCCL_P2P_DISABLE={v} replaced by 1");
+        }
+    }
+    std::env::set_var("NCCL_P2P_DISABLE", "1");
+}

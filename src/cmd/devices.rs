@@ -59,6 +59,13 @@ pub struct Args {
     /// settle under load).
     #[arg(long, value_name = "HOW", requires = "model", value_parser = ["sustained", "mixed", "alone"])]
     pub timing: Option<String>,
+    /// Profile the box as one without peer access between its GPUs: no peer domains in
+    /// the profile (hand-offs priced through host memory), and with --calibrate the
+    /// collectives measured with NCCL kept off the GPU-to-GPU path (NCCL_P2P_DISABLE=1),
+    /// the all-reduce saved as `links.host_staged_allreduce` and in the operation
+    /// tables. Plans made on it run the same way with `mold exec --no-peer`.
+    #[arg(long)]
+    pub no_peer: bool,
     /// The profile's name (default: the file name of --save without .yaml).
     #[arg(long)]
     pub name: Option<String>,
@@ -205,6 +212,9 @@ pub fn run(a: Args) -> Result<i32> {
              operations with --model MODEL)"
         );
     }
+    if a.no_peer {
+        super::common::no_peer_access(&super::exec_options::EnvVars::process());
+    }
     if let Some(spec) = &a.machine {
         return calibrate_profile(&a, spec);
     }
@@ -243,13 +253,14 @@ pub fn run(a: Args) -> Result<i32> {
         save(&a, path, &inv, headroom, caps)?;
     } else if let Some(model) = &a.model {
         // The tables alone, for this box as queried.
-        let m = inv.to_machine(&ProfileOptions {
+        let mut m = inv.to_machine(&ProfileOptions {
             name: "local".into(),
             headroom,
             caps,
             date: inventory::today(),
             mold_version: env!("CARGO_PKG_VERSION").into(),
         })?;
+        without_peers(&a, &mut m);
         let t = measure_model_ops(&a, &m, model)?;
         print!("{}", ops_yaml(&t)?);
     }
@@ -484,6 +495,7 @@ fn footprint_child(
 fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
     let model = a.model.as_deref().context("--machine needs --model")?;
     let mut m = super::common::load_machine(spec)?;
+    without_peers(a, &mut m);
     let t = measure_model_ops(a, &m, model)?;
     match &a.save {
         Some(path) => {
@@ -502,6 +514,19 @@ fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
         None => print!("{}", ops_yaml(&t)?),
     }
     Ok(0)
+}
+
+/// With `--no-peer`: the profile without its peer domains, so every group of its devices
+/// is priced as staged through host memory; noted in its description.
+fn without_peers(a: &Args, m: &mut Machine) {
+    if a.no_peer && !m.links.peer.is_empty() {
+        m.links.peer.clear();
+        m.description = format!(
+            "{} Profiled without peer access (`mold devices --no-peer`): hand-offs and \
+             collectives through host memory; run its plans with `mold exec --no-peer`.",
+            m.description.trim_end()
+        );
+    }
 }
 
 /// The tables as a profile's `ops:` list.
@@ -781,6 +806,7 @@ fn save(
         date: date.clone(),
         mold_version: version.into(),
     })?;
+    without_peers(a, &mut m);
     if a.calibrate {
         let r = inventory::calibrate(inv, &mut |s| eprintln!("calibrating: {s}"))?;
         #[cfg(feature = "nccl")]
@@ -867,6 +893,7 @@ pub fn info(a: InfoArgs) -> Result<i32> {
             name: None,
             headroom: None,
             max_vram: Vec::new(),
+            no_peer: false,
         });
     }
     let settings = mold_config::load(Layer::default())?;

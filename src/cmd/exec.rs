@@ -91,6 +91,13 @@ pub struct Args {
     /// Default: MOLD_DETERMINISTIC, else off (one GPU and block splits repeat anyway).
     #[arg(long)]
     pub deterministic: bool,
+    /// Run as on a box without peer access between its GPUs: every hand-off between GPUs
+    /// staged through host memory, and NCCL kept off the GPU-to-GPU path
+    /// (NCCL_P2P_DISABLE=1: collectives through host memory). For plans made on a profile
+    /// saved with `mold devices --no-peer`, and to measure what a PCIe box without peer
+    /// access would do.
+    #[arg(long)]
+    pub no_peer: bool,
     /// A LoRA merged into the transformer's weights at load, PATH[:STRENGTH] (strength 1
     /// when absent; repeatable): kohya (`lora_unet_*`), BFL-style or diffusers/PEFT names.
     #[arg(long = "lora", value_name = "PATH[:STRENGTH]", value_parser = mold_exec::checkpoint::LoraSpec::parse)]
@@ -528,7 +535,11 @@ pub fn run(a: Args) -> Result<i32> {
     if let Some(p) = &a.report {
         super::run_report::check_path(p)?;
     }
-    let opts = exec_options(a.streaming, a.deterministic, &env, comm_opts.clone())?;
+    let mut opts = exec_options(a.streaming, a.deterministic, &env, comm_opts.clone())?;
+    if a.no_peer {
+        super::common::no_peer_access(&env);
+        opts.peer_copies = false;
+    }
     if let Some(prompt) = a.prompt.clone() {
         if let Some(l) = &launch {
             bail!(
@@ -901,7 +912,7 @@ fn run_bench<M: Benchable>(a: Args, cfg: M, run: BenchRun) -> Result<i32> {
         let how = if peer {
             "peer copy (cuDeviceCanAccessPeer)"
         } else {
-            "through host memory (no peer access between them)"
+            "through host memory (no peer access, or --no-peer)"
         };
         say!(rep, "  hand-off cuda:{from} -> cuda:{to}: {how}");
         rep.event(json!({"event": "hand_off", "from": format!("cuda:{from}"), "to": format!("cuda:{to}"), "peer": peer}));

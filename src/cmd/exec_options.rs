@@ -85,6 +85,9 @@ pub fn exec_options(
         host_memory,
         comm,
         deterministic,
+        // `mold exec --no-peer` turns it off (not an environment setting: it goes with
+        // the NCCL setting the flag makes, `common::no_peer_access`).
+        peer_copies: true,
     })
 }
 

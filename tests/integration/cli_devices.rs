@@ -584,6 +584,40 @@ fn sim_text(d: &Path, plan: &Path, profile: &str) -> String {
     stdout(&o)
 }
 
+/// `mold devices --no-peer` profiles the box as one without peer access: no peer domains
+/// (every group's collectives and hand-offs priced through host memory), said in its
+/// description; the operation tables are measured as usual.
+#[test]
+fn a_profile_without_peer_access_has_no_peer_domains() {
+    let d = tempdir("devices-no-peer");
+    let base = machine("cpu-emu-4");
+    assert!(!Machine::load(Path::new(&base))
+        .unwrap()
+        .links
+        .peer
+        .is_empty());
+    let prof = d.join("no-peer.yaml");
+    let args = [
+        "devices",
+        "--calibrate",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        &base,
+        "--no-peer",
+        "--save",
+        prof.to_str().unwrap(),
+    ];
+    let o = mold_with(&d, None, &[], &args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    let m = Machine::load(&prof).unwrap();
+    assert!(m.links.peer.is_empty(), "{:?}", m.links.peer);
+    assert!(m.description.contains("--no-peer"), "{}", m.description);
+    assert!(!m.ops.is_empty());
+    let ids: Vec<DeviceId> = m.devices.iter().map(|d| d.id.clone()).collect();
+    assert!(m.group_link(&ids[..2]).staged);
+}
+
 /// `mold devices --calibrate --model flux-tiny` on emulated devices measures flux-tiny's
 /// operations into the profile; `mold plan` and `mold sim` then price blocks from the
 /// tables ("calibrated by operation") and agree on the step.

@@ -82,6 +82,23 @@ fn testdata_plan_exec_verify() {
     );
 }
 
+/// `--no-peer` (as on a box without peer access: hand-offs through host memory, NCCL off
+/// the GPU-to-GPU path) runs a tensor-parallel plan to the same output.
+#[test]
+fn no_peer_runs_the_same() {
+    let d = tempdir("exec-no-peer");
+    let (w, p) = tiny_tp2(&d);
+    let digest = |s: &str| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("output digest: "))
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("no output digest: {s}"))
+    };
+    let with = ok(&["exec", &p, "--weights", &w, "--steps", "2"]);
+    let without = ok(&["exec", &p, "--weights", &w, "--steps", "2", "--no-peer"]);
+    assert_eq!(digest(&with), digest(&without));
+}
+
 /// A bf16 checkpoint and plan: the model output is bf16 while the latents are f32.
 #[test]
 fn bf16_plan_runs_and_verifies() {

@@ -26,6 +26,11 @@ pub struct ExecOptions {
     /// parallelism: each GPU gets a stream of its own (see `runtime::DeviceMap`). One GPU
     /// and block splits repeat without it.
     pub deterministic: bool,
+    /// Hand activations between GPUs by peer copy where a pair has peer access
+    /// (`true`, the default); `false` stages every hand-off through host memory, as on a
+    /// box without peer access (`mold exec --no-peer`, which also keeps NCCL off the
+    /// GPU-to-GPU path: issue 19's no-peer profile).
+    pub peer_copies: bool,
 }
 
 impl Default for ExecOptions {
@@ -38,6 +43,7 @@ impl Default for ExecOptions {
             host_memory: None,
             comm: CommOptions::default(),
             deterministic: false,
+            peer_copies: true,
         }
     }
 }

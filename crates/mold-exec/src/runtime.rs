@@ -117,12 +117,25 @@ pub fn hand_off_paths() -> Vec<(usize, usize, bool)> {
 /// after the source's work is done); otherwise, and for every other pair of devices,
 /// candle's copy through host memory.
 pub fn hand_off(t: &Tensor, dst: &Device) -> candle_core::Result<Tensor> {
+    hand_off_with(t, dst, true)
+}
+
+/// [`hand_off`], with peer copies off when `peer_copies` is false
+/// ([`crate::ExecOptions::peer_copies`]): every GPU-to-GPU hand-off then goes through host
+/// memory, recorded as such in [`hand_off_paths`].
+pub fn hand_off_with(t: &Tensor, dst: &Device, peer_copies: bool) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let (Device::Cuda(s), Device::Cuda(d)) = (t.device(), dst) {
-        if !t.device().same_device(dst) && peer::access(s, d) {
-            return peer::copy(t, s, d);
+        if !t.device().same_device(dst) {
+            if !peer_copies {
+                peer::staged(s, d);
+            } else if peer::access(s, d) {
+                return peer::copy(t, s, d);
+            }
         }
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = peer_copies;
     t.to_device(dst)
 }
 
@@ -152,6 +165,15 @@ mod peer {
         let ok = enable(s, d).is_ok();
         pairs.push((a, b, ok));
         ok
+    }
+
+    /// Records the pair `s` → `d` as staged through host memory (peer copies off).
+    pub(super) fn staged(s: &CudaDevice, d: &CudaDevice) {
+        let (a, b) = (ctx(s).ordinal(), ctx(d).ordinal());
+        let mut pairs = PAIRS.lock().unwrap_or_else(|e| e.into_inner());
+        if !pairs.iter().any(|(x, y, _)| (*x, *y) == (a, b)) {
+            pairs.push((a, b, false));
+        }
     }
 
     fn enable(s: &CudaDevice, d: &CudaDevice) -> Result<(), String> {

@@ -283,7 +283,7 @@ impl<M: Transformer> Executor<M> {
             ));
         };
         let placed = self.copy_to_ranks(next, "handing activations on", |dev| {
-            a.map(&mut |t| runtime::hand_off(t, dev))
+            a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))
         })?;
         Ok(Flow::Placed {
             copies: placed,

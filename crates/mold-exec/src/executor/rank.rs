@@ -95,7 +95,7 @@ impl<M: Transformer> Executor<M> {
         let placed_prev: Vec<Flow<M::Acts>> = match prev {
             Some(Flow::Acts(a)) => self
                 .copy_to_ranks(part, "handing activations on", |dev| {
-                    a.map(&mut |t| runtime::hand_off(t, dev))
+                    a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))
                 })?
                 .into_iter()
                 .map(Flow::Acts)
@@ -104,7 +104,7 @@ impl<M: Transformer> Executor<M> {
         };
         let placed_inputs: Vec<M::Inputs> = match prev {
             None => self.copy_to_ranks(part, "copying the step's inputs", |dev| {
-                inputs.map(&mut |t| runtime::hand_off(t, dev))
+                inputs.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))
             })?,
             Some(_) => Vec::new(),
         };
@@ -263,7 +263,9 @@ impl<M: Transformer> Executor<M> {
         }
         let mut sliced = false;
         let acts = match prev {
-            Some(Flow::Acts(a)) => a.map(&mut |t| runtime::hand_off(t, dev))?,
+            Some(Flow::Acts(a)) => {
+                a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))?
+            }
             // The previous stage's thread copied them here (a no-op hand-off, unless
             // they arrived elsewhere).
             Some(Flow::Placed { copies: v, .. }) => v
@@ -274,7 +276,7 @@ impl<M: Transformer> Executor<M> {
                         rank.index
                     ))
                 })?
-                .map(&mut |t| runtime::hand_off(t, dev))?,
+                .map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))?,
             // The previous part ran on these devices with this layout: this rank's slice
             // is already here.
             Some(Flow::Sliced(v)) => {

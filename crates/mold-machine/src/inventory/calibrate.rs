@@ -148,8 +148,35 @@ pub fn apply_measurements(m: &mut Machine, r: &Measurements, date: &str, mold_ve
             }
         }
     }
+    // A box whose devices share no peer domain (no peer access between its GPUs, or
+    // profiled as such with `mold devices --no-peer`, NCCL kept off the GPU-to-GPU path):
+    // its all-reduce is the host-staged one, measured at the smallest group.
+    let staged = match &r.allreduce {
+        Some(ar) if m.links.peer.is_empty() => ar
+            .iter()
+            .filter(|a| a.group_size >= 2)
+            .min_by_key(|a| a.group_size),
+        _ => None,
+    };
+    if let Some(a) = staged {
+        m.links.host_staged_allreduce = Collective {
+            latency_us: round1(a.latency_us),
+            gbps: round1(a.gbps),
+        };
+    }
     let mut not = r.not_measured.clone();
     match &r.allreduce {
+        Some(a) if !a.is_empty() && staged.is_some() => {
+            measured.push(format!(
+                "all-reduce without peer access (NCCL through host memory; no peer domains) \
+                 for group sizes {}, the host-staged figure from {} devices",
+                a.iter()
+                    .map(|a| a.group_size.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                staged.map_or(0, |s| s.group_size)
+            ));
+        }
         Some(a) if !a.is_empty() => {
             measured.push(format!(
                 "NCCL all-reduce latency (small message) and bus bandwidth (large message) \

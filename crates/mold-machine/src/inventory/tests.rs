@@ -273,6 +273,49 @@ fn measurements_are_applied() {
     assert!(!notes.contains("no NCCL"), "{notes}");
 }
 
+/// A box profiled without peer domains (`mold devices --no-peer`, or GPUs without peer
+/// access): the all-reduce it measured is the host-staged path's, from the smallest group;
+/// with peer domains the host-staged figure stays an estimate.
+#[test]
+fn without_peer_domains_the_measured_all_reduce_is_the_host_staged_one() {
+    let inv = four();
+    let mut m = inv.to_machine(&opts()).unwrap();
+    let estimate = m.links.host_staged_allreduce;
+    m.links.peer.clear();
+    let r = Measurements {
+        devices: vec![],
+        peer_copies: vec![],
+        allreduce: Some(vec![
+            AllreduceMeasurement {
+                group_size: 4,
+                latency_us: 61.0,
+                gbps: 17.5,
+            },
+            AllreduceMeasurement {
+                group_size: 2,
+                latency_us: 42.04,
+                gbps: 29.13,
+            },
+        ]),
+        not_measured: vec![],
+    };
+    apply_measurements(&mut m, &r, "2026-02-03", "0.1.0");
+    assert_eq!(m.links.host_staged_allreduce.latency_us, 42.0);
+    assert_eq!(m.links.host_staged_allreduce.gbps, 29.1);
+    assert_ne!(m.links.host_staged_allreduce, estimate);
+    let notes = &m.calibration.notes;
+    assert!(notes.contains("without peer access"), "{notes}");
+    assert!(
+        !notes.contains("host-staged all-reduce: estimate"),
+        "{notes}"
+    );
+
+    let mut with_peers = inv.to_machine(&opts()).unwrap();
+    assert!(!with_peers.links.peer.is_empty());
+    apply_measurements(&mut with_peers, &r, "2026-02-03", "0.1.0");
+    assert_eq!(with_peers.links.host_staged_allreduce, estimate);
+}
+
 #[test]
 fn allreduce_bus_bandwidth_inverts_the_cost_model() {
     // 2 ranks: busbw = algbw (each rank sends and receives half twice).
