@@ -150,6 +150,9 @@ def main():
             print(f"peak: no kernel naming {a.after!r}", file=sys.stderr)
         else:
             i, p, base = replay(rows, first)
+            if i is None:
+                print(f"peak: nothing allocated after the first {a.after!r} kernel", file=sys.stderr)
+        if first is not None and i is not None:
             rep = report(rows, i, p, a.top, a.around, f"peak after the first {a.after!r} kernel")
             rep["in_use_at_start_bytes"] = base
             print(f"   in use when that kernel was issued: {base / 1e9:.3f} GB; growth to the peak "

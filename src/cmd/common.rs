@@ -86,14 +86,16 @@ pub fn parse_size(flag: &str, size: &str) -> Result<(u32, u32)> {
 
 /// Keeps NCCL off the GPU-to-GPU path for the rest of this process and its children
 /// (`--no-peer`): `NCCL_P2P_DISABLE=1`, so its collectives go through host memory as on a
-/// box without peer access. Set here, at the edge, before any communicator exists: NCCL
-/// reads its settings only from the environment. A different value the user set is
-/// replaced, with a line saying so.
-pub fn no_peer_access(env: &super::exec_options::EnvVars) {
-    if let Some(v) = env.get("NCCL_P2P_DISABLE") {
-        if v.trim() != "1" {
-            eprintln!("--no-peer: NCCL_P2P_DISABLE={v} replaced by 1");
+/// box without peer access, and `NCCL_NVLS_ENABLE=0` (no NVLink multicast either). Set
+/// here, at the edge, before any communicator exists: NCCL reads its settings only from
+/// the environment. A different value the user set is replaced, with a line saying so.
+pub fn no_peer_access() {
+    for (k, v) in [("NCCL_P2P_DISABLE", "1"), ("NCCL_NVLS_ENABLE", "0")] {
+        if let Ok(old) = std::env::var(k) {
+            if old.trim() != v {
+                eprintln!("--no-peer: {k}={old} replaced by {v}");
+            }
         }
+        std::env::set_var(k, v);
     }
-    std::env::set_var("NCCL_P2P_DISABLE", "1");
 }

@@ -213,7 +213,7 @@ pub fn run(a: Args) -> Result<i32> {
         );
     }
     if a.no_peer {
-        super::common::no_peer_access(&super::exec_options::EnvVars::process());
+        super::common::no_peer_access();
     }
     if let Some(spec) = &a.machine {
         return calibrate_profile(&a, spec);

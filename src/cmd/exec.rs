@@ -537,7 +537,7 @@ pub fn run(a: Args) -> Result<i32> {
     }
     let mut opts = exec_options(a.streaming, a.deterministic, &env, comm_opts.clone())?;
     if a.no_peer {
-        super::common::no_peer_access(&env);
+        super::common::no_peer_access();
         opts.peer_copies = false;
     }
     if let Some(prompt) = a.prompt.clone() {

@@ -39,6 +39,10 @@ pub struct Args {
     /// Serve a plan made for another machine, or one the simulator says does not fit.
     #[arg(long)]
     pub force: bool,
+    /// As `mold exec --no-peer`: hand-offs between GPUs through host memory and NCCL off
+    /// the GPU-to-GPU path, for plans made on a `mold devices --no-peer` profile.
+    #[arg(long)]
+    pub no_peer: bool,
 }
 
 fn plan_for(model: &str, machine: &mold_machine::Machine) -> Result<Plan> {
@@ -94,7 +98,11 @@ pub fn run(a: Args) -> Result<i32> {
     }
     let env = EnvVars::process();
     let comm = mold_exec::comm::CommOptions::from_vars(|k| env.get(k))?;
-    let exec = exec_options(None, false, &env, comm)?;
+    let mut exec = exec_options(None, false, &env, comm)?;
+    if a.no_peer {
+        super::common::no_peer_access();
+        exec.peer_copies = false;
+    }
     let (plan, machine) = match (&a.plan, &a.model) {
         (Some(p), _) => {
             let plan = load_plan(p)?;

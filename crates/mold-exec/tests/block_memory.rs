@@ -168,6 +168,9 @@ fn check(what: &str, peak: usize, counted: u64, mlp_tokens: usize, misses: &mut 
 
 #[test]
 fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
+    // One thread for candle's matrix products: no worker joins mid-measurement with a
+    // cache slab of its own, so the count is the same on every run.
+    std::env::set_var("RAYON_NUM_THREADS", "1");
     let (h, heads, mlp) = (H, HEADS, MLP);
     let (img, txt) = (IMG, TXT);
     let meter = ActivationMeter::default();

@@ -215,8 +215,10 @@ pub(crate) fn reduce_pair(
     let tl = txt.dim(1)?;
     let il = img.dim(1)?;
     let partial = Tensor::cat(&[&txt, &img], 1)?;
+    drop((txt, img));
     ctx.meter.see(&partial);
     let reduced = ctx.comm.all_reduce_sum(&partial)?;
+    drop(partial);
     ctx.mark("all-reduce", &reduced);
     Ok((reduced.narrow(1, 0, tl)?, reduced.narrow(1, tl, il)?))
 }

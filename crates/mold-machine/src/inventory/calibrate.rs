@@ -123,7 +123,7 @@ pub fn apply_measurements(m: &mut Machine, r: &Measurements, date: &str, mold_ve
             );
         }
     }
-    if !r.peer_copies.is_empty() {
+    if !r.peer_copies.is_empty() && !m.links.peer.is_empty() {
         measured.push("peer copy GB/s (slowest pair of each domain)".into());
     }
     for p in m.links.peer.iter_mut() {

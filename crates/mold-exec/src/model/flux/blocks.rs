@@ -374,13 +374,10 @@ impl DoubleBlock {
         drop((q, k, v));
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
-        let (txt_proj, img_proj) = layers::reduce_pair(
-            self.txt.proj.partial(&[&attn.narrow(1, 0, tl)?], kn)?,
-            self.img.proj.partial(&[&attn.narrow(1, tl, il)?], kn)?,
-            "attn out linear",
-            ctx,
-        )?;
+        let txt_part = self.txt.proj.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
+        let img_part = self.img.proj.partial(&[&attn.narrow(1, tl, il)?], kn)?;
         drop(attn);
+        let (txt_proj, img_proj) = layers::reduce_pair(txt_part, img_part, "attn out linear", ctx)?;
         // The projections' biases in the gated residual's pass.
         let img_mid = im[0].gate_bias_residual(&img, &img_proj, self.img.proj.bias(), kn)?;
         let txt_mid = tm[0].gate_bias_residual(&txt, &txt_proj, self.txt.proj.bias(), kn)?;
@@ -397,13 +394,10 @@ impl DoubleBlock {
             .forward_gelu(&tm[1].norm_scale_shift(&txt_mid, eps, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
-        let (txt_mlp, img_mlp) = layers::reduce_pair(
-            self.txt.mlp2.partial(&[&txt_h], kn)?,
-            self.img.mlp2.partial(&[&img_h], kn)?,
-            "mlp out linear",
-            ctx,
-        )?;
+        let txt_part = self.txt.mlp2.partial(&[&txt_h], kn)?;
+        let img_part = self.img.mlp2.partial(&[&img_h], kn)?;
         drop((img_h, txt_h));
+        let (txt_mlp, img_mlp) = layers::reduce_pair(txt_part, img_part, "mlp out linear", ctx)?;
         let img = im[1].gate_bias_residual(&img_mid, &img_mlp, self.img.mlp2.bias(), kn)?;
         drop((img_mid, img_mlp));
         let txt = tm[1].gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp2.bias(), kn)?;

@@ -268,11 +268,11 @@ impl Block {
 
     /// The block on this rank's tokens: `img` `(b, L_img, h)`, `txt` `(b, L_txt, h)`,
     /// `temb` `(b, h)`, `pe` the rotation table of `[txt; img]`; `lens` every
-    /// sequence-parallel rank's token count ([`sequence::attention`]).
-    /// The block over `img` and `txt`, taken by value: each intermediate (the inputs
-    /// included) is dropped after its last use, not at the end of the call, so the
-    /// block's peak is its MLP's — about what [`mold_models::BlockKind::activation_bytes`]
-    /// counts — and not every intermediate at once.
+    /// sequence-parallel rank's token count ([`sequence::attention`]). `img` and `txt` are
+    /// taken by value: each intermediate (the inputs included) is dropped after its last
+    /// use, not at the end of the call, so the block's peak is its MLP's — about what
+    /// [`mold_models::BlockKind::activation_bytes`] counts — and not every intermediate at
+    /// once.
     pub fn forward(
         &self,
         img: Tensor,
@@ -314,13 +314,10 @@ impl Block {
 
         // One all-reduce for both streams' output projections (none in a group of one);
         // their biases in the gated residual's pass.
-        let (txt_attn, img_attn) = layers::reduce_pair(
-            self.txt.out.partial(&[&attn.narrow(1, 0, tl)?], kn)?,
-            self.img.out.partial(&[&attn.narrow(1, tl, il)?], kn)?,
-            "attn out linear",
-            ctx,
-        )?;
+        let txt_part = self.txt.out.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
+        let img_part = self.img.out.partial(&[&attn.narrow(1, tl, il)?], kn)?;
         drop(attn);
+        let (txt_attn, img_attn) = layers::reduce_pair(txt_part, img_part, "attn out linear", ctx)?;
         let img_mid = im1.gate_bias_residual(&img, &img_attn, self.img.out.bias(), kn)?;
         let txt_mid = tm1.gate_bias_residual(&txt, &txt_attn, self.txt.out.bias(), kn)?;
         drop((img, txt, img_attn, txt_attn));
@@ -337,13 +334,10 @@ impl Block {
             .forward_gelu(&tm2.norm_scale_shift(&txt_mid, eps, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
-        let (txt_mlp, img_mlp) = layers::reduce_pair(
-            self.txt.mlp_out.partial(&[&txt_h], kn)?,
-            self.img.mlp_out.partial(&[&img_h], kn)?,
-            "mlp out linear",
-            ctx,
-        )?;
+        let txt_part = self.txt.mlp_out.partial(&[&txt_h], kn)?;
+        let img_part = self.img.mlp_out.partial(&[&img_h], kn)?;
         drop((img_h, txt_h));
+        let (txt_mlp, img_mlp) = layers::reduce_pair(txt_part, img_part, "mlp out linear", ctx)?;
         let img = im2.gate_bias_residual(&img_mid, &img_mlp, self.img.mlp_out.bias(), kn)?;
         drop((img_mid, img_mlp));
         let txt = tm2.gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp_out.bias(), kn)?;
