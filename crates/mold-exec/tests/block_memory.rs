@@ -15,6 +15,8 @@
 //!
 //! One test function: the allocator counts the whole process, so nothing else may run
 //! beside it.
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use mold_exec::comm::LocalComm;
 use mold_exec::model::flux::{DoubleBlock, FluxConfig, SingleBlock};
@@ -284,5 +286,57 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
     assert!(
         misses.is_empty(),
         "blocks whose activations peaked above what the cost model counts: {misses:?}"
+    );
+
+    // The same blocks as one part or as a part each, on one device: the parts' boundaries
+    // add nothing to the peak (each part's first block gets the only reference to its
+    // input, so it frees it as it would inside one part).
+    let cfg = FluxConfig {
+        depth: 2,
+        depth_single: 3,
+        ..flux
+    };
+    let dir = common::tmpdir("block-memory");
+    let ckpt =
+        mold_exec::Checkpoint::open(&mold_exec::write_testdata(&cfg, &dir, 3, DType::F32).unwrap())
+            .unwrap();
+    let x = mold_exec::random_inputs(&cfg, 256, 256, TXT, 1, 5).unwrap();
+    let hidden = (256 / 16) * (256 / 16) + TXT;
+    let one = common::plan(vec![common::part(
+        &["emu:0"],
+        &["double 0..2", "single 0..3"],
+        false,
+    )]);
+    let each = common::plan(
+        [
+            "double 0..1",
+            "double 1..2",
+            "single 0..1",
+            "single 1..2",
+            "single 2..3",
+        ]
+        .iter()
+        .map(|b| common::part(&["emu:0"], &[b], false))
+        .collect(),
+    );
+    let mut peaks = Vec::new();
+    for plan in [&one, &each] {
+        let exec = mold_exec::Executor::new(&cfg, plan, &ckpt).unwrap();
+        drop(exec.forward(&x).unwrap());
+        let (peak, out) = peak_of(0, || exec.forward(&x).unwrap());
+        drop(out);
+        peaks.push(peak);
+    }
+    let state = hidden * H * 4;
+    println!(
+        "one part: peak {} bytes; a part per block: {} ({:+} bytes, a hidden state is {state})",
+        peaks[0],
+        peaks[1],
+        peaks[1] as i64 - peaks[0] as i64
+    );
+    assert!(
+        peaks[1] <= peaks[0] + state / 4,
+        "a part per block peaks {} bytes above one part (a hidden state is {state})",
+        peaks[1] as i64 - peaks[0] as i64
     );
 }

@@ -636,13 +636,8 @@ impl<M: Transformer> Executor<M> {
                 end += 1;
             }
             let run = &self.parts[pi..end];
-            flow = Some(self.run_parts(
-                run,
-                flow.as_ref(),
-                inputs,
-                None,
-                self.must_finish(end - 1),
-            )?);
+            flow =
+                Some(self.run_parts(run, flow.take(), inputs, None, self.must_finish(end - 1))?);
             pi = end;
         }
         match flow {

@@ -208,7 +208,7 @@ impl<M: Transformer> Executor<M> {
                         .recv(&format!("acts/{call}/{pi}"))?;
                     flow = Some(flow_from_wire(head, ts)?);
                 }
-                Some(self.run_part(part, flow.as_ref(), inputs, None, self.must_finish(pi))?)
+                Some(self.run_part(part, flow.take(), inputs, None, self.must_finish(pi))?)
             };
             if d.owner(&part.devices[0])? == me {
                 let out = out.as_ref().ok_or_else(|| {

@@ -240,7 +240,7 @@ impl<M: Transformer> Executor<M> {
                 let part = &self.parts[pi];
                 let start_s = t0.elapsed().as_secs_f64();
                 // `run_part` returns once the part's devices have finished it.
-                let out = self.run_part(part, flow.as_ref(), inputs, Some(j), true)?;
+                let out = self.run_part(part, flow.take(), inputs, Some(j), true)?;
                 spans
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())

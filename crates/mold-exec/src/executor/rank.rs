@@ -33,7 +33,7 @@ impl<M: Transformer> Executor<M> {
     pub(super) fn run_part(
         &self,
         part: &PartRt<M>,
-        prev: Option<&Flow<M::Acts>>,
+        prev: Option<Flow<M::Acts>>,
         inputs: &M::Inputs,
         mb: Option<usize>,
         finish: bool,
@@ -47,10 +47,16 @@ impl<M: Transformer> Executor<M> {
     /// own equal rank 0's), and the host waits once, after the last: a wait and a copy
     /// of the activations to every rank at each boundary cost a TP2 plan with 39 parts a
     /// pass about 3.5 ms each (BENCHMARKS.md, issue 19, fifteenth session).
+    ///
+    /// `prev` is taken by value: where it is the activations already on a one-device
+    /// part's device, the part's first block holds the only reference and frees its input
+    /// after its last use. Anything else (a copy from another device, the copies a stage
+    /// placed, sequence slices) is kept until the part has finished: a copy's source must
+    /// outlive it, and nothing else orders its stream with this part's.
     pub(super) fn run_parts(
         &self,
         run: &[PartRt<M>],
-        prev: Option<&Flow<M::Acts>>,
+        prev: Option<Flow<M::Acts>>,
         inputs: &M::Inputs,
         mb: Option<usize>,
         finish: bool,
@@ -60,6 +66,13 @@ impl<M: Transformer> Executor<M> {
             .ok_or_else(|| ExecError::Plan("an empty run of parts".into()))?;
         if part.devices.len() == 1 && run.len() == 1 {
             let rank = &part.ranks[0];
+            let (give, keep) = match prev {
+                Some(Flow::Acts(a)) if on_device(&a, &rank.device)? => {
+                    (Some(Cow::Owned(Flow::Acts(a))), None)
+                }
+                other => (None, other),
+            };
+            let prev = give.or(keep.as_ref().map(Cow::Borrowed));
             let out = self.run_rank(part, rank, &LocalComm, &LocalComm, prev, inputs, mb)?;
             // Another device's part reads it on its own streams (from another thread
             // under tensor parallelism), which are not ordered with this one: finish it.
@@ -68,6 +81,7 @@ impl<M: Transformer> Executor<M> {
                 self.waits
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
+            drop(keep);
             return Ok(out);
         }
         self.waits
@@ -92,7 +106,7 @@ impl<M: Transformer> Executor<M> {
         // rank that copied it itself, from another GPU, would wait for that GPU's stream,
         // which with a stream per device (`--deterministic`) can already hold its peer's
         // first collective, waiting for this rank: the TP2 hang seen on 2 × H200.
-        let placed_prev: Vec<Flow<M::Acts>> = match prev {
+        let placed_prev: Vec<Flow<M::Acts>> = match &prev {
             Some(Flow::Acts(a)) => self
                 .copy_to_ranks(part, "handing activations on", |dev| {
                     a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))
@@ -102,7 +116,7 @@ impl<M: Transformer> Executor<M> {
                 .collect(),
             _ => Vec::new(),
         };
-        let placed_inputs: Vec<M::Inputs> = match prev {
+        let placed_inputs: Vec<M::Inputs> = match &prev {
             None => self.copy_to_ranks(part, "copying the step's inputs", |dev| {
                 inputs.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))
             })?,
@@ -117,20 +131,23 @@ impl<M: Transformer> Executor<M> {
                     .map(|(i, rank)| {
                         let (comm, sp) = (tp_comms[i], sp_comms[i]);
                         let inputs = placed_inputs.get(i).unwrap_or(inputs);
-                        let prev = placed_prev.get(i).or(prev);
+                        let prev = placed_prev.get(i).or(prev.as_ref());
                         s.spawn(move || {
                             let mut guard = AbortGuard(comm, sp, false);
                             // The run's parts in turn, each on what this rank's previous
                             // part left on its device.
+                            let prev = prev.map(Cow::Borrowed);
                             let mut r = self.run_rank(part, rank, comm, sp, prev, inputs, mb);
                             for next in &run[1..] {
+                                // This rank's own output, on its device: given up to the
+                                // next part's first block.
                                 r = r.and_then(|a| {
                                     self.run_rank(
                                         next,
                                         &next.ranks[i],
                                         comm,
                                         sp,
-                                        Some(&a),
+                                        Some(Cow::Owned(a)),
                                         inputs,
                                         mb,
                                     )
@@ -236,7 +253,7 @@ impl<M: Transformer> Executor<M> {
         rank: &Rank<M>,
         comm: &dyn Comm,
         sp: &dyn Comm,
-        prev: Option<&Flow<M::Acts>>,
+        prev: Option<Cow<'_, Flow<M::Acts>>>,
         inputs: &M::Inputs,
         mb: Option<usize>,
     ) -> candle_core::Result<Flow<M::Acts>> {
@@ -263,12 +280,23 @@ impl<M: Transformer> Executor<M> {
         }
         let mut sliced = false;
         let acts = match prev {
-            Some(Flow::Acts(a)) => {
+            // Given up by the caller: on this device (the hand-off clones), and dropped
+            // here so that the first block holds the only reference.
+            Some(Cow::Owned(Flow::Acts(a))) => {
+                let acts = a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))?;
+                drop(a);
+                acts
+            }
+            Some(Cow::Owned(f)) => candle_core::bail!(
+                "a part was given {} to own; only activations on its device are",
+                flow_name(&f)
+            ),
+            Some(Cow::Borrowed(Flow::Acts(a))) => {
                 a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))?
             }
             // The previous stage's thread copied them here (a no-op hand-off, unless
             // they arrived elsewhere).
-            Some(Flow::Placed { copies: v, .. }) => v
+            Some(Cow::Borrowed(Flow::Placed { copies: v, .. })) => v
                 .get(rank.index)
                 .ok_or_else(|| {
                     candle_core::Error::Msg(format!(
@@ -279,13 +307,13 @@ impl<M: Transformer> Executor<M> {
                 .map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))?,
             // The previous part ran on these devices with this layout: this rank's slice
             // is already here.
-            Some(Flow::Sliced(v)) => {
+            Some(Cow::Borrowed(Flow::Sliced(v))) => {
                 sliced = true;
                 v.get(rank.index).cloned().ok_or_else(|| {
                     candle_core::Error::Msg(format!("no sequence slice for rank {}", rank.index))
                 })?
             }
-            Some(Flow::Out(_)) => candle_core::bail!("a part after the final layer"),
+            Some(Cow::Borrowed(Flow::Out(_))) => candle_core::bail!("a part after the final layer"),
             None => {
                 let stem = rank.stem.as_ref().ok_or_else(|| {
                     candle_core::Error::Msg("the first part holds the stem".into())
@@ -337,5 +365,25 @@ impl<M: Transformer> Executor<M> {
             Some(fl) => Ok(Flow::Out(self.model.final_layer(fl, acts, &ctx)?)),
             None => Ok(Flow::Acts(acts)),
         }
+    }
+}
+
+/// Whether every tensor of `a` is on `dev` (a hand-off there only clones it).
+fn on_device<A: Activations>(a: &A, dev: &candle_core::Device) -> candle_core::Result<bool> {
+    let mut here = true;
+    a.map(&mut |t| {
+        here &= t.device().same_device(dev);
+        Ok(t.clone())
+    })?;
+    Ok(here)
+}
+
+/// What a flow is, for an error line.
+fn flow_name<A>(f: &Flow<A>) -> &'static str {
+    match f {
+        Flow::Acts(_) => "activations from another device",
+        Flow::Sliced(_) => "sequence slices",
+        Flow::Placed { .. } => "a stage's placed copies",
+        Flow::Out(_) => "the output",
     }
 }
