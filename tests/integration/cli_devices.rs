@@ -530,7 +530,12 @@ fn saved_profile_plans_and_simulates_anywhere() {
 /// `mold devices --calibrate --model flux-tiny --machine MACHINE --save SAVE` in `d`,
 /// asserted to succeed; what it printed on stderr.
 fn calibrate_flux_tiny(d: &Path, machine: &str, save: &str) -> String {
-    let args = [
+    calibrate_flux_tiny_with(d, machine, save, &[])
+}
+
+/// [`calibrate_flux_tiny`] with `extra` arguments (`--no-peer`, `--size 256x256`).
+fn calibrate_flux_tiny_with(d: &Path, machine: &str, save: &str, extra: &[&str]) -> String {
+    let mut args = vec![
         "devices",
         "--calibrate",
         "--model",
@@ -540,6 +545,7 @@ fn calibrate_flux_tiny(d: &Path, machine: &str, save: &str) -> String {
         "--save",
         save,
     ];
+    args.extend_from_slice(extra);
     let o = mold_with(d, None, &[], &args);
     assert!(o.status.success(), "{args:?}: {}", stderr(&o));
     stderr(&o)
@@ -597,19 +603,7 @@ fn a_profile_without_peer_access_has_no_peer_domains() {
         .peer
         .is_empty());
     let prof = d.join("no-peer.yaml");
-    let args = [
-        "devices",
-        "--calibrate",
-        "--model",
-        "flux-tiny",
-        "--machine",
-        &base,
-        "--no-peer",
-        "--save",
-        prof.to_str().unwrap(),
-    ];
-    let o = mold_with(&d, None, &[], &args);
-    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    calibrate_flux_tiny_with(&d, &base, prof.to_str().unwrap(), &["--no-peer"]);
     let m = Machine::load(&prof).unwrap();
     assert!(m.links.peer.is_empty(), "{:?}", m.links.peer);
     assert!(m.description.contains("--no-peer"), "{}", m.description);
@@ -1168,20 +1162,7 @@ fn calibrating_at_a_size_measures_its_sequence() {
     let d = tempdir("devices-ops-size");
     let base = machine("cpu-emu-4");
     let prof = d.join("cal.yaml");
-    let args = [
-        "devices",
-        "--calibrate",
-        "--model",
-        "flux-tiny",
-        "--machine",
-        &base,
-        "--save",
-        prof.to_str().unwrap(),
-        "--size",
-        "256x256",
-    ];
-    let o = mold_with(&d, None, &[], &args);
-    assert!(o.status.success(), "{}", stderr(&o));
+    calibrate_flux_tiny_with(&d, &base, prof.to_str().unwrap(), &["--size", "256x256"]);
     let m = Machine::load(&prof).unwrap();
     let spec = mold_models::find("flux-tiny").unwrap();
     let w = mold_plan::Workload {

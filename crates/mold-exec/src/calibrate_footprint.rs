@@ -317,31 +317,23 @@ mod tests {
     fn what_cannot_be_measured_is_an_error() {
         let (f, p) = probe(DeviceId::Emu(0), 0, None);
         let (blocks, dtype) = tiny();
-        let e = measure_footprint(
-            &p,
-            &DeviceId::Emu(1),
-            dtype,
-            &blocks,
-            Kernels::Auto,
-            &mut |_| {},
-        )
-        .unwrap_err()
-        .to_string();
+        let measure = |id: u32, dtype| {
+            measure_footprint(
+                &p,
+                &DeviceId::Emu(id),
+                dtype,
+                &blocks,
+                Kernels::Auto,
+                &mut |_| {},
+            )
+        };
+        let e = measure(1, dtype).unwrap_err().to_string();
         assert!(
             e.contains("emu:1: the memory probe does not read this device"),
             "{e}"
         );
         *f.fail.lock().unwrap() = true;
-        let e = measure_footprint(
-            &p,
-            &DeviceId::Emu(0),
-            dtype,
-            &blocks,
-            Kernels::Auto,
-            &mut |_| {},
-        )
-        .unwrap_err()
-        .to_string();
+        let e = measure(0, dtype).unwrap_err().to_string();
         assert!(
             e.contains("device emu:0: cannot read the memory in use: device lost"),
             "{e}"
@@ -350,14 +342,6 @@ mod tests {
         m.transformer.kinds[0].streams = 3;
         let e = footprint_ops(&m, DType::F32).unwrap_err().to_string();
         assert!(e.contains("blocks have no operation breakdown"), "{e}");
-        let e = measure_footprint(
-            &p,
-            &DeviceId::Emu(0),
-            DType::Fp8,
-            &blocks,
-            Kernels::Auto,
-            &mut |_| {},
-        );
-        assert!(e.is_err());
+        assert!(measure(0, DType::Fp8).is_err());
     }
 }

@@ -114,16 +114,11 @@ pub fn hand_off_paths() -> Vec<(usize, usize, bool)> {
 /// Moves an activation to `dst`. Between two GPUs that can access each other's memory
 /// (`cuDeviceCanAccessPeer`, checked once per pair, then `cuCtxEnablePeerAccess`), a
 /// peer copy (`cuMemcpyPeerAsync`, over NVLink or PCIe, on the destination's stream
-/// after the source's work is done); otherwise, and for every other pair of devices,
-/// candle's copy through host memory.
-pub fn hand_off(t: &Tensor, dst: &Device) -> candle_core::Result<Tensor> {
-    hand_off_with(t, dst, true)
-}
-
-/// [`hand_off`], with peer copies off when `peer_copies` is false
-/// ([`crate::ExecOptions::peer_copies`]): every GPU-to-GPU hand-off then goes through host
-/// memory, recorded as such in [`hand_off_paths`].
-pub fn hand_off_with(t: &Tensor, dst: &Device, peer_copies: bool) -> candle_core::Result<Tensor> {
+/// after the source's work is done), unless `peer_copies` is off
+/// ([`crate::ExecOptions::peer_copies`], `--no-peer`); otherwise, and for every other pair
+/// of devices, candle's copy through host memory. Each GPU pair's path is recorded for
+/// [`hand_off_paths`].
+pub fn hand_off(t: &Tensor, dst: &Device, peer_copies: bool) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let (Device::Cuda(s), Device::Cuda(d)) = (t.device(), dst) {
         if !t.device().same_device(dst) {

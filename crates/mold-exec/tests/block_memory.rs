@@ -73,6 +73,13 @@ fn peak_of<T>(given: usize, f: impl FnOnce() -> T) -> (usize, T) {
     (peak - before + given, out)
 }
 
+/// The peak of `run` (which makes fresh inputs and runs a block on them, [`peak_of`]),
+/// after one run to warm every cache (the matmul's packing buffers).
+fn warm_peak<T>(mut run: impl FnMut() -> (usize, T)) -> usize {
+    drop(run());
+    run().0
+}
+
 /// Random weights of the shapes `specs` names, loaded as the checkpoint would be.
 struct RandomWeights(HashMap<String, Vec<usize>>);
 
@@ -216,31 +223,35 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
     .unwrap();
     let lens = [img + txt];
     let mut misses = Vec::new();
-    // Once to warm every cache (the matmul's packing buffers), then measured.
-    for measured in [false, true] {
+    // What the cost model counts for `model`'s block kind `name` at this test's widths.
+    let counted = |model: &str, name: &str| {
+        kind(model, name, h as u64, heads as u32, mlp as u64)
+            .activation_bytes(tokens, 1, 4, 1, false)
+    };
+    let peak = warm_peak(|| {
         let (x_img, x_txt) = (random(&[1, img, h]), random(&[1, txt, h]));
         let given = bytes(&[&x_img, &x_txt]);
-        let (peak, out) = peak_of(given, || {
+        peak_of(given, || {
             double
                 .forward(x_img, x_txt, &vec, &pe, &lens, &ctx)
                 .unwrap()
-        });
-        drop(out);
+        })
+    });
+    check(
+        "flux double",
+        peak,
+        counted("flux-dev", "double"),
+        img,
+        &mut misses,
+    );
+    let peak = warm_peak(|| {
         let x = random(&[1, img + txt, h]);
-        let given1 = bytes(&[&x]);
-        let (peak1, out1) = peak_of(given1, || {
+        peak_of(bytes(&[&x]), || {
             single.forward(x, &vec, &pe, &lens, &ctx).unwrap()
-        });
-        drop(out1);
-        if measured {
-            let k = kind("flux-dev", "double", h as u64, heads as u32, mlp as u64);
-            let counted = k.activation_bytes(tokens, 1, 4, 1, false);
-            check("flux double", peak, counted, img, &mut misses);
-            let k = kind("flux-dev", "single", h as u64, heads as u32, mlp as u64);
-            let counted = k.activation_bytes(tokens, 1, 4, 1, false);
-            check("flux single", peak1, counted, img + txt, &mut misses);
-        }
-    }
+        })
+    });
+    let c = counted("flux-dev", "single");
+    check("flux single", peak, c, img + txt, &mut misses);
 
     // Qwen-Image: one dual-stream block.
     let qwen = QwenConfig {
@@ -268,21 +279,22 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
         &Device::Cpu,
     )
     .unwrap();
-    for measured in [false, true] {
+    let peak = warm_peak(|| {
         let (x_img, x_txt) = (random(&[1, img, h]), random(&[1, txt, h]));
         let given = bytes(&[&x_img, &x_txt]);
-        let (peak, out) = peak_of(given, || {
+        peak_of(given, || {
             block
                 .forward(x_img, x_txt, &temb, &pe, &lens, &ctx)
                 .unwrap()
-        });
-        drop(out);
-        if measured {
-            let k = kind("qwen-image", "block", h as u64, heads as u32, mlp as u64);
-            let counted = k.activation_bytes(tokens, 1, 4, 1, false);
-            check("qwen block", peak, counted, img, &mut misses);
-        }
-    }
+        })
+    });
+    check(
+        "qwen block",
+        peak,
+        counted("qwen-image", "block"),
+        img,
+        &mut misses,
+    );
     assert!(
         misses.is_empty(),
         "blocks whose activations peaked above what the cost model counts: {misses:?}"
@@ -319,14 +331,13 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
         .map(|b| common::part(&["emu:0"], &[b], false))
         .collect(),
     );
-    let mut peaks = Vec::new();
-    for plan in [&one, &each] {
-        let exec = mold_exec::Executor::new(&cfg, plan, &ckpt).unwrap();
-        drop(exec.forward(&x).unwrap());
-        let (peak, out) = peak_of(0, || exec.forward(&x).unwrap());
-        drop(out);
-        peaks.push(peak);
-    }
+    let peaks: Vec<usize> = [&one, &each]
+        .iter()
+        .map(|plan| {
+            let exec = mold_exec::Executor::new(&cfg, plan, &ckpt).unwrap();
+            warm_peak(|| peak_of(0, || exec.forward(&x).unwrap()))
+        })
+        .collect();
     let state = hidden * H * 4;
     println!(
         "one part: peak {} bytes; a part per block: {} ({:+} bytes, a hidden state is {state})",

@@ -646,6 +646,15 @@ impl<M: Transformer> Executor<M> {
         }
     }
 
+    /// [`runtime::hand_off`] to `dev` with this executor's peer-copy setting, for an
+    /// activations' or inputs' `map`.
+    fn hand_off_to<'a>(
+        &'a self,
+        dev: &'a Device,
+    ) -> impl FnMut(&Tensor) -> candle_core::Result<Tensor> + 'a {
+        move |t| runtime::hand_off(t, dev, self.opts.peer_copies)
+    }
+
     /// Whether part `pi`'s kernels must be done before the next part starts: yes, unless
     /// the next part runs on the same single device, whose kernels this thread then
     /// queues on the same stream after these (ordered without a wait). The last part

@@ -51,7 +51,6 @@
 use super::{Executor, Flow, PartRt};
 use crate::error::{ExecError, Result};
 use crate::model::{Activations, Transformer};
-use crate::runtime;
 use candle_core::Tensor;
 use mold_plan::DeviceId;
 use serde::Serialize;
@@ -283,7 +282,7 @@ impl<M: Transformer> Executor<M> {
             ));
         };
         let placed = self.copy_to_ranks(next, "handing activations on", |dev| {
-            a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))
+            a.map(&mut self.hand_off_to(dev))
         })?;
         Ok(Flow::Placed {
             copies: placed,

@@ -5,7 +5,7 @@ use super::{Executor, Flow, PartRt, Rank};
 use crate::comm::{Comm, LocalComm};
 use crate::error::{ExecError, Result};
 use crate::model::{Activations, Ctx, Inputs, Transformer, Weights};
-use crate::runtime::{self, Held};
+use crate::runtime::Held;
 use std::borrow::Cow;
 
 /// Aborts the rank's groups (tensor- and sequence-parallel) if the rank's thread leaves
@@ -109,7 +109,7 @@ impl<M: Transformer> Executor<M> {
         let placed_prev: Vec<Flow<M::Acts>> = match &prev {
             Some(Flow::Acts(a)) => self
                 .copy_to_ranks(part, "handing activations on", |dev| {
-                    a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))
+                    a.map(&mut self.hand_off_to(dev))
                 })?
                 .into_iter()
                 .map(Flow::Acts)
@@ -118,7 +118,7 @@ impl<M: Transformer> Executor<M> {
         };
         let placed_inputs: Vec<M::Inputs> = match &prev {
             None => self.copy_to_ranks(part, "copying the step's inputs", |dev| {
-                inputs.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))
+                inputs.map(&mut self.hand_off_to(dev))
             })?,
             Some(_) => Vec::new(),
         };
@@ -283,7 +283,7 @@ impl<M: Transformer> Executor<M> {
             // Given up by the caller: on this device (the hand-off clones), and dropped
             // here so that the first block holds the only reference.
             Some(Cow::Owned(Flow::Acts(a))) => {
-                let acts = a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))?;
+                let acts = a.map(&mut self.hand_off_to(dev))?;
                 drop(a);
                 acts
             }
@@ -291,9 +291,7 @@ impl<M: Transformer> Executor<M> {
                 "a part was given {} to own; only activations on its device are",
                 flow_name(&f)
             ),
-            Some(Cow::Borrowed(Flow::Acts(a))) => {
-                a.map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))?
-            }
+            Some(Cow::Borrowed(Flow::Acts(a))) => a.map(&mut self.hand_off_to(dev))?,
             // The previous stage's thread copied them here (a no-op hand-off, unless
             // they arrived elsewhere).
             Some(Cow::Borrowed(Flow::Placed { copies: v, .. })) => v
@@ -304,7 +302,7 @@ impl<M: Transformer> Executor<M> {
                         rank.index
                     ))
                 })?
-                .map(&mut |t| runtime::hand_off_with(t, dev, self.opts.peer_copies))?,
+                .map(&mut self.hand_off_to(dev))?,
             // The previous part ran on these devices with this layout: this rank's slice
             // is already here.
             Some(Cow::Borrowed(Flow::Sliced(v))) => {
