@@ -144,7 +144,7 @@ def main():
     )
     ap.add_argument("--time", type=int, default=0, metavar="N",
                     help="also time N more calls of the same inputs after 2 warm-up calls (median, "
-                         "synchronised): diffusers' step beside mold's in the same device call")
+                         "synchronised): diffusers' step beside mold's in the same run")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the transformer first, as a user chasing speed would: "
                          "regional (compile_repeated_blocks, one graph for the 60 blocks) where "

@@ -661,8 +661,8 @@ impl<M: Transformer> Executor<M> {
     /// finishes (its output leaves the executor). A wait at every boundary drained the
     /// GPU in a plan that alternates resident and streamed parts on one device: 0.5–1 ms
     /// idle at each of its 44 boundaries while the host queued the next kernels, and the
-    /// ring's copies 25 % slower while the host waited (BENCHMARKS.md, issue 19,
-    /// thirteenth session).
+    /// ring's copies 25 % slower while the host waited (BENCHMARKS.md, history
+    /// 2026-11-23).
     fn must_finish(&self, pi: usize) -> bool {
         let (this, next) = (&self.parts[pi], self.parts.get(pi + 1));
         !matches!(next, Some(n) if this.devices.len() == 1

@@ -46,7 +46,7 @@ impl<M: Transformer> Executor<M> {
     /// of the run in turn on its own activations (replicated by the all-reduces, so its
     /// own equal rank 0's), and the host waits once, after the last: a wait and a copy
     /// of the activations to every rank at each boundary cost a TP2 plan with 39 parts a
-    /// pass about 3.5 ms each (BENCHMARKS.md, issue 19, fifteenth session).
+    /// pass about 3.5 ms each (BENCHMARKS.md, history 2026-11-24).
     ///
     /// `prev` is taken by value: where it is the activations already on a one-device
     /// part's device, the part's first block holds the only reference and frees its input
