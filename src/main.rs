@@ -25,7 +25,7 @@ enum Command {
     /// Run a plan's transformer on its devices (CUDA, or emulated devices on the CPU).
     Exec(cmd::exec::Args),
     /// Write random-weight checkpoints with real tensor names, for tests and benchmarks.
-    Testdata(cmd::exec::TestdataArgs),
+    Testdata(cmd::testdata::Args),
     /// List the models mold knows.
     Models(cmd::plan::ModelsArgs),
     /// List this box's GPUs, save a machine profile, calibrate it.
@@ -51,7 +51,7 @@ fn main() {
         Command::Plan(a) => cmd::plan::run(*a),
         Command::Sim(a) => cmd::sim::run(a),
         Command::Exec(a) => cmd::exec::run(a),
-        Command::Testdata(a) => cmd::exec::testdata(a),
+        Command::Testdata(a) => cmd::testdata::run(a),
         Command::Models(a) => cmd::plan::models(a),
         Command::Devices(a) => cmd::devices::run(a),
         Command::Info(a) => cmd::devices::info(a),

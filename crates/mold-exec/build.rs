@@ -9,6 +9,8 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=kernels/flash_attn.cu");
     println!("cargo:rerun-if-changed=kernels/elementwise.cu");
+    println!("cargo:rerun-if-changed=kernels/groupnorm.cu");
+    println!("cargo:rerun-if-changed=kernels/softmax.cu");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -24,7 +26,7 @@ fn main() {
             .filter(|p| std::path::Path::new(p).exists())
             .unwrap_or_else(|| "nvcc".into())
     });
-    for name in ["flash_attn", "elementwise"] {
+    for name in ["flash_attn", "elementwise", "groupnorm", "softmax"] {
         let ptx = out.join(format!("{name}.ptx"));
         let src = format!("kernels/{name}.cu");
         let status = Command::new(&nvcc)

@@ -3,10 +3,13 @@
 //! configuration in effect.
 use anyhow::{bail, Context, Result};
 use mold_config::{Layer, Setting, Val};
-use mold_exec::calibrate_ops::Timing;
-use mold_machine::inventory::{self, Inventory, ProfileOptions};
+use mold_exec::calibrate::Timing;
+use mold_machine::inventory::{self, Inventory, Measurements, ProfileOptions};
 use mold_machine::{Machine, OpTables};
 use mold_models::ModelSpec;
+use mold_pipeline::calibrate::{
+    Calibrated, Calibration, DeviceCalibration, FirstUseRun, Host, ModelCalibration,
+};
 use mold_plan::{ByteSize, DeviceId, Workload, GIB, MIB};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -19,9 +22,15 @@ pub struct Args {
     /// Print the inventory and budgets as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Write a machine profile of this box here (e.g. sim/machines/my-box.yaml).
+    /// Write a machine profile of this box here (e.g. sim/machines/my-box.yaml). A file
+    /// there is replaced only if it is a profile mold wrote and nobody edited since
+    /// (else pass --force).
     #[arg(long, value_name = "YAML")]
     pub save: Option<PathBuf>,
+    /// Replace the file at --save whatever it is (a symlink there is replaced, never
+    /// written through).
+    #[arg(long, alias = "overwrite")]
+    pub force: bool,
     /// Measure the devices (bf16 matmul, memory bandwidth, host and peer copies; NCCL
     /// all-reduce on builds with the `nccl` feature) and write the figures into the saved
     /// profile; with --model, that model's operations too.
@@ -212,6 +221,10 @@ pub fn run(a: Args) -> Result<i32> {
              operations with --model MODEL)"
         );
     }
+    // A file at --save that mold may not replace is refused before anything is measured.
+    if let Some(path) = &a.save {
+        profile_dest(&a, path).check(mold_files::Mine::Stamped(mold_files::Stamp::HashComment))?;
+    }
     if a.no_peer {
         super::common::no_peer_access();
     }
@@ -261,8 +274,9 @@ pub fn run(a: Args) -> Result<i32> {
             mold_version: env!("CARGO_PKG_VERSION").into(),
         })?;
         without_peers(&a, &mut m);
-        let t = measure_model_ops(&a, &m, model)?;
-        print!("{}", ops_yaml(&t)?);
+        let req = model_request(&a, model)?;
+        let done = calibrate(&a, &mut m, None, Some(req))?;
+        print!("{}", ops_yaml(&done.tables)?);
     }
     Ok(0)
 }
@@ -283,11 +297,15 @@ pub fn first_use(a: FirstUseArgs) -> Result<i32> {
     let dev = mold_exec::runtime::DeviceMap::new(false)
         .get(&id)
         .map_err(|e| anyhow::anyhow!("{id}: {e}"))?;
+    // The decoder `mold exec` would run here (MOLD_KERNELS, inherited from the parent).
+    let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let runs = mold_pipeline::calibrate::first_use(
         &a.model,
         &dev,
         (a.width, a.height),
         &Default::default(),
+        mold_pipeline::flux::vae::VaeOptions::with_kernels(kernels),
         &mut |s| eprintln!("calibrating: {s} on {id}"),
     )?;
     println!("{}", serde_json::to_string(&runs)?);
@@ -322,59 +340,19 @@ pub fn footprint(a: FootprintArgs) -> Result<i32> {
             .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?,
         None => spec.transformer.default_dtype,
     };
-    let blocks = mold_exec::calibrate_footprint::footprint_ops(&spec, dtype)?;
+    let blocks = mold_exec::calibrate::footprint_ops(&spec, dtype)?;
     let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let probe = mold_exec::memory_probe::allocator_probe(&[(id.clone(), ordinal as usize)])?
         .with_context(|| {
             format!("--device {id}: this build has no CUDA, so there is no allocator to read")
         })?;
-    let f = mold_exec::calibrate_footprint::measure_footprint(
-        &probe,
-        &id,
-        dtype,
-        &blocks,
-        kernels,
-        &mut |s| eprintln!("calibrating: {s}"),
-    )?;
+    let f =
+        mold_exec::calibrate::measure_footprint(&probe, &id, dtype, &blocks, kernels, &mut |s| {
+            eprintln!("calibrating: {s}")
+        })?;
     println!("{}", serde_json::to_string(&f)?);
     Ok(0)
-}
-
-/// Fresh processes [`measure_first_use`] runs at least: first use varies from process
-/// to process by a third, so its mean needs a few.
-const FIRST_USE_PROCESSES: usize = 5;
-
-/// Each component's first run in a fresh process on `device` (of the profile `machine`,
-/// where the calibration was given one), into `points`' `first_use_seconds`: children
-/// (`mold calibrate-first-use`, this binary), each running the text encoders and then
-/// the decoder, as a one-shot `mold exec` does — one per decoder size, and at least
-/// [`FIRST_USE_PROCESSES`], taking the sizes in turn; each point gets the mean of its
-/// runs. A child that cannot start or fails is said in one line and the calibration goes
-/// on without its figures.
-fn measure_first_use(
-    model: &str,
-    machine: Option<&str>,
-    device: &DeviceId,
-    sizes: &[(u32, u32)],
-    points: &mut [mold_machine::ComponentPoint],
-) {
-    let mut runs = Vec::new();
-    let n = sizes.len().max(FIRST_USE_PROCESSES);
-    for &(w, h) in sizes.iter().cycle().take(n) {
-        eprintln!(
-            "calibrating: first use of the encoders and the vae decoding {w}x{h} in a fresh \
-             process on {device}"
-        );
-        match first_use_child(model, machine, device, (w, h)) {
-            Ok(r) => runs.extend(r),
-            Err(e) => eprintln!(
-                "calibrating: first use in a fresh process not measured ({w}x{h} on \
-                 {device}): {e:#}"
-            ),
-        }
-    }
-    mold_pipeline::calibrate::record_first_use(points, &runs);
 }
 
 /// One `mold calibrate-first-use` child and what it printed.
@@ -428,50 +406,13 @@ fn child_line(args: &[String]) -> Result<String> {
     last(&o.stdout).context("the child process printed nothing")
 }
 
-/// Fresh processes [`measure_libraries`] runs: their median is kept.
-const FOOTPRINT_PROCESSES: usize = 3;
-
-/// The CUDA libraries' device memory on `device` (a GPU, of the profile `machine` where
-/// the calibration was given one) with `model`'s blocks run in `dtype`: children (`mold
-/// calibrate-footprint`, this binary), [`FOOTPRINT_PROCESSES`] of them, the median kept
-/// (the upper one of two), rounded up to MiB. A child that cannot start or fails is said
-/// in one line and the calibration goes on; `None` where none succeeded.
-fn measure_libraries(
-    model: &str,
-    machine: Option<&str>,
-    dtype: mold_plan::DType,
-    device: &DeviceId,
-) -> Option<ByteSize> {
-    let mut bytes = Vec::new();
-    for i in 1..=FOOTPRINT_PROCESSES {
-        eprintln!(
-            "calibrating: the CUDA libraries' device memory in a fresh process on {device} \
-             ({i} of {FOOTPRINT_PROCESSES})"
-        );
-        match footprint_child(model, machine, dtype, device) {
-            Ok(f) => bytes.push(f.library_bytes),
-            Err(e) => eprintln!(
-                "calibrating: the CUDA libraries' device memory not measured ({device}): {e:#}"
-            ),
-        }
-    }
-    median_bytes(bytes)
-}
-
-/// The median of `bytes` (the upper of the middle two for an even count), rounded up to
-/// MiB; `None` for none.
-fn median_bytes(mut bytes: Vec<u64>) -> Option<ByteSize> {
-    bytes.sort_unstable();
-    bytes.get(bytes.len() / 2).map(|&b| ByteSize(b).ceil_mib())
-}
-
 /// One `mold calibrate-footprint` child and what it printed.
 fn footprint_child(
     model: &str,
     machine: Option<&str>,
     dtype: mold_plan::DType,
     device: &DeviceId,
-) -> Result<mold_exec::calibrate_footprint::Footprint> {
+) -> Result<mold_exec::calibrate::Footprint> {
     let mut args: Vec<String> = vec![
         "calibrate-footprint".into(),
         "--model".into(),
@@ -496,22 +437,20 @@ fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
     let model = a.model.as_deref().context("--machine needs --model")?;
     let mut m = super::common::load_machine(spec)?;
     without_peers(a, &mut m);
-    let t = measure_model_ops(a, &m, model)?;
+    let req = model_request(a, model)?;
+    if let (Some(_), Some(n)) = (&a.save, &a.name) {
+        m.name = n.clone();
+    }
+    let done = calibrate(a, &mut m, None, Some(req))?;
     match &a.save {
         Some(path) => {
-            if let Some(n) = &a.name {
-                m.name = n.clone();
-            }
-            for (t, timing) in t {
-                add_tables(&mut m, t, timing);
-            }
-            write_profile(path, &m)?;
+            write_profile(a, path, &m)?;
             eprintln!(
                 "machine profile written to {} ({spec} with operation tables for {model})",
                 path.display()
             );
         }
-        None => print!("{}", ops_yaml(&t)?),
+        None => print!("{}", ops_yaml(&done.tables)?),
     }
     Ok(0)
 }
@@ -539,73 +478,29 @@ fn ops_yaml(t: &[(OpTables, Timing)]) -> Result<String> {
     Ok(serde_yaml_ng::to_string(&Ops { ops })?)
 }
 
-/// `t` into `m` (in place of any table of the same model, dtype and devices), noted in
-/// its calibration.
-fn add_tables(m: &mut Machine, t: OpTables, timing: Timing) {
-    let note = format!(
-        "Operation tables for {} {} on {} measured by mold {} on {} (`mold devices \
-         --calibrate --model {}`: {} matrix products, {} attention shapes, element-wise \
-         kernels, {} collective sizes, {} text-encoder and VAE runs{}; operations timed {}, \
-         collectives, encoders and the decoder each run alone).",
-        t.model,
-        t.dtype,
-        t.device,
-        env!("CARGO_PKG_VERSION"),
-        inventory::today(),
-        t.model,
-        t.gemm.len(),
-        t.attention.len(),
-        t.collectives.all_reduce.len()
-            + t.collectives.all_gather.len()
-            + t.collectives.all_to_all.len(),
-        t.components.len(),
-        if t.library_bytes.is_some() {
-            ", the CUDA libraries' device memory in fresh processes"
-        } else {
-            ""
-        },
-        timing.describe()
-    );
-    let notes = &mut m.calibration.notes;
-    if !notes.is_empty() {
-        notes.push(' ');
+/// `--save PATH` as mold-files sees it: replaced only if mold wrote it and nobody edited
+/// it since, or with --force.
+fn profile_dest<'a>(a: &'a Args, path: &'a std::path::Path) -> mold_files::Dest<'a> {
+    mold_files::Dest {
+        path,
+        flag: "--save",
+        what: "machine profile",
+        force_flag: "--force",
+        force: a.force,
     }
-    notes.push_str(&note);
-    m.set_op_tables(t);
 }
 
-/// Writes `m` to `path` and loads it back: what was written must load, here and on any
-/// other box.
-fn write_profile(path: &std::path::Path, m: &Machine) -> Result<()> {
-    std::fs::write(path, m.to_yaml()).with_context(|| format!("--save {}", path.display()))?;
+/// Writes `m` to `path` (stamped, atomically: never through a symlink, never half a file)
+/// and loads it back: what was written must load, here and on any other box.
+fn write_profile(a: &Args, path: &std::path::Path, m: &Machine) -> Result<()> {
+    profile_dest(a, path).write_stamped(mold_files::Stamp::HashComment, m.to_yaml().as_bytes())?;
     Machine::load(path)?;
     Ok(())
 }
 
-/// The devices of `m` on its first device's node (the one this process reaches) by kind
-/// (device name), kinds in the order their first device appears: each kind gets its own
-/// operation tables (the cost model looks tables up by device name, so other nodes'
-/// devices of the same name share them).
-fn device_kinds(m: &Machine) -> Vec<Vec<DeviceId>> {
-    let Some(node) = m.devices.first().map(|d| &d.node) else {
-        return Vec::new();
-    };
-    let mut kinds: Vec<Vec<DeviceId>> = Vec::new();
-    for d in m.devices.iter().filter(|d| &d.node == node) {
-        let same = |k: &&mut Vec<DeviceId>| m.device(&k[0]).is_some_and(|f| f.name == d.name);
-        match kinds.iter_mut().find(|k| same(k)) {
-            Some(k) => k.push(d.id.clone()),
-            None => kinds.push(vec![d.id.clone()]),
-        }
-    }
-    kinds
-}
-
-/// Measures `model`'s operations on each kind of device in `m` (on its first device;
-/// collectives over the first 2, 4, … of that kind), at the shapes the cost model looks
-/// up for the model's default size at half, the same and twice its side: one table per
-/// kind, in the order [`device_kinds`] gives.
-fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<(OpTables, Timing)>> {
+/// `--model` and the flags that go with it, resolved and checked: each bad one refused in
+/// one line naming it, before anything is measured.
+fn model_request(a: &Args, model: &str) -> Result<ModelCalibration> {
     let spec = mold_models::find(model).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
     let dtype = match &a.dtype {
         Some(d) => d
@@ -614,19 +509,8 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<(OpTables
         None => spec.transformer.default_dtype,
     };
     mold_exec::compute_dtype(dtype).map_err(|e| anyhow::anyhow!("--dtype {dtype}: {e}"))?;
-    let tokens = spec.tokens(&spec.default_workload);
-    if let Some(k) = spec
-        .transformer
-        .kinds
-        .iter()
-        .find(|k| mold_cost::ops::block_ops(k, tokens, 1, 1, 1, 2).is_none())
-    {
-        bail!(
-            "--model {model}: its `{}` blocks have no operation breakdown (mold prices FLUX's \
-             double and single blocks by operation): calibrate a FLUX model",
-            k.name
-        );
-    }
+    mold_pipeline::calibrate::check_model(&spec)
+        .map_err(|e| anyhow::anyhow!("--model {model}: {e}"))?;
     let mut extra = Vec::new();
     for size in &a.sizes {
         let (width, height) = super::common::parse_size("--size", size)?;
@@ -639,138 +523,95 @@ fn measure_model_ops(a: &Args, m: &Machine, model: &str) -> Result<Vec<(OpTables
             .map_err(|e| anyhow::anyhow!("--size {size}: {e}"))?;
         extra.push(w);
     }
-    let kinds = device_kinds(m);
-    if kinds.is_empty() {
-        bail!("the machine profile has no device");
-    }
-    let mut tables = Vec::new();
-    for devices in &kinds {
-        let first = m.device(&devices[0]).context("a device of the profile")?;
-        if kinds.len() > 1 {
-            eprintln!(
-                "calibrating {} ({} of this kind: {})",
-                first.name,
-                devices.len(),
-                devices
-                    .iter()
-                    .map(|d| d.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-        }
-        tables.push(measure_kind(
-            a, model, &spec, dtype, first, devices, &extra,
-        )?);
-    }
-    Ok(tables)
-}
-
-/// [`measure_model_ops`] for one kind of device: `devices`, `first` of them, of the
-/// profile `a.machine` where the calibration names one (`--machine`); the tables and how
-/// they were timed.
-fn measure_kind(
-    a: &Args,
-    model: &str,
-    spec: &ModelSpec,
-    dtype: mold_plan::DType,
-    first: &mold_machine::Device,
-    devices: &[DeviceId],
-    extra: &[Workload],
-) -> Result<(OpTables, Timing)> {
-    let machine = a.machine.as_deref();
-    let timing = op_timing(a.timing.as_deref(), devices);
-    let sizes: Vec<u32> = inventory::allreduce_group_sizes(devices.len())
-        .into_iter()
-        .map(|n| n as u32)
-        .collect();
-    let mut req = mold_cost::ops::ShapeRequest::default_for(spec, devices.len() as u32, sizes);
-    req.workloads.extend(extra.iter().cloned());
-    let shapes = mold_cost::ops::calibration_shapes(spec, dtype, &req);
     let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let comm = mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok())?;
-    let bench = mold_exec::calibrate_ops::OpBench {
+    Ok(ModelCalibration {
+        model: model.into(),
+        spec,
+        dtype,
+        extra,
+        timing: a.timing.as_deref().map(timing_flag),
         kernels,
         comm,
-        timing,
-        ..Default::default()
-    };
-    let t = mold_exec::calibrate_ops::measure_ops(
-        &mold_exec::calibrate_ops::OpTarget {
-            model,
-            dtype,
-            device_name: &first.name,
-            devices,
-        },
-        &shapes,
-        &bench,
-        &mut |s| eprintln!("calibrating: {s}"),
-    )?;
-    let mut t = t;
-    if mold_exec::FluxConfig::by_name(model).is_some() {
-        // The text encoders, and the VAE at half, the same and twice the default side.
-        let (w, h) = (spec.default_workload.width, spec.default_workload.height);
-        let mut sizes = vec![(w / 2, h / 2), (w, h), (w * 2, h * 2)];
-        sizes.extend(extra.iter().map(|x| (x.width, x.height)));
-        sizes.sort_by_key(|&(w, h)| (u64::from(w) * u64::from(h), w));
-        sizes.dedup();
-        let dev = mold_exec::runtime::DeviceMap::new(false)
-            .get(&first.id)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", first.id))?;
-        t.components = mold_pipeline::calibrate::time_components(
-            model,
-            &dev,
-            &sizes,
-            &Default::default(),
-            &mut |s| eprintln!("calibrating: {s} on {}", first.id),
-        )?;
-        // This process has run its products by now: first use needs fresh ones.
-        measure_first_use(model, machine, &first.id, &sizes, &mut t.components);
-        t.sort();
-    }
-    if matches!(first.id, DeviceId::Cuda(_)) {
-        // In fresh processes: this one has loaded every library by now.
-        t.library_bytes = measure_libraries(model, machine, dtype, &first.id);
-    }
-    let first_use = t
-        .components
-        .iter()
-        .filter_map(|p| {
-            let unit = if p.component == "vae" { "px" } else { "tokens" };
-            p.first_use_seconds
-                .map(|f| format!("{} ({} {unit}) {:.1} ms", p.component, p.size, f * 1e3))
-        })
-        .collect::<Vec<_>>();
-    eprintln!(
-        "operation tables: {model} {dtype} on {}: {} matrix products, {} attention shapes, \
-         element-wise {:.1} GB/s, {} encoder and decoder runs{}{}",
-        first.name,
-        t.gemm.len(),
-        t.attention.len(),
-        t.elementwise_gbps,
-        t.components.len(),
-        match t.library_bytes {
-            Some(b) => format!("; CUDA libraries' device memory {}", b.human()),
-            None => String::new(),
-        },
-        if first_use.is_empty() {
-            String::new()
-        } else {
-            format!("; first use in a fresh process: {}", first_use.join(", "))
-        }
-    );
-    Ok((t, timing))
+    })
 }
 
-/// `--timing`: as named, else mixed on GPUs and alone on emulated devices (the CPU's
-/// clocks do not settle under a GPU's power limit, and tests stay fast).
-fn op_timing(named: Option<&str>, devices: &[DeviceId]) -> Timing {
+/// `--timing`'s value (clap admits only these three).
+fn timing_flag(named: &str) -> Timing {
     match named {
-        Some("alone") => Timing::Alone,
-        Some("sustained") => Timing::SUSTAINED,
-        Some(_) => Timing::MIXED,
-        None if devices.iter().all(|d| matches!(d, DeviceId::Cuda(_))) => Timing::MIXED,
-        None => Timing::Alone,
+        "alone" => Timing::Alone,
+        "sustained" => Timing::SUSTAINED,
+        _ => Timing::MIXED,
+    }
+}
+
+/// [`mold_pipeline::calibrate::calibrate`] on `m`: the devices of `devices`, the model of
+/// `model`, progress on stderr, fresh processes as children of this binary.
+fn calibrate(
+    a: &Args,
+    m: &mut Machine,
+    devices: Option<&Inventory>,
+    model: Option<ModelCalibration>,
+) -> Result<Calibrated> {
+    let c = Calibration {
+        devices: devices.map(|inv| DeviceCalibration {
+            inventory: inv,
+            watchdog: mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok())
+                .map(|o| o.nccl_timeout)
+                .map_err(|e| e.to_string()),
+        }),
+        model,
+        date: inventory::today(),
+        mold_version: env!("CARGO_PKG_VERSION").into(),
+    };
+    let mut host = Children {
+        machine: a.machine.as_deref(),
+        json: a.json,
+    };
+    Ok(mold_pipeline::calibrate::calibrate(m, c, &mut host)?)
+}
+
+/// What the calibration asks of the CLI: its progress on stderr, the devices' figures on
+/// stdout (unless --json), and fresh processes: children of this binary (`mold
+/// calibrate-first-use`, `mold calibrate-footprint`) on the devices of `machine` (the
+/// calibration's --machine) where it names a profile.
+struct Children<'a> {
+    machine: Option<&'a str>,
+    json: bool,
+}
+
+impl Host for Children<'_> {
+    fn say(&mut self, line: &str) {
+        eprintln!("{line}");
+    }
+
+    fn measured(&mut self, r: &Measurements) {
+        if self.json {
+            return;
+        }
+        match serde_yaml_ng::to_string(r) {
+            Ok(y) => println!("\nmeasured:\n{y}"),
+            Err(e) => eprintln!("calibrating: the measurements cannot be shown: {e}"),
+        }
+    }
+
+    fn first_use(
+        &mut self,
+        model: &str,
+        device: &DeviceId,
+        size: (u32, u32),
+    ) -> std::result::Result<Vec<FirstUseRun>, String> {
+        first_use_child(model, self.machine, device, size).map_err(|e| format!("{e:#}"))
+    }
+
+    fn footprint(
+        &mut self,
+        model: &str,
+        dtype: mold_plan::DType,
+        device: &DeviceId,
+    ) -> std::result::Result<mold_exec::calibrate::Footprint, String> {
+        footprint_child(model, self.machine, dtype, device).map_err(|e| format!("{e:#}"))
     }
 }
 
@@ -797,31 +638,23 @@ fn save(
             .map(str::to_string)
             .with_context(|| format!("--save {}: name the profile with --name", path.display()))?,
     };
-    let version = env!("CARGO_PKG_VERSION");
-    let date = inventory::today();
     let mut m = inv.to_machine(&ProfileOptions {
         name,
         headroom,
         caps,
-        date: date.clone(),
-        mold_version: version.into(),
+        date: inventory::today(),
+        mold_version: env!("CARGO_PKG_VERSION").into(),
     })?;
     without_peers(a, &mut m);
-    if a.calibrate {
-        let r = inventory::calibrate(inv, &mut |s| eprintln!("calibrating: {s}"))?;
-        #[cfg(feature = "nccl")]
-        let r = calibrate_allreduce(inv, r);
-        inventory::apply_measurements(&mut m, &r, &date, version);
-        if !a.json {
-            println!("\nmeasured:\n{}", serde_yaml_ng::to_string(&r)?);
-        }
+    let model = a
+        .model
+        .as_deref()
+        .map(|model| model_request(a, model))
+        .transpose()?;
+    if a.calibrate || model.is_some() {
+        calibrate(a, &mut m, a.calibrate.then_some(inv), model)?;
     }
-    if let Some(model) = &a.model {
-        for (t, timing) in measure_model_ops(a, &m, model)? {
-            add_tables(&mut m, t, timing);
-        }
-    }
-    write_profile(path, &m)?;
+    write_profile(a, path, &m)?;
     eprintln!(
         "machine profile written to {} ({})",
         path.display(),
@@ -834,47 +667,6 @@ fn save(
     Ok(())
 }
 
-/// `r` with NCCL all-reduce measured over this box's GPUs (`r.allreduce`); a failure does
-/// not end the calibration: it is noted in `r.not_measured` and the profile keeps
-/// estimates.
-#[cfg(feature = "nccl")]
-fn calibrate_allreduce(inv: &Inventory, mut r: inventory::Measurements) -> inventory::Measurements {
-    let ordinals: Vec<usize> = inv.devices.iter().map(|g| g.ordinal as usize).collect();
-    if ordinals.len() < 2 {
-        r.not_measured
-            .push("all-reduce: not measured (fewer than two GPUs)".into());
-        return r;
-    }
-    // The large message: 256 MiB, or an eighth of the least free memory where that is less.
-    let min_free = inv.devices.iter().map(|g| g.free.0).min().unwrap_or(0);
-    let watchdog = match mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok()) {
-        Ok(o) => o.nccl_timeout,
-        Err(e) => {
-            r.not_measured
-                .push(format!("all-reduce: not measured ({e})"));
-            return r;
-        }
-    };
-    let bench = mold_exec::calibrate::AllreduceBench {
-        large_bytes: (min_free / 8 / MIB * MIB).clamp(MIB, 256 * MIB) as usize,
-        watchdog,
-        ..Default::default()
-    };
-    match mold_exec::calibrate::measure_allreduce(&ordinals, &bench, &mut |s| {
-        eprintln!("calibrating: {s}")
-    }) {
-        Ok(a) => r.allreduce = Some(a),
-        Err(e) => {
-            eprintln!("calibrating: all-reduce not measured: {e}");
-            r.not_measured.push(format!(
-                "all-reduce: not measured (NCCL failed: {e}); the peer domains' and \
-                 host-staged all-reduce figures are estimates"
-            ));
-        }
-    }
-    r
-}
-
 pub fn info(a: InfoArgs) -> Result<i32> {
     if a.gpus {
         if !inventory::CUDA {
@@ -884,6 +676,7 @@ pub fn info(a: InfoArgs) -> Result<i32> {
         return run(Args {
             json: a.json,
             save: None,
+            force: false,
             calibrate: false,
             model: None,
             machine: None,
@@ -938,29 +731,6 @@ pub fn info(a: InfoArgs) -> Result<i32> {
 mod tests {
     use super::*;
 
-    fn profile(name: &str) -> Machine {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        Machine::load(&root.join("sim/machines").join(format!("{name}.yaml"))).unwrap()
-    }
-
-    /// Calibration by operation measures each kind of GPU this process reaches once:
-    /// a mixed box gives two kinds, a two-node box only its first node's devices.
-    #[test]
-    fn device_kinds_are_the_local_nodes_kinds() {
-        let mixed = device_kinds(&profile("rtx3090+rtx4060ti"));
-        assert_eq!(mixed.len(), 2, "{mixed:?}");
-        assert!(mixed.iter().all(|k| k.len() == 1), "{mixed:?}");
-        let two_nodes = profile("2x8-h100-ib");
-        let kinds = device_kinds(&two_nodes);
-        assert_eq!(kinds.len(), 1, "{kinds:?}");
-        assert_eq!(kinds[0].len(), 8, "{kinds:?}");
-        let first_node = &two_nodes.devices[0].node;
-        assert!(kinds[0]
-            .iter()
-            .all(|d| &two_nodes.device(d).unwrap().node == first_node));
-        assert_eq!(device_kinds(&profile("cpu-emu-4"))[0].len(), 4);
-    }
-
     #[test]
     fn headroom_grows_with_the_size() {
         let m = mold_models::find("flux-dev").unwrap();
@@ -974,16 +744,13 @@ mod tests {
         assert_eq!(big.0 % (256 * MIB), 0);
     }
 
-    /// GPUs are timed inside their blocks unless told otherwise; emulated devices alone.
+    /// `--timing` names the timing, whatever the devices (their default:
+    /// `mold_pipeline::calibrate`'s `operations_on_gpus_are_timed_in_their_mix_by_default`).
     #[test]
-    fn operations_on_gpus_are_timed_in_their_mix_by_default() {
-        let gpus = [DeviceId::Cuda(0), DeviceId::Cuda(1)];
-        let emu = [DeviceId::Emu(0)];
-        assert_eq!(op_timing(None, &gpus), Timing::MIXED);
-        assert_eq!(op_timing(None, &emu), Timing::Alone);
-        assert_eq!(op_timing(Some("sustained"), &gpus), Timing::SUSTAINED);
-        assert_eq!(op_timing(Some("alone"), &gpus), Timing::Alone);
-        assert_eq!(op_timing(Some("mixed"), &emu), Timing::MIXED);
+    fn the_timing_flag_names_the_timing() {
+        assert_eq!(timing_flag("sustained"), Timing::SUSTAINED);
+        assert_eq!(timing_flag("alone"), Timing::Alone);
+        assert_eq!(timing_flag("mixed"), Timing::MIXED);
     }
 
     #[test]

@@ -1,13 +1,19 @@
+//! `mold exec`: the flags, their resolution with the environment and config at the edge,
+//! and what a run prints. The run itself is [`mold_pipeline::session`]: text to image
+//! ([`ImageRun`]) or the transformer benchmark ([`bench::run`]).
+
 use super::common::{load_machine, load_plan, model_of};
 use super::exec_options::{exec_options, EnvVars};
-use super::progress::{hex, say, OutputArgs, Reporter};
+use super::exec_print::{say_bench, say_done, say_event, say_step, say_verified};
+use super::progress::{OutputArgs, Reporter};
 use anyhow::{bail, Context, Result};
-use mold_exec::{Executor, FluxConfig, Transformer};
 use mold_pipeline::run::{Benchable, Family};
-use mold_plan::{ByteSize, DeviceId, Plan};
+use mold_pipeline::session::bench::{self, BenchOptions, Processes};
+use mold_pipeline::session::image::{ImageOptions, ImageRun};
+use mold_pipeline::session::Event;
+use mold_plan::{DeviceId, Plan};
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -117,281 +123,50 @@ pub struct Args {
     /// MOLD_PROFILE=1, per part too (transformer-only runs).
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
+    /// Replace the files at --out, --save-io and --report whatever they are. Without it,
+    /// a file there is replaced only if mold wrote it and nobody changed it since (the
+    /// PNG's and the safetensors' `mold-sha256:` stamp still matches; for --report, a
+    /// file that reads as a run report); anything else is refused before anything loads.
+    /// A symlink there is replaced, never written through. Not --force: that one runs a
+    /// plan made for another machine.
+    #[arg(long)]
+    pub overwrite: bool,
     #[command(flatten)]
     pub output: OutputArgs,
 }
 
-#[derive(clap::Args, Debug)]
-pub struct TestdataArgs {
-    /// A FLUX-family model: flux-tiny, flux-dev or flux-schnell (the transformer); or
-    /// flux-tiny-pipeline: a whole tiny weights directory (T5, CLIP, VAE, tokenizers,
-    /// transformer) for `mold exec --prompt`; flux-tiny-hf, flux-dev-hf, flux-schnell-hf:
-    /// the same in the Hugging Face repository's layout (BFL and diffusers transformers);
-    /// qwen-image, qwen-image-tiny: the transformer as the published repository's
-    /// `transformer/` folder (shards, index, diffusers' config.json);
-    /// qwen-image-tiny-pipeline, qwen-image-pipeline: the whole Qwen-Image repository
-    /// (transformer, text encoder, tokenizer, VAE, scheduler) for `mold exec --prompt`.
-    pub name: String,
-    /// Directory to write into (created if missing).
-    pub dir: PathBuf,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// f32 or bf16 (default: f32 for flux-tiny, bf16 otherwise).
-    #[arg(long)]
-    pub dtype: Option<String>,
-    /// Split into shards of at most this size, with an index.json (e.g. 5GB).
-    #[arg(long)]
-    pub shard_size: Option<ByteSize>,
-    #[command(flatten)]
-    pub output: OutputArgs,
+/// The image `--prompt` writes: `--out`, else `out.png`.
+fn png_path(a: &Args) -> PathBuf {
+    a.out.clone().unwrap_or_else(|| PathBuf::from("out.png"))
 }
 
-fn flux_config(id: &str) -> Result<FluxConfig> {
-    FluxConfig::by_name(id).with_context(|| {
-        format!("model `{id}`: testdata writes flux-dev, flux-schnell, flux-tiny, qwen-image and qwen-image-tiny transformers (and the pipelines and -hf snapshots of `mold testdata --help`)")
-    })
+/// An output file of `mold exec` as mold-files sees it (`--overwrite` replaces anything).
+fn output<'a>(a: &Args, path: &'a Path, flag: &'a str, what: &'a str) -> mold_files::Dest<'a> {
+    mold_files::Dest {
+        path,
+        flag,
+        what,
+        force_flag: "--overwrite",
+        force: a.overwrite,
+    }
 }
 
-pub fn testdata(a: TestdataArgs) -> Result<i32> {
-    if let Some(model) = a.name.strip_suffix("-hf") {
-        return testdata_hf(&a, model);
+/// `--out` (with --prompt; `out.png` by default), `--save-io` and `--report`: a file
+/// there that mold may not replace is refused before anything loads.
+fn check_outputs(a: &Args) -> Result<()> {
+    use mold_files::{Mine, Stamp};
+    let png = png_path(a);
+    if a.prompt.is_some() {
+        output(a, &png, "--out", "image").check(Mine::Stamped(Stamp::Png))?;
     }
-    if a.name == "flux-tiny-pipeline" {
-        return testdata_pipeline(a);
+    if let Some(p) = &a.save_io {
+        output(a, p, "--save-io", "I/O file").check(Mine::Stamped(Stamp::Embedded))?;
     }
-    if matches!(
-        a.name.as_str(),
-        "qwen-image-tiny-pipeline" | "qwen-image-pipeline"
-    ) {
-        return testdata_qwen_pipeline(&a);
+    if let Some(p) = &a.report {
+        super::run_report::dest(p, a.overwrite)
+            .check(Mine::Recognised(&super::run_report::is_report))?;
     }
-    if let Some(model) = a.name.strip_suffix("-pipeline") {
-        return testdata_full_pipeline(&a, model);
-    }
-    if let Some(cfg) = mold_exec::QwenConfig::by_name(&a.name) {
-        return testdata_qwen(&a, &cfg);
-    }
-    let cfg = flux_config(&a.name)?;
-    let dtype = match a.dtype.as_deref() {
-        None if a.name == "flux-tiny" => mold_exec::DType::F32,
-        None | Some("bf16") => mold_exec::DType::BF16,
-        Some("f32") => mold_exec::DType::F32,
-        Some(o) => bail!("--dtype {o}: testdata writes f32 or bf16"),
-    };
-    std::fs::create_dir_all(&a.dir)
-        .with_context(|| format!("cannot create {}", a.dir.display()))?;
-    let rep = Reporter::new(a.output);
-    let t = Instant::now();
-    let path = rep.observe_writes(|| -> Result<PathBuf> {
-        Ok(match a.shard_size {
-            Some(s) => mold_exec::write_testdata_sharded(&cfg, &a.dir, a.seed, dtype, s.0)?,
-            None => mold_exec::write_testdata(&cfg, &a.dir, a.seed, dtype)?,
-        })
-    })?;
-    rep.event(json!({"event": "wrote", "path": path.display().to_string()}));
-    rep.result(
-        format_args!(
-            "wrote {} ({} parameters, {dtype:?}, seed {}) in {:.1} s",
-            path.display(),
-            cfg.param_count(),
-            a.seed,
-            t.elapsed().as_secs_f64()
-        ),
-        json!({
-            "event": "done",
-            "model": a.name,
-            "parameters": cfg.param_count(),
-            "dtype": format!("{dtype:?}"),
-            "seed": a.seed,
-            "seconds": t.elapsed().as_secs_f64(),
-        }),
-    );
-    Ok(0)
-}
-
-/// `mold testdata qwen-image DIR` (and qwen-image-tiny): the transformer in the published
-/// repository's `transformer/` layout, in shards of `--shard-size` (default 5 GB, as
-/// published).
-fn testdata_qwen(a: &TestdataArgs, cfg: &mold_exec::QwenConfig) -> Result<i32> {
-    let dtype = match a.dtype.as_deref() {
-        None if a.name.ends_with("-tiny") => mold_exec::DType::F32,
-        None | Some("bf16") => mold_exec::DType::BF16,
-        Some("f32") => mold_exec::DType::F32,
-        Some(o) => bail!("--dtype {o}: testdata writes f32 or bf16"),
-    };
-    let shard = a.shard_size.map(|s| s.0).unwrap_or(5_000_000_000);
-    let rep = Reporter::new(a.output);
-    let t = Instant::now();
-    let files = rep.observe_writes(|| -> Result<Vec<PathBuf>> {
-        mold_exec::model::qwen::testdata::write_testdata(cfg, &a.dir, a.seed, dtype, shard)
-            .with_context(|| format!("cannot write {} into {}", a.name, a.dir.display()))
-    })?;
-    report_testdata(
-        &rep,
-        a,
-        &files,
-        &format!("{dtype:?}"),
-        Some(cfg.param_count()),
-        t,
-        format_args!("{} transformer, random weights ({} parameters, {dtype:?}, seed {}): `mold exec PLAN --weights {}`", a.name, cfg.param_count(), a.seed, a.dir.display()),
-    );
-    Ok(0)
-}
-
-/// `mold testdata qwen-image-tiny-pipeline DIR` (f32) and `qwen-image-pipeline DIR`
-/// (bf16 unless --dtype f32): the whole Qwen-Image repository layout, random weights.
-fn testdata_qwen_pipeline(a: &TestdataArgs) -> Result<i32> {
-    let tiny = a.name == "qwen-image-tiny-pipeline";
-    let dtype = match (a.dtype.as_deref(), tiny) {
-        (None | Some("f32"), true) => mold_exec::DType::F32,
-        (Some(o), true) => {
-            bail!("--dtype {o}: qwen-image-tiny-pipeline is written in f32: drop --dtype")
-        }
-        (None | Some("bf16"), false) => mold_exec::DType::BF16,
-        (Some("f32"), false) => mold_exec::DType::F32,
-        (Some(o), false) => bail!("--dtype {o}: testdata writes f32 or bf16"),
-    };
-    if a.shard_size.is_some() {
-        bail!("{}: the transformer and text encoder are written in 5 GB shards as published: drop --shard-size", a.name);
-    }
-    let rep = Reporter::new(a.output);
-    let t = Instant::now();
-    let files = rep
-        .observe_writes(|| {
-            if tiny {
-                mold_pipeline::qwen_testdata::write_tiny_pipeline(&a.dir, a.seed)
-            } else {
-                mold_pipeline::qwen_testdata::write_full_pipeline(&a.dir, a.seed, dtype)
-            }
-        })
-        .with_context(|| format!("cannot write {} into {}", a.name, a.dir.display()))?;
-    report_testdata(
-        &rep,
-        a,
-        &files,
-        &format!("{dtype:?}"),
-        None,
-        t,
-        format_args!("{}, random weights ({dtype:?}, seed {}): `mold exec PLAN --weights {} --prompt \"...\" --negative-prompt \"...\" --cfg 4`", a.name, a.seed, a.dir.display()),
-    );
-    Ok(0)
-}
-
-/// `mold testdata flux-dev-hf DIR` (and flux-schnell-hf, flux-tiny-hf): a random snapshot
-/// in the layout of the Hugging Face repository, both transformer formats.
-fn testdata_hf(a: &TestdataArgs, model: &str) -> Result<i32> {
-    let which = mold_pipeline::testdata::HfModel::by_name(model).with_context(|| {
-        format!(
-            "{}: Hugging Face snapshots are flux-tiny-hf, flux-dev-hf or flux-schnell-hf",
-            a.name
-        )
-    })?;
-    let dtype = match a.dtype.as_deref() {
-        None if model == "flux-tiny" => mold_exec::DType::F32,
-        None | Some("bf16") => mold_exec::DType::BF16,
-        Some("f32") => mold_exec::DType::F32,
-        Some(o) => bail!("--dtype {o}: testdata writes f32 or bf16"),
-    };
-    if a.shard_size.is_some() {
-        bail!(
-            "{}: files are sharded as the published repository's: drop --shard-size",
-            a.name
-        );
-    }
-    let t = Instant::now();
-    let files = mold_pipeline::testdata::write_hf_snapshot(&a.dir, which, a.seed, dtype)
-        .with_context(|| format!("cannot write the {model} snapshot into {}", a.dir.display()))?;
-    for f in &files {
-        println!("wrote {}", f.display());
-    }
-    println!(
-        "{model} Hugging Face-layout snapshot, random weights ({dtype:?}, seed {}) in {:.1} s: `mold exec PLAN --weights {} --prompt \"...\"` (remove {} to run the diffusers-format transformer/)",
-        a.seed,
-        t.elapsed().as_secs_f64(),
-        a.dir.display(),
-        if model == "flux-schnell" { "flux1-schnell.safetensors" } else { "flux1-dev.safetensors" }
-    );
-    Ok(0)
-}
-
-/// `mold testdata flux-dev-pipeline DIR`: a full-size pipeline with random weights.
-fn testdata_full_pipeline(a: &TestdataArgs, model: &str) -> Result<i32> {
-    let dtype = match a.dtype.as_deref() {
-        None | Some("bf16") => mold_exec::DType::BF16,
-        Some("f32") => mold_exec::DType::F32,
-        Some(o) => bail!("--dtype {o}: testdata writes f32 or bf16"),
-    };
-    if a.shard_size.is_some() {
-        bail!("{}: the transformer is written in 5 GB shards, the others one file each: drop --shard-size", a.name);
-    }
-    let rep = Reporter::new(a.output);
-    let t = Instant::now();
-    let files = rep
-        .observe_writes(|| {
-            mold_pipeline::testdata::write_full_pipeline(&a.dir, model, a.seed, dtype)
-        })
-        .with_context(|| format!("cannot write the {model} pipeline into {}", a.dir.display()))?;
-    report_testdata(
-        &rep,
-        a,
-        &files,
-        &format!("{dtype:?}"),
-        None,
-        t,
-        format_args!("{model} pipeline, random weights ({dtype:?}, seed {}): `mold exec PLAN --weights {} --prompt \"...\"`", a.seed, a.dir.display()),
-    );
-    Ok(0)
-}
-
-/// `mold testdata flux-tiny-pipeline DIR`: every component of a tiny FLUX pipeline.
-fn testdata_pipeline(a: TestdataArgs) -> Result<i32> {
-    if a.dtype.as_deref().is_some_and(|d| d != "f32") || a.shard_size.is_some() {
-        bail!("flux-tiny-pipeline is written in f32, one file per component: drop --dtype and --shard-size");
-    }
-    let rep = Reporter::new(a.output);
-    let t = Instant::now();
-    let files = rep
-        .observe_writes(|| mold_pipeline::testdata::write_tiny_pipeline(&a.dir, a.seed))
-        .with_context(|| format!("cannot write the tiny pipeline into {}", a.dir.display()))?;
-    report_testdata(
-        &rep,
-        &a,
-        &files,
-        "F32",
-        None,
-        t,
-        format_args!("tiny FLUX pipeline (seed {}): plan flux-tiny, then `mold exec PLAN --weights {} --prompt \"...\"`", a.seed, a.dir.display()),
-    );
-    Ok(0)
-}
-
-/// Prints what a `mold testdata` command wrote (a line and a JSON event per file) and its
-/// one-line result, `summary` followed by how long it took.
-fn report_testdata(
-    rep: &Reporter,
-    a: &TestdataArgs,
-    files: &[PathBuf],
-    dtype: &str,
-    parameters: Option<u64>,
-    t: Instant,
-    summary: std::fmt::Arguments,
-) {
-    for f in files {
-        say!(rep, "wrote {}", f.display());
-        rep.event(json!({"event": "wrote", "path": f.display().to_string()}));
-    }
-    let secs = t.elapsed().as_secs_f64();
-    let mut done = json!({
-        "event": "done",
-        "model": a.name,
-        "dtype": dtype,
-        "seed": a.seed,
-        "seconds": secs,
-    });
-    if let Some(n) = parameters {
-        done["parameters"] = json!(n);
-    }
-    rep.result(format_args!("{summary} ({secs:.1} s)"), done);
+    Ok(())
 }
 
 /// The machine a plan runs on here: `--machine`, else `MOLD_MACHINE`, else config
@@ -483,22 +258,6 @@ fn weights_for(plan: &Plan, flag: &Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
-/// Merges `--lora` files into the transformer checkpoint (checked before any weight loads).
-fn add_loras(
-    ckpt: &mut mold_exec::Checkpoint,
-    loras: &[mold_exec::checkpoint::LoraSpec],
-) -> Result<()> {
-    for l in loras {
-        ckpt.add_lora(l)?;
-        eprintln!(
-            "lora   {} (strength {}) merged at load",
-            l.path.display(),
-            l.strength
-        );
-    }
-    Ok(())
-}
-
 /// `--steps` and `--tolerance` that would make a run or a check vacuous are refused.
 fn check_numbers(a: &Args) -> Result<()> {
     if a.steps == Some(0) {
@@ -518,11 +277,6 @@ fn warn_all(w: &[String]) {
     }
 }
 
-/// A short fingerprint of a file's text, for processes to check they run the same plan.
-fn text_fingerprint(text: &str) -> String {
-    format!("{:016x}", mold_exec::fnv1a(text.bytes()))
-}
-
 pub fn run(a: Args) -> Result<i32> {
     // Everything the library is told comes from here: flags, then the environment
     // (MOLD_STREAMING, MOLD_KERNELS, MOLD_PROFILE, MOLD_FAULT, MOLD_HOST_MEMORY, the
@@ -535,6 +289,7 @@ pub fn run(a: Args) -> Result<i32> {
     if let Some(p) = &a.report {
         super::run_report::check_path(p)?;
     }
+    check_outputs(&a)?;
     let mut opts = exec_options(a.streaming, a.deterministic, &env, comm_opts.clone())?;
     if a.no_peer {
         super::common::no_peer_access();
@@ -617,16 +372,33 @@ pub fn run(a: Args) -> Result<i32> {
         }
         None => None,
     };
+    let processes = match (launch, local) {
+        (Some(launch), Some(own)) => Some(Processes {
+            launch,
+            own,
+            comm: comm_opts,
+        }),
+        _ => None,
+    };
+    let o = BenchOptions {
+        plan_file: a.plan.clone(),
+        seed: a.seed,
+        steps: a.steps,
+        verify: a.verify,
+        loras: a.loras.clone(),
+        save_io: a.save_io.clone(),
+        overwrite: a.overwrite,
+        report: report.is_some(),
+    };
     let run = BenchRun {
         rep,
         plan,
         model,
         weights,
-        launch,
-        local,
+        processes,
         opts,
-        comm_opts,
         report,
+        o,
     };
     match mold_pipeline::run::transformer_family(&run.plan)? {
         Family::Flux(cfg) => run_bench(a, cfg, run),
@@ -640,585 +412,95 @@ struct BenchRun {
     plan: Plan,
     model: mold_models::ModelSpec,
     weights: PathBuf,
-    launch: Option<mold_exec::dist::Launch>,
-    /// This process's devices, when `launch` is set.
-    local: Option<mold_exec::dist::LocalDevices>,
+    processes: Option<Processes>,
     opts: mold_exec::ExecOptions,
-    comm_opts: mold_exec::comm::CommOptions,
     /// With `--report`: the plan as run, its simulation and the machine profile's name.
     report: Option<(Plan, mold_sim::SimReport, String)>,
+    o: BenchOptions,
 }
 
-/// The transformer benchmark (and `--verify`, `--save-io`) for a model of family `M`.
+/// The transformer benchmark (and `--verify`, `--save-io`) for a model of family `M`:
+/// [`bench::run`], then what it measured.
 fn run_bench<M: Benchable>(a: Args, cfg: M, run: BenchRun) -> Result<i32> {
     let BenchRun {
         rep,
         plan,
         model,
         weights,
-        launch,
-        local,
+        processes,
         opts,
-        comm_opts,
         report,
+        o,
     } = run;
-    let mut warnings = Vec::new();
-    let mut ckpt = mold_pipeline::run::open_transformer(&cfg, &plan, &weights, &mut warnings)?;
-    add_loras(&mut ckpt, &a.loras)?;
-    warn_all(&warnings);
-    let steps = a.steps.unwrap_or(plan.workload.steps);
-    if steps == 0 {
-        bail!("the plan's workload has 0 steps: pass --steps N (at least 1)");
-    }
-    // A multi-process run: which devices are this process's, then the rendezvous (every
-    // process must run the same plan and arguments), all before any weight is read.
-    let mesh = match (&launch, local) {
-        (Some(l), Some(own)) => {
-            let local: Vec<String> = own
-                .devices()
-                .iter()
-                .map(|(d, x)| format!("{d} as {x}"))
-                .collect();
-            let (local_rank, per_node) = own.local_rank();
-            let via = match l.launcher {
-                mold_exec::dist::Launcher::Mold => String::new(),
-                other => format!(", from {other}'s variables"),
-            };
-            say!(
-                rep,
-                "process {} of {}: runs {} (node {}, process {local_rank} of {per_node} there; \
-                 sees {}; master {}{via})",
-                l.rank,
-                l.world,
-                local.join(", "),
-                own.node(),
-                own.ordinals(),
-                l.master
-            );
-            rep.event(json!({
-                "event": "process",
-                "rank": l.rank,
-                "world": l.world,
-                "node": own.node(),
-                "local_rank": local_rank,
-                "launcher": l.launcher.to_string(),
-                "master": l.master,
-                "devices": local,
-            }));
-            let plan_text = std::fs::read_to_string(&a.plan).unwrap_or_default();
-            let run = [
-                ("plan", text_fingerprint(&plan_text)),
-                ("steps", steps.to_string()),
-                ("seed", a.seed.to_string()),
-                ("verify", a.verify.to_string()),
-                ("streaming", opts.streaming.to_string()),
-            ];
-            let t = Instant::now();
-            let mesh = mold_exec::dist::Mesh::connect(l, &run, &comm_opts)?;
-            say!(
-                rep,
-                "all {} processes joined in {:.2} s",
-                l.world,
-                t.elapsed().as_secs_f64()
-            );
-            rep.event(json!({
-                "event": "joined",
-                "processes": l.world,
-                "seconds": t.elapsed().as_secs_f64(),
-            }));
-            Some((std::sync::Arc::new(mesh), own))
-        }
-        _ => None,
-    };
-    let mut rec = match &report {
-        Some(_) => Some(mold_pipeline::report::Recorder::new(
-            mold_sim::run_report::RunKind::Transformer,
-            super::run_report::probe(&plan)?,
-        )),
-        None => None,
-    };
-    let t0 = Instant::now();
-    rep.spin(format!("loading {}", weights.display()));
-    let exec = match &mesh {
-        None => Executor::with_options(&cfg, &plan, &ckpt, opts.clone())?,
-        Some((m, own)) => {
-            Executor::new_multi_process(&cfg, &plan, &ckpt, opts.clone(), m.clone(), own.clone())?
-        }
-    };
-    rep.clear();
-    if let Some(r) = rec.as_mut() {
-        r.sample("loaded transformer");
-    }
-    say!(
-        rep,
-        "loaded {} in {:.2} s",
-        weights.display(),
-        t0.elapsed().as_secs_f64()
-    );
-    rep.event(json!({
-        "event": "loaded",
-        "component": "transformer",
-        "weights": weights.display().to_string(),
-        "seconds": t0.elapsed().as_secs_f64(),
-        "weight_bytes": exec
-            .memory_report()
-            .iter()
-            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
-            .sum::<u64>(),
-    }));
-    // Between processes: NCCL between GPUs when built with it, else TCP.
-    for (pi, from, to, path) in exec.process_hand_offs() {
-        say!(
-            rep,
-            "hand-off after part {pi}: process {from} -> process {to} over {path}"
-        );
-        rep.event(
-            json!({"event": "process_hand_off", "part": pi, "from": from, "to": to, "path": path}),
-        );
-    }
-    if let Some(path) = &a.save_io {
-        mold_pipeline::run::save_bench_io(&exec, &plan, &model, a.seed, path)?;
-        say!(
-            rep,
-            "wrote {} (the benchmark's inputs and one transformer call's output)",
-            path.display()
-        );
-        rep.event(json!({"event": "wrote", "path": path.display().to_string()}));
-    }
-    let predicted = plan.predicted.step_time_s;
-    let mut times = Vec::new();
-    // CFG-parallel: the unconditional passes on the plan's second replica, as priced.
-    let uncond = match (mold_pipeline::run::uncond_plan(&plan)?, &mesh) {
-        (Some(u), None) => {
-            let t = Instant::now();
-            let e = Executor::with_options(&cfg, &u, &ckpt, opts.clone())?;
-            say!(
-                rep,
-                "loaded transformer (unconditional) on the second replica in {:.2} s",
-                t.elapsed().as_secs_f64()
-            );
-            Some(e)
-        }
-        (Some(_), Some(_)) => {
-            warn_all(&["the plan's CFG is parallel (two replicas at once); a multi-process run runs the two passes one after the other, so steps take longer than the plan's".to_string()]);
-            None
-        }
-        (None, _) => {
-            if mesh.is_some() && plan.cfg_mode() == Some(mold_plan::CfgMode::Pipelined) {
-                warn_all(&["the plan's CFG is pipelined (two micro-batches through the split); a multi-process run runs them one after the other, so steps take longer than the plan's".to_string()]);
-            }
-            None
-        }
-    };
-    let u = uncond.as_ref();
-    let out = mold_pipeline::run::bench(&exec, u, &plan, &model, a.seed, steps, &mut |s| {
-        rep.plain(format_args!(
-            "step {:>3}/{steps}: {:.4} s   (plan predicted {:.4} s)   latents {:016x}",
-            s.index + 1,
-            s.seconds,
-            predicted,
-            s.digest
-        ));
-        rep.step(s.index as u32 + 1, steps, s.seconds);
-        rep.event(json!({
-            "event": "step",
-            "index": s.index + 1,
-            "steps": steps,
-            "seconds": s.seconds,
-            "predicted_s": predicted,
-            "digest": hex(s.digest),
-        }));
-        if s.index == 0 {
-            exec.clear_profile(); // the first step includes warm-up (kernel loading)
-        }
-        if let Some(r) = rec.as_mut() {
-            r.step(s.index + 1, s.seconds);
-        }
-        times.push(s.seconds);
-    })?;
-    let (median, over) = step_median(&times);
-    say!(
-        rep,
-        "step time: median {median:.4} s over {over}; plan predicted {predicted:.4} s"
-    );
-    say_attention(&rep);
-    let digest = mold_exec::digest(&out)?;
-    rep.result(
-        format_args!("output digest: {digest:016x}"),
-        json!({
-            "event": "result",
-            "median_step_s": median,
-            "median_over": over,
-            "predicted_step_s": predicted,
-            "output_digest": hex(digest),
-        }),
-    );
-    if exec.profiling() {
-        let measured = times.len().saturating_sub(1).max(1) as f64;
-        say!(rep, "\nprofile (MOLD_PROFILE: device synchronised at each mark, so slower than a plain step), per step:");
-        for (dev, phases) in exec.profile_report() {
-            let total: f64 = phases.iter().map(|p| p.1).sum();
-            say!(
-                rep,
-                "  {dev}: {:.2} ms in marked phases",
-                total / measured * 1e3
-            );
-            let mut per_phase = Vec::new();
-            for (label, secs, n) in phases {
-                say!(
-                    rep,
-                    "    {label:<28} {:>9.2} ms  {:>5.1}%  ({} marks)",
-                    secs / measured * 1e3,
-                    100.0 * secs / total.max(1e-12),
-                    n as f64 / measured
-                );
-                per_phase.push(json!({
-                    "phase": label,
-                    "ms_per_step": secs / measured * 1e3,
-                    "marks_per_step": n as f64 / measured,
-                }));
-            }
-            rep.event(json!({"event": "profile", "device": dev.to_string(), "phases": per_phase}));
+    let (steps, predicted) = (o.steps_on(&plan), plan.predicted.step_time_s);
+    let mut done = bench::run(
+        cfg,
+        &plan,
+        &model,
+        &weights,
+        &o,
+        &opts,
+        processes.as_ref(),
+        &mut |e| match e {
+            Event::Step(s) => say_step(&rep, s, steps, predicted),
+            e => say_event(&rep, e),
+        },
+    )?;
+    say_bench(&rep, &plan, &done)?;
+    if let (Some((run_plan, sim, profile)), Some(path)) = (&report, &a.report) {
+        if let Some((report, err)) = done.report(&plan, run_plan, sim, profile) {
+            super::run_report::write(&rep, path, a.overwrite, &report, err)?;
         }
     }
-    say!(rep, "\nmemory (accounted from tensor shapes)   weights  stream buffers  largest activation | plan: peak");
-    for m in exec.memory_report() {
-        let planned = plan
-            .predicted
-            .devices
-            .iter()
-            .find(|d| d.device == m.device)
-            .map(|d| d.peak);
-        rep.event(json!({
-            "event": "memory",
-            "device": m.device.to_string(),
-            "weight_bytes": m.resident_weight_bytes,
-            "stream_buffer_bytes": m.stream_buffer_bytes,
-            "largest_activation_bytes": m.largest_activation_bytes,
-            "predicted_peak_bytes": planned.map(|b| b.0),
-        }));
-        let p = planned.map(|b| b.human()).unwrap_or_else(|| "-".into());
-        say!(
-            rep,
-            "  {:<10} {:>28} {:>15} {:>19} | {p}",
-            m.device.to_string(),
-            ByteSize(m.resident_weight_bytes).human(),
-            ByteSize(m.stream_buffer_bytes).human(),
-            ByteSize(m.largest_activation_bytes).human(),
-        );
+    if !a.verify {
+        return Ok(0);
     }
-    print_streaming(&exec, &rep);
-    for (from, to, peer) in mold_exec::runtime::hand_off_paths() {
-        let how = if peer {
-            "peer copy (cuDeviceCanAccessPeer)"
-        } else {
-            "through host memory (no peer access, or --no-peer)"
-        };
-        say!(rep, "  hand-off cuda:{from} -> cuda:{to}: {how}");
-        rep.event(json!({"event": "hand_off", "from": format!("cuda:{from}"), "to": format!("cuda:{to}"), "peer": peer}));
-    }
-    if let (Some(mut r), Some((run_plan, sim, profile)), Some(path)) = (rec, &report, &a.report) {
-        if exec.profiling() {
-            let measured = times.len().saturating_sub(1).max(1) as f64;
-            r.profile(&plan, &exec.profile_report(), measured);
-        }
-        let (report, err) = r.finish(mold_pipeline::report::ReportInputs {
-            plan: &plan,
-            run_plan,
-            sim,
-            machine_profile: profile,
-            timings: None,
-            predicted_peaks: plan
-                .predicted
-                .devices
-                .iter()
-                .map(|d| (d.device.clone(), d.peak.0))
-                .collect(),
-            accounted_peaks: exec
-                .memory_report()
-                .iter()
-                .map(|m| mold_pipeline::DevicePeak {
-                    device: m.device.clone(),
-                    peak_bytes: m.resident_weight_bytes
-                        + m.stream_buffer_bytes
-                        + m.largest_activation_bytes,
-                })
-                .collect(),
-        });
-        super::run_report::write(&rep, path, &report, err)?;
-    }
-    if a.verify {
-        let tf = plan.transformer().context("the plan has no transformer")?;
-        let mut first = tf.parts[0].devices[0].clone();
-        if let Some((_, own)) = &mesh {
-            // The reference runs once, in the process that runs the first device.
-            match own.local_id(&first) {
-                Some(local) => first = local,
-                None => {
-                    say!(rep, "\nverify: done by the process that runs {first}");
-                    rep.event(json!({"event": "verify", "done_by": first.to_string()}));
-                    return Ok(0);
-                }
-            }
-        }
-        let dtype = if a.verify_f32 {
-            mold_exec::DType::F32
-        } else {
-            mold_exec::compute_dtype(tf.dtype)?
-        };
-        let inputs = mold_pipeline::run::bench_inputs(&cfg, &plan, &model, a.seed)?;
-        let want = mold_pipeline::run::reference_run(&cfg, &ckpt, &first, dtype, inputs, steps)?;
-        let precision = if a.verify_f32 {
-            "f32"
-        } else {
-            "the plan's dtype"
-        };
-        let err = mold_exec::max_relative_error(&out, &want)?;
-        let tol = a.tolerance.unwrap_or(if tf.dtype == mold_plan::DType::F32 {
-            1e-5
-        } else if a.verify_f32 {
-            1.5e-2
-        } else {
-            2e-2
-        });
-        rep.result(
-            format_args!("\nverify: max relative error {err:.3e} against the single-device reference on {first}, candle ops in {precision} (tolerance {tol:.0e})"),
-            json!({
-                "event": "verify",
-                "reference_dtype": if a.verify_f32 { "f32" } else { "plan" },
-                "max_relative_error": err,
-                "tolerance": tol,
-                "reference_device": first.to_string(),
-                "passed": err <= tol,
-            }),
-        );
-        if err > tol {
-            eprintln!("error: max relative error {err:.3e} is above the tolerance {tol:.0e}");
-            return Ok(1);
-        }
-    }
-    Ok(0)
+    let verified = done.verify(&plan, &model, a.seed, a.verify_f32, a.tolerance)?;
+    Ok(say_verified(&rep, &verified))
 }
 
-/// One line per device that streams: mode, buffers, host memory, copies.
-pub fn print_streaming<M: Transformer>(exec: &Executor<M>, rep: &Reporter) {
-    for m in exec.memory_report() {
-        if m.stream_buffers == 0 {
-            continue;
-        }
-        let host = if m.host_pinned {
-            "page-locked"
-        } else {
-            "pageable"
-        };
-        let report = exec
-            .streaming_report()
-            .into_iter()
-            .find(|(d, _)| d == &m.device)
-            .map(|(_, r)| r);
-        rep.event(json!({
-            "event": "streaming",
-            "device": m.device.to_string(),
-            "mode": exec.streaming().to_string(),
-            "host_bytes": m.host_weight_bytes,
-            "host_pinned": m.host_pinned,
-            "stream_buffers": m.stream_buffers,
-            "stream_buffer_bytes": m.stream_buffer_bytes,
-            "block_copies": report.as_ref().map(|r| r.copies),
-            "ring_fills": report.as_ref().map(|r| r.restarts),
-        }));
-        let ring = report
-            .map(|r| format!(", {} block copies, {} ring fill(s)", r.copies, r.restarts))
-            .unwrap_or_default();
-        say!(
-            rep,
-            "  {:<10} streams ({}): {} in {host} host memory, {} stream buffer(s) ({} on the device){ring}",
-            m.device.to_string(),
-            exec.streaming(),
-            ByteSize(m.host_weight_bytes).human(),
-            m.stream_buffers,
-            ByteSize(m.stream_buffer_bytes).human(),
-        );
-    }
-}
-
-/// Seconds for people: `1.23 s`, `45.6 ms`, `0.030 ms`.
-fn secs(x: f64) -> String {
-    if x >= 1.0 {
-        format!("{x:.2} s")
-    } else if x >= 1e-3 {
-        format!("{:.1} ms", x * 1e3)
-    } else {
-        format!("{:.3} ms", x * 1e3)
-    }
-}
-
-/// What the plan (or, for another size, the simulator) predicts for this request.
-struct Predicted {
-    step_s: f64,
-    encode_s: f64,
-    decode_s: f64,
-    /// Peak per device.
-    peaks: Vec<(mold_plan::DeviceId, u64)>,
-    source: &'static str,
-}
-
-/// `mold exec PLAN --weights DIR --prompt ...`: the whole text-to-image pipeline.
+/// `mold exec PLAN --weights DIR --prompt ...`: the whole text-to-image pipeline, run
+/// by [`ImageRun`] between the CLI's own resolution of the machine and the weights.
 fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result<i32> {
     if a.verify || a.tolerance.is_some() {
         bail!("--verify compares the transformer alone with a 1-device reference: drop --prompt to use it");
     }
     let rep = Reporter::new(a.output);
     let plan = load_plan(&a.plan)?;
-    let width = a.width.unwrap_or(plan.workload.width);
-    let height = a.height.unwrap_or(plan.workload.height);
-    // Sizes first: nothing else is worth checking for an image FLUX cannot make.
-    mold_pipeline::check_size(width, height)?;
-    let steps = a.steps.unwrap_or(plan.workload.steps);
-    if steps == 0 {
-        bail!("the plan's workload has 0 steps: pass --steps N (at least 1)");
-    }
+    let o = ImageOptions {
+        plan_file: a.plan.clone(),
+        prompt: prompt.to_string(),
+        seed: a.seed,
+        steps: a.steps,
+        guidance: a.guidance,
+        negative_prompt: a.negative_prompt.clone(),
+        cfg: a.cfg,
+        cfg_parallel: a.cfg_parallel,
+        width: a.width,
+        height: a.height,
+        latents: a.latents.clone(),
+        save_io: a.save_io.clone(),
+        force: a.force,
+        loras: a.loras.clone(),
+    };
+    let run = ImageRun::new(&plan, &o)?;
     let model = model_of(&plan)?;
     let machine = machine_for(&plan, &a.machine)?;
     warn_if_box_differs(&plan);
-    // The plan with this request's workload: another size changes activations (and
-    // tokens), so the simulator re-checks it before anything loads.
-    let resized = width != plan.workload.width || height != plan.workload.height;
-    let mut run_plan = plan.clone();
-    run_plan.workload.width = width;
-    run_plan.workload.height = height;
-    run_plan.workload.steps = steps;
-    if a.guidance.is_some() {
-        run_plan.workload.guidance = a.guidance;
-    }
-    let family = mold_pipeline::run::transformer_family(&plan)?;
-    let qwen_cfg = match &family {
-        Family::Qwen(_) => {
-            let c = a.cfg.or(plan.workload.cfg_scale).unwrap_or(1.0);
-            if !c.is_finite() || c < 1.0 {
-                bail!("--cfg {c}: the true-CFG scale is a number >= 1 (1 turns true CFG off; Qwen-Image's default is 4)");
-            }
-            if a.guidance.is_some() {
-                bail!("--guidance is FLUX's distilled guidance; Qwen-Image has none: use --cfg (true CFG) instead");
-            }
-            // One transformer pass a step without true CFG, two with it.
-            run_plan.workload.cfg_scale = (c > 1.0).then_some(c);
-            if c <= 1.0 {
-                run_plan.cfg = None;
-            }
-            c
-        }
-        Family::Flux(_) => {
-            if a.cfg.is_some() || a.negative_prompt.is_some() || a.cfg_parallel {
-                bail!("--cfg, --negative-prompt and --cfg-parallel are Qwen-Image's true CFG; FLUX models take --guidance");
-            }
-            1.0
-        }
-    };
-    let checked = mold_pipeline::run::preflight(
-        &run_plan,
-        &model,
-        &machine,
-        a.force,
-        resized.then_some((plan.workload.width, plan.workload.height)),
-    )?;
+    let checked = run.check(&model, &machine)?;
     warn_all(&checked.warnings);
-    let sim = checked.sim.context("the simulator's report")?;
-    let predicted = if resized {
-        rep.pipeline(&mold_pipeline::Progress::Note(format!(
-            "{width}x{height} differs from the plan's {}x{}: the simulator re-checked it and its predictions are shown",
-            plan.workload.width, plan.workload.height
-        )));
-        Predicted {
-            step_s: sim.step_s,
-            encode_s: sim.encode_s,
-            decode_s: sim.decode_s,
-            peaks: sim
-                .devices
-                .iter()
-                .map(|d| (d.device.clone(), d.peak))
-                .collect(),
-            source: "sim",
-        }
-    } else {
-        let p = &plan.predicted;
-        Predicted {
-            step_s: p.step_time_s,
-            encode_s: p.encode_time_s,
-            decode_s: p.decode_time_s,
-            peaks: p
-                .devices
-                .iter()
-                .map(|d| (d.device.clone(), d.peak.0))
-                .collect(),
-            source: "plan",
-        }
-    };
+    if let Some(note) = &checked.note {
+        rep.pipeline(&mold_pipeline::Progress::Note(note.clone()));
+    }
     let weights = weights_for(&plan, &a.weights)?;
-    // With --report: what the run measures, the allocator's baseline taken now.
-    let mut rec = match &a.report {
-        Some(_) => Some(mold_pipeline::report::Recorder::new(
-            mold_sim::run_report::RunKind::Pipeline,
-            super::run_report::probe(&run_plan)?,
-        )),
-        None => None,
-    };
-    let mut on = |p: &mold_pipeline::Progress| {
-        rep.pipeline(p);
-        if let Some(r) = rec.as_mut() {
-            r.progress(p);
-        }
-    };
-    let req = mold_pipeline::Request {
-        prompt: prompt.to_string(),
-        seed: a.seed,
-        steps,
-        guidance: a.guidance,
-        width,
-        height,
-        latents: a.latents.clone(),
-        save_io: a.save_io.clone(),
-    };
-    let out = match family {
-        Family::Qwen(_) => {
-            let mut prep = mold_pipeline::qwen::prepare(&run_plan, &weights)?;
-            add_loras(&mut prep.ckpt, &a.loras)?;
-            warn_all(
-                &mold_pipeline::run::header_warning(&plan, &prep.layout.transformer)?
-                    .into_iter()
-                    .collect::<Vec<_>>(),
-            );
-            let q = mold_pipeline::qwen::QwenRequest {
-                req,
-                negative_prompt: a.negative_prompt.clone(),
-                cfg: qwen_cfg,
-            };
-            // CFG-parallel when the plan says so (`cfg: {mode: parallel}`) or when asked.
-            let parallel = a.cfg_parallel
-                || (qwen_cfg > 1.0 && run_plan.cfg_mode() == Some(mold_plan::CfgMode::Parallel));
-            if parallel {
-                let replicas = run_plan.replica_plans()?;
-                let [cond, uncond, ..] = replicas.as_slice() else {
-                    bail!("--cfg-parallel runs the unconditional pass on the plan's second replica, and {} has {}: make one with `mold plan ... --objective throughput` (two replicas), or drop --cfg-parallel", a.plan.display(), if replicas.len() == 1 { "one".to_string() } else { replicas.len().to_string() });
-                };
-                mold_pipeline::qwen::generate_on(cond, Some(uncond), &prep, &q, opts, &mut on)?
-            } else {
-                mold_pipeline::qwen::generate(&run_plan, &prep, &q, opts, &mut on)?
-            }
-        }
-        Family::Flux(_) => {
-            let mut prep = mold_pipeline::prepare(&run_plan, &weights)?;
-            add_loras(&mut prep.ckpt, &a.loras)?;
-            // `prepare` opened and checked the checkpoint; only the header comparison is left.
-            warn_all(
-                &mold_pipeline::run::header_warning(&plan, &prep.layout.transformer)?
-                    .into_iter()
-                    .collect::<Vec<_>>(),
-            );
-            mold_pipeline::generate(&run_plan, &prep, &req, opts, &mut on)?
-        }
-    };
-    let path = a.out.clone().unwrap_or_else(|| PathBuf::from("out.png"));
+    let done = checked.generate(&weights, opts, a.report.is_some(), &mut |e| {
+        say_event(&rep, e)
+    })?;
+    let out = &done.output;
+    let steps = checked.steps();
+    let path = png_path(a);
+    // Checked again: the run took a while, and a file may have appeared there since.
+    output(a, &path, "--out", "image").check(mold_files::Mine::Stamped(mold_files::Stamp::Png))?;
     mold_pipeline::write_png(&path, &out.image, &out.metadata)?;
     rep.result(
         format_args!(
@@ -1238,125 +520,9 @@ fn run_pipeline(a: &Args, prompt: &str, opts: &mold_exec::ExecOptions) -> Result
             "steps": steps,
         }),
     );
-    let t = &out.timings;
-    let median = {
-        let mut s = t.step_s.clone();
-        s.sort_by(f64::total_cmp);
-        s[s.len() / 2]
-    };
-    let src = predicted.source;
-    let mut peaks = Vec::new();
-    let mut peak_events = Vec::new();
-    for p in &out.peaks {
-        let want = predicted
-            .peaks
-            .iter()
-            .find(|(d, _)| d == &p.device)
-            .map(|(_, b)| *b);
-        peak_events.push(json!({
-            "device": p.device.to_string(),
-            "peak_bytes": p.peak_bytes,
-            "predicted_bytes": want,
-        }));
-        let want = want
-            .map(|b| ByteSize(b).human())
-            .unwrap_or_else(|| "-".into());
-        peaks.push(format!(
-            "{} {} ({src} {want})",
-            p.device,
-            ByteSize(p.peak_bytes).human()
-        ));
-    }
-    rep.event(json!({
-        "event": "done",
-        "total_s": t.total_s,
-        "load_s": t.load_s,
-        "encode_s": t.encode_s,
-        "denoise_s": t.denoise_s,
-        "decode_s": t.decode_s,
-        "median_step_s": median,
-        "predicted": {
-            "source": src,
-            "step_s": predicted.step_s,
-            "encode_s": predicted.encode_s,
-            "decode_s": predicted.decode_s,
-        },
-        "peaks": peak_events,
-    }));
-    say!(
-        rep,
-        "done in {}: load {} | encode {} ({src} {}) | denoise {}, median step {} ({src} {}) | decode {} ({src} {}) | peak memory, accounted: {}",
-        secs(t.total_s),
-        secs(t.load_s),
-        secs(t.encode_s),
-        secs(predicted.encode_s),
-        secs(t.denoise_s),
-        secs(median),
-        secs(predicted.step_s),
-        secs(t.decode_s),
-        secs(predicted.decode_s),
-        peaks.join(", ")
-    );
-    if let (Some(r), Some(path)) = (rec, &a.report) {
-        let (report, err) = r.finish(mold_pipeline::report::ReportInputs {
-            plan: &plan,
-            run_plan: &run_plan,
-            sim: &sim,
-            machine_profile: &machine.name,
-            timings: Some(&out.timings),
-            predicted_peaks: predicted.peaks.clone(),
-            accounted_peaks: out.peaks.clone(),
-        });
-        super::run_report::write(&rep, path, &report, err)?;
+    say_done(&rep, out, &checked.predicted);
+    if let (Some((report, err)), Some(path)) = (checked.report(done), &a.report) {
+        super::run_report::write(&rep, path, a.overwrite, &report, err)?;
     }
     Ok(0)
-}
-
-/// Which attention implementations ran (cuDNN, mold's kernel, candle's ops) and, where
-/// cuDNN was allowed but passed over, why.
-fn say_attention(rep: &Reporter) {
-    let r = mold_exec::attention_report();
-    if r.calls.is_empty() {
-        return;
-    }
-    let calls: Vec<String> = r
-        .calls
-        .iter()
-        .map(|(k, n)| format!("{k} ({n} calls)"))
-        .collect();
-    say!(rep, "attention: {}", calls.join(", "));
-    for why in &r.cudnn_refusals {
-        say!(rep, "  cuDNN not used: {why}");
-    }
-    rep.event(json!({"event": "attention", "calls": r.calls, "cudnn_refusals": r.cudnn_refusals}));
-}
-
-/// Median step time, leaving out the first step (kernel loading, allocator warm-up)
-/// when there are later ones; with the description of what it covers.
-fn step_median(times: &[f64]) -> (f64, String) {
-    let (rest, what) = if times.len() > 1 {
-        (
-            &times[1..],
-            format!("steps 2..{} (step 1 is warm-up)", times.len()),
-        )
-    } else {
-        (times, format!("{} step", times.len()))
-    };
-    let mut v = rest.to_vec();
-    v.sort_by(f64::total_cmp);
-    (v.get(v.len() / 2).copied().unwrap_or(0.0), what)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::step_median;
-
-    #[test]
-    fn step_median_leaves_out_the_warm_up_step() {
-        let (m, what) = step_median(&[9.0, 0.3, 0.1, 0.2]);
-        assert_eq!(m, 0.2);
-        assert!(what.contains("steps 2..4"), "{what}");
-        assert_eq!(step_median(&[0.5]).0, 0.5);
-        assert_eq!(step_median(&[]).0, 0.0);
-    }
 }

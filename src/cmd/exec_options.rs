@@ -6,9 +6,28 @@ use mold_exec::{ExecOptions, Fault, Kernels, Streaming};
 use std::collections::BTreeMap;
 
 /// A snapshot of the `MOLD_*` environment and the launchers' variables (torchrun's,
-/// Slurm's: [`mold_exec::dist::LAUNCH_VARS`]); tests build one by hand.
-#[derive(Clone, Debug, Default)]
+/// Slurm's: [`mold_exec::dist::LAUNCH_VARS`]); tests build one by hand. Its `Debug`
+/// prints `MOLD_DIST_SECRET` as `<redacted>`.
+#[derive(Clone, Default)]
 pub struct EnvVars(BTreeMap<String, String>);
+
+/// Variables whose values `Debug` does not show.
+const SECRET_VARS: &[&str] = &["MOLD_DIST_SECRET"];
+
+impl std::fmt::Debug for EnvVars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(k, v)| {
+                let v = if SECRET_VARS.contains(&k.as_str()) {
+                    "<redacted>"
+                } else {
+                    v.as_str()
+                };
+                (k, v)
+            }))
+            .finish()
+    }
+}
 
 impl EnvVars {
     /// This process's `MOLD_*` variables and the launch variables mold reads.
@@ -38,6 +57,19 @@ impl EnvVars {
     }
 }
 
+/// `m` on one line: control characters (a value's newline) escaped.
+fn one_line(m: &str) -> String {
+    m.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// The executor's options: `--streaming` else `MOLD_STREAMING` (default pinned),
 /// `MOLD_KERNELS` (auto|fused|mold|cudnn|candle), `MOLD_PROFILE` (non-empty, not 0), `MOLD_FAULT`
 /// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `--deterministic` else
@@ -51,11 +83,13 @@ pub fn exec_options(
 ) -> Result<ExecOptions> {
     let streaming = match (streaming, env.get("MOLD_STREAMING")) {
         (Some(s), _) => s,
-        (None, Some(v)) => Streaming::parse(&v).map_err(|m| anyhow!("MOLD_STREAMING: {m}"))?,
+        (None, Some(v)) => {
+            Streaming::parse(&v).map_err(|m| anyhow!("MOLD_STREAMING: {}", one_line(&m)))?
+        }
         (None, None) => Streaming::default(),
     };
     let kernels = match env.get("MOLD_KERNELS") {
-        Some(v) => Kernels::parse(&v).map_err(|m| anyhow!("{m}"))?,
+        Some(v) => Kernels::parse(&v).map_err(|m| anyhow!("{}", one_line(&m)))?,
         None => Kernels::Auto,
     };
     let profiling = env.get("MOLD_PROFILE").is_some_and(|v| v.trim() != "0");
@@ -64,7 +98,7 @@ pub fn exec_options(
             .get("MOLD_DETERMINISTIC")
             .is_some_and(|v| v.trim() != "0");
     let fault = match env.get("MOLD_FAULT") {
-        Some(v) => Some(Fault::parse(&v).map_err(|m| anyhow!("{m}"))?),
+        Some(v) => Some(Fault::parse(&v).map_err(|m| anyhow!("{}", one_line(&m)))?),
         None => None,
     };
     let host_memory = match env.get("MOLD_HOST_MEMORY") {
@@ -72,7 +106,7 @@ pub fn exec_options(
             let b: mold_plan::ByteSize = v
                 .trim()
                 .parse()
-                .map_err(|e| anyhow!("MOLD_HOST_MEMORY=`{v}`: {e} (write a size such as 64GiB)"))?;
+                .map_err(|e| anyhow!("MOLD_HOST_MEMORY={v:?}: {e} (write a size such as 64GiB)"))?;
             Some(b.0)
         }
         None => None,
@@ -231,12 +265,43 @@ mod tests {
     }
 
     #[test]
+    fn the_secret_is_never_shown() {
+        let env = EnvVars::of(&[("MOLD_DIST_SECRET", "hunter2"), ("MOLD_KERNELS", "candle")]);
+        let d = describe(&env);
+        let s = d.iter().find(|(n, _, _)| n == "dist_secret").unwrap();
+        assert_eq!((s.1.as_str(), s.2.as_str()), ("set", "MOLD_DIST_SECRET"));
+        let comm = mold_exec::comm::CommOptions::from_vars(|k| env.get(k)).unwrap();
+        let o = exec_options(None, false, &env, comm).unwrap();
+        let shown = format!("{d:?} {env:?} {o:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(format!("{env:?}").contains("\"MOLD_DIST_SECRET\": \"<redacted>\""));
+        assert!(format!("{env:?}").contains("\"MOLD_KERNELS\": \"candle\""));
+    }
+
+    #[test]
+    fn timeouts_out_of_range_are_one_line_naming_them() {
+        // `Duration::from_secs_f64` panicked on 1e20.
+        for v in ["1e20", "inf", "nan", "-1"] {
+            for k in ["MOLD_NCCL_TIMEOUT_S", "MOLD_DIST_TIMEOUT_S"] {
+                let d = describe(&EnvVars::of(&[(k, v)]));
+                assert_eq!(d[0].0, "error", "{k}={v}: {d:?}");
+                assert!(d[0].1.contains(&format!("{k}=\"{v}\"")), "{d:?}");
+                assert_eq!(d[0].1.lines().count(), 1, "{d:?}");
+            }
+        }
+    }
+
+    #[test]
     fn bad_values_name_their_variable() {
         for (k, v) in [
             ("MOLD_STREAMING", "fast"),
             ("MOLD_KERNELS", "fast"),
             ("MOLD_FAULT", "emu:1"),
             ("MOLD_HOST_MEMORY", "lots"),
+            ("MOLD_HOST_MEMORY", "1\nXB"),
+            ("MOLD_STREAMING", "a\nb"),
+            ("MOLD_KERNELS", "a\nb"),
+            ("MOLD_FAULT", "a\nb"),
         ] {
             let e = opts(None, &[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{k}: {e}");

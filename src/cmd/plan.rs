@@ -112,9 +112,15 @@ pub struct Args {
     /// Constraints declared in a YAML file (flags win over it).
     #[arg(long)]
     pub constraints: Option<PathBuf>,
-    /// Where to write the plan.
+    /// Where to write the plan. A file there is replaced only if it is a plan mold wrote
+    /// and nobody edited since (its first line's `mold-sha256:` stamp still matches);
+    /// anything else needs --force.
     #[arg(short, long, default_value = "plan.yaml")]
     pub out: PathBuf,
+    /// Replace the file at -o whatever it is: a hand-edited plan, any other file (a
+    /// symlink there is replaced, never written through).
+    #[arg(long, alias = "overwrite")]
+    pub force: bool,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
@@ -489,10 +495,21 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
 }
 
 pub fn run(a: Args) -> Result<i32> {
+    // A plan mold wrote and nobody edited since is replaced; anything else at -o (a
+    // reviewed and edited plan, a file of the user's) only with --force: refused before
+    // the planner runs.
+    let dest = mold_files::Dest {
+        path: &a.out,
+        flag: "-o",
+        what: "plan",
+        force_flag: "--force",
+        force: a.force,
+    };
+    let stamp = mold_files::Stamp::HashComment;
+    dest.check(mold_files::Mine::Stamped(stamp))?;
     let (req, profile_line, machine_name) = request(&a)?;
     let outcome = mold_planner::plan(&req)?;
-    std::fs::write(&a.out, outcome.plan.to_yaml())
-        .with_context(|| format!("-o {}", a.out.display()))?;
+    dest.write_stamped(stamp, outcome.plan.to_yaml().as_bytes())?;
     if a.json {
         let v = serde_json::json!({
             "machine_profile": machine_name,

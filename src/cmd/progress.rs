@@ -117,8 +117,10 @@ impl Reporter {
             return f();
         }
         let r = self.clone();
-        let out =
-            mold_exec::testdata::observe_writes(move |p, done, total| r.writing(p, done, total), f);
+        let out = mold_exec::random_weights::observe_writes(
+            move |p, done, total| r.writing(p, done, total),
+            f,
+        );
         self.clear();
         out
     }

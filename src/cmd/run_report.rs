@@ -1,11 +1,11 @@
 //! `mold exec --report FILE`: what the CLI does around [`mold_pipeline::report`] — the
-//! file checked before anything loads, the allocator probe over the plan's GPUs, the
-//! simulation of the plan as run, and the file and its one-line summary at the end.
+//! file checked before anything loads, the simulation of the plan as run, and the file
+//! and its one-line summary at the end (the allocator probe over the plan's GPUs is
+//! [`mold_pipeline::report::probe`]).
 
 use super::progress::Reporter;
 use anyhow::{bail, Context, Result};
-use mold_exec::memory_probe::{allocator_probe, MemoryProbe};
-use mold_plan::{DeviceId, Plan};
+use mold_plan::Plan;
 use mold_sim::run_report::RunReport;
 use serde_json::json;
 use std::path::Path;
@@ -32,29 +32,29 @@ pub fn check_path(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A probe of the allocator on every GPU the plan uses (`cuda:N` opened as ordinal N:
-/// one process), made now so that its baseline is the run's start; `None` without GPUs.
-pub fn probe(plan: &Plan) -> Result<Option<MemoryProbe>> {
-    allocator_probe(&probed_devices(plan)).context("--report: the allocator's memory in use")
+/// `--report PATH` as mold-files sees it: an existing file is replaced only if it reads
+/// as a run report ([`is_report`]) or with --overwrite. A run report's JSON has no room
+/// for a stamp (its schema refuses unknown fields), so mold knows its own by reading it.
+pub fn dest(path: &Path, overwrite: bool) -> mold_files::Dest<'_> {
+    mold_files::Dest {
+        path,
+        flag: "--report",
+        what: "run report",
+        force_flag: "--overwrite",
+        force: overwrite,
+    }
 }
 
-/// The GPUs `plan` uses, every replica's (CFG-parallel runs its second pass on the
-/// second replica's devices), each once, with its ordinal.
-fn probed_devices(plan: &Plan) -> Vec<(DeviceId, usize)> {
-    let replicas = plan.replica_plans().unwrap_or_else(|_| vec![plan.clone()]);
-    let mut devices: Vec<(DeviceId, usize)> = Vec::new();
-    for d in replicas
-        .iter()
-        .flat_map(|r| r.components.iter())
-        .flat_map(|c| c.parts.iter().flat_map(|p| p.devices.iter()))
-    {
-        if let DeviceId::Cuda(n) = d {
-            if !devices.iter().any(|(x, _)| x == d) {
-                devices.push((d.clone(), *n as usize));
-            }
-        }
-    }
-    devices
+/// Whether `bytes` read as a run report of any schema version: a JSON object with the
+/// report's top-level fields, `version` a number (another version's report is mold's
+/// too).
+pub fn is_report(bytes: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(bytes).is_ok_and(|v| {
+        v.get("version").is_some_and(|x| x.is_u64())
+            && ["plan", "run", "phases", "memory"]
+                .iter()
+                .all(|k| v.get(k).is_some())
+    })
 }
 
 /// The simulation of `plan` with `steps` steps: the transformer benchmark's prediction.
@@ -76,13 +76,20 @@ pub fn simulate_steps(
 pub fn write(
     rep: &Reporter,
     path: &Path,
+    overwrite: bool,
     report: &RunReport,
     probe_error: Option<String>,
 ) -> Result<()> {
     if let Some(e) = probe_error {
         eprintln!("warning: --report: the allocator could not be read: {e}; its samples leave that moment out");
     }
-    std::fs::write(path, report.to_json())
+    // Replaced only if it reads as a run report (or with --overwrite), atomically: never
+    // through a symlink, never half a file.
+    dest(path, overwrite)
+        .write(
+            mold_files::Mine::Recognised(&is_report),
+            report.to_json().as_bytes(),
+        )
         .with_context(|| format!("--report {}: cannot write it", path.display()))?;
     let step = report.step();
     let largest = report.largest_deviation();
@@ -97,20 +104,4 @@ pub fn write(
         }),
     );
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_replica_s_gpus_are_probed() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let plan = Plan::load(&root.join("plans/qwen-image@2x-h200.yaml")).unwrap();
-        assert!(plan.replicas.is_some());
-        let ids: Vec<DeviceId> = probed_devices(&plan).into_iter().map(|(d, _)| d).collect();
-        assert_eq!(ids, [DeviceId::Cuda(0), DeviceId::Cuda(1)]);
-        let one = Plan::load(&root.join("plans/flux-dev@1x-rtx4090.yaml")).unwrap();
-        assert_eq!(probed_devices(&one), [(DeviceId::Cuda(0), 0)]);
-    }
 }

@@ -8,6 +8,17 @@ use mold_plan::Plan;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// A positive number of seconds (`10`, `0.5`).
+fn seconds(s: &str) -> std::result::Result<Duration, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 1e9 => Ok(Duration::from_secs_f64(v)),
+        _ => Err(format!(
+            "give a number of seconds above 0, e.g. 10 or 0.5, not `{s}`"
+        )),
+    }
+}
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -26,9 +37,47 @@ pub struct Args {
     /// Address to listen on.
     #[arg(long, default_value = mold_serve::DEFAULT_LISTEN)]
     pub listen: String,
-    /// Require `Authorization: Bearer <token>`, the token being this file's contents.
+    /// Require `Authorization: Bearer <token>` on every request but /health, the token
+    /// being this file's contents. Needed to listen beyond loopback (or --insecure).
     #[arg(long, value_name = "FILE")]
     pub token_file: Option<PathBuf>,
+    /// Listen beyond loopback without --token-file: anyone who can reach the port can run
+    /// the GPUs (a warning says so).
+    #[arg(long)]
+    pub insecure: bool,
+    /// A `Host` name clients may use besides the listen address and localhost (NAME: any
+    /// port; NAME:PORT: that port; `*`: any host). Repeatable.
+    #[arg(long, value_name = "NAME[:PORT]")]
+    pub allow_host: Vec<String>,
+    /// A browser `Origin` that may call the server besides http(s)://<an allowed host>
+    /// (requests without `Origin`, e.g. curl, always may). Repeatable.
+    #[arg(long, value_name = "ORIGIN")]
+    pub allow_origin: Vec<String>,
+    /// Open connections at most; one more is answered 503 and closed.
+    #[arg(long, value_name = "N", default_value_t = mold_serve::ServeOptions::default().max_connections)]
+    pub max_connections: usize,
+    /// Seconds a client may take to send a request's header (also the longest a
+    /// kept-alive connection may sit idle).
+    #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = seconds)]
+    pub header_timeout: Duration,
+    /// Seconds a client may take to send a request's body (408 beyond).
+    #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = seconds)]
+    pub body_timeout: Duration,
+    /// Seconds a response may wait for a client that does not read it (then the
+    /// connection is closed).
+    #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = seconds)]
+    pub write_timeout: Duration,
+    /// Seconds a request may take from admission, queued and running (504 beyond: it is
+    /// cancelled and its queue slot freed).
+    #[arg(long, value_name = "SECONDS", default_value = "600", value_parser = seconds)]
+    pub request_timeout: Duration,
+    /// Seconds between keep-alive comments on an idle /v1/generate/stream.
+    #[arg(long, value_name = "SECONDS", default_value = "15", value_parser = seconds)]
+    pub sse_keep_alive: Duration,
+    /// With --model: the size WIDTHxHEIGHT to plan for (default: the model's); requests
+    /// larger than the plan's size are refused.
+    #[arg(long, requires = "model")]
+    pub size: Option<String>,
     /// Requests admitted and not yet started on a transformer; beyond it, 429.
     #[arg(long, default_value_t = 32)]
     pub queue: usize,
@@ -45,9 +94,12 @@ pub struct Args {
     pub no_peer: bool,
 }
 
-fn plan_for(model: &str, machine: &mold_machine::Machine) -> Result<Plan> {
+fn plan_for(model: &str, machine: &mold_machine::Machine, size: Option<&str>) -> Result<Plan> {
     let loaded = load_model(model, None)?;
-    let w = loaded.spec.default_workload.clone();
+    let mut w = loaded.spec.default_workload.clone();
+    if let Some(size) = size {
+        (w.width, w.height) = super::common::parse_size("--size", size)?;
+    }
     let mut req = mold_planner::Request::new(loaded.spec, machine.clone(), w);
     req.checkpoint = loaded.checkpoint;
     req.objective = mold_planner::Objective::Throughput;
@@ -90,6 +142,29 @@ pub fn run(a: Args) -> Result<i32> {
         bail!("--queue 0: give at least 1 (requests waiting beyond it get 429)");
     }
     let token = a.token_file.as_deref().map(token).transpose()?;
+    let opts = mold_serve::ServeOptions {
+        listen,
+        token,
+        insecure: a.insecure,
+        allow_hosts: a.allow_host.clone(),
+        allow_origins: a.allow_origin.clone(),
+        queue: a.queue,
+        encoder_pool: a.encoder_pool == "on",
+        max_connections: a.max_connections,
+        header_timeout: a.header_timeout,
+        body_timeout: a.body_timeout,
+        write_timeout: a.write_timeout,
+        request_timeout: a.request_timeout,
+        sse_keep_alive: a.sse_keep_alive,
+        ..mold_serve::ServeOptions::default()
+    };
+    // Before anything loads: listening beyond loopback without a token, a zero limit.
+    opts.check()?;
+    if opts.exposed_without_token() {
+        eprintln!(
+            "warning: --insecure: listening on {listen} without --token-file: anyone who can reach this port can run the GPUs"
+        );
+    }
     if !a.weights.is_dir() {
         bail!(
             "--weights {}: not a directory; point it at a weights directory (`mold testdata flux-tiny-pipeline DIR` writes a tiny one)",
@@ -114,7 +189,7 @@ pub fn run(a: Args) -> Result<i32> {
         }
         (None, Some(model)) => {
             let machine = load_machine(a.machine.as_deref().unwrap_or_default())?;
-            (plan_for(model, &machine)?, machine)
+            (plan_for(model, &machine, a.size.as_deref())?, machine)
         }
         (None, None) => bail!("give --plan PLAN, or --model ID --machine PROFILE"),
     };
@@ -137,13 +212,6 @@ pub fn run(a: Args) -> Result<i32> {
             eprintln!("warning: replica {i}: {w}");
         }
     }
-    let opts = mold_serve::ServeOptions {
-        listen,
-        token,
-        queue: a.queue,
-        encoder_pool: a.encoder_pool == "on",
-        ..mold_serve::ServeOptions::default()
-    };
     let deploy = mold_serve::Deployment {
         replicas,
         model,

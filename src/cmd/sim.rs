@@ -15,9 +15,14 @@ pub struct Args {
     /// Go on, with a warning, when the plan was made for another machine.
     #[arg(long)]
     pub force: bool,
-    /// Write an SVG timeline of the request here.
+    /// Write an SVG timeline of the request here. A file there is replaced only if it is
+    /// a timeline mold wrote and nobody edited since; anything else needs --overwrite.
     #[arg(long, value_name = "SVG")]
     pub timeline: Option<PathBuf>,
+    /// Replace the file at --timeline whatever it is (a symlink there is replaced, never
+    /// written through). Not --force: that one simulates a plan made for another machine.
+    #[arg(long)]
+    pub overwrite: bool,
     /// Print the simulation as JSON.
     #[arg(long)]
     pub json: bool,
@@ -41,8 +46,20 @@ pub struct Args {
     /// Compare a run report (`mold exec PLAN --report run.json`) with this plan: each
     /// phase's and each device peak's prediction, measurement and deviation, and the
     /// largest deviation; refused when the report is of another plan.
-    #[arg(long, value_name = "RUN_JSON", conflicts_with_all = ["check", "timeline", "requests", "clients", "arrival_rate", "machine", "force"])]
+    #[arg(long, value_name = "RUN_JSON", conflicts_with_all = ["check", "timeline", "overwrite", "requests", "clients", "arrival_rate", "machine", "force"])]
     pub compare: Option<PathBuf>,
+}
+
+/// `--timeline PATH` as mold-files sees it: replaced only if mold wrote it and nobody
+/// edited it since, or with --overwrite.
+fn timeline_dest<'a>(a: &'a Args, path: &'a Path) -> mold_files::Dest<'a> {
+    mold_files::Dest {
+        path,
+        flag: "--timeline",
+        what: "timeline",
+        force_flag: "--overwrite",
+        force: a.overwrite,
+    }
 }
 
 /// The request stream the flags ask for, if any.
@@ -86,6 +103,10 @@ pub fn run(a: Args) -> Result<i32> {
     let plan = load_plan(path)?;
     if let Some(run) = &a.compare {
         return compare(&plan, path, run, a.json);
+    }
+    // A file at --timeline that mold may not replace is refused before simulating.
+    if let Some(t) = &a.timeline {
+        timeline_dest(&a, t).check(mold_files::Mine::Stamped(mold_files::Stamp::XmlComment))?;
     }
     let (machine, profile) = match &a.machine {
         Some(m) => (load_machine(m)?, m.clone()),
@@ -131,7 +152,8 @@ pub fn run(a: Args) -> Result<i32> {
             None
         };
     if let Some(t) = &a.timeline {
-        std::fs::write(t, report.svg()).with_context(|| format!("--timeline {}", t.display()))?;
+        timeline_dest(&a, t)
+            .write_stamped(mold_files::Stamp::XmlComment, report.svg().as_bytes())?;
     }
     // The stream needs every replica to fit: an overflow is reported below instead.
     let stream = match stream {

@@ -162,6 +162,17 @@ fn launch_variables_that_disagree_are_refused_before_loading() {
             ],
             "SLURM_JOB_NODELIST=\"node[01-\"",
         ),
+        // A launch that reaches other hosts needs the shared secret (before anything
+        // connects, anything loads).
+        (
+            vec![
+                ("RANK", "1"),
+                ("WORLD_SIZE", "3"),
+                ("LOCAL_RANK", "1"),
+                ("MASTER_ADDR", "10.1.2.3"),
+            ],
+            "the master address \"10.1.2.3:29517\" is not a loopback address, and MOLD_DIST_SECRET is not set",
+        ),
     ] {
         let o = mold_env(&args, &env);
         let e = stderr(&o);

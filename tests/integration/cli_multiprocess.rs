@@ -237,6 +237,34 @@ fn launch_mistakes_are_refused_before_loading() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("for process(es) 1"), "{}", stderr(&o));
     assert!(!stdout(&o).contains("loaded"), "{}", stdout(&o));
+    // A master other hosts can reach needs MOLD_DIST_SECRET.
+    let o = mold_env(
+        &args,
+        &[
+            ("MOLD_WORLD_SIZE", "2"),
+            ("MOLD_RANK", "1"),
+            ("MOLD_MASTER_ADDR", "192.0.2.1:29517"),
+        ],
+    );
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("not a loopback address, and MOLD_DIST_SECRET is not set"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(!stdout(&o).contains("loaded"), "{}", stdout(&o));
+    // Timeouts a `Duration` cannot hold, or that are no time at all: one line naming the
+    // variable, no panic.
+    for var in ["MOLD_NCCL_TIMEOUT_S", "MOLD_DIST_TIMEOUT_S"] {
+        for v in ["1e20", "inf", "nan", "-1"] {
+            let o = mold_env(&args, &[(var, v)]);
+            let e = stderr(&o);
+            assert_eq!(o.status.code(), Some(1), "{var}={v}: {e}");
+            assert!(e.contains(&format!("{var}=\"{v}\": give seconds")), "{e}");
+            assert_eq!(e.lines().count(), 1, "{e}");
+        }
+    }
     // Incomplete variables name the missing one.
     let o = mold_env(&args, &[("MOLD_RANK", "1")]);
     assert!(
@@ -290,7 +318,8 @@ fn a_two_node_plan_runs_one_process_per_node_as_one_process_does() {
         "--force",
     ];
     let one = mold_ok(&args).0;
-    let outs = run_world(2, &args, |_| vec![], &[]);
+    // With the shared secret: every connection proves it, both ways.
+    let outs = run_world(2, &args, |_| vec![], &[("MOLD_DIST_SECRET", "t0p-s3cret")]);
     for (r, o) in outs.iter().enumerate() {
         assert!(
             o.status.success(),

@@ -117,7 +117,8 @@ fn json_events_parse_and_count_the_steps() {
 #[test]
 fn quiet_prints_the_result_line_alone() {
     let d = tempdir("progress-quiet");
-    let w = d.join("w").to_str().unwrap().to_string();
+    // Not `w`: `setup` writes there (testdata refuses a directory that holds anything).
+    let w = d.join("quiet-w").to_str().unwrap().to_string();
     let (so, se) = mold_ok(&["testdata", "flux-tiny-pipeline", &w, "--quiet"]);
     assert_eq!(so.lines().count(), 1, "{so}");
     assert!(so.starts_with("tiny FLUX pipeline (seed 0)"), "{so}");

@@ -23,7 +23,7 @@ fn http(
         .unwrap_or_default();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -71,7 +71,23 @@ impl Drop for Served {
 /// Starts `mold serve` with `args` on an ephemeral port; returns it and its address
 /// (from its "listening on" line), its stderr reader left for the rest.
 fn serve(args: &[&str]) -> (Served, SocketAddr, BufReader<std::process::ChildStderr>) {
-    let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
+    let (served, addr, err, _) = serve_said(args);
+    (served, addr, err)
+}
+
+/// [`serve`], with what it printed before listening.
+fn serve_said(
+    args: &[&str],
+) -> (
+    Served,
+    SocketAddr,
+    BufReader<std::process::ChildStderr>,
+    String,
+) {
+    let mut all = vec!["serve"];
+    if !args.contains(&"--listen") {
+        all.extend(["--listen", "127.0.0.1:0"]);
+    }
     all.extend(args);
     let mut served = Served(
         mold_command(&all, &[])
@@ -82,16 +98,18 @@ fn serve(args: &[&str]) -> (Served, SocketAddr, BufReader<std::process::ChildStd
     );
     let mut err = BufReader::new(served.0.stderr.take().unwrap());
     let mut line = String::new();
+    let mut said = String::new();
     loop {
         line.clear();
         assert!(
             err.read_line(&mut line).unwrap() > 0,
-            "mold serve exited before listening"
+            "mold serve exited before listening: {said}"
         );
         if let Some(rest) = line.strip_prefix("listening on http://") {
             let addr = rest.split(' ').next().unwrap().parse().unwrap();
-            return (served, addr, err);
+            return (served, addr, err, said);
         }
+        said.push_str(&line);
     }
 }
 
@@ -157,9 +175,16 @@ fn serve_matches_exec_and_drains_on_sigterm() {
         "--out",
         out.to_str().unwrap(),
     ]);
+    // The same image and settings; a file `mold exec` writes also carries its stamp
+    // (the last tEXt chunk), which an HTTP response has no use for.
+    let from_server = d.join("served.png");
+    std::fs::write(&from_server, &png).unwrap();
+    let (img, text) = mold_pipeline::read_png(&from_server).unwrap();
+    let (exec_img, mut exec_text) = mold_pipeline::read_png(&out).unwrap();
+    exec_text.retain(|(k, _)| k != mold_pipeline::image::STAMP_KEYWORD);
     assert!(
-        png == std::fs::read(&out).unwrap(),
-        "the server's PNG differs from mold exec's"
+        img == exec_img && text == exec_text,
+        "the server's PNG differs from mold exec's: {text:?} vs {exec_text:?}"
     );
     let (status, msg) = http(addr, "POST", "/v1/generate", Some("nope"), body);
     assert_eq!(status, 401, "{}", String::from_utf8_lossy(&msg));
@@ -207,6 +232,26 @@ fn serve_refuses_bad_flags_in_one_line() {
             vec!["--token-file", empty.to_str().unwrap()],
             "empty; put the bearer token",
         ),
+        (
+            vec!["--listen", "0.0.0.0:0"],
+            "--listen 0.0.0.0:0: beyond this machine without --token-file",
+        ),
+        (
+            vec!["--listen", "[::]:7680"],
+            "--listen [::]:7680: beyond this machine without --token-file",
+        ),
+        (
+            vec!["--max-connections", "0"],
+            "--max-connections 0: give a positive value",
+        ),
+        (
+            vec!["--allow-host", "http://evil.example/"],
+            "--allow-host `http://evil.example/`: write a host name",
+        ),
+        (
+            vec!["--allow-origin", "evil.example"],
+            "--allow-origin `evil.example`: write SCHEME://HOST[:PORT]",
+        ),
     ] {
         let mut all = vec!["serve", "--plan", &p, "--weights", w.to_str().unwrap()];
         all.extend(args);
@@ -214,6 +259,19 @@ fn serve_refuses_bad_flags_in_one_line() {
         assert!(e.contains(want), "{want}: {e}");
         assert_eq!(e.trim().lines().count(), 1, "{e}");
     }
+    let e = mold_fails(&[
+        "serve",
+        "--plan",
+        &p,
+        "--weights",
+        w.to_str().unwrap(),
+        "--header-timeout",
+        "0",
+    ]);
+    assert!(
+        e.contains("--header-timeout") && e.contains("give a number of seconds above 0"),
+        "{e}"
+    );
     let e = mold_fails(&[
         "serve",
         "--plan",
@@ -240,5 +298,43 @@ fn serve_refuses_bad_flags_in_one_line() {
     assert!(
         e.contains("lacks") && e.contains("mold testdata flux-tiny-pipeline"),
         "{e}"
+    );
+}
+
+#[test]
+fn serve_beyond_loopback_with_insecure_warns_and_serves() {
+    let d = tempdir("serve-insecure");
+    let w = d.join("w");
+    mold_ok(&["testdata", "flux-tiny-pipeline", w.to_str().unwrap()]);
+    let p = plan(&d);
+    let (_served, addr, _err, said) = serve_said(&[
+        "--plan",
+        &p,
+        "--weights",
+        w.to_str().unwrap(),
+        "--listen",
+        "0.0.0.0:0",
+        "--insecure",
+        "--header-timeout",
+        "0.5",
+    ]);
+    assert!(addr.ip().is_unspecified(), "{addr}");
+    assert!(
+        said.contains("warning: --insecure: listening on 0.0.0.0:0 without --token-file"),
+        "{said}"
+    );
+    let local: SocketAddr = format!("127.0.0.1:{}", addr.port()).parse().unwrap();
+    let (status, body) = http(local, "GET", "/health", None, "");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // No token needed, and --header-timeout reached the server: a silent connection is
+    // closed within seconds.
+    let (status, _) = http(local, "GET", "/status", None, "");
+    assert_eq!(status, 200);
+    let mut s = TcpStream::connect(local).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut buf = Vec::new();
+    assert!(
+        s.read_to_end(&mut buf).is_ok(),
+        "a silent connection outlived --header-timeout 0.5"
     );
 }

@@ -1,8 +1,10 @@
 //! mold's one integration test binary (as in ripgrep): the CLI end to end, the shipped
 //! plans, and the parsers under fuzzing.
 
+mod cli_calibrate;
 mod cli_devices;
 mod cli_exec;
+mod cli_files;
 mod cli_hf;
 mod cli_launchers;
 mod cli_multiprocess;
@@ -15,5 +17,7 @@ mod cli_report;
 mod cli_serve;
 mod cli_sim;
 mod parsers;
+mod parsers_env;
+mod parsers_lora;
 mod plans;
 mod util;

@@ -30,7 +30,7 @@ const CONSTRAINTS: &str = "devices: [cuda:0, cuda:1]\nmax_vram: {cuda:0: 20GiB}\
 const CONFIG: &str = "gpus = [1, 2]\nheadroom = \"2GiB\"\nmachine = \"machines/box.yaml\"\nobjective = \"latency\"\nweights_dirs = [\"w\", \"/abs/w\"]\n\n[max_vram]\n\"cuda:0\" = \"20GiB\"\n\"cuda:1\" = 1073741824\n";
 
 /// A refusal is one line that names the file it came from.
-fn refusal_ok(e: &str, source: &str) -> Result<(), TestCaseError> {
+pub(crate) fn refusal_ok(e: &str, source: &str) -> Result<(), TestCaseError> {
     prop_assert!(
         !e.contains('\n') && e.contains(source) && e.len() > source.len() + 4,
         "not one line naming {source}: {e:?}"
@@ -61,7 +61,7 @@ fn config_err(text: &str) -> Option<String> {
 
 /// Byte-level mutations: (position, operation, byte). Operations: overwrite, insert,
 /// delete, or splice in a token parsers find hard.
-fn mutations() -> impl Strategy<Value = Vec<(usize, u8, u8)>> {
+pub(crate) fn mutations() -> impl Strategy<Value = Vec<(usize, u8, u8)>> {
     prop::collection::vec((any::<usize>(), 0u8..4, any::<u8>()), 1..8)
 }
 
@@ -85,7 +85,7 @@ const TOKENS: &[&str] = &[
     "null",
 ];
 
-fn mutate(base: &[u8], ops: &[(usize, u8, u8)]) -> Vec<u8> {
+pub(crate) fn mutate(base: &[u8], ops: &[(usize, u8, u8)]) -> Vec<u8> {
     let mut v = base.to_vec();
     for &(pos, op, b) in ops {
         let i = pos % (v.len() + 1);
@@ -127,7 +127,7 @@ fn tiny() -> &'static Tiny {
     static T: OnceLock<Tiny> = OnceLock::new();
     T.get_or_init(|| {
         let d = tempdir("parsers-tiny");
-        let written = mold_pipeline::testdata::write_tiny_pipeline(&d, 7).unwrap();
+        let written = mold_pipeline::flux::testdata::write_tiny_pipeline(&d, 7).unwrap();
         let transformer = written
             .iter()
             .find(|p| {
@@ -150,7 +150,7 @@ fn tiny() -> &'static Tiny {
 }
 
 /// A scratch file for one test (tests run on several threads).
-fn scratch(name: &str) -> PathBuf {
+pub(crate) fn scratch(name: &str) -> PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
     D.get_or_init(|| tempdir("parsers-scratch")).join(name)
 }
@@ -186,7 +186,7 @@ fn checkpoint_ok(path: &Path) -> Result<(), TestCaseError> {
 fn tokenizer_ok(path: &Path) -> Result<(), TestCaseError> {
     let name = path.display().to_string();
     for (len, pads) in [(8, &["<pad>"][..]), (77, &["<|endoftext|>", "<pad>"][..])] {
-        match mold_pipeline::text::load_tokenizer(path, len, pads) {
+        match mold_pipeline::flux::text::load_tokenizer(path, len, pads) {
             Ok(tok) => {
                 let _ = mold_pipeline::text::tokenize(&tok, path, "a red fox in snow");
             }
@@ -204,10 +204,10 @@ fn encoder_config_ok(path: &Path) -> Result<(), TestCaseError> {
         weights: vec![],
         tokenizer: path.to_path_buf(),
     };
-    if let Err(e) = mold_pipeline::text::t5_config(&files) {
+    if let Err(e) = mold_pipeline::flux::text::t5_config(&files) {
         refusal_ok(&e.to_string(), &name)?;
     }
-    if let Err(e) = mold_pipeline::text::clip_config(&files) {
+    if let Err(e) = mold_pipeline::flux::text::clip_config(&files) {
         refusal_ok(&e.to_string(), &name)?;
     }
     Ok(())
@@ -759,7 +759,7 @@ fn malformed_tokenizer_names_the_field() {
         let mut bad = base.clone();
         bad[field] = v;
         std::fs::write(&p, serde_json::to_vec(&bad).unwrap()).unwrap();
-        let e = mold_pipeline::text::load_tokenizer(&p, 8, &["<pad>"])
+        let e = mold_pipeline::flux::text::load_tokenizer(&p, 8, &["<pad>"])
             .err()
             .unwrap_or_else(|| panic!("{field}: accepted"))
             .to_string();
@@ -771,7 +771,7 @@ fn malformed_tokenizer_names_the_field() {
     let mut bad = base.clone();
     bad.as_object_mut().unwrap().remove("model");
     std::fs::write(&p, serde_json::to_vec(&bad).unwrap()).unwrap();
-    let e = mold_pipeline::text::load_tokenizer(&p, 8, &["<pad>"])
+    let e = mold_pipeline::flux::text::load_tokenizer(&p, 8, &["<pad>"])
         .unwrap_err()
         .to_string();
     assert!(e.contains("model: missing"), "{e}");

@@ -39,10 +39,6 @@
 //! tensor-parallel degrees).
 
 pub mod calibrate;
-pub mod calibrate_copy;
-pub mod calibrate_footprint;
-pub mod calibrate_mix;
-pub mod calibrate_ops;
 pub mod checkpoint;
 pub mod comm;
 pub mod dist;
@@ -52,9 +48,9 @@ pub mod fault;
 pub mod memory_probe;
 pub mod model;
 pub mod options;
+pub mod random_weights;
 pub mod runtime;
 pub mod streaming;
-pub mod testdata;
 pub mod verify;
 
 pub use checkpoint::{Checkpoint, TensorHeader};
@@ -62,14 +58,15 @@ pub use error::ExecError;
 pub use executor::{check_plan, compute_dtype, Executor, PhaseTime};
 pub use fault::{Fault, FaultKind};
 pub use model::attention::{report as attention_report, AttentionReport};
+pub use model::flux::testdata::{write_testdata, write_testdata_sharded};
 pub use model::flux::{random_inputs, FluxConfig, FluxInputs};
 pub use model::ops::Kernels;
 pub use model::qwen::{QwenConfig, QwenInputs};
 pub use model::{BlockRef, Inputs, TensorSpec, Transformer};
 pub use options::ExecOptions;
+pub use random_weights::write_safetensors;
 pub use runtime::DeviceMemory;
 pub use streaming::Streaming;
-pub use testdata::{write_safetensors, write_testdata, write_testdata_sharded};
 pub use verify::{digest, fnv1a, max_relative_error};
 
 /// Re-exported so callers need not depend on candle directly.

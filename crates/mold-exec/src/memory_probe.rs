@@ -12,7 +12,7 @@
 //! builds) get no probe: the run report gives their accounted figures instead.
 //!
 //! [`MemoryProbe::growth`] reads each device's use and its pool's reserved memory against
-//! the baseline: what [`crate::calibrate_footprint`] takes the CUDA libraries' memory from.
+//! the baseline: what [`crate::calibrate::measure_footprint`] takes the CUDA libraries' memory from.
 
 use crate::error::ExecError;
 use mold_plan::DeviceId;

@@ -174,6 +174,33 @@ fn parse_header(
     Ok(())
 }
 
+/// Why `name`, a shard an index's `weight_map` names, is not a plain file name beside the
+/// index (a `/` or `\`, `.` or `..`, an absolute path, an empty name); `None` when it is.
+/// Every reader of an index goes through it (or [`shard_path`]): an index may not point
+/// mold at a file outside its own folder.
+pub fn bad_shard_name(name: &str) -> Option<String> {
+    let plain = !name.is_empty()
+        && !name.contains(['/', '\\', '\0'])
+        && name != "."
+        && name != ".."
+        && !Path::new(name).is_absolute()
+        && Path::new(name).components().count() == 1;
+    (!plain).then(|| {
+        format!(
+            "weight_map names shard {name:?}: a shard is a plain file name beside the index (no `/` or `\\`, no `..`, not absolute)"
+        )
+    })
+}
+
+/// The path of shard `name` of the index `index` (beside it), refused naming the index
+/// and the name unless the name is plain ([`bad_shard_name`]).
+pub fn shard_path(index: &Path, name: &str) -> Result<PathBuf, ModelError> {
+    if let Some(m) = bad_shard_name(name) {
+        return Err(err(index, m));
+    }
+    Ok(index.parent().unwrap_or(Path::new(".")).join(name))
+}
+
 /// Reads the header of a `.safetensors` file, or of every shard named by an
 /// `.index.json`, or of a directory's transformer ([`crate::snapshot::find_transformer`]:
 /// a BFL-named file, else diffusers' `transformer/` folder), or else of every
@@ -206,12 +233,11 @@ pub fn read_header(path: &Path) -> Result<Header, ModelError> {
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| err(path, "no `weight_map` object: not a safetensors index"))?;
-        let dir = path.parent().unwrap_or(Path::new("."));
         for f in map.values() {
             let f = f
                 .as_str()
                 .ok_or_else(|| err(path, "weight_map values must be file names"))?;
-            let p = dir.join(f);
+            let p = shard_path(path, f)?;
             if !files.contains(&p) {
                 files.push(p);
             }

@@ -49,6 +49,19 @@ pub enum PipelineError {
     #[error("{0}")]
     Candle(Box<candle_core::Error>),
 
+    /// `--report` could not measure (what it was reading, then why).
+    #[error("--report: {what}: {source}")]
+    Report {
+        what: &'static str,
+        #[source]
+        source: Box<mold_exec::ExecError>,
+    },
+
+    /// An output file is not mold's to replace ([`mold_files::Dest::check`]), or could
+    /// not be written.
+    #[error(transparent)]
+    File(#[from] mold_files::FileError),
+
     /// The request's cancel flag was set (its client went away); nothing was produced.
     #[error("cancelled: the request was cancelled before it finished")]
     Cancelled,

@@ -1,7 +1,6 @@
 //! PNG output with the prompt and settings as tEXt chunks.
 
 use crate::error::{PipelineError, Result};
-use std::io::Write;
 use std::path::Path;
 
 /// An 8-bit RGB image.
@@ -39,18 +38,30 @@ pub fn encode_png(img: &RgbImage, text: &[(String, String)]) -> Result<Vec<u8>> 
     Ok(out)
 }
 
-/// Writes `img` to `path` as a PNG (see [`encode_png`]).
+/// The tEXt keyword of the stamp [`write_png`] adds ([`mold_files::Stamp::Png`]): a PNG
+/// mold wrote and nobody changed since is one `mold exec --out` may replace.
+pub const STAMP_KEYWORD: &str = "mold";
+
+/// Writes `img` to `path` as a PNG (see [`encode_png`]) with a last tEXt chunk
+/// [`STAMP_KEYWORD`] holding its stamp, atomically: through a temporary file renamed over
+/// `path` (never through a symlink there, never half a file). Whether `path` may be
+/// replaced is the caller's to check first ([`mold_files::Dest::check`]).
 pub fn write_png(path: &Path, img: &RgbImage, text: &[(String, String)]) -> Result<()> {
-    let bytes = encode_png(img, text).map_err(|e| match e {
+    let mut text = text.to_vec();
+    text.push((STAMP_KEYWORD.into(), mold_files::PLACEHOLDER.into()));
+    let bytes = encode_png(img, &text).map_err(|e| match e {
         PipelineError::Png { message, .. } => PipelineError::Png {
             path: path.display().to_string(),
             message,
         },
         e => e,
     })?;
-    let mut f = std::fs::File::create(path).map_err(PipelineError::io(path))?;
-    f.write_all(&bytes).map_err(PipelineError::io(path))?;
-    Ok(())
+    let bytes =
+        mold_files::stamp(mold_files::Stamp::Png, &bytes).ok_or_else(|| PipelineError::Png {
+            path: path.display().to_string(),
+            message: "the encoder dropped the stamp's tEXt chunk".into(),
+        })?;
+    mold_files::write_bytes(path, &bytes).map_err(PipelineError::io(path))
 }
 
 /// Reads a PNG back: the image (8-bit RGB only) and its tEXt chunks. For tests and tools.
@@ -103,9 +114,21 @@ mod tests {
         let p = d.join("x.png");
         let text = vec![("prompt".to_string(), "a red fox in snow".to_string())];
         write_png(&p, &img, &text).unwrap();
+        // read_png checks every chunk's CRC: the stamp's chunk was rewritten correctly.
         let (back, t) = read_png(&p).unwrap();
         assert_eq!(back, img);
-        assert_eq!(t, text);
+        assert_eq!(t[..1], text[..]);
+        assert_eq!(t[1].0, STAMP_KEYWORD);
+        let bytes = std::fs::read(&p).unwrap();
+        assert!(mold_files::is_unchanged(mold_files::Stamp::Png, &bytes));
+        // Another image written over it: still mold's, unchanged.
+        write_png(&p, &img, &[]).unwrap();
+        let mut bytes = std::fs::read(&p).unwrap();
+        assert!(mold_files::is_unchanged(mold_files::Stamp::Png, &bytes));
+        // A pixel changed (in the compressed data): no longer.
+        let i = bytes.len() - 20;
+        bytes[i] ^= 1;
+        assert!(!mold_files::is_unchanged(mold_files::Stamp::Png, &bytes));
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -18,12 +18,12 @@
 //! | `final` | `(1, L, 64)` | the latents after the last step |
 //! | `image` | `(1, 3, height, width)` | the decoded image in [−1, 1], before 8-bit conversion |
 //!
-//! Its `__metadata__` holds the prompt, seed, steps, size, guidance and model id.
+//! Its `__metadata__` holds the prompt, seed, steps, size, guidance and model id, and
+//! under `mold` the file's stamp (`mold-sha256:…`: mold wrote it and nobody changed it).
 
 use crate::error::{PipelineError, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 
 fn bad(path: &Path, message: String) -> PipelineError {
@@ -103,13 +103,16 @@ pub fn record_inputs(r: &mut IoRecord, x: &mold_exec::FluxInputs, sched: &[f64])
     r.add("latents", &x.img)
 }
 
-/// The file's `__metadata__`: the PNG's settings ([`crate::metadata`]).
+/// The `__metadata__` key of the file's stamp ([`mold_files::Stamp::Embedded`]).
+pub const STAMP_KEY: &str = "mold";
+
+/// The file's `__metadata__`: the PNG's settings ([`crate::flux::metadata`]).
 pub fn metadata(
     model_id: &str,
     req: &crate::Request,
     guidance: Option<f64>,
 ) -> BTreeMap<String, String> {
-    crate::metadata(model_id, req, guidance)
+    crate::flux::metadata(model_id, req, guidance)
         .into_iter()
         .collect()
 }
@@ -158,7 +161,11 @@ impl IoRecord {
     /// Writes the tensors (f32, little-endian) and the metadata as one safetensors file.
     pub fn write(&self, path: &Path) -> Result<()> {
         let mut header = serde_json::Map::new();
-        header.insert("__metadata__".into(), serde_json::json!(self.metadata));
+        // The stamp ([`mold_files::Stamp::Embedded`]): a file mold wrote and nobody
+        // changed since is one `--save-io` may replace.
+        let mut metadata = self.metadata.clone();
+        metadata.insert(STAMP_KEY.into(), mold_files::PLACEHOLDER.into());
+        header.insert("__metadata__".into(), serde_json::json!(metadata));
         let mut offset = 0usize;
         let mut data: Vec<Vec<f32>> = Vec::new();
         for (name, t) in &self.tensors {
@@ -175,19 +182,24 @@ impl IoRecord {
         while !h.len().is_multiple_of(8) {
             h.push(b' ');
         }
-        let out = || -> std::io::Result<()> {
-            let f = std::fs::File::create(path)?;
-            let mut w = std::io::BufWriter::new(f);
-            w.write_all(&(h.len() as u64).to_le_bytes())?;
-            w.write_all(&h)?;
-            for v in &data {
-                for x in v {
-                    w.write_all(&x.to_le_bytes())?;
-                }
+        let mut out = Vec::with_capacity(8 + h.len() + offset);
+        out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+        out.extend_from_slice(&h);
+        for v in &data {
+            for x in v {
+                out.extend_from_slice(&x.to_le_bytes());
             }
-            w.flush()
-        };
-        out().map_err(PipelineError::io(path))
+        }
+        let out = mold_files::stamp(mold_files::Stamp::Embedded, &out).ok_or_else(|| {
+            PipelineError::Refused(format!(
+                "{}: the stamp's placeholder is not in the header (a bug in mold)",
+                path.display()
+            ))
+        })?;
+        // Through a temporary file renamed over `path`: never through a symlink there,
+        // never half a file. Whether `path` may be replaced is the caller's to check
+        // first ([`mold_files::Dest::check`]).
+        mold_files::write_bytes(path, &out).map_err(PipelineError::io(path))
     }
 }
 

@@ -69,6 +69,12 @@ fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
     let mut names: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
     names.sort();
     names.dedup();
+    if let Some(m) = names
+        .iter()
+        .find_map(|n| mold_models::checkpoint::bad_shard_name(n))
+    {
+        return Err(bad(m));
+    }
     let dir = index.parent().unwrap_or(Path::new("."));
     Ok(names.into_iter().map(|n| dir.join(n)).collect())
 }

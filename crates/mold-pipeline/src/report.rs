@@ -4,8 +4,9 @@
 //! [`Recorder::finish`] sets it beside the simulator's prediction of the same plan in a
 //! [`RunReport`] (the schema: [`mold_sim::run_report`]).
 
+use crate::error::{PipelineError, Result};
 use crate::{DevicePeak, Progress, Timings};
-use mold_exec::memory_probe::MemoryProbe;
+use mold_exec::memory_probe::{allocator_probe, MemoryProbe};
 use mold_exec::PhaseTime;
 use mold_plan::{DeviceId, Plan};
 use mold_sim::run_report::{
@@ -297,6 +298,34 @@ pub fn median_step(times: &[f64]) -> Option<f64> {
     v.get(v.len() / 2).copied()
 }
 
+/// A probe of the allocator on every GPU the plan uses (`cuda:N` opened as ordinal N:
+/// one process), made now so that its baseline is the run's start; `None` without GPUs.
+pub fn probe(plan: &Plan) -> Result<Option<MemoryProbe>> {
+    allocator_probe(&probed_devices(plan)).map_err(|e| PipelineError::Report {
+        what: "the allocator's memory in use",
+        source: Box::new(e),
+    })
+}
+
+/// The GPUs `plan` uses, every replica's (CFG-parallel runs its second pass on the
+/// second replica's devices), each once, with its ordinal.
+fn probed_devices(plan: &Plan) -> Vec<(DeviceId, usize)> {
+    let replicas = plan.replica_plans().unwrap_or_else(|_| vec![plan.clone()]);
+    let mut devices: Vec<(DeviceId, usize)> = Vec::new();
+    for d in replicas
+        .iter()
+        .flat_map(|r| r.components.iter())
+        .flat_map(|c| c.parts.iter().flat_map(|p| p.devices.iter()))
+    {
+        if let DeviceId::Cuda(n) = d {
+            if !devices.iter().any(|(x, _)| x == d) {
+                devices.push((d.clone(), *n as usize));
+            }
+        }
+    }
+    devices
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -394,6 +423,17 @@ mod tests {
         assert_eq!(measured.peak_bytes, 1100);
         assert!((m.deviation().unwrap() - 0.1).abs() < 1e-12);
         assert_eq!(rep.plan.fingerprint, plan_fingerprint(&plan));
+    }
+
+    #[test]
+    fn every_replica_s_gpus_are_probed() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let plan = Plan::load(&root.join("plans/qwen-image@2x-h200.yaml")).unwrap();
+        assert!(plan.replicas.is_some());
+        let ids: Vec<DeviceId> = probed_devices(&plan).into_iter().map(|(d, _)| d).collect();
+        assert_eq!(ids, [DeviceId::Cuda(0), DeviceId::Cuda(1)]);
+        let one = Plan::load(&root.join("plans/flux-dev@1x-rtx4090.yaml")).unwrap();
+        assert_eq!(probed_devices(&one), [(DeviceId::Cuda(0), 0)]);
     }
 }
 

@@ -1,7 +1,8 @@
-//! Running a plan, the library side of `mold exec`: the checks every run makes before any
+//! Running a plan, the pieces of `mold exec`: the checks every run makes before any
 //! weight loads ([`preflight`], [`open_transformer`]) and the transformer benchmark on
-//! random inputs ([`bench`]); text to image is [`crate::generate`]. The binary parses
-//! flags, calls these and prints.
+//! random inputs ([`bench`]); text to image is each family's `generate`
+//! ([`crate::flux::generate`], [`crate::qwen::generate`]). [`crate::session`] puts them in
+//! the order a run goes.
 
 use crate::error::{PipelineError, Result};
 use crate::sampling::{self, Passes, StepTime};
@@ -278,7 +279,7 @@ fn run_bench<M: Benchable>(
     let BenchInputs { mut cond, uncond } = inputs;
     // True CFG's combination (Qwen-Image's: the one model with true CFG).
     let scale = uncond.as_ref().map_or(1.0, |(_, s)| *s);
-    let combine = |c: &Tensor, n: &Tensor| crate::qwen_sampling::combine(c, n, scale);
+    let combine = |c: &Tensor, n: &Tensor| crate::qwen::sampling::combine(c, n, scale);
     let guided = uncond.map(|(neg, _)| sampling::Guided {
         neg,
         combine: &combine,

@@ -4,7 +4,7 @@
 //! transformer format, on one device, split and tensor parallel.
 
 use mold_exec::{max_relative_error, Checkpoint, DType, Executor, FluxConfig, Tensor};
-use mold_pipeline::testdata::{write_hf_snapshot, HfModel};
+use mold_pipeline::flux::testdata::hf::{write_hf_snapshot, HfModel};
 use mold_pipeline::WeightsLayout;
 use mold_plan::{ComponentRole, Part, Plan};
 use std::path::{Path, PathBuf};
@@ -148,7 +148,7 @@ fn a_missing_file_is_named_with_where_it_was_looked_for() {
 fn the_clip_tokenizer_is_built_from_vocab_and_merges() {
     let d = snapshot();
     let vocab = d.join("tokenizer/vocab.json");
-    let tok = mold_pipeline::text::load_tokenizer(&vocab, 77, &["<|endoftext|>"]).unwrap();
+    let tok = mold_pipeline::flux::text::load_tokenizer(&vocab, 77, &["<|endoftext|>"]).unwrap();
     let ids = mold_pipeline::text::tokenize(&tok, &vocab, "A  red FOX, in snow!").unwrap();
     let v: serde_json::Map<String, serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&vocab).unwrap()).unwrap();
@@ -177,7 +177,7 @@ fn the_t5_tokenizer_is_a_unigram_model() {
     let p = snapshot().join("tokenizer_2/tokenizer.json");
     let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     assert_eq!(j["model"]["type"], "Unigram");
-    let tok = mold_pipeline::text::load_tokenizer(&p, 8, &["<pad>"]).unwrap();
+    let tok = mold_pipeline::flux::text::load_tokenizer(&p, 8, &["<pad>"]).unwrap();
     let ids = mold_pipeline::text::tokenize(&tok, &p, "a red fox in snow!").unwrap();
     let vocab = j["model"]["vocab"].as_array().unwrap();
     let id = |t: &str| vocab.iter().position(|v| v[0] == t).unwrap() as u32;
@@ -287,8 +287,9 @@ fn both_transformer_formats_give_identical_images() {
     for (what, plan) in plans() {
         let mut images = Vec::new();
         for dir in [snapshot(), diffusers_only()] {
-            let prep = mold_pipeline::prepare(&plan, dir).unwrap();
-            let out = mold_pipeline::generate(&plan, &prep, &req, &opts, &mut |_| {}).unwrap();
+            let prep = mold_pipeline::flux::prepare(&plan, dir).unwrap();
+            let out =
+                mold_pipeline::flux::generate(&plan, &prep, &req, &opts, &mut |_| {}).unwrap();
             images.push(out.image.data);
         }
         assert!(

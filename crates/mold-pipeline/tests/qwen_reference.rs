@@ -6,10 +6,10 @@
 //! comparison is `benches/parity/qwen_pipeline_diffusers.py`.
 
 use candle_core::{DType, Device, Tensor};
+use mold_pipeline::qwen::testdata::write_tiny_pipeline;
+use mold_pipeline::qwen::text::QwenText;
+use mold_pipeline::qwen::vae::{QwenVae, QwenVaeConfig, QwenVaeFiles};
 use mold_pipeline::qwen::QwenLayout;
-use mold_pipeline::qwen_testdata::write_tiny_pipeline;
-use mold_pipeline::qwen_text::QwenText;
-use mold_pipeline::qwen_vae::{QwenVae, QwenVaeConfig, QwenVaeFiles};
 use mold_plan::DType as ModelDType;
 use std::path::PathBuf;
 

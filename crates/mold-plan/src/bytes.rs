@@ -70,7 +70,8 @@ impl fmt::Display for ByteSizeError {
         write!(
             f,
             "`{}` is not a size: write a number of bytes or a number with a unit, e.g. 24GiB, 23.8GB, 512MiB",
-            self.0
+            // Escaped: the message stays one line whatever the input holds.
+            self.0.escape_debug()
         )
     }
 }
@@ -171,6 +172,9 @@ mod tests {
         assert!("ten GB".parse::<ByteSize>().is_err());
         assert!("10 GX".parse::<ByteSize>().is_err());
         assert!("".parse::<ByteSize>().is_err());
+        // Control characters are escaped: one line whatever the input.
+        let e = "1\nXB".parse::<ByteSize>().unwrap_err().to_string();
+        assert!(e.starts_with("`1\\nXB` is not a size"), "{e}");
     }
 
     #[test]

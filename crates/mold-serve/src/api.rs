@@ -113,22 +113,38 @@ impl Common<'_> {
         Ok(s)
     }
 
-    /// The model's range and multiple (named per field, as `mold plan --size` does).
+    /// The model's range and multiple (named per field, as `mold plan --size` does),
+    /// then the size the plan was made for: its memory was priced for that size, and a
+    /// larger image could run a device out of memory and fail the others' requests.
     fn size(&self, width: u32, height: u32, field: &str) -> Result<(), Refusal> {
         let mut w = self.plan.workload.clone();
         w.width = width;
         w.height = height;
+        let named = |which: &str, rest: String| {
+            if field == "size" {
+                bad(format!("size: {which} {rest}"))
+            } else {
+                bad(format!("{which}: {rest}"))
+            }
+        };
         self.model.check_workload(&w).map_err(|e| match e {
             mold_models::ModelError::Workload { field: f, message } => {
-                let which = f.trim_start_matches("workload.");
-                if field == "size" {
-                    bad(format!("size: {which} {message}"))
-                } else {
-                    bad(format!("{which}: {message}"))
-                }
+                named(f.trim_start_matches("workload."), message)
             }
             other => bad(format!("{field}: {other}")),
-        })
+        })?;
+        let (pw, ph) = (self.plan.workload.width, self.plan.workload.height);
+        for (which, v, limit) in [("width", width, pw), ("height", height, ph)] {
+            if v > limit {
+                return Err(named(
+                    which,
+                    format!(
+                        "{v} is more than the {limit} this server's plan was sized for ({pw}x{ph}); ask for at most {pw}x{ph}, or serve a plan made with `mold plan --size {width}x{height}`"
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -146,6 +162,12 @@ pub fn check_images(
         return Err(bad(format!(
             "n: {n}; ask for 1 to {} images per request",
             opts.max_images
+        )));
+    }
+    let queue = opts.queue.max(1);
+    if n as usize > queue {
+        return Err(bad(format!(
+            "n: {n} images, more than this server's queue holds ({queue}); ask for at most {queue} per request"
         )));
     }
     if let Some(f) = &r.response_format {

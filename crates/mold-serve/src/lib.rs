@@ -3,13 +3,16 @@
 //!
 //! - [`http`]: the routes (OpenAI-compatible `/v1/images/generations`, native
 //!   `/v1/generate` and its server-sent-events twin, `/health`, `/status`, `/metrics`),
-//!   the bearer token and limits; [`api`]: the request bodies and their checks.
+//!   the `Host`, `Origin`, bearer-token and content-type checks, body limits, the request
+//!   deadline; [`api`]: the request bodies and their checks (the plan's size a bound).
 //! - [`engine`]: the scheduler: a bounded queue (429 beyond), one worker per replica with
-//!   its transformer loaded, cancellation, draining.
+//!   its transformer loaded, cancellation, draining, a panic failing one request.
 //! - [`pool`]: the per-device lock pool that runs text encoders and the VAE on idle
 //!   devices with room, never on a device whose transformer is mid-request.
-//! - [`server`]: binding, serving, graceful shutdown; [`options`]: what the command line
-//!   resolves ([`ServeOptions`], [`Deployment`]); [`metrics`]: Prometheus text.
+//! - [`server`]: binding, each connection through hyper with its limits (connection cap,
+//!   header and write timeouts), graceful shutdown; [`options`]: what the command line
+//!   resolves ([`ServeOptions`], [`Deployment`]) and test hooks ([`Hooks`]); [`metrics`]:
+//!   Prometheus text.
 
 pub mod api;
 pub mod engine;
@@ -19,5 +22,5 @@ pub mod options;
 pub mod pool;
 pub mod server;
 
-pub use options::{Deployment, ServeOptions, DEFAULT_LISTEN};
-pub use server::{run, spawn, Handle, ServeError, Summary};
+pub use options::{Deployment, Gate, Hooks, OptionsError, ServeOptions, Stage, DEFAULT_LISTEN};
+pub use server::{run, spawn, spawn_logged, Handle, ServeError, Summary};

@@ -17,8 +17,10 @@ pub enum Outcome {
     Overloaded,
     /// Its client went away before it finished.
     Cancelled,
-    /// The pipeline failed: 500.
+    /// The pipeline failed: 500 (or 503 when no replica was left to run it).
     Failed,
+    /// Refused while draining or with no replica left: 503.
+    Unavailable,
 }
 
 impl Outcome {
@@ -29,6 +31,7 @@ impl Outcome {
             Outcome::Overloaded => "overloaded",
             Outcome::Cancelled => "cancelled",
             Outcome::Failed => "failed",
+            Outcome::Unavailable => "unavailable",
         }
     }
 }
@@ -44,6 +47,8 @@ struct Counters {
     /// Per bucket (and +Inf last), requests that finished with an image within it.
     latency: Vec<u64>,
     latency_sum: f64,
+    /// Requests whose deadline passed (`--request-timeout`).
+    timeouts: u64,
     busy: BTreeMap<String, f64>,
 }
 
@@ -68,6 +73,10 @@ pub struct Gauges {
     pub queued: usize,
     pub running: usize,
     pub queue_capacity: usize,
+    /// Replicas serving now (not restarting or failed).
+    pub replicas_serving: usize,
+    /// Open HTTP connections.
+    pub connections: usize,
     /// Every device, so idle ones show 0 busy seconds.
     pub devices: Vec<String>,
 }
@@ -90,6 +99,15 @@ impl Metrics {
             .unwrap_or(LATENCY_BUCKETS.len());
         c.latency[i] += 1;
         c.latency_sum += seconds;
+    }
+
+    /// A request whose deadline passed.
+    pub fn timeout(&self) {
+        self.lock().timeouts += 1;
+    }
+
+    pub fn timeouts(&self) -> u64 {
+        self.lock().timeouts
     }
 
     pub fn busy(&self, device: &str, seconds: f64) {
@@ -130,10 +148,26 @@ impl Metrics {
             Outcome::Overloaded,
             Outcome::Cancelled,
             Outcome::Failed,
+            Outcome::Unavailable,
         ] {
             let n = c.requests.get(&o).copied().unwrap_or(0);
             let _ = writeln!(s, "mold_requests_total{{outcome=\"{}\"}} {n}", o.label());
         }
+        let _ = writeln!(
+            s,
+            "# HELP mold_request_timeouts_total Requests not done within the request deadline (504)."
+        );
+        let _ = writeln!(s, "# TYPE mold_request_timeouts_total counter");
+        let _ = writeln!(s, "mold_request_timeouts_total {}", c.timeouts);
+        let _ = writeln!(
+            s,
+            "# HELP mold_replicas_serving Replicas serving (not restarting after a panic, not failed)."
+        );
+        let _ = writeln!(s, "# TYPE mold_replicas_serving gauge");
+        let _ = writeln!(s, "mold_replicas_serving {}", g.replicas_serving);
+        let _ = writeln!(s, "# HELP mold_connections_open Open HTTP connections.");
+        let _ = writeln!(s, "# TYPE mold_connections_open gauge");
+        let _ = writeln!(s, "mold_connections_open {}", g.connections);
         let _ = writeln!(
             s,
             "# HELP mold_request_seconds Time from admission to the image, per image."
@@ -173,10 +207,13 @@ mod tests {
         m.latency(0.07);
         m.latency(400.0);
         m.busy("emu:0", 1.5);
+        m.timeout();
         let text = m.render(&Gauges {
             queued: 3,
             running: 1,
             queue_capacity: 8,
+            replicas_serving: 2,
+            connections: 5,
             devices: vec!["emu:0".into(), "emu:1".into()],
         });
         for line in [
@@ -184,6 +221,10 @@ mod tests {
             "mold_requests_total{outcome=\"ok\"} 2",
             "mold_requests_total{outcome=\"overloaded\"} 1",
             "mold_requests_total{outcome=\"cancelled\"} 0",
+            "mold_requests_total{outcome=\"unavailable\"} 0",
+            "mold_request_timeouts_total 1",
+            "mold_replicas_serving 2",
+            "mold_connections_open 5",
             "mold_request_seconds_bucket{le=\"0.05\"} 0",
             "mold_request_seconds_bucket{le=\"0.1\"} 1",
             "mold_request_seconds_bucket{le=\"300\"} 1",

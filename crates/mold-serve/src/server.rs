@@ -1,17 +1,30 @@
-//! Starting and stopping: bind first (a bad address fails before any weight loads), load
-//! the engine, serve until told to stop, then drain: stop accepting, let every admitted
-//! request finish and its client get its answer, stop the workers.
+//! Starting and stopping: check the options and bind first (a bad address fails before
+//! any weight loads), load the engine, serve until told to stop, then drain: stop
+//! accepting, let every admitted request finish and its client get its answer, stop the
+//! workers.
+//!
+//! Connections go through hyper directly (axum's router as the service), so each is
+//! bounded: `max_connections` at once (a permit per connection, held for its life; one
+//! more is answered 503 and closed), its request header within `header_timeout` (hyper's
+//! header read timer, which also bounds a kept-alive connection's idle time), and every
+//! write within `write_timeout` of the client last reading (tokio-io-timeout).
 
 use crate::engine::{Engine, StartError};
 use crate::http::{router, AppState};
-use crate::options::{Deployment, ServeOptions};
+use crate::options::{Deployment, OptionsError, ServeOptions};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use tokio::sync::Semaphore;
 
 /// Why the server did not start or stopped badly.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    #[error(transparent)]
+    Options(#[from] OptionsError),
     #[error("--listen {addr}: cannot bind: {source}; pick a free port or another address")]
     Bind {
         addr: SocketAddr,
@@ -46,25 +59,39 @@ struct Loaded {
     state: Arc<AppState>,
 }
 
-fn load(
-    deploy: &Deployment,
-    opts: &ServeOptions,
-    log: Arc<dyn Fn(String) + Send + Sync>,
-) -> Result<Loaded, ServeError> {
+type Log = Arc<dyn Fn(String) + Send + Sync>;
+
+fn load(deploy: &Deployment, opts: &ServeOptions, log: Log) -> Result<Loaded, ServeError> {
+    opts.check()?;
     let listener = std::net::TcpListener::bind(opts.listen).map_err(|source| ServeError::Bind {
         addr: opts.listen,
         source,
     })?;
     listener.set_nonblocking(true)?;
-    let engine = Engine::start(deploy, opts.queue, opts.encoder_pool, log)?;
+    let addr = listener.local_addr()?;
+    let engine = Engine::start(deploy, opts, log)?;
     Ok(Loaded {
         listener,
         state: Arc::new(AppState {
             engine,
             opts: opts.clone(),
             model: deploy.model.clone(),
+            addr,
+            connections: Arc::new(Semaphore::new(opts.max_connections)),
         }),
     })
+}
+
+/// What a connection beyond `max_connections` gets before it is closed.
+fn busy(max: usize) -> Vec<u8> {
+    let body = format!(
+        "{{\"error\":{{\"message\":\"too many connections: this server takes {max} at once (--max-connections); retry later\",\"type\":\"server_error\",\"code\":503}}}}\n"
+    );
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
 }
 
 async fn serve_until(
@@ -73,16 +100,51 @@ async fn serve_until(
 ) -> Result<Summary, ServeError> {
     let listener = tokio::net::TcpListener::from_std(l.listener)?;
     let engine = l.state.engine.clone();
+    let opts = l.state.opts.clone();
+    let permits = l.state.connections.clone();
     let app = router(l.state);
-    let closing = engine.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            // Nothing new is admitted from here; what was admitted runs to the end and
-            // its connection gets its answer before `serve` returns.
-            closing.close();
-        })
-        .await?;
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(opts.header_timeout)
+        .keep_alive(true);
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            _ = &mut shutdown => break,
+            r = listener.accept() => match r {
+                Ok((stream, _)) => stream,
+                // Out of file descriptors and the like: the connection is gone; wait a
+                // moment rather than spin.
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            // Into an empty send buffer: never blocks. Then closed.
+            let _ = stream.try_write(&busy(opts.max_connections));
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let mut io = tokio_io_timeout::TimeoutStream::new(stream);
+        io.set_write_timeout(Some(opts.write_timeout));
+        let conn = http.serve_connection(
+            TokioIo::new(Box::pin(io)),
+            TowerToHyperService::new(app.clone()),
+        );
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(permit);
+        });
+    }
+    // Nothing new is admitted from here; what was admitted runs to the end and its
+    // connection gets its answer before the connections close.
+    drop(listener);
+    engine.close();
+    graceful.shutdown().await;
     let e = engine.clone();
     tokio::task::spawn_blocking(move || e.join())
         .await
@@ -97,11 +159,7 @@ async fn serve_until(
 
 /// Serves in the foreground until SIGTERM or ctrl-c, then drains. `log` sees a line per
 /// component loaded and when it listens.
-pub fn run(
-    deploy: &Deployment,
-    opts: &ServeOptions,
-    log: Arc<dyn Fn(String) + Send + Sync>,
-) -> Result<Summary, ServeError> {
+pub fn run(deploy: &Deployment, opts: &ServeOptions, log: Log) -> Result<Summary, ServeError> {
     let loaded = load(deploy, opts, log.clone())?;
     let addr = loaded.listener.local_addr()?;
     log(format!(
@@ -190,7 +248,16 @@ impl Drop for Handle {
 
 /// Loads and starts a server on a background thread (`opts.listen` may have port 0).
 pub fn spawn(deploy: &Deployment, opts: &ServeOptions) -> Result<Handle, ServeError> {
-    let loaded = load(deploy, opts, Arc::new(|_| {}))?;
+    spawn_logged(deploy, opts, Arc::new(|_| {}))
+}
+
+/// [`spawn`], with `log` hearing what [`run`]'s does (loads, failures with their cause).
+pub fn spawn_logged(
+    deploy: &Deployment,
+    opts: &ServeOptions,
+    log: Log,
+) -> Result<Handle, ServeError> {
+    let loaded = load(deploy, opts, log)?;
     let addr = loaded.listener.local_addr()?;
     let engine = loaded.state.engine.clone();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

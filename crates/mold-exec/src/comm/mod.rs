@@ -32,7 +32,8 @@ pub use error::{root_cause, AbortSignal, CommError};
 pub use group::{cross_process_group, make_group};
 pub use handoff::{decode_header, encode_header, HandOff};
 pub use options::{
-    CommOptions, DEFAULT_DIST_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_NCCL_TIMEOUT_S,
+    timeout_secs, CommOptions, Secret, DEFAULT_DIST_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_NCCL_TIMEOUT_S, DEFAULT_PENDING_PER_ADDR, MAX_TIMEOUT_S,
 };
 pub use tcp::TcpComm;
 pub use thread::ThreadComm;

@@ -10,6 +10,40 @@ pub const DEFAULT_NCCL_TIMEOUT_S: f64 = 120.0;
 pub const DEFAULT_DIST_TIMEOUT_S: f64 = 120.0;
 /// Default for a connection to the rendezvous to say who it is.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default of [`CommOptions::pending_per_addr`].
+pub const DEFAULT_PENDING_PER_ADDR: usize = 16;
+/// The longest any of the `MOLD_*_TIMEOUT_S` variables may ask for: a week, in seconds.
+pub const MAX_TIMEOUT_S: f64 = 7.0 * 24.0 * 3600.0;
+
+/// The shared secret of a multi-process run (`MOLD_DIST_SECRET`). Its `Debug` prints
+/// `<redacted>`, so options can be logged; only [`Secret::expose`] gives the text.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The secret's bytes, for the handshake's proofs.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(s: &str) -> Secret {
+        Secret(s.to_string())
+    }
+}
+
+impl From<String> for Secret {
+    fn from(s: String) -> Secret {
+        Secret(s)
+    }
+}
 
 /// How collectives and the multi-process transport behave.
 #[derive(Clone, Debug, PartialEq)]
@@ -19,16 +53,20 @@ pub struct CommOptions {
     /// detected). `MOLD_NCCL_TIMEOUT_S` (0 = off), default [`DEFAULT_NCCL_TIMEOUT_S`].
     pub nccl_timeout: Option<Duration>,
     /// The longest a process waits for another (rendezvous, a hand-off, a host-staged
-    /// all-reduce). `MOLD_DIST_TIMEOUT_S`, default [`DEFAULT_DIST_TIMEOUT_S`].
+    /// all-reduce, a write to a process that stopped reading). `MOLD_DIST_TIMEOUT_S`,
+    /// default [`DEFAULT_DIST_TIMEOUT_S`].
     pub dist_timeout: Duration,
-    /// The longest a new connection to a process's rendezvous listener may take to send
-    /// its handshake before it is dropped (capped by `dist_timeout`).
+    /// The longest a new connection to a process's rendezvous listener may take, from
+    /// its accept to the end of its handshake, before it is dropped (capped by
+    /// `dist_timeout`): one deadline for the whole handshake, not for each read.
     pub handshake_timeout: Duration,
-    /// A secret every process of a multi-process run presents in its handshake; a
-    /// connection without it is dropped. `MOLD_DIST_SECRET`, default none. It keeps stray
-    /// and foreign connections out; it is sent as is, so it is no defence against someone
-    /// who can read the traffic (keep the run on a private network).
-    pub secret: Option<String>,
+    /// The most connections from one IP address whose handshake is read at once; more
+    /// are dropped unread (a process whose connection is dropped connects again).
+    pub pending_per_addr: usize,
+    /// The secret every process of a multi-process run proves it knows (an HMAC over
+    /// fresh nonces, both ways; the secret itself never travels). `MOLD_DIST_SECRET`,
+    /// default none, which only a loopback `MOLD_MASTER_ADDR` allows.
+    pub secret: Option<Secret>,
 }
 
 impl Default for CommOptions {
@@ -37,37 +75,57 @@ impl Default for CommOptions {
             nccl_timeout: Some(Duration::from_secs_f64(DEFAULT_NCCL_TIMEOUT_S)),
             dist_timeout: Duration::from_secs_f64(DEFAULT_DIST_TIMEOUT_S),
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            pending_per_addr: DEFAULT_PENDING_PER_ADDR,
             secret: None,
         }
     }
 }
 
+/// Seconds from the variable `var` (its text `v`): a finite number above 0 and at most
+/// [`MAX_TIMEOUT_S`], or 0 where `zero` says what 0 does (then `None`). Anything else —
+/// NaN, infinite, negative, too large, not a number — is refused in one line naming
+/// `var`. Every `*_TIMEOUT_S` variable goes through here (no `Duration::from_secs_f64`
+/// on unchecked input: it panics on values too large for a `Duration`).
+pub fn timeout_secs(var: &str, v: &str, zero: Option<&str>) -> Result<Option<Duration>> {
+    let refuse = || {
+        let lo = match zero {
+            Some(what) => format!("0 ({what}) or more"),
+            None => "more than 0".to_string(),
+        };
+        ExecError::Launch(format!(
+            "{var}={v:?}: give seconds, {lo}, at most {MAX_TIMEOUT_S:.0} (a week)"
+        ))
+    };
+    let s: f64 = v.trim().parse().map_err(|_| refuse())?;
+    if s == 0.0 && zero.is_some() {
+        return Ok(None);
+    }
+    if !(s.is_finite() && s > 0.0 && s <= MAX_TIMEOUT_S) {
+        return Err(refuse());
+    }
+    // In range, so `from_secs_f64` cannot panic; `try_` keeps that true if the bound moves.
+    Duration::try_from_secs_f64(s)
+        .map(Some)
+        .map_err(|_| refuse())
+}
+
 impl CommOptions {
     /// Reads `MOLD_NCCL_TIMEOUT_S`, `MOLD_DIST_TIMEOUT_S` and `MOLD_DIST_SECRET` through
     /// `get` (the CLI passes `|k| std::env::var(k).ok()`); unset ones keep their defaults.
-    /// A bad value is refused naming the variable.
+    /// A bad value is refused in one line naming the variable.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<CommOptions> {
         let mut o = CommOptions::default();
         if let Some(v) = get("MOLD_NCCL_TIMEOUT_S") {
-            o.nccl_timeout = match v.trim().parse::<f64>() {
-                Ok(0.0) => None,
-                Ok(s) if s.is_finite() && s > 0.0 => Some(Duration::from_secs_f64(s)),
-                _ => {
-                    return Err(ExecError::Launch(format!(
-                        "MOLD_NCCL_TIMEOUT_S={v:?}: give seconds (0 turns the NCCL watchdog off)"
-                    )))
-                }
-            };
+            o.nccl_timeout = timeout_secs(
+                "MOLD_NCCL_TIMEOUT_S",
+                &v,
+                Some("turns the NCCL watchdog off"),
+            )?;
         }
         if let Some(v) = get("MOLD_DIST_TIMEOUT_S") {
-            o.dist_timeout = match v.trim().parse::<f64>() {
-                Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),
-                _ => {
-                    return Err(ExecError::Launch(format!(
-                        "MOLD_DIST_TIMEOUT_S={v:?}: give seconds, more than 0"
-                    )))
-                }
-            };
+            if let Some(d) = timeout_secs("MOLD_DIST_TIMEOUT_S", &v, None)? {
+                o.dist_timeout = d;
+            }
         }
         if let Some(v) = get("MOLD_DIST_SECRET") {
             if v.is_empty() || v.len() > crate::dist::MAX_SECRET_BYTES {
@@ -76,7 +134,7 @@ impl CommOptions {
                     crate::dist::MAX_SECRET_BYTES
                 )));
             }
-            o.secret = Some(v);
+            o.secret = Some(Secret(v));
         }
         Ok(o)
     }
@@ -111,7 +169,7 @@ mod tests {
         .unwrap();
         assert_eq!(o.nccl_timeout, None);
         assert_eq!(o.dist_timeout, Duration::from_millis(2500));
-        assert_eq!(o.secret.as_deref(), Some("s3"));
+        assert_eq!(o.secret.as_ref().map(Secret::expose), Some("s3"));
         let o = from(&[("MOLD_NCCL_TIMEOUT_S", " 1.5 ")]).unwrap();
         assert_eq!(o.nccl_timeout, Some(Duration::from_millis(1500)));
         let msg = |p: &[(&str, &str)]| from(p).unwrap_err().to_string();
@@ -119,8 +177,47 @@ mod tests {
         assert!(msg(&[("MOLD_NCCL_TIMEOUT_S", "-1")]).contains("give seconds"));
         assert!(msg(&[("MOLD_DIST_TIMEOUT_S", "0")]).contains("MOLD_DIST_TIMEOUT_S=\"0\""));
         assert!(msg(&[("MOLD_DIST_TIMEOUT_S", "inf")]).contains("more than 0"));
+        // A week is the most either takes.
+        let o = from(&[
+            ("MOLD_DIST_TIMEOUT_S", "604800"),
+            ("MOLD_NCCL_TIMEOUT_S", "604800"),
+        ]);
+        assert_eq!(o.unwrap().dist_timeout, Duration::from_secs(604_800));
         assert!(msg(&[("MOLD_DIST_SECRET", "")]).contains("MOLD_DIST_SECRET"));
         let long = "x".repeat(crate::dist::MAX_SECRET_BYTES + 1);
         assert!(msg(&[("MOLD_DIST_SECRET", &long)]).contains("bytes"));
+    }
+
+    #[test]
+    fn timeouts_out_of_range_are_refused_in_one_line_naming_them() {
+        // 1e20 s is more than a `Duration` holds: `from_secs_f64` panicked on it.
+        for var in ["MOLD_NCCL_TIMEOUT_S", "MOLD_DIST_TIMEOUT_S"] {
+            for v in [
+                "1e20", "inf", "-inf", "nan", "NaN", "-1", "-0.5", "604801", "1e308", "x", "", " ",
+                "0x10",
+            ] {
+                let e = from(&[(var, v)]).unwrap_err().to_string();
+                assert!(e.contains(&format!("{var}={v:?}")), "{var}={v}: {e}");
+                assert!(e.contains("give seconds") && !e.contains('\n'), "{e}");
+            }
+        }
+        // 0 turns the watchdog off, but is no distributed timeout.
+        assert_eq!(
+            from(&[("MOLD_NCCL_TIMEOUT_S", "0")]).unwrap().nccl_timeout,
+            None
+        );
+        assert!(from(&[("MOLD_DIST_TIMEOUT_S", "0")]).is_err());
+        assert_eq!(
+            timeout_secs("X", "1e-3", None).unwrap(),
+            Some(Duration::from_millis(1))
+        );
+    }
+
+    #[test]
+    fn debug_redacts_the_secret() {
+        let o = from(&[("MOLD_DIST_SECRET", "hunter2-very-secret")]).unwrap();
+        let d = format!("{o:?} {:?} {o:#?}", o.secret);
+        assert!(!d.contains("hunter2"), "{d}");
+        assert!(d.contains("secret: Some(<redacted>)"), "{d}");
     }
 }

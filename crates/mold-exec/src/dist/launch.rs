@@ -22,10 +22,19 @@
 //! - Slurm: the first host of `SLURM_JOB_NODELIST` (bracket forms such as `node[01-04,07]`
 //!   expanded), at [`DEFAULT_PORT`] + `SLURM_JOB_ID` mod 1000, so two jobs sharing a node
 //!   do not collide.
+//!
+//! # The shared secret
+//!
+//! A master address other than a loopback one (`127.0.0.0/8`, `::1`, `localhost`) needs
+//! `MOLD_DIST_SECRET` ([`Launch::check_secret`]): every process of the run proves it
+//! knows it. mold never starts the processes itself, so it has no secret of its own to
+//! hand them: the launcher's environment sets it.
 
 mod nodelist;
 
+use crate::comm::CommOptions;
 use crate::error::{ExecError, Result};
+use std::net::IpAddr;
 
 pub use nodelist::expand as expand_nodelist;
 
@@ -281,21 +290,96 @@ impl Launch {
     pub fn world_var(&self) -> &'static str {
         self.launcher.vars().1
     }
+
+    /// Whether process 0 listens on a loopback address only ([`is_loopback_host`]): a run
+    /// on one host, which other hosts cannot reach.
+    pub fn master_is_loopback(&self) -> bool {
+        is_loopback_host(&self.master)
+    }
+
+    /// Refuses, in one line naming `MOLD_DIST_SECRET`, a run whose master address is not
+    /// a loopback one without a shared secret: processes on other hosts must prove they
+    /// belong to the run. [`crate::dist::Mesh::connect`] checks it first; the CLI may
+    /// check earlier.
+    pub fn check_secret(&self, opts: &CommOptions) -> Result<()> {
+        if opts.secret.is_some() || self.master_is_loopback() {
+            return Ok(());
+        }
+        Err(launch_err(format!(
+            "the master address {:?} is not a loopback address, and MOLD_DIST_SECRET is not \
+             set: set MOLD_DIST_SECRET to the same long random string in every process (e.g. \
+             `openssl rand -hex 32`), or give a loopback MOLD_MASTER_ADDR (127.0.0.1) for a \
+             run on one host",
+            self.master
+        )))
+    }
 }
 
-/// `MOLD_MASTER_ADDR`: `host[:port]`.
+/// Whether `addr` (`host:port`, `[v6]:port`, or a bare host) names a loopback address:
+/// an IP literal in `127.0.0.0/8` or `::1` (an IPv4-mapped one too), or `localhost`.
+/// Other names count as not loopback (nothing is resolved here).
+pub fn is_loopback_host(addr: &str) -> bool {
+    let host = if let Some(rest) = addr.strip_prefix('[') {
+        rest.split_once(']').map(|(h, _)| h).unwrap_or(rest)
+    } else if addr.matches(':').count() > 1 {
+        // A bare IPv6 address.
+        addr
+    } else {
+        addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr)
+    };
+    match host.parse::<IpAddr>() {
+        Ok(IpAddr::V4(ip)) => ip.is_loopback(),
+        Ok(IpAddr::V6(ip)) => {
+            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
+    }
+}
+
+/// A host name or address from `var` (its whole value `v`), as a connection may use it:
+/// not empty, without blanks or control characters; an IPv6 address in brackets.
+fn check_host(var: &str, v: &str, host: &str) -> Result<()> {
+    if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(launch_err(format!(
+            "{var}={v:?}: `{}` is not a host name or address",
+            host.escape_debug()
+        )));
+    }
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+    if host.contains([':', '[', ']'])
+        && bare.is_none_or(|h| h.parse::<std::net::Ipv6Addr>().is_err())
+    {
+        return Err(launch_err(format!(
+            "{var}={v:?}: `{}` is not a host name or address (an IPv6 address goes in \
+             brackets, [::1]:29517)",
+            host.escape_debug()
+        )));
+    }
+    Ok(())
+}
+
+/// `MOLD_MASTER_ADDR`: `host[:port]` (`[v6]:port`, or a bare IPv6 address).
 fn mold_master(master: &str) -> Result<String> {
-    Ok(match master.rsplit_once(':') {
-        Some((h, p)) if !h.is_empty() && !h.ends_with(':') => match p.parse::<u16>() {
-            Ok(_) => master.to_string(),
-            Err(_) => {
+    const VAR: &str = "MOLD_MASTER_ADDR";
+    if master.parse::<std::net::Ipv6Addr>().is_ok() {
+        return Ok(host_port(master, DEFAULT_PORT));
+    }
+    let (host, port) = match master.rsplit_once(':') {
+        // `[v6]` alone: its colons are not a port's.
+        Some(_) if master.starts_with('[') && master.ends_with(']') => (master, DEFAULT_PORT),
+        Some((h, p)) => match p.parse::<u16>() {
+            Ok(n) if n > 0 => (h, n),
+            _ => {
                 return Err(launch_err(format!(
-                    "MOLD_MASTER_ADDR={master:?}: the port `{p}` is not a number 1..65535"
+                    "{VAR}={master:?}: the port `{}` is not a number 1..65535",
+                    p.escape_debug()
                 )))
             }
         },
-        _ => format!("{master}:{DEFAULT_PORT}"),
-    })
+        None => (master, DEFAULT_PORT),
+    };
+    check_host(VAR, master, host)?;
+    Ok(format!("{host}:{port}"))
 }
 
 /// torchrun: `MASTER_ADDR`, at `MASTER_PORT` (+ 1 when torchrun's agent store holds it).
@@ -306,6 +390,13 @@ fn torchrun_master(var: &impl Fn(&'static str) -> Var) -> Result<String> {
              the address of the node of rank 0, or set MOLD_MASTER_ADDR=host:port"
                 .into(),
         ));
+    };
+    let host = match host.parse::<std::net::Ipv6Addr>() {
+        Ok(_) => host,
+        Err(_) => {
+            check_host("MASTER_ADDR", &host, &host)?;
+            host
+        }
     };
     let port = match var("MASTER_PORT") {
         None => DEFAULT_PORT,
@@ -346,6 +437,7 @@ fn slurm_master(var: &impl Fn(&'static str) -> Var) -> Result<String> {
         .map_err(|why| launch_err(format!("SLURM_JOB_NODELIST={list:?}: {why}")))?
         .pop()
         .ok_or_else(|| launch_err(format!("SLURM_JOB_NODELIST={list:?}: names no host")))?;
+    check_host("SLURM_JOB_NODELIST", &list, &host)?;
     let offset = match var("SLURM_JOB_ID") {
         None => 0,
         Some((_, id)) => match id.parse::<u64>() {

@@ -74,6 +74,28 @@ fn io_err(what: &str, e: std::io::Error) -> ExecError {
     ExecError::Dist(format!("{what}: {e}"))
 }
 
+/// How long a mesh connection may stay idle before TCP probes the other end.
+pub(crate) const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+/// Then between probes, and how many go unanswered before the connection is dropped
+/// (about a minute in all: the reader thread then reports the process gone).
+#[cfg(target_os = "linux")]
+const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+#[cfg(target_os = "linux")]
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// A mesh connection's options: a write that the other end does not take within
+/// `dist_timeout` fails (it stopped reading), and TCP keep-alive notices a host that
+/// vanished while this end only reads.
+fn tune(s: &TcpStream, opts: &CommOptions) -> std::io::Result<()> {
+    s.set_write_timeout(Some(opts.dist_timeout))?;
+    let keepalive = socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE);
+    #[cfg(target_os = "linux")]
+    let keepalive = keepalive
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    socket2::SockRef::from(s).set_tcp_keepalive(&keepalive)
+}
+
 impl Mesh {
     /// Rendezvous of all `launch.world` processes. `run` describes what this process is
     /// about to run (`key=value` pairs: plan fingerprint, seed, …); every process must
@@ -97,6 +119,7 @@ impl Mesh {
                 kept.push(None);
                 continue;
             };
+            tune(&s, opts).map_err(|e| io_err("setting up a connection", e))?;
             let reader = s.try_clone().map_err(|e| io_err("socket", e))?;
             let (inbox, closing, signal) = (inbox.clone(), closing.clone(), signal.clone());
             std::thread::Builder::new()
@@ -172,7 +195,18 @@ impl Mesh {
             if e.kind() == std::io::ErrorKind::InvalidData {
                 return CommError::Local(format!("{who}: {e}"));
             }
-            let why = format!("process {to} cannot be reached ({e}): it exited or crashed");
+            let why = if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
+                format!(
+                    "process {to} took no data for {:.0} s: it is stuck or gone \
+                     (MOLD_DIST_TIMEOUT_S)",
+                    self.opts.dist_timeout.as_secs_f64()
+                )
+            } else {
+                format!("process {to} cannot be reached ({e}): it exited or crashed")
+            };
             self.inbox.fail(why.clone());
             self.signal.raise(&why);
             CommError::PeerAborted {

@@ -25,13 +25,20 @@
 //! # Transport ([`Mesh`])
 //!
 //! Process 0 listens at `MOLD_MASTER_ADDR` (that address only); the others connect, open
-//! with a handshake (magic, protocol version, the optional shared secret
-//! `MOLD_DIST_SECRET`), say who they are and what they run (a fingerprint of the plan and
-//! the arguments: processes that disagree are refused, naming the difference), and get the
-//! address of every other process back, so each pair of processes shares one TCP
-//! connection. A connection that fails the handshake is logged and dropped; the
-//! rendezvous goes on. A reader thread per connection files incoming messages by sender
-//! and tag; frames and tensor messages are bounded and checked ([`wire`], [`codec`]).
+//! with a handshake (magic, protocol version, a nonce), say who they are and what they run
+//! (a fingerprint of the plan and the arguments: processes that disagree are refused,
+//! naming the difference), prove both ways that they know the shared secret
+//! `MOLD_DIST_SECRET` (an HMAC over both ends' nonces: the secret never travels; `auth.rs`)
+//! and get the address of every other process back, so each pair of processes shares one
+//! TCP connection. The secret may be left unset only when the master address is a
+//! loopback one ([`Launch::check_secret`]). A connection that fails the handshake, or has
+//! not finished it within one deadline from its accept, is logged and dropped; at most a
+//! few connections from one address are read at once; the rendezvous goes on, and a
+//! process whose connection was dropped connects again. A reader thread per connection
+//! files incoming messages by sender and tag; frames and tensor messages are bounded and
+//! checked ([`wire`], [`codec`]). Mesh sockets have TCP keep-alive and a write timeout
+//! (`MOLD_DIST_TIMEOUT_S`): a process that stopped reading, or a host that vanished, ends
+//! the run rather than hanging it.
 //!
 //! - Activations handed from a part in one process to a part in another go through a
 //!   [`crate::comm::HandOff`]: NCCL send/recv between the two GPUs (with the `nccl`
@@ -46,6 +53,7 @@
 //!   its communicators and exits non-zero naming the process at fault. Waits are bounded
 //!   by `MOLD_DIST_TIMEOUT_S` (default 120 s).
 
+mod auth;
 pub mod codec;
 mod launch;
 mod local;
@@ -58,7 +66,7 @@ pub mod wire;
 mod tests;
 
 pub use codec::{decode_shaped, encode_shaped};
-pub use launch::{expand_nodelist, Launch, Launcher, DEFAULT_PORT, LAUNCH_VARS};
+pub use launch::{expand_nodelist, is_loopback_host, Launch, Launcher, DEFAULT_PORT, LAUNCH_VARS};
 pub use local::{LocalDevices, Ordinals, Visible};
 pub use mesh::Mesh;
 pub use ownership::Ownership;

@@ -2,19 +2,24 @@
 //!
 //! - A **handshake** ([`Hello`]) is the first thing sent on a new connection: the magic
 //!   [`MAGIC`], the [`PROTOCOL_VERSION`], then a body of at most [`MAX_HANDSHAKE_BYTES`]
-//!   saying who connects (role, rank, world size, listening port), the shared secret if
-//!   any, and what it runs (the plan fingerprint and arguments).
+//!   saying who connects (role, rank, world size, listening port), a fresh nonce, and
+//!   what it runs (the plan fingerprint and arguments). Then the challenge–response
+//!   ([`super::auth`]), as frames: the accepting end's `challenge` (its nonce and proof),
+//!   the connecting end's `proof`, and the accepting end's `welcome` once it took the
+//!   connection. The secret itself is never sent.
 //! - After it, **frames**: a kind byte, a tag of at most [`MAX_TAG_BYTES`], a payload of at
 //!   most [`MAX_FRAME_BYTES`]. Payloads are read as they arrive, so a length taken from
 //!   the wire is never allocated up front.
 
+use super::auth::{Nonce, NONCE_BYTES};
 use std::io::{Read, Write};
 
 /// The first bytes of every mold connection.
 pub const MAGIC: [u8; 8] = *b"MOLDDIST";
 /// Bumped whenever the handshake or frames change; processes of another version are
-/// refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// refused in one line naming both versions. 2: the secret is proven (HMAC over nonces)
+/// rather than sent.
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest handshake body.
 pub const MAX_HANDSHAKE_BYTES: usize = 64 << 10;
 /// Largest tag of a frame.
@@ -28,6 +33,11 @@ pub const MAX_SECRET_BYTES: usize = 1 << 10;
 pub(crate) const KIND_DATA: u8 = 0;
 pub(crate) const KIND_ABORT: u8 = 1;
 pub(crate) const KIND_BYE: u8 = 2;
+
+/// Tags of the handshake's frames.
+pub(crate) const TAG_CHALLENGE: &str = "challenge";
+pub(crate) const TAG_PROOF: &str = "proof";
+pub(crate) const TAG_WELCOME: &str = "welcome";
 
 fn invalid(m: String) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, m)
@@ -109,7 +119,8 @@ pub(crate) struct Hello {
     pub world: u32,
     /// Where the sender listens for higher-ranked processes (joins only).
     pub port: u16,
-    pub secret: Vec<u8>,
+    /// The sender's fresh nonce, for the challenge–response.
+    pub nonce: Nonce,
     /// `key=value;…`: what the sender runs.
     pub run: String,
 }
@@ -124,7 +135,8 @@ pub(crate) enum Reject {
     Refused(String),
 }
 
-pub(crate) fn write_hello(w: &mut impl Write, h: &Hello) -> std::io::Result<()> {
+/// Sends the handshake; returns its body (what the proofs cover).
+pub(crate) fn write_hello(w: &mut impl Write, h: &Hello) -> std::io::Result<Vec<u8>> {
     let mut body = Vec::new();
     body.push(match h.role {
         Role::Join => 0u8,
@@ -133,8 +145,7 @@ pub(crate) fn write_hello(w: &mut impl Write, h: &Hello) -> std::io::Result<()> 
     body.extend_from_slice(&h.rank.to_le_bytes());
     body.extend_from_slice(&h.world.to_le_bytes());
     body.extend_from_slice(&h.port.to_le_bytes());
-    body.extend_from_slice(&(h.secret.len() as u32).to_le_bytes());
-    body.extend_from_slice(&h.secret);
+    body.extend_from_slice(&h.nonce);
     body.extend_from_slice(&(h.run.len() as u32).to_le_bytes());
     body.extend_from_slice(h.run.as_bytes());
     if body.len() > MAX_HANDSHAKE_BYTES {
@@ -148,12 +159,13 @@ pub(crate) fn write_hello(w: &mut impl Write, h: &Hello) -> std::io::Result<()> 
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
     out.extend_from_slice(&body);
     w.write_all(&out)?;
-    w.flush()
+    w.flush()?;
+    Ok(body)
 }
 
-/// Reads and checks a handshake: magic, version, bounded body, then `secret` (compared in
-/// constant time).
-pub(crate) fn read_hello(r: &mut impl Read, secret: Option<&str>) -> Result<Hello, Reject> {
+/// Reads and checks a handshake: magic, version, bounded body. Returns it with its body's
+/// bytes (what the proofs cover); the secret is checked after, by the challenge–response.
+pub(crate) fn read_hello(r: &mut impl Read) -> Result<(Hello, Vec<u8>), Reject> {
     let stray = |what: &str, e: std::io::Error| Reject::Stray(format!("{what}: {e}"));
     let mut magic = [0u8; 8];
     r.read_exact(&mut magic)
@@ -183,22 +195,7 @@ pub(crate) fn read_hello(r: &mut impl Read, secret: Option<&str>) -> Result<Hell
     }
     let body = read_n(r, len as u64).map_err(|e| stray("broken handshake", e))?;
     let h = parse_body(&body).ok_or_else(|| Reject::Stray("malformed handshake".into()))?;
-    let want = secret.unwrap_or("").as_bytes();
-    if !same_secret(&h.secret, want) {
-        return Err(Reject::Refused(
-            "wrong or missing MOLD_DIST_SECRET: set the same secret in every process".into(),
-        ));
-    }
-    Ok(h)
-}
-
-/// Constant-time comparison (the time does not tell how much of a guess was right).
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() != b.len()) as u8;
-    for i in 0..a.len().max(b.len()) {
-        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
-    }
-    diff == 0
+    Ok((h, body))
 }
 
 struct Body<'a>(&'a [u8]);
@@ -227,11 +224,7 @@ fn parse_body(b: &[u8]) -> Option<Hello> {
     let rank = c.u32()?;
     let world = c.u32()?;
     let port = u16::from_le_bytes(c.take(2)?.try_into().ok()?);
-    let n = c.u32()? as usize;
-    if n > MAX_SECRET_BYTES {
-        return None;
-    }
-    let secret = c.take(n)?.to_vec();
+    let nonce: Nonce = c.take(NONCE_BYTES)?.try_into().ok()?;
     let m = c.u32()? as usize;
     let run = String::from_utf8(c.take(m)?.to_vec()).ok()?;
     if !c.0.is_empty() {
@@ -242,7 +235,7 @@ fn parse_body(b: &[u8]) -> Option<Hello> {
         rank,
         world,
         port,
-        secret,
+        nonce,
         run,
     })
 }
@@ -258,21 +251,20 @@ mod tests {
             rank: 1,
             world: 2,
             port: 4000,
-            secret: b"s".to_vec(),
+            nonce: [7; NONCE_BYTES],
             run: "plan=abc".into(),
         }
     }
 
     #[test]
-    fn handshake_round_trips_and_checks_the_secret() {
+    fn handshake_round_trips_without_the_secret() {
         let mut b = Vec::new();
-        write_hello(&mut b, &hello()).unwrap();
-        assert_eq!(read_hello(&mut b.as_slice(), Some("s")).unwrap(), hello());
-        let e = read_hello(&mut b.as_slice(), Some("t")).unwrap_err();
-        assert!(matches!(e, Reject::Refused(m) if m.contains("MOLD_DIST_SECRET")));
-        let e = read_hello(&mut b.as_slice(), None).unwrap_err();
-        assert!(matches!(e, Reject::Refused(_)));
-        assert!(!same_secret(b"ab", b"abc") && same_secret(b"", b""));
+        let body = write_hello(&mut b, &hello()).unwrap();
+        assert_eq!(
+            read_hello(&mut b.as_slice()).unwrap(),
+            (hello(), body.clone())
+        );
+        assert_eq!(&b[16..], &body[..]);
     }
 
     #[test]
@@ -282,21 +274,21 @@ mod tests {
         let mut v2 = b.clone();
         v2[8] = 9;
         assert!(
-            matches!(read_hello(&mut v2.as_slice(), Some("s")), Err(Reject::Refused(m)) if m.contains("version 9"))
+            matches!(read_hello(&mut v2.as_slice()), Err(Reject::Refused(m)) if m.contains("version 9") && !m.contains('\n'))
         );
         let mut huge = b[..12].to_vec();
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(
-            matches!(read_hello(&mut huge.as_slice(), Some("s")), Err(Reject::Stray(m)) if m.contains("4294967295 bytes"))
+            matches!(read_hello(&mut huge.as_slice()), Err(Reject::Stray(m)) if m.contains("4294967295 bytes"))
         );
         let mut short = b.clone();
         short.pop();
         assert!(matches!(
-            read_hello(&mut short.as_slice(), Some("s")),
+            read_hello(&mut short.as_slice()),
             Err(Reject::Stray(_))
         ));
         assert!(
-            matches!(read_hello(&mut &b"GET / HTTP/1.1\r\n"[..], None), Err(Reject::Stray(m)) if m.contains("magic"))
+            matches!(read_hello(&mut &b"GET / HTTP/1.1\r\n"[..]), Err(Reject::Stray(m)) if m.contains("magic"))
         );
     }
 
@@ -325,14 +317,14 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
         #[test]
-        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
             let _ = read_frame(&mut bytes.as_slice());
-            let _ = read_hello(&mut bytes.as_slice(), Some("s"));
+            let _ = read_hello(&mut bytes.as_slice());
             let mut h = MAGIC.to_vec();
             h.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
             h.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
             h.extend_from_slice(&bytes);
-            let _ = read_hello(&mut h.as_slice(), None);
+            let _ = read_hello(&mut h.as_slice());
         }
     }
 }

@@ -1,21 +1,25 @@
 //! The model side: the [`Transformer`] interface and the families behind it ([`flux`]),
 //! built from replicated, column-parallel and row-parallel layers ([`layers`]), mold's
-//! attention and element-wise kernels ([`attention`], [`ops`]). Nothing here knows about
+//! attention and element-wise kernels ([`attention`], [`ops`]); channels-last convolution
+//! and group norm for the autoencoder's decoder ([`conv`], [`group_norm`], [`softmax`]). Nothing here knows about
 //! plans, devices, residency or threads: a block is loaded for one [`Shard`] (rank `r` of
 //! a group of `world`) from a [`WeightSource`], and its forward pass talks to its group
 //! only through [`crate::comm::Comm`].
 
 pub mod attention;
 mod cache;
+pub mod conv;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
 pub mod flux;
 pub mod gemm;
+pub mod group_norm;
 pub mod layers;
 mod modulation;
 pub mod ops;
 pub mod qwen;
 pub mod sequence;
+pub mod softmax;
 pub mod transformer;
 
 pub use transformer::{Activations, BlockRef, Inputs, Packable, TensorSpec, Transformer, Weights};

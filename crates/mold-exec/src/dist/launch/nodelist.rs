@@ -45,15 +45,16 @@ fn range(r: &str) -> Result<(u64, u64, usize), String> {
     let num = |s: &str| -> Result<u64, String> {
         if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
             return Err(format!(
-                "`{r}` in brackets: expected a number or a range such as 01-04"
+                "`{}` in brackets: expected a number or a range such as 01-04",
+                r.escape_debug()
             ));
         }
         s.parse::<u64>()
-            .map_err(|_| format!("`{s}` in brackets is too large"))
+            .map_err(|_| format!("`{}` in brackets is too large", s.escape_debug()))
     };
     let (l, h) = (num(lo)?, num(hi)?);
     if l > h {
-        return Err(format!("the range `{r}` runs backwards"));
+        return Err(format!("the range `{}` runs backwards", r.escape_debug()));
     }
     Ok((l, h, lo.len()))
 }

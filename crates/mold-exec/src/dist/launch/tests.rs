@@ -312,3 +312,50 @@ fn every_variable_read_is_listed() {
         );
     }
 }
+
+#[test]
+fn master_addresses_are_host_and_port_or_refused() {
+    let master = |m: &str| -> Result<Option<Launch>> {
+        launch(&[
+            ("MOLD_RANK", "0"),
+            ("MOLD_WORLD_SIZE", "2"),
+            ("MOLD_MASTER_ADDR", m),
+        ])
+    };
+    for (given, want) in [
+        ("h", format!("h:{DEFAULT_PORT}")),
+        ("h:5", "h:5".to_string()),
+        // A bare IPv6 address is a host (its last group is no port), put in brackets.
+        ("::1", format!("[::1]:{DEFAULT_PORT}")),
+        ("fe80::1", format!("[fe80::1]:{DEFAULT_PORT}")),
+        ("[::1]", format!("[::1]:{DEFAULT_PORT}")),
+        ("[::1]:7", "[::1]:7".to_string()),
+    ] {
+        assert_eq!(master(given).unwrap().unwrap().master, want, "{given}");
+    }
+    for (given, why) in [
+        ("h:0", "the port `0` is not a number 1..65535"),
+        ("h:", "the port `` is not a number"),
+        (":5", "`` is not a host name"),
+        ("a b:5", "`a b` is not a host name"),
+        ("a\nb", "`a\\nb` is not a host name"),
+        ("fe80::1::5", "an IPv6 address goes in brackets"),
+        ("[nope]:5", "an IPv6 address goes in brackets"),
+    ] {
+        let e = master(given).unwrap_err().to_string();
+        assert!(
+            e.contains(why) && e.contains("MOLD_MASTER_ADDR="),
+            "{given}: {e}"
+        );
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+    // torchrun's and Slurm's hosts are checked alike.
+    let e = err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "no de")]);
+    assert!(e.contains("MASTER_ADDR=\"no de\""), "{e}");
+    let e = err(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_JOB_NODELIST", "a\tb,c"),
+    ]);
+    assert!(e.contains("SLURM_JOB_NODELIST=\"a\\tb,c\""), "{e}");
+}

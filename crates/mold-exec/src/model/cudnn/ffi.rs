@@ -1,4 +1,5 @@
-//! The slice of cuDNN's backend (graph) API that attention needs, loaded at run time.
+//! The slice of cuDNN's backend (graph) API that attention and convolution need, loaded at
+//! run time.
 //!
 //! libcudnn is opened with `dlopen` on first use (`libcudnn.so.9`, as PyTorch's wheels and
 //! NVIDIA's packages install it), never linked: a machine without cuDNN runs mold's own
@@ -17,9 +18,11 @@ pub const STATUS_SUCCESS: Status = 0;
 
 // cudnnBackendDescriptorType_t
 pub const POINTWISE_DESCRIPTOR: i32 = 0;
+pub const CONVOLUTION_DESCRIPTOR: i32 = 1;
 pub const ENGINECFG_DESCRIPTOR: i32 = 3;
 pub const ENGINEHEUR_DESCRIPTOR: i32 = 4;
 pub const EXECUTION_PLAN_DESCRIPTOR: i32 = 5;
+pub const OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR: i32 = 10;
 pub const OPERATION_POINTWISE_DESCRIPTOR: i32 = 13;
 pub const OPERATIONGRAPH_DESCRIPTOR: i32 = 15;
 pub const VARIANT_PACK_DESCRIPTOR: i32 = 16;
@@ -35,7 +38,9 @@ pub const TYPE_HANDLE: i32 = 0;
 pub const TYPE_DATA_TYPE: i32 = 1;
 pub const TYPE_BOOLEAN: i32 = 2;
 pub const TYPE_INT64: i32 = 3;
+pub const TYPE_FLOAT: i32 = 4;
 pub const TYPE_VOID_PTR: i32 = 6;
+pub const TYPE_CONVOLUTION_MODE: i32 = 7;
 pub const TYPE_HEUR_MODE: i32 = 8;
 pub const TYPE_POINTWISE_MODE: i32 = 14;
 pub const TYPE_BACKEND_DESCRIPTOR: i32 = 15;
@@ -44,12 +49,25 @@ pub const TYPE_REDUCTION_OPERATOR_TYPE: i32 = 18;
 // cudnnBackendAttributeName_t
 pub const ATTR_POINTWISE_MODE: i32 = 0;
 pub const ATTR_POINTWISE_MATH_PREC: i32 = 1;
+pub const ATTR_CONVOLUTION_COMP_TYPE: i32 = 100;
+pub const ATTR_CONVOLUTION_CONV_MODE: i32 = 101;
+pub const ATTR_CONVOLUTION_DILATIONS: i32 = 102;
+pub const ATTR_CONVOLUTION_FILTER_STRIDES: i32 = 103;
+pub const ATTR_CONVOLUTION_POST_PADDINGS: i32 = 104;
+pub const ATTR_CONVOLUTION_PRE_PADDINGS: i32 = 105;
+pub const ATTR_CONVOLUTION_SPATIAL_DIMS: i32 = 106;
 pub const ATTR_ENGINEHEUR_MODE: i32 = 200;
 pub const ATTR_ENGINEHEUR_OPERATION_GRAPH: i32 = 201;
 pub const ATTR_ENGINEHEUR_RESULTS: i32 = 202;
 pub const ATTR_EXECUTION_PLAN_HANDLE: i32 = 400;
 pub const ATTR_EXECUTION_PLAN_ENGINE_CONFIG: i32 = 401;
 pub const ATTR_EXECUTION_PLAN_WORKSPACE_SIZE: i32 = 402;
+pub const ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA: i32 = 700;
+pub const ATTR_OPERATION_CONVOLUTION_FORWARD_BETA: i32 = 701;
+pub const ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC: i32 = 702;
+pub const ATTR_OPERATION_CONVOLUTION_FORWARD_W: i32 = 703;
+pub const ATTR_OPERATION_CONVOLUTION_FORWARD_X: i32 = 704;
+pub const ATTR_OPERATION_CONVOLUTION_FORWARD_Y: i32 = 705;
 pub const ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR: i32 = 750;
 pub const ATTR_OPERATION_POINTWISE_XDESC: i32 = 751;
 pub const ATTR_OPERATION_POINTWISE_BDESC: i32 = 752;
@@ -98,6 +116,9 @@ pub const POINTWISE_DIV: i32 = 6;
 pub const POINTWISE_SUB: i32 = 9;
 pub const POINTWISE_EXP: i32 = 13;
 pub const POINTWISE_LOG: i32 = 15;
+
+// cudnnConvolutionMode_t
+pub const CROSS_CORRELATION: i32 = 1;
 
 // cudnnReduceTensorOp_t
 pub const REDUCE_ADD: i32 = 0;
@@ -166,7 +187,7 @@ fn bind(lib: Library) -> Result<Api, String> {
         let version = version();
         if version < 90000 {
             return Err(format!(
-                "libcudnn is version {version}; mold's attention needs cuDNN 9"
+                "libcudnn is version {version}; mold's attention and convolutions need cuDNN 9"
             ));
         }
         let last_error = lib

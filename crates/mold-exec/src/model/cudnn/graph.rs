@@ -1,8 +1,9 @@
-//! cuDNN backend descriptors for scaled-dot-product attention: the graph (one fused SDPA
-//! operation where the library has it, cuDNN ≥ 9.13.1; otherwise the composite of two
-//! matmuls, a scale and a softmax that cuDNN's fused flash-attention engines recognise,
-//! as cudnn-frontend builds them), the engine the heuristics pick, and the finalised
-//! execution plan.
+//! cuDNN backend descriptors: a small graph builder (tensors, pointwise, reduction and
+//! matmul operations), engine selection (the heuristics' configurations that finalise) and
+//! execution, shared by attention and convolution ([`super::conv`]); and the graphs of
+//! scaled-dot-product attention (one fused SDPA operation where the library has it, cuDNN ≥
+//! 9.13.1; otherwise the composite of two matmuls, a scale and a softmax that cuDNN's fused
+//! flash-attention engines recognise, as cudnn-frontend builds them).
 
 use super::ffi::{self, Api, Desc, Handle};
 use std::ffi::c_void;
@@ -45,7 +46,7 @@ impl D {
         Ok(D { api, raw })
     }
 
-    fn set_raw(&self, name: i32, ty: i32, n: usize, p: *const c_void) -> R<&Self> {
+    pub(super) fn set_raw(&self, name: i32, ty: i32, n: usize, p: *const c_void) -> R<&Self> {
         // SAFETY: `p` points to `n` elements of the type `ty` names.
         check(self.api, &format!("set attribute {name}"), unsafe {
             (self.api.set_attribute)(self.raw, name, ty, n as i64, p)
@@ -90,7 +91,7 @@ impl D {
 }
 
 /// A tensor of the graph: `uid`, dims, strides (elements), data type.
-fn tensor(
+pub(super) fn tensor(
     api: &'static Api,
     uid: i64,
     dims: [i64; 4],
@@ -156,26 +157,43 @@ pub struct Plan {
     pub form: Form,
 }
 
-struct Builder {
-    api: &'static Api,
-    keep: Vec<D>,
+/// Descriptors of a graph under construction, kept alive until the plan is built; ops and
+/// tensors are referred to by their index in `keep`.
+pub(super) struct Builder {
+    pub(super) api: &'static Api,
+    pub(super) keep: Vec<D>,
     next_uid: i64,
 }
 
 impl Builder {
-    fn virt(&mut self, dims: [i64; 4], strides: [i64; 4], dtype: i32) -> R<usize> {
+    /// Virtual tensors get unique ids from 101 on (real ones use small ids).
+    pub(super) fn new(api: &'static Api) -> Builder {
+        Builder {
+            api,
+            keep: Vec::new(),
+            next_uid: 100,
+        }
+    }
+
+    pub(super) fn virt(&mut self, dims: [i64; 4], strides: [i64; 4], dtype: i32) -> R<usize> {
         self.next_uid += 1;
         let t = tensor(self.api, self.next_uid, dims, strides, dtype, true, false)?;
         self.keep.push(t);
         Ok(self.keep.len() - 1)
     }
 
-    fn push(&mut self, d: D) -> usize {
+    pub(super) fn push(&mut self, d: D) -> usize {
         self.keep.push(d);
         self.keep.len() - 1
     }
 
-    fn pointwise(&mut self, mode: i32, x: usize, b: Option<usize>, y: usize) -> R<usize> {
+    pub(super) fn pointwise(
+        &mut self,
+        mode: i32,
+        x: usize,
+        b: Option<usize>,
+        y: usize,
+    ) -> R<usize> {
         let pw = D::new(self.api, ffi::POINTWISE_DESCRIPTOR)?;
         pw.enum32(ffi::ATTR_POINTWISE_MODE, ffi::TYPE_POINTWISE_MODE, mode)?
             .enum32(
@@ -240,11 +258,7 @@ impl Builder {
 /// Builds the graph of `form` for `key` and finalises the first engine configuration the
 /// heuristics (mode A, then the fallback list) offer that the library accepts.
 pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan> {
-    let mut g = Builder {
-        api,
-        keep: Vec::new(),
-        next_uid: 100,
-    };
+    let mut g = Builder::new(api);
     let (b, h, lq, lk, d) = (key.b, key.h, key.lq, key.lk, key.d);
     let dt = key.dtype;
     let q = g.push(tensor(
@@ -343,14 +357,44 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan
             ops.push(g.matmul(p, v, o)?);
         }
     }
+    let mut f = finalise(api, handle, g, &ops, 1)
+        .map_err(|e| format!("no cuDNN engine runs this attention ({form:?} graph): {e}"))?;
+    let (plan, workspace) = f.plans.remove(0);
+    Ok(Plan {
+        _parts: f.parts,
+        plan,
+        workspace,
+        form,
+    })
+}
+
+/// A graph's finalised execution plans (each with its workspace bytes), the heuristics'
+/// order, and the descriptors they were built from.
+pub(super) struct Finalised {
+    pub(super) parts: Vec<D>,
+    pub(super) plans: Vec<(D, usize)>,
+}
+
+/// Makes the operation graph of `ops` (indices into `g`) and finalises up to `want` of the
+/// engine configurations the heuristics offer (mode A, then the fallback list), best
+/// first; an error when none finalises.
+pub(super) fn finalise(
+    api: &'static Api,
+    handle: Handle,
+    g: Builder,
+    ops: &[usize],
+    want: usize,
+) -> R<Finalised> {
     let graph = D::new(api, ffi::OPERATIONGRAPH_DESCRIPTOR)?;
     let op_refs: Vec<&D> = ops.iter().map(|&i| &g.keep[i]).collect();
     graph
         .descs(ffi::ATTR_OPERATIONGRAPH_OPS, &op_refs)?
         .handle(ffi::ATTR_OPERATIONGRAPH_HANDLE, handle)?;
     graph.finalize("operation graph")?;
+    let mut parts = g.keep;
+    let mut plans = Vec::new();
     let mut errors = Vec::new();
-    for mode in [ffi::HEUR_MODE_A, ffi::HEUR_MODE_FALLBACK] {
+    'modes: for mode in [ffi::HEUR_MODE_A, ffi::HEUR_MODE_FALLBACK] {
         match engine_configs(api, &graph, mode) {
             Ok(cfgs) => {
                 for cfg in cfgs {
@@ -373,15 +417,11 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan
                                 )
                             };
                             check(api, "workspace size", st)?;
-                            let mut parts = g.keep;
-                            parts.push(graph);
                             parts.push(cfg);
-                            return Ok(Plan {
-                                _parts: parts,
-                                plan,
-                                workspace: ws[0].max(0) as usize,
-                                form,
-                            });
+                            plans.push((plan, ws[0].max(0) as usize));
+                            if plans.len() >= want {
+                                break 'modes;
+                            }
                         }
                         Err(e) => errors.push(e),
                     }
@@ -389,14 +429,19 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan
             }
             Err(e) => errors.push(e),
         }
+        // The fallback list only where mode A gave nothing that finalised.
+        if !plans.is_empty() {
+            break;
+        }
     }
-    Err(format!(
-        "no cuDNN engine runs this attention ({form:?} graph): {}",
-        errors
+    if plans.is_empty() {
+        return Err(errors
             .last()
             .cloned()
-            .unwrap_or_else(|| "the heuristics offered none".into())
-    ))
+            .unwrap_or_else(|| "the heuristics offered none".into()));
+    }
+    parts.push(graph);
+    Ok(Finalised { parts, plans })
 }
 
 /// The engine configurations the heuristics offer for `graph`, best first.
@@ -450,7 +495,6 @@ pub fn execute(
     workspace: u64,
     scale: &f32,
 ) -> R<()> {
-    let pack = D::new(api, ffi::VARIANT_PACK_DESCRIPTOR)?;
     let uids = [UID_Q, UID_K, UID_V, UID_O, UID_SCALE];
     let data: [*mut c_void; 5] = [
         ptrs[0] as *mut c_void,
@@ -459,7 +503,30 @@ pub fn execute(
         ptrs[3] as *mut c_void,
         (scale as *const f32) as *mut c_void,
     ];
-    pack.i64s(ffi::ATTR_VARIANT_PACK_UNIQUE_IDS, &uids)?;
+    run(
+        api,
+        handle,
+        &plan.plan,
+        &uids,
+        &data,
+        workspace,
+        "execute attention",
+    )
+}
+
+/// Runs a finalised plan on the tensors `uids` at `data` (device pointers, or host pointers
+/// for by-value tensors) with `workspace` (0: none).
+pub(super) fn run(
+    api: &'static Api,
+    handle: Handle,
+    plan: &D,
+    uids: &[i64],
+    data: &[*mut c_void],
+    workspace: u64,
+    what: &str,
+) -> R<()> {
+    let pack = D::new(api, ffi::VARIANT_PACK_DESCRIPTOR)?;
+    pack.i64s(ffi::ATTR_VARIANT_PACK_UNIQUE_IDS, uids)?;
     pack.set_raw(
         ffi::ATTR_VARIANT_PACK_DATA_POINTERS,
         ffi::TYPE_VOID_PTR,
@@ -475,7 +542,7 @@ pub fn execute(
     )?;
     pack.finalize("variant pack")?;
     // SAFETY: a finalised plan and pack on the handle it was built with.
-    check(api, "execute attention", unsafe {
-        (api.execute)(handle, plan.plan.raw, pack.raw)
+    check(api, what, unsafe {
+        (api.execute)(handle, plan.raw, pack.raw)
     })
 }

@@ -1,4 +1,5 @@
-//! Attention through cuDNN's fused flash-attention engines (CUDA builds).
+//! Attention through cuDNN's fused flash-attention engines, and channels-last 2-D
+//! convolutions ([`conv2d_nhwc`], the FLUX autoencoder's), on CUDA builds.
 //!
 //! On Hopper cuDNN 9's SDPA engines run FLUX's attention at about twice the rate of mold's
 //! own FlashAttention-2 style kernel (measured beside PyTorch's SDPA on H200: BENCHMARKS.md).
@@ -7,6 +8,7 @@
 //! or a machine without cuDNN, makes [`attention`] answer `Ok(Err(reason))`, the reason kept
 //! for the run's report; the caller then runs mold's kernel.
 
+pub mod conv;
 mod ffi;
 mod graph;
 
@@ -23,6 +25,7 @@ type CResult<T> = candle_core::Result<T>;
 struct DeviceState {
     handle: ffi::Handle,
     plans: HashMap<graph::Key, Result<Arc<graph::Plan>, String>>,
+    convs: HashMap<conv::Key, Result<Arc<conv::Plan>, String>>,
 }
 
 // SAFETY: the handle is only used with this state's lock held.
@@ -53,6 +56,7 @@ fn state(
     let s = Arc::new(Mutex::new(DeviceState {
         handle,
         plans: HashMap::new(),
+        convs: HashMap::new(),
     }));
     all.insert(ordinal, s.clone());
     Ok(s)
@@ -233,4 +237,226 @@ impl CudnnAttn {
             Shape::from((b, lq, h, d)),
         ))
     }
+}
+
+/// `conv(x, w) + bias + residual` (each addition where given) for channels-last bf16/f16
+/// CUDA tensors: `x` `(n, h, w, c)`, `w` `(k, r, s, c)` (KRSC), `bias` `(k)`, `residual`
+/// `(n, p, q, k)`, all contiguous; the output is `(n, p, q, k)`. The additions run in the
+/// convolution's graph where an engine takes them (the [`conv::Fusion`] returned says how
+/// far), else as candle ops after it. `tune` times the engine configurations that
+/// finalise on the first call of a shape and keeps the fastest. The reason when cuDNN
+/// cannot run it here.
+pub fn conv2d_nhwc(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    geom: conv::ConvGeom,
+    tune: bool,
+) -> CResult<Result<(Tensor, conv::Fusion), String>> {
+    let candle_core::Device::Cuda(dev) = x.device() else {
+        return Ok(Err("not a CUDA tensor".into()));
+    };
+    let dtype = match x.dtype() {
+        DType::BF16 => ffi::DATA_BFLOAT16,
+        DType::F16 => ffi::DATA_HALF,
+        dt => return Ok(Err(format!("dtype {dt:?}"))),
+    };
+    let (n, h, wd, c) = x.dims4()?;
+    let (k, r, s, wc) = w.dims4()?;
+    if wc != c {
+        candle_core::bail!("conv2d_nhwc: the input has {c} channels, the filters {wc}");
+    }
+    let Some((p, q)) = geom.output(h, wd, r, s) else {
+        candle_core::bail!("conv2d_nhwc: a {r}x{s} filter does not fit a {h}x{wd} input");
+    };
+    let mut operands = vec![("input", x), ("filters", w)];
+    if let Some(b) = bias {
+        if b.dims() != [k] {
+            candle_core::bail!("conv2d_nhwc: bias {:?} for {k} filters", b.dims());
+        }
+        operands.push(("bias", b));
+    }
+    if let Some(z) = residual {
+        if z.dims() != [n, p, q, k] {
+            candle_core::bail!(
+                "conv2d_nhwc: residual {:?} for an output ({n}, {p}, {q}, {k})",
+                z.dims()
+            );
+        }
+        operands.push(("residual", z));
+    }
+    for (name, t) in &operands {
+        if t.dtype() != x.dtype() || !t.device().same_device(x.device()) {
+            candle_core::bail!("conv2d_nhwc: {name} is not on the input's device and dtype");
+        }
+        if !t.is_contiguous() || (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 != 0 {
+            return Ok(Err(format!("{name} is not contiguous and 16-byte aligned")));
+        }
+    }
+    let fusion = match (bias, residual) {
+        (Some(_), Some(_)) => conv::Fusion::BiasResidual,
+        (Some(_), None) => conv::Fusion::Bias,
+        (None, _) => conv::Fusion::None,
+    };
+    let key = conv::Key {
+        dtype,
+        n,
+        c,
+        h,
+        w: wd,
+        k,
+        r,
+        s,
+        geom,
+        fusion,
+        tune,
+    };
+    let stream = dev.cuda_stream();
+    let ordinal = stream.context().ordinal();
+    let st = match state(ordinal, stream.context()) {
+        Ok(s) => s,
+        Err(e) => return Ok(Err(e)),
+    };
+    let plan = {
+        let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = s.handle;
+        let entry = s
+            .convs
+            .entry(key.clone())
+            .or_insert_with(|| conv::build(ffi::api()?, handle, &key).map(Arc::new));
+        match entry {
+            Ok(p) => p.clone(),
+            Err(e) => return Ok(Err(e.clone())),
+        }
+    };
+    let b = bias.filter(|_| plan.fusion >= conv::Fusion::Bias);
+    let z = residual.filter(|_| plan.fusion >= conv::Fusion::BiasResidual);
+    let y = match x.dtype() {
+        DType::BF16 => run_conv::<half::bf16>(&plan, &st, dev, x, w, b, z, (n, p, q, k))?,
+        _ => run_conv::<half::f16>(&plan, &st, dev, x, w, b, z, (n, p, q, k))?,
+    };
+    // What the graph left out.
+    let y = match (bias, plan.fusion) {
+        (Some(b), conv::Fusion::None) => y.broadcast_add(b)?,
+        _ => y,
+    };
+    let y = match (residual, plan.fusion) {
+        (Some(z), f) if f < conv::Fusion::BiasResidual => (y + z)?,
+        _ => y,
+    };
+    Ok(Ok((y, plan.fusion)))
+}
+
+fn view<'a, T: candle_core::cuda::CudaDType>(
+    s: &'a candle_core::Storage,
+    l: &Layout,
+) -> CResult<candle_core::cuda::cudarc::driver::CudaView<'a, T>> {
+    let candle_core::Storage::Cuda(c) = s else {
+        candle_core::bail!("conv2d_nhwc: not a CUDA tensor");
+    };
+    Ok(c.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+}
+
+/// Runs `plan` (tuning it first where no configuration is chosen yet) into a new
+/// `(n, p, q, k)` tensor.
+#[allow(clippy::too_many_arguments)]
+fn run_conv<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+    plan: &conv::Plan,
+    st: &Mutex<DeviceState>,
+    dev: &candle_core::cuda::CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    z: Option<&Tensor>,
+    (n, p, q, k): (usize, usize, usize, usize),
+) -> CResult<Tensor> {
+    let stream = dev.cuda_stream();
+    let (xs, xl) = x.storage_and_layout();
+    let (wst, wl) = w.storage_and_layout();
+    let bs = b.map(|b| b.storage_and_layout());
+    let zs = z.map(|z| z.storage_and_layout());
+    let xv = view::<T>(&xs, xl)?;
+    let wv = view::<T>(&wst, wl)?;
+    let bv = bs.as_ref().map(|(s, l)| view::<T>(s, l)).transpose()?;
+    let zv = zs.as_ref().map(|(s, l)| view::<T>(s, l)).transpose()?;
+    // SAFETY: the plan writes every output element.
+    let out = unsafe { dev.alloc::<T>(n * p * q * k)? };
+    let ws_bytes = match plan.chosen() {
+        Some(i) => plan.candidate(i).1,
+        None => plan.max_workspace(),
+    };
+    // SAFETY: scratch space for cuDNN, never read before written.
+    let ws = unsafe { dev.alloc::<u8>(ws_bytes.max(1))? };
+    {
+        let (px, _gx) = xv.device_ptr(&stream);
+        let (pw, _gw) = wv.device_ptr(&stream);
+        let bp = bv.as_ref().map(|v| v.device_ptr(&stream));
+        let zp = zv.as_ref().map(|v| v.device_ptr(&stream));
+        let (py, _gy) = out.device_ptr(&stream);
+        let (pws, _gws) = ws.device_ptr(&stream);
+        let ptrs = conv::Ptrs {
+            x: px,
+            w: pw,
+            b: bp.as_ref().map_or(0, |p| p.0),
+            z: zp.as_ref().map_or(0, |p| p.0),
+            y: py,
+        };
+        for (name, v) in [("input", px), ("filters", pw), ("output", py)] {
+            if v % 16 != 0 {
+                candle_core::bail!("conv2d_nhwc: {name} is not 16-byte aligned");
+            }
+        }
+        let api = ffi::api().map_err(candle_core::Error::msg)?;
+        let s = st.lock().unwrap_or_else(|p| p.into_inner());
+        stream.context().bind_to_thread().w()?;
+        // SAFETY: the handle is this device's, the stream is the one candle queues on.
+        let status = unsafe { (api.set_stream)(s.handle, stream.cu_stream().cast()) };
+        if status != ffi::STATUS_SUCCESS {
+            candle_core::bail!("{}", api.error("cudnnSetStream", status));
+        }
+        let exec = |i: usize| {
+            let (d, need) = plan.candidate(i);
+            conv::execute(
+                api,
+                s.handle,
+                d,
+                plan.fusion,
+                &ptrs,
+                if need > 0 { pws } else { 0 },
+            )
+        };
+        if plan.chosen().is_none() {
+            // Time each configuration on this call's data: one warm-up run, then three.
+            let mut best: Option<(f64, usize)> = None;
+            for i in 0..plan.candidates() {
+                if exec(i).is_err() {
+                    continue;
+                }
+                stream.synchronize().w()?;
+                let t = std::time::Instant::now();
+                let ok = (0..3).all(|_| exec(i).is_ok());
+                stream.synchronize().w()?;
+                let secs = t.elapsed().as_secs_f64();
+                if ok && best.is_none_or(|(b, _)| secs < b) {
+                    best = Some((secs, i));
+                }
+            }
+            let Some((_, i)) = best else {
+                candle_core::bail!("conv2d_nhwc: no engine configuration ran");
+            };
+            plan.choose(i);
+        }
+        let Some(i) = plan.chosen() else {
+            candle_core::bail!("conv2d_nhwc: no engine configuration chosen");
+        };
+        exec(i).map_err(candle_core::Error::msg)?;
+    }
+    drop(ws);
+    Ok(Tensor::from_storage(
+        candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone())),
+        (n, p, q, k),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
 }

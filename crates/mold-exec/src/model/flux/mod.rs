@@ -5,11 +5,14 @@
 //! - [`config`]: hyper-parameters and the checkpoint tensors they imply;
 //! - [`blocks`]: the stem, the two block kinds and the final layer, built from
 //!   replicated, column- and row-parallel layers;
-//! - [`inputs`]: one call's inputs and deterministic random ones for benchmarks.
+//! - [`inputs`]: one call's inputs and deterministic random ones for benchmarks;
+//! - [`testdata`]: random-weight checkpoints with the real tensor names (single-file or
+//!   sharded).
 
 pub mod blocks;
 pub mod config;
 pub mod inputs;
+pub mod testdata;
 
 pub use blocks::{DoubleBlock, FinalLayer, SingleBlock, Stem};
 pub use config::{FluxConfig, TIME_EMBED_DIM};

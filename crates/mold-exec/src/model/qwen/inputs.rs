@@ -4,7 +4,7 @@
 use super::QwenConfig;
 use crate::error::{ExecError, Result};
 use crate::model::transformer::Inputs;
-use crate::testdata::normals;
+use crate::random_weights::normals;
 use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

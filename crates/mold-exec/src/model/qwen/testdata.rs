@@ -39,7 +39,7 @@ pub fn write_testdata(
     max_shard_bytes: u64,
 ) -> Result<Vec<PathBuf>> {
     let t = dir.join(mold_models::snapshot::DIFFUSERS_TRANSFORMER);
-    let index = crate::testdata::write_sharded(
+    let index = crate::random_weights::write_sharded(
         &t,
         &cfg.tensor_specs(),
         seed,
@@ -66,7 +66,7 @@ pub fn write_testdata(
     files.push(index);
     let config = t.join("config.json");
     let text = serde_json::to_string_pretty(&diffusers_config(cfg)).expect("json");
-    std::fs::write(&config, text).map_err(io(&config))?;
+    mold_files::write_bytes(&config, text.as_bytes()).map_err(io(&config))?;
     files.push(config);
     Ok(files)
 }

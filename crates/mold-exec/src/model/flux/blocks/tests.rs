@@ -2,10 +2,10 @@
 use super::*;
 use crate::checkpoint::Checkpoint;
 use crate::comm::{Comm, LocalComm, ThreadComm};
+use crate::model::flux::testdata::write_testdata;
 use crate::model::ops::Kernels;
 use crate::model::ActivationMeter;
 use crate::runtime::{CheckpointSource, ShapeSource};
-use crate::testdata::write_testdata;
 
 /// A tiny f32 checkpoint in a fresh temp directory (one per call: tests run in
 /// parallel), removed when dropped.

@@ -1,0 +1,263 @@
+// GroupNorm (+ SiLU) over channels-last activations, nearest 2x up-sampling and the
+// interleaving of four output phases into a 2x image, for the FLUX autoencoder's decoder (mold-exec, `cuda` feature; launched from
+// src/model/group_norm.rs).
+//
+// x is (n, hw, c) contiguous: every pixel's c channels side by side. The statistics of
+// each (image, group) are f32 and reduced in two levels, merged with Chan's formula (count,
+// mean, sum of squared deviations), so a group of a million elements loses no precision
+// to E[x^2] - E[x]^2:
+//
+//   gn_partial   grid (blocks, n), 256 threads: a block takes a chunk of pixels; each
+//                thread one 8-channel vector of `lanes` = 256 / (c / 8) pixels at a time;
+//                per-channel statistics, merged over the block's lanes, written as
+//                part[n][block][c] = (count, mean, m2)
+//   gn_finalize  grid (groups, n), 256 threads: merges a group's channels over all blocks;
+//                writes ab[n][c] = (a, b) with y = x * a + b (a = gamma * rstd,
+//                b = beta - mean * a)
+//   gn_apply     grid (blocks, n), grid-stride over an image's 8-channel vectors:
+//                y = x * a + b, SiLU when asked, rounded once to the element type
+//
+// Requirements (checked by the caller): c % 8 == 0, 256 % (c / 8) == 0, groups | c,
+// h * w * c / 8 < 2^31.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace mold_gn {
+
+template <typename T> __device__ __forceinline__ float tof(T v);
+template <> __device__ __forceinline__ float tof<__nv_bfloat16>(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ float tof<__half>(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T fromf(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 fromf<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half fromf<__half>(float v) { return __float2half_rn(v); }
+
+// Eight elements, 16 bytes.
+template <typename T> union Vec8 {
+    uint4 raw;
+    T v[8];
+};
+
+struct Stat {
+    float n, mean, m2;
+};
+
+__device__ __forceinline__ Stat merge(Stat a, Stat b) {
+    const float n = a.n + b.n;
+    if (n == 0.f) return a;
+    const float d = b.mean - a.mean;
+    const float fb = b.n / n;
+    return Stat{n, a.mean + d * fb, a.m2 + b.m2 + d * d * a.n * fb};
+}
+
+constexpr int THREADS = 256;
+
+template <typename T>
+__device__ void partial(const T *x, float *part, int hw, int c, int chunk) {
+    const int c8 = c / 8;
+    const int lanes = THREADS / c8;
+    const int v = threadIdx.x % c8;
+    const int lane = threadIdx.x / c8;
+    const long long n = blockIdx.y;
+    const long long p0 = (long long)blockIdx.x * chunk;
+    const long long p1 = min(p0 + chunk, (long long)hw);
+    const T *xn = x + n * hw * c + v * 8;
+    // Sums of deviations from the thread's first value (a shift against cancellation).
+    float shift[8], s[8], ss[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) shift[i] = s[i] = ss[i] = 0.f;
+    int cnt = 0;
+    long long p = p0 + lane;
+    if (p < p1) {
+        Vec8<T> a;
+        a.raw = *reinterpret_cast<const uint4 *>(xn + p * c);
+#pragma unroll
+        for (int i = 0; i < 8; i++) shift[i] = tof<T>(a.v[i]);
+    }
+    // Four pixels per step: four loads in flight before the arithmetic.
+    for (; p + 3LL * lanes < p1; p += 4LL * lanes) {
+        Vec8<T> a[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            a[u].raw = *reinterpret_cast<const uint4 *>(xn + (p + u * lanes) * c);
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float d = tof<T>(a[u].v[i]) - shift[i];
+                s[i] += d;
+                ss[i] += d * d;
+            }
+        }
+        cnt += 4;
+    }
+    for (; p < p1; p += lanes) {
+        Vec8<T> a;
+        a.raw = *reinterpret_cast<const uint4 *>(xn + p * c);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float d = tof<T>(a.v[i]) - shift[i];
+            s[i] += d;
+            ss[i] += d * d;
+        }
+        cnt++;
+    }
+    // lanes x c statistics; THREADS * 8 entries whatever c is.
+    __shared__ Stat sh[THREADS * 8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        Stat st{0.f, 0.f, 0.f};
+        if (cnt > 0) {
+            const float fn = (float)cnt;
+            const float mean = s[i] / fn;
+            st = Stat{fn, shift[i] + mean, fmaxf(ss[i] - s[i] * mean, 0.f)};
+        }
+        sh[lane * c + v * 8 + i] = st;
+    }
+    __syncthreads();
+    for (int ch = threadIdx.x; ch < c; ch += THREADS) {
+        Stat acc = sh[ch];
+        for (int l = 1; l < lanes; l++) acc = merge(acc, sh[l * c + ch]);
+        float *o = part + ((n * gridDim.x + blockIdx.x) * c + ch) * 3;
+        o[0] = acc.n;
+        o[1] = acc.mean;
+        o[2] = acc.m2;
+    }
+}
+
+template <typename T>
+__device__ void finalize(const float *part, const T *gamma, const T *beta, float *ab, int blocks,
+                         int c, int groups, float eps) {
+    const int cpg = c / groups;
+    const int g = blockIdx.x;
+    const long long n = blockIdx.y;
+    Stat acc{0.f, 0.f, 0.f};
+    for (int e = threadIdx.x; e < blocks * cpg; e += THREADS) {
+        const int b = e / cpg;
+        const int ch = g * cpg + e % cpg;
+        const float *p = part + ((n * blocks + b) * c + ch) * 3;
+        acc = merge(acc, Stat{p[0], p[1], p[2]});
+    }
+    __shared__ Stat sh[THREADS];
+    __shared__ float mean_rstd[2];
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    for (int w = THREADS / 2; w > 0; w /= 2) {
+        if (threadIdx.x < w) sh[threadIdx.x] = merge(sh[threadIdx.x], sh[threadIdx.x + w]);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        const Stat t = sh[0];
+        const float var = t.n > 0.f ? t.m2 / t.n : 0.f;
+        mean_rstd[0] = t.mean;
+        mean_rstd[1] = rsqrtf(var + eps);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < cpg; i += THREADS) {
+        const int ch = g * cpg + i;
+        const float a = tof<T>(gamma[ch]) * mean_rstd[1];
+        ab[(n * c + ch) * 2] = a;
+        ab[(n * c + ch) * 2 + 1] = tof<T>(beta[ch]) - mean_rstd[0] * a;
+    }
+}
+
+// grid (blocks, n): image blockIdx.y, its hw * c / 8 vectors grid-strided (32-bit indices).
+template <typename T>
+__device__ void apply(const T *x, const float *ab, T *y, int vecs, int c, int silu) {
+    const long long n = blockIdx.y;
+    const long long off = n * vecs * 8LL;
+    const float2 *abn = reinterpret_cast<const float2 *>(ab) + n * c;
+    const int c8 = c / 8;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vecs; i += gridDim.x * blockDim.x) {
+        const int ch = (i % c8) * 8;
+        Vec8<T> a, o;
+        a.raw = *reinterpret_cast<const uint4 *>(x + off + i * 8LL);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float2 m = abn[ch + k];
+            float v = tof<T>(a.v[k]) * m.x + m.y;
+            if (silu) v = v / (1.f + __expf(-v));
+            o.v[k] = fromf<T>(v);
+        }
+        *reinterpret_cast<uint4 *>(y + off + i * 8LL) = o.raw;
+    }
+}
+
+// (n, h, w, c) -> (n, 2h, 2w, c), each input vector of 8 channels written four times.
+template <typename T>
+__device__ void upsample2x(const T *x, T *y, long long vecs, int c, int h, int w) {
+    const int c8 = c / 8;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < vecs;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int v = (int)(i % c8);
+        const long long pix = i / c8;
+        const long long col = pix % w;
+        const long long row = (pix / w) % h;
+        const long long n = pix / ((long long)w * h);
+        const uint4 val = reinterpret_cast<const uint4 *>(x)[i];
+        const long long ow = 2LL * w;
+        const long long base = ((n * 2 * h + 2 * row) * ow + 2 * col) * c + v * 8;
+        uint4 *o = reinterpret_cast<uint4 *>(y + base);
+        o[0] = val;
+        o[c8] = val;
+        reinterpret_cast<uint4 *>(y + base + ow * c)[0] = val;
+        reinterpret_cast<uint4 *>(y + base + ow * c)[c8] = val;
+    }
+}
+
+// Four (n, h, w, c) phases -> (n, 2h, 2w, c): y[n, 2i + a, 2j + b] = p[2a + b][n, i, j].
+template <typename T>
+__device__ void interleave2x(const T *p00, const T *p01, const T *p10, const T *p11, T *y,
+                             long long vecs, int c, int h, int w) {
+    const int c8 = c / 8;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < vecs;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int v = (int)(i % c8);
+        const long long pix = i / c8;
+        const long long col = pix % w;
+        const long long row = (pix / w) % h;
+        const long long n = pix / ((long long)w * h);
+        const long long ow = 2LL * w;
+        const long long base = ((n * 2 * h + 2 * row) * ow + 2 * col) * c + v * 8;
+        uint4 *o = reinterpret_cast<uint4 *>(y + base);
+        o[0] = reinterpret_cast<const uint4 *>(p00)[i];
+        o[c8] = reinterpret_cast<const uint4 *>(p01)[i];
+        uint4 *o2 = reinterpret_cast<uint4 *>(y + base + ow * c);
+        o2[0] = reinterpret_cast<const uint4 *>(p10)[i];
+        o2[c8] = reinterpret_cast<const uint4 *>(p11)[i];
+    }
+}
+
+} // namespace mold_gn
+
+#define MOLD_GN_ALL(SUFFIX, T)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        mold_gn_partial_##SUFFIX(const T *x, float *part, int hw, int c, int chunk) {          \
+        mold_gn::partial<T>(x, part, hw, c, chunk);                                            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        mold_gn_finalize_##SUFFIX(const float *part, const T *gamma, const T *beta, float *ab, \
+                                  int blocks, int c, int groups, float eps) {                  \
+        mold_gn::finalize<T>(part, gamma, beta, ab, blocks, c, groups, eps);                   \
+    }                                                                                          \
+    extern "C" __global__ void mold_gn_apply_##SUFFIX(const T *x, const float *ab, T *y,       \
+                                                      int vecs, int c, int silu) {             \
+        mold_gn::apply<T>(x, ab, y, vecs, c, silu);                                            \
+    }                                                                                          \
+    extern "C" __global__ void mold_upsample2x_##SUFFIX(const T *x, T *y, long long vecs,      \
+                                                        int c, int h, int w) {                 \
+        mold_gn::upsample2x<T>(x, y, vecs, c, h, w);                                           \
+    }                                                                                          \
+    extern "C" __global__ void mold_interleave2x_##SUFFIX(                                     \
+        const T *p00, const T *p01, const T *p10, const T *p11, T *y, long long vecs, int c,   \
+        int h, int w) {                                                                        \
+        mold_gn::interleave2x<T>(p00, p01, p10, p11, y, vecs, c, h, w);                        \
+    }
+
+MOLD_GN_ALL(bf16, __nv_bfloat16)
+MOLD_GN_ALL(f16, __half)

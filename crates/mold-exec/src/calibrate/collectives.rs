@@ -1,0 +1,170 @@
+//! The collectives of a model's operation tables: all-reduce, all-gather and all-to-all
+//! over groups of 2, 4, … of the devices, through [`Comm`] groups from [`make_group`]
+//! (NCCL on GPUs with the `nccl` feature, the thread backend otherwise). A run is the
+//! slowest rank's, the ranks lined up by a barrier before each, always alone.
+
+use super::bench::{list, OpBench};
+use super::loads::random;
+use super::timing::median_of;
+use crate::comm::{make_group, Comm};
+use crate::error::{ExecError, Result};
+use crate::runtime::DeviceMap;
+use candle_core::{DType, Device, Shape, Tensor};
+use mold_cost::ops::CalibrationShapes;
+use mold_machine::{CollectiveOp, CollectivePoint, CollectiveTables};
+use mold_plan::DeviceId;
+use std::sync::Barrier;
+use std::time::Instant;
+
+/// Every collective of `shapes` over the first `n` of `devices` (where there are `n`).
+pub(super) fn measure_collectives(
+    map: &mut DeviceMap,
+    devices: &[DeviceId],
+    dtype: DType,
+    shapes: &CalibrationShapes,
+    bench: &OpBench,
+    progress: &mut dyn FnMut(&str),
+) -> Result<CollectiveTables> {
+    let mut out = CollectiveTables::default();
+    let mut sizes: Vec<u32> = shapes.collectives.iter().map(|c| c.1).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    for n in sizes {
+        let n_us = n as usize;
+        if n_us > devices.len() || n < 2 {
+            continue;
+        }
+        let group = &devices[..n_us];
+        let devs: Vec<Device> = group.iter().map(|d| map.get(d)).collect::<Result<_>>()?;
+        let jobs: Vec<(CollectiveOp, u64)> = shapes
+            .collectives
+            .iter()
+            .filter(|c| c.1 == n)
+            .map(|c| (c.0, c.2))
+            .collect();
+        progress(&format!(
+            "{} collectives over {} (all-reduce, all-gather, all-to-all)",
+            jobs.len(),
+            list(group)
+        ));
+        let comms = make_group(group, &bench.comm, None);
+        for (op, bytes) in jobs {
+            let (seconds, actual) = time_collective(&comms, &devs, dtype, op, bytes, bench)
+                .map_err(|e| ExecError::Device {
+                    device: list(group),
+                    message: format!("measuring {} of {bytes} bytes: {e}", op.name()),
+                })?;
+            let p = CollectivePoint {
+                devices: n,
+                bytes: actual,
+                seconds,
+            };
+            let l = match op {
+                CollectiveOp::AllReduce => &mut out.all_reduce,
+                CollectiveOp::AllGather => &mut out.all_gather,
+                CollectiveOp::AllToAll => &mut out.all_to_all,
+            };
+            // Rounding to whole elements can make two sizes one: keep the first.
+            if !l.iter().any(|q| q.devices == n && q.bytes == actual) {
+                l.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The median over runs of the slowest rank's time of one `op` of about `bytes` per
+/// rank ([`mold_machine::CollectiveTables`] says which bytes), and the bytes it moved
+/// (whole elements, divisible by the ranks).
+fn time_collective(
+    comms: &[Box<dyn Comm>],
+    devs: &[Device],
+    dtype: DType,
+    op: CollectiveOp,
+    bytes: u64,
+    bench: &OpBench,
+) -> candle_core::Result<(f64, u64)> {
+    let n = comms.len();
+    let size = dtype.size_in_bytes() as u64;
+    // Elements per rank of the message: a multiple of the ranks, at least one each.
+    let elems = (bytes / size).div_ceil(n as u64).max(1) * n as u64;
+    let runs = bench.warmup + bench.iters.max(1);
+    let barrier = Barrier::new(n);
+    let per_rank: Vec<candle_core::Result<Vec<f64>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .zip(devs)
+            .map(|(comm, dev)| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let r = rank_runs(comm.as_ref(), dev, dtype, op, elems, runs, barrier);
+                    if r.is_err() {
+                        comm.abort();
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(candle_core::Error::Msg(
+                        "a measuring thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut slowest = vec![0.0f64; runs];
+    for r in per_rank {
+        for (s, t) in slowest.iter_mut().zip(r?) {
+            *s = s.max(t);
+        }
+    }
+    let timed = slowest.split_off(bench.warmup.min(slowest.len()));
+    Ok((median_of(timed), elems * size))
+}
+
+/// One rank's runs of `op`; `elems` is the message per rank in elements (for an
+/// all-gather the gathered output, for an all-to-all the whole send buffer).
+fn rank_runs(
+    comm: &dyn Comm,
+    dev: &Device,
+    dtype: DType,
+    op: CollectiveOp,
+    elems: u64,
+    runs: usize,
+    barrier: &Barrier,
+) -> candle_core::Result<Vec<f64>> {
+    let n = comm.world_size();
+    let piece = elems / n as u64;
+    let input = match op {
+        CollectiveOp::AllReduce => random(&[elems], dtype, dev)?,
+        CollectiveOp::AllGather => random(&[piece], dtype, dev)?,
+        CollectiveOp::AllToAll => random(&[elems], dtype, dev)?,
+    };
+    let pieces: Vec<Tensor> = match op {
+        CollectiveOp::AllToAll => (0..n)
+            .map(|j| input.narrow(0, j * piece as usize, piece as usize))
+            .collect::<candle_core::Result<_>>()?,
+        _ => Vec::new(),
+    };
+    let recv: Vec<Shape> = (0..n).map(|_| Shape::from(piece as usize)).collect();
+    dev.synchronize()?;
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        barrier.wait();
+        let start = Instant::now();
+        let out = match op {
+            CollectiveOp::AllReduce => vec![comm.all_reduce_sum(&input)?],
+            CollectiveOp::AllGather => vec![comm.all_gather(&input)?],
+            CollectiveOp::AllToAll => comm.all_to_all(&pieces, &recv)?,
+        };
+        dev.synchronize()?;
+        times.push(start.elapsed().as_secs_f64());
+        drop(out);
+    }
+    comm.check()?;
+    Ok(times)
+}

@@ -1,0 +1,194 @@
+//! Times FLUX's VAE decoder alone, as `Vae::decode` runs it (benches/vae/run builds and
+//! runs this on a GPU machine beside benches/vae/vae_torch.py).
+//!
+//! vae_bench --ae ae.safetensors --latent z.safetensors [--kernels auto|candle|...]
+//!           [--tune] [--no-subpixel] [--dtype bf16|f16|f32] [--iters N] [--out image.safetensors] [--profile]
+//!           [--keep-pool]
+//!
+//! The latent file holds `z` `(1, 16, h, w)` (before the autoencoder's scale and shift, as
+//! the sampler hands it over). Prints the first decode's time (plans built, engines tuned),
+//! the median of `N` more, the decoder's note, and with `--profile` one more decode with the
+//! device synchronised after every operation (its split; the sum exceeds a plain decode).
+//! `--keep-pool` (built with mold-pipeline's `cuda` feature) keeps freed device memory in
+//! the CUDA pool candle allocates from (release threshold: unlimited) instead of returning
+//! it to the driver at every synchronisation, as PyTorch's caching allocator does.
+
+use candle_core::{DType, Device, Tensor};
+use mold_exec::Kernels;
+use mold_pipeline::flux::vae::{AeConfig, Vae, VaeOptions};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+struct Args {
+    ae: PathBuf,
+    latent: PathBuf,
+    kernels: Kernels,
+    tune: bool,
+    subpixel: bool,
+    dtype: DType,
+    iters: usize,
+    out: Option<PathBuf>,
+    profile: bool,
+    keep_pool: bool,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        ae: PathBuf::new(),
+        latent: PathBuf::new(),
+        kernels: Kernels::Auto,
+        tune: false,
+        subpixel: true,
+        dtype: DType::BF16,
+        iters: 10,
+        out: None,
+        profile: false,
+        keep_pool: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut val = || it.next().ok_or_else(|| format!("{k} needs a value"));
+        match k.as_str() {
+            "--ae" => a.ae = val()?.into(),
+            "--latent" => a.latent = val()?.into(),
+            "--kernels" => a.kernels = Kernels::parse(&val()?)?,
+            "--tune" => a.tune = true,
+            "--no-subpixel" => a.subpixel = false,
+            "--dtype" => {
+                a.dtype = match val()?.as_str() {
+                    "bf16" => DType::BF16,
+                    "f16" => DType::F16,
+                    "f32" => DType::F32,
+                    d => return Err(format!("--dtype {d}: expected bf16, f16 or f32")),
+                }
+            }
+            "--iters" => a.iters = val()?.parse().map_err(|e| format!("--iters: {e}"))?,
+            "--out" => a.out = Some(val()?.into()),
+            "--profile" => a.profile = true,
+            "--keep-pool" => a.keep_pool = true,
+            _ => return Err(format!("unknown argument {k} (see the file's header)")),
+        }
+    }
+    if a.ae.as_os_str().is_empty() || a.latent.as_os_str().is_empty() {
+        return Err("--ae and --latent are required".into());
+    }
+    Ok(a)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let a = parse().map_err(|e| format!("vae_bench: {e}"))?;
+    let dev = Device::cuda_if_available(0)?;
+    if a.keep_pool {
+        keep_pool(&dev)?;
+        println!("pool: freed memory kept (release threshold unlimited)");
+    }
+    let opts = VaeOptions {
+        kernels: a.kernels,
+        tune: a.tune,
+        subpixel: a.subpixel,
+    };
+    let t = Instant::now();
+    let vae = Vae::load_file(&a.ae, AeConfig::flux(), a.dtype, &dev, opts)?;
+    dev.synchronize()?;
+    println!("load: {:.3} s", t.elapsed().as_secs_f64());
+    let z = candle_core::safetensors::load(&a.latent, &dev)?
+        .remove("z")
+        .ok_or_else(|| format!("{}: no tensor `z`", a.latent.display()))?;
+    let decode = |z: &Tensor| -> Result<(Tensor, f64), Box<dyn std::error::Error>> {
+        dev.synchronize()?;
+        let t = Instant::now();
+        let y = vae.decode(z)?;
+        dev.synchronize()?;
+        Ok((y, t.elapsed().as_secs_f64()))
+    };
+    let (img, first) = decode(&z)?;
+    println!("first decode: {:.1} ms", first * 1e3);
+    let mut times = Vec::with_capacity(a.iters);
+    for _ in 0..a.iters.max(1) {
+        times.push(decode(&z)?.1);
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "decode {:?} {}: median {:.2} ms, min {:.2} ms over {} (kernels {:?}, tune {}, subpixel {})",
+        z.dims(),
+        format!("{:?}", a.dtype).to_lowercase(),
+        times[times.len() / 2] * 1e3,
+        times[0] * 1e3,
+        times.len(),
+        a.kernels,
+        a.tune,
+        a.subpixel
+    );
+    println!("{}", vae.note());
+    if a.profile {
+        let mut rows: Vec<(String, f64)> = Vec::new();
+        dev.synchronize()?;
+        let mut last = Instant::now();
+        let mut mark = |label: String, t: &Tensor| {
+            let _ = t.device().synchronize();
+            let now = Instant::now();
+            rows.push((label, (now - last).as_secs_f64()));
+            last = now;
+        };
+        let t = Instant::now();
+        vae.decode_marked(&z, Some(&mut mark))?;
+        dev.synchronize()?;
+        let total = t.elapsed().as_secs_f64();
+        let mut by_kind: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+        println!(
+            "profile (synchronised after each operation): {:.2} ms",
+            total * 1e3
+        );
+        for (label, s) in &rows {
+            println!("  {:>8.3} ms  {label}", s * 1e3);
+            let kind: String = label.split(' ').next().unwrap_or("").to_string();
+            let e = by_kind.entry(kind).or_default();
+            e.0 += s;
+            e.1 += 1;
+        }
+        let mut kinds: Vec<_> = by_kind.into_iter().collect();
+        kinds.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
+        for (kind, (s, n)) in kinds {
+            println!("  total {:>8.3} ms  {kind} ({n})", s * 1e3);
+        }
+    }
+    if let Some(out) = &a.out {
+        let img = img.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        candle_core::safetensors::save(&[("image".to_string(), img)].into_iter().collect(), out)?;
+        println!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn keep_pool(dev: &Device) -> Result<(), String> {
+    use candle_core::cuda::cudarc::driver::sys;
+    let Device::Cuda(d) = dev else {
+        return Err("--keep-pool: not a CUDA device".into());
+    };
+    let stream = d.cuda_stream();
+    let ctx = stream.context();
+    ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid out pointer and the device of a live context.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(|e| format!("cuDeviceGetDefaultMemPool: {e:?}"))?;
+    let mut keep = u64::MAX;
+    // SAFETY: the attribute is a cuuint64_t, passed through a valid pointer.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut keep as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(|e| format!("cuMemPoolSetAttribute: {e:?}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn keep_pool(_: &Device) -> Result<(), String> {
+    Err("--keep-pool needs a build with mold-pipeline's `cuda` feature".into())
+}

@@ -1,0 +1,695 @@
+//! The pipeline's components as objects that stay loaded, and one request's way through
+//! them.
+//!
+//! - [`TextEncoder`] (T5 or CLIP), [`Denoiser`] (the transformer's executor) and
+//!   [`Decoder`] (the VAE) each load once on a device and then serve any number of
+//!   requests; an encoder or the decoder can be loaded on any device, not only the one
+//!   the plan names (a server's lock pool runs them on idle devices).
+//! - [`Job`] is one request going through them: its checks ([`Job::begin`]), each
+//!   encoder's output ([`Job::encode`]), the denoising loop with a cancel flag checked
+//!   between steps ([`Job::denoise`]) and the decode to an [`Output`] ([`Job::decode`]),
+//!   with the time of each stage and the accounted memory.
+//! - [`Resident`] keeps all of them loaded for a plan and runs whole requests
+//!   ([`Resident::generate`]); [`crate::flux::generate`] runs the same stages, loading each
+//!   component for the one request and releasing it as soon as it is done.
+//!
+//! The same request and seed give the same PNG bytes whichever way it runs.
+
+use super::{metadata, text, vae, Prepared};
+use crate::error::{PipelineError, Result};
+use crate::{
+    bytes, component_dtype, io, placement, sampling, sync, DevicePeak, Mem, Output, Progress,
+    Request, RgbImage, Timings,
+};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use mold_exec::runtime::DeviceMap;
+use mold_exec::{Executor, FluxConfig, FluxInputs};
+use mold_plan::{DeviceId, Plan};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// The text encoders, in the order they run (their outputs: T5's tokens, CLIP's pooled
+/// vector).
+pub const ENCODERS: [&str; 2] = ["t5", "clip"];
+
+enum EncoderModel {
+    /// Candle's T5 keeps a position-bias cache: encoding needs `&mut`.
+    T5(Mutex<text::T5>),
+    Clip(text::Clip),
+}
+
+/// A text encoder loaded on one device, in the plan's dtype for it.
+pub struct TextEncoder {
+    name: &'static str,
+    model: EncoderModel,
+    device: DeviceId,
+    dev: Device,
+    weight_bytes: u64,
+    load_s: f64,
+}
+
+impl TextEncoder {
+    /// Loads encoder `name` (`t5` or `clip`) on `on` (any device: the plan gives the
+    /// dtype), reporting `Loading` and `Loaded`.
+    pub fn load(
+        plan: &Plan,
+        prep: &Prepared,
+        name: &str,
+        on: &DeviceId,
+        devmap: &mut DeviceMap,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<TextEncoder> {
+        let name = match ENCODERS.iter().find(|n| **n == name) {
+            Some(n) => *n,
+            None => {
+                return Err(PipelineError::Plan(format!(
+                    "`{name}` is not a text encoder (t5, clip)"
+                )))
+            }
+        };
+        let (_, d) = placement(plan, name)?;
+        let (dtype, note) = component_dtype(name, d)?;
+        if let Some(n) = note {
+            progress(&Progress::Note(n));
+        }
+        let dev = devmap.get(on)?;
+        progress(&Progress::Loading {
+            component: name.into(),
+            devices: on.to_string(),
+        });
+        let t = Instant::now();
+        let (model, weight_bytes) = if name == "t5" {
+            let m = text::T5::load(&prep.layout.t5, prep.t5_tokens, dtype, &dev)?;
+            let b = m.weight_bytes;
+            (EncoderModel::T5(Mutex::new(m)), b)
+        } else {
+            let m = text::Clip::load(&prep.layout.clip, dtype, &dev)?;
+            let b = m.weight_bytes;
+            (EncoderModel::Clip(m), b)
+        };
+        sync(&dev)?;
+        let load_s = t.elapsed().as_secs_f64();
+        progress(&Progress::Loaded {
+            component: name.into(),
+            devices: on.to_string(),
+            seconds: load_s,
+            weight_bytes,
+        });
+        Ok(TextEncoder {
+            name,
+            model,
+            device: on.clone(),
+            dev,
+            weight_bytes,
+            load_s,
+        })
+    }
+
+    /// The encoder's output for `prompt` (T5: `(1, tokens, d_model)`, CLIP: `(1,
+    /// hidden)`), in its dtype, on its device (finished).
+    pub fn encode(&self, prompt: &str) -> Result<Tensor> {
+        let out = match &self.model {
+            EncoderModel::T5(m) => m
+                .lock()
+                .map_err(|_| PipelineError::Component {
+                    component: "t5".into(),
+                    message: "an earlier encode panicked; restart".into(),
+                })?
+                .encode(prompt)?,
+            EncoderModel::Clip(m) => m.encode(prompt)?,
+        };
+        sync(&self.dev)?;
+        Ok(out)
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+    pub fn device(&self) -> &DeviceId {
+        &self.device
+    }
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+    pub fn load_s(&self) -> f64 {
+        self.load_s
+    }
+}
+
+/// Where the conditioning goes: the transformer's first devices, in its compute dtype.
+pub struct Target {
+    first: Vec<DeviceId>,
+    dev: Device,
+    dtype: DType,
+}
+
+impl Target {
+    pub fn of(plan: &Plan, devmap: &mut DeviceMap) -> Result<Target> {
+        let tf = plan.transformer().ok_or_else(|| {
+            PipelineError::Plan(
+                "no transformer component: regenerate the plan with `mold plan`".into(),
+            )
+        })?;
+        let first = tf.parts[0].devices.clone();
+        Ok(Target {
+            dev: devmap.get(&first[0])?,
+            dtype: mold_exec::compute_dtype(tf.dtype)?,
+            first,
+        })
+    }
+}
+
+/// The transformer of a plan, loaded on its parts' devices.
+pub struct Denoiser {
+    exec: Executor<FluxConfig>,
+    target: Target,
+    devices: Vec<DeviceId>,
+    load_s: f64,
+}
+
+impl Denoiser {
+    /// Loads the plan's transformer (every part's weights on its devices) with `opts`.
+    pub fn load(
+        plan: &Plan,
+        prep: &Prepared,
+        opts: &mold_exec::ExecOptions,
+        devmap: &mut DeviceMap,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Denoiser> {
+        let target = Target::of(plan, devmap)?;
+        let tf = plan.transformer().expect("Target::of checked");
+        let mut devices: Vec<DeviceId> = Vec::new();
+        for d in tf.parts.iter().flat_map(|p| &p.devices) {
+            if !devices.contains(d) {
+                devices.push(d.clone());
+            }
+        }
+        let label = devices
+            .iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        progress(&Progress::Loading {
+            component: "transformer".into(),
+            devices: label.clone(),
+        });
+        let t = Instant::now();
+        let exec = Executor::with_options(&prep.flux, plan, &prep.ckpt, opts.clone())?;
+        let load_s = t.elapsed().as_secs_f64();
+        let weight_bytes = exec
+            .memory_report()
+            .iter()
+            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
+            .sum();
+        progress(&Progress::Loaded {
+            component: "transformer".into(),
+            devices: label,
+            seconds: load_s,
+            weight_bytes,
+        });
+        Ok(Denoiser {
+            exec,
+            target,
+            devices,
+            load_s,
+        })
+    }
+
+    /// The devices the transformer runs on, each once, in the plan's order.
+    pub fn devices(&self) -> &[DeviceId] {
+        &self.devices
+    }
+    pub fn load_s(&self) -> f64 {
+        self.load_s
+    }
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    /// Accounts the executor's weights and stream buffers as held (`add`) or freed.
+    fn hold(&self, mem: &mut Mem, add: bool) {
+        for m in self.exec.memory_report() {
+            let (dev, host) = (
+                m.resident_weight_bytes + m.stream_buffer_bytes,
+                m.host_weight_bytes,
+            );
+            if add {
+                mem.add(&m.device, dev);
+                mem.add(&DeviceId::Host, host);
+            } else {
+                mem.sub(&m.device, dev);
+                mem.sub(&DeviceId::Host, host);
+            }
+        }
+    }
+}
+
+/// The VAE's decoder loaded on one device.
+pub struct Decoder {
+    vae: vae::Vae,
+    device: DeviceId,
+    dev: Device,
+    dtype: DType,
+    load_s: f64,
+}
+
+impl Decoder {
+    /// Loads the VAE's decoder on `on` (any device; the plan gives the dtype) with the
+    /// default options ([`Decoder::load_with`]).
+    pub fn load(
+        plan: &Plan,
+        prep: &Prepared,
+        on: &DeviceId,
+        devmap: &mut DeviceMap,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Decoder> {
+        let opts = vae::VaeOptions::default();
+        Self::load_with(plan, prep, on, devmap, opts, progress)
+    }
+
+    /// Loads the VAE's decoder on `on` with `opts` (`MOLD_KERNELS` picks the decoder).
+    pub fn load_with(
+        plan: &Plan,
+        prep: &Prepared,
+        on: &DeviceId,
+        devmap: &mut DeviceMap,
+        opts: vae::VaeOptions,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Decoder> {
+        let (_, d) = placement(plan, "vae")?;
+        let (dtype, _) = component_dtype("vae", d)?;
+        let dev = devmap.get(on)?;
+        progress(&Progress::Loading {
+            component: "vae".into(),
+            devices: on.to_string(),
+        });
+        let t = Instant::now();
+        let vae = vae::Vae::load_with(&prep.layout, dtype, &dev, opts)?;
+        sync(&dev)?;
+        let load_s = t.elapsed().as_secs_f64();
+        progress(&Progress::Loaded {
+            component: "vae".into(),
+            devices: on.to_string(),
+            seconds: load_s,
+            weight_bytes: vae.weight_bytes,
+        });
+        Ok(Decoder {
+            vae,
+            device: on.clone(),
+            dev,
+            dtype,
+            load_s,
+        })
+    }
+
+    pub fn device(&self) -> &DeviceId {
+        &self.device
+    }
+    pub fn weight_bytes(&self) -> u64 {
+        self.vae.weight_bytes
+    }
+    pub fn load_s(&self) -> f64 {
+        self.load_s
+    }
+}
+
+/// The request was cancelled (its client went away) between two stages or steps.
+fn check_cancel(cancel: &AtomicBool) -> Result<()> {
+    if cancel.load(Ordering::Relaxed) {
+        return Err(PipelineError::Cancelled);
+    }
+    Ok(())
+}
+
+/// One request on its way through the components.
+pub struct Job {
+    req: Request,
+    model_id: String,
+    guidance: Option<f64>,
+    given: Option<Tensor>,
+    rec: Option<io::IoRecord>,
+    /// Encoder outputs as they came (`None` once moved to the transformer).
+    raw: Vec<Option<(DeviceId, Tensor)>>,
+    /// Conditioning on the transformer's first devices, in encoder order.
+    cond: Vec<Option<Tensor>>,
+    times: Timings,
+    mem: Mem,
+    started: Instant,
+}
+
+impl Job {
+    /// Checks `req` against the plan (size, steps, the given noise) before anything runs,
+    /// and settles its guidance.
+    pub fn begin(
+        plan: &Plan,
+        flux: &FluxConfig,
+        req: &Request,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Job> {
+        crate::check_size(req.width, req.height)?;
+        if req.steps == 0 {
+            return Err(PipelineError::Plan("steps must be at least 1".into()));
+        }
+        // The given noise is read (and its shape checked) before anything loads.
+        let given = req
+            .latents
+            .as_deref()
+            .map(|p| io::read_latents(p, req.width, req.height))
+            .transpose()?;
+        let guidance = if flux.guidance_embed {
+            Some(req.guidance.or(plan.workload.guidance).unwrap_or(3.5))
+        } else {
+            if req.guidance.is_some() {
+                progress(&Progress::Note(format!(
+                    "{} has no guidance embedder: --guidance is ignored",
+                    plan.model.id
+                )));
+            }
+            None
+        };
+        Ok(Job {
+            req: req.clone(),
+            model_id: plan.model.id.clone(),
+            guidance,
+            given,
+            rec: req.save_io.as_ref().map(|_| io::IoRecord::default()),
+            raw: vec![None, None],
+            cond: vec![None, None],
+            times: Timings::default(),
+            mem: Mem::default(),
+            started: Instant::now(),
+        })
+    }
+
+    pub fn request(&self) -> &Request {
+        &self.req
+    }
+    pub fn timings(&self) -> &Timings {
+        &self.times
+    }
+
+    /// Counts `seconds` of loading in this request's timings.
+    pub fn add_load_s(&mut self, seconds: f64) {
+        self.times.load_s += seconds;
+    }
+
+    /// Accounts `bytes` as held on `device` from now on (`add`) or freed.
+    pub fn hold(&mut self, device: &DeviceId, bytes: u64, add: bool) {
+        if add {
+            self.mem.add(device, bytes);
+        } else {
+            self.mem.sub(device, bytes);
+        }
+    }
+
+    /// Runs `enc` on the prompt, reporting `Encoded`; with `to`, the output goes straight
+    /// on to the transformer's first devices (else [`Job::denoise`] moves it).
+    pub fn encode(
+        &mut self,
+        enc: &TextEncoder,
+        to: Option<&Target>,
+        cancel: &AtomicBool,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<()> {
+        check_cancel(cancel)?;
+        let i = ENCODERS.iter().position(|n| *n == enc.name).expect("named");
+        let t = Instant::now();
+        let out = enc.encode(&self.req.prompt)?;
+        let seconds = t.elapsed().as_secs_f64();
+        self.times.encode_s += seconds;
+        progress(&Progress::Encoded {
+            component: enc.name.into(),
+            seconds,
+            digest: mold_exec::digest(&out)?,
+        });
+        self.mem.spike(&enc.device, bytes(&out));
+        self.raw[i] = Some((enc.device.clone(), out));
+        if let Some(to) = to {
+            self.condition(to)?;
+        }
+        Ok(())
+    }
+
+    /// Moves the encoder outputs not yet moved to the transformer's first devices, in its
+    /// compute dtype.
+    fn condition(&mut self, to: &Target) -> Result<()> {
+        for i in 0..ENCODERS.len() {
+            if let Some((_, out)) = self.raw[i].take() {
+                let t = Instant::now();
+                let out = out.to_device(&to.dev)?.to_dtype(to.dtype)?;
+                self.times.encode_s += t.elapsed().as_secs_f64();
+                for d in &to.first {
+                    self.mem.add(d, bytes(&out));
+                }
+                self.cond[i] = Some(out);
+            }
+        }
+        Ok(())
+    }
+
+    /// The denoising loop on `den`, from the seed's noise (or the given one), the cancel
+    /// flag checked before each step; returns the final latents. The transformer's
+    /// weights are accounted as held around it unless `resident` (held all along).
+    pub fn denoise(
+        &mut self,
+        den: &Denoiser,
+        resident: bool,
+        cancel: &AtomicBool,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Tensor> {
+        self.condition(&den.target)?;
+        let missing: Vec<&str> = ENCODERS
+            .iter()
+            .zip(&self.cond)
+            .filter(|(_, c)| c.is_none())
+            .map(|(n, _)| *n)
+            .collect();
+        if !missing.is_empty() {
+            return Err(PipelineError::Component {
+                component: missing.join(", "),
+                message: "no encoder output for this request: encode before denoising".into(),
+            });
+        }
+        check_cancel(cancel)?;
+        let y = self.cond[1].take().expect("checked");
+        let txt = self.cond[0].take().expect("checked");
+        let (req, flux) = (&self.req, den.exec.model());
+        let cond_dev = &den.target.dev;
+        let first = &den.target.first;
+        let t_denoise = Instant::now();
+        let batch = 1;
+        let x = match self.given.take() {
+            Some(x) => x,
+            None => sampling::pack(&sampling::noise(req.seed, batch, req.width, req.height)?)?,
+        };
+        let image_tokens = x.dim(1)?;
+        let mut inputs = FluxInputs {
+            img: x.to_device(cond_dev)?,
+            img_ids: crate::flux::sampling::img_ids(batch, req.width, req.height)?
+                .to_device(cond_dev)?,
+            txt_ids: crate::flux::sampling::txt_ids(batch, txt.dim(1)?)?.to_device(cond_dev)?,
+            txt,
+            timesteps: Tensor::zeros(batch, DType::F32, cond_dev)?,
+            y,
+            guidance: self
+                .guidance
+                .map(|g| Tensor::full(g as f32, batch, cond_dev))
+                .transpose()?,
+        };
+        for d in first {
+            self.mem.add(
+                d,
+                bytes(&inputs.img) + bytes(&inputs.img_ids) + bytes(&inputs.txt_ids),
+            );
+        }
+        let sched = crate::flux::sampling::schedule(req.steps, image_tokens, flux.guidance_embed);
+        if let Some(r) = &mut self.rec {
+            io::record_inputs(r, &inputs, &sched)?;
+        }
+        // One step at a time (the one loop, `sampling::denoise`, over one window), so the
+        // cancel flag is seen between steps and `--save-io` keeps each step's input.
+        let steps = req.steps;
+        for (i, w) in sched.windows(2).enumerate() {
+            check_cancel(cancel)?;
+            if let Some(r) = &mut self.rec {
+                r.add(format!("step.{i}.latents"), &inputs.img)?;
+                r.add(
+                    format!("step.{i}.t"),
+                    &Tensor::new(&[w[0] as f32], &Device::Cpu)?,
+                )?;
+            }
+            let times = &mut self.times;
+            sampling::denoise(&den.exec, &mut inputs, w, &mut |s| {
+                times.step_s.push(s.seconds);
+                progress(&Progress::Step {
+                    index: i as u32 + 1,
+                    steps,
+                    t: s.t,
+                    seconds: s.seconds,
+                    digest: s.digest,
+                });
+            })?;
+        }
+        if let Some(r) = &mut self.rec {
+            r.add("final", &inputs.img)?;
+            r.add_velocities(&sched)?;
+        }
+        self.times.denoise_s = t_denoise.elapsed().as_secs_f64();
+        if !resident {
+            den.hold(&mut self.mem, true);
+        }
+        for m in den.exec.memory_report() {
+            self.mem.spike(&m.device, m.largest_activation_bytes);
+        }
+        if !resident {
+            den.hold(&mut self.mem, false);
+        }
+        for d in first {
+            self.mem.sub(
+                d,
+                bytes(&inputs.txt)
+                    + bytes(&inputs.y)
+                    + bytes(&inputs.img_ids)
+                    + bytes(&inputs.txt_ids),
+            );
+        }
+        Ok(inputs.img)
+    }
+
+    /// Decodes `latents` (from [`Job::denoise`] on a transformer whose first devices are
+    /// `first`) on `dec`: the image, its timings, accounted peaks and PNG metadata.
+    pub fn decode(
+        mut self,
+        dec: &Decoder,
+        latents: Tensor,
+        first: &Target,
+        cancel: &AtomicBool,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Output> {
+        check_cancel(cancel)?;
+        let req = &self.req;
+        let t = Instant::now();
+        let z = sampling::unpack(&latents, req.width, req.height)?;
+        let img = dec.vae.decode(&z)?;
+        sync(&dec.dev)?;
+        if dec.dev.is_cuda() {
+            // Which decoder ran (channels-last through cuDNN or candle's), as attention's is.
+            progress(&Progress::Note(dec.vae.note()));
+        }
+        let (width, height, data) = vae::to_rgb8(&img.i(0)?)?;
+        if let (Some(mut r), Some(path)) = (self.rec.take(), &req.save_io) {
+            r.add("image", &img)?;
+            r.metadata = io::metadata(&self.model_id, req, self.guidance);
+            r.write(path)?;
+        }
+        self.times.decode_s = t.elapsed().as_secs_f64();
+        // The largest feature map: top channels at full resolution, plus the output.
+        let top = (dec.vae.config().ch * req.width as usize * req.height as usize) as u64
+            * dec.dtype.size_in_bytes() as u64;
+        self.mem.spike(&dec.device, bytes(&z) + top + bytes(&img));
+        for d in &first.first {
+            self.mem.sub(d, bytes(&latents));
+        }
+        progress(&Progress::Decoded {
+            seconds: self.times.decode_s,
+            latents_digest: mold_exec::digest(&latents)?,
+            image_digest: mold_exec::digest(&img)?,
+        });
+        self.times.total_s = self.started.elapsed().as_secs_f64();
+        let peaks = self
+            .mem
+            .peak
+            .into_iter()
+            .filter(|(_, b)| *b > 0)
+            .map(|(device, peak_bytes)| DevicePeak { device, peak_bytes })
+            .collect();
+        Ok(Output {
+            image: RgbImage {
+                width,
+                height,
+                data,
+            },
+            timings: self.times,
+            peaks,
+            metadata: metadata(&self.model_id, req, self.guidance),
+        })
+    }
+}
+
+/// A plan's whole pipeline kept loaded: both text encoders, the transformer and the VAE,
+/// each where the plan places it, serving one request after another.
+pub struct Resident {
+    plan: Plan,
+    prep: Prepared,
+    encoders: Vec<TextEncoder>,
+    denoiser: Denoiser,
+    decoder: Decoder,
+}
+
+impl Resident {
+    /// Loads every component where `plan` places it (checked by [`crate::flux::prepare`]).
+    pub fn load(
+        plan: &Plan,
+        prep: Prepared,
+        opts: &mold_exec::ExecOptions,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Resident> {
+        let mut devmap = DeviceMap::default();
+        let mut encoders = Vec::new();
+        for name in ENCODERS {
+            let (id, _) = placement(plan, name)?;
+            encoders.push(TextEncoder::load(
+                plan,
+                &prep,
+                name,
+                &id,
+                &mut devmap,
+                progress,
+            )?);
+        }
+        let denoiser = Denoiser::load(plan, &prep, opts, &mut devmap, progress)?;
+        let (id, _) = placement(plan, "vae")?;
+        let vae_opts = vae::VaeOptions::with_kernels(opts.kernels);
+        let decoder = Decoder::load_with(plan, &prep, &id, &mut devmap, vae_opts, progress)?;
+        Ok(Resident {
+            plan: plan.clone(),
+            prep,
+            encoders,
+            denoiser,
+            decoder,
+        })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Runs `req` through the loaded components; stops between steps once `cancel` is
+    /// set ([`PipelineError::Cancelled`]). Load time is not counted: nothing loads.
+    pub fn generate(
+        &self,
+        req: &Request,
+        progress: &mut dyn FnMut(&Progress),
+        cancel: &AtomicBool,
+    ) -> Result<Output> {
+        let mut job = Job::begin(&self.plan, &self.prep.flux, req, progress)?;
+        // Everything is held for the whole request.
+        for e in &self.encoders {
+            job.hold(&e.device, e.weight_bytes, true);
+        }
+        self.denoiser.hold(&mut job.mem, true);
+        job.hold(&self.decoder.device, self.decoder.weight_bytes(), true);
+        for e in &self.encoders {
+            job.encode(e, Some(&self.denoiser.target), cancel, progress)?;
+        }
+        let latents = job.denoise(&self.denoiser, true, cancel, progress)?;
+        job.decode(
+            &self.decoder,
+            latents,
+            &self.denoiser.target,
+            cancel,
+            progress,
+        )
+    }
+}

@@ -1,0 +1,389 @@
+//! The FLUX autoencoder's decoder, latents to RGB: on CUDA in bf16/f16 with cuDNN loaded,
+//! the channels-last decoder ([`crate::flux::vae_nhwc`]: cuDNN convolutions, mold's group norm);
+//! elsewhere, or with `MOLD_KERNELS=mold|candle`, candle-transformers'
+//! `flux::autoencoder::Decoder`. [`Vae::note`] says which ran and why.
+
+use crate::error::{PipelineError, Result};
+use crate::flux::vae_nhwc::{DecodeStats, NhwcDecoder, NhwcOptions};
+use crate::layout::WeightsLayout;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::flux::autoencoder::{Config, Decoder};
+use mold_exec::model::conv::{cudnn_version, ConvOptions};
+use mold_exec::Kernels;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Mutex;
+
+/// The autoencoder's hyper-parameters (`ae.json`; BFL's `AutoEncoderParams`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AeConfig {
+    pub resolution: usize,
+    pub in_channels: usize,
+    pub ch: usize,
+    pub out_ch: usize,
+    pub ch_mult: Vec<usize>,
+    pub num_res_blocks: usize,
+    pub z_channels: usize,
+    pub scale_factor: f64,
+    pub shift_factor: f64,
+}
+
+impl AeConfig {
+    /// FLUX.1's autoencoder (dev and schnell share it).
+    pub fn flux() -> AeConfig {
+        let c = Config::dev();
+        AeConfig {
+            resolution: c.resolution,
+            in_channels: c.in_channels,
+            ch: c.ch,
+            out_ch: c.out_ch,
+            ch_mult: c.ch_mult,
+            num_res_blocks: c.num_res_blocks,
+            z_channels: c.z_channels,
+            scale_factor: c.scale_factor,
+            shift_factor: c.shift_factor,
+        }
+    }
+
+    /// A tiny autoencoder with FLUX's structure (8× up-sampling, 16 latent channels,
+    /// the same scale and shift), for tests.
+    pub fn tiny() -> AeConfig {
+        AeConfig {
+            ch: 32,
+            ch_mult: vec![1, 1, 1, 1],
+            num_res_blocks: 1,
+            ..AeConfig::flux()
+        }
+    }
+
+    pub fn to_candle(&self) -> Config {
+        Config {
+            resolution: self.resolution,
+            in_channels: self.in_channels,
+            ch: self.ch,
+            out_ch: self.out_ch,
+            ch_mult: self.ch_mult.clone(),
+            num_res_blocks: self.num_res_blocks,
+            z_channels: self.z_channels,
+            scale_factor: self.scale_factor,
+            shift_factor: self.shift_factor,
+        }
+    }
+
+    /// `ae.json` if the directory has one, else [`AeConfig::flux`].
+    pub fn for_layout(layout: &WeightsLayout) -> Result<AeConfig> {
+        let Some(p) = &layout.ae_config else {
+            return Ok(AeConfig::flux());
+        };
+        let text = std::fs::read_to_string(p).map_err(PipelineError::io(p))?;
+        let c: AeConfig = serde_json::from_str(&text).map_err(|e| PipelineError::Config {
+            path: p.display().to_string(),
+            message: format!("not an autoencoder config: {e}"),
+        })?;
+        if c.ch_mult.is_empty() || !c.ch.is_multiple_of(32) {
+            return Err(PipelineError::Config {
+                path: p.display().to_string(),
+                message:
+                    "ch must be a multiple of 32 (group norms of 32 groups) and ch_mult non-empty"
+                        .into(),
+            });
+        }
+        Ok(c)
+    }
+}
+
+/// How the decoder may run (resolved at the CLI edge: `MOLD_KERNELS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VaeOptions {
+    pub kernels: Kernels,
+    /// Time cuDNN's engine configurations on each convolution shape's first decode and
+    /// keep the fastest (else the heuristics' first choice).
+    pub tune: bool,
+    /// Up-sampling and the 3×3 convolution after it as four 2×2 phase convolutions
+    /// ([`crate::flux::vae_nhwc`]).
+    pub subpixel: bool,
+}
+
+impl Default for VaeOptions {
+    fn default() -> Self {
+        VaeOptions {
+            kernels: Kernels::Auto,
+            tune: false,
+            subpixel: true,
+        }
+    }
+}
+
+impl VaeOptions {
+    pub fn with_kernels(kernels: Kernels) -> VaeOptions {
+        VaeOptions {
+            kernels,
+            ..VaeOptions::default()
+        }
+    }
+}
+
+enum Imp {
+    /// candle-transformers' decoder; why the channels-last one is not used.
+    Candle(Decoder, String),
+    /// The channels-last decoder and cuDNN's version.
+    Nhwc(NhwcDecoder, String),
+}
+
+/// The decoder, ready to run on its device.
+pub struct Vae {
+    imp: Imp,
+    cfg: AeConfig,
+    dtype: DType,
+    device: Device,
+    pub weight_bytes: u64,
+    /// What the last decode ran (the channels-last decoder).
+    last: Mutex<Option<DecodeStats>>,
+}
+
+/// Whether the channels-last decoder runs for `dtype` on `dev` under `kernels`: cuDNN's
+/// version, else why not (an error where `MOLD_KERNELS=cudnn|fused` requires it).
+fn channels_last(
+    dev: &Device,
+    dtype: DType,
+    kernels: Kernels,
+) -> Result<std::result::Result<String, String>> {
+    let why = if matches!(kernels, Kernels::Candle | Kernels::Mold) {
+        format!("MOLD_KERNELS={}", format!("{kernels:?}").to_lowercase())
+    } else if !dev.is_cuda() {
+        "not a CUDA device".into()
+    } else if !matches!(dtype, DType::BF16 | DType::F16) {
+        format!("dtype {dtype:?}, not bf16/f16")
+    } else {
+        match cudnn_version() {
+            Ok(v) => return Ok(Ok(v)),
+            Err(e) if matches!(kernels, Kernels::Cudnn | Kernels::Fused) => {
+                return Err(PipelineError::Component {
+                    component: "vae".into(),
+                    message: format!(
+                        "MOLD_KERNELS={}: the decoder's convolutions need cuDNN: {e}; unset \
+                         MOLD_KERNELS to fall back to candle's decoder",
+                        format!("{kernels:?}").to_lowercase()
+                    ),
+                })
+            }
+            Err(e) => e,
+        }
+    };
+    Ok(Err(why))
+}
+
+/// The implementation `opts` and the device allow, built from `vb`: an error where
+/// `MOLD_KERNELS` requires what is missing, else the decoder or why it could not be built.
+fn build(
+    vb: VarBuilder,
+    cfg: &AeConfig,
+    dtype: DType,
+    dev: &Device,
+    opts: VaeOptions,
+) -> Result<std::result::Result<Imp, String>> {
+    Ok(match channels_last(dev, dtype, opts.kernels)? {
+        Ok(version) => {
+            let nhwc = NhwcOptions {
+                conv: ConvOptions {
+                    kernels: opts.kernels,
+                    tune: opts.tune,
+                },
+                subpixel: opts.subpixel,
+            };
+            NhwcDecoder::new(cfg, vb.pp("decoder"), nhwc)
+                .map(|d| Imp::Nhwc(d, version))
+                .map_err(|e| e.to_string())
+        }
+        Err(why) => Decoder::new(&cfg.to_candle(), vb.pp("decoder"))
+            .map(|d| Imp::Candle(d, why))
+            .map_err(|e| e.to_string()),
+    })
+}
+
+impl Vae {
+    /// Loads the decoder in `dtype` with the default options ([`Vae::load_with`]).
+    pub fn load(layout: &WeightsLayout, dtype: DType, dev: &Device) -> Result<Vae> {
+        Self::load_with(layout, dtype, dev, VaeOptions::default())
+    }
+
+    /// Loads the decoder in `dtype`; on a CPU device a bf16 decoder computes in f32
+    /// (candle's CPU matrix products, which its convolutions use, have no bf16: a bf16
+    /// VAE on the host or an emulated device would fail at decode, after denoising).
+    pub fn load_with(
+        layout: &WeightsLayout,
+        dtype: DType,
+        dev: &Device,
+        opts: VaeOptions,
+    ) -> Result<Vae> {
+        let cfg = AeConfig::for_layout(layout)?;
+        Self::load_file(&layout.ae, cfg, dtype, dev, opts)
+    }
+
+    /// Loads the decoder of `cfg` from the safetensors file `ae` (BFL's names).
+    pub fn load_file(
+        ae: &Path,
+        cfg: AeConfig,
+        dtype: DType,
+        dev: &Device,
+        opts: VaeOptions,
+    ) -> Result<Vae> {
+        let dtype = crate::on_device_dtype(dtype, dev);
+        let files = [ae.to_path_buf()];
+        let weight_bytes = crate::text::weight_bytes(&files, dtype, |n| n.starts_with("decoder."))?;
+        // SAFETY: mapped read-only; the file must not change while loading.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, dev)? };
+        let imp = build(vb, &cfg, dtype, dev, opts)?.map_err(|e| PipelineError::Component {
+            component: "vae".into(),
+            message: format!(
+                "cannot load the decoder from {}: {e} (a config other than FLUX's goes in {})",
+                ae.display(),
+                crate::layout::AE_CONFIG
+            ),
+        })?;
+        Ok(Vae::new(imp, cfg, dtype, dev, weight_bytes))
+    }
+
+    /// The decoder of `cfg` from `vb` (BFL's names under `decoder.`; zero weights for the
+    /// calibration's timings), the same choice of implementation as [`Vae::load_with`].
+    /// `dtype` must already be the one it computes in on `dev`.
+    pub fn from_varbuilder(
+        vb: VarBuilder,
+        cfg: AeConfig,
+        dtype: DType,
+        dev: &Device,
+        opts: VaeOptions,
+        weight_bytes: u64,
+    ) -> Result<Vae> {
+        let imp = build(vb, &cfg, dtype, dev, opts)?.map_err(|e| PipelineError::Component {
+            component: "vae".into(),
+            message: format!("cannot build the decoder: {e}"),
+        })?;
+        Ok(Vae::new(imp, cfg, dtype, dev, weight_bytes))
+    }
+
+    fn new(imp: Imp, cfg: AeConfig, dtype: DType, dev: &Device, weight_bytes: u64) -> Vae {
+        Vae {
+            imp,
+            cfg,
+            dtype,
+            device: dev.clone(),
+            weight_bytes,
+            last: Mutex::new(None),
+        }
+    }
+
+    pub fn config(&self) -> &AeConfig {
+        &self.cfg
+    }
+
+    /// Whether the channels-last decoder runs.
+    pub fn is_channels_last(&self) -> bool {
+        matches!(self.imp, Imp::Nhwc(..))
+    }
+
+    /// Latents `(b, 16, h, w)` (any device, any float dtype) → images `(b, 3, 8h, 8w)`
+    /// in about [-1, 1], f32 on the VAE's device.
+    pub fn decode(&self, latents: &Tensor) -> Result<Tensor> {
+        self.decode_marked(latents, None)
+    }
+
+    /// [`Vae::decode`], calling `marks` after each operation of the channels-last decoder
+    /// (for a per-operation profile; candle's decoder calls it once, at the end).
+    pub fn decode_marked(
+        &self,
+        latents: &Tensor,
+        mut marks: crate::flux::vae_nhwc::Marks,
+    ) -> Result<Tensor> {
+        let z = latents.to_device(&self.device)?.to_dtype(self.dtype)?;
+        let z = ((z / self.cfg.scale_factor)? + self.cfg.shift_factor)?;
+        let y = match &self.imp {
+            Imp::Candle(d, _) => {
+                let y = d.forward(&z)?;
+                if let Some(m) = marks.as_mut() {
+                    m("candle decoder".into(), &y);
+                }
+                y
+            }
+            Imp::Nhwc(d, _) => {
+                let mut stats = DecodeStats::default();
+                let y = d.forward(&z, &mut stats, marks)?;
+                *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+                y
+            }
+        };
+        Ok(y.to_dtype(DType::F32)?)
+    }
+
+    /// One line for the run's report: which decoder ran (for the channels-last one, the
+    /// last decode's convolutions per implementation), or why the channels-last one did not.
+    pub fn note(&self) -> String {
+        match &self.imp {
+            Imp::Candle(_, why) => {
+                format!("vae: candle-transformers' decoder (channels-last not used: {why})")
+            }
+            Imp::Nhwc(_, version) => {
+                let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(s) = last.as_ref() else {
+                    return format!("vae: channels-last decoder, cuDNN {version} (not run yet)");
+                };
+                let mut line = format!(
+                    "vae: cudnn {version} conv ({} calls, {} with the bias/residual fused), mold group norm",
+                    s.cudnn, s.fully_fused
+                );
+                if s.candle > 0 {
+                    line += &format!(
+                        "; candle conv ({} calls: {})",
+                        s.candle,
+                        s.refusals.join("; ")
+                    );
+                }
+                line
+            }
+        }
+    }
+}
+
+/// One decoded image `(3, h, w)` in [-1, 1] → interleaved RGB bytes (BFL's
+/// `127.5 * (x.clamp(-1, 1) + 1)`, truncated).
+pub fn to_rgb8(img: &Tensor) -> Result<(u32, u32, Vec<u8>)> {
+    let (c, h, w) = img.dims3()?;
+    if c != 3 {
+        return Err(PipelineError::Component {
+            component: "vae".into(),
+            message: format!("decoded {c} channels, expected 3 (RGB)"),
+        });
+    }
+    let hwc = img
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .permute((1, 2, 0))?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let bytes = hwc
+        .into_iter()
+        .map(|v| {
+            let v = if v.is_nan() { 0.0 } else { v.clamp(-1.0, 1.0) };
+            (127.5 * (v + 1.0)) as u8
+        })
+        .collect();
+    Ok((w as u32, h as u32, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_channels_last_decoder_needs_cuda_and_nvidia_libraries() {
+        let cpu = Device::Cpu;
+        let why = |k| channels_last(&cpu, DType::BF16, k).unwrap().unwrap_err();
+        assert_eq!(why(Kernels::Candle), "MOLD_KERNELS=candle");
+        assert_eq!(why(Kernels::Mold), "MOLD_KERNELS=mold");
+        assert_eq!(why(Kernels::Auto), "not a CUDA device");
+        // A decoder on the host is no refusal of cuDNN, even where MOLD_KERNELS requires it.
+        assert_eq!(why(Kernels::Cudnn), "not a CUDA device");
+    }
+}
