@@ -1018,6 +1018,31 @@ fn keep_log() -> (Lines, Arc<dyn Fn(String) + Send + Sync>) {
     (lines, Arc::new(move |s| l.lock().unwrap().push(s)))
 }
 
+/// A server handle that, left to drop (a failing test), is dropped on a thread of its
+/// own: a drain that hangs, what these tests catch, fails the test instead of hanging it.
+struct Detached(Option<mold_serve::Handle>);
+
+impl std::ops::Deref for Detached {
+    type Target = mold_serve::Handle;
+    fn deref(&self) -> &mold_serve::Handle {
+        self.0.as_ref().unwrap()
+    }
+}
+
+impl Detached {
+    fn take(mut self) -> mold_serve::Handle {
+        self.0.take().unwrap()
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            std::thread::spawn(move || drop(h));
+        }
+    }
+}
+
 /// Shuts the server down on another thread; fails (rather than hangs) if draining does
 /// not end.
 fn shutdown_within(h: mold_serve::Handle) -> mold_serve::Summary {
@@ -1065,7 +1090,9 @@ fn a_panicking_worker_fails_one_request_and_the_next_succeeds() {
             hooks: Hooks::default().panic_at(stage, 1),
             ..opts()
         };
-        let h = mold_serve::spawn_logged(&deployment(1), &o, log).unwrap();
+        let h = Detached(Some(
+            mold_serve::spawn_logged(&deployment(1), &o, log).unwrap(),
+        ));
         let url = format!("http://{}/v1/generate", h.addr());
         let id = assert_opaque_500(client().post(&url).json(&body(1, 1)).send().unwrap());
         // The log has the cause under that id.
@@ -1077,7 +1104,7 @@ fn a_panicking_worker_fails_one_request_and_the_next_succeeds() {
         // The next request is served (a transformer that panicked reloaded first).
         let r = client().post(&url).json(&body(2, 1)).send().unwrap();
         assert_eq!(r.status(), 200, "{stage}: {:?}", r.text());
-        let s = shutdown_within(h);
+        let s = shutdown_within(h.take());
         assert_eq!((s.ok, s.failed), (1, 1), "{stage}");
         if stage == Stage::Denoise {
             let l = lines.lock().unwrap();
@@ -1099,7 +1126,9 @@ fn health_is_not_ready_when_no_replica_can_serve() {
             .panic_at(Stage::Reload, 1),
         ..opts()
     };
-    let h = mold_serve::spawn_logged(&deployment(1), &o, log).unwrap();
+    let h = Detached(Some(
+        mold_serve::spawn_logged(&deployment(1), &o, log).unwrap(),
+    ));
     let addr = h.addr();
     assert_eq!(raw(addr, "GET", "/health", &[], "").status, 200);
     let r = client()
@@ -1133,7 +1162,7 @@ fn health_is_not_ready_when_no_replica_can_serve() {
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(r.message().contains("no replica can serve"));
     assert_eq!(metric(addr, "mold_replicas_serving "), 0.0);
-    let s = shutdown_within(h);
+    let s = shutdown_within(h.take());
     assert_eq!((s.ok, s.failed), (0, 1));
     let l = lines.lock().unwrap();
     assert!(
@@ -1151,7 +1180,7 @@ fn a_failure_inside_the_pipeline_tells_the_client_only_its_id() {
     let dev = tf.parts[0].devices[0].clone();
     d.exec.fault = Some(mold_exec::Fault::parse(&format!("{dev}@double 0")).unwrap());
     let (lines, log) = keep_log();
-    let h = mold_serve::spawn_logged(&d, &opts(), log).unwrap();
+    let h = Detached(Some(mold_serve::spawn_logged(&d, &opts(), log).unwrap()));
     let id = assert_opaque_500(
         client()
             .post(format!("http://{}/v1/generate", h.addr()))
@@ -1165,7 +1194,7 @@ fn a_failure_inside_the_pipeline_tells_the_client_only_its_id() {
             .any(|l| l.starts_with(&format!("request {id}: failed: ")) && l.contains("MOLD_FAULT")),
         "{l:?}"
     );
-    let s = shutdown_within(h);
+    let s = shutdown_within(h.take());
     assert_eq!((s.ok, s.failed), (0, 1));
 }
 
