@@ -285,10 +285,6 @@ pub fn run(a: Args) -> Result<i32> {
     let get = |k: &str| env.get(k);
     let launch = mold_exec::dist::Launch::from_vars(get)?;
     let comm_opts = mold_exec::comm::CommOptions::from_vars(get)?;
-    // Before the plan or any checkpoint is opened.
-    if let Some(l) = &launch {
-        l.check_secret(&comm_opts)?;
-    }
     check_numbers(&a)?;
     if let Some(p) = &a.report {
         super::run_report::check_path(p)?;

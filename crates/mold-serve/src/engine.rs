@@ -280,6 +280,8 @@ pub struct Engine {
     wake: Condvar,
     capacity: usize,
     encoder_pool: bool,
+    /// How the VAE decodes (`MOLD_KERNELS`, through the deployment's exec options).
+    vae: mold_pipeline::flux::vae::VaeOptions,
     next_id: AtomicU64,
     pub metrics: Metrics,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -434,6 +436,7 @@ impl Engine {
             wake: Condvar::new(),
             capacity: opts.queue.max(1),
             encoder_pool: opts.encoder_pool,
+            vae: mold_pipeline::flux::vae::VaeOptions::with_kernels(d.exec.kernels),
             next_id: AtomicU64::new(1),
             metrics: Metrics::default(),
             workers: Mutex::new(Vec::new()),
@@ -718,11 +721,12 @@ impl Engine {
         let inst = {
             let mut devmap = lock(&self.devmap);
             if name == "vae" {
-                Instance::Decoder(Box::new(Decoder::load(
+                Instance::Decoder(Box::new(Decoder::load_with(
                     &self.plan,
                     &self.prep,
                     &id,
                     &mut devmap,
+                    self.vae,
                     progress,
                 )?))
             } else {
