@@ -1,0 +1,120 @@
+//! The encoder and VAE instances: each loaded once per device on first use, run under
+//! the lock pool, and dropped (loaded afresh on next use) when it panics.
+
+use super::queue::Ticket;
+use super::{lock, Engine, COMPONENTS};
+use crate::options::Stage;
+use mold_pipeline::flux::resident::{Decoder, Job, ENCODERS};
+use mold_pipeline::{PipelineError, Progress};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// An encoder or VAE instance on one device.
+pub(super) enum Instance {
+    Encoder(Box<mold_pipeline::flux::resident::TextEncoder>),
+    Decoder(Box<Decoder>),
+}
+
+impl Engine {
+    /// The instance of component `c` on device `d`, loaded on first use (the caller holds
+    /// the device, or it is startup).
+    pub(super) fn instance(
+        &self,
+        c: usize,
+        d: usize,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Arc<Instance>, PipelineError> {
+        if let Some(i) = lock(&self.instances).get(&(c, d)) {
+            return Ok(i.clone());
+        }
+        let id = self.pool.devices()[d].id.clone();
+        let name = COMPONENTS[c];
+        let inst = {
+            let mut devmap = lock(&self.devmap);
+            if name == "vae" {
+                Instance::Decoder(Box::new(Decoder::load_with(
+                    &self.plan,
+                    &self.prep,
+                    &id,
+                    &mut devmap,
+                    self.vae,
+                    progress,
+                )?))
+            } else {
+                Instance::Encoder(Box::new(mold_pipeline::flux::resident::TextEncoder::load(
+                    &self.plan,
+                    &self.prep,
+                    name,
+                    &id,
+                    &mut devmap,
+                    progress,
+                )?))
+            }
+        };
+        let inst = Arc::new(inst);
+        lock(&self.instances).insert((c, d), inst.clone());
+        Ok(inst)
+    }
+
+    /// Runs component `c` for `ticket` on a device from the pool (`allowed`, else any),
+    /// loading its instance there on first use; `f` gets the instance. If `f` panics, the
+    /// instance is dropped (loaded afresh on next use) and the panic goes on.
+    pub(super) fn with_component<T>(
+        &self,
+        c: usize,
+        allowed: Option<&[usize]>,
+        ticket: &Ticket,
+        f: impl FnOnce(&Instance) -> Result<T, PipelineError>,
+    ) -> Result<T, PipelineError> {
+        let lease = self
+            .pool
+            .component(c, allowed, ticket.id, &ticket.cancel)
+            .map_err(|_| PipelineError::Cancelled)?;
+        let t = Instant::now();
+        let inst = match self.instance(c, lease.device(), &mut ticket.progress()) {
+            Ok(i) => i,
+            Err(e) => {
+                lease.load_failed();
+                return Err(e);
+            }
+        };
+        let out = match catch_unwind(AssertUnwindSafe(|| f(&inst))) {
+            Ok(out) => out,
+            Err(p) => {
+                lock(&self.instances).remove(&(c, lease.device()));
+                drop(inst);
+                drop(lease);
+                resume_unwind(p);
+            }
+        };
+        self.metrics
+            .busy(&lease.device_id().to_string(), t.elapsed().as_secs_f64());
+        out
+    }
+
+    /// Encodes `job`'s prompt with both encoders: on replica `own`'s planned devices, or
+    /// (`None`) on any device the pool gives.
+    pub(super) fn encode(
+        &self,
+        ticket: &Ticket,
+        job: &mut Job,
+        own: Option<usize>,
+    ) -> Result<(), PipelineError> {
+        for c in 0..ENCODERS.len() {
+            let allowed = own.map(|r| vec![self.replicas[r].planned[c]]);
+            self.with_component(c, allowed.as_deref(), ticket, |inst| {
+                if c == 0 {
+                    self.hooks.at(Stage::Encode);
+                }
+                match inst {
+                    Instance::Encoder(enc) => {
+                        job.encode(enc, None, &ticket.cancel, &mut ticket.progress())
+                    }
+                    Instance::Decoder(_) => unreachable!("components 0 and 1 are encoders"),
+                }
+            })?;
+        }
+        Ok(())
+    }
+}
