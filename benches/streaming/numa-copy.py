@@ -2,9 +2,10 @@
 
 The 16 GiB partly resident FLUX plan's copies ran at 37.8-55.5 GB/s each (median 44.1)
 while the calibration's single pinned buffer copies at 55.5 GB/s, idle or beside any of
-the model's kernels (calibrate_copy.rs). This allocates COUNT page-locked buffers of
-SIZE_MIB, each from a thread bound to one NUMA node in turn, and times each buffer's copy
-to GPU 0 (median of 3 after one warm-up), so the rate can be read against placement.
+the model's kernels (crates/mold-exec/src/calibrate/copy.rs). This allocates COUNT
+page-locked buffers of SIZE_MIB, each from a thread bound to one NUMA node in turn, and
+times each buffer's copy to GPU 0 (median of 3 after one warm-up), so the rate can be
+read against placement.
     python3 benches/streaming/numa-copy.py [COUNT] [SIZE_MIB]   -> JSON lines on stdout
 """
 import glob, json, os, statistics, sys, time
