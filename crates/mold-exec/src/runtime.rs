@@ -81,15 +81,56 @@ fn cuda_device(n: u32, id: &DeviceId, own_stream: bool) -> Result<Device> {
             e.to_string().lines().next().unwrap_or("no CUDA device")
         ),
     };
-    if !own_stream {
-        return Device::new_cuda(n as usize).map_err(err);
+    let d = if !own_stream {
+        Device::new_cuda(n as usize).map_err(err)?
+    } else {
+        let cd = candle_core::CudaDevice::new_with_stream(n as usize).map_err(err)?;
+        // SAFETY: every buffer is used on this device's one stream, except the weight ring's
+        // slots, which the ring orders with its own events; nothing relies on cudarc's
+        // automatic cross-stream waits.
+        unsafe { cd.disable_event_tracking() };
+        Device::Cuda(cd)
+    };
+    if let Device::Cuda(cd) = &d {
+        keep_freed_memory(cd).map_err(|message| ExecError::Device {
+            device: id.to_string(),
+            message,
+        })?;
     }
-    let cd = candle_core::CudaDevice::new_with_stream(n as usize).map_err(err)?;
-    // SAFETY: every buffer is used on this device's one stream, except the weight ring's
-    // slots, which the ring orders with its own events; nothing relies on cudarc's
-    // automatic cross-stream waits.
-    unsafe { cd.disable_event_tracking() };
-    Ok(Device::Cuda(cd))
+    Ok(d)
+}
+
+/// Keeps the memory candle frees in the device's default memory pool (the stream-ordered
+/// allocator candle allocates from) instead of giving it back to the driver at every
+/// synchronisation: the pool's release threshold at its maximum, as PyTorch's caching
+/// allocator keeps what it frees. With the default threshold (0) every synchronisation
+/// trims the pool to what is in use, and the next pass maps its activations' memory again.
+/// What the pool holds never exceeds its high-water mark of bytes in use, the peak the
+/// cost model predicts. A device without memory pools is left as it is.
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(cd: &candle_core::CudaDevice) -> std::result::Result<(), String> {
+    use candle_core::cuda::cudarc::driver::sys;
+    let ctx = cd.cuda_stream().context().clone();
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid out pointer and the device of a live context.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(|e| format!("its memory pool: {e:?}"))?;
+    let mut keep: u64 = u64::MAX;
+    // SAFETY: the release threshold is a cuuint64_t, read through a valid pointer.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut keep as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(|e| format!("its memory pool's release threshold: {e:?}"))
 }
 
 #[cfg(not(feature = "cuda"))]

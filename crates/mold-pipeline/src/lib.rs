@@ -18,6 +18,7 @@
 //! outputs), not allocator peaks.
 
 pub mod calibrate;
+pub mod encoders;
 pub mod error;
 pub mod flux;
 pub mod image;

@@ -26,6 +26,32 @@ pub fn linear(
     bias_act(&lin.forward(x)?, Some(b), gelu, k)
 }
 
+/// `x Wᵀ` for `x` `(…, k)` and `w` `(n, k)`: candle's matmul (cuBLAS on CUDA).
+pub fn matmul(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
+    match x.rank() {
+        2 => x.matmul(&w.t()?),
+        _ => {
+            let (lead, k) = x.dims().split_at(x.rank() - 1);
+            let out = x.reshape(((), k[0]))?.matmul(&w.t()?)?;
+            let mut shape = lead.to_vec();
+            shape.push(w.dim(0)?);
+            out.reshape(shape)
+        }
+    }
+}
+
+/// `acc + x Wᵀ` (a residual and a product): on CUDA with the libraries allowed the product
+/// is accumulated into `acc` in cuBLASLt (beta = 1), so the sum is never written twice;
+/// `acc` is consumed and must not share its storage with another live tensor. Elsewhere
+/// [`matmul`] then an add.
+pub fn add_matmul(acc: Tensor, x: &Tensor, w: &Tensor, k: Kernels) -> CResult<Tensor> {
+    if k.uses_libraries() && accumulate_applies(&acc, x, w) {
+        accumulate(&acc, x, w)?;
+        return Ok(acc);
+    }
+    acc + matmul(x, w)?
+}
+
 /// Whether cuBLASLt's epilogue runs this: CUDA bf16/f16, contiguous operands, sizes that
 /// keep every row 16-byte aligned.
 pub(crate) fn epilogue_applies(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {

@@ -17,7 +17,7 @@ use crate::flux::vae::{AeConfig, VaeOptions};
 use crate::{component_dtype, on_device_dtype};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::clip::text_model::{ClipTextConfig, ClipTextTransformer};
+use candle_transformers::models::clip::text_model::ClipTextConfig;
 use candle_transformers::models::t5;
 use mold_exec::FluxConfig;
 use mold_machine::ComponentPoint;
@@ -55,7 +55,7 @@ pub fn time_components(
     let c = Components::of(model)?;
     let mut points = Vec::new();
     for name in ["t5", "clip"] {
-        let mut b = c.encoder(name, dev)?;
+        let mut b = c.encoder(name, dev, vae.kernels)?;
         progress(&b.label);
         let seconds = median(dev, bench, &mut b.run)?;
         points.push(b.point(seconds));
@@ -143,7 +143,7 @@ pub fn first_use(
         Ok(())
     };
     for name in crate::flux::resident::ENCODERS {
-        time(c.encoder(name, dev)?, progress)?;
+        time(c.encoder(name, dev, vae.kernels)?, progress)?;
     }
     // A size the device cannot decode (its memory) leaves the decoder out, not the
     // encoders' runs.
@@ -287,27 +287,24 @@ impl Components {
     }
 
     /// A text encoder (`t5`, `clip`) over its prompt: T5 at the model's prompt length,
-    /// CLIP at its fixed positions.
-    fn encoder(&self, name: &str, dev: &Device) -> Result<Built> {
+    /// CLIP at its fixed positions; the network `mold exec` runs for `kernels`.
+    fn encoder(&self, name: &str, dev: &Device, kernels: mold_exec::Kernels) -> Result<Built> {
         let (planned, dt) = self.dtypes(name, dev)?;
         let vb = VarBuilder::zeros(dt, dev);
         type Run = Box<dyn FnMut() -> candle_core::Result<Tensor>>;
         let (component, tokens, run): (&'static str, usize, Run) = match name {
             "t5" => {
                 let tokens = self.spec.text_tokens as usize;
-                let mut m = t5::T5EncoderModel::load(vb, &self.t5)?;
+                let mut m = crate::flux::text::T5Net::new(vb, &self.t5, kernels)?;
                 let ids = Tensor::zeros((1, tokens), DType::U32, dev)?;
                 ("t5", tokens, Box::new(move || m.forward(&ids)))
             }
             "clip" => {
                 let len = self.clip.max_position_embeddings;
-                let m = ClipTextTransformer::new(vb.pp("text_model"), &self.clip)?;
+                let mut m =
+                    crate::flux::text::ClipNet::new(vb.pp("text_model"), &self.clip, kernels)?;
                 let ids = Tensor::zeros((1, len), DType::U32, dev)?;
-                (
-                    "clip",
-                    len,
-                    Box::new(move || m.forward_with_mask(&ids, usize::MAX)),
-                )
+                ("clip", len, Box::new(move || m.forward(&ids)))
             }
             other => {
                 return Err(PipelineError::Plan(format!(

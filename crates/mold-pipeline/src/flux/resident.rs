@@ -34,9 +34,9 @@ use std::time::Instant;
 pub const ENCODERS: [&str; 2] = ["t5", "clip"];
 
 enum EncoderModel {
-    /// Candle's T5 keeps a position-bias cache: encoding needs `&mut`.
+    /// The encoders keep a position-bias or mask cache: encoding needs `&mut`.
     T5(Mutex<text::T5>),
-    Clip(text::Clip),
+    Clip(Mutex<text::Clip>),
 }
 
 /// A text encoder loaded on one device, in the plan's dtype for it.
@@ -51,13 +51,15 @@ pub struct TextEncoder {
 
 impl TextEncoder {
     /// Loads encoder `name` (`t5` or `clip`) on `on` (any device: the plan gives the
-    /// dtype), reporting `Loading` and `Loaded`.
+    /// dtype), reporting `Loading` and `Loaded`; `kernels`: mold's network, or
+    /// candle-transformers' under `candle`.
     pub fn load(
         plan: &Plan,
         prep: &Prepared,
         name: &str,
         on: &DeviceId,
         devmap: &mut DeviceMap,
+        kernels: mold_exec::Kernels,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<TextEncoder> {
         let name = match ENCODERS.iter().find(|n| **n == name) {
@@ -80,13 +82,13 @@ impl TextEncoder {
         });
         let t = Instant::now();
         let (model, weight_bytes) = if name == "t5" {
-            let m = text::T5::load(&prep.layout.t5, prep.t5_tokens, dtype, &dev)?;
+            let m = text::T5::load(&prep.layout.t5, prep.t5_tokens, dtype, &dev, kernels)?;
             let b = m.weight_bytes;
             (EncoderModel::T5(Mutex::new(m)), b)
         } else {
-            let m = text::Clip::load(&prep.layout.clip, dtype, &dev)?;
+            let m = text::Clip::load(&prep.layout.clip, dtype, &dev, kernels)?;
             let b = m.weight_bytes;
-            (EncoderModel::Clip(m), b)
+            (EncoderModel::Clip(Mutex::new(m)), b)
         };
         sync(&dev)?;
         let load_s = t.elapsed().as_secs_f64();
@@ -109,15 +111,13 @@ impl TextEncoder {
     /// The encoder's output for `prompt` (T5: `(1, tokens, d_model)`, CLIP: `(1,
     /// hidden)`), in its dtype, on its device (finished).
     pub fn encode(&self, prompt: &str) -> Result<Tensor> {
+        let poisoned = |component: &str| PipelineError::Component {
+            component: component.into(),
+            message: "an earlier encode panicked; restart".into(),
+        };
         let out = match &self.model {
-            EncoderModel::T5(m) => m
-                .lock()
-                .map_err(|_| PipelineError::Component {
-                    component: "t5".into(),
-                    message: "an earlier encode panicked; restart".into(),
-                })?
-                .encode(prompt)?,
-            EncoderModel::Clip(m) => m.encode(prompt)?,
+            EncoderModel::T5(m) => m.lock().map_err(|_| poisoned("t5"))?.encode(prompt)?,
+            EncoderModel::Clip(m) => m.lock().map_err(|_| poisoned("clip"))?.encode(prompt)?,
         };
         sync(&self.dev)?;
         Ok(out)
@@ -645,6 +645,7 @@ impl Resident {
                 name,
                 &id,
                 &mut devmap,
+                opts.kernels,
                 progress,
             )?);
         }

@@ -9,6 +9,8 @@
 //!   first end-of-text token (the first maximum id, as HF's `CLIPTextModel` pools).
 //!   Output `(1, hidden)`.
 
+use crate::encoders::clip::ClipText;
+use crate::encoders::t5::T5Encoder;
 use crate::error::{PipelineError, Result};
 use crate::layout::EncoderFiles;
 use crate::text::{panic_text, tokenize, weight_bytes};
@@ -18,6 +20,7 @@ use candle_transformers::models::clip::text_model::{
     Activation, ClipTextConfig, ClipTextTransformer,
 };
 use candle_transformers::models::t5;
+use mold_exec::Kernels;
 use std::path::Path;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
@@ -225,23 +228,64 @@ pub fn t5_config(files: &EncoderFiles) -> Result<t5::Config> {
     })
 }
 
+/// T5's encoder network: mold's ([`crate::encoders::t5`]), or candle-transformers' under
+/// `MOLD_KERNELS=candle` (the reference).
+pub enum T5Net {
+    Mold(T5Encoder),
+    Candle(t5::T5EncoderModel),
+}
+
+impl T5Net {
+    /// Built from `vb` (rooted where `shared.weight` and `encoder.` live).
+    pub fn new(vb: VarBuilder, cfg: &t5::Config, kernels: Kernels) -> candle_core::Result<T5Net> {
+        if kernels == Kernels::Candle {
+            return Ok(T5Net::Candle(t5::T5EncoderModel::load(vb, cfg)?));
+        }
+        if let Err(why) = crate::encoders::t5::supported(cfg) {
+            candle_core::bail!("{why}");
+        }
+        Ok(T5Net::Mold(T5Encoder::new(vb, cfg, kernels)?))
+    }
+
+    /// `(1, len, d_model)` for `ids` `(1, len)`.
+    pub fn forward(&mut self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            T5Net::Mold(m) => m.forward(ids),
+            T5Net::Candle(m) => m.forward(ids),
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        match self {
+            T5Net::Mold(m) => m.device(),
+            T5Net::Candle(m) => m.device(),
+        }
+    }
+}
+
 /// The T5 encoder with its tokenizer.
 pub struct T5 {
-    model: t5::T5EncoderModel,
+    model: T5Net,
     tok: Tokenizer,
     tok_path: std::path::PathBuf,
     pub weight_bytes: u64,
 }
 
 impl T5 {
-    pub fn load(files: &EncoderFiles, len: usize, dtype: DType, dev: &Device) -> Result<T5> {
+    pub fn load(
+        files: &EncoderFiles,
+        len: usize,
+        dtype: DType,
+        dev: &Device,
+        kernels: Kernels,
+    ) -> Result<T5> {
         let cfg = t5_config(files)?;
         let tok = load_tokenizer(&files.tokenizer, len, &["<pad>"])?;
         let weight_bytes = weight_bytes(&files.weights, dtype, |n| {
             n.starts_with("shared.") || n.starts_with("encoder.")
         })?;
         let vb = var_builder(&files.weights, dtype, dev)?;
-        let model = t5::T5EncoderModel::load(vb, &cfg).map_err(|e| PipelineError::Component {
+        let model = T5Net::new(vb, &cfg, kernels).map_err(|e| PipelineError::Component {
             component: "t5".into(),
             message: format!("cannot load {:?}: {e}", files.weights),
         })?;
@@ -306,9 +350,39 @@ pub fn clip_config_from(v: serde_json::Value, path: &Path) -> Result<ClipTextCon
     })
 }
 
+/// CLIP's text network: mold's ([`crate::encoders::clip`]), or candle-transformers' under
+/// `MOLD_KERNELS=candle` (the reference).
+pub enum ClipNet {
+    Mold(ClipText),
+    Candle(ClipTextTransformer),
+}
+
+impl ClipNet {
+    /// Built from `vb` rooted at `text_model`.
+    pub fn new(
+        vb: VarBuilder,
+        cfg: &ClipTextConfig,
+        kernels: Kernels,
+    ) -> candle_core::Result<ClipNet> {
+        Ok(if kernels == Kernels::Candle {
+            ClipNet::Candle(ClipTextTransformer::new(vb, cfg)?)
+        } else {
+            ClipNet::Mold(ClipText::new(vb, cfg, kernels)?)
+        })
+    }
+
+    /// The final-layer-normed hidden states `(1, len, hidden)` for `ids` `(1, len)`.
+    pub fn forward(&mut self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            ClipNet::Mold(m) => m.forward(ids),
+            ClipNet::Candle(m) => m.forward_with_mask(ids, usize::MAX),
+        }
+    }
+}
+
 /// The CLIP text model with its tokenizer.
 pub struct Clip {
-    model: ClipTextTransformer,
+    model: ClipNet,
     tok: Tokenizer,
     tok_path: std::path::PathBuf,
     device: Device,
@@ -316,7 +390,12 @@ pub struct Clip {
 }
 
 impl Clip {
-    pub fn load(files: &EncoderFiles, dtype: DType, dev: &Device) -> Result<Clip> {
+    pub fn load(
+        files: &EncoderFiles,
+        dtype: DType,
+        dev: &Device,
+        kernels: Kernels,
+    ) -> Result<Clip> {
         let cfg = clip_config(files)?;
         let tok = load_tokenizer(
             &files.tokenizer,
@@ -327,7 +406,7 @@ impl Clip {
             n.starts_with("text_model.") && !n.ends_with("position_ids")
         })?;
         let vb = var_builder(&files.weights, dtype, dev)?;
-        let model = ClipTextTransformer::new(vb.pp("text_model"), &cfg).map_err(|e| {
+        let model = ClipNet::new(vb.pp("text_model"), &cfg, kernels).map_err(|e| {
             PipelineError::Component {
                 component: "clip".into(),
                 message: format!("cannot load {:?}: {e}", files.weights),
@@ -343,13 +422,13 @@ impl Clip {
     }
 
     /// The pooled vector `(1, hidden)` in the model's dtype, on its device.
-    pub fn encode(&self, prompt: &str) -> Result<Tensor> {
+    pub fn encode(&mut self, prompt: &str) -> Result<Tensor> {
         let ids = tokenize(&self.tok, &self.tok_path, prompt)?;
         // HF pools at `input_ids.argmax(-1)`: the first end-of-text token, the largest id.
         let max = ids.iter().copied().max().unwrap_or(0);
         let pos = ids.iter().position(|&i| i == max).unwrap_or(0);
         let ids = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
-        let hidden = self.model.forward_with_mask(&ids, usize::MAX)?;
+        let hidden = self.model.forward(&ids)?;
         Ok(hidden.i((.., pos))?)
     }
 }

@@ -48,6 +48,7 @@ impl Engine {
                     name,
                     &id,
                     &mut devmap,
+                    self.vae.kernels,
                     progress,
                 )?))
             }

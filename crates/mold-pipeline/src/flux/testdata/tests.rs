@@ -5,6 +5,7 @@ use crate::flux::text::{Clip, T5};
 use crate::flux::vae::Vae;
 use crate::WeightsLayout;
 use candle_nn::VarMap;
+use mold_exec::Kernels;
 
 #[test]
 fn recorder_lists_what_the_varmap_lists() {
@@ -73,7 +74,7 @@ fn tiny_pipeline_loads_and_runs_each_component() {
     let flux = FluxConfig::flux_tiny();
     let dev = Device::Cpu;
 
-    let mut t5 = T5::load(&l.t5, 8, DType::F32, &dev).unwrap();
+    let mut t5 = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto).unwrap();
     let txt = t5.encode("a red fox in snow").unwrap();
     assert_eq!(txt.dims(), [1, 8, flux.context_in_dim]);
     // Truncation: a long prompt still gives 8 tokens.
@@ -85,7 +86,7 @@ fn tiny_pipeline_loads_and_runs_each_component() {
     assert_eq!(&ids[3..], &[1, 0, 0, 0, 0]);
     assert!(ids[..3].iter().all(|&i| i > 2), "{ids:?}");
 
-    let clip = Clip::load(&l.clip, DType::F32, &dev).unwrap();
+    let mut clip = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto).unwrap();
     let y = clip.encode("a red fox in snow").unwrap();
     assert_eq!(y.dims(), [1, flux.vec_in_dim]);
     let ctok =
