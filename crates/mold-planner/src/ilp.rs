@@ -1,5 +1,6 @@
 //! The integer program: the problem (`problem.rs`) over the candidate groups
-//! (`candidates.rs`), encoded for good_lp's pure-Rust microlp solver.
+//! (`candidates.rs`), written with good_lp's algebra and solved by the pure-Rust microlp
+//! (`lp.rs`).
 //!
 //! For each candidate group g and block kind k:
 //!   nr[g,k], ns[g,k] ∈ 0..=count_k   resident / streamed blocks of kind k on g
@@ -41,17 +42,16 @@
 //! hand-off, which holds anyway.
 //!
 //! Units: bytes are counted in the instance's largest memory coefficient and seconds in
-//! its largest time coefficient, so every coefficient is at most 1 whatever the model's
-//! size (GiB and seconds made coefficients of 1e-6 on small models, beside the binaries'
-//! 1, and the solver's factorisation failed with "Singular matrix").
+//! its largest time coefficient of a constraint, so every constraint's coefficient is at
+//! most 1 whatever the model's size (GiB and seconds made coefficients of 1e-6 on small
+//! models, beside the binaries' 1, and the solver's factorisation failed with "Singular
+//! matrix").
 
 use crate::candidates::candidate_groups;
+use crate::lp::{Model, Outcome};
 use crate::problem::{Choice, GroupChoice, Problem, MEMORY_LATENCY_WEIGHT};
 use crate::{Family, Objective};
-use good_lp::{
-    constraint, microlp, variable, Expression, ProblemVariables, ResolutionError, Solution,
-    SolutionStatus, SolverModel, Variable, WithTimeLimit,
-};
+use good_lp::{constraint, Expression, Solution, Variable};
 use mold_plan::{DeviceId, MemoryPhases, GIB};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -81,7 +81,8 @@ pub(crate) enum Failure {
 /// Ties (identical devices, say) are broken by a second solve, in what is left of the
 /// time, that keeps the optimum and prefers fewer device groups and lower device
 /// indices, so equal machines get the plan a person would write (`cuda:0` before
-/// `cuda:3`).
+/// `cuda:3`); then of the plans that cost the same, the one that streams least
+/// ([`stream_least`]).
 pub(crate) fn solve(
     p: &Problem,
     family: Family,
@@ -105,7 +106,7 @@ pub(crate) fn solve(
     };
     if !proven || left < Duration::from_millis(20) {
         return Ok(Solved::Plan {
-            choice: first_priced,
+            choice: stream_least(first_priced, price),
             proven,
         });
     }
@@ -119,9 +120,32 @@ pub(crate) fn solve(
         _ => None,
     };
     Ok(Solved::Plan {
-        choice: tidy.unwrap_or(first_priced),
+        choice: stream_least(tidy.unwrap_or(first_priced), price),
         proven,
     })
+}
+
+/// `c` with its streamed blocks made resident, one at a time, wherever that fits and
+/// costs no more (beyond 1e-9 relative). Where copies hide behind compute, streaming
+/// more blocks costs no time, and which of those equal plans the solver returns was its
+/// chance (microlp 0.7 streamed 27 of flux-dev's blocks on one RTX 4090 where 3 do):
+/// of them, the one that streams least, with the least pinned memory and copy traffic.
+fn stream_least(mut c: Choice, price: &dyn Fn(&Choice) -> Option<f64>) -> Choice {
+    let bound = c.objective + 1e-9 * c.objective.abs();
+    for g in 0..c.groups.len() {
+        for k in 0..c.groups[g].streamed.len() {
+            while c.groups[g].streamed[k] > 0 {
+                let mut t = c.clone();
+                t.groups[g].streamed[k] -= 1;
+                t.groups[g].resident[k] += 1;
+                match price(&t) {
+                    Some(v) if v <= bound => c = Choice { objective: v, ..t },
+                    _ => break,
+                }
+            }
+        }
+    }
+    c
 }
 
 fn sum<I: IntoIterator<Item = Expression>>(it: I) -> Expression {
@@ -174,10 +198,11 @@ fn solve_with(
             .max(c.activation_bytes as f64);
         tu = tu.max(c.resident_s()).max(c.copy_s);
     }
+    // Components' seconds are objective coefficients only, so they leave the time unit
+    // alone: a text encoder run on the host (17 s) made block times coefficients of 1e-4.
     for c in comps {
         for o in &c.options {
             mu = mu.max(o.weight_bytes as f64).max(o.activation_bytes as f64);
-            tu = tu.max(o.seconds);
         }
     }
     mu = mu
@@ -194,53 +219,37 @@ fn solve_with(
     let mem = |b: u64| b as f64 / mu;
     let sec = |s: f64| s / tu;
 
-    let mut vars = ProblemVariables::new();
+    let mut lp = Model::new();
     let mut nr = vec![vec![]; groups.len()];
     let mut ns: Vec<Vec<Option<Variable>>> = vec![vec![]; groups.len()];
     let mut u = vec![vec![]; groups.len()];
     let mut s: Vec<Vec<Option<Variable>>> = vec![vec![]; groups.len()];
     for g in 0..groups.len() {
         for c in &counts {
-            nr[g].push(vars.add(variable().integer().min(0).max(*c)));
-            ns[g].push(
-                p.stream
-                    .then(|| vars.add(variable().integer().min(0).max(*c))),
-            );
-            u[g].push(vars.add(variable().binary()));
-            s[g].push(p.stream.then(|| vars.add(variable().binary())));
+            nr[g].push(lp.integer(*c));
+            ns[g].push(p.stream.then(|| lp.integer(*c)));
+            u[g].push(lp.binary());
+            s[g].push(p.stream.then(|| lp.binary()));
         }
     }
-    let used: Vec<Variable> = groups
-        .iter()
-        .map(|_| vars.add(variable().binary()))
-        .collect();
-    let buf: Vec<Variable> = groups.iter().map(|_| vars.add(variable().min(0))).collect();
-    let fill: Vec<Variable> = groups.iter().map(|_| vars.add(variable().min(0))).collect();
+    let used: Vec<Variable> = groups.iter().map(|_| lp.binary()).collect();
+    let buf: Vec<Variable> = groups.iter().map(|_| lp.real(0.0, f64::INFINITY)).collect();
+    let fill: Vec<Variable> = groups.iter().map(|_| lp.real(0.0, f64::INFINITY)).collect();
     let straddle: Vec<Vec<Variable>> = (0..nk.saturating_sub(1))
-        .map(|_| {
-            groups
-                .iter()
-                .map(|_| vars.add(variable().binary()))
-                .collect()
-        })
+        .map(|_| groups.iter().map(|_| lp.binary()).collect())
         .collect();
-    let act: Vec<Variable> = devs.iter().map(|_| vars.add(variable().min(0))).collect();
-    let ud: Vec<Variable> = devs.iter().map(|_| vars.add(variable().binary())).collect();
+    let act: Vec<Variable> = devs.iter().map(|_| lp.real(0.0, f64::INFINITY)).collect();
+    let ud: Vec<Variable> = devs.iter().map(|_| lp.binary()).collect();
     let x: Vec<Vec<Variable>> = comps
         .iter()
-        .map(|c| {
-            c.options
-                .iter()
-                .map(|_| vars.add(variable().binary()))
-                .collect()
-        })
+        .map(|c| c.options.iter().map(|_| lp.binary()).collect())
         .collect();
     // Kind k on group g: max(compute of all its blocks, copies of the streamed ones
     // slowed by the compute beside them) (`BlockCost::group_kind_s`), as t[g][k] ≥ both.
     let t: Vec<Vec<Option<Variable>>> = (0..groups.len())
         .map(|g| {
             (0..nk)
-                .map(|k| ns[g][k].map(|_| vars.add(variable().min(0))))
+                .map(|k| ns[g][k].map(|_| lp.real(0.0, f64::INFINITY)))
                 .collect()
         })
         .collect();
@@ -282,7 +291,7 @@ fn solve_with(
     // largest of every stage's time plus the hand-off it makes, the last stage's time
     // alone (`mold_cost::pipelined_bottleneck`). At least one hand-off, since a
     // pipeline has two stages or more.
-    let bottleneck = p.pipelined.then(|| vars.add(variable().min(handoff)));
+    let bottleneck = p.pipelined.then(|| lp.real(handoff, f64::INFINITY));
     if let Some(b) = bottleneck {
         step += b;
     }
@@ -293,12 +302,7 @@ fn solve_with(
     //   after[i]  some group at or after position i of `Group`'s order does
     //   hands[g]  some used group comes after g (g's stage makes a hand-off)
     let pipe = bottleneck.map(|_| {
-        let mut unit = || -> Vec<Variable> {
-            groups
-                .iter()
-                .map(|_| vars.add(variable().min(0).max(1)))
-                .collect()
-        };
+        let mut unit = || -> Vec<Variable> { groups.iter().map(|_| lp.real(0.0, 1.0)).collect() };
         (unit(), unit(), unit())
     });
     let latency = comp_time + p.steps * step;
@@ -308,8 +312,8 @@ fn solve_with(
     // largest of the encode phase (`enc_act`: the encoders' largest activation), the
     // denoise phase (`act`: the transformer's) and the decode phase (`peak`).
     let one_shot = p.phases == MemoryPhases::OneShot;
-    let enc_act: Vec<Variable> = devs.iter().map(|_| vars.add(variable().min(0))).collect();
-    let peak: Vec<Variable> = devs.iter().map(|_| vars.add(variable().min(0))).collect();
+    let enc_act: Vec<Variable> = devs.iter().map(|_| lp.real(0.0, f64::INFINITY)).collect();
+    let peak: Vec<Variable> = devs.iter().map(|_| lp.real(0.0, f64::INFINITY)).collect();
     let mut dev_mem: Vec<Expression> = Vec::new();
     let mut encode_mem: Vec<Expression> = Vec::new();
     let mut decode_mem: Vec<Expression> = Vec::new();
@@ -385,50 +389,43 @@ fn solve_with(
             tiebreak += (1.0 + index(&o.at)) * x[ci][oi];
         }
     }
-    let mut problem = match optimum {
-        None => vars.minimise(objective.clone()).using(microlp),
-        Some(v) => vars.minimise(tiebreak).using(microlp).with(constraint!(
-            objective.clone() <= v + 1e-8 * v.abs().max(1e-6)
-        )),
-    }
-    .with_time_limit(limit.as_secs_f64());
 
     for (k, c) in counts.iter().enumerate() {
-        problem = problem.with(constraint!(
+        lp.with(constraint!(
             sum((0..groups.len()).map(|g| blocks_of(g, k))) == *c
         ));
     }
     for g in 0..groups.len() {
         for k in 0..nk {
-            problem = problem.with(constraint!(blocks_of(g, k) <= counts[k] * u[g][k]));
-            problem = problem.with(constraint!(u[g][k] <= blocks_of(g, k)));
-            problem = problem.with(constraint!(used[g] >= u[g][k]));
+            lp.with(constraint!(blocks_of(g, k) <= counts[k] * u[g][k]));
+            lp.with(constraint!(u[g][k] <= blocks_of(g, k)));
+            lp.with(constraint!(used[g] >= u[g][k]));
             if let (Some(sv), Some(nv), Some(tv)) = (s[g][k], ns[g][k], t[g][k]) {
                 let b = &bc[g][k];
-                problem = problem.with(constraint!(tv >= sec(b.resident_s()) * (nr[g][k] + nv)));
+                lp.with(constraint!(tv >= sec(b.resident_s()) * (nr[g][k] + nv)));
                 // Copies, and what the compute beside them (every block's but one
                 // streamed block's, `sv` being 1 when any is) takes from their rate.
                 let slowed = sec(b.copy_contention * b.resident_s());
-                problem = problem.with(constraint!(
+                lp.with(constraint!(
                     tv >= sec(b.copy_s) * nv + slowed * (nr[g][k] + nv) - slowed * sv
                 ));
-                problem = problem.with(constraint!(nv <= counts[k] * sv));
-                problem = problem.with(constraint!(sv <= nv));
-                problem = problem.with(constraint!(buf[g] >= mem(p.buffers * b.weight_bytes) * sv));
-                problem = problem.with(constraint!(fill[g] >= sec(b.fill_s()) * sv));
+                lp.with(constraint!(nv <= counts[k] * sv));
+                lp.with(constraint!(sv <= nv));
+                lp.with(constraint!(buf[g] >= mem(p.buffers * b.weight_bytes) * sv));
+                lp.with(constraint!(fill[g] >= sec(b.fill_s()) * sv));
             }
         }
-        problem = problem.with(constraint!(
+        lp.with(constraint!(
             used[g] <= sum(u[g].iter().map(|v| Expression::from(*v)))
         ));
         for j in 0..nk.saturating_sub(1) {
-            problem = problem.with(constraint!(straddle[j][g] >= u[g][j] + u[g][j + 1] - 1.0));
+            lp.with(constraint!(straddle[j][g] >= u[g][j] + u[g][j + 1] - 1.0));
         }
         for i in 0..nk {
             for m in i + 1..nk {
                 for l in m + 1..nk {
-                    problem = problem.with(constraint!(u[g][m] >= u[g][i] + u[g][l] - 1.0));
-                    problem = problem.with(constraint!(
+                    lp.with(constraint!(u[g][m] >= u[g][i] + u[g][l] - 1.0));
+                    lp.with(constraint!(
                         blocks_of(g, m) >= counts[m] * (u[g][i] + u[g][l] - 1.0)
                     ));
                 }
@@ -436,16 +433,16 @@ fn solve_with(
         }
     }
     for row in &straddle {
-        problem = problem.with(constraint!(
+        lp.with(constraint!(
             sum(row.iter().map(|v| Expression::from(*v))) <= 1.0
         ));
     }
     for (di, d) in devs.iter().enumerate() {
         for (g, grp) in groups.iter().enumerate() {
             if grp.devices.contains(&d.id) {
-                problem = problem.with(constraint!(ud[di] >= used[g]));
+                lp.with(constraint!(ud[di] >= used[g]));
                 for k in 0..nk {
-                    problem = problem.with(constraint!(
+                    lp.with(constraint!(
                         act[di] >= mem(bc[g][k].activation_bytes) * u[g][k]
                     ));
                 }
@@ -457,10 +454,9 @@ fn solve_with(
             for (oi, o) in c.options.iter().enumerate() {
                 if o.at == d.id {
                     if !one_shot {
-                        problem = problem
-                            .with(constraint!(act[di] >= mem(o.activation_bytes) * x[ci][oi]));
+                        lp.with(constraint!(act[di] >= mem(o.activation_bytes) * x[ci][oi]));
                     } else if !c.is_vae {
-                        problem = problem.with(constraint!(
+                        lp.with(constraint!(
                             enc_act[di] >= mem(o.activation_bytes) * x[ci][oi]
                         ));
                     }
@@ -473,47 +469,47 @@ fn solve_with(
         let cap = mem(p.cap(di));
         if one_shot {
             for phase in [&encode_mem[di], &denoise_mem[di], &decode_mem[di]] {
-                problem = problem.with(constraint!(peak[di] >= phase.clone()));
+                lp.with(constraint!(peak[di] >= phase.clone()));
             }
-            problem = problem.with(constraint!(encode_mem[di].clone() <= cap));
-            problem = problem.with(constraint!(denoise_mem[di].clone() + reserved <= cap));
-            problem = problem.with(constraint!(decode_mem[di].clone() + vae_reserved <= cap));
+            lp.with(constraint!(encode_mem[di].clone() <= cap));
+            lp.with(constraint!(denoise_mem[di].clone() + reserved <= cap));
+            lp.with(constraint!(decode_mem[di].clone() + vae_reserved <= cap));
         } else {
             reserved += vae_reserved;
-            problem = problem.with(constraint!(dev_mem[di].clone() + reserved <= cap));
+            lp.with(constraint!(dev_mem[di].clone() + reserved <= cap));
         }
     }
     // Pipelined CFG: each device in one stage; the bottleneck over every stage, plus a
     // hand-off for each but the last.
     if let (Some(b), Some((only, after, hands))) = (bottleneck, &pipe) {
         for (g, stage) in stages.iter().enumerate() {
-            problem = problem.with(constraint!(b >= stage.clone() + handoff * hands[g]));
+            lp.with(constraint!(b >= stage.clone() + handoff * hands[g]));
         }
         // The last kind that has blocks: the last stage runs some of it.
         if let Some(last) = (0..nk).rev().find(|&k| counts[k] > 0.0) {
             for g in 0..groups.len() {
                 let earlier = sum(u[g][..last].iter().map(|v| Expression::from(*v)));
-                problem = problem.with(constraint!(only[g] <= u[g][last]));
+                lp.with(constraint!(only[g] <= u[g][last]));
                 for v in &u[g][..last] {
-                    problem = problem.with(constraint!(only[g] <= 1.0 - *v));
+                    lp.with(constraint!(only[g] <= 1.0 - *v));
                 }
-                problem = problem.with(constraint!(only[g] >= u[g][last] - earlier));
+                lp.with(constraint!(only[g] >= u[g][last] - earlier));
                 // A group without blocks of the last kind comes before one with them.
-                problem = problem.with(constraint!(hands[g] >= used[g] - u[g][last]));
+                lp.with(constraint!(hands[g] >= used[g] - u[g][last]));
             }
             // Groups of the last kind only come after every other group, in `Group`'s
             // order among themselves.
             let mut order: Vec<usize> = (0..groups.len()).collect();
             order.sort_by(|a, c| groups[*a].cmp(&groups[*c]));
             for (i, &g) in order.iter().enumerate() {
-                problem = problem.with(constraint!(after[i] >= only[g]));
+                lp.with(constraint!(after[i] >= only[g]));
                 if i + 1 < order.len() {
-                    problem = problem.with(constraint!(after[i] >= after[i + 1]));
+                    lp.with(constraint!(after[i] >= after[i + 1]));
                     // A group of the last kind only follows g in `Group`'s order.
-                    problem = problem.with(constraint!(hands[g] >= after[i + 1]));
+                    lp.with(constraint!(hands[g] >= after[i + 1]));
                 }
                 // g runs an earlier kind too, and some group runs the last kind only.
-                problem = problem.with(constraint!(hands[g] >= after[0] - only[g]));
+                lp.with(constraint!(hands[g] >= after[0] - only[g]));
             }
         }
         for d in devs {
@@ -522,7 +518,7 @@ fn solve_with(
                 .enumerate()
                 .filter(|(_, grp)| grp.devices.contains(&d.id))
                 .map(|(g, _)| Expression::from(used[g]));
-            problem = problem.with(constraint!(sum(on) <= 1.0));
+            lp.with(constraint!(sum(on) <= 1.0));
         }
     }
     let mut pinned = Expression::from(0.0);
@@ -533,12 +529,12 @@ fn solve_with(
             }
         }
     }
-    problem = problem.with(constraint!(
+    lp.with(constraint!(
         pinned.clone() <= mem(req.machine.host.pinned_limit.0)
     ));
     let mut host = pinned;
     for (ci, c) in comps.iter().enumerate() {
-        problem = problem.with(constraint!(
+        lp.with(constraint!(
             sum(x[ci].iter().map(|v| Expression::from(*v))) == 1.0
         ));
         for (oi, o) in c.options.iter().enumerate() {
@@ -547,7 +543,7 @@ fn solve_with(
             }
         }
     }
-    problem = problem.with(constraint!(host <= mem(req.machine.host.memory.0)));
+    lp.with(constraint!(host <= mem(req.machine.host.memory.0)));
 
     let used_where = |pred: &dyn Fn(usize) -> bool| {
         sum((0..groups.len())
@@ -556,32 +552,39 @@ fn solve_with(
     };
     match family {
         Family::Single => {
-            problem = problem.with(constraint!(used_where(&|g| single[g]) == 1.0));
-            problem = problem.with(constraint!(used_where(&|g| !single[g]) == 0.0));
+            lp.with(constraint!(used_where(&|g| single[g]) == 1.0));
+            lp.with(constraint!(used_where(&|g| !single[g]) == 0.0));
         }
         Family::Split => {
-            problem = problem.with(constraint!(used_where(&|g| single[g]) >= 2.0));
-            problem = problem.with(constraint!(used_where(&|g| !single[g]) == 0.0));
+            lp.with(constraint!(used_where(&|g| single[g]) >= 2.0));
+            lp.with(constraint!(used_where(&|g| !single[g]) == 0.0));
         }
         Family::Tensor | Family::Sequence | Family::Hybrid => {
-            problem = problem.with(constraint!(used_where(&|g| layout[g] == family) == 1.0));
-            problem = problem.with(constraint!(used_where(&|g| layout[g] != family) == 0.0));
+            lp.with(constraint!(used_where(&|g| layout[g] == family) == 1.0));
+            lp.with(constraint!(used_where(&|g| layout[g] != family) == 0.0));
         }
         Family::Mixed => {
-            problem = problem.with(constraint!(used_where(&|g| !single[g]) >= 1.0));
-            problem = problem.with(constraint!(used_where(&|_| true) >= 2.0));
+            lp.with(constraint!(used_where(&|g| !single[g]) >= 1.0));
+            lp.with(constraint!(used_where(&|_| true) >= 2.0));
         }
     }
 
-    let sol = match problem.solve() {
-        Ok(s) => s,
-        Err(ResolutionError::Infeasible) => return Ok(Solved::Infeasible),
-        Err(ResolutionError::Other(m)) if m.contains("Time limit") => {
-            return Err(Failure::TimeLimit)
-        }
-        Err(e) => return Err(Failure::Solver(e.to_string())),
+    let outcome = match optimum {
+        None => lp.minimise(&objective, None, limit),
+        Some(v) => lp.minimise(
+            &tiebreak,
+            Some(&constraint!(
+                objective.clone() <= v + 1e-8 * v.abs().max(1e-6)
+            )),
+            limit,
+        ),
     };
-    let proven = matches!(sol.status(), SolutionStatus::Optimal);
+    let (sol, proven) = match outcome {
+        Outcome::Solved { values, proven } => (values, proven),
+        Outcome::Infeasible => return Ok(Solved::Infeasible),
+        Outcome::TimeLimit => return Err(Failure::TimeLimit),
+        Outcome::Failed(e) => return Err(Failure::Solver(e)),
+    };
     let round = |v: Variable| sol.value(v).round().max(0.0) as u32;
     let mut chosen = Vec::new();
     for g in 0..groups.len() {

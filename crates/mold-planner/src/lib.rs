@@ -1,5 +1,6 @@
 //! `mold plan`: places a model's components and transformer blocks on a machine's
-//! devices by solving an integer program (good_lp, pure-Rust microlp solver).
+//! devices by solving an integer program (written with good_lp, solved by the pure-Rust
+//! microlp).
 //!
 //! Decisions: the device (or host) of each encoder and VAE; for the transformer, how many
 //! blocks of each kind run resident or streamed on each candidate device group (a single
@@ -12,13 +13,16 @@
 //! The solver is run once per strategy family (one GPU, block split, tensor parallel,
 //! sequence parallel, hybrid, mixed), each within a time limit (`search.rs`): the
 //! families partition the plans, so the best of them is the optimum when each is
-//! proven, and the user sees what each strategy would give. A family whose search fails, or runs out of time, says so in its
-//! row; the exhaustive enumerator stands in where its instance is small.
+//! proven, and the user sees what each strategy would give. A family whose solver fails,
+//! or runs out of time before any plan, says so in its row; the exhaustive enumerator
+//! stands in where its instance is small, the local search elsewhere (its plan labelled
+//! not proven optimal).
 //!
 //! Files: `problem.rs` the problem as data, `candidates.rs` the program's device groups,
-//! `ilp.rs` its encoding for microlp, `brute.rs` the independent enumerator,
-//! `search.rs` one family's search, `layout.rs` choice → plan, `throughput.rs` the
-//! throughput objective (replicas of a placement versus one group).
+//! `ilp.rs` its encoding, `lp.rs` the program handed to microlp, `brute.rs` the
+//! independent enumerator, `local.rs` the local search that stands in where the solver
+//! gives a family no plan, `search.rs` one family's search, `layout.rs` choice → plan,
+//! `throughput.rs` the throughput objective (replicas of a placement versus one group).
 
 pub mod brute;
 mod candidates;
@@ -27,6 +31,8 @@ mod constraints;
 mod diagnose;
 mod ilp;
 mod layout;
+pub mod local;
+mod lp;
 mod problem;
 pub mod report;
 mod search;
@@ -39,7 +45,7 @@ pub use constraints::{
 };
 pub use layout::plan_from_choice;
 pub use problem::{Choice, GroupChoice, MEMORY_LATENCY_WEIGHT};
-pub use search::{solve_family, FamilySolution, Method};
+pub use search::{solve_family, with_solver_failing, FamilySolution, Method};
 pub use throughput::{Serving, Throughput, ThroughputCandidate};
 
 use mold_machine::Machine;
@@ -58,7 +64,9 @@ pub enum PlanError {
     Constraint(String),
     #[error("no plan fits: {0}")]
     Infeasible(String),
-    #[error("the solver failed: {0}")]
+    /// No family has a plan, and not every family was proven to have none: a family's
+    /// solver failed or ran out of time, and no other search found a plan for it.
+    #[error("no plan found, nor a proof that none fits: {0}")]
     Solver(String),
 }
 
@@ -320,6 +328,10 @@ pub(crate) fn plan_one(req: &Request) -> Result<Outcome, PlanError> {
                         "optimal by exhaustive search ({})",
                         r.trouble.as_deref().unwrap_or("solver failed")
                     ),
+                    (Method::LocalSearch, _) => format!(
+                        "best found by local search, not proven optimal ({})",
+                        r.trouble.as_deref().unwrap_or("solver failed")
+                    ),
                     (Method::Solver, false) => r
                         .trouble
                         .clone()
@@ -370,8 +382,14 @@ pub(crate) fn plan_one(req: &Request) -> Result<Outcome, PlanError> {
         "feasible"
     };
     let mut plan = plan_from_choice(req, &choice, fam, status, solve_time_ms);
-    if method == Method::Exhaustive {
-        plan.solver.solver = "exhaustive enumeration (microlp failed)".into();
+    match method {
+        Method::Exhaustive => {
+            plan.solver.solver = "exhaustive enumeration (microlp failed)".into();
+        }
+        Method::LocalSearch => {
+            plan.solver.solver = "local search, not proven optimal (microlp gave no plan)".into();
+        }
+        Method::Solver => {}
     }
     let evaluation = mold_cost::evaluate(&plan, &req.model, &req.machine);
     Ok(Outcome {

@@ -274,6 +274,19 @@ impl<'a> Problem<'a> {
     /// `ev`'s peaks and phases hold the CUDA libraries' measured memory already
     /// (`DeviceUse::libraries`), as [`Problem::cap`] leaves room for.
     pub fn fits(&self, plan: &mold_plan::Plan, ev: &mold_cost::Evaluation, family: Family) -> bool {
+        self.overflow(plan, ev, family) == 0
+    }
+
+    /// By how many bytes an evaluated plan of `family` breaks its budgets, all of them
+    /// together (pinned and host memory, and each device with its transfer reserves and
+    /// headroom): 0 when it [fits](Problem::fits). The local search (`local.rs`) walks
+    /// towards plans that fit by it.
+    pub fn overflow(
+        &self,
+        plan: &mold_plan::Plan,
+        ev: &mold_cost::Evaluation,
+        family: Family,
+    ) -> u64 {
         // Every transformer's devices: both replicas' under CFG-parallel.
         let placements = match plan.cfg_mode() {
             Some(CfgMode::Parallel) => plan.replica_plans().unwrap_or_default(),
@@ -290,29 +303,30 @@ impl<'a> Problem<'a> {
                 c.role == ComponentRole::Vae && c.parts.iter().any(|p| p.devices.contains(id))
             })
         };
-        ev.host_pinned <= ev.host_pinned_limit
-            && ev.host_ram <= ev.host_memory
-            && ev.devices.iter().all(|d| {
-                let t = if runs(&d.device) {
-                    self.transformer_reserve(family)
-                } else {
-                    0
-                };
-                let v = if vae_on(&d.device) {
-                    self.vae_reserve()
-                } else {
-                    0
-                };
-                let need = match plan.memory_phases {
-                    MemoryPhases::Resident => d.peak.saturating_add(t).saturating_add(v),
-                    MemoryPhases::OneShot => d
-                        .phases
-                        .encode
-                        .max(d.phases.denoise.saturating_add(t))
-                        .max(d.phases.decode.saturating_add(v)),
-                };
-                need.saturating_add(d.headroom) <= d.budget
-            })
+        let over = |need: u64, limit: u64| need.saturating_sub(limit);
+        let host = over(ev.host_pinned, ev.host_pinned_limit)
+            .saturating_add(over(ev.host_ram, ev.host_memory));
+        ev.devices.iter().fold(host, |sum, d| {
+            let t = if runs(&d.device) {
+                self.transformer_reserve(family)
+            } else {
+                0
+            };
+            let v = if vae_on(&d.device) {
+                self.vae_reserve()
+            } else {
+                0
+            };
+            let need = match plan.memory_phases {
+                MemoryPhases::Resident => d.peak.saturating_add(t).saturating_add(v),
+                MemoryPhases::OneShot => d
+                    .phases
+                    .encode
+                    .max(d.phases.denoise.saturating_add(t))
+                    .max(d.phases.decode.saturating_add(v)),
+            };
+            sum.saturating_add(over(need.saturating_add(d.headroom), d.budget))
+        })
     }
 
     /// The objective of a plan: request seconds, or (memory) the GiB all devices hold

@@ -1,15 +1,16 @@
 //! `mold plan` as users with mixed GPUs run it: random machine profiles (1–8 GPUs of
 //! mixed memory and speed, with and without peer links, PCIe pairs each a node of its
-//! own on a network, random headroom and pinned limits) × the catalogue's models, each objective. Every instance answers within its
-//! time limit per family, never fails as a whole because one family's search did, and the
-//! plan it writes passes `mold sim` on its machine.
+//! own on a network, random headroom and pinned limits) × the catalogue's models, each
+//! objective. Every instance answers within its time limit per family, never fails as a
+//! whole because one family's search did (nor loses a family's plan to a solver
+//! failure), and the plan it writes passes `mold sim` on its machine.
 
 use mold_machine::{
     Calibration, Collective, Device, Host, InterNode, LinkKind, Links, Machine, NetworkKind,
     PeerDomain,
 };
 use mold_plan::{ByteSize, DeviceId, Plan, GIB};
-use mold_planner::{Objective, PlanError, Request};
+use mold_planner::{with_solver_failing, Family, Method, Objective, PlanError, Request};
 use proptest::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -136,18 +137,35 @@ fn check(
     let t = Instant::now();
     let r = mold_planner::plan(&req);
     let took = t.elapsed();
-    // Four families, each within its limit; building, pricing and a fallback take a
-    // little beside the solver's own clock (generously: CI's cores are shared).
+    // Six families, each within its limit and, where the solver gives no plan, a local
+    // search within as long again (a fifth of a second at least); building and pricing
+    // take a little beside (generously: CI's cores are shared).
+    let fallback = limit.max(Duration::from_millis(200));
     prop_assert!(
-        took <= limit * 4 * 2 + Duration::from_secs(2),
+        took <= (limit + fallback) * 6 + Duration::from_secs(2),
         "{} families took {took:?} with a {limit:?} limit each",
         req.model.id
     );
+    // No plan is lost to the solver: it fails as a whole only where no family has a
+    // plan, and a family whose solver failed answers by another search.
     let o = match r {
         Ok(o) => o,
         Err(PlanError::Infeasible(_)) => return Ok(()),
+        // Every family without a plan ran out of time and none failed: a search too slow
+        // for the limit (proving a mixed family infeasible can take the solver seconds),
+        // not a solver failure.
+        Err(PlanError::Solver(e)) if !e.contains("solver failed") => return Ok(()),
         Err(e) => return Err(TestCaseError::fail(format!("{}: {e}", req.model.id))),
     };
+    for f in &o.families {
+        prop_assert!(
+            f.choice.is_some() || !f.status.contains("solver failed"),
+            "{}: {:?}: {}",
+            req.model.id,
+            f.family,
+            f.status
+        );
+    }
     for f in &o.families {
         prop_assert!(
             f.solve_time_ms <= (limit * 2 + Duration::from_millis(500)).as_secs_f64() * 1e3,
@@ -178,9 +196,23 @@ fn check(
     Ok(())
 }
 
+/// Random machines the stress test plans: `PROPTEST_CASES`, else 1,000 (the issue's
+/// target; about two minutes on two cores, in debug as in release: the solver's time
+/// limits, not the build, set its pace).
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1000)
+}
+
 proptest! {
+    // The stress of the issue: 1,000 random machines, each with one model of the
+    // catalogue and an objective drawn at random (every model on every machine would
+    // take CI several minutes more). A short limit (150 ms a family, the default is 1 s)
+    // makes the solver run out of time often, so the fallbacks are exercised too.
     #![proptest_config(ProptestConfig {
-        cases: 20,
+        cases: cases(),
         .. ProptestConfig::default()
     })]
 
@@ -194,7 +226,7 @@ proptest! {
         memory in prop::bool::weighted(0.3),
     ) {
         let objective = if memory { Objective::Memory } else { Objective::Latency };
-        check(machine, model, objective, Duration::from_millis(250))?;
+        check(machine, model, objective, Duration::from_millis(150))?;
     }
 }
 
@@ -202,6 +234,157 @@ proptest! {
 fn shipped(name: &str) -> Machine {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     Machine::load(&root.join("sim/machines").join(format!("{name}.yaml"))).unwrap()
+}
+
+/// A machine saved under `tests/data/`.
+fn saved(name: &str) -> Machine {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    Machine::load(&dir.join(format!("{name}.yaml"))).unwrap()
+}
+
+/// qwen-image on a saved machine of two 8 GiB GPUs over PCIe (resident phases, the
+/// default workload and limit), by `objective`.
+fn qwen_on(
+    name: &str,
+    objective: Objective,
+) -> (Request, Result<mold_planner::Outcome, PlanError>) {
+    let model = mold_models::find("qwen-image").unwrap();
+    let w = model.default_workload.clone();
+    let mut req = Request::new(model, saved(name), w);
+    req.objective = objective;
+    let r = mold_planner::plan(&req);
+    (req, r)
+}
+
+#[test]
+fn qwen_image_on_two_8gib_gpus_over_pcie_gets_its_best_plan_from_the_mixed_family() {
+    // The issue's instances: microlp 0.6 failed on the mixed family ("Singular matrix"),
+    // the best of them here, and `mold plan` fell back on tensor parallel (253 s a
+    // request instead of 241 s, 2x8gib-pcie-a), or on another family (memory objective,
+    // 2x8gib-pcie-c). With the program's time unit no longer set by the components'
+    // seconds (`ilp.rs`) and microlp 0.7 (`lp.rs`), each of which alone ends that
+    // failure, every family answers, proven.
+    for (name, objective) in [
+        ("2x8gib-pcie-a", Objective::Latency),
+        ("2x8gib-pcie-c", Objective::Memory),
+    ] {
+        let (req, r) = qwen_on(name, objective);
+        let o = r.unwrap();
+        for f in &o.families {
+            assert!(
+                f.proven_optimal && f.method == Method::Solver,
+                "{name}: {f:?}"
+            );
+        }
+        assert_eq!(o.plan.solver.status, "optimal", "{name}");
+        assert_eq!(mixed_row(&o).status, "optimal", "{name}");
+        if objective == Objective::Latency {
+            assert_eq!(o.plan.solver.strategy, "mixed", "{name}");
+            assert!(
+                o.evaluation.request_s < 245.0,
+                "{name}: {}",
+                o.evaluation.request_s
+            );
+        }
+        check(req.machine, "qwen-image", objective, req.time_limit).unwrap();
+    }
+}
+
+#[test]
+fn where_the_solver_fails_as_it_did_on_qwen_image_over_pcie_the_local_search_answers() {
+    // The issue's failure itself, on its instances: microlp 0.6 on the program as it was
+    // then failed with "Singular matrix" on the mixed family of qwen-image on
+    // 2x8gib-pcie-a and 2x8gib-pcie-c, and `mold plan` lost that family's plan (on -a
+    // the best of all: tensor parallel's 253.2 s a request was written instead of
+    // 240.9 s). Today's solver proves those instances (the test above), so the failure
+    // is injected where it happened. The local search answers the family, near the
+    // optimum the solver proves, labelled as not proven optimal.
+    let singular = "An unexpected error occurred while running the optimizer: Singular matrix.";
+    for (name, objective) in [
+        ("2x8gib-pcie-a", Objective::Latency),
+        ("2x8gib-pcie-c", Objective::Memory),
+    ] {
+        let proven = qwen_on(name, objective).1.unwrap();
+        let best = mixed_row(&proven).objective_value.unwrap();
+        let (req, r) = with_solver_failing(&[Family::Mixed], singular, || qwen_on(name, objective));
+        let o = r.unwrap();
+        let mixed = mixed_row(&o);
+        assert_eq!(mixed.method, Method::LocalSearch, "{name}");
+        assert!(!mixed.proven_optimal, "{name}");
+        assert!(
+            mixed.status.starts_with(
+                "best found by local search, not proven optimal (solver failed: \
+                 An unexpected error occurred while running the optimizer: Singular matrix."
+            ),
+            "{name}: {}",
+            mixed.status
+        );
+        let found = mixed.objective_value.unwrap();
+        assert!(
+            found >= best * (1.0 - 1e-9) && found <= best * 1.01,
+            "{name}: {found} vs {best}"
+        );
+        // Not every family is proven, so neither is the plan.
+        assert_eq!(o.plan.solver.status, "feasible", "{name}");
+        if objective == Objective::Latency {
+            assert_eq!(o.plan.solver.strategy, "mixed", "{name}");
+            assert_eq!(
+                o.plan.solver.solver,
+                "local search, not proven optimal (microlp gave no plan)"
+            );
+            assert!(o.evaluation.request_s < 245.0, "{name}");
+        }
+        simulates(&o, &req);
+    }
+    // Every family failing: `mold plan` still writes the best plan there is, where
+    // before it failed as a whole ("the solver failed").
+    let (req, r) = with_solver_failing(&Family::ALL, singular, || {
+        qwen_on("2x8gib-pcie-a", Objective::Latency)
+    });
+    let o = r.unwrap();
+    assert!(o.families.iter().all(|f| !f.proven_optimal));
+    assert_eq!(o.plan.solver.strategy, "mixed");
+    assert!(o.evaluation.request_s < 245.0, "{}", o.evaluation.request_s);
+    simulates(&o, &req);
+}
+
+/// The mixed family's row.
+fn mixed_row(o: &mold_planner::Outcome) -> &mold_planner::FamilyResult {
+    o.families
+        .iter()
+        .find(|f| f.family == Family::Mixed)
+        .unwrap()
+}
+
+/// `o`'s plan, read back from its YAML, passes the simulator on `req`'s machine.
+fn simulates(o: &mold_planner::Outcome, req: &Request) {
+    let plan = Plan::from_yaml(&o.plan.to_yaml(), "plan.yaml").unwrap();
+    let sim = mold_sim::simulate(&plan, &req.model, &req.machine).unwrap();
+    assert!(sim.fits(), "{:?}", sim.overflows);
+}
+
+#[test]
+fn qwen_image_on_two_8gib_gpus_over_pcie_that_nothing_fits_says_so() {
+    // The issue's aborted plan: microlp 0.6 failed on the mixed family and `mold plan`
+    // failed as a whole with "the solver failed". Nothing fits there: every family is
+    // proven so, and the error says what does not fit.
+    let (_, r) = qwen_on("2x8gib-pcie-b", Objective::Latency);
+    match r {
+        Err(PlanError::Infeasible(e)) => assert!(e.contains("transformer needs"), "{e}"),
+        other => panic!("{:?}", other.map(|o| o.plan.solver)),
+    }
+    // Had the mixed family's solver failed as it did, the local search would find no
+    // plan either, and proves nothing: the error says so, and why.
+    let r = with_solver_failing(&[Family::Mixed], "Singular matrix.", || {
+        qwen_on("2x8gib-pcie-b", Objective::Latency).1
+    });
+    match r {
+        Err(e @ PlanError::Solver(_)) => assert_eq!(
+            e.to_string(),
+            "no plan found, nor a proof that none fits: mixed: solver failed: Singular matrix."
+        ),
+        other => panic!("{:?}", other.map(|o| o.plan.solver)),
+    }
 }
 
 #[test]
@@ -224,6 +407,28 @@ fn a_budget_filled_to_the_last_megabyte_passes_the_simulator() {
         let sim = mold_sim::simulate(&o.plan, &req.model, &req.machine).unwrap();
         assert!(sim.fits(), "spare {spare}: {}", sim.overflows[0].message);
     }
+}
+
+#[test]
+fn of_plans_alike_the_one_that_streams_least_is_chosen() {
+    // flux-dev on one RTX 4090, one-shot phases (as `mold plan` runs it): streaming 3
+    // blocks or 27 costs the same time (the copies hide behind compute). Of such plans
+    // the one that streams least comes out: the 3 the GPU cannot hold (microlp 0.7
+    // alone returned 27).
+    let model = mold_models::find("flux-dev").unwrap();
+    let w = model.default_workload.clone();
+    let mut req = Request::new(model, shipped("1x-rtx4090"), w);
+    req.memory_phases = mold_plan::MemoryPhases::OneShot;
+    let o = mold_planner::plan(&req).unwrap();
+    let streamed: u32 = o
+        .families
+        .iter()
+        .find(|f| f.family == Family::Single)
+        .unwrap()
+        .streamed_blocks
+        .unwrap();
+    assert_eq!(streamed, 3);
+    assert_eq!(o.plan.solver.status, "optimal");
 }
 
 /// `m` with a flux-dev bf16 operation table for its first device's kind (no times:
@@ -318,7 +523,7 @@ fn a_family_whose_solver_gives_up_keeps_its_row_and_the_others_still_count() {
     use mold_planner::Family::{Hybrid, Sequence};
     assert!(o.families.iter().all(|f| match f.family {
         Sequence | Hybrid => f.status.starts_with("off (--sp off"),
-        _ => f.method == mold_planner::Method::Exhaustive && f.status.contains("time limit"),
+        _ => f.method == Method::Exhaustive && f.status.contains("time limit"),
     }));
     assert_eq!(
         o.plan.solver.solver,
@@ -326,15 +531,48 @@ fn a_family_whose_solver_gives_up_keeps_its_row_and_the_others_still_count() {
     );
     let sim = mold_sim::simulate(&o.plan, &req.model, &req.machine).unwrap();
     assert!(sim.fits());
-    // A large model gets no such fallback: every family fails, and the error names them.
+}
+
+#[test]
+fn a_large_model_whose_solver_gives_up_gets_a_local_search_plan() {
+    // No time at all on an instance too large to enumerate: the local search answers
+    // every family that has a plan instead (before it, `mold plan` failed as a whole
+    // with "the solver failed"). Its plan fits by the simulator, is labelled not proven
+    // optimal, and costs little more than the solver's optimum.
     let model = mold_models::find("flux-dev").unwrap();
     let w = model.default_workload.clone();
     let mut req = Request::new(model, shipped("2x-l40s"), w);
+    let optimum = mold_planner::plan(&req).unwrap();
+    assert_eq!(optimum.plan.solver.status, "optimal");
     req.time_limit = Duration::from_nanos(1);
-    match mold_planner::plan(&req) {
-        Err(PlanError::Solver(e)) => assert!(e.contains("single: no plan found"), "{e}"),
-        other => panic!("{:?}", other.map(|o| o.plan.solver)),
+    let o = mold_planner::plan(&req).unwrap();
+    assert_eq!(
+        o.plan.solver.solver,
+        "local search, not proven optimal (microlp gave no plan)"
+    );
+    assert_eq!(o.plan.solver.status, "feasible");
+    for (f, best) in o.families.iter().zip(&optimum.families) {
+        assert_eq!(f.family, best.family);
+        match (f.objective_value, best.objective_value) {
+            (Some(v), Some(b)) => {
+                assert_eq!(f.method, Method::LocalSearch);
+                assert!(!f.proven_optimal, "{f:?}");
+                assert!(
+                    f.status
+                        .starts_with("best found by local search, not proven optimal")
+                        && f.status.contains("time limit"),
+                    "{}",
+                    f.status
+                );
+                assert!(v >= b * (1.0 - 1e-9) && v <= b * 1.05, "{f:?} vs {best:?}");
+            }
+            // No group of the layout on two GPUs, or none that fits.
+            (None, None) => assert_eq!(f.status, best.status),
+            _ => panic!("{f:?} vs {best:?}"),
+        }
     }
+    let sim = mold_sim::simulate(&o.plan, &req.model, &req.machine).unwrap();
+    assert!(sim.fits());
 }
 
 /// On the measured 2 × H200 profile the planner weighs tensor parallel, sequence
