@@ -180,6 +180,15 @@ pub fn default_headroom(model: &ModelSpec, w: &Workload) -> ByteSize {
 /// The machine of this box as queried now (`--machine local`), budgets `free` with
 /// `headroom` inside.
 pub fn local_machine(headroom: ByteSize) -> Result<Machine> {
+    Ok(local_machine_adopting(headroom)?.0)
+}
+
+/// [`local_machine`] and the operation tables it took from the profiles mold ships for
+/// its GPUs (`mold_machine::shipped`): a box nobody calibrated is priced from measurement
+/// where mold has measured its GPUs.
+pub fn local_machine_adopting(
+    headroom: ByteSize,
+) -> Result<(Machine, Vec<mold_machine::shipped::Adopted>)> {
     if !inventory::CUDA {
         bail!(
             "--machine local: this build has no CUDA, so it cannot query this box's GPUs; build one with scripts/build-cuda, or pass a profile such as sim/machines/2x-h200.yaml"
@@ -195,7 +204,19 @@ pub fn local_machine(headroom: ByteSize) -> Result<Machine> {
             mold_version: env!("CARGO_PKG_VERSION").into(),
         })
         .context("--machine local")?;
-    Ok(m)
+    let mut m = m;
+    let adopted = m.adopt_tables(&mold_machine::shipped::profiles());
+    if !adopted.is_empty() {
+        let list: Vec<String> = adopted.iter().map(|a| a.describe()).collect();
+        m.calibration.notes = format!(
+            "{} Operation tables shipped with mold, not measured on this box: {}.",
+            m.calibration.notes,
+            list.join("; ")
+        )
+        .trim()
+        .to_string();
+    }
+    Ok((m, adopted))
 }
 
 /// The configuration with these flags on top.

@@ -216,10 +216,16 @@ fn machine_for(
                 format!("activation model at {}x{}", w.width, w.height),
             )
         });
-        let m =
-            devices::local_machine(h).with_context(|| format!("machine from {}", spec.source()))?;
+        let (m, adopted) = devices::local_machine_adopting(h)
+            .with_context(|| format!("machine from {}", spec.source()))?;
+        let tables = if adopted.is_empty() {
+            String::new()
+        } else {
+            let list: Vec<String> = adopted.iter().map(|a| a.describe()).collect();
+            format!("; operation tables shipped with mold: {}", list.join("; "))
+        };
         let line = format!(
-            "machine profile: local (queried now: {}; headroom {h} from {hsrc}){from}",
+            "machine profile: local (queried now: {}; headroom {h} from {hsrc}{tables}){from}",
             m.device_list()
         );
         (m, line)

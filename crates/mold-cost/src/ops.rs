@@ -176,18 +176,22 @@ pub fn block_ops(
             head_dim: kind.head_dim as u64,
         },
         batch,
-        elementwise_bytes: elementwise_bytes(kind, local, batch, act),
+        elementwise_bytes: elementwise_bytes(kind, local, batch, act, tp),
     })
 }
 
 /// [`Ctx::elementwise_bytes`] less the passes the measured products hold: the q/k/v bias
 /// (read and written, 6·hidden per token) and the MLP's bias and GELU (2·mlp), which run
-/// with their column-parallel products ([`Run::Bias`], [`Run::BiasGelu`]).
-pub fn elementwise_bytes(kind: &BlockKind, local: u64, batch: u64, act: u64) -> u64 {
+/// with their column-parallel products ([`Run::Bias`], [`Run::BiasGelu`]). Of the rest,
+/// the passes over the hidden state (norm and modulation, bias + gate + residual:
+/// 7·hidden per sub-block) run whole on every rank of a tensor-parallel group, and the
+/// q/k/v preparation (norm, RoPE, layout: 6·hidden) on the rank's `1/tp` of the heads, as
+/// the executor runs them.
+pub fn elementwise_bytes(kind: &BlockKind, local: u64, batch: u64, act: u64, tp: u64) -> u64 {
     let h = kind.hidden;
     let per_token = (7 * h)
         .saturating_mul(kind.allreduces as u64)
-        .saturating_add(6 * h);
+        .saturating_add((6 * h).div_ceil(tp.max(1)));
     mold_models::product(&[batch, local, act, per_token])
 }
 
@@ -430,8 +434,10 @@ pub struct ShapeRequest {
 
 impl ShapeRequest {
     /// The model's default workload at half, the same and twice its side (those the
-    /// model accepts), and the layouts `tp × sp ≤ max(4, devices)` of powers of two
-    /// whose tensor-parallel degree divides the heads; collectives over `group_sizes`.
+    /// model accepts), and the layouts `tp × sp ≤ max(4, devices)`: those of powers of
+    /// two whose tensor-parallel degree divides the heads, and any other whose `tp × sp`
+    /// divides them (three GPUs of four: the planner may pick them, so they are priced
+    /// from measurement too); collectives over `group_sizes`.
     pub fn default_for(model: &ModelSpec, devices: u32, group_sizes: Vec<u32>) -> ShapeRequest {
         let base = &model.default_workload;
         let mut workloads = Vec::new();
@@ -450,9 +456,12 @@ impl ShapeRequest {
             .take_while(|&n| n <= most)
             .collect();
         let mut layouts = Vec::new();
-        for &tp in &powers {
-            for &sp in &powers {
-                if tp * sp <= most && model.transformer.tp_divides(tp) {
+        for tp in 1..=most {
+            for sp in 1..=most / tp {
+                let powers_of_two = powers.contains(&tp) && powers.contains(&sp);
+                if (powers_of_two && model.transformer.tp_divides(tp))
+                    || model.transformer.tp_divides(tp * sp)
+                {
                     layouts.push((tp, sp));
                 }
             }

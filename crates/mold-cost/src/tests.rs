@@ -601,3 +601,60 @@ fn every_replica_is_validated_and_must_fit() {
 
 mod cfg;
 mod libraries;
+
+/// Calibration measures every layout the planner may pick on the box, three GPUs of four
+/// included (FLUX's 24 heads split 3 ways), and the collectives of every group size.
+#[test]
+fn calibration_covers_three_of_four_gpus() {
+    let model = mold_models::find("flux-dev").unwrap();
+    let req = crate::ops::ShapeRequest::default_for(&model, 4, vec![2, 3, 4]);
+    for l in [(1, 1), (2, 1), (3, 1), (4, 1), (1, 3), (2, 2), (1, 4)] {
+        assert!(
+            req.layouts.contains(&l),
+            "{l:?} missing from {:?}",
+            req.layouts
+        );
+    }
+    let shapes = crate::ops::calibration_shapes(&model, DType::Bf16, &req);
+    for n in [2u32, 3, 4] {
+        assert!(
+            shapes.collectives.iter().any(|c| c.1 == n),
+            "no collective over {n}"
+        );
+    }
+    // The products of a TP3 double block are among the measured shapes.
+    let kind = &model.transformer.kinds[0];
+    let ops = crate::ops::block_ops(
+        kind,
+        mold_models::Tokens {
+            img: 4096,
+            txt: 512,
+        },
+        1,
+        3,
+        1,
+        2,
+    )
+    .unwrap();
+    for g in &ops.gemms {
+        assert!(
+            shapes.gemm.iter().any(|m| m.n == g.n && m.k == g.k),
+            "TP3 product n={} k={} not measured",
+            g.n,
+            g.k
+        );
+    }
+}
+
+/// Under tensor parallelism the q/k/v preparation runs on the rank's share of the heads;
+/// the passes over the hidden state stay whole.
+#[test]
+fn tensor_parallel_divides_only_the_qkv_preparation() {
+    let model = mold_models::find("flux-dev").unwrap();
+    let kind = &model.transformer.kinds[0];
+    let h = kind.hidden;
+    let ew = |tp: u64| crate::ops::elementwise_bytes(kind, 1, 1, 1, tp);
+    assert_eq!(ew(1) - ew(2), 3 * h);
+    assert_eq!(ew(1) - ew(3), 4 * h);
+    assert_eq!(ew(2), 7 * h * kind.allreduces as u64 + 3 * h);
+}

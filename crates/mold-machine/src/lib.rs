@@ -9,6 +9,7 @@
 pub mod inventory;
 mod links;
 pub mod ops;
+pub mod shipped;
 mod validate;
 
 pub use ops::{

@@ -74,7 +74,7 @@ impl AllreduceBench {
 }
 
 /// Measures NCCL all-reduce over the GPUs `ordinals` (distinct): for each group size of
-/// [`allreduce_group_sizes`] (2, 4, 8, … and all of them), over the first that many GPUs.
+/// [`allreduce_group_sizes`] (every size from 2), over the first that many GPUs.
 ///
 /// Each group gets its communicators from `comm::nccl::local_group` and one thread per
 /// rank. A rank

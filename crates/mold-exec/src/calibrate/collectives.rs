@@ -1,10 +1,16 @@
 //! The collectives of a model's operation tables: all-reduce, all-gather and all-to-all
-//! over groups of 2, 4, … of the devices, through [`Comm`] groups from [`make_group`]
-//! (NCCL on GPUs with the `nccl` feature, the thread backend otherwise). A run is the
-//! slowest rank's, the ranks lined up by a barrier before each, always alone.
+//! over groups of 2, 3, 4, … of the devices, through [`Comm`] groups from [`make_group`]
+//! (NCCL on GPUs with the `nccl` feature, the thread backend otherwise). A run is
+//! [`BATCH`] collectives queued back to back on each rank's stream between two timing
+//! events, as a step queues them between its products (the host never waits for one to
+//! end before queueing the next); a collective's time is the run's span over [`BATCH`],
+//! the slowest rank's, the ranks lined up by a barrier before each run. Timing each
+//! collective alone, the host waiting for it, priced the host's launch and wait into
+//! every collective.
 
 use super::bench::{list, OpBench};
 use super::loads::random;
+use super::mix::OpClock;
 use super::timing::median_of;
 use crate::comm::{make_group, Comm};
 use crate::error::{ExecError, Result};
@@ -14,7 +20,9 @@ use mold_cost::ops::CalibrationShapes;
 use mold_machine::{CollectiveOp, CollectivePoint, CollectiveTables};
 use mold_plan::DeviceId;
 use std::sync::Barrier;
-use std::time::Instant;
+
+/// Collectives per timed run.
+const BATCH: usize = 8;
 
 /// Every collective of `shapes` over the first `n` of `devices` (where there are `n`).
 pub(super) fn measure_collectives(
@@ -152,18 +160,23 @@ fn rank_runs(
     };
     let recv: Vec<Shape> = (0..n).map(|_| Shape::from(piece as usize)).collect();
     dev.synchronize()?;
+    let mut clock = OpClock::new(dev, 2)?;
     let mut times = Vec::with_capacity(runs);
     for _ in 0..runs {
         barrier.wait();
-        let start = Instant::now();
-        let out = match op {
-            CollectiveOp::AllReduce => vec![comm.all_reduce_sum(&input)?],
-            CollectiveOp::AllGather => vec![comm.all_gather(&input)?],
-            CollectiveOp::AllToAll => comm.all_to_all(&pieces, &recv)?,
-        };
+        clock.mark(0)?;
+        for _ in 0..BATCH {
+            // Each output is freed as soon as it is queued: the stream-ordered allocator
+            // hands its memory to the next collective after this one ends.
+            match op {
+                CollectiveOp::AllReduce => drop(comm.all_reduce_sum(&input)?),
+                CollectiveOp::AllGather => drop(comm.all_gather(&input)?),
+                CollectiveOp::AllToAll => drop(comm.all_to_all(&pieces, &recv)?),
+            }
+        }
+        clock.mark(1)?;
         dev.synchronize()?;
-        times.push(start.elapsed().as_secs_f64());
-        drop(out);
+        times.push(clock.read()?[0] / BATCH as f64);
     }
     comm.check()?;
     Ok(times)

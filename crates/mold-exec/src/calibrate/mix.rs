@@ -145,7 +145,7 @@ pub(super) fn time_in_mix(
 /// Marks between the operations of one repetition, read after a synchronise: on CUDA,
 /// events recorded on the device's stream (the stream never waits for them); on the
 /// CPU, the wall clock (its operations are done when they return).
-enum OpClock {
+pub(super) enum OpClock {
     Wall(Vec<Instant>),
     #[cfg(feature = "cuda")]
     Events {
@@ -156,7 +156,7 @@ enum OpClock {
 
 impl OpClock {
     /// A clock of `marks` marks on `dev`.
-    fn new(dev: &Device, marks: usize) -> candle_core::Result<OpClock> {
+    pub(super) fn new(dev: &Device, marks: usize) -> candle_core::Result<OpClock> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cd) = dev {
             use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
@@ -174,7 +174,7 @@ impl OpClock {
     }
 
     /// Mark `i`: now (the CPU), or when the device reaches it (CUDA).
-    fn mark(&mut self, i: usize) -> candle_core::Result<()> {
+    pub(super) fn mark(&mut self, i: usize) -> candle_core::Result<()> {
         match self {
             OpClock::Wall(t) => {
                 t[i] = Instant::now();
@@ -188,7 +188,7 @@ impl OpClock {
     }
 
     /// Seconds between consecutive marks, never below a nanosecond.
-    fn read(&self) -> candle_core::Result<Vec<f64>> {
+    pub(super) fn read(&self) -> candle_core::Result<Vec<f64>> {
         let secs: Vec<f64> = match self {
             OpClock::Wall(t) => t
                 .windows(2)

@@ -68,17 +68,12 @@ pub fn allreduce_bus_gbps(n: usize, bytes: u64, seconds: f64) -> f64 {
     2.0 * (n - 1.0) / n * bytes as f64 / seconds / 1e9
 }
 
-/// The group sizes calibration measures all-reduce for over `count` devices (the first
-/// `size` of them each): 2, 4, 8, … up to `count`, and `count` itself (a peer domain of
-/// all the devices) when it is not a power of two. Empty for fewer than two devices.
+/// The group sizes calibration measures collectives for over `count` devices (the first
+/// `size` of them each): every size from 2 to `count`, since the planner may give a
+/// tensor- or sequence-parallel group any of them (three GPUs of four). Empty for fewer
+/// than two devices.
 pub fn allreduce_group_sizes(count: usize) -> Vec<usize> {
-    let mut v: Vec<usize> = std::iter::successors(Some(2usize), |n| n.checked_mul(2))
-        .take_while(|&n| n <= count)
-        .collect();
-    if count >= 2 && !count.is_power_of_two() {
-        v.push(count);
-    }
-    v
+    (2..=count).collect()
 }
 
 /// Writes measured figures into `m` and marks it `calibration: {source: measured, date,

@@ -336,14 +336,13 @@ fn allreduce_bus_bandwidth_inverts_the_cost_model() {
 }
 
 #[test]
-fn allreduce_group_sizes_are_powers_of_two_and_all() {
+fn allreduce_group_sizes_are_every_size_from_two() {
     assert!(allreduce_group_sizes(0).is_empty());
     assert!(allreduce_group_sizes(1).is_empty());
     assert_eq!(allreduce_group_sizes(2), vec![2]);
     assert_eq!(allreduce_group_sizes(3), vec![2, 3]);
-    assert_eq!(allreduce_group_sizes(4), vec![2, 4]);
-    assert_eq!(allreduce_group_sizes(6), vec![2, 4, 6]);
-    assert_eq!(allreduce_group_sizes(8), vec![2, 4, 8]);
+    assert_eq!(allreduce_group_sizes(4), vec![2, 3, 4]);
+    assert_eq!(allreduce_group_sizes(6), vec![2, 3, 4, 5, 6]);
 }
 
 #[test]

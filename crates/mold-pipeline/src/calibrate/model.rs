@@ -87,7 +87,8 @@ pub fn add_tables(m: &mut Machine, t: OpTables, timing: Timing, date: &str, mold
         "Operation tables for {} {} on {} measured by mold {} on {} (`mold devices \
          --calibrate --model {}`: {} matrix products, {} attention shapes, element-wise \
          kernels, {} collective sizes, {} text-encoder and VAE runs{}; operations timed {}, \
-         collectives, encoders and the decoder each run alone).",
+         collectives 8 at a time back to back on the stream, encoders and the decoder each \
+         run alone).",
         t.model,
         t.dtype,
         t.device,
