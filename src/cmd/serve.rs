@@ -85,6 +85,11 @@ pub struct Args {
     /// plan places them for each replica.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub encoder_pool: String,
+    /// on: before answering anything, one request per replica at the plan's size (one
+    /// step) loads every kernel and builds cuDNN's plans, so the first client's request
+    /// runs warm; off: the first request pays that.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub warm_up: String,
     /// Serve a plan made for another machine, or one the simulator says does not fit.
     #[arg(long)]
     pub force: bool,
@@ -150,6 +155,7 @@ pub fn run(a: Args) -> Result<i32> {
         allow_origins: a.allow_origin.clone(),
         queue: a.queue,
         encoder_pool: a.encoder_pool == "on",
+        warm_up: a.warm_up == "on",
         max_connections: a.max_connections,
         header_timeout: a.header_timeout,
         body_timeout: a.body_timeout,

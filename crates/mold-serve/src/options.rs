@@ -33,6 +33,11 @@ pub struct ServeOptions {
     /// Text encoders and the VAE run on any idle device with room (the lock pool);
     /// off: each request's on its replica's planned devices.
     pub encoder_pool: bool,
+    /// Before serving, one request per replica at the plan's size, one step: every kernel's
+    /// first load, cuDNN's plans and the collectives' first use happen before the server
+    /// answers, so the first client pays a warm request. Off here; `mold serve` turns it
+    /// on (`--warm-up off` leaves it out).
+    pub warm_up: bool,
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
     /// Longest prompt, characters.
@@ -71,6 +76,7 @@ impl Default for ServeOptions {
             allow_origins: Vec::new(),
             queue: 32,
             encoder_pool: true,
+            warm_up: false,
             max_body_bytes: 64 * 1024,
             max_prompt_chars: 4000,
             max_images: 8,

@@ -21,6 +21,7 @@
 mod instances;
 mod queue;
 mod start;
+mod warm;
 mod workers;
 
 use crate::metrics::{Gauges, Metrics};

@@ -20,6 +20,8 @@ pub(super) struct Ticket {
     pub(super) events: Option<mpsc::UnboundedSender<Event>>,
     pub(super) done: oneshot::Sender<Result<Image, Failure>>,
     pub(super) admitted: Instant,
+    /// A start-up warm-up request: kept out of the metrics.
+    pub(super) warm_up: bool,
 }
 
 impl Ticket {
@@ -103,6 +105,17 @@ impl Engine {
         cancel: Arc<AtomicBool>,
         events: Option<mpsc::UnboundedSender<Event>>,
     ) -> Result<Vec<Pending>, Refused> {
+        self.submit_with(reqs, cancel, events, false)
+    }
+
+    /// [`Engine::submit`]; `warm_up` keeps the requests out of the metrics.
+    pub(super) fn submit_with(
+        &self,
+        reqs: Vec<Request>,
+        cancel: Arc<AtomicBool>,
+        events: Option<mpsc::UnboundedSender<Event>>,
+        warm_up: bool,
+    ) -> Result<Vec<Pending>, Refused> {
         // Requests given up (deadline passed, client gone) leave the queue first.
         self.purge();
         let mut q = lock(&self.queue);
@@ -145,6 +158,7 @@ impl Engine {
                 events: events.clone(),
                 done,
                 admitted: Instant::now(),
+                warm_up,
             };
             q.queued += 1;
             if self.encoder_pool {

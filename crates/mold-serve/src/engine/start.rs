@@ -263,6 +263,13 @@ impl Engine {
                 lock(&engine.workers).push(h);
             }
         }
+        if opts.warm_up {
+            if let Err(e) = engine.warm_up() {
+                engine.close();
+                engine.join();
+                return Err(e);
+            }
+        }
         Ok(engine)
     }
 }

@@ -226,12 +226,20 @@ impl Engine {
     /// Answers a request's client, counts it, and logs a failure's cause with its id.
     pub(super) fn finish(&self, ticket: Ticket, res: Result<Made, Fail>, r: usize) {
         let id = ticket.id;
+        // A warm-up request is no client's: it stays out of the metrics.
+        let count = |outcome, n| {
+            if !ticket.warm_up {
+                self.metrics.count(outcome, n);
+            }
+        };
         let fail = |kind| Err(Failure { kind, request: id });
         let reply = match res {
             Ok(m) => {
                 let seconds = ticket.admitted.elapsed().as_secs_f64();
-                self.metrics.count(Outcome::Ok, 1);
-                self.metrics.latency(seconds);
+                count(Outcome::Ok, 1);
+                if !ticket.warm_up {
+                    self.metrics.latency(seconds);
+                }
                 Ok(Image {
                     png: m.png,
                     seed: ticket.req.seed,
@@ -246,11 +254,11 @@ impl Engine {
                 if matches!(e, PipelineError::Cancelled)
                     || ticket.cancel.load(Ordering::Relaxed) =>
             {
-                self.metrics.count(Outcome::Cancelled, 1);
+                count(Outcome::Cancelled, 1);
                 fail(FailureKind::Cancelled)
             }
             Err(Fail::Pipeline(e)) => {
-                self.metrics.count(Outcome::Failed, 1);
+                count(Outcome::Failed, 1);
                 (self.log)(format!(
                     "request {id}: failed: {}",
                     e.to_string().replace('\n', " ")
@@ -258,7 +266,7 @@ impl Engine {
                 fail(FailureKind::Internal)
             }
             Err(Fail::Panic { stage, message }) => {
-                self.metrics.count(Outcome::Failed, 1);
+                count(Outcome::Failed, 1);
                 (self.log)(format!(
                     "request {id}: panicked in {stage} (replica {r}): {}",
                     message.replace('\n', " ")
@@ -266,7 +274,7 @@ impl Engine {
                 fail(FailureKind::Internal)
             }
             Err(Fail::NoReplica) => {
-                self.metrics.count(Outcome::Failed, 1);
+                count(Outcome::Failed, 1);
                 (self.log)(format!(
                     "request {id}: failed: no replica is left to run it"
                 ));

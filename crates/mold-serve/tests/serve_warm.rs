@@ -1,0 +1,57 @@
+//! The start-up warm-up (`ServeOptions::warm_up`): one request per replica before the
+//! server answers, kept out of the metrics; a warm-up that fails is the server's failure
+//! to start, in one line.
+
+mod common;
+
+use common::*;
+use mold_serve::{Hooks, ServeOptions, Stage};
+
+#[test]
+fn warm_up_runs_one_request_per_replica_before_serving_and_counts_none() {
+    let (lines, log) = keep_log();
+    let o = ServeOptions {
+        warm_up: true,
+        ..opts()
+    };
+    let h = Detached(Some(
+        mold_serve::spawn_logged(&deployment(2), &o, log).unwrap(),
+    ));
+    // Done before spawn returned: the log says so, and the replicas ran the requests.
+    {
+        let l = lines.lock().unwrap();
+        let w = l.iter().find(|l| l.starts_with("warm-up: 2 requests at"));
+        assert!(w.is_some(), "{l:?}");
+    }
+    assert_eq!(
+        metric(h.addr(), "mold_requests_total{outcome=\"ok\"} "),
+        0.0
+    );
+    let url = format!("http://{}/v1/generate", h.addr());
+    let r = client().post(&url).json(&body(1, 1)).send().unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text());
+    let s = shutdown_within(h.take());
+    assert_eq!((s.ok, s.failed), (1, 0));
+}
+
+#[test]
+fn a_failing_warm_up_stops_the_start_in_one_line() {
+    let (lines, log) = keep_log();
+    let o = ServeOptions {
+        warm_up: true,
+        hooks: Hooks::default().panic_at(Stage::Decode, 1),
+        ..opts()
+    };
+    let e = match mold_serve::spawn_logged(&deployment(1), &o, log) {
+        Ok(_) => panic!("a server whose warm-up failed started"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("warm-up request") && e.contains("--warm-up off"),
+        "{e}"
+    );
+    assert!(!e.contains('\n'), "{e}");
+    // The cause is in the log under the request's id.
+    let l = lines.lock().unwrap();
+    assert!(l.iter().any(|l| l.contains("request 1: panicked in the VAE")), "{l:?}");
+}
