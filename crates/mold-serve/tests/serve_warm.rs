@@ -53,5 +53,9 @@ fn a_failing_warm_up_stops_the_start_in_one_line() {
     assert!(!e.contains('\n'), "{e}");
     // The cause is in the log under the request's id.
     let l = lines.lock().unwrap();
-    assert!(l.iter().any(|l| l.contains("request 1: panicked in the VAE")), "{l:?}");
+    assert!(
+        l.iter()
+            .any(|l| l.contains("request 1: panicked in the VAE")),
+        "{l:?}"
+    );
 }
