@@ -6,7 +6,11 @@
 //! box's own and never adopts.
 //!
 //! A GPU's products, attention, element-wise kernels, encoders and decoder are the GPU's
-//! own and travel with its name. Its collectives depend on the links between the GPUs:
+//! own and travel with its name. A GPU mold has not measured gets the tables of one it
+//! has, scaled by the two devices' figures in their profiles ([`scaled`]: a product by
+//! the bf16 rate where its arithmetic intensity is past the measured GPU's ridge point,
+//! else by memory bandwidth; attention, the encoders and the decoder by the bf16 rate;
+//! element-wise kernels by bandwidth), a spec-sheet estimate labelled as one. Its collectives depend on the links between the GPUs:
 //! they are adopted only where the box's devices of that name share one peer domain of
 //! the same kind (NVLink, PCIe) as the measured box's, for the group sizes that domain
 //! holds; elsewhere the profile's link model prices them.
@@ -38,17 +42,26 @@ pub struct Adopted {
     pub table: String,
     /// Whether its collectives came with it.
     pub collectives: bool,
+    /// Scaled from another GPU's tables: `(that GPU's name, bf16 rate ratio, bandwidth
+    /// ratio)`, this device's over that one's.
+    pub scaled: Option<(String, f64, f64)>,
 }
 
 impl Adopted {
     /// `flux-dev bf16 on NVIDIA H100 80GB HBM3 from 4x-h100-measured (2026-11-27, collectives
     /// included)`.
     pub fn describe(&self) -> String {
+        let date = self.date.as_deref().unwrap_or("undated");
+        if let Some((src, f, b)) = &self.scaled {
+            return format!(
+                "{} scaled by spec sheet from {src} in {} ({date}: bf16 rate x{f:.2}, bandwidth x{b:.2}; collectives from the link model)",
+                self.table, self.from
+            );
+        }
         format!(
-            "{} from {} ({}{})",
+            "{} from {} ({date}{})",
             self.table,
             self.from,
-            self.date.as_deref().unwrap_or("undated"),
             if self.collectives {
                 ", collectives included"
             } else {
@@ -107,12 +120,96 @@ impl Machine {
                     date: src.calibration.date.clone(),
                     table: format!("{} {} on {}", t.model, t.dtype, t.device),
                     collectives,
+                    scaled: None,
                 });
                 self.ops.push(t);
             }
         }
+        // Device names still without a table of a model and dtype some shipped profile
+        // measured: that table scaled by spec sheet.
+        let names: Vec<String> = {
+            let mut v: Vec<String> = self.devices.iter().map(|d| d.name.clone()).collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        for name in names {
+            let Some(dst) = self.devices.iter().find(|d| d.name == name).cloned() else {
+                continue;
+            };
+            for src in from {
+                for t in &src.ops {
+                    if self.op_tables(&t.model, t.dtype, &name).is_some() {
+                        continue;
+                    }
+                    let Some(sd) = src.devices.iter().find(|d| d.name == t.device) else {
+                        continue;
+                    };
+                    let Some(scaled) = scaled(t, sd, &dst) else {
+                        continue;
+                    };
+                    added.push(Adopted {
+                        from: src.name.clone(),
+                        date: src.calibration.date.clone(),
+                        table: format!("{} {} on {}", t.model, t.dtype, name),
+                        collectives: false,
+                        scaled: Some((
+                            t.device.clone(),
+                            dst.bf16_tflops / sd.bf16_tflops,
+                            dst.mem_bandwidth_gbps / sd.mem_bandwidth_gbps,
+                        )),
+                    });
+                    self.ops.push(scaled);
+                }
+            }
+        }
         added
     }
+}
+
+/// `t`, measured on `src`, as a spec-sheet estimate for `dst`: each time scaled by how
+/// much slower `dst` is at what bounds it (module doc), the collectives and the copy
+/// beside compute left out (they depend on links and host, not on the GPU), the libraries'
+/// memory and the first-use times kept. `None` where a figure is missing or not positive.
+pub fn scaled(
+    t: &crate::OpTables,
+    src: &crate::Device,
+    dst: &crate::Device,
+) -> Option<crate::OpTables> {
+    let ok = |x: f64| x.is_finite() && x > 0.0;
+    let (fs, fd, bs, bd) = (
+        src.bf16_tflops,
+        dst.bf16_tflops,
+        src.mem_bandwidth_gbps,
+        dst.mem_bandwidth_gbps,
+    );
+    if ![fs, fd, bs, bd].into_iter().all(ok) {
+        return None;
+    }
+    let (by_rate, by_bandwidth) = (fs / fd, bs / bd);
+    // FLOPs per byte where the measured GPU turns from memory- to compute-bound.
+    let ridge = fs * 1e12 / (bs * 1e9);
+    let mut out = t.clone();
+    out.device = dst.name.clone();
+    for g in &mut out.gemm {
+        let (m, n, k) = (g.m as f64, g.n as f64, g.k as f64);
+        let intensity = 2.0 * m * n * k / (2.0 * (m * k + n * k + m * n));
+        g.seconds *= if intensity >= ridge {
+            by_rate
+        } else {
+            by_bandwidth
+        };
+    }
+    for a in &mut out.attention {
+        a.seconds *= by_rate;
+    }
+    out.elementwise_gbps /= by_bandwidth;
+    for c in &mut out.components {
+        c.seconds *= by_rate;
+    }
+    out.collectives = Default::default();
+    out.htod_busy_ratio = None;
+    Some(out)
 }
 
 #[cfg(test)]
@@ -190,12 +287,57 @@ mod tests {
     }
 
     #[test]
-    fn other_gpus_adopt_nothing() {
-        let mut m = two_h100(LinkKind::Nvlink);
+    fn other_gpus_get_the_tables_scaled_by_spec_sheet() {
+        let src = shipped_h100();
+        let mut m = two_h100(LinkKind::Pcie);
         for d in &mut m.devices {
             d.name = "NVIDIA L40S".into();
+            d.bf16_tflops /= 3.0;
+            d.mem_bandwidth_gbps /= 4.0;
         }
-        assert!(m.adopt_tables(&profiles()).is_empty());
-        assert!(m.ops.is_empty());
+        let added = m.adopt_tables(&profiles());
+        assert_eq!(added.len(), 1, "{added:?}");
+        assert!(
+            added[0].describe().contains("scaled by spec sheet"),
+            "{}",
+            added[0].describe()
+        );
+        let h = &src.ops[0];
+        let l = m
+            .op_tables("flux-dev", mold_plan::DType::Bf16, "NVIDIA L40S")
+            .unwrap();
+        // A large product (compute-bound) by the rate, a one-row one (bound by reading
+        // its weights) by the bandwidth; element-wise by the bandwidth.
+        let big = h.gemm.iter().max_by_key(|g| g.m * g.n * g.k).unwrap();
+        let at = |t: &crate::OpTables, g: &crate::GemmPoint| {
+            t.gemm
+                .iter()
+                .find(|x| (x.m, x.n, x.k) == (g.m, g.n, g.k))
+                .unwrap()
+                .seconds
+        };
+        let r = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
+        let rate = src.devices[0].bf16_tflops / m.devices[0].bf16_tflops;
+        let bw = src.devices[0].mem_bandwidth_gbps / m.devices[0].mem_bandwidth_gbps;
+        assert!(r(at(l, big) / at(h, big), rate));
+        let thin = h.gemm.iter().find(|g| g.m == 1).unwrap();
+        assert!(r(at(l, thin) / at(h, thin), bw));
+        assert!(r(h.elementwise_gbps / l.elementwise_gbps, bw));
+        let t5 = |t: &crate::OpTables| {
+            t.components
+                .iter()
+                .find(|c| c.component == "t5")
+                .unwrap()
+                .seconds
+        };
+        assert!(r(t5(l) / t5(h), rate));
+        assert!(l.collectives.all_reduce.is_empty() && l.htod_busy_ratio.is_none());
+        // A device without positive figures gets nothing.
+        let mut z = two_h100(LinkKind::Pcie);
+        for d in &mut z.devices {
+            d.name = "Some GPU".into();
+            d.bf16_tflops = 0.0;
+        }
+        assert!(z.adopt_tables(&profiles()).is_empty());
     }
 }
