@@ -364,6 +364,17 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
     let mut req = Request::new(model, machine, w);
     req.checkpoint = loaded.checkpoint;
     if let Some(d) = loaded.dtype {
+        // FP8 weights are dequantized at load: the transformer computes, and is held, in
+        // bf16 until FP8 products exist.
+        let d = if d == DType::Fp8 {
+            eprintln!(
+                "note: {} stores the transformer in FP8 (e4m3); mold dequantizes it at load and computes in bf16 (2 bytes a weight on the GPU)",
+                a.model
+            );
+            DType::Bf16
+        } else {
+            d
+        };
         req.dtypes.insert("transformer".into(), d);
     }
     for s in &a.dtype {

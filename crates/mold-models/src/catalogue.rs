@@ -25,6 +25,7 @@ fn dual_stream(name: &str, count: u32, h: u64, heads: u32, head_dim: u32, mlp: u
         allreduces: 2,
         streams: 2,
         checkpoint_bytes: None,
+        checkpoint_dtype: None,
     }
 }
 
@@ -47,6 +48,7 @@ fn flux_single(count: u32, h: u64, heads: u32, head_dim: u32, mlp: u64) -> Block
         allreduces: 1,
         streams: 1,
         checkpoint_bytes: None,
+        checkpoint_dtype: None,
     }
 }
 
@@ -85,6 +87,7 @@ fn swiglu_layer(
         allreduces: 2,
         streams: 1,
         checkpoint_bytes: None,
+        checkpoint_dtype: None,
     }
 }
 
@@ -107,6 +110,7 @@ fn ltx_block(count: u32, h: u64, heads: u32, head_dim: u32, mlp: u64) -> BlockKi
         allreduces: 3,
         streams: 1,
         checkpoint_bytes: None,
+        checkpoint_dtype: None,
     }
 }
 
@@ -253,6 +257,7 @@ fn flux(id: &str, guidance: bool) -> ModelSpec {
             ],
             stem_params: flux_stem(h, a.in_channels, a.context_in_dim, a.vec_in_dim, a.guidance_embed),
             stem_checkpoint_bytes: None,
+            checkpoint_dtype: None,
             default_dtype: DType::Bf16,
         },
         latent: LatentSpec {
@@ -329,6 +334,7 @@ fn flux_tiny() -> ModelSpec {
                 a.guidance_embed,
             ),
             stem_checkpoint_bytes: None,
+            checkpoint_dtype: None,
             default_dtype: DType::F32,
         },
         latent: LatentSpec {
@@ -374,6 +380,7 @@ fn qwen_transformer(a: &crate::arch::QwenArch, dtype: DType) -> TransformerSpec 
             + linear(h, 2 * h)
             + linear(h, out),
         stem_checkpoint_bytes: None,
+        checkpoint_dtype: None,
         default_dtype: dtype,
     }
 }
@@ -503,6 +510,7 @@ fn sd35_large() -> ModelSpec {
                 + linear(h, 2 * h)
                 + linear(h, 64),
             stem_checkpoint_bytes: None,
+            checkpoint_dtype: None,
             default_dtype: DType::Bf16,
         },
         latent: LatentSpec {
@@ -549,6 +557,7 @@ fn z_image_turbo() -> ModelSpec {
                 + linear(h, h)
                 + linear(h, 64),
             stem_checkpoint_bytes: None,
+            checkpoint_dtype: None,
             default_dtype: DType::Bf16,
         },
         latent: LatentSpec {
@@ -592,6 +601,7 @@ fn ltx(id: &str, blocks: u32, h: u64, heads: u32, hd: u32) -> ModelSpec {
                 + linear(h, h)
                 + linear(h, 128),
             stem_checkpoint_bytes: None,
+            checkpoint_dtype: None,
             default_dtype: DType::Bf16,
         },
         latent: LatentSpec {

@@ -73,6 +73,22 @@ pub struct BlockKind {
     /// Exact bytes of one block from a checkpoint header (largest block of this kind),
     /// replacing the dtype-derived figure when set.
     pub checkpoint_bytes: Option<u64>,
+    /// The dtype those bytes are in (the checkpoint's dominant one): a plan in another
+    /// dtype holds them recast to its own (an FP8 checkpoint computed in bf16 takes twice
+    /// its bytes).
+    pub checkpoint_dtype: Option<DType>,
+}
+
+/// `bytes` stored in `from`, held in `to`: scaled by the ratio of their sizes (rounded up).
+fn recast(bytes: u64, from: Option<DType>, to: DType) -> u64 {
+    const N: u64 = 1 << 20;
+    match from {
+        Some(f) if f != to && f.weight_bytes(N) > 0 => {
+            ((bytes as u128 * to.weight_bytes(N) as u128).div_ceil(f.weight_bytes(N) as u128))
+                .min(u64::MAX as u128) as u64
+        }
+        _ => bytes,
+    }
 }
 
 impl BlockKind {
@@ -89,6 +105,7 @@ impl BlockKind {
         let tp = tp.max(1) as u64;
         match self.checkpoint_bytes {
             Some(total) => {
+                let total = recast(total, self.checkpoint_dtype, dtype);
                 // Same split between sharded and replicated weights as the architecture.
                 let rep = (total as u128 * self.replicated_params as u128)
                     .checked_div(self.params() as u128)
@@ -229,6 +246,8 @@ pub struct TransformerSpec {
     pub stem_params: u64,
     /// Exact stem bytes from a checkpoint header.
     pub stem_checkpoint_bytes: Option<u64>,
+    /// The dtype of the checkpoint those bytes come from ([`BlockKind::checkpoint_dtype`]).
+    pub checkpoint_dtype: Option<DType>,
     pub default_dtype: DType,
 }
 
@@ -241,6 +260,7 @@ impl TransformerSpec {
     }
     pub fn stem_bytes(&self, dtype: DType) -> u64 {
         self.stem_checkpoint_bytes
+            .map(|b| recast(b, self.checkpoint_dtype, dtype))
             .unwrap_or_else(|| dtype.weight_bytes(self.stem_params))
     }
     pub fn weight_bytes(&self, dtype: DType) -> u64 {

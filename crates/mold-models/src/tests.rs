@@ -288,6 +288,30 @@ fn refines_from_checkpoint_header() {
     assert_eq!(r.model.transformer.kinds[0].checkpoint_bytes, Some(1004));
     assert_eq!(r.model.transformer.stem_checkpoint_bytes, Some(268));
     assert_eq!(r.header_sha256.len(), 64);
+    // The checkpoint's bytes are in its dtype: a plan in another holds them recast.
+    let k = &r.model.transformer.kinds[0];
+    assert_eq!(k.weight_bytes(DType::F32, 1), 1004);
+    assert_eq!(k.weight_bytes(DType::Bf16, 1), 502);
+    assert_eq!(r.model.transformer.stem_bytes(DType::Bf16), 134);
+    // FP8 weights computed in bf16 take twice their stored bytes.
+    let fp8: Vec<(&str, &str, Vec<u64>, u64)> = owned
+        .iter()
+        .map(|(n, _, shape, b)| {
+            let elems = *b / 4;
+            let shape = if shape.len() == 2 {
+                vec![64, elems / 64]
+            } else {
+                vec![elems]
+            };
+            (*n, "F8_E4M3", shape, elems)
+        })
+        .collect();
+    write_safetensors(&p, &fp8);
+    let r8 = checkpoint::refine(&p, None).unwrap();
+    assert_eq!(r8.dtype, DType::Fp8);
+    let k8 = &r8.model.transformer.kinds[0];
+    assert_eq!(k8.weight_bytes(DType::Fp8, 1), 251);
+    assert_eq!(k8.weight_bytes(DType::Bf16, 1), 502);
     // A missing block is named.
     let owned2: Vec<_> = owned
         .iter()

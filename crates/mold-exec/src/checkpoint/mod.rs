@@ -74,8 +74,19 @@ fn candle_dtype(st: &str) -> Option<DType> {
         "F32" => Some(DType::F32),
         "BF16" => Some(DType::BF16),
         "F16" => Some(DType::F16),
+        // FP8 checkpoints as users download them (`flux1-dev-fp8`, ComfyUI's scaled FP8):
+        // dequantized at load ([`Checkpoint::read_slice`]).
+        "F8_E4M3" => Some(DType::F8E4M3),
         _ => None,
     }
+}
+
+/// The scale tensor stored beside an FP8 weight `X.weight`: `X.scale_weight` (ComfyUI's
+/// scaled FP8 files); `None` for other names.
+fn scale_name(weight: &str) -> Option<String> {
+    weight
+        .strip_suffix(".weight")
+        .map(|stem| format!("{stem}.scale_weight"))
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ExecError + '_ {
@@ -301,11 +312,11 @@ impl Checkpoint {
             });
         }
         let base = match &self.layout {
-            Layout::Bfl => self.read_stored(name, rows, cols)?,
+            Layout::Bfl => self.read_dequantized(name, rows, cols)?,
             Layout::Diffusers(a) => {
                 let mut parts = Vec::new();
                 for (source, ranges) in a.sources(name, rows)? {
-                    parts.push(self.read_stored(&source, &ranges, cols)?);
+                    parts.push(self.read_dequantized(&source, &ranges, cols)?);
                 }
                 Tensor::cat(&parts, 0)?
             }
@@ -321,6 +332,68 @@ impl Checkpoint {
             }
         }
         Ok(w.to_dtype(dtype)?)
+    }
+
+    /// [`Checkpoint::read_stored`], an FP8 tensor widened to f32 and multiplied by its
+    /// stored scale ([`scale_name`]: one value for the tensor, or one per row), or by 1
+    /// where it has none (a plain `e4m3fn` cast of the weights).
+    fn read_dequantized(
+        &self,
+        name: &str,
+        rows: &[Range<usize>],
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Tensor> {
+        let t = self.read_stored(name, rows, cols)?;
+        if t.dtype() != DType::F8E4M3 {
+            return Ok(t);
+        }
+        let t = t.to_dtype(DType::F32)?;
+        let Some(scale) = scale_name(name).filter(|s| self.stored.contains_key(s)) else {
+            return Ok(t);
+        };
+        let h = &self.stored[&scale];
+        let bad = |message: String| ExecError::BadCheckpointFile {
+            path: self.display.clone(),
+            message: format!("tensor `{scale}`: {message}"),
+        };
+        let n: usize = h.shape.iter().product();
+        let n_rows = self.stored[name].shape.first().copied().unwrap_or(0);
+        let all = self.read_scalars(&scale, n)?;
+        if let Some(v) = all.iter().find(|v| !v.is_finite()) {
+            return Err(bad(format!("the scale {v} is not finite")));
+        }
+        let out = if n == 1 {
+            (t * all[0] as f64)?
+        } else if n == n_rows {
+            let picked: Vec<f32> = rows.iter().flat_map(|r| all[r.clone()].to_vec()).collect();
+            let len = picked.len();
+            let s = Tensor::from_vec(picked, (len, 1), t.device())?;
+            t.broadcast_mul(&s)?
+        } else {
+            return Err(bad(format!(
+                "{n} scales for {n_rows} rows: an FP8 weight's scale is one value or one per row"
+            )));
+        };
+        Ok(out)
+    }
+
+    /// All `n` values of a small tensor as f32.
+    fn read_scalars(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        let h = &self.stored[name];
+        let dtype = candle_dtype(&h.dtype).ok_or_else(|| ExecError::UnsupportedTensorDtype {
+            checkpoint: self.display.clone(),
+            name: name.to_string(),
+            dtype: h.dtype.clone(),
+        })?;
+        let data = self.mmap()?.get(name)?;
+        if data.data().len() != n * dtype.size_in_bytes() {
+            return Err(ExecError::BadCheckpointFile {
+                path: self.display.clone(),
+                message: format!("tensor `{name}`: truncated data"),
+            });
+        }
+        let t = Tensor::from_raw_buffer(data.data(), dtype, &[n], &candle_core::Device::Cpu)?;
+        Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?)
     }
 
     /// Rows `rows` (and columns `cols`) of a tensor as stored, in its stored dtype.
