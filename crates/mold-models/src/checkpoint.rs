@@ -407,7 +407,6 @@ pub fn refine(path: &Path, model_hint: Option<&str>) -> Result<Refined, ModelErr
             format!("tensors are mostly {main:?}, which mold does not plan for: use f32, bf16, f16 or f8 weights"),
         )
     })?;
-    let mut model = model;
     model.transformer.checkpoint_dtype = Some(dtype);
     for k in &mut model.transformer.kinds {
         k.checkpoint_dtype = Some(dtype);

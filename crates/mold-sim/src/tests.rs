@@ -47,9 +47,11 @@ fn toy_model(count: u32) -> ModelSpec {
                 allreduces: 2,
                 streams: 1,
                 checkpoint_bytes: None,
+                checkpoint_dtype: None,
             }],
             stem_params: 0,
             stem_checkpoint_bytes: None,
+            checkpoint_dtype: None,
             default_dtype: DType::Bf16,
         },
         latent: LatentSpec {
