@@ -10,6 +10,19 @@ pub fn load_machine(spec: &str) -> Result<Machine> {
     if spec == "local" {
         return super::devices::local_machine(super::devices::DEFAULT_HEADROOM);
     }
+    load_profile(spec)
+}
+
+/// [`load_machine`] without the tables mold ships: `local` is the box's own inventory
+/// alone (what a calibration measures into and saves).
+pub fn load_machine_unadopted(spec: &str) -> Result<Machine> {
+    if spec == "local" {
+        return super::devices::local_inventory_machine(super::devices::DEFAULT_HEADROOM);
+    }
+    load_profile(spec)
+}
+
+fn load_profile(spec: &str) -> Result<Machine> {
     let path = Path::new(spec);
     if !path.exists() {
         let hint = if !spec.contains('/') && !spec.ends_with(".yaml") {

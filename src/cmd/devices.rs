@@ -189,6 +189,23 @@ pub fn local_machine(headroom: ByteSize) -> Result<Machine> {
 pub fn local_machine_adopting(
     headroom: ByteSize,
 ) -> Result<(Machine, Vec<mold_machine::shipped::Adopted>)> {
+    let mut m = local_inventory_machine(headroom)?;
+    let adopted = m.adopt_tables(&mold_machine::shipped::profiles());
+    if !adopted.is_empty() {
+        let list: Vec<String> = adopted.iter().map(|a| a.describe()).collect();
+        m.calibration.notes = format!(
+            "{} Operation tables shipped with mold, not measured on this box: {}.",
+            m.calibration.notes,
+            list.join("; ")
+        )
+        .trim()
+        .to_string();
+    }
+    Ok((m, adopted))
+}
+
+/// This box's GPUs as queried now, nothing adopted.
+pub fn local_inventory_machine(headroom: ByteSize) -> Result<Machine> {
     if !inventory::CUDA {
         bail!(
             "--machine local: this build has no CUDA, so it cannot query this box's GPUs; build one with scripts/build-cuda, or pass a profile such as sim/machines/2x-h200.yaml"
@@ -204,19 +221,7 @@ pub fn local_machine_adopting(
             mold_version: env!("CARGO_PKG_VERSION").into(),
         })
         .context("--machine local")?;
-    let mut m = m;
-    let adopted = m.adopt_tables(&mold_machine::shipped::profiles());
-    if !adopted.is_empty() {
-        let list: Vec<String> = adopted.iter().map(|a| a.describe()).collect();
-        m.calibration.notes = format!(
-            "{} Operation tables shipped with mold, not measured on this box: {}.",
-            m.calibration.notes,
-            list.join("; ")
-        )
-        .trim()
-        .to_string();
-    }
-    Ok((m, adopted))
+    Ok(m)
 }
 
 /// The configuration with these flags on top.
@@ -456,7 +461,7 @@ fn footprint_child(
 /// measured, the tables added to it (`--save`) or printed.
 fn calibrate_profile(a: &Args, spec: &str) -> Result<i32> {
     let model = a.model.as_deref().context("--machine needs --model")?;
-    let mut m = super::common::load_machine(spec)?;
+    let mut m = super::common::load_machine_unadopted(spec)?;
     without_peers(a, &mut m);
     let req = model_request(a, model)?;
     if let (Some(_), Some(n)) = (&a.save, &a.name) {

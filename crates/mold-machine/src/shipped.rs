@@ -13,7 +13,9 @@
 //! element-wise kernels by bandwidth), a spec-sheet estimate labelled as one. Its collectives depend on the links between the GPUs:
 //! they are adopted only where the box's devices of that name share one peer domain of
 //! the same kind (NVLink, PCIe) as the measured box's, for the group sizes that domain
-//! holds; elsewhere the profile's link model prices them.
+//! holds; elsewhere the profile's link model prices them. A box with more devices of a
+//! name than the measured box adopts nothing for them: its wider layouts are not in the
+//! tables, and the peak-rate model pricing them beside measured ones would favour them.
 
 use crate::{LinkKind, Machine};
 
@@ -71,6 +73,39 @@ impl Adopted {
     }
 }
 
+/// How many devices of `m` are named `name`.
+fn count(m: &Machine, name: &str) -> usize {
+    m.devices.iter().filter(|d| d.name == name).count()
+}
+
+/// Whether `src`'s tables for devices named `name` were measured on at least `n` of them:
+/// the layouts and groups of a larger box (six or eight GPUs) are not in them, and pricing
+/// those from the peak-rate model beside measured ones would favour them.
+fn covers(src: &Machine, name: &str, n: usize) -> bool {
+    count(src, name) >= n
+}
+
+/// The shipped GPUs' figures as `mold devices` estimates them from the driver's counts
+/// (SMs × clock × dense rate × 0.75; memory clock × bus width): spec-sheet scaling
+/// compares a box's estimates with these, like with like, not with the measured figures
+/// of the shipped profile. `(name, bf16 TFLOP/s, GB/s)`.
+const ESTIMATES: &[(&str, f64, f64)] = &[
+    // 132 SMs at 1980 MHz, 4096 bf16 FLOPs per clock per SM; 2619 MHz × 5120 bits.
+    ("NVIDIA H100 80GB HBM3", 802.9, 3352.3),
+];
+
+/// A shipped GPU's bf16 rate and bandwidth to scale from: its estimates ([`ESTIMATES`])
+/// where listed, else its profile's figures; `None` for a figure that is not positive.
+fn figures(src: &crate::Device) -> (Option<f64>, Option<f64>) {
+    let (f, b) = ESTIMATES
+        .iter()
+        .find(|e| e.0 == src.name)
+        .map(|e| (e.1, e.2))
+        .unwrap_or((src.bf16_tflops, src.mem_bandwidth_gbps));
+    let ok = |x: f64| (x.is_finite() && x > 0.0).then_some(x);
+    (ok(f), ok(b))
+}
+
 /// The kind of the peer domain holding every device of `m` named `name`, and its size;
 /// `None` when they are not all in one domain.
 fn domain_of(m: &Machine, name: &str) -> Option<(LinkKind, usize)> {
@@ -97,6 +132,7 @@ impl Machine {
             for t in &src.ops {
                 if !self.devices.iter().any(|d| d.name == t.device)
                     || self.op_tables(&t.model, t.dtype, &t.device).is_some()
+                    || !covers(src, &t.device, count(self, &t.device))
                 {
                     continue;
                 }
@@ -115,6 +151,8 @@ impl Machine {
                     l.retain(|p| p.devices as usize <= fits);
                 }
                 let collectives = !t.collectives.all_reduce.is_empty();
+                // The copy beside compute is the measured box's host's, not this one's.
+                t.htod_busy_ratio = None;
                 added.push(Adopted {
                     from: src.name.clone(),
                     date: src.calibration.date.clone(),
@@ -145,6 +183,9 @@ impl Machine {
                     let Some(sd) = src.devices.iter().find(|d| d.name == t.device) else {
                         continue;
                     };
+                    if !covers(src, &t.device, count(self, &name)) {
+                        continue;
+                    }
                     let Some(scaled) = scaled(t, sd, &dst) else {
                         continue;
                     };
@@ -155,8 +196,8 @@ impl Machine {
                         collectives: false,
                         scaled: Some((
                             t.device.clone(),
-                            dst.bf16_tflops / sd.bf16_tflops,
-                            dst.mem_bandwidth_gbps / sd.mem_bandwidth_gbps,
+                            figures(sd).0.map_or(0.0, |f| dst.bf16_tflops / f),
+                            figures(sd).1.map_or(0.0, |b| dst.mem_bandwidth_gbps / b),
                         )),
                     });
                     self.ops.push(scaled);
@@ -177,12 +218,10 @@ pub fn scaled(
     dst: &crate::Device,
 ) -> Option<crate::OpTables> {
     let ok = |x: f64| x.is_finite() && x > 0.0;
-    let (fs, fd, bs, bd) = (
-        src.bf16_tflops,
-        dst.bf16_tflops,
-        src.mem_bandwidth_gbps,
-        dst.mem_bandwidth_gbps,
-    );
+    let (Some(fs), Some(bs)) = figures(src) else {
+        return None;
+    };
+    let (fd, bd) = (dst.bf16_tflops, dst.mem_bandwidth_gbps);
     if ![fs, fd, bs, bd].into_iter().all(ok) {
         return None;
     }
@@ -287,6 +326,19 @@ mod tests {
     }
 
     #[test]
+    fn a_box_larger_than_the_measured_one_adopts_nothing() {
+        let mut m = shipped_h100();
+        m.name = "local".into();
+        m.ops.clear();
+        let mut more = m.devices.clone();
+        for (i, d) in more.iter_mut().enumerate() {
+            d.id = DeviceId::Cuda(4 + i as u32);
+        }
+        m.devices.extend(more);
+        assert!(m.adopt_tables(&profiles()).is_empty());
+    }
+
+    #[test]
     fn other_gpus_get_the_tables_scaled_by_spec_sheet() {
         let src = shipped_h100();
         let mut m = two_h100(LinkKind::Pcie);
@@ -317,8 +369,10 @@ mod tests {
                 .seconds
         };
         let r = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
-        let rate = src.devices[0].bf16_tflops / m.devices[0].bf16_tflops;
-        let bw = src.devices[0].mem_bandwidth_gbps / m.devices[0].mem_bandwidth_gbps;
+        // Scaled from the H100's estimates ([`ESTIMATES`]), like the box's own figures.
+        let (f, b) = figures(&src.devices[0]);
+        let rate = f.unwrap() / m.devices[0].bf16_tflops;
+        let bw = b.unwrap() / m.devices[0].mem_bandwidth_gbps;
         assert!(r(at(l, big) / at(h, big), rate));
         let thin = h.gemm.iter().find(|g| g.m == 1).unwrap();
         assert!(r(at(l, thin) / at(h, thin), bw));

@@ -36,7 +36,8 @@ pub struct ServeOptions {
     /// Before serving, one request per replica at the plan's size, one step: every kernel's
     /// first load, cuDNN's plans and the collectives' first use happen before the server
     /// answers, so the first client pays a warm request. Off here; `mold serve` turns it
-    /// on (`--warm-up off` leaves it out).
+    /// on (`--warm-up off` leaves it out). The start waits for it: start the engine
+    /// outside an async runtime, as [`crate::serve`] and [`crate::spawn`] do.
     pub warm_up: bool,
     /// Largest request body, bytes.
     pub max_body_bytes: usize,

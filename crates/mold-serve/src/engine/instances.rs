@@ -89,8 +89,10 @@ impl Engine {
                 resume_unwind(p);
             }
         };
-        self.metrics
-            .busy(&lease.device_id().to_string(), t.elapsed().as_secs_f64());
+        if !ticket.warm_up {
+            self.metrics
+                .busy(&lease.device_id().to_string(), t.elapsed().as_secs_f64());
+        }
         out
     }
 

@@ -190,7 +190,7 @@ impl Engine {
             let t = Instant::now();
             let out = job.denoise(den, true, &ticket.cancel, &mut ticket.progress());
             let s = t.elapsed().as_secs_f64();
-            for &d in &rep.devices {
+            for &d in rep.devices.iter().filter(|_| !ticket.warm_up) {
                 self.metrics.busy(&self.pool.devices()[d].id.to_string(), s);
             }
             drop(lease);
