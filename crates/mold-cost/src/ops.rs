@@ -589,9 +589,14 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
                     Ok(t) => {
                         covered += r.len() as usize;
                         if let Some(d) = machine.device(id) {
+                            let note = machine
+                                .op_tables(&model.id, tc.dtype, &d.name)
+                                .and_then(|t| t.estimated.as_deref())
+                                .map(|e| format!(", {e}"))
+                                .unwrap_or_default();
                             push(
                                 &mut tables,
-                                format!("{} {} on {}", model.id, tc.dtype, d.name),
+                                format!("{} {} on {}{note}", model.id, tc.dtype, d.name),
                             );
                         }
                         push(
@@ -622,11 +627,21 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
     }
     let mut out = Vec::new();
     if covered == total && total > 0 {
-        out.push(format!(
-            "block times: calibrated by operation (tables {}): measured products, attention, \
-             element-wise bandwidth and collectives, no whole-step factor",
-            tables.join(", ")
-        ));
+        let estimated = tables.iter().any(|t| t.contains("scaled by spec sheet"));
+        out.push(if estimated {
+            format!(
+                "block times: from operation tables (tables {}): another GPU's measured \
+                 products, attention and element-wise bandwidth scaled by spec sheet, \
+                 collectives from the link model: an estimate",
+                tables.join("; ")
+            )
+        } else {
+            format!(
+                "block times: calibrated by operation (tables {}): measured products, attention, \
+                 element-wise bandwidth and collectives, no whole-step factor",
+                tables.join(", ")
+            )
+        });
     } else if covered > 0 {
         out.push(format!(
             "block times: calibrated by operation for {covered} of {total} block placements \

@@ -54,6 +54,7 @@ fn tables_for(model: &ModelSpec, dtype: DType, machine: &Machine, gemm_scale: f6
             .collect(),
         elementwise_gbps: 1500.0,
         htod_busy_ratio: None,
+        estimated: None,
         library_bytes: None,
         collectives: Default::default(),
         components: Vec::new(),
@@ -537,4 +538,24 @@ fn the_calibration_s_mixes_cover_every_shape_once() {
             assert!(shapes.mixes.contains(b), "{id}: a default block not timed");
         }
     }
+}
+
+/// Tables scaled from another GPU say so wherever the block times are explained.
+#[test]
+fn estimated_tables_are_named_as_an_estimate() {
+    let (model, mut m) = with_tables(1.0);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let plan = mold_plan::Plan::load(&root.join("plans/flux-dev@2x-h200.yaml")).unwrap();
+    let measured = describe(&plan, &model, &m).join("\n");
+    assert!(measured.contains("calibrated by operation"), "{measured}");
+    m.ops[0].estimated = Some("scaled by spec sheet from X (p, 2026-11-27)".into());
+    let estimated = describe(&plan, &model, &m).join("\n");
+    assert!(
+        estimated.contains("an estimate") && estimated.contains("scaled by spec sheet from X"),
+        "{estimated}"
+    );
+    assert!(
+        !estimated.contains("calibrated by operation"),
+        "{estimated}"
+    );
 }

@@ -43,6 +43,11 @@ pub struct OpTables {
     /// older profiles).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub htod_busy_ratio: Option<f64>,
+    /// Where the tables come from when not from this profile's own devices: `scaled by
+    /// spec sheet from NVIDIA H100 80GB HBM3 (4x-h100-measured, 2026-11-27)` for a GPU
+    /// mold has not measured ([`crate::shipped`]). `None`: measured on these devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated: Option<String>,
     /// The device memory the CUDA libraries hold beyond the tensors once the model's
     /// blocks have run: kernel code loaded on first use (candle's and mold's
     /// modules, cuBLAS/cuBLASLt's and cuDNN's generated kernels), cuBLAS/cuBLASLt handles

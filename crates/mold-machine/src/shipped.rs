@@ -186,9 +186,15 @@ impl Machine {
                     if !covers(src, &t.device, count(self, &name)) {
                         continue;
                     }
-                    let Some(scaled) = scaled(t, sd, &dst) else {
+                    let Some(mut scaled) = scaled(t, sd, &dst) else {
                         continue;
                     };
+                    scaled.estimated = Some(format!(
+                        "scaled by spec sheet from {} ({}, {})",
+                        t.device,
+                        src.name,
+                        src.calibration.date.as_deref().unwrap_or("undated")
+                    ));
                     added.push(Adopted {
                         from: src.name.clone(),
                         date: src.calibration.date.clone(),
@@ -386,6 +392,11 @@ mod tests {
         };
         assert!(r(t5(l) / t5(h), rate));
         assert!(l.collectives.all_reduce.is_empty() && l.htod_busy_ratio.is_none());
+        assert!(l
+            .estimated
+            .as_deref()
+            .unwrap()
+            .starts_with("scaled by spec sheet"));
         // A device without positive figures gets nothing.
         let mut z = two_h100(LinkKind::Pcie);
         for d in &mut z.devices {

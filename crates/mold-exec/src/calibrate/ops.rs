@@ -170,6 +170,7 @@ pub fn measure_ops(
         attention,
         elementwise_gbps,
         htod_busy_ratio,
+        estimated: None,
         library_bytes: None,
         collectives,
         components: Vec::new(),

@@ -190,6 +190,7 @@ fn with_component_runs(plan: &Plan, first: bool) -> Machine {
         attention: vec![],
         elementwise_gbps: 1000.0,
         htod_busy_ratio: None,
+        estimated: None,
         library_bytes: None,
         collectives: Default::default(),
         components: vec![],
