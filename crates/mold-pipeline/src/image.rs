@@ -98,6 +98,29 @@ pub fn read_png(path: &Path) -> Result<(RgbImage, Vec<(String, String)>)> {
     ))
 }
 
+/// One decoded image `(3, h, w)` → `(width, height, bytes)`, interleaved RGB, each value
+/// made a byte by `byte` (the family's rule: BFL truncates, diffusers rounds). Another
+/// channel count is refused, naming the VAE.
+pub(crate) fn rgb8_with(
+    img: &candle_core::Tensor,
+    byte: impl Fn(f32) -> u8,
+) -> Result<(u32, u32, Vec<u8>)> {
+    let (c, h, w) = img.dims3()?;
+    if c != 3 {
+        return Err(PipelineError::Component {
+            component: "vae".into(),
+            message: format!("decoded {c} channels, expected 3 (RGB)"),
+        });
+    }
+    let hwc = img
+        .to_device(&candle_core::Device::Cpu)?
+        .to_dtype(candle_core::DType::F32)?
+        .permute((1, 2, 0))?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    Ok((w as u32, h as u32, hwc.into_iter().map(byte).collect()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -60,3 +60,48 @@ pub(crate) fn weight_bytes(
     }
     Ok(n)
 }
+
+/// A byte-level BPE tokenizer's files as `tokenizer.json` wants them: `vocab.json`'s token
+/// → id map (every id an integer) and the `merges.txt` beside it as `[a, b]` pairs
+/// (`#version` and blank lines skipped). Each bad file is refused naming it and the line.
+pub(crate) fn read_bpe_files(
+    vocab: &Path,
+) -> Result<(
+    serde_json::Map<String, serde_json::Value>,
+    Vec<serde_json::Value>,
+)> {
+    let bad = |path: &Path, message: String| PipelineError::Tokenizer {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(vocab).map_err(PipelineError::io(vocab))?;
+    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
+        .map_err(|e| bad(vocab, format!("not a JSON object of token ids: {e}")))?;
+    if let Some((k, x)) = v.iter().find(|(_, x)| !x.is_u64()) {
+        return Err(bad(
+            vocab,
+            format!("token {k:?} has id {x}, not an integer"),
+        ));
+    }
+    let merges = vocab.with_file_name("merges.txt");
+    let mtext = std::fs::read_to_string(&merges).map_err(PipelineError::io(&merges))?;
+    let mut pairs = Vec::new();
+    for (i, line) in mtext.lines().enumerate() {
+        if line.starts_with("#version") || line.trim().is_empty() {
+            continue;
+        }
+        match line.split(' ').collect::<Vec<_>>().as_slice() {
+            [a, b] => pairs.push(serde_json::json!([a, b])),
+            _ => {
+                return Err(bad(
+                    &merges,
+                    format!(
+                        "line {}: {line:?} is not a merge of two tokens `a b`",
+                        i + 1
+                    ),
+                ))
+            }
+        }
+    }
+    Ok((v, pairs))
+}

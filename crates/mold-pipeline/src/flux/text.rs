@@ -13,7 +13,7 @@ use crate::encoders::clip::ClipText;
 use crate::encoders::t5::T5Encoder;
 use crate::error::{PipelineError, Result};
 use crate::layout::EncoderFiles;
-use crate::text::{panic_text, tokenize, weight_bytes};
+use crate::text::{panic_text, read_bpe_files, tokenize, weight_bytes};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::clip::text_model::{
@@ -42,20 +42,11 @@ const CLIP_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\
 /// whitespace runs to one space, lower case; CLIP's split pattern then byte-level; BPE
 /// with `</w>` ending each word; `<|startoftext|> … <|endoftext|>` around the ids.
 pub fn clip_bpe_tokenizer_json(vocab: &Path) -> Result<String> {
-    let merges = vocab.with_file_name("merges.txt");
     let bad = |path: &Path, message: String| PipelineError::Tokenizer {
         path: path.display().to_string(),
         message,
     };
-    let text = std::fs::read_to_string(vocab).map_err(PipelineError::io(vocab))?;
-    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
-        .map_err(|e| bad(vocab, format!("not a JSON object of token ids: {e}")))?;
-    if let Some((k, x)) = v.iter().find(|(_, x)| !x.is_u64()) {
-        return Err(bad(
-            vocab,
-            format!("token {k:?} has id {x}, not an integer"),
-        ));
-    }
+    let (v, pairs) = read_bpe_files(vocab)?;
     let id = |t: &str| {
         v.get(t).and_then(|x| x.as_u64()).ok_or_else(|| {
             bad(
@@ -65,25 +56,6 @@ pub fn clip_bpe_tokenizer_json(vocab: &Path) -> Result<String> {
         })
     };
     let (bos, eos) = (id("<|startoftext|>")?, id("<|endoftext|>")?);
-    let mtext = std::fs::read_to_string(&merges).map_err(PipelineError::io(&merges))?;
-    let mut pairs = Vec::new();
-    for (i, line) in mtext.lines().enumerate() {
-        if line.starts_with("#version") || line.trim().is_empty() {
-            continue;
-        }
-        match line.split(' ').collect::<Vec<_>>().as_slice() {
-            [a, b] => pairs.push(serde_json::json!([a, b])),
-            _ => {
-                return Err(bad(
-                    &merges,
-                    format!(
-                        "line {}: {line:?} is not a merge of two tokens `a b`",
-                        i + 1
-                    ),
-                ))
-            }
-        }
-    }
     let special = |id: u64, content: &str| {
         serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
             "rstrip": false, "normalized": true, "special": true})

@@ -349,27 +349,10 @@ impl Vae {
 /// One decoded image `(3, h, w)` in [-1, 1] → interleaved RGB bytes (BFL's
 /// `127.5 * (x.clamp(-1, 1) + 1)`, truncated).
 pub fn to_rgb8(img: &Tensor) -> Result<(u32, u32, Vec<u8>)> {
-    let (c, h, w) = img.dims3()?;
-    if c != 3 {
-        return Err(PipelineError::Component {
-            component: "vae".into(),
-            message: format!("decoded {c} channels, expected 3 (RGB)"),
-        });
-    }
-    let hwc = img
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .permute((1, 2, 0))?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let bytes = hwc
-        .into_iter()
-        .map(|v| {
-            let v = if v.is_nan() { 0.0 } else { v.clamp(-1.0, 1.0) };
-            (127.5 * (v + 1.0)) as u8
-        })
-        .collect();
-    Ok((w as u32, h as u32, bytes))
+    crate::image::rgb8_with(img, |v| {
+        let v = if v.is_nan() { 0.0 } else { v.clamp(-1.0, 1.0) };
+        (127.5 * (v + 1.0)) as u8
+    })
 }
 
 #[cfg(test)]

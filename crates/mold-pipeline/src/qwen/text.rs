@@ -18,6 +18,7 @@
 //!   (transformers ≥ 4.52); the vision tower and the LM head are not read.
 
 use crate::error::{PipelineError, Result};
+use crate::text::read_bpe_files;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
@@ -198,35 +199,7 @@ pub fn qwen2_tokenizer_json(vocab: &Path) -> Result<String> {
         path: path.display().to_string(),
         message,
     };
-    let text = std::fs::read_to_string(vocab).map_err(PipelineError::io(vocab))?;
-    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
-        .map_err(|e| bad(vocab, format!("not a JSON object of token ids: {e}")))?;
-    if let Some((k, x)) = v.iter().find(|(_, x)| !x.is_u64()) {
-        return Err(bad(
-            vocab,
-            format!("token {k:?} has id {x}, not an integer"),
-        ));
-    }
-    let merges = vocab.with_file_name("merges.txt");
-    let mtext = std::fs::read_to_string(&merges).map_err(PipelineError::io(&merges))?;
-    let mut pairs = Vec::new();
-    for (i, line) in mtext.lines().enumerate() {
-        if line.starts_with("#version") || line.trim().is_empty() {
-            continue;
-        }
-        match line.split(' ').collect::<Vec<_>>().as_slice() {
-            [a, b] => pairs.push(serde_json::json!([a, b])),
-            _ => {
-                return Err(bad(
-                    &merges,
-                    format!(
-                        "line {}: {line:?} is not a merge of two tokens `a b`",
-                        i + 1
-                    ),
-                ))
-            }
-        }
-    }
+    let (v, pairs) = read_bpe_files(vocab)?;
     // Added tokens: tokenizer_config.json's `added_tokens_decoder` (id → token), else
     // added_tokens.json (token → id).
     let mut added: Vec<(u64, String, bool)> = Vec::new();

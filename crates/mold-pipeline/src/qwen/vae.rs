@@ -574,27 +574,10 @@ impl QwenVae {
 /// One decoded image `(3, h, w)` in [-1, 1] → interleaved RGB bytes, as diffusers'
 /// `VaeImageProcessor.postprocess` makes them: `round(255 · (x / 2 + 0.5))`.
 pub fn to_rgb8(img: &Tensor) -> Result<(u32, u32, Vec<u8>)> {
-    let (c, h, w) = img.dims3()?;
-    if c != 3 {
-        return Err(PipelineError::Component {
-            component: "vae".into(),
-            message: format!("decoded {c} channels, expected 3 (RGB)"),
-        });
-    }
-    let hwc = img
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .permute((1, 2, 0))?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let bytes = hwc
-        .into_iter()
-        .map(|v| {
-            let v = if v.is_nan() { 0.0 } else { v };
-            ((v / 2.0 + 0.5).clamp(0.0, 1.0) * 255.0).round() as u8
-        })
-        .collect();
-    Ok((w as u32, h as u32, bytes))
+    crate::image::rgb8_with(img, |v| {
+        let v = if v.is_nan() { 0.0 } else { v };
+        ((v / 2.0 + 0.5).clamp(0.0, 1.0) * 255.0).round() as u8
+    })
 }
 
 #[cfg(test)]
