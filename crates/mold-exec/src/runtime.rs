@@ -152,6 +152,23 @@ pub fn hand_off_paths() -> Vec<(usize, usize, bool)> {
     Vec::new()
 }
 
+/// Whether [`hand_off`] moves a tensor from `src` to `dst` without host memory: a peer
+/// copy between two GPUs with peer access (and `peer_copies` on), or the host itself (an
+/// emulated device). The executor copies a loaded shard's weights to another rank's device
+/// only then; elsewhere each rank reads the checkpoint itself.
+pub fn copies_directly(src: &Device, dst: &Device, peer_copies: bool) -> bool {
+    #[cfg(not(feature = "cuda"))]
+    let _ = peer_copies;
+    match (src, dst) {
+        (Device::Cpu, Device::Cpu) => true,
+        #[cfg(feature = "cuda")]
+        (Device::Cuda(s), Device::Cuda(d)) => {
+            peer_copies && !src.same_device(dst) && peer::access(s, d)
+        }
+        _ => false,
+    }
+}
+
 /// Moves an activation to `dst`. Between two GPUs that can access each other's memory
 /// (`cuDeviceCanAccessPeer`, checked once per pair, then `cuCtxEnablePeerAccess`), a
 /// peer copy (`cuMemcpyPeerAsync`, over NVLink or PCIe, on the destination's stream

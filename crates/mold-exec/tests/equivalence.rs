@@ -111,6 +111,28 @@ fn sequence_parallel_2() {
     );
 }
 
+/// The ranks of a sequence-parallel group hold the same weights: each block is read from
+/// the checkpoint once per tensor-parallel shard and copied to the other ranks' devices.
+#[test]
+fn sequence_parallel_ranks_copy_their_weights_instead_of_reading_them() {
+    let ckpt = tiny_checkpoint(3);
+    let cfg = FluxConfig::flux_tiny();
+    let copied = |p: mold_plan::Part| {
+        Executor::new(&cfg, &plan(vec![p]), &ckpt)
+            .unwrap()
+            .blocks_copied()
+    };
+    // 5 blocks (2 double, 3 single).
+    assert_eq!(copied(part_par(&["emu:0", "emu:1"], 1, 2, &ALL, false)), 5);
+    let four = ["emu:0", "emu:1", "emu:2", "emu:3"];
+    assert_eq!(copied(part_par(&four, 1, 4, &ALL, false)), 15);
+    // SP2 × TP2: the second pair copies the first pair's two shards.
+    assert_eq!(copied(part_par(&four, 2, 2, &ALL, false)), 10);
+    // Tensor parallel ranks hold different shards; streamed blocks go through the ring.
+    assert_eq!(copied(part_par(&["emu:0", "emu:1"], 2, 1, &ALL, false)), 0);
+    assert_eq!(copied(part_par(&["emu:0", "emu:1"], 1, 2, &ALL, true)), 0);
+}
+
 /// 3 ranks: uneven tokens (3/2/2 text, 4 image each) and heads (2/1/1).
 #[test]
 fn sequence_parallel_3_uneven() {

@@ -24,7 +24,7 @@ use crate::checkpoint::Checkpoint;
 use crate::comm::Comm;
 use crate::dist::{LocalDevices, Mesh};
 use crate::error::{ExecError, Result};
-use crate::model::{ActivationMeter, BlockRef, Profiler, Shard, Transformer, Weights};
+use crate::model::{ActivationMeter, BlockRef, Packable, Profiler, Shard, Transformer, Weights};
 use crate::options::ExecOptions;
 use crate::runtime::{self, CheckpointSource, DeviceMap, DeviceMemory, Held};
 use crate::streaming::{self, Ring, Streaming};
@@ -32,7 +32,7 @@ use candle_core::{DType, Device, Tensor};
 use mold_plan::{DeviceId, Plan, Residency};
 use multiprocess::DistRt;
 use plan_check::{check_parts, transformer_of};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 /// One profiled phase: `(label, seconds, marks)`.
@@ -150,6 +150,9 @@ pub struct Executor<M: Transformer> {
     /// Times a part's kernels were waited for before the next part ran
     /// ([`Executor::part_waits`]).
     waits: std::sync::atomic::AtomicU64,
+    /// Resident blocks a rank copied from another rank's device at load instead of
+    /// reading them from the checkpoint ([`Executor::blocks_copied`]).
+    blocks_copied: usize,
 }
 
 impl<M: Transformer> std::fmt::Debug for Executor<M> {
@@ -368,9 +371,14 @@ impl<M: Transformer> Executor<M> {
         let shapes = runtime::ShapeSource { ckpt, dtype };
         let n = specs.len();
         let mut parts = Vec::with_capacity(n);
+        let mut blocks_copied = 0;
         for (pi, spec) in specs.into_iter().enumerate() {
             let world = spec.devices.len();
             let mut ranks = Vec::with_capacity(world);
+            // The resident blocks of each shard as its first rank loaded them: the other
+            // ranks holding that shard (a sequence-parallel group's) copy them device to
+            // device instead of reading the checkpoint again ([`runtime::copies_directly`]).
+            let mut loaded: HashMap<usize, (Device, Vec<M::Block>)> = HashMap::new();
             let mut local_ids = Vec::with_capacity(world);
             for (rank, id) in spec.devices.iter().enumerate() {
                 let Some(lid) = local_id(id) else { continue };
@@ -400,6 +408,36 @@ impl<M: Transformer> Executor<M> {
                     None
                 };
                 let mut blocks = Vec::with_capacity(spec.steps.len());
+                let source = loaded.get(&shard.rank).filter(|(from, _)| {
+                    spec.residency == Residency::Resident
+                        && runtime::copies_directly(from, &device, opts.peer_copies)
+                });
+                if let Some((_, first)) = source {
+                    for b in first {
+                        let copy = b.map_tensors(&mut |t| {
+                            runtime::hand_off(t, &device, opts.peer_copies)
+                        })?;
+                        resident_bytes += copy.bytes();
+                        blocks.push(Held::Resident(copy));
+                    }
+                    blocks_copied += first.len();
+                    ranks.push(Rank {
+                        id: id.clone(),
+                        index: rank,
+                        device,
+                        stem,
+                        final_layer,
+                        blocks,
+                        meter: ActivationMeter::default(),
+                        profile: Profiler::default(),
+                        mb_profiles: Mutex::default(),
+                        resident_bytes,
+                        sync_stream_bytes,
+                        sync_host_bytes,
+                    });
+                    continue;
+                }
+                let mut keep = Vec::new();
                 // Blocks are read on several threads, as many as the largest (its size
                 // from the shapes alone) allows, and uploaded here in order.
                 let mut largest = 0;
@@ -418,7 +456,11 @@ impl<M: Transformer> Executor<M> {
                         blocks.push(match spec.residency {
                             Residency::Resident => {
                                 resident_bytes += bytes;
-                                Held::Resident(b.to_device(&device)?)
+                                let on = b.to_device(&device)?;
+                                if world > 1 {
+                                    keep.push(on.map_tensors(&mut |t| Ok(t.clone()))?);
+                                }
+                                Held::Resident(on)
                             }
                             Residency::Streamed if opts.streaming == Streaming::Sync => {
                                 sync_host_bytes += bytes;
@@ -449,6 +491,9 @@ impl<M: Transformer> Executor<M> {
                         Ok(())
                     },
                 )?;
+                if !keep.is_empty() {
+                    loaded.insert(shard.rank, (device.clone(), keep));
+                }
                 ranks.push(Rank {
                     id: id.clone(),
                     index: rank,
@@ -518,6 +563,7 @@ impl<M: Transformer> Executor<M> {
             dist,
             timeline: Mutex::default(),
             waits: Default::default(),
+            blocks_copied,
         })
     }
 
@@ -698,6 +744,13 @@ impl<M: Transformer> Executor<M> {
             .first()
             .and_then(|p| p.ranks.first())
             .map(|r| r.device.clone())
+    }
+
+    /// Resident blocks a rank copied from another rank's device at load (peer copies on
+    /// GPUs) instead of reading them from the checkpoint: the ranks of a
+    /// sequence-parallel group hold the same weights, and each is read once.
+    pub fn blocks_copied(&self) -> usize {
+        self.blocks_copied
     }
 
     /// How many times, in all calls so far, the host waited for a part's kernels to end
