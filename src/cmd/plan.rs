@@ -85,6 +85,10 @@ pub struct Args {
     /// off, so `--tp N` alone keeps meaning tensor parallel only); off without peer links.
     #[arg(long)]
     pub sp: Option<String>,
+    /// The VAE's decode in row bands, one per GPU: auto (where it shortens the request, by
+    /// the cost model), off, or a number of bands (GPUs). Default: auto.
+    #[arg(long, value_name = "auto|off|N")]
+    pub vae_bands: Option<String>,
     /// Use only these devices: cuda:0,cuda:2.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["gpus", "gpu"])]
     pub devices: Option<Vec<String>>,
@@ -426,6 +430,14 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
         (None, None) if req.machine.links.peer.is_empty() => SpChoice::Off,
         (None, None) => SpChoice::Auto,
     };
+    if let Some(v) = file.vae_bands {
+        c.vae_bands = v;
+    }
+    if let Some(v) = &a.vae_bands {
+        c.vae_bands = v
+            .parse::<SpChoice>()
+            .map_err(|e| anyhow::anyhow!("--vae-bands: {e}"))?;
+    }
     if a.no_stream {
         c.stream = false;
     }

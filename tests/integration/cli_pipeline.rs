@@ -185,6 +185,71 @@ fn text_to_image_is_deterministic_and_placement_independent() {
     assert_eq!((iw.width, iw.height), (96, 48));
 }
 
+/// `--vae-bands 4`: the VAE decodes in four row bands, one on each emulated device (the
+/// plan says so), and the image is the one-device decode's: the bands run the channels-last
+/// decoder (candle's convolutions here) where one device runs candle-transformers', equal in
+/// f32 to ~1e-6, so a pixel on a rounding boundary may move one level and no more.
+#[test]
+fn a_vae_decoded_in_row_bands_makes_the_same_image() {
+    let d = tempdir("pipeline-bands");
+    let w = d.join("w");
+    mold_ok(&["testdata", "flux-tiny-pipeline", w.to_str().unwrap()]);
+    let one = plan(&d, "one", &["--tp", "off", "--vae-bands", "off"]);
+    let four = plan(&d, "four", &["--tp", "off", "--vae-bands", "4"]);
+    let p = mold_plan::Plan::load(&four).unwrap();
+    let vae = p.components.iter().find(|c| c.name == "vae").unwrap();
+    assert_eq!(
+        (vae.parts[0].devices.len(), vae.parts[0].sp),
+        (4, 4),
+        "{vae:?}"
+    );
+    let text = std::fs::read_to_string(&four).unwrap();
+    assert!(text.contains("sp: 4"), "{text}");
+    generate(&one, &w, &d.join("one.png"), &[]);
+    let (_, _, se) = generate(&four, &w, &d.join("four.png"), &[]);
+    assert!(se.contains("vae on emu:0,emu:1,emu:2,emu:3"), "{se}");
+    let (ia, _) = mold_pipeline::read_png(&d.join("one.png")).unwrap();
+    let (ib, _) = mold_pipeline::read_png(&d.join("four.png")).unwrap();
+    assert_eq!((ia.width, ia.height), (ib.width, ib.height));
+    let diff: Vec<u8> = ia
+        .data
+        .iter()
+        .zip(&ib.data)
+        .map(|(x, y)| x.abs_diff(*y))
+        .collect();
+    let n = diff.iter().filter(|&&x| x > 0).count();
+    assert!(
+        diff.iter().all(|&x| x <= 1) && n * 100 <= diff.len(),
+        "the banded decode changes {n} of {} values (max {})",
+        diff.len(),
+        diff.iter().max().unwrap()
+    );
+    // More bands than the machine has GPUs: refused naming the flag, before any weight loads.
+    let e = mold_fails(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        "sim/machines/cpu-emu-4.yaml",
+        "--vae-bands",
+        "5",
+    ]);
+    assert!(
+        e.contains("--vae-bands 5") && e.contains("at most 4"),
+        "{e}"
+    );
+    let e = mold_fails(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        "sim/machines/cpu-emu-4.yaml",
+        "--vae-bands",
+        "x",
+    ]);
+    assert!(e.contains("--vae-bands"), "{e}");
+}
+
 #[test]
 fn pipeline_refusals_name_the_problem() {
     let d = tempdir("pipeline-refuse");

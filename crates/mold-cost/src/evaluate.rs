@@ -282,29 +282,33 @@ pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation
             continue;
         }
         let spec = model.component(&c.name).expect("validated");
-        let on = &c.parts[0].devices[0];
-        let t = ctx.component_s(spec, on, c.dtype);
+        // One device, or (the VAE) row bands over several: each band's device holds the
+        // weights and its band's share of the activations.
+        let on = &c.parts[0].devices;
+        let bands = on.len() as u64;
         let is_encoder = c.role == ComponentRole::Encoder;
         if is_encoder {
-            encode_s += t;
+            encode_s += ctx.component_s(spec, &on[0], c.dtype);
         } else {
-            decode_s += t;
+            decode_s += ctx.decode_bands_s(spec, on, c.dtype);
         }
         let w = spec.weight_bytes(c.dtype);
-        let a = ctx.component_activation(spec, c.dtype);
-        match idx(on) {
-            Some(i) => {
-                let h = &mut held[i];
-                if is_encoder {
-                    h.encoder_weights = h.encoder_weights.saturating_add(w);
-                    h.encoder_activation = h.encoder_activation.max(a);
-                } else {
-                    h.vae_weights = h.vae_weights.saturating_add(w);
-                    h.vae_activation = h.vae_activation.max(a);
+        let a = ctx.component_activation(spec, c.dtype).div_ceil(bands);
+        for d in on {
+            match idx(d) {
+                Some(i) => {
+                    let h = &mut held[i];
+                    if is_encoder {
+                        h.encoder_weights = h.encoder_weights.saturating_add(w);
+                        h.encoder_activation = h.encoder_activation.max(a);
+                    } else {
+                        h.vae_weights = h.vae_weights.saturating_add(w);
+                        h.vae_activation = h.vae_activation.max(a);
+                    }
+                    h.raise(a, c.name.clone());
                 }
-                h.raise(a, c.name.clone());
+                None => host_ram = host_ram.saturating_add(w).saturating_add(a),
             }
-            None => host_ram = host_ram.saturating_add(w).saturating_add(a),
         }
     }
     let passes: Vec<Pass> = placements

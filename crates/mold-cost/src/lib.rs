@@ -219,7 +219,7 @@ impl<'a> Ctx<'a> {
 
     /// Seconds for `flops` and `bytes` read on one device: the slower of compute and
     /// memory traffic.
-    fn device_time(&self, id: &DeviceId, flops: f64, bytes: u64, dtype: DType) -> f64 {
+    pub(crate) fn device_time(&self, id: &DeviceId, flops: f64, bytes: u64, dtype: DType) -> f64 {
         if id.is_host() {
             let h = &self.machine.host;
             return (flops / (h.tflops * 1e12)).max(bytes as f64 / (h.mem_bandwidth_gbps * 1e9));
@@ -497,6 +497,18 @@ impl<'a> Ctx<'a> {
         on: &DeviceId,
         dtype: DType,
     ) -> Option<ComponentEstimate> {
+        self.component_estimate_scaled(c, on, dtype, 1.0)
+    }
+
+    /// [`Ctx::component_estimate`] of a decoder for `share` of the image's pixels (a row
+    /// band's, [`Ctx::decode_bands_s`]); a text encoder ignores `share`.
+    fn component_estimate_scaled(
+        &self,
+        c: &ComponentSpec,
+        on: &DeviceId,
+        dtype: DType,
+        share: f64,
+    ) -> Option<ComponentEstimate> {
         let name = &self.machine.device(on)?.name;
         // (size, warm seconds, first use): one point per size.
         let mut points: Vec<(f64, f64, Option<f64>)> = Vec::new();
@@ -541,7 +553,7 @@ impl<'a> Ctx<'a> {
                 })
             }
             Workkind::VaeDecoder { .. } => {
-                let pixels = w.width as f64 * w.height as f64;
+                let pixels = w.width as f64 * w.height as f64 * share;
                 let (s, outside) = ops::loglog(&curve, pixels, false)?;
                 let (lo, hi) = (curve.first()?.0, curve.last()?.0);
                 Some(ComponentEstimate {
@@ -563,10 +575,79 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// Seconds for the VAE's decode in row bands, one on each of `on` (in row order; one
+    /// device is [`Ctx::component_s`]):
+    ///
+    /// - each band decodes `1/k` of the image: the one-device decode of an image of that
+    ///   many pixels on its device (the measured curve, so a small band's lower efficiency
+    ///   is priced), the slowest band setting the pace;
+    /// - each of the decoder's `band_exchanges` (its group norms) gathers every band's
+    ///   statistics on every band's device and copies two edge rows: `k + 1` small copies
+    ///   on the slowest link between the bands, and [`BAND_EXCHANGE_HOST_S`] per band (one
+    ///   thread queues every band's work);
+    /// - the mid attention gathers the whole latent's normalised input on every device.
+    ///
+    /// A decoder without `band_exchanges` decodes on one device: the first of `on`.
+    pub fn decode_bands_s(&self, c: &ComponentSpec, on: &[DeviceId], dtype: DType) -> f64 {
+        let Some(first) = on.first() else {
+            return 0.0;
+        };
+        let exchanges = match c.work {
+            Workkind::VaeDecoder {
+                band_exchanges: Some(x),
+                ..
+            } if on.len() > 1 => x as f64,
+            _ => return self.component_s(c, first, dtype),
+        };
+        let k = on.len() as f64;
+        let band = on
+            .iter()
+            .map(
+                |d| match self.component_estimate_scaled(c, d, dtype, 1.0 / k) {
+                    Some(e) => e.seconds,
+                    None => {
+                        let flops = c.flops(self.model, self.workload) / k;
+                        self.device_time(d, flops, c.weight_bytes(dtype), dtype)
+                    }
+                },
+            )
+            .fold(0.0, f64::max);
+        let w = self.workload;
+        let latent_pixels = (w.width as u64 / 8) * (w.height as u64 / 8);
+        // The attention's input, 512 channels at the latent's pixels (FLUX's AE).
+        let gathered = latent_pixels * 512 * dtype.activation_bytes();
+        let mut slowest_row: f64 = 0.0;
+        let mut slowest_gather: f64 = 0.0;
+        let row = (w.width as u64) * 128 * dtype.activation_bytes();
+        for a in on {
+            for b in on {
+                if a != b {
+                    slowest_row = slowest_row.max(self.machine.transfer_s(a, b, row));
+                    slowest_gather = slowest_gather.max(self.machine.transfer_s(
+                        a,
+                        b,
+                        gathered / on.len() as u64,
+                    ));
+                }
+            }
+        }
+        let exchange = (k + 1.0) * slowest_row + k * BAND_EXCHANGE_HOST_S;
+        band + exchanges * exchange + (k - 1.0) * slowest_gather
+    }
+
     pub fn component_activation(&self, c: &ComponentSpec, dtype: DType) -> u64 {
         c.activation_bytes(self.model, self.workload, dtype.activation_bytes())
     }
 }
+
+/// What one band adds to each exchange of a decode in row bands ([`Ctx::decode_bands_s`]):
+/// queueing its statistics' copies, merge and norm from the one thread that drives every
+/// band, and waiting for the other bands there. Fitted on 4 × H100 (NVLink) to the 2-band
+/// decode of a 1024² image (25.32 ms against 11.69 ms for the one-GPU decode of half the
+/// image, 30 exchanges); it predicts the 4-band 1024² decode within 1 % (32.9 against
+/// 33.15 ms) and prices 2048² 25 % (2 bands) and 46 % (4 bands) short: BENCHMARKS.md, "FLUX
+/// VAE decode in row bands".
+pub const BAND_EXCHANGE_HOST_S: f64 = 0.224e-3;
 
 /// A pipeline component's time from measured runs ([`Ctx::component_estimate`]).
 #[derive(Clone, Debug, PartialEq)]

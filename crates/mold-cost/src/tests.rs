@@ -658,3 +658,84 @@ fn tensor_parallel_divides_only_the_qkv_preparation() {
     assert_eq!(ew(1) - ew(3), 4 * h);
     assert_eq!(ew(2), 7 * h * kind.allreduces as u64 + 3 * h);
 }
+
+/// The VAE in row bands: each band's device holds the decoder's weights and its band's share
+/// of the activations; the decode is priced from a band's share of the image plus the
+/// exchanges; a part that is not `sp` bands of distinct GPUs is refused in words.
+#[test]
+fn a_vae_in_row_bands_is_priced_and_held_per_band() {
+    let m = machine4();
+    let body = vec![part(&[("double", 0, 2), ("single", 0, 3)], &[0], false)];
+    let (one, model) = tiny_plan_on(body.clone(), &m);
+    let mut banded = one.clone();
+    let vae = banded
+        .components
+        .iter_mut()
+        .find(|c| c.role == ComponentRole::Vae)
+        .unwrap();
+    vae.parts[0] = Part {
+        sp: 4,
+        tp: 1,
+        ..part(&[], &[0, 1, 2, 3], false)
+    };
+    validate(&banded, &model, &m).unwrap();
+    let (e1, e4) = (evaluate(&one, &model, &m), evaluate(&banded, &model, &m));
+    let spec = model.component("vae").unwrap();
+    let ctx = Ctx::new(&model, &m, &one.workload);
+    let ids: Vec<DeviceId> = (0..4).map(DeviceId::Cuda).collect();
+    let t1 = ctx.component_s(spec, &ids[0], spec.default_dtype);
+    let t4 = ctx.decode_bands_s(spec, &ids, spec.default_dtype);
+    assert!((e4.decode_s - t4).abs() < 1e-12 && (e1.decode_s - t1).abs() < 1e-12);
+    // Hand-computed: a quarter of the FLOPs on one device, 22 exchanges of 5 row copies and
+    // 4 bands' host time, the gathered attention input over three links.
+    let w = &one.workload;
+    let flops = spec.flops(&model, w) / 4.0;
+    let band = ctx.device_time(
+        &ids[0],
+        flops,
+        spec.weight_bytes(spec.default_dtype),
+        spec.default_dtype,
+    );
+    let act = spec.default_dtype.activation_bytes();
+    let row = m.transfer_s(&ids[0], &ids[1], w.width as u64 * 128 * act);
+    let latent = (w.width as u64 / 8) * (w.height as u64 / 8);
+    let gather = m.transfer_s(&ids[0], &ids[1], latent * 512 * act / 4);
+    let want = band + 22.0 * (5.0 * row + 4.0 * BAND_EXCHANGE_HOST_S) + 3.0 * gather;
+    assert!((t4 - want).abs() < 1e-12, "{t4} vs {want}");
+    // Weights on every band's device, a quarter of the activations.
+    let vae_w = spec.weight_bytes(spec.default_dtype);
+    let a = ctx.component_activation(spec, spec.default_dtype);
+    for d in &e4.devices[1..] {
+        assert!(d.peak >= vae_w + a.div_ceil(4), "{d:?}");
+    }
+    assert_eq!(e1.devices[1].peak, 0);
+    // Refusals name the part and the fix.
+    let bad = |edit: &dyn Fn(&mut Part)| {
+        let mut p = banded.clone();
+        let c = p
+            .components
+            .iter_mut()
+            .find(|c| c.role == ComponentRole::Vae)
+            .unwrap();
+        edit(&mut c.parts[0]);
+        validate(&p, &model, &m).unwrap_err().to_string()
+    };
+    assert!(bad(&|p| p.sp = 2).contains("set `sp: 4`"));
+    assert!(bad(&|p| p.tp = 2).contains("no `tp`"));
+    assert!(bad(&|p| p.devices[3] = DeviceId::Cuda(0)).contains("names a device twice"));
+    assert!(bad(&|p| p.devices[3] = DeviceId::Host).contains("GPUs only"));
+    // An encoder never spreads.
+    let mut p = one.clone();
+    let t5 = p
+        .components
+        .iter_mut()
+        .find(|c| c.role == ComponentRole::Encoder)
+        .unwrap();
+    t5.parts[0] = Part {
+        sp: 2,
+        tp: 1,
+        ..part(&[], &[0, 1], false)
+    };
+    let e = validate(&p, &model, &m).unwrap_err().to_string();
+    assert!(e.contains("runs whole on one device"), "{e}");
+}

@@ -152,15 +152,50 @@ fn validate_placement(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Resu
                         .to_lowercase(),
                     ));
                 }
-                if c.parts.len() != 1
+                // The VAE may decode in row bands, one per device: `sp` devices, no `tp`.
+                let banded = c.role == ComponentRole::Vae
+                    && c.parts.len() == 1
+                    && c.parts[0].devices.len() > 1;
+                if banded {
+                    let p = &c.parts[0];
+                    let n = p.devices.len();
+                    if p.tp != 1 || p.sp as usize != n || p.devices.iter().any(|d| d.is_host()) {
+                        return Err(invalid(
+                            format!("{f}.parts[0]"),
+                            format!(
+                                "`{}` over {n} devices decodes in row bands, one a device: set `sp: {n}`, no `tp`, and GPUs only",
+                                c.name
+                            ),
+                        ));
+                    }
+                    let mut seen = p.devices.clone();
+                    seen.sort();
+                    seen.dedup();
+                    if seen.len() != n {
+                        return Err(invalid(
+                            format!("{f}.parts[0].devices"),
+                            format!(
+                                "`{}` names a device twice: list each band's device once",
+                                c.name
+                            ),
+                        ));
+                    }
+                } else if c.parts.len() != 1
                     || c.parts[0].devices.len() != 1
                     || !c.parts[0].blocks.is_empty()
+                    || c.parts[0].tp != 1
+                    || c.parts[0].sp != 1
                 {
                     return Err(invalid(
                         format!("{f}.parts"),
                         format!(
-                            "`{}` runs whole on one device: give it one part with one device and no blocks",
-                            c.name
+                            "`{}` runs whole on one device: give it one part with one device and no blocks{}",
+                            c.name,
+                            if c.role == ComponentRole::Vae {
+                                " (or several devices with `sp` equal to their count: row bands)"
+                            } else {
+                                ""
+                            }
                         ),
                     ));
                 }

@@ -14,6 +14,9 @@
 //   gn_finalize  grid (groups, n), 256 threads: merges a group's channels over all blocks;
 //                writes ab[n][c] = (a, b) with y = x * a + b (a = gamma * rstd,
 //                b = beta - mean * a)
+//   gn_group_stats grid (groups, n): as gn_finalize, but writes each group's merged
+//                (count, mean, m2), for statistics merged across devices first
+//   gn_merge_ab  grid (groups, n): k bands' group statistics merged (f64) into (a, b)
 //   gn_apply     grid (blocks, n), grid-stride over an image's 8-channel vectors:
 //                y = x * a + b, SiLU when asked, rounded once to the element type
 //
@@ -130,9 +133,9 @@ __device__ void partial(const T *x, float *part, int hw, int c, int chunk) {
     }
 }
 
-template <typename T>
-__device__ void finalize(const float *part, const T *gamma, const T *beta, float *ab, int blocks,
-                         int c, int groups, float eps) {
+// A group's statistics merged over its channels and the partial blocks, left in sh[0].
+__device__ __forceinline__ void group_reduce(const float *part, Stat *sh, int blocks, int c,
+                                             int groups) {
     const int cpg = c / groups;
     const int g = blockIdx.x;
     const long long n = blockIdx.y;
@@ -143,14 +146,23 @@ __device__ void finalize(const float *part, const T *gamma, const T *beta, float
         const float *p = part + ((n * blocks + b) * c + ch) * 3;
         acc = merge(acc, Stat{p[0], p[1], p[2]});
     }
-    __shared__ Stat sh[THREADS];
-    __shared__ float mean_rstd[2];
     sh[threadIdx.x] = acc;
     __syncthreads();
     for (int w = THREADS / 2; w > 0; w /= 2) {
         if (threadIdx.x < w) sh[threadIdx.x] = merge(sh[threadIdx.x], sh[threadIdx.x + w]);
         __syncthreads();
     }
+}
+
+template <typename T>
+__device__ void finalize(const float *part, const T *gamma, const T *beta, float *ab, int blocks,
+                         int c, int groups, float eps) {
+    const int cpg = c / groups;
+    const int g = blockIdx.x;
+    const long long n = blockIdx.y;
+    __shared__ Stat sh[THREADS];
+    __shared__ float mean_rstd[2];
+    group_reduce(part, sh, blocks, c, groups);
     if (threadIdx.x == 0) {
         const Stat t = sh[0];
         const float var = t.n > 0.f ? t.m2 / t.n : 0.f;
@@ -159,6 +171,55 @@ __device__ void finalize(const float *part, const T *gamma, const T *beta, float
     }
     __syncthreads();
     for (int i = threadIdx.x; i < cpg; i += THREADS) {
+        const int ch = g * cpg + i;
+        const float a = tof<T>(gamma[ch]) * mean_rstd[1];
+        ab[(n * c + ch) * 2] = a;
+        ab[(n * c + ch) * 2 + 1] = tof<T>(beta[ch]) - mean_rstd[0] * a;
+    }
+}
+
+// grid (groups, n): stats[n][g] = (count, mean, m2), for statistics merged across devices
+// (a decoder split into row bands) before the coefficients are made on the host.
+__device__ void group_stats(const float *part, float *stats, int blocks, int c, int groups) {
+    __shared__ Stat sh[THREADS];
+    group_reduce(part, sh, blocks, c, groups);
+    if (threadIdx.x == 0) {
+        float *o = stats + ((long long)blockIdx.y * groups + blockIdx.x) * 3;
+        o[0] = sh[0].n;
+        o[1] = sh[0].mean;
+        o[2] = sh[0].m2;
+    }
+}
+
+// grid (groups, n): the statistics of k row bands of one image set, stats[b][n][g] = (count,
+// mean, m2) as gn_group_stats wrote them on each band's device and gathered here, merged in
+// f64 (Chan's formula, bands in order) into ab[n][c] = (a, b) as gn_finalize writes them: every
+// band normalises with the whole image's statistics, the host never waits.
+template <typename T>
+__device__ void merge_ab(const float *stats, int k, const T *gamma, const T *beta, float *ab,
+                         int images, int c, int groups, float eps) {
+    const int cpg = c / groups;
+    const int g = blockIdx.x;
+    const long long n = blockIdx.y;
+    __shared__ float mean_rstd[2];
+    if (threadIdx.x == 0) {
+        double cnt = 0.0, mean = 0.0, m2 = 0.0;
+        for (int b = 0; b < k; b++) {
+            const float *s = stats + (((long long)b * images + n) * groups + g) * 3;
+            const double nb = s[0], mb = s[1], sb = s[2];
+            const double tot = cnt + nb;
+            if (tot == 0.0) continue;
+            const double d = mb - mean;
+            mean += d * nb / tot;
+            m2 += sb + d * d * cnt * nb / tot;
+            cnt = tot;
+        }
+        const double var = cnt > 0.0 ? m2 / cnt : 0.0;
+        mean_rstd[0] = (float)mean;
+        mean_rstd[1] = (float)(1.0 / sqrt(var + (double)eps));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < cpg; i += blockDim.x) {
         const int ch = g * cpg + i;
         const float a = tof<T>(gamma[ch]) * mean_rstd[1];
         ab[(n * c + ch) * 2] = a;
@@ -244,6 +305,16 @@ __device__ void interleave2x(const T *p00, const T *p01, const T *p10, const T *
         mold_gn_finalize_##SUFFIX(const float *part, const T *gamma, const T *beta, float *ab, \
                                   int blocks, int c, int groups, float eps) {                  \
         mold_gn::finalize<T>(part, gamma, beta, ab, blocks, c, groups, eps);                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        mold_gn_group_stats_##SUFFIX(const float *part, float *stats, int blocks, int c,       \
+                                     int groups) {                                             \
+        mold_gn::group_stats(part, stats, blocks, c, groups);                                  \
+    }                                                                                          \
+    extern "C" __global__ void mold_gn_merge_ab_##SUFFIX(                                      \
+        const float *stats, int k, const T *gamma, const T *beta, float *ab, int images, int c, \
+        int groups, float eps) {                                                               \
+        mold_gn::merge_ab<T>(stats, k, gamma, beta, ab, images, c, groups, eps);               \
     }                                                                                          \
     extern "C" __global__ void mold_gn_apply_##SUFFIX(const T *x, const float *ab, T *y,       \
                                                       int vecs, int c, int silu) {             \

@@ -192,6 +192,25 @@ pub fn hand_off(t: &Tensor, dst: &Device, peer_copies: bool) -> candle_core::Res
     t.to_device(dst)
 }
 
+/// [`hand_off`] without the host waiting: between two GPUs with peer access, the
+/// destination's stream waits on the GPU for the source's work so far (an event), copies, and
+/// the source's stream waits for the copy before anything it runs next. Only for work with no
+/// collectives between the two devices (a collective queued on one stream could then wait
+/// for a rank whose stream waits for it); elsewhere as [`hand_off`].
+pub fn hand_off_ordered(
+    t: &Tensor,
+    dst: &Device,
+    peer_copies: bool,
+) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(s), Device::Cuda(d)) = (t.device(), dst) {
+        if peer_copies && !t.device().same_device(dst) && peer::access(s, d) {
+            return peer::copy_ordered(t, d);
+        }
+    }
+    hand_off(t, dst, peer_copies)
+}
+
 #[cfg(feature = "cuda")]
 mod peer {
     use candle_core::backend::BackendStorage;
@@ -254,6 +273,9 @@ mod peer {
     /// The copy as a candle op on the source tensor, returning storage on `dst`.
     struct PeerCopy<'a> {
         dst: &'a CudaDevice,
+        /// The destination's stream waits for the source's work on the GPU (an event), the
+        /// host not at all; else the host waits for the source's stream.
+        ordered: bool,
     }
 
     impl PeerCopy<'_> {
@@ -268,15 +290,19 @@ mod peer {
             let n = end - start;
             let src_dev = s.device().clone();
             let src_stream = src_dev.cuda_stream();
-            // The source was written from this thread's stream of its GPU: wait for it
-            // (the copy runs on the destination's stream, which is not ordered with it).
-            src_stream
-                .synchronize()
-                .map_err(|e| candle_core::Error::Msg(format!("peer copy: {e:?}")))?;
+            let dst_stream = self.dst.cuda_stream();
+            // The source was written from this thread's stream of its GPU: the copy, on the
+            // destination's stream, comes after that work — through an event the destination
+            // waits for on the GPU, or with the host waiting.
+            if self.ordered {
+                dst_stream.join(&src_stream)
+            } else {
+                src_stream.synchronize()
+            }
+            .map_err(|e| candle_core::Error::Msg(format!("peer copy: {e:?}")))?;
             let src = s.as_cuda_slice::<T>()?.slice(start..end);
             // SAFETY: every element is written by the copy before anyone reads it.
             let mut out = unsafe { self.dst.alloc::<T>(n) }?;
-            let dst_stream = self.dst.cuda_stream();
             {
                 let (sp, _sg) = src.device_ptr(&src_stream);
                 let (dp, _dg) = out.device_ptr_mut(&dst_stream);
@@ -294,6 +320,13 @@ mod peer {
                 }
                 .map_err(|e| candle_core::Error::Msg(format!("cuMemcpyPeerAsync: {e:?}")))?;
             }
+            // The source's own stream waits for the copy: whatever it runs next — freeing
+            // the source (stream-ordered), reusing its memory — comes after the copy has
+            // read it, so a source dropped at once never has its memory handed on or given
+            // back to the driver mid-copy.
+            src_stream
+                .join(&dst_stream)
+                .map_err(|e| candle_core::Error::Msg(format!("peer copy: {e:?}")))?;
             Ok(CudaStorage::wrap_cuda_slice(out, self.dst.clone()))
         }
     }
@@ -326,7 +359,17 @@ mod peer {
     }
 
     pub(super) fn copy(t: &Tensor, _s: &CudaDevice, d: &CudaDevice) -> candle_core::Result<Tensor> {
-        t.contiguous()?.apply_op1_no_bwd(&PeerCopy { dst: d })
+        t.contiguous()?.apply_op1_no_bwd(&PeerCopy {
+            dst: d,
+            ordered: false,
+        })
+    }
+
+    pub(super) fn copy_ordered(t: &Tensor, d: &CudaDevice) -> candle_core::Result<Tensor> {
+        t.contiguous()?.apply_op1_no_bwd(&PeerCopy {
+            dst: d,
+            ordered: true,
+        })
     }
 }
 

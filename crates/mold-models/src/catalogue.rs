@@ -216,6 +216,9 @@ fn flux_vae(params: u64, dtype: DType, description: &str) -> ComponentSpec {
         work: Workkind::VaeDecoder {
             flops_per_pixel: 7.0e6,
             top_channels: 128,
+            // Group norms of FLUX's decoder: 2 in each of the mid block's two resnet blocks,
+            // its attention's, 2 in each of 4 levels × 3 resnet blocks, norm_out.
+            band_exchanges: Some(30),
         },
     }
 }
@@ -318,6 +321,8 @@ fn flux_tiny() -> ModelSpec {
                 work: Workkind::VaeDecoder {
                     flops_per_pixel: 2.0e5,
                     top_channels: 8,
+                    // AeConfig::tiny: 5 in the mid block, 2 in each of 4 × 2 resnet blocks, norm_out.
+                    band_exchanges: Some(22),
                 },
             },
         ],
@@ -412,6 +417,7 @@ fn qwen_image() -> ModelSpec {
                 work: Workkind::VaeDecoder {
                     flops_per_pixel: 9.0e6,
                     top_channels: 96,
+                    band_exchanges: None,
                 },
             },
         ],
@@ -462,6 +468,7 @@ fn qwen_image_tiny() -> ModelSpec {
                 work: Workkind::VaeDecoder {
                     flops_per_pixel: 2.0e5,
                     top_channels: 8,
+                    band_exchanges: None,
                 },
             },
         ],
@@ -589,6 +596,7 @@ fn ltx(id: &str, blocks: u32, h: u64, heads: u32, hd: u32) -> ModelSpec {
                 work: Workkind::VaeDecoder {
                     flops_per_pixel: 2.0e6,
                     top_channels: 128,
+                    band_exchanges: None,
                 },
             },
         ],

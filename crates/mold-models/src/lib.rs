@@ -299,6 +299,11 @@ pub enum Workkind {
         flops_per_pixel: f64,
         /// Channels of the full-resolution feature maps.
         top_channels: u64,
+        /// Where mold can decode the image in row bands over several devices: the
+        /// decoder's group norms, each an exchange between the bands (their statistics,
+        /// and the edge rows the next convolution reads). `None`: one device only.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        band_exchanges: Option<u32>,
     },
 }
 

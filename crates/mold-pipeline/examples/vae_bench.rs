@@ -3,8 +3,11 @@
 //!
 //! vae_bench --ae ae.safetensors --latent z.safetensors [--kernels auto|candle|...]
 //!           [--tune] [--no-subpixel] [--dtype bf16|f16|f32] [--iters N] [--out image.safetensors] [--profile]
-//!           [--keep-pool]
+//!           [--keep-pool] [--devices N]
 //!
+//! `--devices N` decodes in N row bands on cuda:0..N-1 (peer copies between them) and, with
+//! `--keep-pool`, prints each device's memory in use after the decodes: with freed memory kept
+//! in the pool, the most the decode held at once plus the CUDA context.
 //! The latent file holds `z` `(1, 16, h, w)` (before the autoencoder's scale and shift, as
 //! the sampler hands it over). Prints the first decode's time (plans built, engines tuned),
 //! the median of `N` more, the decoder's note, and with `--profile` one more decode with the
@@ -31,6 +34,7 @@ struct Args {
     out: Option<PathBuf>,
     profile: bool,
     keep_pool: bool,
+    devices: usize,
 }
 
 fn parse() -> Result<Args, String> {
@@ -45,6 +49,7 @@ fn parse() -> Result<Args, String> {
         out: None,
         profile: false,
         keep_pool: false,
+        devices: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -67,6 +72,12 @@ fn parse() -> Result<Args, String> {
             "--out" => a.out = Some(val()?.into()),
             "--profile" => a.profile = true,
             "--keep-pool" => a.keep_pool = true,
+            "--devices" => {
+                a.devices = val()?.parse().map_err(|e| format!("--devices: {e}"))?;
+                if a.devices == 0 {
+                    return Err("--devices: at least 1".into());
+                }
+            }
             _ => return Err(format!("unknown argument {k} (see the file's header)")),
         }
     }
@@ -78,28 +89,40 @@ fn parse() -> Result<Args, String> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = parse().map_err(|e| format!("vae_bench: {e}"))?;
-    let dev = Device::cuda_if_available(0)?;
+    let devs: Vec<Device> = (0..a.devices)
+        .map(Device::cuda_if_available)
+        .collect::<candle_core::Result<_>>()?;
+    let dev = devs[0].clone();
     if a.keep_pool {
-        keep_pool(&dev)?;
+        for d in &devs {
+            keep_pool(d)?;
+        }
         println!("pool: freed memory kept (release threshold unlimited)");
     }
     let opts = VaeOptions {
         kernels: a.kernels,
         tune: a.tune,
         subpixel: a.subpixel,
+        peer_copies: true,
+    };
+    let sync_all = || -> candle_core::Result<()> {
+        for d in &devs {
+            d.synchronize()?;
+        }
+        Ok(())
     };
     let t = Instant::now();
-    let vae = Vae::load_file(&a.ae, AeConfig::flux(), a.dtype, &dev, opts)?;
-    dev.synchronize()?;
+    let vae = Vae::load_bands_file(&a.ae, AeConfig::flux(), a.dtype, &devs, opts)?;
+    sync_all()?;
     println!("load: {:.3} s", t.elapsed().as_secs_f64());
     let z = candle_core::safetensors::load(&a.latent, &dev)?
         .remove("z")
         .ok_or_else(|| format!("{}: no tensor `z`", a.latent.display()))?;
     let decode = |z: &Tensor| -> Result<(Tensor, f64), Box<dyn std::error::Error>> {
-        dev.synchronize()?;
+        sync_all()?;
         let t = Instant::now();
         let y = vae.decode(z)?;
-        dev.synchronize()?;
+        sync_all()?;
         Ok((y, t.elapsed().as_secs_f64()))
     };
     let (img, first) = decode(&z)?;
@@ -121,6 +144,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         a.subpixel
     );
     println!("{}", vae.note());
+    if a.keep_pool {
+        for (i, d) in devs.iter().enumerate() {
+            println!(
+                "cuda:{i} memory in use after the decodes: {:.2} GiB",
+                in_use(d)? as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
     if a.profile {
         let mut rows: Vec<(String, f64)> = Vec::new();
         dev.synchronize()?;
@@ -186,6 +217,26 @@ fn keep_pool(dev: &Device) -> Result<(), String> {
     }
     .result()
     .map_err(|e| format!("cuMemPoolSetAttribute: {e:?}"))
+}
+
+/// Device memory in use (total less free) on `dev`'s GPU.
+#[cfg(feature = "cuda")]
+fn in_use(dev: &Device) -> Result<u64, String> {
+    use candle_core::cuda::cudarc::driver::result;
+    let Device::Cuda(d) = dev else {
+        return Err("not a CUDA device".into());
+    };
+    d.cuda_stream()
+        .context()
+        .bind_to_thread()
+        .map_err(|e| format!("{e:?}"))?;
+    let (free, total) = result::mem_get_info().map_err(|e| format!("cuMemGetInfo: {e:?}"))?;
+    Ok((total - free) as u64)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn in_use(_: &Device) -> Result<u64, String> {
+    Err("memory in use needs a build with mold-pipeline's `cuda` feature".into())
 }
 
 #[cfg(not(feature = "cuda"))]

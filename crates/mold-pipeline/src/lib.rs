@@ -198,6 +198,28 @@ pub fn placement(plan: &Plan, name: &str) -> Result<(DeviceId, mold_plan::DType)
     }
 }
 
+/// The devices the VAE decodes on, in band order, and its dtype: one device, or several
+/// (`sp` of them, one row band each: [`crate::flux::vae_bands`]).
+pub fn vae_devices(plan: &Plan) -> Result<(Vec<DeviceId>, mold_plan::DType)> {
+    let c = plan
+        .components
+        .iter()
+        .find(|c| c.name == "vae")
+        .ok_or_else(|| {
+            PipelineError::Plan(
+                "no `vae` component: the pipeline places t5, clip, transformer and vae; regenerate the plan with `mold plan`".into(),
+            )
+        })?;
+    match c.parts.as_slice() {
+        [p] if !p.devices.is_empty()
+            && (p.devices.len() == 1 || p.sp as usize == p.devices.len()) =>
+        {
+            Ok((p.devices.clone(), c.dtype))
+        }
+        _ => placement(plan, "vae").map(|(d, t)| (vec![d], t)),
+    }
+}
+
 /// The compute dtype of a component; T5 asked for fp16 computes in bf16 (T5's
 /// activations overflow fp16 and candle's T5 has no clamp; bf16 is the same size).
 fn component_dtype(name: &str, d: mold_plan::DType) -> Result<(DType, Option<String>)> {

@@ -251,11 +251,12 @@ impl Plan {
                         ),
                     ));
                 }
-                if p.sp > 1 && c.role != ComponentRole::Transformer {
+                // A VAE's `sp` is its row bands (one a device); an encoder never splits.
+                if p.sp > 1 && c.role == ComponentRole::Encoder {
                     return Err(invalid(
                         format!("{field}.sp"),
                         format!(
-                            "{}: sequence parallelism is for transformer parts only: remove `sp` from component `{}`",
+                            "{}: sequence parallelism is for transformer parts (and a VAE's row bands) only: remove `sp` from component `{}`",
                             p.sp,
                             c.name.escape_debug()
                         ),

@@ -156,7 +156,7 @@ fn structural_errors_name_the_field() {
         (
             "  - devices: [cuda:0]\n    residency: resident\n- name: transformer",
             "  - devices: [cuda:0, cuda:1]\n    sp: 2\n    residency: resident\n- name: transformer",
-            "components[0].parts[0].sp: 2: sequence parallelism is for transformer parts only",
+            "components[0].parts[0].sp: 2: sequence parallelism is for transformer parts (and a VAE's row bands) only",
         ),
         (
             "devices: [cuda:1]",

@@ -451,7 +451,9 @@ pub struct Part {
     pub tp: u32,
     /// Sequence-parallel (Ulysses) degree: the joint text + image tokens split over `sp`
     /// devices, an all-to-all turning token shards into head shards around attention.
-    /// Written only when above 1.
+    /// On the VAE's one part: the image decoded in `sp` row bands, one on each of its
+    /// devices in order (band 0 the top rows), the group norms' statistics and the edge
+    /// rows exchanged between them. Written only when above 1.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub sp: u32,
     pub residency: Residency,

@@ -88,6 +88,9 @@ pub struct Constraints {
     pub host_components: bool,
     /// Device buffers per streamed part (double buffering = 2).
     pub stream_buffers: u32,
+    /// The VAE's decode in row bands over several GPUs (`--vae-bands`): auto (where the
+    /// cost model says it shortens the request), off, or exactly this many bands.
+    pub vae_bands: ParallelChoice,
 }
 
 impl Default for Constraints {
@@ -99,6 +102,7 @@ impl Default for Constraints {
             stream: true,
             host_components: true,
             stream_buffers: 2,
+            vae_bands: ParallelChoice::Auto,
         }
     }
 }
@@ -124,6 +128,8 @@ pub struct ConstraintsFile {
     pub host_components: Option<bool>,
     #[serde(default)]
     pub stream_buffers: Option<u32>,
+    #[serde(default)]
+    pub vae_bands: Option<ParallelChoice>,
     #[serde(default)]
     pub objective: Option<ObjectiveName>,
 }

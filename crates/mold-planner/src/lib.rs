@@ -37,6 +37,7 @@ mod problem;
 pub mod report;
 mod search;
 pub mod throughput;
+mod vae_bands;
 
 pub use cfg::{CfgCandidate, CfgChoice};
 pub use constraints::{
@@ -391,6 +392,7 @@ pub(crate) fn plan_one(req: &Request) -> Result<Outcome, PlanError> {
         }
         Method::Solver => {}
     }
+    vae_bands::widen(req, &mut plan, fam)?;
     let evaluation = mold_cost::evaluate(&plan, &req.model, &req.machine);
     Ok(Outcome {
         plan,

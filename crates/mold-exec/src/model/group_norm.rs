@@ -91,6 +91,171 @@ pub fn group_norm_candle(
     y.to_dtype(x.dtype())
 }
 
+/// The statistics of each (image, group) of `x` `(n, h, w, c)` over its pixels: `(n, groups,
+/// 3)` f32 of element count, mean and sum of squared deviations from the mean. A decoder split
+/// into row bands takes them on each band's device, merges them across bands
+/// ([`merge_group_stats`]) and normalises every band with the same coefficients
+/// ([`norm_coefficients`], [`group_norm_apply_nhwc`]): the whole image's group norm.
+pub fn group_stats_nhwc(x: &Tensor, groups: usize, k: Kernels) -> CResult<Tensor> {
+    let (n, h, w, c) = x.dims4()?;
+    if groups == 0 || !c.is_multiple_of(groups) {
+        candle_core::bail!("group norm: {groups} groups do not divide {c} channels");
+    }
+    if k.use_fused(layout_ok(x, c), "group norm")? {
+        return cuda::group_stats(x, groups);
+    }
+    let cpg = c / groups;
+    let count = (h * w * cpg) as f64;
+    let xf = x.to_dtype(DType::F32)?.reshape((n, h * w, groups, cpg))?;
+    let mean = (xf.sum_keepdim(3)?.sum_keepdim(1)? / count)?;
+    let m2 = xf
+        .broadcast_sub(&mean)?
+        .sqr()?
+        .sum_keepdim(3)?
+        .sum_keepdim(1)?
+        .reshape((n, groups, 1))?;
+    let mean = mean.reshape((n, groups, 1))?;
+    let cnt = Tensor::full(count as f32, (n, groups, 1), x.device())?;
+    Tensor::cat(&[cnt, mean, m2], 2)
+}
+
+/// Merges per-band statistics (each `(n, groups, 3)` as [`group_stats_nhwc`] wrote them,
+/// flattened) with Chan's formula in f64: the statistics of all bands together.
+pub fn merge_group_stats(parts: &[Vec<f32>]) -> CResult<Vec<f64>> {
+    let Some(first) = parts.first() else {
+        candle_core::bail!("group norm: no statistics to merge");
+    };
+    if !first.len().is_multiple_of(3) || parts.iter().any(|p| p.len() != first.len()) {
+        candle_core::bail!("group norm: band statistics of different shapes");
+    }
+    let mut out: Vec<f64> = first.iter().map(|&v| v as f64).collect();
+    for p in &parts[1..] {
+        for (o, q) in out.chunks_exact_mut(3).zip(p.chunks_exact(3)) {
+            let (na, ma, sa) = (o[0], o[1], o[2]);
+            let (nb, mb, sb) = (q[0] as f64, q[1] as f64, q[2] as f64);
+            let n = na + nb;
+            if n == 0.0 {
+                continue;
+            }
+            let d = mb - ma;
+            o[0] = n;
+            o[1] = ma + d * nb / n;
+            o[2] = sa + sb + d * d * na * nb / n;
+        }
+    }
+    Ok(out)
+}
+
+/// `(a, b)` per image and channel with `group_norm(x) · gamma + beta = x · a + b`, from merged
+/// statistics `(n, groups, 3)` ([`merge_group_stats`]): `(n, c, 2)` f32, flattened.
+pub fn norm_coefficients(
+    stats: &[f64],
+    gamma: &[f32],
+    beta: &[f32],
+    groups: usize,
+    eps: f32,
+) -> CResult<Vec<f32>> {
+    let c = gamma.len();
+    if groups == 0 || !c.is_multiple_of(groups) || beta.len() != c {
+        candle_core::bail!(
+            "group norm: {groups} groups, {c} scales and {} shifts",
+            beta.len()
+        );
+    }
+    if !stats.len().is_multiple_of(groups * 3) {
+        candle_core::bail!("group norm: statistics are not (n, {groups}, 3)");
+    }
+    let n = stats.len() / (groups * 3);
+    let cpg = c / groups;
+    let mut ab = Vec::with_capacity(n * c * 2);
+    for i in 0..n {
+        for ch in 0..c {
+            let s = &stats[(i * groups + ch / cpg) * 3..][..3];
+            let var = if s[0] > 0.0 { s[2] / s[0] } else { 0.0 };
+            let a = gamma[ch] as f64 / (var + eps as f64).sqrt();
+            ab.push(a as f32);
+            ab.push((beta[ch] as f64 - s[1] * a) as f32);
+        }
+    }
+    Ok(ab)
+}
+
+/// `(a, b)` `(n, c, 2)` f32 on `gamma`'s device from `stats` `(k, n, groups, 3)`: the
+/// statistics of `k` row bands ([`group_stats_nhwc`] on each, gathered on this device), merged
+/// in f64 in band order. On CUDA (bf16/f16 parameters) one small kernel does it on the
+/// device, so no band waits for the host; elsewhere [`merge_group_stats`] and
+/// [`norm_coefficients`] on the host.
+pub fn group_norm_coefficients_nhwc(
+    stats: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f32,
+    k: Kernels,
+) -> CResult<Tensor> {
+    let (bands, n, groups, three) = stats.dims4()?;
+    let c = gamma.dim(0)?;
+    if three != 3 || bands == 0 || groups == 0 || !c.is_multiple_of(groups) || beta.dims() != [c] {
+        candle_core::bail!(
+            "group norm: statistics {:?} and parameters {:?}/{:?} do not match",
+            stats.dims(),
+            gamma.dims(),
+            beta.dims()
+        );
+    }
+    let on_device = cfg!(feature = "cuda")
+        && stats.device().is_cuda()
+        && stats.dtype() == DType::F32
+        && stats.is_contiguous()
+        && [gamma, beta].iter().all(|t| {
+            matches!(t.dtype(), DType::BF16 | DType::F16)
+                && t.dtype() == gamma.dtype()
+                && t.is_contiguous()
+                && t.device().same_device(stats.device())
+        });
+    if k.use_fused(on_device, "group norm")? {
+        return cuda::merge_ab(stats, gamma, beta, eps);
+    }
+    let parts: Vec<Vec<f32>> = (0..bands)
+        .map(|b| stats.get(b)?.flatten_all()?.to_vec1::<f32>())
+        .collect::<CResult<_>>()?;
+    let host = |t: &Tensor| t.to_dtype(DType::F32)?.to_vec1::<f32>();
+    let ab = norm_coefficients(
+        &merge_group_stats(&parts)?,
+        &host(gamma)?,
+        &host(beta)?,
+        groups,
+        eps,
+    )?;
+    Tensor::from_vec(ab, (n, c, 2), gamma.device())
+}
+
+/// `silu?(x · a + b)` per channel over `x` `(n, h, w, c)`, with `ab` `(n, c, 2)` f32 from
+/// [`norm_coefficients`] on `x`'s device: a group norm whose statistics came from elsewhere.
+pub fn group_norm_apply_nhwc(x: &Tensor, ab: &Tensor, silu: bool, k: Kernels) -> CResult<Tensor> {
+    let (n, _, _, c) = x.dims4()?;
+    if ab.dims() != [n, c, 2] || ab.dtype() != DType::F32 {
+        candle_core::bail!(
+            "group norm: coefficients {:?} {:?}, expected [{n}, {c}, 2] f32",
+            ab.dims(),
+            ab.dtype()
+        );
+    }
+    let ab_ok = ab.is_contiguous()
+        && ab.layout().start_offset() == 0
+        && ab.device().same_device(x.device());
+    if k.use_fused(layout_ok(x, c) && ab_ok, "group norm")? {
+        return cuda::group_norm_apply(x, ab, silu);
+    }
+    let a = ab.narrow(2, 0, 1)?.reshape((n, 1, 1, c))?;
+    let b = ab.narrow(2, 1, 1)?.reshape((n, 1, 1, c))?;
+    let y = x
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&a)?
+        .broadcast_add(&b)?;
+    let y = if silu { y.silu()? } else { y };
+    y.to_dtype(x.dtype())
+}
+
 /// Nearest-neighbour 2× up-sampling of `x` `(n, h, w, c)` to `(n, 2h, 2w, c)`.
 pub fn upsample2x_nhwc(x: &Tensor, k: Kernels) -> CResult<Tensor> {
     let (n, h, w, c) = x.dims4()?;
@@ -146,6 +311,15 @@ mod cuda {
     ) -> CResult<Tensor> {
         candle_core::bail!("mold's group norm kernel needs a CUDA build")
     }
+    pub fn group_stats(_: &Tensor, _: usize) -> CResult<Tensor> {
+        candle_core::bail!("mold's group norm kernel needs a CUDA build")
+    }
+    pub fn group_norm_apply(_: &Tensor, _: &Tensor, _: bool) -> CResult<Tensor> {
+        candle_core::bail!("mold's group norm kernel needs a CUDA build")
+    }
+    pub fn merge_ab(_: &Tensor, _: &Tensor, _: &Tensor, _: f32) -> CResult<Tensor> {
+        candle_core::bail!("mold's group norm kernel needs a CUDA build")
+    }
     pub fn upsample2x(_: &Tensor) -> CResult<Tensor> {
         candle_core::bail!("mold's up-sampling kernel needs a CUDA build")
     }
@@ -158,9 +332,11 @@ mod cuda {
 mod cuda {
     use super::CResult;
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, WrapErr};
-    use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
+    use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
     use half::{bf16, f16};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/groupnorm.ptx"));
@@ -210,6 +386,61 @@ mod cuda {
         silu: bool,
     }
 
+    /// Launches `mold_gn_partial` over `x` `(n, hw, c)`: per (image, block, channel)
+    /// statistics, and the number of blocks per image.
+    fn partial<T: CudaDType + DeviceRepr>(
+        dev: &CudaDevice,
+        xv: &CudaView<'_, T>,
+        dt: DType,
+        (n, hw, c): (usize, usize, usize),
+    ) -> CResult<(CudaSlice<f32>, usize)> {
+        let lanes = THREADS as usize / (c / 8);
+        let chunk = hw.div_ceil(MAX_BLOCKS).max(lanes);
+        let blocks = hw.div_ceil(chunk).max(1);
+        // SAFETY: gn_partial writes every (image, block, channel) entry.
+        let part = unsafe { dev.alloc::<f32>(n * blocks * c * 3)? };
+        let (hw32, c32, chunk32) = (hw as i32, c as i32, chunk as i32);
+        let f = func(dev, "mold_gn_partial", dt)?;
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(xv).arg(&part).arg(&hw32).arg(&c32).arg(&chunk32);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, n as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument order and types match the kernel.
+        unsafe { a.launch(cfg) }.w()?;
+        Ok((part, blocks))
+    }
+
+    /// Launches `mold_gn_apply`: `y = silu?(x · a + b)` with `ab` `(n, c, 2)`.
+    fn apply<T: CudaDType + DeviceRepr>(
+        dev: &CudaDevice,
+        xv: &CudaView<'_, T>,
+        ab: &CudaView<'_, f32>,
+        dt: DType,
+        (n, hw, c): (usize, usize, usize),
+        silu: bool,
+    ) -> CResult<CudaSlice<T>> {
+        // SAFETY: gn_apply writes every element.
+        let y = unsafe { dev.alloc::<T>(n * hw * c)? };
+        let f = func(dev, "mold_gn_apply", dt)?;
+        let vecs = hw * c / 8;
+        let (vecs32, c32, silu) = (vecs as i32, c as i32, silu as i32);
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(xv).arg(ab).arg(&y).arg(&vecs32).arg(&c32).arg(&silu);
+        let cfg = LaunchConfig {
+            grid_dim: (grid_stride(vecs).grid_dim.0, n as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument order and types match the kernel.
+        unsafe { a.launch(cfg) }.w()?;
+        Ok(y)
+    }
+
     impl GroupNorm {
         fn run<T: CudaDType + DeviceRepr>(
             &self,
@@ -224,30 +455,13 @@ mod cuda {
             let dt = x.dtype();
             let (n, h, w, c) = xl.shape().dims4()?;
             let hw = h * w;
-            let lanes = THREADS as usize / (c / 8);
-            let chunk = hw.div_ceil(MAX_BLOCKS).max(lanes);
-            let blocks = hw.div_ceil(chunk).max(1);
-            // SAFETY: gn_partial writes every (image, block, channel) entry.
-            let part = unsafe { dev.alloc::<f32>(n * blocks * c * 3)? };
+            let (xv, gv, bv) = (view::<T>(x, xl)?, view::<T>(g, gl)?, view::<T>(b, bl)?);
+            let (part, blocks) = partial(dev, &xv, dt, (n, hw, c))?;
             // SAFETY: gn_finalize writes every (image, channel) pair.
             let ab = unsafe { dev.alloc::<f32>(n * c * 2)? };
-            // SAFETY: gn_apply writes every element.
-            let y = unsafe { dev.alloc::<T>(n * hw * c)? };
-            let (xv, gv, bv) = (view::<T>(x, xl)?, view::<T>(g, gl)?, view::<T>(b, bl)?);
             let stream = dev.cuda_stream();
-            let (hw32, c32, chunk32) = (hw as i32, c as i32, chunk as i32);
-            let f = func(dev, "mold_gn_partial", dt)?;
-            let mut a = stream.launch_builder(&f);
-            a.arg(&xv).arg(&part).arg(&hw32).arg(&c32).arg(&chunk32);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks as u32, n as u32, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: argument order and types match the kernel.
-            unsafe { a.launch(cfg) }.w()?;
             let f = func(dev, "mold_gn_finalize", dt)?;
-            let (blocks32, groups32) = (blocks as i32, self.groups as i32);
+            let (blocks32, c32, groups32) = (blocks as i32, c as i32, self.groups as i32);
             let mut a = stream.launch_builder(&f);
             a.arg(&part)
                 .arg(&gv)
@@ -264,30 +478,217 @@ mod cuda {
             };
             // SAFETY: argument order and types match the kernel.
             unsafe { a.launch(cfg) }.w()?;
-            let f = func(dev, "mold_gn_apply", dt)?;
-            let vecs = hw * c / 8;
-            let vecs32 = vecs as i32;
-            let silu = self.silu as i32;
-            let mut a = stream.launch_builder(&f);
-            a.arg(&xv)
-                .arg(&ab)
-                .arg(&y)
-                .arg(&vecs32)
-                .arg(&c32)
-                .arg(&silu);
-            let cfg = LaunchConfig {
-                grid_dim: (grid_stride(vecs).grid_dim.0, n as u32, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: argument order and types match the kernel.
-            unsafe { a.launch(cfg) }.w()?;
+            let y = apply(dev, &xv, &ab.slice(..), dt, (n, hw, c), self.silu)?;
             drop((part, ab));
             Ok((
                 CudaStorage::wrap_cuda_slice(y, dev.clone()),
                 xl.shape().clone(),
             ))
         }
+    }
+
+    /// [`super::group_stats_nhwc`]: partial statistics, then each group's merged.
+    struct GroupStats {
+        groups: usize,
+    }
+
+    impl GroupStats {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            let dev = &x.device;
+            let dt = x.dtype();
+            let (n, h, w, c) = xl.shape().dims4()?;
+            let xv = view::<T>(x, xl)?;
+            let (part, blocks) = partial(dev, &xv, dt, (n, h * w, c))?;
+            // SAFETY: gn_group_stats writes every (image, group) triple.
+            let stats = unsafe { dev.alloc::<f32>(n * self.groups * 3)? };
+            let f = func(dev, "mold_gn_group_stats", dt)?;
+            let (blocks32, c32, groups32) = (blocks as i32, c as i32, self.groups as i32);
+            let stream = dev.cuda_stream();
+            let mut a = stream.launch_builder(&f);
+            a.arg(&part)
+                .arg(&stats)
+                .arg(&blocks32)
+                .arg(&c32)
+                .arg(&groups32);
+            let cfg = LaunchConfig {
+                grid_dim: (self.groups as u32, n as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument order and types match the kernel.
+            unsafe { a.launch(cfg) }.w()?;
+            drop(part);
+            Ok((
+                CudaStorage::wrap_cuda_slice(stats, dev.clone()),
+                Shape::from((n, self.groups, 3)),
+            ))
+        }
+    }
+
+    impl CustomOp1 for GroupStats {
+        fn name(&self) -> &'static str {
+            "mold-group-stats"
+        }
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
+            candle_core::bail!("mold's group norm kernel runs on CUDA only")
+        }
+        fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> CResult<(CudaStorage, Shape)> {
+            match x.dtype() {
+                DType::BF16 => self.run::<bf16>(x, xl),
+                DType::F16 => self.run::<f16>(x, xl),
+                dt => candle_core::bail!("mold group norm: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    pub fn group_stats(x: &Tensor, groups: usize) -> CResult<Tensor> {
+        x.apply_op1_no_bwd(&GroupStats { groups })
+    }
+
+    /// [`super::group_norm_coefficients_nhwc`] on the device.
+    struct MergeAb {
+        eps: f32,
+    }
+
+    impl MergeAb {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            st: &CudaStorage,
+            sl: &Layout,
+            g: &CudaStorage,
+            gl: &Layout,
+            b: &CudaStorage,
+            bl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            let dev = &st.device;
+            let (k, n, groups, _) = sl.shape().dims4()?;
+            let c = gl.shape().dims1()?;
+            // SAFETY: gn_merge_ab writes every (image, channel) pair.
+            let ab = unsafe { dev.alloc::<f32>(n * c * 2)? };
+            let (sv, gv, bv) = (view::<f32>(st, sl)?, view::<T>(g, gl)?, view::<T>(b, bl)?);
+            let f = func(dev, "mold_gn_merge_ab", g.dtype())?;
+            let (k32, n32, c32, groups32) = (k as i32, n as i32, c as i32, groups as i32);
+            let stream = dev.cuda_stream();
+            let mut a = stream.launch_builder(&f);
+            a.arg(&sv)
+                .arg(&k32)
+                .arg(&gv)
+                .arg(&bv)
+                .arg(&ab)
+                .arg(&n32)
+                .arg(&c32)
+                .arg(&groups32)
+                .arg(&self.eps);
+            let cfg = LaunchConfig {
+                grid_dim: (groups as u32, n as u32, 1),
+                block_dim: (64, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument order and types match the kernel.
+            unsafe { a.launch(cfg) }.w()?;
+            Ok((
+                CudaStorage::wrap_cuda_slice(ab, dev.clone()),
+                Shape::from((n, c, 2)),
+            ))
+        }
+    }
+
+    impl CustomOp3 for MergeAb {
+        fn name(&self) -> &'static str {
+            "mold-group-norm-merge"
+        }
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<(CpuStorage, Shape)> {
+            candle_core::bail!("mold's group norm kernel runs on CUDA only")
+        }
+        fn cuda_fwd(
+            &self,
+            st: &CudaStorage,
+            sl: &Layout,
+            g: &CudaStorage,
+            gl: &Layout,
+            b: &CudaStorage,
+            bl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            match g.dtype() {
+                DType::BF16 => self.run::<bf16>(st, sl, g, gl, b, bl),
+                DType::F16 => self.run::<f16>(st, sl, g, gl, b, bl),
+                dt => candle_core::bail!("mold group norm: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    pub fn merge_ab(stats: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> CResult<Tensor> {
+        stats.apply_op3_no_bwd(gamma, beta, &MergeAb { eps })
+    }
+
+    /// [`super::group_norm_apply_nhwc`] with the coefficients already on the device.
+    struct ApplyAb {
+        silu: bool,
+    }
+
+    impl ApplyAb {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            ab: &CudaStorage,
+            abl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            let dev = &x.device;
+            let (n, h, w, c) = xl.shape().dims4()?;
+            let xv = view::<T>(x, xl)?;
+            let abv = view::<f32>(ab, abl)?;
+            let y = apply(dev, &xv, &abv, x.dtype(), (n, h * w, c), self.silu)?;
+            Ok((
+                CudaStorage::wrap_cuda_slice(y, dev.clone()),
+                xl.shape().clone(),
+            ))
+        }
+    }
+
+    impl CustomOp2 for ApplyAb {
+        fn name(&self) -> &'static str {
+            "mold-group-norm-apply"
+        }
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<(CpuStorage, Shape)> {
+            candle_core::bail!("mold's group norm kernel runs on CUDA only")
+        }
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            ab: &CudaStorage,
+            abl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            match x.dtype() {
+                DType::BF16 => self.run::<bf16>(x, xl, ab, abl),
+                DType::F16 => self.run::<f16>(x, xl, ab, abl),
+                dt => candle_core::bail!("mold group norm: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    pub fn group_norm_apply(x: &Tensor, ab: &Tensor, silu: bool) -> CResult<Tensor> {
+        x.apply_op2_no_bwd(ab, &ApplyAb { silu })
     }
 
     impl CustomOp3 for GroupNorm {
@@ -459,6 +860,58 @@ mod tests {
         let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
         let m = b.abs().unwrap().max_all().unwrap();
         (d.to_scalar::<f32>().unwrap()) / m.to_scalar::<f32>().unwrap()
+    }
+
+    /// Statistics taken on row bands, merged, then applied band by band: the whole tensor's
+    /// group norm (how a decoder split over devices normalises).
+    #[test]
+    fn band_statistics_merged_equal_the_whole_group_norm() {
+        let (n, h, w, c, groups) = (2, 7, 5, 64, 32);
+        let x = rand(&[n, h, w, c], 4);
+        let gamma = rand(&[c], 5);
+        let beta = (rand(&[c], 6) - 3.0).unwrap();
+        let want = group_norm_candle(&x, &gamma, &beta, groups, 1e-6, true).unwrap();
+        let gv = gamma.to_vec1::<f32>().unwrap();
+        let bv = beta.to_vec1::<f32>().unwrap();
+        for cuts in [vec![0, 7], vec![0, 3, 7], vec![0, 1, 2, 5, 7]] {
+            let bands: Vec<Tensor> = cuts
+                .windows(2)
+                .map(|r| x.narrow(1, r[0], r[1] - r[0]).unwrap())
+                .collect();
+            let parts: Vec<Vec<f32>> = bands
+                .iter()
+                .map(|b| {
+                    let s = group_stats_nhwc(b, groups, Kernels::Auto).unwrap();
+                    assert_eq!(s.dims(), [n, groups, 3]);
+                    s.flatten_all().unwrap().to_vec1().unwrap()
+                })
+                .collect();
+            let merged = merge_group_stats(&parts).unwrap();
+            let ab = norm_coefficients(&merged, &gv, &bv, groups, 1e-6).unwrap();
+            let ab = Tensor::from_vec(ab, (n, c, 2), &Device::Cpu).unwrap();
+            // The same coefficients from the bands' statistics stacked on one device.
+            let stacked: Vec<Tensor> = bands
+                .iter()
+                .map(|b| group_stats_nhwc(b, groups, Kernels::Auto).unwrap())
+                .collect();
+            let stacked = Tensor::stack(&stacked, 0).unwrap();
+            let ab2 =
+                group_norm_coefficients_nhwc(&stacked, &gamma, &beta, 1e-6, Kernels::Auto).unwrap();
+            assert_eq!(max_rel(&ab2, &ab), 0.0);
+            let got: Vec<Tensor> = bands
+                .iter()
+                .map(|b| group_norm_apply_nhwc(b, &ab, true, Kernels::Auto).unwrap())
+                .collect();
+            let got = Tensor::cat(&got, 1).unwrap();
+            let e = max_rel(&got, &want);
+            assert!(e < 1e-5, "bands {cuts:?}: {e}");
+        }
+        // Shapes that cannot merge are refused, not mixed.
+        assert!(merge_group_stats(&[vec![0.0; 6], vec![0.0; 3]]).is_err());
+        assert!(merge_group_stats(&[]).is_err());
+        assert!(norm_coefficients(&[1.0, 0.0, 0.0], &gv, &bv[..3], groups, 1e-6).is_err());
+        let bad = Tensor::zeros((2, n, groups, 2), DType::F32, &Device::Cpu).unwrap();
+        assert!(group_norm_coefficients_nhwc(&bad, &gamma, &beta, 1e-6, Kernels::Auto).is_err());
     }
 
     /// The channels-last group norm equals candle-nn's GroupNorm on the NCHW tensor.

@@ -25,6 +25,7 @@ pub mod sampling;
 pub mod testdata;
 pub mod text;
 pub mod vae;
+pub mod vae_bands;
 pub mod vae_nhwc;
 
 use self::resident::{Decoder, Denoiser, Job, TextEncoder};
@@ -58,10 +59,12 @@ pub fn prepare(plan: &Plan, weights: &Path) -> Result<Prepared> {
     let t5_tokens = mold_models::find(id)
         .map(|m| m.text_tokens as usize)
         .map_err(|e| PipelineError::Plan(e.to_string()))?;
-    for name in ["t5", "clip", "vae"] {
+    for name in ["t5", "clip"] {
         let (_, d) = placement(plan, name)?;
         component_dtype(name, d)?;
     }
+    let (_, d) = crate::vae_devices(plan)?;
+    component_dtype("vae", d)?;
     if plan.transformer().is_none() {
         return Err(PipelineError::Plan(
             "no transformer component: regenerate the plan with `mold plan`".into(),
@@ -175,10 +178,15 @@ pub fn generate(
     });
 
     // Decode.
-    let (id, _) = placement(plan, "vae")?;
-    let vae_opts = vae::VaeOptions::with_kernels(opts.kernels);
-    let dec = Decoder::load_with(plan, prep, &id, &mut devmap, vae_opts, on)?;
+    let (bands, _) = crate::vae_devices(plan)?;
+    let vae_opts = vae::VaeOptions {
+        peer_copies: opts.peer_copies,
+        ..vae::VaeOptions::with_kernels(opts.kernels)
+    };
+    let dec = Decoder::load_with(plan, prep, &bands, &mut devmap, vae_opts, on)?;
     job.add_load_s(dec.load_s());
-    job.hold(&id, dec.weight_bytes(), true);
+    for id in &bands {
+        job.hold(id, dec.weight_bytes(), true);
+    }
     job.decode(&dec, latents, &target, &never, on)
 }

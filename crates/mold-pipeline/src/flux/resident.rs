@@ -245,22 +245,27 @@ impl Denoiser {
     }
 }
 
-/// The VAE's decoder loaded on one device.
+/// The VAE's decoder loaded on one device, or on several that decode in row bands.
 pub struct Decoder {
     vae: vae::Vae,
+    /// The first band's device (the image comes back there).
     device: DeviceId,
+    /// Every band's device, in row order.
+    devices: Vec<DeviceId>,
     dev: Device,
+    /// The devices beside `dev`, waited for at the end of a decode.
+    devs: Vec<Device>,
     dtype: DType,
     load_s: f64,
 }
 
 impl Decoder {
-    /// Loads the VAE's decoder on `on` (any device; the plan gives the dtype) with the
+    /// Loads the VAE's decoder on `on` (any devices; the plan gives the dtype) with the
     /// default options ([`Decoder::load_with`]).
     pub fn load(
         plan: &Plan,
         prep: &Prepared,
-        on: &DeviceId,
+        on: &[DeviceId],
         devmap: &mut DeviceMap,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<Decoder> {
@@ -268,36 +273,52 @@ impl Decoder {
         Self::load_with(plan, prep, on, devmap, opts, progress)
     }
 
-    /// Loads the VAE's decoder on `on` with `opts` (`MOLD_KERNELS` picks the decoder).
+    /// Loads the VAE's decoder on `on` with `opts` (`MOLD_KERNELS` picks the decoder): one
+    /// device, or several for a decode in row bands (the plan's `vae` part with `sp`).
     pub fn load_with(
         plan: &Plan,
         prep: &Prepared,
-        on: &DeviceId,
+        on: &[DeviceId],
         devmap: &mut DeviceMap,
         opts: vae::VaeOptions,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<Decoder> {
-        let (_, d) = placement(plan, "vae")?;
+        let (_, d) = crate::vae_devices(plan)?;
         let (dtype, _) = component_dtype("vae", d)?;
-        let dev = devmap.get(on)?;
+        let Some(first) = on.first() else {
+            return Err(PipelineError::Plan("`vae` names no device".into()));
+        };
+        let mut devs: Vec<Device> = Vec::with_capacity(on.len());
+        for id in on {
+            devs.push(devmap.get(id)?);
+        }
+        let names = on
+            .iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
         progress(&Progress::Loading {
             component: "vae".into(),
-            devices: on.to_string(),
+            devices: names.clone(),
         });
         let t = Instant::now();
-        let vae = vae::Vae::load_with(&prep.layout, dtype, &dev, opts)?;
-        sync(&dev)?;
+        let vae = vae::Vae::load_bands(&prep.layout, dtype, &devs, opts)?;
+        for d in &devs {
+            sync(d)?;
+        }
         let load_s = t.elapsed().as_secs_f64();
         progress(&Progress::Loaded {
             component: "vae".into(),
-            devices: on.to_string(),
+            devices: names,
             seconds: load_s,
-            weight_bytes: vae.weight_bytes,
+            weight_bytes: vae.weight_bytes * on.len() as u64,
         });
         Ok(Decoder {
             vae,
-            device: on.clone(),
-            dev,
+            device: first.clone(),
+            devices: on.to_vec(),
+            dev: devs[0].clone(),
+            devs: devs[1..].to_vec(),
             dtype,
             load_s,
         })
@@ -306,6 +327,11 @@ impl Decoder {
     pub fn device(&self) -> &DeviceId {
         &self.device
     }
+    /// Every band's device, in row order (one for a one-device decode).
+    pub fn devices(&self) -> &[DeviceId] {
+        &self.devices
+    }
+    /// The decoder's weights on each of its devices.
     pub fn weight_bytes(&self) -> u64 {
         self.vae.weight_bytes
     }
@@ -572,6 +598,9 @@ impl Job {
         let t = Instant::now();
         let z = sampling::unpack(&latents, req.width, req.height)?;
         let img = dec.vae.decode(&z)?;
+        for d in &dec.devs {
+            sync(d)?;
+        }
         sync(&dec.dev)?;
         if dec.dev.is_cuda() {
             // Which decoder ran (channels-last through cuDNN or candle's), as attention's is.
@@ -584,10 +613,16 @@ impl Job {
             r.write(path)?;
         }
         self.times.decode_s = t.elapsed().as_secs_f64();
-        // The largest feature map: top channels at full resolution, plus the output.
+        // The largest feature map: top channels at full resolution (a band's rows of it on
+        // each band's device), plus the output.
         let top = (dec.vae.config().ch * req.width as usize * req.height as usize) as u64
             * dec.dtype.size_in_bytes() as u64;
-        self.mem.spike(&dec.device, bytes(&z) + top + bytes(&img));
+        let k = dec.devices.len() as u64;
+        for d in &dec.devices[1..] {
+            self.mem.spike(d, top.div_ceil(k));
+        }
+        self.mem
+            .spike(&dec.device, bytes(&z) + top.div_ceil(k) + bytes(&img));
         for d in &first.first {
             self.mem.sub(d, bytes(&latents));
         }
@@ -650,9 +685,12 @@ impl Resident {
             )?);
         }
         let denoiser = Denoiser::load(plan, &prep, opts, &mut devmap, progress)?;
-        let (id, _) = placement(plan, "vae")?;
-        let vae_opts = vae::VaeOptions::with_kernels(opts.kernels);
-        let decoder = Decoder::load_with(plan, &prep, &id, &mut devmap, vae_opts, progress)?;
+        let (on, _) = crate::vae_devices(plan)?;
+        let vae_opts = vae::VaeOptions {
+            peer_copies: opts.peer_copies,
+            ..vae::VaeOptions::with_kernels(opts.kernels)
+        };
+        let decoder = Decoder::load_with(plan, &prep, &on, &mut devmap, vae_opts, progress)?;
         Ok(Resident {
             plan: plan.clone(),
             prep,
@@ -680,7 +718,9 @@ impl Resident {
             job.hold(&e.device, e.weight_bytes, true);
         }
         self.denoiser.hold(&mut job.mem, true);
-        job.hold(&self.decoder.device, self.decoder.weight_bytes(), true);
+        for d in &self.decoder.devices {
+            job.hold(d, self.decoder.weight_bytes(), true);
+        }
         for e in &self.encoders {
             job.encode(e, Some(&self.denoiser.target), cancel, progress)?;
         }

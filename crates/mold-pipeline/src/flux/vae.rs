@@ -4,6 +4,7 @@
 //! `flux::autoencoder::Decoder`. [`Vae::note`] says which ran and why.
 
 use crate::error::{PipelineError, Result};
+use crate::flux::vae_bands::Bands;
 use crate::flux::vae_nhwc::{DecodeStats, NhwcDecoder, NhwcOptions};
 use crate::layout::WeightsLayout;
 use candle_core::{DType, Device, Module, Tensor};
@@ -104,6 +105,9 @@ pub struct VaeOptions {
     /// Up-sampling and the 3×3 convolution after it as four 2×2 phase convolutions
     /// ([`crate::flux::vae_nhwc`]).
     pub subpixel: bool,
+    /// A decode in row bands over several GPUs moves rows by peer copies where the pair
+    /// allows (`--no-peer`: through host memory).
+    pub peer_copies: bool,
 }
 
 impl Default for VaeOptions {
@@ -112,6 +116,7 @@ impl Default for VaeOptions {
             kernels: Kernels::Auto,
             tune: false,
             subpixel: true,
+            peer_copies: true,
         }
     }
 }
@@ -127,17 +132,22 @@ impl VaeOptions {
 
 enum Imp {
     /// candle-transformers' decoder; why the channels-last one is not used.
-    Candle(Decoder, String),
-    /// The channels-last decoder and cuDNN's version.
-    Nhwc(NhwcDecoder, String),
+    Candle(Box<Decoder>, String),
+    /// The channels-last decoder, one per band's device (one for a one-device decode), and
+    /// cuDNN's version.
+    Nhwc(Vec<NhwcDecoder>, String),
 }
 
-/// The decoder, ready to run on its device.
+/// The decoder, ready to run on its device, or on several in row bands.
 pub struct Vae {
     imp: Imp,
     cfg: AeConfig,
     dtype: DType,
-    device: Device,
+    /// The bands' devices in row order ([`crate::flux::vae_bands`]); one for a one-device
+    /// decode. The image comes back on the first.
+    devices: Vec<Device>,
+    peer_copies: bool,
+    /// The decoder's weights on each device.
     pub weight_bytes: u64,
     /// What the last decode ran (the channels-last decoder).
     last: Mutex<Option<DecodeStats>>,
@@ -177,6 +187,16 @@ fn channels_last(
 
 /// The implementation `opts` and the device allow, built from `vb`: an error where
 /// `MOLD_KERNELS` requires what is missing, else the decoder or why it could not be built.
+fn nhwc_options(opts: VaeOptions) -> NhwcOptions {
+    NhwcOptions {
+        conv: ConvOptions {
+            kernels: opts.kernels,
+            tune: opts.tune,
+        },
+        subpixel: opts.subpixel,
+    }
+}
+
 fn build(
     vb: VarBuilder,
     cfg: &AeConfig,
@@ -185,20 +205,11 @@ fn build(
     opts: VaeOptions,
 ) -> Result<std::result::Result<Imp, String>> {
     Ok(match channels_last(dev, dtype, opts.kernels)? {
-        Ok(version) => {
-            let nhwc = NhwcOptions {
-                conv: ConvOptions {
-                    kernels: opts.kernels,
-                    tune: opts.tune,
-                },
-                subpixel: opts.subpixel,
-            };
-            NhwcDecoder::new(cfg, vb.pp("decoder"), nhwc)
-                .map(|d| Imp::Nhwc(d, version))
-                .map_err(|e| e.to_string())
-        }
+        Ok(version) => NhwcDecoder::new(cfg, vb.pp("decoder"), nhwc_options(opts))
+            .map(|d| Imp::Nhwc(vec![d], version))
+            .map_err(|e| e.to_string()),
         Err(why) => Decoder::new(&cfg.to_candle(), vb.pp("decoder"))
-            .map(|d| Imp::Candle(d, why))
+            .map(|d| Imp::Candle(Box::new(d), why))
             .map_err(|e| e.to_string()),
     })
 }
@@ -249,6 +260,68 @@ impl Vae {
     /// The decoder of `cfg` from `vb` (BFL's names under `decoder.`; zero weights for the
     /// calibration's timings), the same choice of implementation as [`Vae::load_with`].
     /// `dtype` must already be the one it computes in on `dev`.
+    /// The decoder on each of `devices` for a decode in row bands, one per device
+    /// ([`crate::flux::vae_bands`]): always the channels-last decoder (cuDNN's convolutions
+    /// where it runs, candle's elsewhere), the only one that runs in bands.
+    pub fn load_bands(
+        layout: &WeightsLayout,
+        dtype: DType,
+        devices: &[Device],
+        opts: VaeOptions,
+    ) -> Result<Vae> {
+        let cfg = AeConfig::for_layout(layout)?;
+        Self::load_bands_file(&layout.ae, cfg, dtype, devices, opts)
+    }
+
+    /// [`Vae::load_bands`] from the autoencoder's file and config.
+    pub fn load_bands_file(
+        ae: &Path,
+        cfg: AeConfig,
+        dtype: DType,
+        devices: &[Device],
+        opts: VaeOptions,
+    ) -> Result<Vae> {
+        let Some(first) = devices.first() else {
+            return Err(PipelineError::Component {
+                component: "vae".into(),
+                message: "no device to decode on".into(),
+            });
+        };
+        if devices.len() == 1 {
+            return Self::load_file(ae, cfg, dtype, first, opts);
+        }
+        let dtype = crate::on_device_dtype(dtype, first);
+        let files = [ae.to_path_buf()];
+        let weight_bytes = crate::text::weight_bytes(&files, dtype, |n| n.starts_with("decoder."))?;
+        let version = match channels_last(first, dtype, opts.kernels)? {
+            Ok(v) => v,
+            Err(why) => format!("none, candle's convolutions ({why})"),
+        };
+        let mut decoders = Vec::with_capacity(devices.len());
+        for dev in devices {
+            // SAFETY: the file is not modified while mapped (as for every checkpoint).
+            let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, dev)? };
+            decoders.push(
+                NhwcDecoder::new(&cfg, vb.pp("decoder"), nhwc_options(opts)).map_err(|e| {
+                    PipelineError::Component {
+                        component: "vae".into(),
+                        message: format!("cannot load the decoder from {}: {e}", ae.display()),
+                    }
+                })?,
+            );
+        }
+        let mut vae = Vae::new(
+            Imp::Nhwc(decoders, version),
+            cfg,
+            dtype,
+            first,
+            weight_bytes,
+        );
+        vae.devices = devices.to_vec();
+        vae.peer_copies = opts.peer_copies;
+        Ok(vae)
+    }
+
     pub fn from_varbuilder(
         vb: VarBuilder,
         cfg: AeConfig,
@@ -269,7 +342,8 @@ impl Vae {
             imp,
             cfg,
             dtype,
-            device: dev.clone(),
+            devices: vec![dev.clone()],
+            peer_copies: true,
             weight_bytes,
             last: Mutex::new(None),
         }
@@ -297,7 +371,7 @@ impl Vae {
         latents: &Tensor,
         mut marks: crate::flux::vae_nhwc::Marks,
     ) -> Result<Tensor> {
-        let z = latents.to_device(&self.device)?.to_dtype(self.dtype)?;
+        let z = latents.to_device(&self.devices[0])?.to_dtype(self.dtype)?;
         let z = ((z / self.cfg.scale_factor)? + self.cfg.shift_factor)?;
         let y = match &self.imp {
             Imp::Candle(d, _) => {
@@ -307,9 +381,14 @@ impl Vae {
                 }
                 y
             }
-            Imp::Nhwc(d, _) => {
+            Imp::Nhwc(decoders, _) => {
                 let mut stats = DecodeStats::default();
-                let y = d.forward(&z, &mut stats, marks)?;
+                let peer = self.peer_copies;
+                let mover =
+                    move |t: &Tensor, d: &Device| mold_exec::runtime::hand_off_ordered(t, d, peer);
+                let bands = Bands::new(&self.devices, &mover, decoders[0].kernels());
+                let refs: Vec<&NhwcDecoder> = decoders.iter().collect();
+                let y = NhwcDecoder::forward_bands(&refs, &z, &bands, &mut stats, marks)?;
                 *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
                 y
             }
@@ -333,6 +412,9 @@ impl Vae {
                     "vae: cudnn {version} conv ({} calls, {} with the bias/residual fused), mold group norm",
                     s.cudnn, s.fully_fused
                 );
+                if self.devices.len() > 1 {
+                    line += &format!(", in {} row bands (one a device)", self.devices.len());
+                }
                 if s.candle > 0 {
                     line += &format!(
                         "; candle conv ({} calls: {})",

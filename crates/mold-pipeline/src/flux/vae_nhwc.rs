@@ -23,7 +23,8 @@
 
 use crate::error::{PipelineError, Result};
 use crate::flux::vae::AeConfig;
-use candle_core::{DType, Tensor};
+use crate::flux::vae_bands::{Bands, Halo};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use mold_exec::model::conv::{conv2d_nhwc, ConvGeom, ConvOptions, Fusion, Ran};
 use mold_exec::model::gemm;
@@ -137,6 +138,43 @@ impl Conv {
         Ok(y)
     }
 
+    /// [`Conv::forward`] on a band with its neighbours' rows: the rows the filter reads beyond
+    /// the band come from the halo, zeros only at the image's own edges.
+    fn forward_halo(
+        &self,
+        h: &Halo,
+        residual: Option<&Tensor>,
+        opts: ConvOptions,
+        stats: &mut DecodeStats,
+    ) -> Result<Tensor> {
+        let (need_above, need_below) = (self.geom.pad_pre[0], self.geom.pad_post[0]);
+        let own = h.t.dim(1)? - h.top - h.bottom;
+        let (above, below) = (h.top.min(need_above), h.bottom.min(need_below));
+        let x = if (above, below) == (h.top, h.bottom) {
+            h.t.clone()
+        } else {
+            let x = h.t.narrow(1, h.top - above, above + own + below)?;
+            if x.is_contiguous() {
+                x
+            } else {
+                x.contiguous()?
+            }
+        };
+        let geom = ConvGeom {
+            pad_pre: [need_above - above, self.geom.pad_pre[1]],
+            pad_post: [need_below - below, self.geom.pad_post[1]],
+            stride: self.geom.stride,
+        };
+        let (y, ran) = conv2d_nhwc(&x, &self.w, Some(&self.b), residual, geom, opts)?;
+        let wanted = if residual.is_some() {
+            Fusion::BiasResidual
+        } else {
+            Fusion::Bias
+        };
+        stats.see(ran, wanted);
+        Ok(y)
+    }
+
     fn label(&self, x: &Tensor) -> String {
         let d = x.dims();
         format!(
@@ -174,6 +212,22 @@ impl Norm {
             opts.kernels,
         )?)
     }
+
+    /// The whole image's norm over the bands `xs` (`norms[b]` on band `b`'s device), each
+    /// band with its neighbours' edge rows when `halo`.
+    fn forward_bands(
+        norms: &[&Norm],
+        xs: &[Tensor],
+        bands: &Bands,
+        silu: bool,
+        halo: bool,
+        opts: ConvOptions,
+    ) -> Result<Vec<Halo>> {
+        let params: Vec<(&Tensor, &Tensor)> = norms.iter().map(|n| (&n.gamma, &n.beta)).collect();
+        bands.norm(xs, &params, GROUPS, EPS, silu, halo, |x| {
+            norms[0].forward(x, silu, opts)
+        })
+    }
 }
 
 fn gn_label(x: &Tensor) -> String {
@@ -204,33 +258,45 @@ impl ResBlock {
         })
     }
 
-    fn forward(
-        &self,
-        x: &Tensor,
+    /// `blocks[b]` runs band `b` (`xs[b]`, on its device).
+    fn forward_bands(
+        blocks: &[&ResBlock],
+        xs: Vec<Tensor>,
+        bands: &Bands,
         opts: ConvOptions,
         stats: &mut DecodeStats,
         m: &mut Marks,
-    ) -> Result<Tensor> {
-        let h = self.norm1.forward(x, true, opts)?;
-        mark(m, || gn_label(x), &h);
-        let label = self.conv1.label(&h);
-        let h = self.conv1.forward(&h, None, opts, stats)?;
-        mark(m, || label, &h);
-        let h2 = self.norm2.forward(&h, true, opts)?;
-        mark(m, || gn_label(&h), &h2);
+    ) -> Result<Vec<Tensor>> {
+        let norms1: Vec<&Norm> = blocks.iter().map(|r| &r.norm1).collect();
+        let h = Norm::forward_bands(&norms1, &xs, bands, true, true, opts)?;
+        mark(m, || gn_label(&xs[0]), &h[0].t);
+        let label = blocks[0].conv1.label(&h[0].t);
+        let mut h1 = Vec::with_capacity(xs.len());
+        for (r, hb) in blocks.iter().zip(&h) {
+            h1.push(r.conv1.forward_halo(hb, None, opts, stats)?);
+        }
         drop(h);
-        let short = match &self.nin_shortcut {
-            Some(c) => {
-                let s = c.forward(x, None, opts, stats)?;
-                mark(m, || c.label(x), &s);
-                s
-            }
-            None => x.clone(),
-        };
-        let label = self.conv2.label(&h2);
-        let y = self.conv2.forward(&h2, Some(&short), opts, stats)?;
-        mark(m, || label, &y);
-        Ok(y)
+        mark(m, || label, &h1[0]);
+        let norms2: Vec<&Norm> = blocks.iter().map(|r| &r.norm2).collect();
+        let h2 = Norm::forward_bands(&norms2, &h1, bands, true, true, opts)?;
+        mark(m, || gn_label(&h1[0]), &h2[0].t);
+        drop(h1);
+        let mut ys = Vec::with_capacity(xs.len());
+        for (b, ((r, x), hb)) in blocks.iter().zip(&xs).zip(&h2).enumerate() {
+            let short = match &r.nin_shortcut {
+                Some(c) => {
+                    let s = c.forward(x, None, opts, stats)?;
+                    if b == 0 {
+                        mark(m, || c.label(x), &s);
+                    }
+                    s
+                }
+                None => x.clone(),
+            };
+            ys.push(r.conv2.forward_halo(hb, Some(&short), opts, stats)?);
+        }
+        mark(m, || blocks[0].conv2.label(&h2[0].t), &ys[0]);
+        Ok(ys)
     }
 }
 
@@ -278,26 +344,83 @@ impl Attn {
         })
     }
 
-    fn forward(&self, x: &Tensor, opts: ConvOptions, m: &mut Marks) -> Result<Tensor> {
-        let (n, h, w, c) = x.dims4()?;
-        let hn = self.norm.forward(x, false, opts)?;
-        mark(m, || gn_label(x), &hn);
-        let hn = hn.reshape((n, h * w, c))?;
-        // The scale on q (n·h·w·c elements) rather than on the (h·w)² scores.
-        let q = (self.q.forward(&hn, opts)? * (1.0 / (c as f64).sqrt()))?;
-        let k = self.k.forward(&hn, opts)?;
-        let v = self.v.forward(&hn, opts)?;
-        drop(hn);
-        mark(m, || "attention q/k/v".into(), &v);
-        let p = softmax_last_dim(&q.matmul(&k.t()?)?, opts.kernels)?;
-        drop((q, k));
-        let o = p.matmul(&v)?;
-        drop((p, v));
-        mark(m, || format!("attention softmax(qk)v {}", h * w), &o);
-        let y = (self.proj_out.forward(&o, opts)? + x.reshape((n, h * w, c))?)?;
-        mark(m, || "attention proj".into(), &y);
-        Ok(y.reshape((n, h, w, c))?)
+    /// `attns[b]` runs band `b`: its rows' queries against every pixel's keys and values.
+    fn forward_bands(
+        attns: &[&Attn],
+        xs: Vec<Tensor>,
+        bands: &Bands,
+        opts: ConvOptions,
+        m: &mut Marks,
+    ) -> Result<Vec<Tensor>> {
+        let norms: Vec<&Norm> = attns.iter().map(|a| &a.norm).collect();
+        let hn: Vec<Tensor> = Norm::forward_bands(&norms, &xs, bands, false, false, opts)?
+            .into_iter()
+            .map(|h| h.t)
+            .collect();
+        mark(m, || gn_label(&xs[0]), &hn[0]);
+        let whole = bands.gather(&hn)?;
+        let mut ys = Vec::with_capacity(xs.len());
+        // Marks (which wait for a device) only for the first band: the others run on.
+        let mut none: Marks = None;
+        for (b, (((a, x), hb), all)) in attns.iter().zip(&xs).zip(hn).zip(whole).enumerate() {
+            let m: &mut Marks = if b == 0 { &mut *m } else { &mut none };
+            let (n, h, w, c) = x.dims4()?;
+            let rows = all.dim(1)?;
+            let hb = hb.reshape((n, h * w, c))?;
+            let all = all.reshape((n, rows * w, c))?;
+            // The scale on q (n·h·w·c elements) rather than on the scores.
+            let q = (a.q.forward(&hb, opts)? * (1.0 / (c as f64).sqrt()))?;
+            drop(hb);
+            let k = a.k.forward(&all, opts)?;
+            let v = a.v.forward(&all, opts)?;
+            drop(all);
+            mark(m, || "attention q/k/v".into(), &v);
+            let o = attend(&q, &k, &v, opts)?;
+            drop((q, k, v));
+            mark(m, || format!("attention softmax(qk)v {}", h * w), &o);
+            let y = (a.proj_out.forward(&o, opts)? + x.reshape((n, h * w, c))?)?;
+            mark(m, || "attention proj".into(), &y);
+            ys.push(y.reshape((n, h, w, c))?);
+        }
+        Ok(ys)
     }
+}
+
+/// Score elements one attention product may hold: 2^28 (512 MiB in bf16), the whole of a
+/// 1024² image's; larger images run their queries in slices of as many rows.
+const MAX_SCORES: usize = 1 << 28;
+
+/// `softmax(q kᵀ) v` over `(n, l, c)`, the queries in slices so that no score matrix holds
+/// more than [`MAX_SCORES`] elements (a 2048² image's would hold 2^32).
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, opts: ConvOptions) -> Result<Tensor> {
+    attend_within(q, k, v, opts, MAX_SCORES)
+}
+
+fn attend_within(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: ConvOptions,
+    max_scores: usize,
+) -> Result<Tensor> {
+    let (n, lq, _) = q.dims3()?;
+    let lk = k.dim(1)?;
+    let rows = (max_scores / (n * lk).max(1)).max(1);
+    let one = |q: &Tensor| -> Result<Tensor> {
+        let p = softmax_last_dim(&q.matmul(&k.t()?)?, opts.kernels)?;
+        Ok(p.matmul(v)?)
+    };
+    if rows >= lq {
+        return one(q);
+    }
+    let mut out = Vec::with_capacity(lq.div_ceil(rows));
+    let mut s = 0;
+    while s < lq {
+        let len = rows.min(lq - s);
+        out.push(one(&q.narrow(1, s, len)?)?);
+        s += len;
+    }
+    Ok(Tensor::cat(&out, 1)?)
 }
 
 /// Nearest 2× up-sampling followed by a 3×3 convolution (padding 1).
@@ -351,36 +474,51 @@ impl Upsample {
         Ok(Upsample::Subpixel(Box::new(phases)))
     }
 
-    fn forward(
-        &self,
-        x: &Tensor,
+    /// `ups[b]` runs band `b`, with its neighbours' edge rows.
+    fn forward_bands(
+        ups: &[&Upsample],
+        xs: Vec<Tensor>,
+        bands: &Bands,
         opts: ConvOptions,
         stats: &mut DecodeStats,
         m: &mut Marks,
-    ) -> Result<Tensor> {
-        match self {
-            Upsample::Plain(c) => {
-                let u = upsample2x_nhwc(x, opts.kernels)?;
-                mark(m, || format!("upsample {:?}", u.dims()), &u);
-                let label = c.label(&u);
-                let y = c.forward(&u, None, opts, stats)?;
-                mark(m, || label, &y);
-                Ok(y)
-            }
-            Upsample::Subpixel(phases) => {
-                let mut p = Vec::with_capacity(4);
-                for c in phases.iter() {
-                    let label = c.label(x);
-                    let y = c.forward(x, None, opts, stats)?;
-                    mark(m, || format!("{label} (phase)"), &y);
-                    p.push(y);
+    ) -> Result<Vec<Tensor>> {
+        let hs = bands.halo(&xs)?;
+        drop(xs);
+        let mut ys = Vec::with_capacity(hs.len());
+        let mut none: Marks = None;
+        for (b, (up, h)) in ups.iter().zip(hs).enumerate() {
+            let m: &mut Marks = if b == 0 { &mut *m } else { &mut none };
+            ys.push(match up {
+                Upsample::Plain(c) => {
+                    let u = upsample2x_nhwc(&h.t, opts.kernels)?;
+                    mark(m, || format!("upsample {:?}", u.dims()), &u);
+                    let label = c.label(&u);
+                    let u = Halo {
+                        t: u,
+                        top: 2 * h.top,
+                        bottom: 2 * h.bottom,
+                    };
+                    let y = c.forward_halo(&u, None, opts, stats)?;
+                    mark(m, || label, &y);
+                    y
                 }
-                let y = interleave2x_nhwc([&p[0], &p[1], &p[2], &p[3]], opts.kernels)?;
-                drop(p);
-                mark(m, || format!("interleave {:?}", y.dims()), &y);
-                Ok(y)
-            }
+                Upsample::Subpixel(phases) => {
+                    let mut p = Vec::with_capacity(4);
+                    for c in phases.iter() {
+                        let label = c.label(&h.t);
+                        let y = c.forward_halo(&h, None, opts, stats)?;
+                        mark(m, || format!("{label} (phase)"), &y);
+                        p.push(y);
+                    }
+                    let y = interleave2x_nhwc([&p[0], &p[1], &p[2], &p[3]], opts.kernels)?;
+                    drop(p);
+                    mark(m, || format!("interleave {:?}", y.dims()), &y);
+                    y
+                }
+            });
         }
+        Ok(ys)
     }
 }
 
@@ -469,37 +607,87 @@ impl NhwcDecoder {
         })
     }
 
+    /// Which kernels run the decode (`MOLD_KERNELS`).
+    pub fn kernels(&self) -> mold_exec::Kernels {
+        self.opts.kernels
+    }
+
     /// Latents `(n, z, h, w)` (already scaled and shifted) → images `(n, out_ch, 8h, 8w)`
     /// in the weights' dtype; `stats` counts what ran, `m` is called after each operation.
-    pub fn forward(&self, z: &Tensor, stats: &mut DecodeStats, mut m: Marks) -> Result<Tensor> {
-        let opts = self.opts;
+    pub fn forward(&self, z: &Tensor, stats: &mut DecodeStats, m: Marks) -> Result<Tensor> {
+        let devices = [z.device().clone()];
+        let mover = |t: &Tensor, d: &Device| t.to_device(d);
+        let bands = Bands::new(&devices, &mover, self.opts.kernels);
+        Self::forward_bands(&[self], z, &bands, stats, m)
+    }
+
+    /// [`NhwcDecoder::forward`] in row bands, one per device of `bands`, `decoders[b]` holding
+    /// the weights on band `b`'s device ([`crate::flux::vae_bands`]); the image is joined on the
+    /// first band's device. One band runs exactly the one-device decode; `m` sees the first
+    /// band's operations.
+    pub fn forward_bands(
+        decoders: &[&NhwcDecoder],
+        z: &Tensor,
+        bands: &Bands,
+        stats: &mut DecodeStats,
+        mut m: Marks,
+    ) -> Result<Tensor> {
+        if decoders.is_empty() || decoders.len() != bands.len() {
+            return Err(PipelineError::Component {
+                component: "vae".into(),
+                message: format!("{} decoders for {} bands", decoders.len(), bands.len()),
+            });
+        }
+        let d0 = decoders[0];
+        let opts = d0.opts;
         let x = z.permute((0, 2, 3, 1))?.contiguous()?;
         mark(&mut m, || "to NHWC".into(), &x);
-        let label = self.conv_in.label(&x);
-        let mut h = self.conv_in.forward(&x, None, opts, stats)?;
-        mark(&mut m, || label, &h);
+        let xs = bands.split(&x)?;
         drop(x);
-        h = self.mid_block_1.forward(&h, opts, stats, &mut m)?;
-        h = self.mid_attn_1.forward(&h, opts, &mut m)?;
-        h = self.mid_block_2.forward(&h, opts, stats, &mut m)?;
-        for level in &self.up {
-            for b in &level.blocks {
-                h = b.forward(&h, opts, stats, &mut m)?;
+        let label = d0.conv_in.label(&xs[0]);
+        let mut hs = Vec::with_capacity(xs.len());
+        for (d, h) in decoders.iter().zip(bands.halo(&xs)?) {
+            hs.push(d.conv_in.forward_halo(&h, None, opts, stats)?);
+        }
+        mark(&mut m, || label, &hs[0]);
+        drop(xs);
+        let each = |f: &dyn Fn(&NhwcDecoder) -> &ResBlock| -> Vec<&ResBlock> {
+            decoders.iter().map(|d| f(d)).collect()
+        };
+        hs = ResBlock::forward_bands(&each(&|d| &d.mid_block_1), hs, bands, opts, stats, &mut m)?;
+        let attns: Vec<&Attn> = decoders.iter().map(|d| &d.mid_attn_1).collect();
+        hs = Attn::forward_bands(&attns, hs, bands, opts, &mut m)?;
+        hs = ResBlock::forward_bands(&each(&|d| &d.mid_block_2), hs, bands, opts, stats, &mut m)?;
+        for (li, level) in d0.up.iter().enumerate() {
+            for bi in 0..level.blocks.len() {
+                let blocks = each(&|d| &d.up[li].blocks[bi]);
+                hs = ResBlock::forward_bands(&blocks, hs, bands, opts, stats, &mut m)?;
             }
-            if let Some(u) = &level.upsample {
-                h = u.forward(&h, opts, stats, &mut m)?;
+            if level.upsample.is_some() {
+                let ups: Vec<&Upsample> = decoders
+                    .iter()
+                    .filter_map(|d| d.up[li].upsample.as_ref())
+                    .collect();
+                hs = Upsample::forward_bands(&ups, hs, bands, opts, stats, &mut m)?;
             }
         }
-        let hn = self.norm_out.forward(&h, true, opts)?;
-        mark(&mut m, || gn_label(&h), &hn);
-        drop(h);
-        let label = self.conv_out.label(&hn);
-        let y = self.conv_out.forward(&hn, None, opts, stats)?;
-        mark(&mut m, || label, &y);
-        let y = y
-            .narrow(3, 0, self.out_ch)?
-            .permute((0, 3, 1, 2))?
-            .contiguous()?;
+        let norms: Vec<&Norm> = decoders.iter().map(|d| &d.norm_out).collect();
+        let hn = Norm::forward_bands(&norms, &hs, bands, true, true, opts)?;
+        mark(&mut m, || gn_label(&hs[0]), &hn[0].t);
+        drop(hs);
+        let label = d0.conv_out.label(&hn[0].t);
+        let mut ys = Vec::with_capacity(hn.len());
+        for (d, h) in decoders.iter().zip(&hn) {
+            let y = d.conv_out.forward_halo(h, None, opts, stats)?;
+            ys.push(
+                y.narrow(3, 0, d.out_ch)?
+                    .permute((0, 3, 1, 2))?
+                    .contiguous()?,
+            );
+        }
+        drop(hn);
+        mark(&mut m, || label, &ys[0]);
+        let y = bands.join(&ys, 2)?;
         mark(&mut m, || "to NCHW".into(), &y);
         Ok(y)
     }
@@ -593,6 +781,65 @@ mod tests {
                 subpixel,
                 "{labels:?}"
             );
+        }
+    }
+
+    /// The decoder split into 2, 3 and 4 row bands on emulated devices (each with its own
+    /// copy of the weights) equals the one-device decode, with up-sampling as phase
+    /// convolutions and plain; so do more latent rows than bands by an uneven count.
+    #[test]
+    fn banded_decode_equals_the_one_device_decode() {
+        let cfg = AeConfig::tiny();
+        let vm = tiny_weights(&cfg);
+        let dev = Device::Cpu;
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev).pp("decoder");
+        let z = Tensor::randn(0f32, 1f32, (1, cfg.z_channels, 7, 5), &dev).unwrap();
+        for subpixel in [true, false] {
+            let opts = NhwcOptions {
+                conv: ConvOptions {
+                    kernels: Kernels::Auto,
+                    tune: false,
+                },
+                subpixel,
+            };
+            let one = NhwcDecoder::new(&cfg, vb.clone(), opts).unwrap();
+            let mut s1 = DecodeStats::default();
+            let want = one.forward(&z, &mut s1, None).unwrap();
+            for k in [2, 3, 4] {
+                let decoders: Vec<NhwcDecoder> = (0..k)
+                    .map(|_| NhwcDecoder::new(&cfg, vb.clone(), opts).unwrap())
+                    .collect();
+                let refs: Vec<&NhwcDecoder> = decoders.iter().collect();
+                let devices = vec![Device::Cpu; k];
+                let mover = |t: &Tensor, d: &Device| t.to_device(d);
+                let bands = Bands::new(&devices, &mover, Kernels::Auto);
+                let mut sk = DecodeStats::default();
+                let got = NhwcDecoder::forward_bands(&refs, &z, &bands, &mut sk, None).unwrap();
+                assert_eq!(got.dims(), want.dims());
+                let e = max_rel(&got, &want);
+                assert!(e <= 1e-5, "subpixel {subpixel}, {k} bands: {e}");
+                // Every band ran every convolution.
+                assert_eq!(sk.candle, k as u64 * s1.candle);
+            }
+        }
+    }
+
+    /// Attention over many pixels in query slices equals it in one product.
+    #[test]
+    fn sliced_attention_equals_one_product() {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1f32, (2, 37, 8), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1f32, (2, 37, 8), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1f32, (2, 37, 8), &dev).unwrap();
+        let opts = ConvOptions {
+            kernels: Kernels::Auto,
+            tune: false,
+        };
+        let whole = attend_within(&q, &k, &v, opts, usize::MAX).unwrap();
+        for max in [1, 74, 75, 600] {
+            let sliced = attend_within(&q, &k, &v, opts, max).unwrap();
+            let e = max_rel(&sliced, &whole);
+            assert!(e <= 1e-6, "max {max}: {e}");
         }
     }
 

@@ -36,7 +36,7 @@ impl Engine {
                 Instance::Decoder(Box::new(Decoder::load_with(
                     &self.plan,
                     &self.prep,
-                    &id,
+                    std::slice::from_ref(&id),
                     &mut devmap,
                     self.vae,
                     progress,

@@ -55,8 +55,7 @@ fn pool_of(d: &Deployment) -> Result<Pool, StartError> {
             .ok_or_else(|| StartError::Plan(format!("{} has no `{name}` component", d.model.id)))?;
         let mut planned = BTreeSet::new();
         for p in &d.replicas {
-            let (dev, _) = mold_pipeline::placement(p, name)?;
-            planned.insert(dev);
+            planned.insert(planned_device(p, name)?);
         }
         for dev in &planned {
             if !devices.iter().any(|x| &x.id == dev) {
@@ -120,7 +119,7 @@ impl Engine {
                 .collect();
             let mut planned = Vec::new();
             for name in COMPONENTS {
-                let (dev, _) = mold_pipeline::placement(p, name)?;
+                let dev = planned_device(p, name)?;
                 planned.push(pool.index(&dev).expect("pool_of added it"));
             }
             replicas.push(ReplicaInfo {
@@ -272,4 +271,18 @@ impl Engine {
         }
         Ok(engine)
     }
+}
+
+/// Where the plan puts component `name`: its device; for a VAE planned in row bands over
+/// several devices, the first of them (a server decodes each request on one device, the
+/// pool's choice).
+fn planned_device(
+    p: &mold_plan::Plan,
+    name: &str,
+) -> Result<mold_plan::DeviceId, mold_pipeline::PipelineError> {
+    if name == "vae" {
+        let (mut on, _) = mold_pipeline::vae_devices(p)?;
+        return Ok(on.remove(0));
+    }
+    Ok(mold_pipeline::placement(p, name)?.0)
 }

@@ -17,22 +17,25 @@ impl<'a> Sim<'a> {
                 continue;
             }
             let spec = self.model.component(&c.name).expect("validated");
-            let on = self.di(&c.parts[0].devices[0]);
             let w = spec.weight_bytes(c.dtype);
-            if on == self.host() {
-                let act = self.ctx.component_activation(spec, c.dtype);
-                self.host_ram += w + act;
-                self.host_ram_items.push(crate::Live {
-                    what: format!("{} weights and activations", c.name),
-                    bytes: w + act,
-                });
-            } else {
-                self.weights[on] += w;
-                match c.role {
-                    ComponentRole::Encoder => encoders.push(self.allocs.len()),
-                    _ => vaes.push(self.allocs.len()),
+            // One device, or a VAE's row bands: its weights on each band's device.
+            for id in &c.parts[0].devices {
+                let on = self.di(id);
+                if on == self.host() {
+                    let act = self.ctx.component_activation(spec, c.dtype);
+                    self.host_ram += w + act;
+                    self.host_ram_items.push(crate::Live {
+                        what: format!("{} weights and activations", c.name),
+                        bytes: w + act,
+                    });
+                } else {
+                    self.weights[on] += w;
+                    match c.role {
+                        ComponentRole::Encoder => encoders.push(self.allocs.len()),
+                        _ => vaes.push(self.allocs.len()),
+                    }
+                    self.alloc(on, 0.0, None, w, format!("{} weights", c.name), "load");
                 }
-                self.alloc(on, 0.0, None, w, format!("{} weights", c.name), "load");
             }
         }
         (encoders, vaes)

@@ -200,7 +200,10 @@ impl<'a> Sim<'a> {
                 continue;
             }
             let spec = self.model.component(&c.name).expect("validated");
-            let on_id = c.parts[0].devices[0].clone();
+            // The first band's device receives the latents (the one device of a one-device
+            // decode); every band's device decodes from when they are there.
+            let bands = &c.parts[0].devices;
+            let on_id = bands[0].clone();
             let on = self.di(&on_id);
             let phase = format!("decode: {}", c.name);
             let latent = self.latent_bytes();
@@ -215,18 +218,33 @@ impl<'a> Sim<'a> {
                 self.event(on, Lane::Comm, EventKind::Transfer, s, e, what, &phase);
                 e
             };
-            let start = arrive.max(self.devs[on].compute);
-            let end = start + self.ctx.component_s(spec, &on_id, c.dtype);
-            self.devs[on].compute = end;
-            self.event(
-                on,
-                Lane::Compute,
-                EventKind::Vae,
-                start,
-                end,
-                c.name.clone(),
-                &phase,
-            );
+            let start = bands
+                .iter()
+                .map(|d| self.devs[self.di(d)].compute)
+                .fold(arrive, f64::max);
+            let end = start + self.ctx.decode_bands_s(spec, bands, c.dtype);
+            let act = self
+                .ctx
+                .component_activation(spec, c.dtype)
+                .div_ceil(bands.len() as u64);
+            let what = if bands.len() > 1 {
+                format!("{} (band of {})", c.name, bands.len())
+            } else {
+                c.name.clone()
+            };
+            for d in bands {
+                let i = self.di(d);
+                self.devs[i].compute = end;
+                self.event(
+                    i,
+                    Lane::Compute,
+                    EventKind::Vae,
+                    start,
+                    end,
+                    what.clone(),
+                    &phase,
+                );
+            }
             if self.opts.transfer_buffers {
                 self.alloc(
                     on,
@@ -237,15 +255,17 @@ impl<'a> Sim<'a> {
                     &phase,
                 );
             }
-            let act = self.ctx.component_activation(spec, c.dtype);
-            self.alloc(
-                on,
-                start,
-                Some(end),
-                act,
-                format!("{} activations", c.name),
-                &phase,
-            );
+            for d in bands {
+                let i = self.di(d);
+                self.alloc(
+                    i,
+                    start,
+                    Some(end),
+                    act,
+                    format!("{} activations", c.name),
+                    &phase,
+                );
+            }
             sim_end = sim_end.max(end);
         }
         for s in &self.devs {

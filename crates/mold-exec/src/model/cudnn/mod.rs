@@ -108,6 +108,12 @@ pub fn attention(
         let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
         let handle = s.handle;
         let entry = s.plans.entry(key.clone()).or_insert_with(|| {
+            // cuDNN builds on the calling thread's current context: this device's (one
+            // thread may drive several GPUs, as a decode in row bands does).
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| format!("cuda:{ordinal}: {e}"))?;
             let api = ffi::api()?;
             let mut errors = Vec::new();
             for form in [graph::Form::Unified, graph::Form::Composite] {
@@ -321,10 +327,14 @@ pub fn conv2d_nhwc(
     let plan = {
         let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
         let handle = s.handle;
-        let entry = s
-            .convs
-            .entry(key.clone())
-            .or_insert_with(|| conv::build(ffi::api()?, handle, &key).map(Arc::new));
+        let entry = s.convs.entry(key.clone()).or_insert_with(|| {
+            // Built on this device's context, whichever the thread had current.
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| format!("cuda:{ordinal}: {e}"))?;
+            conv::build(ffi::api()?, handle, &key).map(Arc::new)
+        });
         match entry {
             Ok(p) => p.clone(),
             Err(e) => return Ok(Err(e.clone())),
