@@ -49,6 +49,22 @@ fn generate(plan: &Path, w: &Path, out: &Path, extra: &[&str]) -> (Vec<u8>, Stri
     (std::fs::read(out).unwrap(), so, se)
 }
 
+/// Two PNGs of the same size compared value by value: (values that differ, the largest
+/// difference, values in all).
+fn pixel_diff(a: &Path, b: &Path) -> (usize, u8, usize) {
+    let (ia, _) = mold_pipeline::read_png(a).unwrap();
+    let (ib, _) = mold_pipeline::read_png(b).unwrap();
+    assert_eq!((ia.width, ia.height), (ib.width, ib.height));
+    let diff: Vec<u8> = ia
+        .data
+        .iter()
+        .zip(&ib.data)
+        .map(|(x, y)| x.abs_diff(*y))
+        .collect();
+    let n = diff.iter().filter(|&&x| x > 0).count();
+    (n, diff.iter().copied().max().unwrap_or(0), diff.len())
+}
+
 #[test]
 fn text_to_image_is_deterministic_and_placement_independent() {
     let d = tempdir("pipeline-e2e");
@@ -118,20 +134,10 @@ fn text_to_image_is_deterministic_and_placement_independent() {
     // x86-64); allow that, and nothing more.
     let (c, _, _) = generate(&tp2, &w, &d.join("tp2.png"), &[]);
     let (ia, meta) = mold_pipeline::read_png(&d.join("one.png")).unwrap();
-    let (ic, _) = mold_pipeline::read_png(&d.join("tp2.png")).unwrap();
-    assert_eq!((ia.width, ia.height), (ic.width, ic.height));
-    let diff: Vec<u8> = ia
-        .data
-        .iter()
-        .zip(&ic.data)
-        .map(|(x, y)| x.abs_diff(*y))
-        .collect();
-    let n = diff.iter().filter(|&&x| x > 0).count();
+    let (n, max, len) = pixel_diff(&d.join("one.png"), &d.join("tp2.png"));
     assert!(
-        diff.iter().all(|&x| x <= 1) && n * 1000 <= diff.len(),
-        "tensor parallel changes {n} of {} values (max {})",
-        diff.len(),
-        diff.iter().max().unwrap()
+        max <= 1 && n * 1000 <= len,
+        "tensor parallel changes {n} of {len} values (max {max})"
     );
     if n == 0 {
         assert!(a == c, "same pixels, same metadata: the files must match");
@@ -208,21 +214,10 @@ fn a_vae_decoded_in_row_bands_makes_the_same_image() {
     generate(&one, &w, &d.join("one.png"), &[]);
     let (_, _, se) = generate(&four, &w, &d.join("four.png"), &[]);
     assert!(se.contains("vae on emu:0,emu:1,emu:2,emu:3"), "{se}");
-    let (ia, _) = mold_pipeline::read_png(&d.join("one.png")).unwrap();
-    let (ib, _) = mold_pipeline::read_png(&d.join("four.png")).unwrap();
-    assert_eq!((ia.width, ia.height), (ib.width, ib.height));
-    let diff: Vec<u8> = ia
-        .data
-        .iter()
-        .zip(&ib.data)
-        .map(|(x, y)| x.abs_diff(*y))
-        .collect();
-    let n = diff.iter().filter(|&&x| x > 0).count();
+    let (n, max, len) = pixel_diff(&d.join("one.png"), &d.join("four.png"));
     assert!(
-        diff.iter().all(|&x| x <= 1) && n * 100 <= diff.len(),
-        "the banded decode changes {n} of {} values (max {})",
-        diff.len(),
-        diff.iter().max().unwrap()
+        max <= 1 && n * 100 <= len,
+        "the banded decode changes {n} of {len} values (max {max})"
     );
     // More bands than the machine has GPUs: refused naming the flag, before any weight loads.
     let e = mold_fails(&[

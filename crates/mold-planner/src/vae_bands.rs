@@ -1,7 +1,8 @@
 //! The VAE's decode in row bands over several GPUs (`--vae-bands`): after the search has
 //! placed everything, the VAE's one device is widened to the bands that shorten the request
 //! most, priced by mold-cost ([`mold_cost::Ctx::decode_bands_s`]) and kept only where every
-//! budget still holds. The decode runs after the transformer's last step, so the devices it
+//! budget still holds; unasked, only over GPUs of one peer domain (NVLink or PCIe peer
+//! access), where the bands' copies go device to device. The decode runs after the transformer's last step, so the devices it
 //! borrows are idle then; only their memory (the decoder's weights on each, a band's share
 //! of its activations) competes with what stays loaded.
 
@@ -102,6 +103,11 @@ pub(crate) fn widen(req: &Request, plan: &mut Plan, family: Family) -> Result<()
     let base = mold_cost::evaluate(plan, &req.model, &req.machine);
     let mut best: Option<(f64, Plan)> = None;
     for k in ks {
+        // Unasked, bands only within one peer domain: their copies are the event-ordered
+        // peer copies measured; through host memory each would wait for the host.
+        if wanted.is_none() && req.machine.domain_of(&order[..k]).is_none() {
+            continue;
+        }
         let mut p = plan.clone();
         let part = &mut p.components[vi].parts[0];
         part.devices = order[..k].to_vec();

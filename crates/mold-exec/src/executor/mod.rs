@@ -421,78 +421,64 @@ impl<M: Transformer> Executor<M> {
                         blocks.push(Held::Resident(copy));
                     }
                     blocks_copied += first.len();
-                    ranks.push(Rank {
-                        id: id.clone(),
-                        index: rank,
-                        device,
-                        stem,
-                        final_layer,
-                        blocks,
-                        meter: ActivationMeter::default(),
-                        profile: Profiler::default(),
-                        mb_profiles: Mutex::default(),
-                        resident_bytes,
-                        sync_stream_bytes,
-                        sync_host_bytes,
-                    });
-                    continue;
-                }
-                let mut keep = Vec::new();
-                // Blocks are read on several threads, as many as the largest (its size
-                // from the shapes alone) allows, and uploaded here in order.
-                let mut largest = 0;
-                for step in &spec.steps {
-                    largest = largest.max(model.load_block(&shapes, *step, shard)?.bytes());
-                }
-                let readers = load_ahead::readers(largest);
-                let steps = &spec.steps;
-                load_ahead::in_order(
-                    steps.len(),
-                    readers,
-                    readers,
-                    |i| model.load_block(&src, steps[i], shard),
-                    |_, b| {
-                        let bytes = b.bytes();
-                        blocks.push(match spec.residency {
-                            Residency::Resident => {
-                                resident_bytes += bytes;
-                                let on = b.to_device(&device)?;
-                                if world > 1 {
-                                    keep.push(on.map_tensors(&mut |t| Ok(t.clone()))?);
-                                }
-                                Held::Resident(on)
-                            }
-                            Residency::Streamed if opts.streaming == Streaming::Sync => {
-                                sync_host_bytes += bytes;
-                                sync_stream_bytes = sync_stream_bytes.max(bytes);
-                                Held::Sync(b)
-                            }
-                            Residency::Streamed => {
-                                let ri = match rings.iter().position(|(d, _)| d == id) {
-                                    Some(i) => i,
-                                    None => {
-                                        rings.push((
-                                            id.clone(),
-                                            Ring::new(
-                                                device.clone(),
-                                                dtype,
-                                                opts.streaming,
-                                                spec.buffers,
-                                            ),
-                                        ));
-                                        rings.len() - 1
+                } else {
+                    let mut keep = Vec::new();
+                    // Blocks are read on several threads, as many as the largest (its size
+                    // from the shapes alone) allows, and uploaded here in order.
+                    let mut largest = 0;
+                    for step in &spec.steps {
+                        largest = largest.max(model.load_block(&shapes, *step, shard)?.bytes());
+                    }
+                    let readers = load_ahead::readers(largest);
+                    let steps = &spec.steps;
+                    load_ahead::in_order(
+                        steps.len(),
+                        readers,
+                        readers,
+                        |i| model.load_block(&src, steps[i], shard),
+                        |_, b| {
+                            let bytes = b.bytes();
+                            blocks.push(match spec.residency {
+                                Residency::Resident => {
+                                    resident_bytes += bytes;
+                                    let on = b.to_device(&device)?;
+                                    if world > 1 {
+                                        keep.push(on.map_tensors(&mut |t| Ok(t.clone()))?);
                                     }
-                                };
-                                let ring = &mut rings[ri].1;
-                                ring.want_buffers(spec.buffers);
-                                Held::Streamed(ri, ring.add(&b)?)
-                            }
-                        });
-                        Ok(())
-                    },
-                )?;
-                if !keep.is_empty() {
-                    loaded.insert(shard.rank, (device.clone(), keep));
+                                    Held::Resident(on)
+                                }
+                                Residency::Streamed if opts.streaming == Streaming::Sync => {
+                                    sync_host_bytes += bytes;
+                                    sync_stream_bytes = sync_stream_bytes.max(bytes);
+                                    Held::Sync(b)
+                                }
+                                Residency::Streamed => {
+                                    let ri = match rings.iter().position(|(d, _)| d == id) {
+                                        Some(i) => i,
+                                        None => {
+                                            rings.push((
+                                                id.clone(),
+                                                Ring::new(
+                                                    device.clone(),
+                                                    dtype,
+                                                    opts.streaming,
+                                                    spec.buffers,
+                                                ),
+                                            ));
+                                            rings.len() - 1
+                                        }
+                                    };
+                                    let ring = &mut rings[ri].1;
+                                    ring.want_buffers(spec.buffers);
+                                    Held::Streamed(ri, ring.add(&b)?)
+                                }
+                            });
+                            Ok(())
+                        },
+                    )?;
+                    if !keep.is_empty() {
+                        loaded.insert(shard.rank, (device.clone(), keep));
+                    }
                 }
                 ranks.push(Rank {
                     id: id.clone(),

@@ -257,9 +257,6 @@ impl Vae {
         Ok(Vae::new(imp, cfg, dtype, dev, weight_bytes))
     }
 
-    /// The decoder of `cfg` from `vb` (BFL's names under `decoder.`; zero weights for the
-    /// calibration's timings), the same choice of implementation as [`Vae::load_with`].
-    /// `dtype` must already be the one it computes in on `dev`.
     /// The decoder on each of `devices` for a decode in row bands, one per device
     /// ([`crate::flux::vae_bands`]): always the channels-last decoder (cuDNN's convolutions
     /// where it runs, candle's elsewhere), the only one that runs in bands.
@@ -322,6 +319,9 @@ impl Vae {
         Ok(vae)
     }
 
+    /// The decoder of `cfg` from `vb` (BFL's names under `decoder.`; zero weights for the
+    /// calibration's timings), the same choice of implementation as [`Vae::load_with`].
+    /// `dtype` must already be the one it computes in on `dev`.
     pub fn from_varbuilder(
         vb: VarBuilder,
         cfg: AeConfig,
