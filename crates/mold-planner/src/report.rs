@@ -135,6 +135,7 @@ fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String 
                     format!("{}{}", Group::of(p).describe(), link(machine, p))
                 }
                 (ComponentRole::Transformer, _, _) => "resident".into(),
+                (ComponentRole::Vae, _, n) if n > 1 => format!("row bands ×{n}, one a device"),
                 _ => String::new(),
             };
             let _ =

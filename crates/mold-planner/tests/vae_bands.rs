@@ -45,6 +45,11 @@ fn auto_bands_only_where_they_pay() {
     assert_eq!(bands[0], vae_devices(&off.plan)[0]);
     assert!(big.evaluation.decode_s < off.evaluation.decode_s);
     assert!(big.evaluation.request_s < off.evaluation.request_s);
+    let text = mold_planner::report::summary(&big);
+    assert!(
+        text.contains(&format!("row bands ×{}, one a device", bands.len())),
+        "{text}"
+    );
     let back = mold_plan::Plan::from_yaml(&big.plan.to_yaml(), "p.yaml").unwrap();
     assert_eq!(back, big.plan);
     let model = mold_models::find("flux-dev").unwrap();
