@@ -175,7 +175,8 @@ pub fn copies_directly(src: &Device, dst: &Device, peer_copies: bool) -> bool {
 /// after the source's work is done), unless `peer_copies` is off
 /// ([`crate::ExecOptions::peer_copies`], `--no-peer`); otherwise, and for every other pair
 /// of devices, candle's copy through host memory. Each GPU pair's path is recorded for
-/// [`hand_off_paths`].
+/// [`hand_off_paths`]. The caller keeps `t` until the receiving device's work on the copy is
+/// done (a peer copy reads it after this returns).
 pub fn hand_off(t: &Tensor, dst: &Device, peer_copies: bool) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let (Device::Cuda(s), Device::Cuda(d)) = (t.device(), dst) {
@@ -320,13 +321,18 @@ mod peer {
                 }
                 .map_err(|e| candle_core::Error::Msg(format!("cuMemcpyPeerAsync: {e:?}")))?;
             }
-            // The source's own stream waits for the copy: whatever it runs next — freeing
-            // the source (stream-ordered), reusing its memory — comes after the copy has
-            // read it, so a source dropped at once never has its memory handed on or given
-            // back to the driver mid-copy.
-            src_stream
-                .join(&dst_stream)
-                .map_err(|e| candle_core::Error::Msg(format!("peer copy: {e:?}")))?;
+            // Ordered: the source's own stream waits for the copy, so whatever it runs next
+            // — freeing the source (stream-ordered), reusing its memory — comes after the
+            // copy has read it, and a source dropped at once never has its memory handed on
+            // or given back to the driver mid-copy. The host-waiting copy leaves the source's
+            // stream free: its callers keep the source until the receiving work is done (the
+            // executor's parts, the ranks' weights), and a wait there would hold the sending
+            // GPU until the receiver's queued work ends.
+            if self.ordered {
+                src_stream
+                    .join(&dst_stream)
+                    .map_err(|e| candle_core::Error::Msg(format!("peer copy: {e:?}")))?;
+            }
             Ok(CudaStorage::wrap_cuda_slice(out, self.dst.clone()))
         }
     }
