@@ -19,10 +19,57 @@ use candle_core::{DType, Device, Shape, Tensor};
 use mold_cost::ops::CalibrationShapes;
 use mold_machine::{CollectiveOp, CollectivePoint, CollectiveTables};
 use mold_plan::DeviceId;
-use std::sync::Barrier;
+use std::sync::{Condvar, Mutex};
 
 /// Collectives per timed run.
 const BATCH: usize = 8;
+
+/// What a rank released by another's failure reports.
+const RELEASED: &str = "another rank's measurement failed";
+
+/// A barrier the measuring threads meet at before each run, which a failing rank opens for
+/// the others ([`Gate::fail`]): they return an error instead of waiting for it for ever.
+struct Gate {
+    n: usize,
+    /// (arrived in this round, round, failed)
+    state: Mutex<(usize, u64, bool)>,
+    turn: Condvar,
+}
+
+impl Gate {
+    fn new(n: usize) -> Gate {
+        Gate {
+            n,
+            state: Mutex::new((0, 0, false)),
+            turn: Condvar::new(),
+        }
+    }
+
+    /// Waits until every rank has arrived, or one has failed.
+    fn wait(&self) -> candle_core::Result<()> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let round = s.1;
+        s.0 += 1;
+        if s.0 == self.n {
+            s.0 = 0;
+            s.1 += 1;
+            self.turn.notify_all();
+        }
+        while s.1 == round && !s.2 {
+            s = self.turn.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        if s.2 {
+            return Err(candle_core::Error::Msg(RELEASED.into()));
+        }
+        Ok(())
+    }
+
+    fn fail(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.2 = true;
+        self.turn.notify_all();
+    }
+}
 
 /// Every collective of `shapes` over the first `n` of `devices` (where there are `n`).
 pub(super) fn measure_collectives(
@@ -97,16 +144,25 @@ fn time_collective(
     // Elements per rank of the message: a multiple of the ranks, at least one each.
     let elems = (bytes / size).div_ceil(n as u64).max(1) * n as u64;
     let runs = bench.warmup + bench.iters.max(1);
-    let barrier = Barrier::new(n);
+    let gate = Gate::new(n);
     let per_rank: Vec<candle_core::Result<Vec<f64>>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .zip(devs)
             .map(|(comm, dev)| {
-                let barrier = &barrier;
+                let gate = &gate;
                 s.spawn(move || {
-                    let r = rank_runs(comm.as_ref(), dev, dtype, op, elems, runs, barrier);
+                    // A panic is a failure too: the other ranks must not wait for this one.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        rank_runs(comm.as_ref(), dev, dtype, op, elems, runs, gate)
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(candle_core::Error::Msg(
+                            "a measuring thread panicked".into(),
+                        ))
+                    });
                     if r.is_err() {
+                        gate.fail();
                         comm.abort();
                     }
                     r
@@ -124,6 +180,13 @@ fn time_collective(
             })
             .collect()
     });
+    // The failing rank's error, not the others' "another rank failed".
+    if let Some(Err(e)) = per_rank
+        .iter()
+        .find(|r| matches!(r, Err(e) if !e.to_string().contains(RELEASED)))
+    {
+        return Err(candle_core::Error::Msg(e.to_string()));
+    }
     let mut slowest = vec![0.0f64; runs];
     for r in per_rank {
         for (s, t) in slowest.iter_mut().zip(r?) {
@@ -143,7 +206,7 @@ fn rank_runs(
     op: CollectiveOp,
     elems: u64,
     runs: usize,
-    barrier: &Barrier,
+    gate: &Gate,
 ) -> candle_core::Result<Vec<f64>> {
     let n = comm.world_size();
     let piece = elems / n as u64;
@@ -163,7 +226,7 @@ fn rank_runs(
     let mut clock = OpClock::new(dev, 2)?;
     let mut times = Vec::with_capacity(runs);
     for _ in 0..runs {
-        barrier.wait();
+        gate.wait()?;
         clock.mark(0)?;
         for _ in 0..BATCH {
             // Each output is freed as soon as it is queued: the stream-ordered allocator
@@ -180,4 +243,51 @@ fn rank_runs(
     }
     comm.check()?;
     Ok(times)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ranks meet round after round; one that fails releases those waiting for it, which
+    /// then fail instead of waiting for ever (a plain barrier hung the calibration there).
+    #[test]
+    fn a_failing_rank_opens_the_gate() {
+        let gate = Gate::new(3);
+        let rounds: Vec<candle_core::Result<usize>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|rank| {
+                    let gate = &gate;
+                    s.spawn(move || -> candle_core::Result<usize> {
+                        for round in 0..5 {
+                            if rank == 2 && round == 3 {
+                                gate.fail();
+                                return Err(candle_core::Error::Msg("rank 2 broke".into()));
+                            }
+                            gate.wait()?;
+                        }
+                        Ok(5)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(rounds[2]
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("rank 2 broke")));
+        for r in &rounds[..2] {
+            assert!(
+                r.as_ref().is_err_and(|e| e.to_string().contains(RELEASED)),
+                "{r:?}"
+            );
+        }
+        // Without a failure every rank gets through every round.
+        let ok = Gate::new(2);
+        std::thread::scope(|s| {
+            let a = s.spawn(|| (0..100).try_for_each(|_| ok.wait()));
+            let b = s.spawn(|| (0..100).try_for_each(|_| ok.wait()));
+            a.join().unwrap().unwrap();
+            b.join().unwrap().unwrap();
+        });
+    }
 }
