@@ -327,10 +327,6 @@ impl Decoder {
     pub fn device(&self) -> &DeviceId {
         &self.device
     }
-    /// Every band's device, in row order (one for a one-device decode).
-    pub fn devices(&self) -> &[DeviceId] {
-        &self.devices
-    }
     /// The decoder's weights on each of its devices.
     pub fn weight_bytes(&self) -> u64 {
         self.vae.weight_bytes

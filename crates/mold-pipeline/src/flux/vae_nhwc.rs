@@ -727,6 +727,17 @@ mod tests {
         vm
     }
 
+    /// Default kernels, heuristic engines.
+    fn auto(subpixel: bool) -> NhwcOptions {
+        NhwcOptions {
+            conv: ConvOptions {
+                kernels: Kernels::Auto,
+                tune: false,
+            },
+            subpixel,
+        }
+    }
+
     fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
         let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
         let m = b.abs().unwrap().max_all().unwrap();
@@ -750,13 +761,7 @@ mod tests {
         let z = Tensor::randn(0f32, 1f32, (2, cfg.z_channels, 6, 5), &dev).unwrap();
         let want = reference.forward(&z).unwrap();
         for subpixel in [true, false] {
-            let opts = NhwcOptions {
-                conv: ConvOptions {
-                    kernels: Kernels::Auto,
-                    tune: false,
-                },
-                subpixel,
-            };
+            let opts = auto(subpixel);
             let ours = NhwcDecoder::new(&cfg, vb.clone(), opts).unwrap();
             let mut stats = DecodeStats::default();
             let mut labels = Vec::new();
@@ -795,13 +800,7 @@ mod tests {
         let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev).pp("decoder");
         let z = Tensor::randn(0f32, 1f32, (1, cfg.z_channels, 7, 5), &dev).unwrap();
         for subpixel in [true, false] {
-            let opts = NhwcOptions {
-                conv: ConvOptions {
-                    kernels: Kernels::Auto,
-                    tune: false,
-                },
-                subpixel,
-            };
+            let opts = auto(subpixel);
             let one = NhwcDecoder::new(&cfg, vb.clone(), opts).unwrap();
             let mut s1 = DecodeStats::default();
             let want = one.forward(&z, &mut s1, None).unwrap();
@@ -853,13 +852,7 @@ mod tests {
         // An empty var map creates variables on demand; a backend without them fails.
         drop(vb);
         let empty = VarBuilder::from_tensors(Default::default(), DType::F32, &dev).pp("decoder");
-        let opts = NhwcOptions {
-            conv: ConvOptions {
-                kernels: Kernels::Auto,
-                tune: false,
-            },
-            subpixel: true,
-        };
+        let opts = auto(true);
         let e = NhwcDecoder::new(&cfg, empty, opts)
             .err()
             .unwrap()
