@@ -47,6 +47,10 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    if let Err(e) = cmd::common::install_plan_settings() {
+        eprintln!("error: {}", one_line(&e));
+        std::process::exit(2);
+    }
     let result = match cli.command {
         Command::Plan(a) => cmd::plan::run(*a),
         Command::Sim(a) => cmd::sim::run(a),

@@ -112,3 +112,27 @@ pub fn no_peer_access() {
         std::env::set_var(k, v);
     }
 }
+
+/// The process's cuDNN plan settings, from the environment, installed before any command
+/// runs: built plans kept in mold's cache directory (`mold_config::cache_dir`) unless
+/// `MOLD_CUDNN_PLANS=off` (`mold_exec::model::plan_cache`).
+pub fn install_plan_settings() -> Result<()> {
+    use mold_exec::model::plan_cache::{install, PlanSettings};
+    let get = |k: &str| std::env::var(k).ok();
+    let keep = match get("MOLD_CUDNN_PLANS").as_deref().map(str::trim) {
+        None | Some("") | Some("on") => true,
+        Some("off") => false,
+        Some(other) => anyhow::bail!(
+            "MOLD_CUDNN_PLANS: `{other}` is neither `on` (keep built cuDNN plans in the cache \
+             directory, the default) nor `off`"
+        ),
+    };
+    install(PlanSettings {
+        dir: if keep {
+            mold_config::cache_dir(get)
+        } else {
+            None
+        },
+    });
+    Ok(())
+}

@@ -334,6 +334,7 @@ pub fn first_use(a: FirstUseArgs) -> Result<i32> {
         mold_pipeline::flux::vae::VaeOptions::with_kernels(kernels),
         &mut |s| eprintln!("calibrating: {s} on {id}"),
     )?;
+    eprintln!("{}", mold_exec::model::plan_cache::counts());
     println!("{}", serde_json::to_string(&runs)?);
     Ok(0)
 }

@@ -143,6 +143,7 @@ pub fn say_bench<M: Benchable>(
         "step time: median {median:.4} s over {over}; plan predicted {predicted:.4} s"
     );
     say_attention(rep);
+    say_plans(rep);
     let digest = mold_exec::digest(&done.out)?;
     rep.result(
         format_args!("output digest: {digest:016x}"),
@@ -374,6 +375,7 @@ pub fn say_done(rep: &Reporter, out: &mold_pipeline::Output, predicted: &Predict
         secs(predicted.decode_s),
         peaks.join(", ")
     );
+    say_plans(rep);
 }
 
 /// Which attention implementations ran (cuDNN, mold's kernel, candle's ops) and, where
@@ -393,6 +395,20 @@ fn say_attention(rep: &Reporter) {
         say!(rep, "  cuDNN not used: {why}");
     }
     rep.event(json!({"event": "attention", "calls": r.calls, "cudnn_refusals": r.cudnn_refusals}));
+}
+
+/// How this process's cuDNN plans came: built (runtime-compiled or not) or read back from
+/// the cache directory; nothing where cuDNN built none.
+fn say_plans(rep: &Reporter) {
+    let c = mold_exec::model::plan_cache::counts();
+    if c.built + c.kept == 0 {
+        return;
+    }
+    say!(rep, "{c}");
+    rep.event(
+        json!({"event": "cudnn_plans", "built": c.built, "runtime_compiled": c.runtime_compiled,
+        "read_back": c.kept, "seconds": c.seconds, "not_kept": c.store_failures}),
+    );
 }
 
 /// Median step time, leaving out the first step (kernel loading, allocator warm-up)

@@ -277,6 +277,25 @@ pub(crate) fn config_path(get: impl Fn(&str) -> Option<String>) -> Option<(PathB
     })
 }
 
+/// mold's cache directory (kept cuDNN plans), from the environment: `$MOLD_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/mold`, else `%LOCALAPPDATA%/mold` on Windows, else `~/.cache/mold`; none
+/// where no variable says (a process without a home keeps nothing).
+pub fn cache_dir(get: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    let var = |k: &str| get(k).filter(|v| !v.is_empty());
+    if let Some(p) = var("MOLD_CACHE_DIR") {
+        return Some(PathBuf::from(p));
+    }
+    if let Some(x) = var("XDG_CACHE_HOME") {
+        return Some(Path::new(&x).join("mold"));
+    }
+    if cfg!(windows) {
+        if let Some(a) = var("LOCALAPPDATA") {
+            return Some(Path::new(&a).join("mold"));
+        }
+    }
+    var("HOME").map(|h| Path::new(&h).join(".cache").join("mold"))
+}
+
 /// Reads the config file, if there is one.
 pub(crate) fn load_file(
     get: impl Fn(&str) -> Option<String>,

@@ -29,6 +29,7 @@
 mod layer;
 mod parse;
 
+pub use layer::cache_dir;
 pub use parse::{parse_cap, parse_gpu_list};
 
 use layer::load_file;

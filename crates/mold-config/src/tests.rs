@@ -260,6 +260,28 @@ fn precedence_flag_env_file_default() {
 }
 
 #[test]
+fn cache_dir_order() {
+    let p = |pairs: &[(&str, &str)]| super::cache_dir(env(pairs));
+    assert_eq!(
+        p(&[
+            ("MOLD_CACHE_DIR", "/m"),
+            ("XDG_CACHE_HOME", "/x"),
+            ("HOME", "/h")
+        ]),
+        Some(PathBuf::from("/m"))
+    );
+    assert_eq!(
+        p(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]),
+        Some(PathBuf::from("/x/mold"))
+    );
+    assert_eq!(
+        p(&[("MOLD_CACHE_DIR", ""), ("HOME", "/h")]),
+        Some(PathBuf::from("/h/.cache/mold"))
+    );
+    assert_eq!(p(&[]), None);
+}
+
+#[test]
 fn config_path_order() {
     let p = |pairs: &[(&str, &str)]| config_path(env(pairs));
     assert_eq!(

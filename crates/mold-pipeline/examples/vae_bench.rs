@@ -144,6 +144,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         a.subpixel
     );
     println!("{}", vae.note());
+    println!("{}", mold_exec::model::plan_cache::counts());
     if a.keep_pool {
         for (i, d) in devs.iter().enumerate() {
             println!(

@@ -5,7 +5,7 @@
 //! without materialising the `L × L` scores and writes the output directly in
 //! `(b, L, heads, d)` order: cuDNN's flash-attention engines where libcudnn 9 loads and
 //! takes the shape ([`super::cudnn`]), else mold's own FlashAttention-2 style forward
-//! (`kernels/flash_attn.cu`, compiled to PTX by build.rs). Everywhere else (CPU, f32,
+//! (`kernels/flash_attn.cu`, compiled to a fat binary by build.rs). Everywhere else (CPU, f32,
 //! other head sizes) the same function runs the unfused composition of candle ops, which
 //! is the reference the fused kernels are tested against.
 //!
@@ -107,6 +107,61 @@ pub fn attention_with(
     }
 }
 
+/// `softmax(q kᵀ · scale + bias) v` in cuDNN's fused attention where `kernels` allow
+/// libraries and cuDNN takes it: `q`, `k`, `v` `(b, h, L, d)` bf16/f16 on a GPU, `bias`
+/// `(h, Lq, Lk)` of q's dtype (T5's relative-position bias); the output `(b, Lq, h·d)`.
+/// `None` where it does not run here (a CPU build or tensor, another dtype, cuDNN absent or
+/// refusing the shape: the reason is kept for the run's report): the caller computes it.
+pub fn biased_attention(
+    kernels: Kernels,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f32,
+) -> CResult<Option<Tensor>> {
+    if !(fused_supported(q) && kernels.uses_libraries()) {
+        return Ok(None);
+    }
+    match cudnn_biased(q, k, v, bias, scale)? {
+        Ok((out, version)) => {
+            note(&version, None);
+            Ok(Some(out.flatten_from(2)?))
+        }
+        Err(why) => {
+            note("candle", Some(why));
+            Ok(None)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cudnn_biased(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f32,
+) -> CResult<Result<(Tensor, String), String>> {
+    let version = match super::cudnn::version() {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(e)),
+    };
+    Ok(super::cudnn::attention_biased(q, k, v, bias, scale)?
+        .map(|(t, form)| (t, format!("cudnn {version} ({form}, biased)"))))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cudnn_biased(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: f32,
+) -> CResult<Result<(Tensor, String), String>> {
+    Ok(Err("a CPU build".into()))
+}
+
 /// cuDNN's attention and its version, or why it cannot run here.
 #[cfg(feature = "cuda")]
 fn cudnn_attention(
@@ -180,7 +235,7 @@ mod cuda {
     use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape};
     use half::{bf16, f16};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
+    const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn.fatbin"));
     const MODULE: &str = "mold_flash_attn";
     /// Must match kernels/flash_attn.cu.
     const BLOCK_M: usize = 128;
@@ -254,7 +309,7 @@ mod cuda {
             }
             let dev = &q.device;
             let func = dev
-                .get_or_load_custom_func(&format!("mold_flash_fwd_{tname}_d{d}"), MODULE, PTX)?
+                .get_or_load_custom_fatbin(&format!("mold_flash_fwd_{tname}_d{d}"), MODULE, FATBIN)?
                 .into_cuda_function();
             let smem = (BLOCK_M + 4 * BLOCK_N) * d * 2;
             func.set_attribute(

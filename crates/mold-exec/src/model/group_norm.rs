@@ -339,7 +339,7 @@ mod cuda {
     use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
     use half::{bf16, f16};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/groupnorm.ptx"));
+    const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/groupnorm.fatbin"));
     const MODULE: &str = "mold_groupnorm";
     const THREADS: u32 = 256;
     /// At most this many statistics blocks per image (a few per SM on H100/H200).
@@ -360,7 +360,7 @@ mod cuda {
             dt => candle_core::bail!("mold group norm: unsupported dtype {dt:?}"),
         };
         Ok(dev
-            .get_or_load_custom_func(&format!("{name}_{suffix}"), MODULE, PTX)?
+            .get_or_load_custom_fatbin(&format!("{name}_{suffix}"), MODULE, FATBIN)?
             .into_cuda_function())
     }
 

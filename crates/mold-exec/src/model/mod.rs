@@ -17,6 +17,7 @@ pub mod group_norm;
 pub mod layers;
 mod modulation;
 pub mod ops;
+pub mod plan_cache;
 pub mod qwen;
 pub mod sequence;
 pub mod softmax;

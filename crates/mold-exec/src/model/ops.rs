@@ -273,7 +273,7 @@ mod fused {
     use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
     use half::{bf16, f16};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/elementwise.ptx"));
+    const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/elementwise.fatbin"));
     const MODULE: &str = "mold_elementwise";
     const THREADS: u32 = 256;
 
@@ -320,7 +320,7 @@ mod fused {
         dt: DType,
     ) -> CResult<candle_core::cuda::cudarc::driver::CudaFunction> {
         Ok(dev
-            .get_or_load_custom_func(&format!("{name}_{}", suffix(dt)?), MODULE, PTX)?
+            .get_or_load_custom_fatbin(&format!("{name}_{}", suffix(dt)?), MODULE, FATBIN)?
             .into_cuda_function())
     }
 
@@ -762,7 +762,7 @@ mod fused {
         let first = segs[0].qkv;
         let name = format!("mold_qkv_prep_{}_d{}{tab}", suffix(first.dtype())?, sh.d);
         let f = dev
-            .get_or_load_custom_func(&name, MODULE, PTX)?
+            .get_or_load_custom_fatbin(&name, MODULE, FATBIN)?
             .into_cuda_function();
         let (cs, csl) = cos.storage_and_layout();
         let (sn, snl) = sin.storage_and_layout();

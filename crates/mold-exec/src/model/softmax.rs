@@ -48,7 +48,7 @@ mod cuda {
     use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, D};
     use half::{bf16, f16};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/softmax.ptx"));
+    const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/softmax.fatbin"));
     const MODULE: &str = "mold_softmax";
 
     struct Softmax;
@@ -71,7 +71,11 @@ mod cuda {
                 _ => "f16",
             };
             let f = dev
-                .get_or_load_custom_func(&format!("mold_softmax_v{vpt}_{suffix}"), MODULE, PTX)?
+                .get_or_load_custom_fatbin(
+                    &format!("mold_softmax_v{vpt}_{suffix}"),
+                    MODULE,
+                    FATBIN,
+                )?
                 .into_cuda_function();
             // SAFETY: every element of every row is written.
             let y = unsafe { dev.alloc::<T>(rows * n)? };

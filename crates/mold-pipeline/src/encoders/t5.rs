@@ -2,8 +2,9 @@
 //! position bias) on mold's layers: the one-pass RMS norm, q/k/v as one product and the two
 //! gated inputs as one product (weights concatenated at load), each residual accumulated
 //! into the hidden state inside the output product (cuBLASLt, beta = 1), the position bias
-//! built once per length and kept on the device. Attention is the product–softmax–product
-//! composition with the bias added before the softmax (T5 does not scale the scores).
+//! built once per length and kept on the device. Attention adds the bias to the unscaled
+//! scores before the softmax: on GPUs in one cuDNN fused-attention kernel where cuDNN takes
+//! it, else (and on the CPU) as the product–softmax–product composition.
 //!
 //! Weight names are Hugging Face's (`shared.weight`, `encoder.block.{i}.layer.0.
 //! SelfAttention.{q,k,v,o}.weight`, …); the reference is candle-transformers' `t5`, which
@@ -12,7 +13,7 @@
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{Activation, VarBuilder};
 use candle_transformers::models::t5::Config;
-use mold_exec::model::gemm;
+use mold_exec::model::{attention, gemm};
 use mold_exec::Kernels;
 
 type CResult<T> = candle_core::Result<T>;
@@ -133,14 +134,28 @@ impl T5Encoder {
                 .permute((1, 2, 0, 3))?
                 .contiguous()?;
             let (q, kk, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
-            let scores = q.matmul(&kk.t()?)?.add(&bias)?;
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-            drop(scores);
-            let attn = probs
-                .matmul(&v)?
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((len, inner))?;
+            // One fused kernel where cuDNN takes it (scale 1: T5 does not scale).
+            let fused = attention::biased_attention(
+                k,
+                &q.unsqueeze(0)?,
+                &kk.unsqueeze(0)?,
+                &v.unsqueeze(0)?,
+                &bias,
+                1.0,
+            )?;
+            let attn = match fused {
+                Some(a) => a.reshape((len, inner))?,
+                None => {
+                    let scores = q.matmul(&kk.t()?)?.add(&bias)?;
+                    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                    drop(scores);
+                    probs
+                        .matmul(&v)?
+                        .transpose(0, 1)?
+                        .contiguous()?
+                        .reshape((len, inner))?
+                }
+            };
             x = self.clamp(gemm::add_matmul(x, &attn, &blk.o, k)?)?;
             // Feed-forward.
             let h = candle_nn::ops::rms_norm(&x, &blk.ln_ff, eps)?;

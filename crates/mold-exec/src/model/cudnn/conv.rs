@@ -100,6 +100,7 @@ fn build_one(
     key: &Key,
     fusion: Fusion,
     residual_first: bool,
+    gpu: &str,
 ) -> R<Plan> {
     let (p, q) = key
         .geom
@@ -180,7 +181,11 @@ fn build_one(
         }
     }
     let want = if key.tune { TUNE_CANDIDATES } else { 1 };
-    let f = graph::finalise(api, handle, g, &ops, want)?;
+    let keep = crate::model::plan_cache::settings().dir.as_ref().map(|d| {
+        let graph = format!("conv {fusion:?} residual_first={residual_first} {key:?}");
+        crate::model::plan_cache::PlanStore::new(d).path(&api.version_string(), gpu, &graph)
+    });
+    let f = graph::finalise(api, handle, g, &ops, want, keep)?;
     Ok(Plan {
         _parts: f.parts,
         chosen: AtomicUsize::new(if f.plans.len() == 1 { 0 } else { usize::MAX }),
@@ -192,7 +197,7 @@ fn build_one(
 }
 
 /// The most fused graph for `key` an engine takes (see [`Fusion::fallbacks`]).
-pub fn build(api: &'static ffi::Api, handle: Handle, key: &Key) -> R<Plan> {
+pub fn build(api: &'static ffi::Api, handle: Handle, key: &Key, gpu: &str) -> R<Plan> {
     let mut errors = Vec::new();
     for &fusion in key.fusion.fallbacks() {
         let orders: &[bool] = if fusion == Fusion::BiasResidual {
@@ -201,7 +206,7 @@ pub fn build(api: &'static ffi::Api, handle: Handle, key: &Key) -> R<Plan> {
             &[false]
         };
         for &residual_first in orders {
-            match build_one(api, handle, key, fusion, residual_first) {
+            match build_one(api, handle, key, fusion, residual_first, gpu) {
                 Ok(p) => return Ok(p),
                 Err(e) => errors.push(format!("{fusion:?}: {e}")),
             }

@@ -6,7 +6,10 @@
 //! flash-attention engines recognise, as cudnn-frontend builds them).
 
 use super::ffi::{self, Api, Desc, Handle};
+use crate::model::plan_cache::{self, PlanStore};
 use std::ffi::c_void;
+use std::path::PathBuf;
+use std::time::Instant;
 
 type R<T> = Result<T, String>;
 
@@ -118,6 +121,7 @@ pub const UID_K: i64 = 2;
 pub const UID_V: i64 = 3;
 pub const UID_O: i64 = 4;
 pub const UID_SCALE: i64 = 5;
+pub const UID_BIAS: i64 = 6;
 
 /// What a plan is for: shapes and element strides of q, k, v (`b, h, L, d`) and of the
 /// output, which is written as `(b, L, h, d)` (strides `[L·h·d, d, h·d, 1]`).
@@ -132,6 +136,9 @@ pub struct Key {
     pub q_strides: [i64; 4],
     pub k_strides: [i64; 4],
     pub v_strides: [i64; 4],
+    /// An additive bias of the scaled scores, `(1, h, Lq, Lk)` contiguous (shared by the
+    /// batch): T5's relative-position bias. Only the composite graph takes one.
+    pub bias: bool,
 }
 
 impl Key {
@@ -257,7 +264,7 @@ impl Builder {
 
 /// Builds the graph of `form` for `key` and finalises the first engine configuration the
 /// heuristics (mode A, then the fallback list) offer that the library accepts.
-pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan> {
+pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str) -> R<Plan> {
     let mut g = Builder::new(api);
     let (b, h, lq, lk, d) = (key.b, key.h, key.lq, key.lk, key.d);
     let dt = key.dtype;
@@ -298,7 +305,23 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan
         false,
     )?);
     let mut ops = Vec::new();
+    let bias = if key.bias {
+        Some(g.push(tensor(
+            api,
+            UID_BIAS,
+            [1, h, lq, lk],
+            [h * lq * lk, lq * lk, lk, 1],
+            dt,
+            false,
+            false,
+        )?))
+    } else {
+        None
+    };
     match form {
+        Form::Unified if bias.is_some() => {
+            return Err("the fused SDPA operation is built without a bias here".into());
+        }
         Form::Unified => {
             let k = g.push(tensor(
                 api,
@@ -337,8 +360,13 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan
             let f = ffi::DATA_FLOAT;
             let s = g.virt(sdims, sstr, f)?;
             ops.push(g.matmul(q, kt, s)?);
-            let scaled = g.virt(sdims, sstr, f)?;
+            let mut scaled = g.virt(sdims, sstr, f)?;
             ops.push(g.pointwise(ffi::POINTWISE_MUL, s, Some(scale), scaled)?);
+            if let Some(bias) = bias {
+                let biased = g.virt(sdims, sstr, f)?;
+                ops.push(g.pointwise(ffi::POINTWISE_ADD, scaled, Some(bias), biased)?);
+                scaled = biased;
+            }
             let max = g.virt(rdims, rstr, f)?;
             ops.push(g.reduction(ffi::REDUCE_MAX, scaled, max)?);
             let sub = g.virt(sdims, sstr, f)?;
@@ -357,7 +385,14 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form) -> R<Plan
             ops.push(g.matmul(p, v, o)?);
         }
     }
-    let mut f = finalise(api, handle, g, &ops, 1)
+    let keep = plan_cache::settings().dir.as_ref().map(|d| {
+        PlanStore::new(d).path(
+            &api.version_string(),
+            gpu,
+            &format!("sdpa {form:?} {key:?}"),
+        )
+    });
+    let mut f = finalise(api, handle, g, &ops, 1, keep)
         .map_err(|e| format!("no cuDNN engine runs this attention ({form:?} graph): {e}"))?;
     let (plan, workspace) = f.plans.remove(0);
     Ok(Plan {
@@ -378,13 +413,32 @@ pub(super) struct Finalised {
 /// Makes the operation graph of `ops` (indices into `g`) and finalises up to `want` of the
 /// engine configurations the heuristics offer (mode A, then the fallback list), best
 /// first; an error when none finalises.
+///
+/// With `keep` (the file a single plan is kept in, [`plan_cache::PlanStore::path`]), a plan
+/// kept there by an earlier process is read back instead of built, and a built one is kept
+/// there where cuDNN can serialise it.
 pub(super) fn finalise(
     api: &'static Api,
     handle: Handle,
     g: Builder,
     ops: &[usize],
     want: usize,
+    keep: Option<PathBuf>,
 ) -> R<Finalised> {
+    let start = Instant::now();
+    let keep = keep.filter(|_| want == 1);
+    if let Some(path) = &keep {
+        if let Some(json) = PlanStore::load(path) {
+            if let Ok(plan) = deserialize(api, handle, &json) {
+                let ws = workspace_size(api, &plan)?;
+                plan_cache::record(true, false, start.elapsed().as_secs_f64());
+                return Ok(Finalised {
+                    parts: g.keep,
+                    plans: vec![(plan, ws)],
+                });
+            }
+        }
+    }
     let graph = D::new(api, ffi::OPERATIONGRAPH_DESCRIPTOR)?;
     let op_refs: Vec<&D> = ops.iter().map(|&i| &g.keep[i]).collect();
     graph
@@ -394,6 +448,7 @@ pub(super) fn finalise(
     let mut parts = g.keep;
     let mut plans = Vec::new();
     let mut errors = Vec::new();
+    let mut first_rtc = None;
     'modes: for mode in [ffi::HEUR_MODE_A, ffi::HEUR_MODE_FALLBACK] {
         match engine_configs(api, &graph, mode) {
             Ok(cfgs) => {
@@ -403,22 +458,12 @@ pub(super) fn finalise(
                         .descs(ffi::ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&cfg])?;
                     match plan.finalize("execution plan") {
                         Ok(()) => {
-                            let mut ws = [0i64];
-                            let mut n = 0i64;
-                            // SAFETY: one INT64 out.
-                            let st = unsafe {
-                                (api.get_attribute)(
-                                    plan.raw,
-                                    ffi::ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                                    ffi::TYPE_INT64,
-                                    1,
-                                    &mut n,
-                                    ws.as_mut_ptr().cast(),
-                                )
-                            };
-                            check(api, "workspace size", st)?;
+                            let ws = workspace_size(api, &plan)?;
+                            if first_rtc.is_none() {
+                                first_rtc = Some(runtime_compiled(api, &cfg));
+                            }
                             parts.push(cfg);
-                            plans.push((plan, ws[0].max(0) as usize));
+                            plans.push((plan, ws));
                             if plans.len() >= want {
                                 break 'modes;
                             }
@@ -441,7 +486,135 @@ pub(super) fn finalise(
             .unwrap_or_else(|| "the heuristics offered none".into()));
     }
     parts.push(graph);
+    plan_cache::record(
+        false,
+        first_rtc.unwrap_or(false),
+        start.elapsed().as_secs_f64(),
+    );
+    if let Some(path) = &keep {
+        if let Some(json) = serialize(api, &plans[0].0) {
+            if PlanStore::store(path, &json).is_err() {
+                plan_cache::record_store_failure();
+            }
+        }
+    }
     Ok(Finalised { parts, plans })
+}
+
+/// A finalised plan's workspace bytes.
+fn workspace_size(api: &'static Api, plan: &D) -> R<usize> {
+    let mut ws = [0i64];
+    let mut n = 0i64;
+    // SAFETY: one INT64 out.
+    let st = unsafe {
+        (api.get_attribute)(
+            plan.raw,
+            ffi::ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+            ffi::TYPE_INT64,
+            1,
+            &mut n,
+            ws.as_mut_ptr().cast(),
+        )
+    };
+    check(api, "workspace size", st)?;
+    Ok(ws[0].max(0) as usize)
+}
+
+/// Whether the engine of `cfg` compiles its kernel at run time (its behaviour notes); false
+/// where the library does not say.
+fn runtime_compiled(api: &'static Api, cfg: &D) -> bool {
+    let Ok(engine) = D::new(api, ffi::ENGINE_DESCRIPTOR) else {
+        return false;
+    };
+    let mut raw = engine.raw;
+    let mut n = 0i64;
+    // SAFETY: one descriptor out, created above for cuDNN to fill.
+    let st = unsafe {
+        (api.get_attribute)(
+            cfg.raw,
+            ffi::ATTR_ENGINECFG_ENGINE,
+            ffi::TYPE_BACKEND_DESCRIPTOR,
+            1,
+            &mut n,
+            (&mut raw as *mut Desc).cast(),
+        )
+    };
+    if st != ffi::STATUS_SUCCESS {
+        return false;
+    }
+    let mut notes = [-1i32; 16];
+    let mut got = 0i64;
+    // SAFETY: up to 16 enum values out.
+    let st = unsafe {
+        (api.get_attribute)(
+            engine.raw,
+            ffi::ATTR_ENGINE_BEHAVIOR_NOTE,
+            ffi::TYPE_BEHAVIOR_NOTE,
+            notes.len() as i64,
+            &mut got,
+            notes.as_mut_ptr().cast(),
+        )
+    };
+    st == ffi::STATUS_SUCCESS
+        && notes[..got.clamp(0, notes.len() as i64) as usize]
+            .contains(&ffi::BEHAVIOR_NOTE_RUNTIME_COMPILATION)
+}
+
+/// `plan` in cuDNN's serialised form, where the library serialises its engine.
+fn serialize(api: &'static Api, plan: &D) -> Option<Vec<u8>> {
+    let mut count = 0i64;
+    // SAFETY: asks for the length only.
+    let st = unsafe {
+        (api.get_attribute)(
+            plan.raw,
+            ffi::ATTR_EXECUTION_PLAN_JSON_REPRESENTATION,
+            ffi::TYPE_CHAR,
+            0,
+            &mut count,
+            std::ptr::null_mut(),
+        )
+    };
+    if st != ffi::STATUS_SUCCESS || count <= 0 || count > (64 << 20) {
+        return None;
+    }
+    let mut buf = vec![0u8; count as usize];
+    let mut got = 0i64;
+    // SAFETY: `count` chars out.
+    let st = unsafe {
+        (api.get_attribute)(
+            plan.raw,
+            ffi::ATTR_EXECUTION_PLAN_JSON_REPRESENTATION,
+            ffi::TYPE_CHAR,
+            count,
+            &mut got,
+            buf.as_mut_ptr().cast(),
+        )
+    };
+    if st != ffi::STATUS_SUCCESS {
+        return None;
+    }
+    buf.truncate(got.clamp(0, count) as usize);
+    while buf.last() == Some(&0) {
+        buf.pop();
+    }
+    (!buf.is_empty()).then_some(buf)
+}
+
+/// A plan read back from its serialised form `json` on `handle`.
+fn deserialize(api: &'static Api, handle: Handle, json: &[u8]) -> R<D> {
+    let plan = D::new(api, ffi::EXECUTION_PLAN_DESCRIPTOR)?;
+    plan.handle(ffi::ATTR_EXECUTION_PLAN_HANDLE, handle)?;
+    // cuDNN reads a NUL-terminated string.
+    let mut text = json.to_vec();
+    text.push(0);
+    plan.set_raw(
+        ffi::ATTR_EXECUTION_PLAN_JSON_REPRESENTATION,
+        ffi::TYPE_CHAR,
+        text.len(),
+        text.as_ptr().cast(),
+    )?;
+    plan.finalize("execution plan read back")?;
+    Ok(plan)
 }
 
 /// The engine configurations the heuristics offer for `graph`, best first.
@@ -486,7 +659,8 @@ fn engine_configs(api: &'static Api, graph: &D, mode: i32) -> R<Vec<D>> {
     Ok(cfgs)
 }
 
-/// Runs `plan` with the given device pointers (q, k, v, o, workspace) and the host scale.
+/// Runs `plan` with the given device pointers (q, k, v, o, workspace), the host scale and,
+/// for a plan built with a bias, the bias's device pointer.
 pub fn execute(
     api: &'static Api,
     handle: Handle,
@@ -494,15 +668,20 @@ pub fn execute(
     ptrs: [u64; 4],
     workspace: u64,
     scale: &f32,
+    bias: Option<u64>,
 ) -> R<()> {
-    let uids = [UID_Q, UID_K, UID_V, UID_O, UID_SCALE];
-    let data: [*mut c_void; 5] = [
+    let mut uids = vec![UID_Q, UID_K, UID_V, UID_O, UID_SCALE];
+    let mut data: Vec<*mut c_void> = vec![
         ptrs[0] as *mut c_void,
         ptrs[1] as *mut c_void,
         ptrs[2] as *mut c_void,
         ptrs[3] as *mut c_void,
         (scale as *const f32) as *mut c_void,
     ];
+    if let Some(b) = bias {
+        uids.push(UID_BIAS);
+        data.push(b as *mut c_void);
+    }
     run(
         api,
         handle,

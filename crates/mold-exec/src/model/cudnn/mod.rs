@@ -24,6 +24,8 @@ type CResult<T> = candle_core::Result<T>;
 /// A device's cuDNN state: its handle and the plans built on it.
 struct DeviceState {
     handle: ffi::Handle,
+    /// The GPU's name and compute capability: part of a kept plan's key.
+    gpu: String,
     plans: HashMap<graph::Key, Result<Arc<graph::Plan>, String>>,
     convs: HashMap<conv::Key, Result<Arc<conv::Plan>, String>>,
 }
@@ -53,8 +55,14 @@ fn state(
     if st != ffi::STATUS_SUCCESS {
         return Err(api.error(&format!("cudnnCreate on cuda:{ordinal}"), st));
     }
+    let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
+    let gpu = format!(
+        "{} sm_{major}{minor}",
+        ctx.name().unwrap_or_else(|_| format!("cuda:{ordinal}"))
+    );
     let s = Arc::new(Mutex::new(DeviceState {
         handle,
+        gpu,
         plans: HashMap::new(),
         convs: HashMap::new(),
     }));
@@ -75,6 +83,40 @@ pub fn attention(
     k: &Tensor,
     v: &Tensor,
 ) -> CResult<Result<(Tensor, &'static str), String>> {
+    let d = q.dim(3)?;
+    attention_with(q, k, v, None, (1.0 / (d as f64).sqrt()) as f32)
+}
+
+/// `softmax(q kᵀ · scale + bias) v`, as [`attention`] with an additive bias `(h, Lq, Lk)`
+/// (or `(1, h, Lq, Lk)`) of q's dtype shared by the batch and the scale given: T5's
+/// attention (relative-position bias, no scaling) in one fused kernel.
+pub fn attention_biased(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f32,
+) -> CResult<Result<(Tensor, &'static str), String>> {
+    let (_, h, lq, _) = q.dims4()?;
+    let lk = k.dim(2)?;
+    let bias = bias.reshape((1, h, lq, lk))?.contiguous()?;
+    if bias.dtype() != q.dtype() {
+        return Ok(Err(format!(
+            "bias dtype {:?} is not q's {:?}",
+            bias.dtype(),
+            q.dtype()
+        )));
+    }
+    attention_with(q, k, v, Some(&bias), scale)
+}
+
+fn attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: Option<&Tensor>,
+    scale: f32,
+) -> CResult<Result<(Tensor, &'static str), String>> {
     let (b, h, lq, d) = q.dims4()?;
     let (_, _, lk, _) = k.dims4()?;
     let dtype = match q.dtype() {
@@ -94,6 +136,7 @@ pub fn attention(
         q_strides: contiguous(h, lq, d),
         k_strides: contiguous(h, lk, d),
         v_strides: contiguous(h, lk, d),
+        bias: bias.is_some(),
     };
     let candle_core::Device::Cuda(dev) = q.device() else {
         return Ok(Err("not a CUDA tensor".into()));
@@ -107,6 +150,7 @@ pub fn attention(
     let plan = {
         let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
         let handle = s.handle;
+        let gpu = s.gpu.clone();
         let entry = s.plans.entry(key.clone()).or_insert_with(|| {
             // cuDNN builds on the calling thread's current context: this device's (one
             // thread may drive several GPUs, as a decode in row bands does).
@@ -117,7 +161,7 @@ pub fn attention(
             let api = ffi::api()?;
             let mut errors = Vec::new();
             for form in [graph::Form::Unified, graph::Form::Composite] {
-                match graph::build(api, handle, &key, form) {
+                match graph::build(api, handle, &key, form, &gpu) {
                     Ok(p) => return Ok(Arc::new(p)),
                     Err(e) => errors.push(e),
                 }
@@ -134,9 +178,10 @@ pub fn attention(
         graph::Form::Composite => "composite SDPA",
     };
     let op = CudnnAttn {
-        scale: (1.0 / (d as f64).sqrt()) as f32,
+        scale,
         plan,
         state: st,
+        bias: bias.cloned(),
     };
     let out = q
         .contiguous()?
@@ -148,6 +193,8 @@ struct CudnnAttn {
     scale: f32,
     plan: Arc<graph::Plan>,
     state: Arc<Mutex<DeviceState>>,
+    /// `(1, h, Lq, Lk)`, contiguous, q's dtype, on q's device.
+    bias: Option<Tensor>,
 }
 
 impl CustomOp3 for CudnnAttn {
@@ -227,6 +274,21 @@ impl CudnnAttn {
             if st != ffi::STATUS_SUCCESS {
                 candle_core::bail!("{}", api.error("cudnnSetStream", st));
             }
+            let bias_ptr = match &self.bias {
+                Some(t) => {
+                    let (bs, bl) = t.storage_and_layout();
+                    let candle_core::Storage::Cuda(bs) = &*bs else {
+                        candle_core::bail!("cudnn-attention: the bias is not on the GPU");
+                    };
+                    let sl = bs.as_cuda_slice::<T>()?.slice(bl.start_offset()..);
+                    let (p, _g) = sl.device_ptr(&stream);
+                    if p % 16 != 0 {
+                        candle_core::bail!("cudnn-attention: the bias is not 16-byte aligned");
+                    }
+                    Some(p)
+                }
+                None => None,
+            };
             graph::execute(
                 api,
                 s.handle,
@@ -234,6 +296,7 @@ impl CudnnAttn {
                 [pq, pk, pv, po],
                 if self.plan.workspace > 0 { pw } else { 0 },
                 &self.scale,
+                bias_ptr,
             )
             .map_err(candle_core::Error::msg)?;
         }
@@ -327,13 +390,14 @@ pub fn conv2d_nhwc(
     let plan = {
         let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
         let handle = s.handle;
+        let gpu = s.gpu.clone();
         let entry = s.convs.entry(key.clone()).or_insert_with(|| {
             // Built on this device's context, whichever the thread had current.
             stream
                 .context()
                 .bind_to_thread()
                 .map_err(|e| format!("cuda:{ordinal}: {e}"))?;
-            conv::build(ffi::api()?, handle, &key).map(Arc::new)
+            conv::build(ffi::api()?, handle, &key, &gpu).map(Arc::new)
         });
         match entry {
             Ok(p) => p.clone(),
