@@ -120,24 +120,32 @@ mod cuda {
 
     type CResult<T> = candle_core::Result<T>;
 
-    /// One cuBLASLt handle (and its workspace) per device and stream.
+    /// One cuBLASLt handle (and its workspace) per device and stream. The map's lock only
+    /// finds the key's cell: handles are created outside it, so the ranks of a multi-GPU plan
+    /// create theirs at once rather than one after another.
     fn handle(dev: &candle_core::CudaDevice) -> CResult<Arc<Mutex<CudaBlasLT>>> {
-        type Handles = Mutex<HashMap<(usize, usize), Arc<Mutex<CudaBlasLT>>>>;
-        static H: OnceLock<Handles> = OnceLock::new();
+        // A cell per key, filled on success only (a failure, e.g. no memory for the
+        // workspace, is tried again on the next call).
+        type Cell = Arc<Mutex<Option<Arc<Mutex<CudaBlasLT>>>>>;
+        static H: OnceLock<Mutex<HashMap<(usize, usize), Cell>>> = OnceLock::new();
         let stream = dev.cuda_stream();
         let key = (stream.context().ordinal(), stream.cu_stream() as usize);
-        let mut all = H
+        let cell = H
             .get_or_init(Default::default)
             .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if let Some(h) = all.get(&key) {
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key)
+            .or_default()
+            .clone();
+        let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = slot.as_ref() {
             return Ok(h.clone());
         }
         let h =
             Arc::new(Mutex::new(CudaBlasLT::new(stream).map_err(|e| {
                 candle_core::Error::Msg(format!("cuBLASLt: {e:?}"))
             })?));
-        all.insert(key, h.clone());
+        *slot = Some(h.clone());
         Ok(h)
     }
 

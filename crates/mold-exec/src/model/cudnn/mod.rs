@@ -33,19 +33,41 @@ struct DeviceState {
 // SAFETY: the handle is only used with this state's lock held.
 unsafe impl Send for DeviceState {}
 
-fn devices() -> &'static Mutex<HashMap<usize, Arc<Mutex<DeviceState>>>> {
-    static D: OnceLock<Mutex<HashMap<usize, Arc<Mutex<DeviceState>>>>> = OnceLock::new();
+/// A device's state, filled on success only (a failed cudnnCreate is tried again on the next
+/// call, as before).
+type Cell = Arc<Mutex<Option<Arc<Mutex<DeviceState>>>>>;
+
+fn devices() -> &'static Mutex<HashMap<usize, Cell>> {
+    static D: OnceLock<Mutex<HashMap<usize, Cell>>> = OnceLock::new();
     D.get_or_init(Default::default)
 }
 
+/// The device's cuDNN state, made on first use. The map's lock only finds the device's cell:
+/// the handle is created outside it, so the ranks of a multi-GPU plan create theirs at once
+/// rather than one after another.
 fn state(
     ordinal: usize,
     ctx: &candle_core::cuda::cudarc::driver::CudaContext,
 ) -> Result<Arc<Mutex<DeviceState>>, String> {
-    let mut all = devices().lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(s) = all.get(&ordinal) {
+    let cell = devices()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(ordinal)
+        .or_default()
+        .clone();
+    let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = slot.as_ref() {
         return Ok(s.clone());
     }
+    let s = create_state(ordinal, ctx)?;
+    *slot = Some(s.clone());
+    Ok(s)
+}
+
+fn create_state(
+    ordinal: usize,
+    ctx: &candle_core::cuda::cudarc::driver::CudaContext,
+) -> Result<Arc<Mutex<DeviceState>>, String> {
     let api = ffi::api()?;
     ctx.bind_to_thread()
         .map_err(|e| format!("cuda:{ordinal}: {e}"))?;
@@ -60,14 +82,12 @@ fn state(
         "{} sm_{major}{minor}",
         ctx.name().unwrap_or_else(|_| format!("cuda:{ordinal}"))
     );
-    let s = Arc::new(Mutex::new(DeviceState {
+    Ok(Arc::new(Mutex::new(DeviceState {
         handle,
         gpu,
         plans: HashMap::new(),
         convs: HashMap::new(),
-    }));
-    all.insert(ordinal, s.clone());
-    Ok(s)
+    })))
 }
 
 /// cuDNN's version, or why it cannot be used on this machine.
