@@ -90,6 +90,11 @@ pub struct Args {
     /// runs warm; off: the first request pays that.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub warm_up: String,
+    /// More sizes the warm-up runs besides the plan's, WIDTHxHEIGHT[,WIDTHxHEIGHT…] (e.g.
+    /// 768x1344,1344x768): clients asking for them meet warm kernels and cuDNN plans too.
+    /// Each must be a size a request could ask for (at most the plan's).
+    #[arg(long, value_name = "SIZES", value_delimiter = ',')]
+    pub warm_up_sizes: Vec<String>,
     /// Serve a plan made for another machine, or one the simulator says does not fit.
     #[arg(long)]
     pub force: bool,
@@ -147,6 +152,14 @@ pub fn run(a: Args) -> Result<i32> {
         bail!("--queue 0: give at least 1 (requests waiting beyond it get 429)");
     }
     let token = a.token_file.as_deref().map(token).transpose()?;
+    let warm_up_sizes = a
+        .warm_up_sizes
+        .iter()
+        .map(|s| super::common::parse_size("--warm-up-sizes", s))
+        .collect::<Result<Vec<_>>>()?;
+    if !warm_up_sizes.is_empty() && a.warm_up != "on" {
+        bail!("--warm-up-sizes with --warm-up off: drop one of them");
+    }
     let opts = mold_serve::ServeOptions {
         listen,
         token,
@@ -156,6 +169,7 @@ pub fn run(a: Args) -> Result<i32> {
         queue: a.queue,
         encoder_pool: a.encoder_pool == "on",
         warm_up: a.warm_up == "on",
+        warm_up_sizes,
         max_connections: a.max_connections,
         header_timeout: a.header_timeout,
         body_timeout: a.body_timeout,

@@ -252,6 +252,14 @@ fn serve_refuses_bad_flags_in_one_line() {
             vec!["--allow-origin", "evil.example"],
             "--allow-origin `evil.example`: write SCHEME://HOST[:PORT]",
         ),
+        (
+            vec!["--warm-up-sizes", "64x64,wide"],
+            "--warm-up-sizes wide: write WIDTHxHEIGHT",
+        ),
+        (
+            vec!["--warm-up-sizes", "32x32", "--warm-up", "off"],
+            "--warm-up-sizes with --warm-up off",
+        ),
     ] {
         let mut all = vec!["serve", "--plan", &p, "--weights", w.to_str().unwrap()];
         all.extend(args);

@@ -78,6 +78,20 @@ pub struct Checked {
     pub requests: Vec<Request>,
 }
 
+/// Whether a request could ask for `width`×`height` from `plan` (what `--warm-up-sizes`
+/// is checked against before anything loads): the refusal's message where not.
+pub(crate) fn size_refusal(
+    opts: &ServeOptions,
+    model: &ModelSpec,
+    plan: &Plan,
+    (width, height): (u32, u32),
+) -> Option<String> {
+    Common { opts, model, plan }
+        .size(width, height, "size")
+        .err()
+        .map(|r| r.message)
+}
+
 /// The checks both endpoints share; `plan` gives the defaults.
 struct Common<'a> {
     opts: &'a ServeOptions,

@@ -39,6 +39,10 @@ pub struct ServeOptions {
     /// on (`--warm-up off` leaves it out). The start waits for it: start the engine
     /// outside an async runtime, as [`crate::serve`] and [`crate::spawn`] do.
     pub warm_up: bool,
+    /// Further sizes (width, height) the warm-up runs, one request per replica each, so
+    /// that clients asking for them meet warm kernels and cuDNN plans too; each must be a
+    /// size a request could ask for (the model's range and multiple, at most the plan's).
+    pub warm_up_sizes: Vec<(u32, u32)>,
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
     /// Longest prompt, characters.
@@ -78,6 +82,7 @@ impl Default for ServeOptions {
             queue: 32,
             encoder_pool: true,
             warm_up: false,
+            warm_up_sizes: Vec::new(),
             max_body_bytes: 64 * 1024,
             max_prompt_chars: 4000,
             max_images: 8,

@@ -59,3 +59,60 @@ fn a_failing_warm_up_stops_the_start_in_one_line() {
         "{l:?}"
     );
 }
+
+#[test]
+fn warm_up_sizes_run_after_the_plans_size_each_once() {
+    let (lines, log) = keep_log();
+    let o = ServeOptions {
+        warm_up: true,
+        // The plan's 64x64 again and 32x32 twice: each size runs once.
+        warm_up_sizes: vec![(32, 32), (64, 64), (32, 32)],
+        ..opts()
+    };
+    let h = Detached(Some(
+        mold_serve::spawn_logged(&deployment(1), &o, log).unwrap(),
+    ));
+    {
+        let l = lines.lock().unwrap();
+        let warm: Vec<&String> = l.iter().filter(|l| l.starts_with("warm-up: ")).collect();
+        assert_eq!(warm.len(), 2, "{l:?}");
+        assert!(
+            warm[0].starts_with("warm-up: 1 request at 64x64"),
+            "{warm:?}"
+        );
+        assert!(
+            warm[1].starts_with("warm-up: 1 request at 32x32"),
+            "{warm:?}"
+        );
+    }
+    assert_eq!(
+        metric(h.addr(), "mold_requests_total{outcome=\"ok\"} "),
+        0.0
+    );
+    shutdown_within(h.take());
+}
+
+#[test]
+fn a_warm_up_size_no_request_could_ask_for_is_refused_before_loading() {
+    for (size, names) in [((128, 128), "width"), ((64, 40), "height")] {
+        let (lines, log) = keep_log();
+        let o = ServeOptions {
+            warm_up: true,
+            warm_up_sizes: vec![size],
+            ..opts()
+        };
+        let e = match mold_serve::spawn_logged(&deployment(1), &o, log) {
+            Ok(_) => panic!("a server with warm-up size {size:?} started"),
+            Err(e) => e.to_string(),
+        };
+        let want = format!("--warm-up-sizes {}x{}: size: {names}", size.0, size.1);
+        assert!(e.starts_with(&want), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        // Refused before any weight loaded: nothing was logged.
+        assert!(
+            lines.lock().unwrap().is_empty(),
+            "{:?}",
+            lines.lock().unwrap()
+        );
+    }
+}

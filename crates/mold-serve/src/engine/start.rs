@@ -100,6 +100,13 @@ impl Engine {
         if d.replicas.is_empty() {
             return Err(StartError::Plan("no replica to run".into()));
         }
+        // Before anything loads: every size the warm-up would run must be one a request
+        // could ask for.
+        for &(w, h) in opts.warm_up_sizes.iter().filter(|_| opts.warm_up) {
+            if let Some(why) = crate::api::size_refusal(opts, &d.model, &d.replicas[0], (w, h)) {
+                return Err(StartError::Plan(format!("--warm-up-sizes {w}x{h}: {why}")));
+            }
+        }
         let mut preps = Vec::new();
         for p in &d.replicas {
             role_ok(p)?;
@@ -263,7 +270,7 @@ impl Engine {
             }
         }
         if opts.warm_up {
-            if let Err(e) = engine.warm_up() {
+            if let Err(e) = engine.warm_up(&opts.warm_up_sizes) {
                 engine.close();
                 engine.join();
                 return Err(e);
