@@ -58,6 +58,21 @@ impl DeviceMap {
     }
 }
 
+/// Whether this build's kernels have code for the GPU (machine code, or PTX the driver
+/// compiles): a GPU older than every architecture built is refused when it is opened, in one
+/// line naming the rebuild, rather than at its first kernel. Where the GPU's compute
+/// capability cannot be read, nothing is refused here (the first kernel would say).
+#[cfg(feature = "cuda")]
+fn kernels_run_on(cd: &candle_core::CudaDevice) -> std::result::Result<(), String> {
+    let Ok((major, minor)) = cd.cuda_stream().context().compute_capability() else {
+        return Ok(());
+    };
+    let Ok(contents) = mold_fatbin::contents(crate::model::ops::KERNELS_FATBIN) else {
+        return Ok(());
+    };
+    contents.check((major * 10 + minor) as u32).map(|_| ())
+}
+
 /// GPU `n`: with candle's default stream (the calling thread's per-thread default
 /// stream), or with a stream of its own (`own_stream`). The executor's devices are used
 /// from several threads (the loading thread, one rank thread per call): with per-thread
@@ -92,6 +107,10 @@ fn cuda_device(n: u32, id: &DeviceId, own_stream: bool) -> Result<Device> {
         Device::Cuda(cd)
     };
     if let Device::Cuda(cd) = &d {
+        kernels_run_on(cd).map_err(|message| ExecError::Device {
+            device: id.to_string(),
+            message,
+        })?;
         keep_freed_memory(cd).map_err(|message| ExecError::Device {
             device: id.to_string(),
             message,

@@ -141,6 +141,25 @@ impl Contents {
     }
 }
 
+impl Contents {
+    /// [`Contents::runs_on`] as a check for a GPU of compute capability `cap` (90 for
+    /// sm_90): how it gets this code, or one line saying it gets none and how to rebuild.
+    pub fn check(&self, cap: u32) -> Result<ImageKind, String> {
+        self.runs_on(cap).ok_or_else(|| {
+            let mut archs = self.sass();
+            archs.push(cap);
+            archs.sort_unstable();
+            archs.dedup();
+            let list: Vec<String> = archs.iter().map(u32::to_string).collect();
+            format!(
+                "this build's GPU kernels have no code for sm_{cap} ({self}); rebuild with \
+                 MOLD_CUDA_ARCHS={} scripts/build-cuda",
+                list.join(",")
+            )
+        })
+    }
+}
+
 impl fmt::Display for Contents {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let list = |v: Vec<u32>, p: &str| {
@@ -149,12 +168,21 @@ impl fmt::Display for Contents {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        write!(
-            f,
-            "machine code for {}; PTX for {}",
-            list(self.sass(), "sm_"),
-            list(self.ptx(), "compute_")
-        )
+        match (self.sass().is_empty(), self.ptx().is_empty()) {
+            (false, false) => write!(
+                f,
+                "machine code for {}; PTX for {}",
+                list(self.sass(), "sm_"),
+                list(self.ptx(), "compute_")
+            ),
+            (false, true) => write!(f, "machine code for {}; no PTX", list(self.sass(), "sm_")),
+            (true, false) => write!(
+                f,
+                "no machine code; PTX for {}",
+                list(self.ptx(), "compute_")
+            ),
+            (true, true) => f.write_str("no code"),
+        }
     }
 }
 
@@ -213,9 +241,30 @@ mod tests {
     }
 
     #[test]
+    fn a_gpu_without_code_is_refused_naming_the_rebuild() {
+        let c = contents(&fatbin(&[
+            (2, 80, 1),
+            (2, 86, 1),
+            (2, 89, 1),
+            (2, 90, 1),
+            (1, 90, 1),
+        ]))
+        .unwrap();
+        assert_eq!(c.check(86), Ok(ImageKind::Sass));
+        assert_eq!(c.check(120), Ok(ImageKind::Ptx));
+        assert_eq!(
+            c.check(75).unwrap_err(),
+            "this build's GPU kernels have no code for sm_75 (machine code for sm_80, sm_86, \
+             sm_89, sm_90; PTX for compute_90); rebuild with MOLD_CUDA_ARCHS=75,80,86,89,90 \
+             scripts/build-cuda"
+        );
+    }
+
+    #[test]
     fn a_ptx_only_binary_needs_the_driver() {
         let c = contents(&fatbin(&[(1, 80, 40)])).unwrap();
         assert!(c.sass().is_empty());
+        assert_eq!(c.to_string(), "no machine code; PTX for compute_80");
         assert_eq!(c.runs_on(90), Some(ImageKind::Ptx));
     }
 

@@ -262,6 +262,10 @@ mod fused {
     }
 }
 
+/// mold's element-wise kernels as a fat binary (its architectures are every kernel's).
+#[cfg(feature = "cuda")]
+pub(crate) use fused::FATBIN as KERNELS_FATBIN;
+
 #[cfg(feature = "cuda")]
 mod fused {
     use super::CResult;
@@ -273,7 +277,10 @@ mod fused {
     use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
     use half::{bf16, f16};
 
-    const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/elementwise.fatbin"));
+    /// Built for the same architectures as mold's other kernels and candle's (build.rs):
+    /// what [`crate::runtime`] checks a GPU against when it opens one.
+    pub(crate) const FATBIN: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/elementwise.fatbin"));
     const MODULE: &str = "mold_elementwise";
     const THREADS: u32 = 256;
 
