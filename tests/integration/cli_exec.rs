@@ -407,3 +407,23 @@ fn vacuous_checks_and_missing_weights_are_refused() {
     );
     assert!(!e.contains("os error"), "{e}");
 }
+
+#[test]
+fn a_bad_cudnn_plans_setting_is_refused_in_one_line_before_any_command() {
+    let o = mold_env(&["models"], &[("MOLD_CUDNN_PLANS", "maybe")]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("MOLD_CUDNN_PLANS: `maybe`") && e.contains("`off`"),
+        "{e}"
+    );
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    for fine in ["on", "off", ""] {
+        let o = mold_env(&["models"], &[("MOLD_CUDNN_PLANS", fine)]);
+        assert!(
+            o.status.success(),
+            "{fine}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
