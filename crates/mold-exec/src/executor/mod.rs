@@ -180,6 +180,43 @@ struct PartSpec {
     steps: Vec<BlockRef>,
 }
 
+/// The device lists of every communicator group of two or more devices the parts of a
+/// one-process plan will ask for ([`rank::group_members`]), in the parts' order.
+fn group_device_lists(specs: &[PartSpec]) -> Vec<Vec<DeviceId>> {
+    let mut lists = Vec::new();
+    for s in specs {
+        let (tp, sp) = rank::group_members(s.tp, s.sp);
+        for members in tp.into_iter().chain(sp) {
+            if members.len() > 1 {
+                lists.push(members.iter().map(|&i| s.devices[i].clone()).collect());
+            }
+        }
+    }
+    lists
+}
+
+/// Starts making, on a thread of its own, the communicator groups of
+/// [`group_device_lists`], each dropped once made: NCCL groups go to their pool and the first
+/// call takes them from there. None where there is no such group.
+fn warm_groups(
+    specs: &[PartSpec],
+    comm: &crate::comm::CommOptions,
+) -> Option<std::thread::JoinHandle<()>> {
+    let lists = group_device_lists(specs);
+    if lists.is_empty() {
+        return None;
+    }
+    let comm = comm.clone();
+    std::thread::Builder::new()
+        .name("mold-comm-warm".into())
+        .spawn(move || {
+            for ids in lists {
+                drop(crate::comm::make_group(&ids, &comm, None));
+            }
+        })
+        .ok()
+}
+
 impl<M: Transformer> Executor<M> {
     /// Checks the model, the checkpoint headers and the plan (no tensor data read), then
     /// loads each part's weights onto its devices (each rank reads only its own blocks
@@ -366,6 +403,13 @@ impl<M: Transformer> Executor<M> {
         Self::check_host_memory(model, ckpt, &specs, dtype, opts.host_memory, &|d| {
             local_id(d).is_some()
         })?;
+        // The communicators of a one-process run start while the weights load (NCCL's take
+        // about a second for four GPUs), instead of in the first step.
+        let warming = if dist.is_none() {
+            warm_groups(&specs, &opts.comm)
+        } else {
+            None
+        };
         let mut rings: Vec<(DeviceId, Ring<M::Block>)> = Vec::new();
         let src = CheckpointSource { ckpt, dtype };
         let shapes = runtime::ShapeSource { ckpt, dtype };
@@ -530,6 +574,11 @@ impl<M: Transformer> Executor<M> {
         // The weights were uploaded from this thread; ranks read them from theirs, whose
         // streams are not ordered with this one.
         devmap.synchronize()?;
+        if let Some(w) = warming {
+            // Made and dropped: pooled for the first call. A group that failed to start is
+            // not pooled, and the first call makes it again and reports why.
+            let _ = w.join();
+        }
         for (id, ring) in rings.iter_mut() {
             ring.finish()?;
             if let Some(why) = ring.pinned_failed() {
@@ -787,5 +836,51 @@ impl<M: Transformer> Executor<M> {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod group_tests {
+    use super::*;
+
+    fn spec(devices: &[u32], tp: usize, sp: usize) -> PartSpec {
+        PartSpec {
+            devices: devices.iter().map(|&i| DeviceId::Cuda(i)).collect(),
+            tp,
+            sp,
+            residency: Residency::Resident,
+            buffers: 0,
+            steps: Vec::new(),
+        }
+    }
+
+    fn ids(v: &[u32]) -> Vec<DeviceId> {
+        v.iter().map(|&i| DeviceId::Cuda(i)).collect()
+    }
+
+    #[test]
+    fn loading_makes_the_groups_the_first_call_asks_for() {
+        // One device: no group. TP2 then SP2 x TP2 over four devices.
+        let specs = [
+            spec(&[5], 1, 1),
+            spec(&[0, 1], 2, 1),
+            spec(&[0, 1, 2, 3], 2, 2),
+        ];
+        assert_eq!(
+            group_device_lists(&specs),
+            vec![
+                ids(&[0, 1]),
+                ids(&[0, 1]),
+                ids(&[2, 3]),
+                ids(&[0, 2]),
+                ids(&[1, 3]),
+            ]
+        );
+        assert!(group_device_lists(&specs[..1]).is_empty());
+        assert!(warm_groups(&specs[..1], &Default::default()).is_none());
+        assert_eq!(
+            group_device_lists(&[spec(&[0, 1, 2, 3], 1, 4)]),
+            vec![ids(&[0, 1, 2, 3])]
+        );
     }
 }

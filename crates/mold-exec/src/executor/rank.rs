@@ -24,6 +24,21 @@ impl Drop for AbortGuard<'_> {
 /// Each rank's communicators, in the part's rank order.
 type Groups = (Vec<Box<dyn Comm>>, Vec<Box<dyn Comm>>);
 
+/// The ranks of a part's groups (indices into its devices), tensor-parallel groups first:
+/// rank `i` is tensor-parallel rank `i % tp` of the group `⌊i / tp⌋·tp ..`, and
+/// sequence-parallel rank `⌊i / tp⌋` of the group `i % tp, i % tp + tp, ..`. What
+/// [`Executor::groups`] makes for each call, and what loading makes ahead of the first
+/// ([`super::warm_groups`]).
+pub(super) fn group_members(tp: usize, sp: usize) -> (Vec<Vec<usize>>, Vec<Vec<usize>>) {
+    let tp_groups = (0..sp)
+        .map(|s| (0..tp).map(|t| s * tp + t).collect())
+        .collect();
+    let sp_groups = (0..tp)
+        .map(|t| (0..sp).map(|s| s * tp + t).collect())
+        .collect();
+    (tp_groups, sp_groups)
+}
+
 impl<M: Transformer> Executor<M> {
     /// Runs `part` on what the previous part produced (`None`: the call's inputs, for
     /// the first part); `mb`: which micro-batch of [`Executor::forward_micro_batches`]
@@ -211,31 +226,20 @@ impl<M: Transformer> Executor<M> {
     fn groups(&self, part: &PartRt<M>) -> Groups {
         let n = part.ranks.len();
         let abort = self.dist.as_ref().map(|d| d.mesh.abort_signal());
-        let (tp, sp) = (part.tp, part.sp);
+        let (tp_groups, sp_groups) = group_members(part.tp, part.sp);
         let mut tp_comms: Vec<Option<Box<dyn Comm>>> = (0..n).map(|_| None).collect();
         let mut sp_comms: Vec<Option<Box<dyn Comm>>> = (0..n).map(|_| None).collect();
-        for s in 0..sp {
-            let members: Vec<usize> = (0..tp).map(|t| s * tp + t).collect();
-            let ids: Vec<_> = members.iter().map(|&i| part.local_ids[i].clone()).collect();
-            let group = if tp == 1 {
-                vec![Box::new(LocalComm) as Box<dyn Comm>]
-            } else {
-                crate::comm::make_group(&ids, &self.opts.comm, abort)
-            };
-            for (i, c) in members.into_iter().zip(group) {
-                tp_comms[i] = Some(c);
-            }
-        }
-        for t in 0..tp {
-            let members: Vec<usize> = (0..sp).map(|s| s * tp + t).collect();
-            let ids: Vec<_> = members.iter().map(|&i| part.local_ids[i].clone()).collect();
-            let group = if sp == 1 {
-                vec![Box::new(LocalComm) as Box<dyn Comm>]
-            } else {
-                crate::comm::make_group(&ids, &self.opts.comm, abort)
-            };
-            for (i, c) in members.into_iter().zip(group) {
-                sp_comms[i] = Some(c);
+        for (groups, comms) in [(tp_groups, &mut tp_comms), (sp_groups, &mut sp_comms)] {
+            for members in groups {
+                let ids: Vec<_> = members.iter().map(|&i| part.local_ids[i].clone()).collect();
+                let group = if members.len() == 1 {
+                    vec![Box::new(LocalComm) as Box<dyn Comm>]
+                } else {
+                    crate::comm::make_group(&ids, &self.opts.comm, abort)
+                };
+                for (i, c) in members.into_iter().zip(group) {
+                    comms[i] = Some(c);
+                }
             }
         }
         let fill = |v: Vec<Option<Box<dyn Comm>>>| -> Vec<Box<dyn Comm>> {
@@ -383,5 +387,29 @@ fn flow_name<A>(f: &Flow<A>) -> &'static str {
         Flow::Sliced(_) => "sequence slices",
         Flow::Placed { .. } => "a stage's placed copies",
         Flow::Out(_) => "the output",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::group_members;
+
+    #[test]
+    fn ranks_are_grouped_tensor_parallel_within_and_sequence_parallel_across() {
+        assert_eq!(
+            group_members(2, 2),
+            (vec![vec![0, 1], vec![2, 3]], vec![vec![0, 2], vec![1, 3]])
+        );
+        assert_eq!(
+            group_members(4, 1),
+            (
+                vec![vec![0, 1, 2, 3]],
+                vec![vec![0], vec![1], vec![2], vec![3]]
+            )
+        );
+        assert_eq!(
+            group_members(1, 2),
+            (vec![vec![0], vec![1]], vec![vec![0, 1]])
+        );
     }
 }
