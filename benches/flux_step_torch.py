@@ -36,6 +36,11 @@ graphs as functional collectives (one graph per block kind, no graph break); wit
 the fallback should tracing them fail. The warm-up steps absorb compilation (--warmup >= 1);
 the JSON line's compile_stats gives the graphs, graph breaks and the first step's seconds.
 
+--fp8 holds every block's linear layers (projections, MLPs, modulation) in float8 e4m3 with
+one scale per output feature and runs them through torch._scaled_mm with per-token input
+scales computed on the fly (rowwise scaling), as mold's FP8 plans do; the stem and the final
+layer stay bf16. With --check the reference is then the dense bf16 model.
+
 --check, after the timed steps, runs the model once more on the first step's inputs and,
 on rank 0, the unsharded eager model (mode single, no compile) on the same inputs and
 weights, and adds to the JSON line check_max_abs_err = max|out - ref| and
@@ -50,7 +55,7 @@ generator seeded from --seed and the tensor's index, so every mode builds the sa
 Prints one JSON line (rank 0 only under torchrun), e.g.
   {"impl": "pytorch", "mode": "tp", "world": 2, "step_ms_median": ..., "compiled": false, ...}
 
-  python3 benches/flux_step_torch.py --mode single [--compile] [--check]
+  python3 benches/flux_step_torch.py --mode single [--compile] [--check] [--fp8]
   python3 benches/flux_step_torch.py --mode split
   torchrun --nproc_per_node 2 benches/flux_step_torch.py --mode tp
   torchrun --nproc_per_node 4 benches/flux_step_torch.py --mode sp --check
@@ -206,12 +211,37 @@ class SP:
 NO_SP = SP()
 
 
+def fp8_rows(t):
+    """Rows of t scaled into float8 e4m3 by their own largest magnitude: (values, scales
+    as an (rows, 1) float32 column), as mold quantizes weights and activations."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float()
+    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (t.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
+
+
+def fp8_linear(x, w8, ws, b):
+    """x W^T + b through torch._scaled_mm with per-token input scales and per-output-feature
+    weight scales (rowwise scaling, f32 accumulation, bf16 out)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x8, xs = fp8_rows(x.reshape(-1, k))
+    y = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws.t(), bias=b, out_dtype=x.dtype)
+    return y.reshape(*lead, w8.shape[0])
+
+
 class Linear:
     def __init__(self, init, device, fan_in, fan_out, bias=True):
         self.w = init.randn((fan_out, fan_in), fan_in, device)
         self.b = init.randn((fan_out,), fan_in, device) if bias else None
+        self.w8 = None
+
+    def to_fp8(self):
+        """Holds the weight in FP8 (per-row scales); products through fp8_linear."""
+        self.w8, self.ws = fp8_rows(self.w)
+        self.w = None
 
     def __call__(self, x):
+        if self.w8 is not None:
+            return fp8_linear(x, self.w8, self.ws, self.b)
         return F.linear(x, self.w, self.b)
 
 
@@ -259,6 +289,8 @@ class RowParallel(Linear):
             self.w = torch.cat(pieces, 1).contiguous()
 
     def __call__(self, x):
+        if self.w8 is not None:
+            return self.tp.all_reduce(fp8_linear(x, self.w8, self.ws, None)) + self.b
         return self.tp.all_reduce(F.linear(x, self.w)) + self.b
 
 
@@ -392,7 +424,7 @@ class SingleBlock:
     def __call__(self, x, vec, pe, sp):
         shift, scale, gate = self.mod(F.silu(vec))[:, None, :].chunk(3, dim=-1)
         qkv, mlp = self.linear1(modulate(x, shift, scale)).split(
-            [self.qkv_local, self.linear1.w.shape[0] - self.qkv_local], dim=-1)
+            [self.qkv_local, self.linear1.b.shape[0] - self.qkv_local], dim=-1)
         q, k, v = split_heads(qkv, self.heads)
         attn = sp.attention(self.q_norm(q).to(v), self.k_norm(k).to(v), v, pe)
         return x + gate * self.linear2(torch.cat((attn, gelu(mlp)), dim=2))
@@ -441,6 +473,18 @@ class Flux:
         self.blocks += [SingleBlock(init, devices[DEPTH_DOUBLE + i], tp) for i in range(DEPTH_SINGLE)]
         self.final = FinalLayer(init, devices[-1])
         self.compiled_double = self.compiled_single = None
+
+    def to_fp8(self):
+        """The products mold runs in FP8 (every block's projections, MLPs and modulation)
+        hold FP8 weights; the stem and the final layer stay bf16, as in mold."""
+        for b in self.blocks:
+            streams = [b.img, b.txt] if isinstance(b, DoubleBlock) else [b]
+            for s in streams:
+                for name in ("mod", "qkv", "proj", "mlp_up", "mlp_down", "linear1", "linear2"):
+                    if hasattr(s, name):
+                        getattr(s, name).to_fp8()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def compile(self, comm):
         """One compiled function per block kind, shared by all blocks of that kind;
@@ -542,6 +586,10 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="after the timed steps, profile one more step (torch.profiler, CUDA "
                          "kernels) and print its kernels grouped by kind to stderr")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 products (torch._scaled_mm, rowwise scales: per token and per "
+                         "output feature) for every block's linear layers, as mold's FP8 plans; "
+                         "--check then compares with the dense bf16 model")
     ap.add_argument("--check", action="store_true",
                     help="after timing, compare one output with the unsharded eager model's "
                          "on rank 0 (max abs / max relative error in the JSON line)")
@@ -605,6 +653,8 @@ def main():
 
     t0 = time.perf_counter()
     model = Flux(Init(args.seed), devices, tp)
+    if args.fp8:
+        model.to_fp8()
     x = make_inputs(args.seed + 1, devices[0], width, height, args.txt_len)
     x0 = {k: v.clone() for k, v in x.items()} if args.check else None
     sync()
@@ -681,6 +731,7 @@ def main():
             "split_at": args.split_at if args.mode == "split" else None,
             "sdpa": args.sdpa,
             "compiled": args.compile,
+            "fp8": args.fp8,
             "compile": compile_how(args.compile_comm) if args.compile else None,
             "compile_stats": compile_stats,
             "build_s": round(build_s, 2),
@@ -754,7 +805,7 @@ def run_check(args, model, x0, sp, tp, devices, rank):
         out = model(x0, sp, args.compile).to(devices[0]).float()
         if rank != 0:
             return {}
-        if tp.world == 1 and len(set(devices)) == 1:
+        if tp.world == 1 and len(set(devices)) == 1 and not args.fp8:
             ref_model = model  # single or sp: the same weights, whole on this device
         else:  # tp shards, split spans two devices: build the whole model here
             ref_model = Flux(Init(args.seed), [devices[0]] * len(devices))

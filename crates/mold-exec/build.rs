@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-const KERNELS: [&str; 4] = ["flash_attn", "elementwise", "groupnorm", "softmax"];
+const KERNELS: [&str; 5] = ["flash_attn", "elementwise", "groupnorm", "softmax", "fp8"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -144,6 +144,7 @@ pub fn say_bench<M: Benchable>(
     );
     say_attention(rep);
     say_plans(rep);
+    say_fp8(rep);
     let digest = mold_exec::digest(&done.out)?;
     rep.result(
         format_args!("output digest: {digest:016x}"),
@@ -376,6 +377,20 @@ pub fn say_done(rep: &Reporter, out: &mold_pipeline::Output, predicted: &Predict
         peaks.join(", ")
     );
     say_plans(rep);
+    say_fp8(rep);
+}
+
+/// How FP8 products ran (FP8 matmuls, weight-only and why, emulated); nothing where the
+/// plan has none.
+fn say_fp8(rep: &Reporter) {
+    let r = mold_exec::model::fp8::report();
+    if r.products + r.weight_only + r.emulated == 0 {
+        return;
+    }
+    say!(rep, "{r}");
+    rep.event(json!({"event": "fp8_products", "fp8_matmuls": r.products,
+        "weight_only": r.weight_only, "emulated": r.emulated,
+        "weight_only_because": r.weight_only_because}));
 }
 
 /// Which attention implementations ran (cuDNN, mold's kernel, candle's ops) and, where

@@ -55,7 +55,7 @@ pub mod verify;
 
 pub use checkpoint::{Checkpoint, TensorHeader};
 pub use error::ExecError;
-pub use executor::{check_plan, compute_dtype, Executor, PhaseTime};
+pub use executor::{check_plan, compute_dtype, weights_dtype, Executor, PhaseTime};
 pub use fault::{Fault, FaultKind};
 pub use model::attention::{report as attention_report, AttentionReport};
 pub use model::flux::testdata::{write_testdata, write_testdata_sharded};

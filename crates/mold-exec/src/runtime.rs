@@ -4,6 +4,8 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{ExecError, Result};
+use crate::model::fp8::Fp8Weight;
+use crate::model::mat::Mat;
 use crate::model::WeightSource;
 use candle_core::{DType, Device, Tensor};
 use mold_plan::DeviceId;
@@ -377,6 +379,7 @@ mod peer {
                 DType::U32 => self.run::<u32>(s, l)?,
                 DType::I64 => self.run::<i64>(s, l)?,
                 DType::U8 => self.run::<u8>(s, l)?,
+                DType::F8E4M3 => self.run::<float8::F8E4M3>(s, l)?,
                 dt => candle_core::bail!("peer copy: unsupported dtype {dt:?}"),
             };
             Ok((out, l.shape().clone()))
@@ -398,10 +401,27 @@ mod peer {
     }
 }
 
-/// Reads checkpoint slices into host memory in the compute dtype.
+/// Reads checkpoint slices into host memory in the compute dtype; with `fp8`, the weights
+/// of products quantized to FP8 per output feature ([`crate::model::fp8`]).
 pub(crate) struct CheckpointSource<'a> {
     pub ckpt: &'a Checkpoint,
     pub dtype: DType,
+    pub fp8: bool,
+}
+
+/// Columns `cols` of an FP8 weight (`None`: all), each row keeping its scale.
+fn fp8_cols(w: Fp8Weight, cols: Option<&[Range<usize>]>) -> candle_core::Result<Fp8Weight> {
+    match cols {
+        None => Ok(w),
+        Some([c]) => w.narrow_cols(c.start, c.len()),
+        Some(cs) => {
+            let parts = cs
+                .iter()
+                .map(|c| w.values().narrow(1, c.start, c.len()))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Fp8Weight::from_parts(Tensor::cat(&parts, 1)?, w.scales().clone())
+        }
+    }
 }
 
 impl WeightSource for CheckpointSource<'_> {
@@ -413,6 +433,27 @@ impl WeightSource for CheckpointSource<'_> {
     ) -> Result<Tensor> {
         self.ckpt.read_slice(name, rows, cols, self.dtype)
     }
+    fn load_product(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Mat> {
+        if !self.fp8 {
+            return Ok(Mat::Dense(self.load(name, rows, cols)?));
+        }
+        // Whole rows first: a row's scale is its largest magnitude over all its columns,
+        // whichever columns this rank keeps. An FP8 checkpoint's values (times their
+        // stored scale) are read in f32, so requantizing them per row rounds only once.
+        let stored_fp8 = self
+            .ckpt
+            .tensors()
+            .get(name)
+            .is_some_and(|h| h.dtype.starts_with("F8"));
+        let read = if stored_fp8 { DType::F32 } else { self.dtype };
+        let w = self.ckpt.read_slice(name, rows, None, read)?;
+        Ok(Mat::Fp8(fp8_cols(Fp8Weight::quantize(&w)?, cols)?))
+    }
 }
 
 /// Shapes only: what [`CheckpointSource`] would read, as broadcast zeros (nothing read
@@ -421,15 +462,16 @@ impl WeightSource for CheckpointSource<'_> {
 pub(crate) struct ShapeSource<'a> {
     pub ckpt: &'a Checkpoint,
     pub dtype: DType,
+    pub fp8: bool,
 }
 
-impl WeightSource for ShapeSource<'_> {
-    fn load(
+impl ShapeSource<'_> {
+    fn shape(
         &self,
         name: &str,
         rows: Option<&[Range<usize>]>,
         cols: Option<&[Range<usize>]>,
-    ) -> Result<Tensor> {
+    ) -> Result<Vec<usize>> {
         let h = self.ckpt.tensors().get(name).ok_or_else(|| {
             ExecError::Plan(format!("tensor `{name}` is not in {}", self.ckpt.path()))
         })?;
@@ -441,7 +483,34 @@ impl WeightSource for ShapeSource<'_> {
         if let (Some(c), Some(d)) = (cols, shape.get_mut(1)) {
             *d = len(c);
         }
+        Ok(shape)
+    }
+}
+
+impl WeightSource for ShapeSource<'_> {
+    fn load(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Tensor> {
+        let shape = self.shape(name, rows, cols)?;
         Ok(Tensor::zeros((), self.dtype, &Device::Cpu)?.broadcast_as(shape)?)
+    }
+    fn load_product(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Mat> {
+        if !self.fp8 {
+            return Ok(Mat::Dense(self.load(name, rows, cols)?));
+        }
+        let shape = self.shape(name, rows, cols)?;
+        let n = shape.first().copied().unwrap_or(1);
+        let q = Tensor::zeros((), DType::F8E4M3, &Device::Cpu)?.broadcast_as(shape)?;
+        let s = Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(n)?;
+        Ok(Mat::Fp8(Fp8Weight::from_parts(q, s)?))
     }
 }
 

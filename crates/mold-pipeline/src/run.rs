@@ -374,17 +374,19 @@ pub fn save_bench_io<M: Benchable>(
 
 /// Runs the benchmark's reference: the same steps on the unsharded model on one device,
 /// with candle's ops (so the comparison checks mold's fused kernels as well as the
-/// placement), true CFG's passes one after the other.
+/// placement), true CFG's passes one after the other. `(dtype, fp8)`: the compute dtype
+/// and whether the products' weights are FP8 (then the same quantized weights, unsharded,
+/// through the emulated FP8 products).
 pub fn reference_run<M: Benchable>(
     cfg: &M,
     ckpt: &Checkpoint,
     device: &mold_plan::DeviceId,
-    dtype: mold_exec::DType,
+    (dtype, fp8): (mold_exec::DType, bool),
     inputs: BenchInputs<M::Inputs>,
     steps: u32,
 ) -> Result<Tensor> {
-    let reference =
-        Executor::reference(cfg, ckpt, device, dtype)?.with_kernels(mold_exec::Kernels::Candle);
+    let reference = Executor::reference_products(cfg, ckpt, device, dtype, fp8)?
+        .with_kernels(mold_exec::Kernels::Candle);
     run_bench(&Passes::Serial(&reference), inputs, steps, &mut |_| {})
 }
 
@@ -465,7 +467,15 @@ solver: {{solver: hand, status: optimal, objective: latency, objective_value: 0.
         assert_eq!(x.cond.img.dims()[0], 1, "a pass at the workload's batch");
         let (neg, scale) = x.uncond.as_ref().unwrap();
         assert_eq!((neg.img.dims(), *scale), (x.cond.img.dims(), 4.0));
-        let want = reference_run(&cfg, &ckpt, &DeviceId::Emu(0), DType::F32, x, steps).unwrap();
+        let want = reference_run(
+            &cfg,
+            &ckpt,
+            &DeviceId::Emu(0),
+            (DType::F32, false),
+            x,
+            steps,
+        )
+        .unwrap();
 
         // One pass's marks, from one plain call.
         let exec = |p: &Plan| Executor::new(&cfg, p, &ckpt).unwrap().with_profiling(true);

@@ -18,7 +18,7 @@ mod rank;
 
 pub use pipeline::MicroBatchSpan;
 
-pub use plan_check::{check_plan, compute_dtype};
+pub use plan_check::{check_plan, compute_dtype, weights_dtype};
 
 use crate::checkpoint::Checkpoint;
 use crate::comm::Comm;
@@ -277,7 +277,7 @@ impl<M: Transformer> Executor<M> {
     ) -> Result<Self> {
         model.validate().map_err(ExecError::Config)?;
         let comp = transformer_of(plan)?;
-        let dtype = compute_dtype(comp.dtype)?;
+        let (dtype, fp8) = weights_dtype(comp.dtype)?;
         let steps = check_parts(model, &comp.parts)?;
         ckpt.check(model, &plan.model.id)?;
         let specs = comp
@@ -297,7 +297,7 @@ impl<M: Transformer> Executor<M> {
             None => None,
             Some((mesh, local)) => Some(DistRt::new(mesh, local, &comp.parts)?),
         };
-        Self::build(model, ckpt, specs, dtype, opts, dist)
+        Self::build(model, ckpt, specs, dtype, fp8, opts, dist)
     }
 
     /// The reference: the same model, unsharded, every block resident on one device,
@@ -307,6 +307,18 @@ impl<M: Transformer> Executor<M> {
         ckpt: &Checkpoint,
         device: &DeviceId,
         dtype: DType,
+    ) -> Result<Self> {
+        Self::reference_products(model, ckpt, device, dtype, false)
+    }
+
+    /// [`Executor::reference`] with the products' weights in FP8 where `fp8` (the
+    /// reference for an FP8 plan: the same quantized weights, unsharded).
+    pub fn reference_products(
+        model: &M,
+        ckpt: &Checkpoint,
+        device: &DeviceId,
+        dtype: DType,
+        fp8: bool,
     ) -> Result<Self> {
         model.validate().map_err(ExecError::Config)?;
         ckpt.check(model, "the given model config")?;
@@ -318,7 +330,15 @@ impl<M: Transformer> Executor<M> {
             buffers: 0,
             steps: model.all_blocks(),
         };
-        Self::build(model, ckpt, vec![spec], dtype, ExecOptions::default(), None)
+        Self::build(
+            model,
+            ckpt,
+            vec![spec],
+            dtype,
+            fp8,
+            ExecOptions::default(),
+            None,
+        )
     }
 
     /// Refuses streamed weights that the host cannot hold, before anything is read: each
@@ -332,7 +352,11 @@ impl<M: Transformer> Executor<M> {
         limit: Option<u64>,
         local: &dyn Fn(&DeviceId) -> bool,
     ) -> Result<()> {
-        let shapes = runtime::ShapeSource { ckpt, dtype };
+        let shapes = runtime::ShapeSource {
+            ckpt,
+            dtype,
+            fp8: false,
+        };
         let mut need = 0u64;
         let mut blocks = 0usize;
         for s in specs.iter().filter(|s| s.residency == Residency::Streamed) {
@@ -366,9 +390,18 @@ impl<M: Transformer> Executor<M> {
         ckpt: &Checkpoint,
         specs: Vec<PartSpec>,
         dtype: DType,
+        fp8: bool,
         opts: ExecOptions,
         dist: Option<DistRt>,
     ) -> Result<Self> {
+        if let Some(pi) = specs
+            .iter()
+            .position(|s| fp8 && s.residency != Residency::Resident)
+        {
+            return Err(ExecError::Plan(format!(
+                "part {pi}: FP8 weights are held resident only: set its residency to resident (`mold plan --dtype transformer=fp8` plans that), or plan the transformer in bf16"
+            )));
+        }
         if let Some(f) = &opts.fault {
             let kinds = model.block_kinds();
             match kinds.iter().find(|(k, _)| *k == f.block_kind) {
@@ -411,8 +444,8 @@ impl<M: Transformer> Executor<M> {
             None
         };
         let mut rings: Vec<(DeviceId, Ring<M::Block>)> = Vec::new();
-        let src = CheckpointSource { ckpt, dtype };
-        let shapes = runtime::ShapeSource { ckpt, dtype };
+        let src = CheckpointSource { ckpt, dtype, fp8 };
+        let shapes = runtime::ShapeSource { ckpt, dtype, fp8 };
         let n = specs.len();
         let mut parts = Vec::with_capacity(n);
         let mut blocks_copied = 0;

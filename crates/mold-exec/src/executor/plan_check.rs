@@ -15,6 +15,15 @@ pub fn compute_dtype(d: mold_plan::DType) -> Result<DType> {
     }
 }
 
+/// A plan's transformer dtype as the compute dtype and whether the products' weights are
+/// held in FP8 (`fp8`: bf16 activations, norms and attention, FP8 products).
+pub fn weights_dtype(d: mold_plan::DType) -> Result<(DType, bool)> {
+    match d {
+        mold_plan::DType::Fp8 => Ok((DType::BF16, true)),
+        d => Ok((compute_dtype(d)?, false)),
+    }
+}
+
 /// Checks the transformer parts of `plan` against model `m` without loading anything:
 /// every block range names a known kind and lies inside the model, every block runs
 /// exactly once, kinds in the model's order and each in ascending order, and each

@@ -7,9 +7,10 @@
 //!   produce partial sums that are all-reduced, and the bias is added once, after the
 //!   reduce.
 
+use super::mat::Mat;
 use super::ops::{bias_act, Kernels};
+use super::Ctx;
 use super::WeightSource;
-use super::{gemm, Ctx};
 use crate::error::Result;
 use candle_core::{Device, Module, Tensor};
 use std::ops::Range;
@@ -61,27 +62,24 @@ impl Linear {
 /// projection such as `qkv` is sharded per part, not as one slab).
 #[derive(Clone, Debug)]
 pub struct ColumnParallel {
-    /// The weight alone: the bias is added by [`bias_act`] (fused on CUDA).
-    weight: candle_nn::Linear,
+    /// The weight alone (dense or FP8): the bias is added in the product's epilogue.
+    weight: Mat,
     bias: Tensor,
 }
 
 impl ColumnParallel {
     pub fn load(src: &dyn WeightSource, prefix: &str, rows: &[Range<usize>]) -> Result<Self> {
-        let w = src.load(&format!("{prefix}.weight"), Some(rows), None)?;
+        let w = src.load_product(&format!("{prefix}.weight"), Some(rows), None)?;
         let b = src.load(&format!("{prefix}.bias"), Some(rows), None)?;
-        Ok(ColumnParallel {
-            weight: candle_nn::Linear::new(w, None),
-            bias: b,
-        })
+        Ok(ColumnParallel { weight: w, bias: b })
     }
-    /// `x Wᵀ + b`, the bias in the matmul's epilogue on CUDA ([`gemm::linear`]).
+    /// `x Wᵀ + b`, the bias in the matmul's epilogue on CUDA ([`super::gemm::linear`]).
     pub fn forward(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
-        gemm::linear(x, &self.weight, &self.bias, false, k)
+        self.weight.linear(x, &self.bias, false, k)
     }
     /// `gelu(x Wᵀ + b)` (tanh approximation), bias and activation in the epilogue.
     pub fn forward_gelu(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
-        gemm::linear(x, &self.weight, &self.bias, true, k)
+        self.weight.linear(x, &self.bias, true, k)
     }
     /// The first `at` output features as `x Wᵀ + b`, the rest as `gelu(x Wᵀ + b)`: two
     /// matmuls over row slices of the weight, each with its bias (and GELU) — in its
@@ -93,38 +91,31 @@ impl ColumnParallel {
         at: usize,
         k: Kernels,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let w = self.weight.weight();
-        let n = w.dim(0)?;
+        let n = self.weight.rows()?;
         if at > n {
             candle_core::bail!("split at {at} of a {n}-feature linear");
         }
-        let part = |start: usize, len: usize| -> candle_core::Result<_> {
-            Ok((
-                candle_nn::Linear::new(w.narrow(0, start, len)?, None),
-                self.bias.narrow(0, start, len)?,
-            ))
-        };
-        let (w1, b1) = part(0, at)?;
-        let (w2, b2) = part(at, n - at)?;
-        Ok((
-            gemm::linear(x, &w1, &b1, false, k)?,
-            gemm::linear(x, &w2, &b2, true, k)?,
-        ))
+        let (w1, b1) = (self.weight.narrow_rows(0, at)?, self.bias.narrow(0, 0, at)?);
+        let (w2, b2) = (
+            self.weight.narrow_rows(at, n - at)?,
+            self.bias.narrow(0, at, n - at)?,
+        );
+        Ok((w1.linear(x, &b1, false, k)?, w2.linear(x, &b2, true, k)?))
     }
     /// `x Wᵀ + b` for a small per-sample input (`(b, in)`, e.g. the conditioning vector):
     /// on CUDA one cuBLASLt matmul with the bias in its epilogue, elsewhere candle's matmul
     /// and broadcast add, as a replicated [`Linear`] computes these rows.
     pub fn forward_vec(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
-        gemm::linear(x, &self.weight, &self.bias, false, k)
+        self.weight.linear(x, &self.bias, false, k)
     }
     pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
         Ok(ColumnParallel {
-            weight: lin_map(&self.weight, f)?,
+            weight: self.weight.map_tensors(f)?,
             bias: f(&self.bias)?,
         })
     }
     pub fn bytes(&self) -> u64 {
-        lin_bytes(&self.weight) + bytes(&self.bias)
+        self.weight.bytes() + bytes(&self.bias)
     }
 }
 
@@ -133,8 +124,8 @@ impl ColumnParallel {
 /// `[attention, MLP]`) is multiplied piece by piece, never concatenated.
 #[derive(Clone, Debug)]
 pub struct RowParallel {
-    /// One `[out, cols[i].len()]` weight per range of `cols`.
-    weights: Vec<candle_nn::Linear>,
+    /// One `[out, cols[i].len()]` weight (dense or FP8) per range of `cols`.
+    weights: Vec<Mat>,
     bias: Tensor,
 }
 
@@ -143,10 +134,7 @@ impl RowParallel {
         let name = format!("{prefix}.weight");
         let weights = cols
             .iter()
-            .map(|c| {
-                let w = src.load(&name, None, Some(std::slice::from_ref(c)))?;
-                Ok(candle_nn::Linear::new(w, None))
-            })
+            .map(|c| src.load_product(&name, None, Some(std::slice::from_ref(c))))
             .collect::<Result<Vec<_>>>()?;
         let b = src.load(&format!("{prefix}.bias"), None, None)?;
         Ok(RowParallel { weights, bias: b })
@@ -164,14 +152,10 @@ impl RowParallel {
         let mut acc: Option<Tensor> = None;
         for (x, w) in xs.iter().zip(&self.weights) {
             acc = Some(match acc {
-                None => w.forward(x)?,
+                None => w.matmul(x, k)?,
                 // On CUDA the next product is accumulated into the sum in the matmul
                 // (cuBLASLt, beta = 1) instead of a separate add over the output.
-                Some(a) if k.uses_libraries() && gemm::accumulate_applies(&a, x, w.weight()) => {
-                    gemm::accumulate(&a, x, w.weight())?;
-                    a
-                }
-                Some(a) => (a + w.forward(x)?)?,
+                Some(a) => w.add_matmul(a, x, k)?,
             });
         }
         acc.ok_or_else(|| candle_core::Error::Msg("row-parallel linear without input".into()))
@@ -188,13 +172,13 @@ impl RowParallel {
             weights: self
                 .weights
                 .iter()
-                .map(|w| lin_map(w, f))
+                .map(|w| w.map_tensors(f))
                 .collect::<candle_core::Result<_>>()?,
             bias: f(&self.bias)?,
         })
     }
     pub fn bytes(&self) -> u64 {
-        self.weights.iter().map(lin_bytes).sum::<u64>() + bytes(&self.bias)
+        self.weights.iter().map(Mat::bytes).sum::<u64>() + bytes(&self.bias)
     }
 }
 

@@ -12,9 +12,11 @@ pub mod conv;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
 pub mod flux;
+pub mod fp8;
 pub mod gemm;
 pub mod group_norm;
 pub mod layers;
+pub mod mat;
 mod modulation;
 pub mod ops;
 pub mod plan_cache;
@@ -69,6 +71,19 @@ pub trait WeightSource {
         rows: Option<&[Range<usize>]>,
         cols: Option<&[Range<usize>]>,
     ) -> Result<Tensor>;
+
+    /// The weight of a product (`(n, k)`, sliced as [`WeightSource::load`]): dense in the
+    /// compute dtype unless the source holds products in FP8, then quantized per output
+    /// feature over whole rows before `cols` are taken (so a row's scale does not depend
+    /// on the sharding).
+    fn load_product(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<mat::Mat> {
+        Ok(mat::Mat::Dense(self.load(name, rows, cols)?))
+    }
 }
 
 /// Records the largest activation tensor a rank handled (bytes, as accounted from the

@@ -154,7 +154,7 @@ impl Target {
         let first = tf.parts[0].devices.clone();
         Ok(Target {
             dev: devmap.get(&first[0])?,
-            dtype: mold_exec::compute_dtype(tf.dtype)?,
+            dtype: mold_exec::weights_dtype(tf.dtype)?.0,
             first,
         })
     }

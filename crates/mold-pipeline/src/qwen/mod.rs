@@ -459,7 +459,7 @@ pub fn generate_on(
     })?;
     let first: Vec<DeviceId> = tf.parts[0].devices.clone();
     let tdev = devmap.get(&first[0])?;
-    let tdtype = mold_exec::compute_dtype(tf.dtype)?;
+    let tdtype = mold_exec::weights_dtype(tf.dtype)?.0;
 
     // Encode: the prompt, then the negative prompt; then release the encoder.
     let (id, d) = placement(plan, TEXT_ENCODER)?;

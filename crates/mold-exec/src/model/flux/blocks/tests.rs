@@ -92,6 +92,7 @@ fn check_sharded_modulation(batch: usize, exact: bool) {
         let src = CheckpointSource {
             ckpt: &ckpt.ckpt,
             dtype,
+            fp8: false,
         };
         let vec = Tensor::randn(0f32, 1.0, (batch, h), &Device::Cpu)
             .unwrap()
@@ -178,10 +179,12 @@ fn tp_ranks_hold_a_share_of_everything_but_norms_and_row_biases() {
     let src = CheckpointSource {
         ckpt: &ckpt.ckpt,
         dtype: DType::F32,
+        fp8: false,
     };
     let shapes = ShapeSource {
         ckpt: &ckpt.ckpt,
         dtype: DType::F32,
+        fp8: false,
     };
     let double_full = DoubleBlock::load(&src, &cfg, 0, Shard::FULL)
         .unwrap()
@@ -232,6 +235,7 @@ fn single_block_tensor_order() {
     let src = ShapeSource {
         ckpt: &ckpt.ckpt,
         dtype: DType::F32,
+        fp8: false,
     };
     let shard = Shard { rank: 1, world: 2 };
     let b = SingleBlock::load(&src, &cfg, 0, shard).unwrap();
@@ -267,6 +271,7 @@ fn split_linear2_matches_the_concatenated_product() {
     let src = CheckpointSource {
         ckpt: &ckpt.ckpt,
         dtype: DType::F32,
+        fp8: false,
     };
     let attn = Tensor::randn(0f32, 1.0, (2, 5, h), &Device::Cpu).unwrap();
     let mlp = Tensor::randn(0f32, 1.0, (2, 5, m), &Device::Cpu).unwrap();
@@ -306,6 +311,7 @@ fn the_rotation_table_is_made_once_per_request() {
     let src = CheckpointSource {
         ckpt: &t.ckpt,
         dtype: DType::F32,
+        fp8: false,
     };
     let stem = Stem::load(&src, &cfg).unwrap();
     let x = crate::model::flux::inputs::random_inputs(&cfg, 64, 32, 5, 1, 1).unwrap();

@@ -1,0 +1,82 @@
+// FP8 (e4m3) conversions for mold's FP8 products (mold-exec, `cuda` feature).
+//
+// quantize_rows: each row of a (rows, k) bf16/f16 matrix scaled by its own factor into
+//   e4m3: amax = max |x|, q = sat(x * (448 / amax)), scale = amax / 448 (1 for a zero
+//   row). The same arithmetic as the CPU reference (src/model/fp8/mod.rs): f32, IEEE
+//   division (explicit, whatever --use_fast_math says), round to nearest even, saturated.
+//   Launch: grid (rows), block 256.
+// dequantize_rows: out = q * scale[row] in bf16/f16 (the weight-only path on GPUs without
+//   FP8 products). Launch: grid (rows, ceil(k / 256)), block 256.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace mold_fp8 {
+
+constexpr int THREADS = 256;
+constexpr float E4M3_MAX = 448.0f;
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T>
+__device__ void quantize_rows(const T *__restrict__ x, __nv_fp8_storage_t *__restrict__ q,
+                              float *__restrict__ scale, int k) {
+    __shared__ float part[THREADS / 32];
+    __shared__ float inv_s;
+    const int64_t row = blockIdx.x;
+    const T *xr = x + row * (int64_t)k;
+    __nv_fp8_storage_t *qr = q + row * (int64_t)k;
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < k; i += THREADS) m = fmaxf(m, fabsf(to_f(xr[i])));
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float a = 0.0f;
+        for (int w = 0; w < THREADS / 32; ++w) a = fmaxf(a, part[w]);
+        // A zero (or non-finite) row keeps scale 1: its values are 0 either way.
+        bool ok = a > 0.0f && isfinite(a);
+        inv_s = ok ? __fdiv_rn(E4M3_MAX, a) : 1.0f;
+        scale[row] = ok ? __fdiv_rn(a, E4M3_MAX) : 1.0f;
+    }
+    __syncthreads();
+    const float inv = inv_s;
+    for (int i = threadIdx.x; i < k; i += THREADS) {
+        float v = fminf(fmaxf(__fmul_rn(to_f(xr[i]), inv), -E4M3_MAX), E4M3_MAX);
+        qr[i] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+    }
+}
+
+template <typename T>
+__device__ void dequantize_rows(const __nv_fp8_storage_t *__restrict__ q,
+                                const float *__restrict__ scale, T *__restrict__ out, int k) {
+    const int64_t row = blockIdx.x;
+    const int i = blockIdx.y * THREADS + threadIdx.x;
+    if (i >= k) return;
+    __half_raw h = __nv_cvt_fp8_to_halfraw(q[row * (int64_t)k + i], __NV_E4M3);
+    float v = __half2float(__half(h));
+    out[row * (int64_t)k + i] = from_f<T>(__fmul_rn(v, scale[row]));
+}
+
+} // namespace mold_fp8
+
+#define MOLD_FP8(T, SUFFIX)                                                                    \
+    extern "C" __global__ void mold_fp8_quantize_rows_##SUFFIX(                               \
+        const T *x, __nv_fp8_storage_t *q, float *scale, int k) {                             \
+        mold_fp8::quantize_rows<T>(x, q, scale, k);                                           \
+    }                                                                                          \
+    extern "C" __global__ void mold_fp8_dequantize_rows_##SUFFIX(                             \
+        const __nv_fp8_storage_t *q, const float *scale, T *out, int k) {                     \
+        mold_fp8::dequantize_rows<T>(q, scale, out, k);                                       \
+    }
+
+MOLD_FP8(__nv_bfloat16, bf16)
+MOLD_FP8(__half, f16)

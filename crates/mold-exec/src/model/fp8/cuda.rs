@@ -1,0 +1,692 @@
+//! FP8 products on CUDA: the per-token quantizing kernel (kernels/fp8.cu) and cuBLASLt's
+//! FP8 matmul with per-row ("outer vector") scales on both operands, bias and GELU in its
+//! epilogue.
+//!
+//! Layout, column-major as cuBLASLt sees it: `out (n × m) = W (k × n)ᵀ · x (k × m)`, the
+//! "TN" layout FP8 products need; A's scales are the weight's (one per output feature),
+//! B's the input's (one per token).
+
+use super::Fp8Weight;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::cublaslt::{result as lt, sys};
+use candle_core::cuda::cudarc::driver::{
+    CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda::{CudaDevice, CudaStorage};
+use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp1, Layout, Shape, Storage, Tensor, D};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+type CResult<T> = candle_core::Result<T>;
+
+const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8.fatbin"));
+const MODULE: &str = "mold_fp8";
+const THREADS: u32 = 256;
+/// cuBLASLt's workspace (NVIDIA recommends 32 MiB on Hopper).
+const WORKSPACE: usize = 32 << 20;
+
+fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
+    candle_core::Error::Msg(format!("FP8 {what}: {e:?}"))
+}
+
+fn suffix(dt: DType) -> CResult<&'static str> {
+    Ok(match dt {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        dt => candle_core::bail!("FP8 products: unsupported compute dtype {dt:?}"),
+    })
+}
+
+fn lt_type(dt: DType) -> CResult<sys::cudaDataType> {
+    Ok(match dt {
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        dt => candle_core::bail!("FP8 products: unsupported compute dtype {dt:?}"),
+    })
+}
+
+/// A cuBLASLt handle and its workspace, one per device and stream.
+struct Handle {
+    h: sys::cublasLtHandle_t,
+    ws: CudaSlice<u8>,
+}
+
+// SAFETY: a cuBLASLt handle may be used from any thread, one call at a time (the mutex).
+unsafe impl Send for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: created by lt::create_handle, destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.h) };
+    }
+}
+
+fn handle(dev: &CudaDevice) -> CResult<Arc<Mutex<Handle>>> {
+    type Cell = Arc<Mutex<Option<Arc<Mutex<Handle>>>>>;
+    static H: OnceLock<Mutex<HashMap<(usize, usize), Cell>>> = OnceLock::new();
+    let stream = dev.cuda_stream();
+    let key = (stream.context().ordinal(), stream.cu_stream() as usize);
+    let cell = H
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(key)
+        .or_default()
+        .clone();
+    let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(h) = slot.as_ref() {
+        return Ok(h.clone());
+    }
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| err("context", e))?;
+    let h = lt::create_handle().map_err(|e| err("cuBLASLt handle", e))?;
+    // SAFETY: a workspace is scratch memory; cuBLASLt writes before it reads.
+    let ws = match unsafe { stream.alloc::<u8>(WORKSPACE) } {
+        Ok(ws) => ws,
+        Err(e) => {
+            // SAFETY: just created, not shared.
+            let _ = unsafe { lt::destroy_handle(h) };
+            return Err(err("cuBLASLt workspace", e));
+        }
+    };
+    let h = Arc::new(Mutex::new(Handle { h, ws }));
+    *slot = Some(h.clone());
+    Ok(h)
+}
+
+type EpilogueKey = (usize, bool, bool);
+
+/// Products cuBLASLt refused (no algorithm), by device and epilogue (bias, GELU): with
+/// why. Asked by the first real product of each kind (its scale pointers set: cuBLASLt
+/// answers a heuristic query for outer-vector scales only with them).
+fn refused() -> &'static Mutex<HashMap<EpilogueKey, String>> {
+    static R: OnceLock<Mutex<HashMap<EpilogueKey, String>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+fn epilogue_words(bias: bool, gelu: bool) -> &'static str {
+    match (bias, gelu) {
+        (true, true) => " and a bias+GELU epilogue",
+        (true, false) => " and a bias epilogue",
+        (false, true) => " and a GELU epilogue",
+        _ => "",
+    }
+}
+
+/// Whether this device multiplies FP8 through cuBLASLt with per-row scales and this
+/// epilogue: compute capability 8.9 or later, and cuBLASLt not having refused such a
+/// product here before. `Err`: why not.
+pub(crate) fn device_takes(dev: &CudaDevice, bias: bool, gelu: bool) -> Result<(), String> {
+    let ctx = dev.cuda_stream().context().clone();
+    let ord = ctx.ordinal();
+    match ctx.compute_capability() {
+        Ok((major, minor)) if (major, minor) >= (8, 9) => {}
+        Ok((major, minor)) => {
+            return Err(format!(
+                "cuda:{ord} (sm_{major}{minor}) has no FP8 tensor cores (sm_89 and later)"
+            ))
+        }
+        Err(e) => return Err(format!("cuda:{ord}: compute capability: {e:?}")),
+    }
+    match refused()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&(ord, bias, gelu))
+    {
+        Some(why) => Err(why.clone()),
+        None => Ok(()),
+    }
+}
+
+/// Whether [`linear`] runs `act(x Wᵀ + b)`: bf16/f16 input on a GPU that takes FP8
+/// products with this epilogue, contiguous operands on one device, `k` and `n` multiples of
+/// 16 (FP8's alignment). `Err`: why not.
+pub(crate) fn products_apply(
+    x: &Tensor,
+    w: &Fp8Weight,
+    b: Option<&Tensor>,
+    gelu: bool,
+) -> Result<(), String> {
+    let (Ok(kx), Ok((n, kw))) = (x.dim(D::Minus1), w.dims2()) else {
+        return Err("operand shapes".into());
+    };
+    let candle_core::Device::Cuda(d) = x.device() else {
+        return Err("not on a GPU".into());
+    };
+    if !matches!(x.dtype(), DType::BF16 | DType::F16) {
+        return Err(format!("{:?} activations", x.dtype()));
+    }
+    if kx != kw || kx % 16 != 0 || n % 16 != 0 {
+        return Err(format!(
+            "a ({n}, {kw}) weight: FP8 products need multiples of 16"
+        ));
+    }
+    if !x.is_contiguous() || !w.q.is_contiguous() || !w.scale.is_contiguous() {
+        return Err("a non-contiguous operand".into());
+    }
+    if !w.q.device().same_device(x.device()) || !w.scale.device().same_device(x.device()) {
+        return Err("the weight is on another device than its input".into());
+    }
+    if !b.is_none_or(|b| b.dtype() == x.dtype() && b.dims() == [n] && b.is_contiguous()) {
+        return Err("the bias's dtype or shape".into());
+    }
+    device_takes(d, b.is_some(), gelu)
+}
+
+/// Whether [`accumulate`] runs `acc += x Wᵀ`: as [`products_apply`], `acc` the contiguous
+/// `(…, n)` output of an earlier product over the same rows.
+pub(crate) fn accumulate_applies(acc: &Tensor, x: &Tensor, w: &Fp8Weight) -> bool {
+    let rows = |t: &Tensor| t.elem_count() / t.dim(D::Minus1).unwrap_or(1).max(1);
+    products_apply(x, w, None, false).is_ok()
+        && acc.dtype() == x.dtype()
+        && acc.is_contiguous()
+        && acc.dim(D::Minus1).ok() == w.dims2().ok().map(|(n, _)| n)
+        && rows(acc) == rows(x)
+        && acc.device().same_device(x.device())
+}
+
+/// One product's cuBLASLt descriptors.
+struct Product {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    c: sys::cublasLtMatrixLayout_t,
+}
+
+impl Drop for Product {
+    fn drop(&mut self) {
+        // SAFETY: each made once in Product::new.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.c);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> CResult<()> {
+    lt::set_matmul_desc_attribute(
+        desc,
+        attr,
+        v as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    )
+    .map_err(|e| err("matmul attribute", e))
+}
+
+impl Product {
+    /// `out (n × m) = act(scale_w · scale_x · Wᵀx + bias) + beta · out`; scale and bias
+    /// pointers are set by [`Product::run`].
+    unsafe fn new(
+        m: usize,
+        n: usize,
+        k: usize,
+        out: DType,
+        bias: bool,
+        gelu: bool,
+    ) -> CResult<Product> {
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(|e| err("matmul descriptor", e))?;
+        let mk = |t, r, c, ld| lt::create_matrix_layout(t, r as u64, c as u64, ld as i64);
+        let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
+        let a = mk(e4m3, k, n, k);
+        let b = mk(e4m3, k, m, k);
+        let c = mk(lt_type(out)?, n, m, n);
+        let (a, b, c) = match (a, b, c) {
+            (Ok(a), Ok(b), Ok(c)) => (a, b, c),
+            (a, b, c) => {
+                for l in [a, b, c].into_iter().flatten() {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+                let _ = lt::destroy_matmul_desc(desc);
+                return Err(err("matrix layout", "cuBLASLt refused a layout"));
+            }
+        };
+        let p = Product { desc, a, b, c };
+        // CUBLAS_OP_T, as cudarc's own cuBLASLt wrapper passes it.
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
+        // Outer-vector scales: a vector over op(A)'s rows (the weight's output features)
+        // and one over op(B)'s columns (the tokens).
+        let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
+        let epi = match (bias, gelu) {
+            (false, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+            (true, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            (false, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU,
+            (true, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+        };
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
+        if bias {
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &lt_type(out)?)?;
+        }
+        Ok(p)
+    }
+
+    /// The heuristic's first algorithm for this product with the handle's workspace.
+    unsafe fn algo(&self, h: &Handle) -> CResult<sys::cublasLtMatmulAlgo_t> {
+        let pref = lt::create_matmul_pref().map_err(|e| err("matmul preference", e))?;
+        let size = WORKSPACE;
+        let r = lt::set_matmul_pref_attribute(
+            pref,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &size as *const usize as *const c_void,
+            std::mem::size_of::<usize>(),
+        )
+        .and_then(|_| {
+            lt::get_matmul_algo_heuristic(h.h, self.desc, self.a, self.b, self.c, self.c, pref)
+        });
+        let _ = lt::destroy_matmul_pref(pref);
+        r.map(|r| r.algo)
+            .map_err(|e| err("no cuBLASLt algorithm", e))
+    }
+}
+
+/// The input quantized per token: e4m3 values `(m, k)` and `m` scales.
+fn quantize(
+    dev: &CudaDevice,
+    x: &CudaStorage,
+    xl: &Layout,
+    m: usize,
+    k: usize,
+) -> CResult<(CudaSlice<u8>, CudaSlice<f32>)> {
+    let dt = x.dtype();
+    let f = dev
+        .get_or_load_custom_fatbin(
+            &format!("mold_fp8_quantize_rows_{}", suffix(dt)?),
+            MODULE,
+            FATBIN,
+        )?
+        .into_cuda_function();
+    // SAFETY: the kernel writes every element.
+    let mut q = unsafe { dev.alloc::<u8>(m * k)? };
+    let mut s = unsafe { dev.alloc::<f32>(m)? };
+    let cfg = LaunchConfig {
+        grid_dim: (m as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    let kk = k as i32;
+    let mut b = stream.launch_builder(&f);
+    let (xb, xh);
+    match dt {
+        DType::BF16 => {
+            xb = x.as_cuda_slice::<half::bf16>()?.slice(xl.start_offset()..);
+            b.arg(&xb)
+        }
+        _ => {
+            xh = x.as_cuda_slice::<half::f16>()?.slice(xl.start_offset()..);
+            b.arg(&xh)
+        }
+    };
+    b.arg(&mut q).arg(&mut s).arg(&kk);
+    // SAFETY: the arguments match the kernel's signature; sizes as allocated.
+    unsafe { b.launch(cfg) }.map_err(|e| err("quantize kernel", e))?;
+    Ok((q, s))
+}
+
+/// Runs the product into `out` (`n × m`, column-major).
+#[allow(clippy::too_many_arguments)]
+unsafe fn run(
+    dev: &CudaDevice,
+    x: &CudaStorage,
+    xl: &Layout,
+    m: usize,
+    w: &Fp8Weight,
+    bias: Option<&Tensor>,
+    gelu: bool,
+    out: candle_core::cuda::cudarc::driver::sys::CUdeviceptr,
+    out_dt: DType,
+    beta: f32,
+) -> CResult<()> {
+    let (n, k) = w.dims2()?;
+    let (x8, sx) = quantize(dev, x, xl, m, k)?;
+    let (qs, ql) = w.q.storage_and_layout();
+    let (ss, sl) = w.scale.storage_and_layout();
+    let bs = bias.map(|b| b.storage_and_layout());
+    let stream = dev.cuda_stream();
+    let (Storage::Cuda(qs), Storage::Cuda(ss)) = (&*qs, &*ss) else {
+        candle_core::bail!("FP8 products: a weight is not on the GPU");
+    };
+    let wq = qs
+        .as_cuda_slice::<float8::F8E4M3>()?
+        .slice(ql.start_offset()..);
+    let wsc = ss.as_cuda_slice::<f32>()?.slice(sl.start_offset()..);
+    let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu)?;
+    let (wq_p, _g1) = wq.device_ptr(&stream);
+    let (ws_p, _g2) = wsc.device_ptr(&stream);
+    let (x8_p, _g3) = x8.device_ptr(&stream);
+    let (sx_p, _g4) = sx.device_ptr(&stream);
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws_p)?;
+    set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx_p)?;
+    let (bias_b, bias_h);
+    let mut _g5 = None;
+    if let Some((bstore, bl)) = &bs {
+        let Storage::Cuda(bstore) = &**bstore else {
+            candle_core::bail!("FP8 products: the bias is not on the GPU");
+        };
+        let bp = match out_dt {
+            DType::BF16 => {
+                bias_b = bstore
+                    .as_cuda_slice::<half::bf16>()?
+                    .slice(bl.start_offset()..);
+                let (p, g) = bias_b.device_ptr(&stream);
+                _g5 = Some(g);
+                p
+            }
+            _ => {
+                bias_h = bstore
+                    .as_cuda_slice::<half::f16>()?
+                    .slice(bl.start_offset()..);
+                let (p, g) = bias_h.device_ptr(&stream);
+                _g5 = Some(g);
+                p
+            }
+        };
+        set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp)?;
+    }
+    let h = handle(dev)?;
+    let mut h = h.lock().unwrap_or_else(|p| p.into_inner());
+    // cuBLASLt's heuristic answers the same for the same product: asked once per device,
+    // shape, dtype and epilogue (a step runs a few hundred products of a dozen shapes).
+    type AlgoKey = (usize, usize, usize, usize, bool, bool, bool);
+    static ALGOS: OnceLock<Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>> = OnceLock::new();
+    let key: AlgoKey = (
+        stream.context().ordinal(),
+        m,
+        n,
+        k,
+        out_dt == DType::BF16,
+        bias.is_some(),
+        gelu,
+    );
+    let cached = ALGOS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&key)
+        .copied();
+    let found = match cached {
+        Some(a) => Ok(a),
+        None => p.algo(&h).inspect(|a| {
+            ALGOS
+                .get_or_init(Default::default)
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(key, *a);
+        }),
+    };
+    let algo = match found {
+        Ok(a) => a,
+        Err(e) => {
+            let ord = stream.context().ordinal();
+            let why = format!(
+                "cuBLASLt on cuda:{ord} offers no FP8 product with per-row scales{} ({m}×{n}×{k}): {e}",
+                epilogue_words(bias.is_some(), gelu)
+            );
+            refused()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert((ord, bias.is_some(), gelu), why.clone());
+            return Err(candle_core::Error::Msg(why));
+        }
+    };
+    let alpha = 1f32;
+    let lt_handle = h.h;
+    let (ws_ptr, _g6) = h.ws.device_ptr_mut(&stream);
+    let ws_ptr = ws_ptr as *mut c_void;
+    lt::matmul(
+        lt_handle,
+        p.desc,
+        &alpha as *const f32 as *const c_void,
+        &beta as *const f32 as *const c_void,
+        wq_p as *const c_void,
+        p.a,
+        x8_p as *const c_void,
+        p.b,
+        out as *const c_void,
+        p.c,
+        out as *mut c_void,
+        p.c,
+        &algo,
+        ws_ptr,
+        WORKSPACE,
+        stream.cu_stream() as sys::cudaStream_t,
+    )
+    .map_err(|e| err("cuBLASLt matmul", e))
+}
+
+/// `act(x Wᵀ + b)` through an FP8 product ([`products_apply`] checked by the caller).
+pub(crate) fn linear(x: &Tensor, w: &Fp8Weight, b: Option<&Tensor>, gelu: bool) -> CResult<Tensor> {
+    x.apply_op1_no_bwd(&Linear {
+        w: w.clone(),
+        b: b.cloned(),
+        gelu,
+    })
+}
+
+struct Linear {
+    w: Fp8Weight,
+    b: Option<Tensor>,
+    gelu: bool,
+}
+
+impl CustomOp1 for Linear {
+    fn name(&self) -> &'static str {
+        "mold-fp8-linear"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
+        candle_core::bail!("mold-fp8-linear runs on CUDA only")
+    }
+    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> CResult<(CudaStorage, Shape)> {
+        let (n, k) = self.w.dims2()?;
+        let dims = xl.shape().dims();
+        if dims.last() != Some(&k) || !xl.is_contiguous() {
+            candle_core::bail!("mold-fp8-linear: operands do not agree");
+        }
+        let m = xl.shape().elem_count() / k.max(1);
+        let dev = x.device.clone();
+        let stream = dev.cuda_stream();
+        let dt = x.dtype();
+        let mut shape = dims.to_vec();
+        if let Some(l) = shape.last_mut() {
+            *l = n;
+        }
+        let storage = match dt {
+            DType::BF16 => {
+                // SAFETY: the product writes every element (beta = 0).
+                let mut out = unsafe { dev.alloc::<half::bf16>(m * n)? };
+                {
+                    let (p, _g) = out.device_ptr_mut(&stream);
+                    // SAFETY: sizes as allocated; operands checked by products_apply.
+                    unsafe {
+                        run(
+                            &dev,
+                            x,
+                            xl,
+                            m,
+                            &self.w,
+                            self.b.as_ref(),
+                            self.gelu,
+                            p,
+                            dt,
+                            0.0,
+                        )?
+                    };
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }
+            DType::F16 => {
+                // SAFETY: as above.
+                let mut out = unsafe { dev.alloc::<half::f16>(m * n)? };
+                {
+                    let (p, _g) = out.device_ptr_mut(&stream);
+                    // SAFETY: as above.
+                    unsafe {
+                        run(
+                            &dev,
+                            x,
+                            xl,
+                            m,
+                            &self.w,
+                            self.b.as_ref(),
+                            self.gelu,
+                            p,
+                            dt,
+                            0.0,
+                        )?
+                    };
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }
+            dt => candle_core::bail!("mold-fp8-linear: unsupported dtype {dt:?}"),
+        };
+        Ok((storage, Shape::from(shape)))
+    }
+}
+
+/// `acc += x Wᵀ` in place, through an FP8 product with beta = 1.
+pub(crate) fn accumulate(acc: &Tensor, x: &Tensor, w: &Fp8Weight) -> CResult<()> {
+    acc.inplace_op1(&Accumulate {
+        x: x.clone(),
+        w: w.clone(),
+    })
+}
+
+struct Accumulate {
+    x: Tensor,
+    w: Fp8Weight,
+}
+
+impl InplaceOp1 for Accumulate {
+    fn name(&self) -> &'static str {
+        "mold-fp8-accumulate"
+    }
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> CResult<()> {
+        candle_core::bail!("mold-fp8-accumulate runs on CUDA only")
+    }
+    fn cuda_fwd(&self, acc: &mut CudaStorage, al: &Layout) -> CResult<()> {
+        let (n, k) = self.w.dims2()?;
+        let (xs, xl) = self.x.storage_and_layout();
+        let Storage::Cuda(xs) = &*xs else {
+            candle_core::bail!("mold-fp8-accumulate: the input is not on the GPU");
+        };
+        let m = xl.shape().elem_count() / k.max(1);
+        if al.shape().elem_count() != m * n || !al.is_contiguous() || !xl.is_contiguous() {
+            candle_core::bail!("mold-fp8-accumulate: operands do not agree");
+        }
+        let dev = xs.device.clone();
+        let stream = dev.cuda_stream();
+        let dt = acc.dtype();
+        let start = al.start_offset();
+        match dt {
+            DType::BF16 => {
+                let mut o = acc
+                    .as_cuda_slice_mut::<half::bf16>()?
+                    .slice_mut(start..start + m * n);
+                let (p, _g) = o.device_ptr_mut(&stream);
+                // SAFETY: C and D are the same buffer with equal layouts (allowed).
+                unsafe { run(&dev, xs, xl, m, &self.w, None, false, p, dt, 1.0) }
+            }
+            DType::F16 => {
+                let mut o = acc
+                    .as_cuda_slice_mut::<half::f16>()?
+                    .slice_mut(start..start + m * n);
+                let (p, _g) = o.device_ptr_mut(&stream);
+                // SAFETY: as above.
+                unsafe { run(&dev, xs, xl, m, &self.w, None, false, p, dt, 1.0) }
+            }
+            dt => candle_core::bail!("mold-fp8-accumulate: unsupported dtype {dt:?}"),
+        }
+    }
+}
+
+/// `q · scale[row]` in `dtype` (bf16/f16), one kernel.
+pub(crate) fn dequantize(w: &Fp8Weight, dtype: DType) -> CResult<Tensor> {
+    let (n, k) = w.dims2()?;
+    let q = w.q.contiguous()?;
+    let s = w.scale.contiguous()?;
+    q.apply_op1_no_bwd(&Dequantize {
+        scale: s,
+        dtype,
+        n,
+        k,
+    })
+}
+
+struct Dequantize {
+    scale: Tensor,
+    dtype: DType,
+    n: usize,
+    k: usize,
+}
+
+impl CustomOp1 for Dequantize {
+    fn name(&self) -> &'static str {
+        "mold-fp8-dequantize"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
+        candle_core::bail!("mold-fp8-dequantize runs on CUDA only")
+    }
+    fn cuda_fwd(&self, q: &CudaStorage, ql: &Layout) -> CResult<(CudaStorage, Shape)> {
+        let (n, k) = (self.n, self.k);
+        let dev = q.device.clone();
+        let (ss, sl) = self.scale.storage_and_layout();
+        let Storage::Cuda(ss) = &*ss else {
+            candle_core::bail!("FP8 dequantize: the scales are not on the GPU");
+        };
+        let f = dev
+            .get_or_load_custom_fatbin(
+                &format!("mold_fp8_dequantize_rows_{}", suffix(self.dtype)?),
+                MODULE,
+                FATBIN,
+            )?
+            .into_cuda_function();
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, (k as u32).div_ceil(THREADS), 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let qv = q
+            .as_cuda_slice::<float8::F8E4M3>()?
+            .slice(ql.start_offset()..);
+        let sv = ss.as_cuda_slice::<f32>()?.slice(sl.start_offset()..);
+        let kk = k as i32;
+        let stream = dev.cuda_stream();
+        let storage = match self.dtype {
+            DType::BF16 => {
+                // SAFETY: the kernel writes every element.
+                let mut out = unsafe { dev.alloc::<half::bf16>(n * k)? };
+                let mut b = stream.launch_builder(&f);
+                b.arg(&qv).arg(&sv).arg(&mut out).arg(&kk);
+                // SAFETY: arguments match the kernel.
+                unsafe { b.launch(cfg) }.map_err(|e| err("dequantize kernel", e))?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }
+            _ => {
+                // SAFETY: as above.
+                let mut out = unsafe { dev.alloc::<half::f16>(n * k)? };
+                let mut b = stream.launch_builder(&f);
+                b.arg(&qv).arg(&sv).arg(&mut out).arg(&kk);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }.map_err(|e| err("dequantize kernel", e))?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }
+        };
+        Ok((storage, Shape::from((n, k))))
+    }
+}

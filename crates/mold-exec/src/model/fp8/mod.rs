@@ -1,0 +1,355 @@
+//! FP8 (e4m3) weights and products.
+//!
+//! A weight is held as [`Fp8Weight`]: e4m3 values and one f32 scale per output feature
+//! (row), `w ≈ q · scale[row]`, quantized per row at load ([`Fp8Weight::quantize`]). A
+//! product `x Wᵀ` quantizes its input per token (row) on the fly in the same way and
+//! multiplies the two FP8 matrices with f32 accumulation, both scales applied in the
+//! product's epilogue, the bias and GELU after them ([`linear`]):
+//!
+//! - CUDA, GPUs with FP8 tensor cores (sm_89, sm_90 and later) and a cuBLASLt that takes
+//!   per-row ("outer vector") scales: one quantizing kernel, then one cuBLASLt FP8 matmul
+//!   with the scales, bias and GELU in its epilogue ([`cuda`]).
+//! - CUDA elsewhere (A100, RTX 3090, or cuBLASLt without those scales): weight-only FP8:
+//!   the weight widened to the compute dtype just before its product, the input not
+//!   quantized. FP8 then saves memory, not time.
+//! - CPU and the candle reference (`MOLD_KERNELS=candle`): the same arithmetic as the FP8
+//!   products, emulated — the input quantized and widened back per token, the weight
+//!   widened, an f32 product ([`linear_reference`]). CI proves sharded = unsharded on it.
+//!
+//! The scale of a token is taken over the features a rank holds: column-parallel and
+//! sequence-parallel products see whole tokens and equal the unsharded product exactly;
+//! a row-parallel product's ranks each scale their own slice of a token (within FP8's
+//! rounding of the unsharded product, not equal to it).
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+
+use super::ops::Kernels;
+use candle_core::{DType, Device, Tensor, D};
+use float8::F8E4M3;
+use rayon::prelude::*;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+type CResult<T> = candle_core::Result<T>;
+
+static PRODUCTS: AtomicU64 = AtomicU64::new(0);
+static WEIGHT_ONLY: AtomicU64 = AtomicU64::new(0);
+static EMULATED: AtomicU64 = AtomicU64::new(0);
+static WHY: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// How this process's FP8 products ran: through FP8 matmuls, weight-only (the weight
+/// widened first), or emulated; with the reasons a GPU product fell back to weight-only.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    pub products: u64,
+    pub weight_only: u64,
+    pub emulated: u64,
+    pub weight_only_because: Vec<String>,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "FP8 products: {} FP8 matmuls (cuBLASLt, per-row scales), {} weight-only, {} emulated",
+            self.products, self.weight_only, self.emulated
+        )?;
+        for w in &self.weight_only_because {
+            write!(f, "\n  weight-only because {w}")?;
+        }
+        Ok(())
+    }
+}
+
+/// This process's FP8 product counts so far.
+pub fn report() -> Report {
+    Report {
+        products: PRODUCTS.load(Ordering::Relaxed),
+        weight_only: WEIGHT_ONLY.load(Ordering::Relaxed),
+        emulated: EMULATED.load(Ordering::Relaxed),
+        weight_only_because: WHY.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn weight_only_because(why: String) {
+    WEIGHT_ONLY.fetch_add(1, Ordering::Relaxed);
+    let mut w = WHY.lock().unwrap_or_else(|p| p.into_inner());
+    if !w.contains(&why) && w.len() < 8 {
+        w.push(why);
+    }
+}
+
+/// The largest finite e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// `(1 / scale, scale)` of a row whose largest magnitude is `amax`: the row is multiplied
+/// by the first before rounding to e4m3, the product by the second after. A zero (or
+/// non-finite) row keeps 1. The CUDA kernel (kernels/fp8.cu) computes the same, in f32
+/// with IEEE division.
+pub fn row_scale(amax: f32) -> (f32, f32) {
+    if amax > 0.0 && amax.is_finite() {
+        (E4M3_MAX / amax, amax / E4M3_MAX)
+    } else {
+        (1.0, 1.0)
+    }
+}
+
+/// `v` rounded to e4m3 (nearest even, saturated at ±448), as the CUDA kernel does.
+pub fn round_e4m3(v: f32) -> F8E4M3 {
+    F8E4M3::from_f32(v.clamp(-E4M3_MAX, E4M3_MAX))
+}
+
+/// Rows of `k` f32 values quantized row by row: the e4m3 values and one scale per row.
+fn quantize_slice(x: &[f32], k: usize) -> (Vec<F8E4M3>, Vec<f32>) {
+    let rows = x.len().checked_div(k).unwrap_or(0);
+    let mut q = vec![F8E4M3::from_bits(0); x.len()];
+    let mut s = vec![1f32; rows];
+    quantize_into(x, k, &mut q, &mut s, |v| *v);
+    (q, s)
+}
+
+/// Rows of `k` values of `x` quantized into `q` with their scales in `s`, rows in parallel.
+fn quantize_into<T: Sync>(
+    x: &[T],
+    k: usize,
+    q: &mut [F8E4M3],
+    s: &mut [f32],
+    f: impl Fn(&T) -> f32 + Sync,
+) {
+    if k == 0 {
+        return;
+    }
+    q.par_chunks_mut(k)
+        .zip(s.par_iter_mut())
+        .zip(x.par_chunks(k))
+        .for_each(|((qr, sr), xr)| {
+            let amax = xr.iter().fold(0f32, |m, v| m.max(f(v).abs()));
+            let (inv, scale) = row_scale(amax);
+            for (o, v) in qr.iter_mut().zip(xr) {
+                *o = round_e4m3(f(v) * inv);
+            }
+            *sr = scale;
+        });
+}
+
+/// A product's weight in FP8: `q` `(n, k)` e4m3, `scale` `(n)` f32, `w ≈ q · scale[row]`.
+#[derive(Clone, Debug)]
+pub struct Fp8Weight {
+    q: Tensor,
+    scale: Tensor,
+}
+
+impl Fp8Weight {
+    /// Quantizes an `(n, k)` weight per output feature (row), on the host, rows in
+    /// parallel, read in the weight's own dtype (no widened copy).
+    pub fn quantize(w: &Tensor) -> CResult<Fp8Weight> {
+        let (n, k) = w.dims2()?;
+        let w = w.to_device(&Device::Cpu)?.flatten_all()?;
+        let mut q = vec![F8E4M3::from_bits(0); n * k];
+        let mut s = vec![1f32; n];
+        match w.dtype() {
+            DType::BF16 => quantize_into(&w.to_vec1::<half::bf16>()?, k, &mut q, &mut s, |v| {
+                v.to_f32()
+            }),
+            DType::F16 => quantize_into(&w.to_vec1::<half::f16>()?, k, &mut q, &mut s, |v| {
+                v.to_f32()
+            }),
+            DType::F32 => quantize_into(&w.to_vec1::<f32>()?, k, &mut q, &mut s, |v| *v),
+            dt => candle_core::bail!(
+                "FP8 quantization of a {dt:?} weight: give it in bf16, f16 or f32"
+            ),
+        }
+        Ok(Fp8Weight {
+            q: Tensor::from_vec(q, (n, k), &Device::Cpu)?,
+            scale: Tensor::from_vec(s, n, &Device::Cpu)?,
+        })
+    }
+
+    /// From e4m3 values and per-row scales (checked: `q` `(n, k)` F8E4M3, `scale` `(n)` F32).
+    pub fn from_parts(q: Tensor, scale: Tensor) -> CResult<Fp8Weight> {
+        let (n, _) = q.dims2()?;
+        if q.dtype() != DType::F8E4M3 || scale.dtype() != DType::F32 || scale.dims() != [n] {
+            candle_core::bail!(
+                "an FP8 weight is (n, k) f8e4m3 with (n) f32 scales, not {:?} {:?} with {:?} {:?}",
+                q.dims(),
+                q.dtype(),
+                scale.dims(),
+                scale.dtype()
+            );
+        }
+        Ok(Fp8Weight { q, scale })
+    }
+
+    /// The e4m3 values, `(n, k)`.
+    pub fn values(&self) -> &Tensor {
+        &self.q
+    }
+    /// One scale per output feature, `(n)`.
+    pub fn scales(&self) -> &Tensor {
+        &self.scale
+    }
+    pub fn dims2(&self) -> CResult<(usize, usize)> {
+        self.q.dims2()
+    }
+    pub fn device(&self) -> &Device {
+        self.q.device()
+    }
+
+    /// Output features `start..start + len` (a view: rows are contiguous).
+    pub fn narrow_rows(&self, start: usize, len: usize) -> CResult<Fp8Weight> {
+        Ok(Fp8Weight {
+            q: self.q.narrow(0, start, len)?,
+            scale: self.scale.narrow(0, start, len)?,
+        })
+    }
+
+    /// Input features `start..start + len`, copied contiguous; each row keeps its scale.
+    pub fn narrow_cols(&self, start: usize, len: usize) -> CResult<Fp8Weight> {
+        Ok(Fp8Weight {
+            q: self.q.narrow(1, start, len)?.contiguous()?,
+            scale: self.scale.clone(),
+        })
+    }
+
+    /// `w ≈ q · scale[row]` in `dtype` (a kernel on CUDA, exact in f32 on the host).
+    pub fn dequantize(&self, dtype: DType) -> CResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.q.device().is_cuda() && matches!(dtype, DType::BF16 | DType::F16) {
+            return cuda::dequantize(self, dtype);
+        }
+        self.q
+            .to_dtype(DType::F32)?
+            .broadcast_mul(&self.scale.to_dtype(DType::F32)?.unsqueeze(1)?)?
+            .to_dtype(dtype)
+    }
+
+    /// The weight with every tensor passed through `f` (values first, then scales).
+    pub fn map(&self, f: &mut dyn FnMut(&Tensor) -> CResult<Tensor>) -> CResult<Fp8Weight> {
+        Ok(Fp8Weight {
+            q: f(&self.q)?,
+            scale: f(&self.scale)?,
+        })
+    }
+
+    pub fn bytes(&self) -> u64 {
+        (self.q.elem_count() + self.scale.elem_count() * 4) as u64
+    }
+}
+
+/// `x` quantized to e4m3 per row (last dimension) and widened back to f32: what an FP8
+/// product sees of its input (the CPU emulation of kernels/fp8.cu).
+pub fn fake_quantize_rows(x: &Tensor) -> CResult<Tensor> {
+    let k = x.dim(D::Minus1)?;
+    let data = x
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let (q, s) = quantize_slice(&data, k);
+    let out: Vec<f32> = q
+        .par_chunks(k.max(1))
+        .zip(s.par_iter())
+        .flat_map_iter(|(row, sc)| row.iter().map(move |v| v.to_f32() * sc))
+        .collect();
+    Tensor::from_vec(out, x.dims(), &Device::Cpu)?.to_device(x.device())
+}
+
+/// `act(x Wᵀ + b)` emulated: the input quantized per token and widened back, the weight
+/// widened, an f32 product, the bias and tanh-GELU in f32, rounded once to `x`'s dtype.
+pub fn linear_reference(
+    x: &Tensor,
+    w: &Fp8Weight,
+    b: Option<&Tensor>,
+    gelu: bool,
+) -> CResult<Tensor> {
+    let xq = fake_quantize_rows(x)?;
+    let wd = w.dequantize(DType::F32)?.to_device(x.device())?;
+    let mut y = super::gemm::matmul(&xq, &wd)?;
+    if let Some(b) = b {
+        y = y.broadcast_add(&b.to_dtype(DType::F32)?)?;
+    }
+    if gelu {
+        y = y.gelu()?;
+    }
+    y.to_dtype(x.dtype())
+}
+
+/// `act(x Wᵀ + b)` for `x` `(…, k)` and an FP8 weight `(n, k)`: FP8 products where the GPU
+/// and cuBLASLt take them, weight-only FP8 on other GPUs, the emulation elsewhere (module
+/// docs).
+pub fn linear(
+    x: &Tensor,
+    w: &Fp8Weight,
+    b: Option<&Tensor>,
+    gelu: bool,
+    k: Kernels,
+) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && k.uses_libraries() {
+        // The first product of each epilogue asks cuBLASLt for an algorithm; a refusal is
+        // remembered (products_apply says why from then on) and falls back below.
+        let refused_now = |e: candle_core::Error, bias: bool, gelu: bool| match x.device() {
+            candle_core::Device::Cuda(d) => match cuda::device_takes(d, bias, gelu) {
+                Err(why) => Ok(why),
+                Ok(()) => Err(e),
+            },
+            _ => Err(e),
+        };
+        let mut why = match cuda::products_apply(x, w, b, gelu) {
+            Ok(()) => match cuda::linear(x, w, b, gelu) {
+                Ok(y) => {
+                    PRODUCTS.fetch_add(1, Ordering::Relaxed);
+                    return Ok(y);
+                }
+                Err(e) => refused_now(e, b.is_some(), gelu)?,
+            },
+            Err(why) => why,
+        };
+        // cuBLASLt without a GELU epilogue for these products: the bias in it, the GELU in
+        // mold's pass after.
+        if gelu && cuda::products_apply(x, w, b, false).is_ok() {
+            match cuda::linear(x, w, b, false) {
+                Ok(y) => {
+                    PRODUCTS.fetch_add(1, Ordering::Relaxed);
+                    return super::ops::bias_act(&y, None, true, k);
+                }
+                Err(e) => why = refused_now(e, b.is_some(), false)?,
+            }
+        }
+        weight_only_because(why);
+        let dense = candle_nn::Linear::new(w.dequantize(x.dtype())?, None);
+        return match b {
+            Some(b) => super::gemm::linear(x, &dense, b, gelu, k),
+            None if !gelu => super::gemm::matmul(x, dense.weight()),
+            None => super::gemm::matmul(x, dense.weight())?.gelu(),
+        };
+    }
+    let _ = k;
+    EMULATED.fetch_add(1, Ordering::Relaxed);
+    linear_reference(x, w, b, gelu)
+}
+
+/// `acc + x Wᵀ` with an FP8 weight: accumulated in the product on CUDA (beta = 1, `acc`
+/// consumed; it must not share storage), else a product and an add.
+pub fn add_linear(acc: Tensor, x: &Tensor, w: &Fp8Weight, k: Kernels) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && k.uses_libraries() && cuda::accumulate_applies(&acc, x, w) {
+        match cuda::accumulate(&acc, x, w) {
+            Ok(()) => {
+                PRODUCTS.fetch_add(1, Ordering::Relaxed);
+                return Ok(acc);
+            }
+            // Refused by cuBLASLt (remembered): `acc` is unchanged; product and add below.
+            Err(e) => match x.device() {
+                candle_core::Device::Cuda(d) if cuda::device_takes(d, false, false).is_err() => {}
+                _ => return Err(e),
+            },
+        }
+    }
+    acc + linear(x, w, None, false, k)?
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,253 @@
+use super::*;
+use crate::checkpoint::Checkpoint;
+use crate::model::flux::testdata::write_testdata;
+use crate::model::flux::FluxConfig;
+use crate::model::layers::{ColumnParallel, RowParallel};
+use crate::model::mat::Mat;
+use crate::model::{Shard, WeightSource};
+use crate::runtime::{CheckpointSource, ShapeSource};
+use proptest::prelude::*;
+
+fn bits(t: &Tensor) -> Vec<u8> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .collect()
+}
+
+fn q_bits(w: &Fp8Weight) -> Vec<u8> {
+    w.values()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<F8E4M3>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+#[test]
+fn rounding_saturates_and_keeps_the_grid() {
+    assert_eq!(round_e4m3(448.0).to_f32(), 448.0);
+    assert_eq!(round_e4m3(1e6).to_f32(), 448.0);
+    assert_eq!(round_e4m3(-1e6).to_f32(), -448.0);
+    assert_eq!(round_e4m3(0.0).to_f32(), 0.0);
+    // 3 mantissa bits: 1.0625 lies halfway between 1 and 1.125 and rounds to even (1.0).
+    assert_eq!(round_e4m3(1.0625).to_f32(), 1.0);
+    assert_eq!(round_e4m3(1.07).to_f32(), 1.125);
+    assert_eq!(row_scale(0.0), (1.0, 1.0));
+    assert_eq!(row_scale(f32::NAN), (1.0, 1.0));
+    assert_eq!(row_scale(448.0), (1.0, 1.0));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Every row's largest magnitude maps to ±448 (the scale uses the whole range) and each
+    /// value comes back within half an e4m3 step of itself: |w - q·s| ≤ |w|/16 in the
+    /// normal range, ≤ s·2⁻¹⁰ below it.
+    #[test]
+    fn quantized_rows_come_back_within_half_a_step(
+        rows in 1usize..6,
+        cols in 1usize..40,
+        seed in any::<u64>(),
+        mag in -20i32..20,
+    ) {
+        let mut state = seed | 1;
+        let data: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                state ^= state << 13; state ^= state >> 7; state ^= state << 17;
+                ((state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * 2f32.powi(mag)
+            })
+            .collect();
+        let w = Tensor::from_vec(data.clone(), (rows, cols), &Device::Cpu).unwrap();
+        let q = Fp8Weight::quantize(&w).unwrap();
+        let back = q.dequantize(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let scales = q.scales().to_vec1::<f32>().unwrap();
+        let vals = q.values().flatten_all().unwrap().to_vec1::<F8E4M3>().unwrap();
+        for r in 0..rows {
+            let row = &data[r * cols..(r + 1) * cols];
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            if amax > 0.0 {
+                let top = vals[r * cols..(r + 1) * cols].iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
+                prop_assert_eq!(top, 448.0);
+            }
+            for c in 0..cols {
+                let (w, b) = (row[c], back[r * cols + c]);
+                let bound = w.abs() / 16.0 + scales[r] * 2f32.powi(-10) + 1e-30;
+                prop_assert!((w - b).abs() <= bound * 1.0001, "row {} col {}: {} came back {}", r, c, w, b);
+            }
+        }
+    }
+}
+
+/// The emulated product equals an f32 product of the dequantized operands (its definition,
+/// written out by hand here), bias and GELU included.
+#[test]
+fn the_emulated_product_is_the_product_of_the_dequantized_operands() {
+    let x = Tensor::randn(0f32, 1.0, (2, 3, 32), &Device::Cpu).unwrap();
+    let w = Tensor::randn(0f32, 0.2, (16, 32), &Device::Cpu).unwrap();
+    let b = Tensor::randn(0f32, 0.1, 16, &Device::Cpu).unwrap();
+    let q = Fp8Weight::quantize(&w).unwrap();
+    let got = linear(&x, &q, Some(&b), true, Kernels::Auto).unwrap();
+    let xq = fake_quantize_rows(&x).unwrap().reshape((6, 32)).unwrap();
+    let wd = q.dequantize(DType::F32).unwrap();
+    let want = xq
+        .matmul(&wd.t().unwrap())
+        .unwrap()
+        .broadcast_add(&b)
+        .unwrap()
+        .gelu()
+        .unwrap()
+        .reshape((2, 3, 16))
+        .unwrap();
+    assert_eq!(bits(&got), bits(&want));
+    // And it is an FP8 approximation of the dense product, not something else.
+    let dense = x
+        .reshape((6, 32))
+        .unwrap()
+        .matmul(&w.t().unwrap())
+        .unwrap()
+        .broadcast_add(&b)
+        .unwrap()
+        .gelu()
+        .unwrap()
+        .reshape((2, 3, 16))
+        .unwrap();
+    let err = crate::max_relative_error(&got, &dense).unwrap();
+    assert!(err > 0.0 && err < 0.1, "{err}");
+}
+
+struct Tiny {
+    ckpt: Checkpoint,
+    _dir: tempdir::Dir,
+}
+
+mod tempdir {
+    pub struct Dir(pub std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn tiny(seed: u64) -> Tiny {
+    let dir = std::env::temp_dir().join(format!("mold-fp8-{}-{seed}", std::process::id()));
+    let path = write_testdata(&FluxConfig::flux_tiny(), &dir, seed, DType::F32).unwrap();
+    Tiny {
+        ckpt: Checkpoint::open(&path).unwrap(),
+        _dir: tempdir::Dir(dir),
+    }
+}
+
+/// A row-parallel shard's FP8 weight is the whole weight's columns: the same e4m3 values
+/// and the same per-row scales, whatever the group's size (rows are quantized whole before
+/// the columns are taken).
+#[test]
+fn a_shard_holds_the_whole_weights_values_and_scales() {
+    let t = tiny(11);
+    let src = CheckpointSource {
+        ckpt: &t.ckpt,
+        dtype: DType::F32,
+        fp8: true,
+    };
+    let name = "double_blocks.0.img_mlp.2.weight";
+    let Mat::Fp8(full) = src.load_product(name, None, None).unwrap() else {
+        panic!("an FP8 source gave a dense weight");
+    };
+    let (n, k) = full.dims2().unwrap();
+    for world in [2usize, 4] {
+        for rank in 0..world {
+            let c = Shard { rank, world }.range(k);
+            let Mat::Fp8(part) = src
+                .load_product(name, None, Some(std::slice::from_ref(&c)))
+                .unwrap()
+            else {
+                panic!("dense shard");
+            };
+            assert_eq!(part.dims2().unwrap(), (n, c.len()));
+            assert_eq!(
+                bits(part.scales()),
+                bits(full.scales()),
+                "world {world} rank {rank}"
+            );
+            assert_eq!(
+                q_bits(&part),
+                q_bits(&full.narrow_cols(c.start, c.len()).unwrap())
+            );
+        }
+    }
+    // The shape-only source sizes it as loaded: a byte a value and four a row's scale.
+    let shapes = ShapeSource {
+        ckpt: &t.ckpt,
+        dtype: DType::F32,
+        fp8: true,
+    };
+    let m = shapes.load_product(name, None, None).unwrap();
+    assert_eq!(m.bytes(), (n * k + 4 * n) as u64);
+    assert_eq!(m.bytes(), Mat::Fp8(full).bytes());
+}
+
+/// Column-parallel FP8 products see whole tokens: the ranks' outputs side by side are the
+/// unsharded output, bit for bit. Row-parallel ranks scale their own slice of each token:
+/// the summed partials are within FP8's rounding of the unsharded product.
+#[test]
+fn sharded_fp8_products_match_the_unsharded_one() {
+    let cfg = FluxConfig::flux_tiny();
+    let t = tiny(12);
+    let src = CheckpointSource {
+        ckpt: &t.ckpt,
+        dtype: DType::F32,
+        fp8: true,
+    };
+    let h = cfg.hidden;
+    let m = cfg.mlp_hidden();
+    let x = Tensor::randn(0f32, 1.0, (2, 5, h), &Device::Cpu).unwrap();
+    let p = "double_blocks.1.img_mlp.0";
+    let full = ColumnParallel::load(&src, p, std::slice::from_ref(&(0..m))).unwrap();
+    let want = full.forward_gelu(&x, Kernels::Auto).unwrap();
+    for world in [2usize, 4] {
+        let outs: Vec<Tensor> = (0..world)
+            .map(|rank| {
+                let r = Shard { rank, world }.range(m);
+                ColumnParallel::load(&src, p, &[r])
+                    .unwrap()
+                    .forward_gelu(&x, Kernels::Auto)
+                    .unwrap()
+            })
+            .collect();
+        let got = Tensor::cat(&outs, 2).unwrap();
+        assert_eq!(bits(&got), bits(&want), "column-parallel over {world}");
+    }
+    let u = want;
+    let p2 = "double_blocks.1.img_mlp.2";
+    let whole = RowParallel::load(&src, p2, std::slice::from_ref(&(0..m))).unwrap();
+    let want2 = whole
+        .add_bias(
+            &whole.partial(&[&u], Kernels::Auto).unwrap(),
+            Kernels::Candle,
+        )
+        .unwrap();
+    for world in [2usize, 4] {
+        let mut sum: Option<Tensor> = None;
+        for rank in 0..world {
+            let c = Shard { rank, world }.range(m);
+            let l = RowParallel::load(&src, p2, std::slice::from_ref(&c)).unwrap();
+            let part = l
+                .partial(&[&u.narrow(2, c.start, c.len()).unwrap()], Kernels::Auto)
+                .unwrap();
+            sum = Some(match sum {
+                None => part,
+                Some(s) => (s + part).unwrap(),
+            });
+        }
+        let got = whole.add_bias(&sum.unwrap(), Kernels::Candle).unwrap();
+        let err = crate::max_relative_error(&got, &want2).unwrap();
+        assert!(err > 0.0 && err < 5e-2, "row-parallel over {world}: {err}");
+    }
+}

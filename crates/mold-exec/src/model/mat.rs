@@ -1,0 +1,83 @@
+//! A product's weight `(n, k)`: dense in the compute dtype, or FP8 with one scale per output
+//! feature ([`super::fp8`]). Column- and row-parallel layers hold these; each product
+//! dispatches on the kind.
+
+use super::fp8::{self, Fp8Weight};
+use super::gemm;
+use super::layers::TensorMap;
+use super::ops::Kernels;
+use candle_core::Tensor;
+
+type CResult<T> = candle_core::Result<T>;
+
+#[derive(Clone, Debug)]
+pub enum Mat {
+    Dense(Tensor),
+    Fp8(Fp8Weight),
+}
+
+impl Mat {
+    /// Output features.
+    pub fn rows(&self) -> CResult<usize> {
+        match self {
+            Mat::Dense(w) => w.dim(0),
+            Mat::Fp8(w) => Ok(w.dims2()?.0),
+        }
+    }
+
+    /// Output features `start..start + len`.
+    pub fn narrow_rows(&self, start: usize, len: usize) -> CResult<Mat> {
+        Ok(match self {
+            Mat::Dense(w) => Mat::Dense(w.narrow(0, start, len)?),
+            Mat::Fp8(w) => Mat::Fp8(w.narrow_rows(start, len)?),
+        })
+    }
+
+    /// Input features `start..start + len` (copied contiguous).
+    pub fn narrow_cols(&self, start: usize, len: usize) -> CResult<Mat> {
+        Ok(match self {
+            Mat::Dense(w) => Mat::Dense(w.narrow(1, start, len)?.contiguous()?),
+            Mat::Fp8(w) => Mat::Fp8(w.narrow_cols(start, len)?),
+        })
+    }
+
+    /// `act(x Wᵀ + b)`: the bias (and GELU) in the product's epilogue where the libraries
+    /// run it.
+    pub fn linear(&self, x: &Tensor, b: &Tensor, gelu: bool, k: Kernels) -> CResult<Tensor> {
+        match self {
+            Mat::Dense(w) => gemm::linear(x, &candle_nn::Linear::new(w.clone(), None), b, gelu, k),
+            Mat::Fp8(w) => fp8::linear(x, w, Some(b), gelu, k),
+        }
+    }
+
+    /// `x Wᵀ`.
+    pub fn matmul(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
+        match self {
+            Mat::Dense(w) => gemm::matmul(x, w),
+            Mat::Fp8(w) => fp8::linear(x, w, None, false, k),
+        }
+    }
+
+    /// `acc + x Wᵀ`, accumulated in the product where the libraries run it (`acc` consumed;
+    /// it must not share storage with another live tensor).
+    pub fn add_matmul(&self, acc: Tensor, x: &Tensor, k: Kernels) -> CResult<Tensor> {
+        match self {
+            Mat::Dense(w) => gemm::add_matmul(acc, x, w, k),
+            Mat::Fp8(w) => fp8::add_linear(acc, x, w, k),
+        }
+    }
+
+    pub fn map_tensors(&self, f: &mut TensorMap) -> CResult<Mat> {
+        Ok(match self {
+            Mat::Dense(w) => Mat::Dense(f(w)?),
+            Mat::Fp8(w) => Mat::Fp8(w.map(f)?),
+        })
+    }
+
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Mat::Dense(w) => (w.elem_count() * w.dtype().size_in_bytes()) as u64,
+            Mat::Fp8(w) => w.bytes(),
+        }
+    }
+}
