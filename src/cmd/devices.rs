@@ -535,7 +535,7 @@ fn model_request(a: &Args, model: &str) -> Result<ModelCalibration> {
             .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?,
         None => spec.transformer.default_dtype,
     };
-    mold_exec::compute_dtype(dtype).map_err(|e| anyhow::anyhow!("--dtype {dtype}: {e}"))?;
+    mold_exec::weights_dtype(dtype).map_err(|e| anyhow::anyhow!("--dtype {dtype}: {e}"))?;
     mold_pipeline::calibrate::check_model(&spec)
         .map_err(|e| anyhow::anyhow!("--model {model}: {e}"))?;
     let mut extra = Vec::new();

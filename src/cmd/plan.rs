@@ -70,6 +70,11 @@ pub struct Args {
     /// Storage type of a component: NAME=DTYPE, e.g. transformer=q8 (repeatable).
     #[arg(long, value_name = "NAME=DTYPE")]
     pub dtype: Vec<String>,
+    /// Let the planner hold the transformer in FP8 (e4m3, a scale per output feature; FP8
+    /// products on GPUs with FP8 tensor cores) where that plans a faster request or one that
+    /// fits: both are planned, the better kept. FP8 changes the image slightly.
+    #[arg(long)]
+    pub allow_fp8: bool,
     /// Never stream transformer blocks from host memory.
     #[arg(long)]
     pub no_stream: bool,
@@ -368,17 +373,12 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
     let mut req = Request::new(model, machine, w);
     req.checkpoint = loaded.checkpoint;
     if let Some(d) = loaded.dtype {
-        // FP8 weights are dequantized at load: the transformer computes, and is held, in
-        // bf16 until FP8 products exist.
-        let d = if d == DType::Fp8 {
+        if d == DType::Fp8 {
             eprintln!(
-                "note: {} stores the transformer in FP8 (e4m3); mold dequantizes it at load and computes in bf16 (2 bytes a weight on the GPU)",
+                "note: {} stores the transformer in FP8 (e4m3): planned in FP8 (a byte a weight and a scale per output feature, FP8 products on GPUs with FP8 tensor cores); --dtype transformer=bf16 widens it at load",
                 a.model
             );
-            DType::Bf16
-        } else {
-            d
-        };
+        }
         req.dtypes.insert("transformer".into(), d);
     }
     for s in &a.dtype {
@@ -537,7 +537,7 @@ pub fn run(a: Args) -> Result<i32> {
     let stamp = mold_files::Stamp::HashComment;
     dest.check(mold_files::Mine::Stamped(stamp))?;
     let (req, profile_line, machine_name) = request(&a)?;
-    let outcome = mold_planner::plan(&req)?;
+    let outcome = plan_with_fp8_allowed(&a, &req)?;
     dest.write_stamped(stamp, outcome.plan.to_yaml().as_bytes())?;
     if a.json {
         let v = serde_json::json!({
@@ -552,6 +552,47 @@ pub fn run(a: Args) -> Result<i32> {
         println!("\nplan written to {}", a.out.display());
     }
     Ok(0)
+}
+
+/// The plan; with `--allow-fp8` (and no transformer dtype given), the better of the plan
+/// as asked and the same request with the transformer in FP8, by the objective, saying
+/// which and both figures.
+fn plan_with_fp8_allowed(a: &Args, req: &Request) -> Result<mold_planner::Outcome> {
+    let given = a.dtype.iter().any(|s| s.starts_with("transformer="));
+    let asked = req.dtypes.get("transformer").copied();
+    if !a.allow_fp8 || given || asked == Some(DType::Fp8) {
+        return Ok(mold_planner::plan(req)?);
+    }
+    let mut r8 = req.clone();
+    r8.dtypes.insert("transformer".into(), DType::Fp8);
+    let dense = mold_planner::plan(req);
+    let fp8 = mold_planner::plan(&r8);
+    let score = |o: &mold_planner::Outcome| o.plan.solver.objective_value;
+    let name = asked.map_or("its default dtype".to_string(), |d| d.to_string());
+    Ok(match (dense, fp8) {
+        (Ok(d), Ok(f)) if score(&f) < score(&d) => {
+            eprintln!(
+                "--allow-fp8: the transformer in FP8 (objective {} against {} in {name})",
+                score(&f),
+                score(&d)
+            );
+            f
+        }
+        (Ok(d), Ok(f)) => {
+            eprintln!(
+                "--allow-fp8: the transformer stays in {name} (objective {} against {} in FP8)",
+                score(&d),
+                score(&f)
+            );
+            d
+        }
+        (Err(e), Ok(f)) => {
+            eprintln!("--allow-fp8: the transformer in FP8 (in {name}: {e})");
+            f
+        }
+        (Ok(d), Err(_)) => d,
+        (Err(e), Err(_)) => return Err(e.into()),
+    })
 }
 
 pub fn models(a: ModelsArgs) -> Result<i32> {

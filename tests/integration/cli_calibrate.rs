@@ -722,3 +722,29 @@ fn devices_calibrate_sustained_timing() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--timing"), "{}", stderr(&o));
 }
+
+/// `--dtype fp8` measures the products as FP8 plans run them (FP8 weights; emulated on the
+/// CPU) into an `fp8` table, and an FP8 plan on that profile is priced from it.
+#[test]
+fn calibrating_in_fp8_measures_an_fp8_table_that_fp8_plans_use() {
+    let d = tempdir("devices-ops-fp8");
+    let base = machine("cpu-emu-4");
+    let prof = d.join("emu-fp8.yaml");
+    let prof_s = prof.to_str().unwrap();
+    let err = calibrate_flux_tiny_with(&d, &base, prof_s, &["--dtype", "fp8"]);
+    assert!(err.contains("operation tables: flux-tiny fp8"), "{err}");
+    let m = Machine::load(&prof).unwrap();
+    assert_eq!(m.ops.len(), 1);
+    assert_eq!(m.ops[0].dtype, mold_plan::DType::Fp8);
+    assert!(!m.ops[0].gemm.is_empty());
+    let out = d.join("fp8.yaml");
+    let p = plan_all_on_device_0(&d, prof_s, &out, &["--dtype", "transformer=fp8"]);
+    assert_eq!(p.transformer().unwrap().dtype, mold_plan::DType::Fp8);
+    let s = sim_text(&d, &out, prof_s);
+    assert!(
+        s.contains(
+            "block times: calibrated by operation (tables flux-tiny fp8 on emulated device (CPU))"
+        ),
+        "{s}"
+    );
+}

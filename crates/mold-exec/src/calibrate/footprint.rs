@@ -19,9 +19,9 @@
 //! workspace, 32 MiB on Hopper, comes from the pool and lives as long as its handle).
 //! Collectives (NCCL's buffers) are not run.
 
-use super::loads::block_loads;
+use super::loads::{block_loads, Precision};
 use crate::error::{ExecError, Result};
-use crate::executor::compute_dtype;
+use crate::executor::weights_dtype;
 use crate::memory_probe::{Growth, MemoryProbe};
 use crate::model::ops::Kernels;
 use crate::runtime::DeviceMap;
@@ -101,13 +101,13 @@ pub fn footprint_ops(model: &ModelSpec, dtype: DType) -> Result<Vec<BlockOps>> {
 /// tensors; how many operations ran.
 fn run_once(
     dev: &Device,
-    dtype: candle_core::DType,
+    p: Precision,
     blocks: &[BlockOps],
     kernels: Kernels,
 ) -> candle_core::Result<usize> {
     let mut ran = 0;
     for b in blocks {
-        let (_, loads) = block_loads(dev, dtype, b, kernels)?;
+        let (_, loads) = block_loads(dev, p, b, kernels)?;
         let outputs = loads
             .iter()
             .map(|run| run())
@@ -139,16 +139,18 @@ pub fn measure_footprint(
             "{device}: the memory probe does not read this device"
         )));
     }
-    let dtype = compute_dtype(dtype)?;
+    let (dtype, fp8) = weights_dtype(dtype)?;
     let mut map = DeviceMap::new(false);
     let dev = map.get(device)?;
     progress(&format!(
         "the operations of {} block kinds once on {device} ({dtype:?})",
         blocks.len()
     ));
-    let ran = run_once(&dev, dtype, blocks, kernels).map_err(|e| ExecError::Device {
-        device: device.to_string(),
-        message: format!("running the blocks' operations: {e}"),
+    let ran = run_once(&dev, Precision { dtype, fp8 }, blocks, kernels).map_err(|e| {
+        ExecError::Device {
+            device: device.to_string(),
+            message: format!("running the blocks' operations: {e}"),
+        }
     })?;
     let growth = probe.growth()?;
     let g = growth
@@ -225,11 +227,11 @@ mod tests {
         // flux-tiny: a double block (2 modulation + 8 products) and a single block (1 +
         // 3), each with its attention and its element-wise kernels (three, repeated for
         // the block's element-wise bytes).
-        let cpu = compute_dtype(dtype).unwrap();
+        let cpu = crate::executor::compute_dtype(dtype).unwrap();
         let want: usize = blocks
             .iter()
             .map(|b| {
-                block_loads(&Device::Cpu, cpu, b, Kernels::Auto)
+                block_loads(&Device::Cpu, cpu.into(), b, Kernels::Auto)
                     .unwrap()
                     .1
                     .len()

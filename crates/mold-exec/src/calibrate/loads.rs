@@ -9,7 +9,9 @@
 
 use crate::error::{ExecError, Result};
 use crate::model::attention::attention_with;
+use crate::model::fp8::Fp8Weight;
 use crate::model::layers::{ColumnParallel, RowParallel};
+use crate::model::mat::Mat;
 use crate::model::ops::{self, Kernels};
 use crate::model::{ActivationMeter, WeightSource};
 use candle_core::{DType, Device, Tensor};
@@ -19,11 +21,27 @@ use std::ops::Range;
 /// Something to run on the device's compute stream, its output dropped.
 pub type Load<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
 
+/// The compute dtype, and whether the products' weights are FP8 ([`crate::model::fp8`]):
+/// what a calibration measures in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Precision {
+    pub dtype: DType,
+    pub fp8: bool,
+}
+
+impl From<DType> for Precision {
+    fn from(dtype: DType) -> Self {
+        Precision { dtype, fp8: false }
+    }
+}
+
 /// A weight source of random tensors of the shapes it is told: what a layer loads from
-/// it has the layer's real shape and dtype, so the layer runs as it does on a checkpoint.
+/// it has the layer's real shape and dtype (products' weights FP8 with `fp8`), so the
+/// layer runs as it does on a checkpoint.
 struct Random<'a> {
     shapes: Vec<(String, Vec<usize>)>,
     dtype: DType,
+    fp8: bool,
     device: &'a Device,
 }
 
@@ -51,6 +69,19 @@ impl WeightSource for Random<'_> {
         let dims: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
         Ok(random(&dims, self.dtype, self.device)?)
     }
+    fn load_product(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Mat> {
+        let w = self.load(name, rows, cols)?;
+        if !self.fp8 {
+            return Ok(Mat::Dense(w));
+        }
+        let q = Fp8Weight::quantize(&w)?.map(&mut |t| t.to_device(self.device))?;
+        Ok(Mat::Fp8(q))
+    }
 }
 
 /// Normal values of standard deviation 0.02 (a trained weight's scale), in `dtype`.
@@ -66,11 +97,13 @@ pub(super) fn random(dims: &[u64], dtype: DType, dev: &Device) -> candle_core::R
 /// built, ready to run.
 pub(super) fn gemm_load(
     dev: &Device,
-    dtype: DType,
+    p: Precision,
     g: Gemm,
     k: Kernels,
 ) -> candle_core::Result<Load<'static>> {
+    let dtype = p.dtype;
     let src = Random {
+        fp8: p.fp8,
         shapes: vec![
             ("w.weight".into(), vec![g.n as usize, g.k as usize]),
             ("w.bias".into(), vec![g.n as usize]),
@@ -181,13 +214,14 @@ type Shared = std::rc::Rc<dyn Fn() -> candle_core::Result<candle_core::Tensor>>;
 /// hides behind the products around them.
 pub(super) fn block_loads(
     dev: &Device,
-    dtype: DType,
+    p: Precision,
     b: &BlockOps,
     k: Kernels,
 ) -> candle_core::Result<(Vec<Slot>, Vec<Load<'static>>)> {
+    let dtype = p.dtype;
     let mut big: Vec<(Slot, Load<'static>)> = Vec::new();
     for g in &b.gemms {
-        big.push((Slot::Gemm(*g), gemm_load(dev, dtype, *g, k)?));
+        big.push((Slot::Gemm(*g), gemm_load(dev, p, *g, k)?));
     }
     big.push((
         Slot::Attention(b.attention, b.batch),

@@ -16,9 +16,9 @@
 //! shapes (random weights and inputs), never the model's step: nothing here is fitted
 //! on a step.
 
-use super::loads::{block_loads, Load, Slot};
+use super::loads::{block_loads, Load, Precision, Slot};
 use crate::model::ops::Kernels;
-use candle_core::{DType, Device};
+use candle_core::Device;
 use mold_cost::ops::{AttentionShape, BlockOps, Gemm};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -58,7 +58,7 @@ impl MixTimes {
 /// documentation): `round` per round, at least four rounds and `span` per block.
 pub(super) fn measure(
     dev: &Device,
-    dtype: DType,
+    p: Precision,
     mixes: &[BlockOps],
     kernels: Kernels,
     (round, span): (Duration, Duration),
@@ -75,7 +75,7 @@ pub(super) fn measure(
             b.attention.seq,
             b.elementwise_bytes / 1_000_000
         ));
-        let (slots, loads) = block_loads(dev, dtype, b, kernels)?;
+        let (slots, loads) = block_loads(dev, p, b, kernels)?;
         let times = time_in_mix(dev, &loads, round, span)?;
         for (slot, s) in slots.iter().zip(times) {
             match slot {
@@ -227,6 +227,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::DType;
     use candle_core::Tensor;
     use mold_cost::ops::{calibration_shapes, ShapeRequest};
     use std::cell::Cell;
@@ -280,7 +281,7 @@ mod tests {
         let shapes = calibration_shapes(&model, mold_plan::DType::F32, &req);
         let m = measure(
             &Device::Cpu,
-            DType::F32,
+            DType::F32.into(),
             &shapes.mixes,
             Kernels::Auto,
             (Duration::from_millis(1), Duration::from_millis(2)),

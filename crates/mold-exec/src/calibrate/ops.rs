@@ -22,11 +22,13 @@
 use super::bench::{OpBench, Timing};
 use super::collectives::measure_collectives;
 use super::copy;
-use super::loads::{attention_load, block_loads, elementwise_loads, gemm_load, random, Load, Slot};
+use super::loads::{
+    attention_load, block_loads, elementwise_loads, gemm_load, random, Load, Precision, Slot,
+};
 use super::mix;
 use super::timing::{median_time, sustained_time};
 use crate::error::{ExecError, Result};
-use crate::executor::compute_dtype;
+use crate::executor::weights_dtype;
 use crate::model::ops::Kernels;
 use crate::runtime::DeviceMap;
 use candle_core::{DType, Device, Tensor};
@@ -60,7 +62,9 @@ pub fn measure_ops(
     progress: &mut dyn FnMut(&str),
 ) -> Result<OpTables> {
     bench.check(target.devices).map_err(ExecError::Input)?;
-    let dtype = compute_dtype(target.dtype)?;
+    // FP8 plans: products with FP8 weights (as they run), everything else in bf16.
+    let (dtype, fp8) = weights_dtype(target.dtype)?;
+    let precision = Precision { dtype, fp8 };
     let mut map = DeviceMap::new(bench.own_streams);
     let id = &target.devices[0];
     let dev = map.get(id)?;
@@ -81,7 +85,7 @@ pub fn measure_ops(
             ));
             mix::measure(
                 &dev,
-                dtype,
+                precision,
                 &shapes.mixes,
                 bench.kernels,
                 (round, span),
@@ -100,7 +104,7 @@ pub fn measure_ops(
     for g in &shapes.gemm {
         let seconds = match mixed.gemm_s(g) {
             Some(s) => s,
-            None => time_gemm(&dev, dtype, *g, bench)
+            None => time_gemm(&dev, precision, *g, bench)
                 .map_err(|e| on(e, &format!("the product m={} n={} k={}", g.m, g.n, g.k)))?,
         };
         gemm.push(GemmPoint {
@@ -153,7 +157,7 @@ pub fn measure_ops(
             COPY_BYTES >> 20,
             target.model
         ));
-        let loads = copy_loads(&dev, dtype, &shapes.blocks, bench.kernels)
+        let loads = copy_loads(&dev, precision, &shapes.blocks, bench.kernels)
             .map_err(|e| on(e, "the loads the copy runs beside"))?;
         if let Some(c) = copy::measure(&dev, &loads, COPY_BYTES)? {
             progress(&format!("host→device copy: {}", c.summary()));
@@ -180,8 +184,8 @@ pub fn measure_ops(
 }
 
 /// One product ([`gemm_load`]) timed.
-fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_core::Result<f64> {
-    median(dev, bench, gemm_load(dev, dtype, g, bench.kernels)?)
+fn time_gemm(dev: &Device, p: Precision, g: Gemm, bench: &OpBench) -> candle_core::Result<f64> {
+    median(dev, bench, gemm_load(dev, p, g, bench.kernels)?)
 }
 
 /// What [`copy::measure`] times the copy beside, on `dev`: candle's kernels
@@ -191,7 +195,7 @@ fn time_gemm(dev: &Device, dtype: DType, g: Gemm, bench: &OpBench) -> candle_cor
 /// [`super::loads::block_loads`]).
 fn copy_loads(
     dev: &Device,
-    dtype: DType,
+    p: Precision,
     blocks: &[BlockOps],
     k: Kernels,
 ) -> candle_core::Result<Vec<(String, Load<'static>)>> {
@@ -202,7 +206,7 @@ fn copy_loads(
     let mut elementwise: Vec<Part> = Vec::new();
     let mut whole: Vec<Part> = Vec::new();
     for b in blocks {
-        let (slots, loads) = block_loads(dev, dtype, b, k)?;
+        let (slots, loads) = block_loads(dev, p, b, k)?;
         for (slot, l) in slots.into_iter().zip(loads) {
             let p = part(l);
             match slot {
@@ -231,8 +235,8 @@ fn copy_loads(
         .max()
         .unwrap_or(1)
         .max(1);
-    let small = random(&[1, 256, width], dtype, dev)?;
-    let row = random(&[1, 1, width], dtype, dev)?;
+    let small = random(&[1, 256, width], p.dtype, dev)?;
+    let row = random(&[1, 1, width], p.dtype, dev)?;
     let strided: Load<'static> = Box::new(move || {
         let mut y = small.broadcast_add(&row)?;
         for _ in 0..15 {
@@ -306,7 +310,13 @@ mod tests {
         let req = ShapeRequest::default_for(&model, 1, vec![]);
         let shapes = calibration_shapes(&model, mold_plan::DType::F32, &req);
         assert_eq!(shapes.blocks.len(), model.transformer.kinds.len());
-        let loads = copy_loads(&Device::Cpu, DType::F32, &shapes.blocks, Kernels::Auto).unwrap();
+        let loads = copy_loads(
+            &Device::Cpu,
+            DType::F32.into(),
+            &shapes.blocks,
+            Kernels::Auto,
+        )
+        .unwrap();
         let names: Vec<&str> = loads.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             names,

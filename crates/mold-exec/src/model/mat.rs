@@ -33,6 +33,36 @@ impl Mat {
         })
     }
 
+    /// The weights' output features one after another (all dense or all FP8).
+    pub fn cat_rows(parts: &[Mat]) -> CResult<Mat> {
+        let dense: Option<Vec<&Tensor>> = parts
+            .iter()
+            .map(|m| match m {
+                Mat::Dense(w) => Some(w),
+                Mat::Fp8(_) => None,
+            })
+            .collect();
+        if let Some(ws) = dense {
+            return Ok(Mat::Dense(Tensor::cat(&ws, 0)?));
+        }
+        let fp8: Option<Vec<&Fp8Weight>> = parts
+            .iter()
+            .map(|m| match m {
+                Mat::Fp8(w) => Some(w),
+                Mat::Dense(_) => None,
+            })
+            .collect();
+        let Some(ws) = fp8 else {
+            candle_core::bail!("stacking dense and FP8 weights");
+        };
+        let q: Vec<&Tensor> = ws.iter().map(|w| w.values()).collect();
+        let s: Vec<&Tensor> = ws.iter().map(|w| w.scales()).collect();
+        Ok(Mat::Fp8(Fp8Weight::from_parts(
+            Tensor::cat(&q, 0)?,
+            Tensor::cat(&s, 0)?,
+        )?))
+    }
+
     /// Input features `start..start + len` (copied contiguous).
     pub fn narrow_cols(&self, start: usize, len: usize) -> CResult<Mat> {
         Ok(match self {

@@ -18,9 +18,10 @@
 use super::config::{QwenConfig, TIME_EMBED_DIM};
 use crate::error::Result;
 use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
+use crate::model::mat::Mat;
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops::{self, Kernels};
-use crate::model::{gemm, sequence, Ctx, Shard, WeightSource};
+use crate::model::{sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
 type CResult<T> = candle_core::Result<T>;
@@ -85,7 +86,8 @@ impl QkNorm {
 /// matmul computes all three and the fused q/k/v preparation reads them as FLUX's `qkv`.
 #[derive(Clone, Debug)]
 struct Qkv {
-    weight: candle_nn::Linear,
+    /// Dense or FP8 ([`Mat`]).
+    weight: Mat,
     bias: Tensor,
 }
 
@@ -99,29 +101,28 @@ impl Qkv {
         let mut w = Vec::with_capacity(3);
         let mut b = Vec::with_capacity(3);
         for n in names {
-            w.push(src.load(&format!("{n}.weight"), Some(rows), None)?);
+            w.push(src.load_product(&format!("{n}.weight"), Some(rows), None)?);
             b.push(src.load(&format!("{n}.bias"), Some(rows), None)?);
         }
         Ok(Qkv {
-            weight: candle_nn::Linear::new(Tensor::cat(&w, 0)?, None),
+            weight: Mat::cat_rows(&w)?,
             bias: Tensor::cat(&b, 0)?,
         })
     }
-    /// `x Wᵀ + b`, the bias in the matmul's epilogue on CUDA ([`gemm::linear`]), as the
+    /// `x Wᵀ + b`, the bias in the matmul's epilogue on CUDA ([`Mat::linear`]), as the
     /// cost model's `Run::Bias` product measures it (a separate bias pass read and wrote
     /// the 3·hidden outputs once more per token).
     fn forward(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        gemm::linear(x, &self.weight, &self.bias, false, k)
+        self.weight.linear(x, &self.bias, false, k)
     }
     fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
-        let w = f(self.weight.weight())?;
         Ok(Qkv {
-            weight: candle_nn::Linear::new(w, None),
+            weight: self.weight.map_tensors(f)?,
             bias: f(&self.bias)?,
         })
     }
     fn bytes(&self) -> u64 {
-        vector_bytes(self.weight.weight()) + vector_bytes(&self.bias)
+        self.weight.bytes() + vector_bytes(&self.bias)
     }
 }
 
