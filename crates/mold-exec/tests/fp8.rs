@@ -98,8 +98,7 @@ fn an_fp8_plan_that_streams_is_refused_before_loading() {
     let cfg = FluxConfig::flux_tiny();
     let ckpt = tiny_checkpoint(23);
     let e = Executor::new(&cfg, &fp8_plan(part(&["emu:0"], &ALL, true)), &ckpt)
-        .err()
-        .expect("a streamed FP8 plan ran");
+        .expect_err("a streamed FP8 plan ran");
     let msg = e.to_string();
     assert!(msg.contains("FP8 weights are held resident only"), "{msg}");
     assert_eq!(msg.lines().count(), 1, "{msg}");
