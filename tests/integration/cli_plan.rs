@@ -621,3 +621,121 @@ fn throughput_objective_weighs_replicas_against_one_group() {
         "{e}"
     );
 }
+
+/// A copy of safetensors file `src` with every 2-D `*.weight` stored as F8_E4M3 (zero
+/// bytes: planning reads only the header), the rest as they are.
+fn fp8_copy(src: &std::path::Path, dst: &std::path::Path) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut out = serde_json::Map::new();
+    let mut data: Vec<u8> = Vec::new();
+    let mut names: Vec<&String> = header.keys().filter(|k| *k != "__metadata__").collect();
+    names.sort();
+    for name in names {
+        let h = &header[name];
+        let shape: Vec<u64> = serde_json::from_value(h["shape"].clone()).unwrap();
+        let fp8 = shape.len() == 2 && name.ends_with(".weight");
+        let (dtype, size) = if fp8 { ("F8_E4M3", 1) } else { ("F32", 4) };
+        let len = shape.iter().product::<u64>() as usize * size;
+        out.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [data.len(), data.len() + len]}),
+        );
+        data.resize(data.len() + len, 0);
+    }
+    let h = serde_json::to_vec(&out).unwrap();
+    let mut f = (h.len() as u64).to_le_bytes().to_vec();
+    f.extend_from_slice(&h);
+    f.extend_from_slice(&data);
+    std::fs::write(dst, f).unwrap();
+}
+
+/// An FP8 checkpoint is planned in FP8 (said on stderr), a byte a weight;
+/// `--dtype transformer=bf16` widens it instead.
+#[test]
+fn an_fp8_checkpoint_is_planned_in_fp8() {
+    let d = tempdir("ckpt-fp8");
+    let o = mold(&["testdata", "flux-tiny", d.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ck = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.extension().is_some_and(|x| x == "safetensors")
+                && p.to_string_lossy().contains("transformer")
+        })
+        .expect("a transformer checkpoint");
+    let f8 = d.join("fp8.safetensors");
+    fp8_copy(&ck, &f8);
+    let run = |extra: &[&str], out: &str| {
+        let mut a = vec![
+            "plan",
+            "--model",
+            f8.to_str().unwrap(),
+            "--machine",
+            "sim/machines/cpu-emu-4.yaml",
+            "-o",
+        ];
+        let path = d.join(out);
+        a.push(path.to_str().unwrap());
+        a.extend_from_slice(extra);
+        let o = mold(&a);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stderr(&o), mold_plan::Plan::load(&path).unwrap())
+    };
+    let (err, p) = run(&[], "p8.yaml");
+    assert!(
+        err.contains("stores the transformer in FP8 (e4m3): planned in FP8"),
+        "{err}"
+    );
+    assert_eq!(p.transformer().unwrap().dtype, mold_plan::DType::Fp8);
+    let (_, p) = run(&["--dtype", "transformer=bf16"], "p16.yaml");
+    assert_eq!(p.transformer().unwrap().dtype, mold_plan::DType::Bf16);
+}
+
+/// `--allow-fp8` plans the transformer both ways and keeps the better: on a 16 GiB card
+/// FLUX.1-dev in bf16 streams, in FP8 it is resident.
+#[test]
+fn allow_fp8_keeps_the_better_plan_and_says_so() {
+    let d = tempdir("allow-fp8");
+    let out = d.join("p.yaml");
+    let o = mold(&[
+        "plan",
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/1x-rtx4090.yaml",
+        "--max-vram",
+        "cuda:0=16GiB",
+        "--allow-fp8",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("--allow-fp8: the transformer in FP8"), "{err}");
+    let p = mold_plan::Plan::load(&out).unwrap();
+    let t = p.transformer().unwrap();
+    assert_eq!(t.dtype, mold_plan::DType::Fp8);
+    assert!(t
+        .parts
+        .iter()
+        .all(|x| x.residency == mold_plan::Residency::Resident));
+    // Without the flag the same request stays in bf16.
+    let o = mold(&[
+        "plan",
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/1x-rtx4090.yaml",
+        "--max-vram",
+        "cuda:0=16GiB",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let p = mold_plan::Plan::load(&out).unwrap();
+    assert_eq!(p.transformer().unwrap().dtype, mold_plan::DType::Bf16);
+}

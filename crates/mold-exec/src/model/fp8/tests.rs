@@ -251,3 +251,46 @@ fn sharded_fp8_products_match_the_unsharded_one() {
         assert!(err > 0.0 && err < 5e-2, "row-parallel over {world}: {err}");
     }
 }
+
+/// An FP8 checkpoint quantized per row (ComfyUI's and torchao's per-channel files: each
+/// row's largest value at ±448 with its scale beside) keeps its e4m3 values bit for bit in
+/// an FP8 plan, and its scales to the float's rounding.
+#[test]
+fn an_fp8_checkpoint_keeps_its_values_in_an_fp8_plan() {
+    let t = tiny(13);
+    let name = "double_blocks.0.img_attn.qkv.weight";
+    let src32 = CheckpointSource {
+        ckpt: &t.ckpt,
+        dtype: DType::F32,
+        fp8: false,
+    };
+    let w = src32.load(name, None, None).unwrap();
+    let file = Fp8Weight::quantize(&w).unwrap();
+    let dir = t._dir.0.join("fp8-file");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("w.safetensors");
+    let stem = name.strip_suffix(".weight").unwrap();
+    let tensors: std::collections::HashMap<String, Tensor> = [
+        (name.to_string(), file.values().clone()),
+        (format!("{stem}.scale_weight"), file.scales().clone()),
+    ]
+    .into();
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let src = CheckpointSource {
+        ckpt: &ckpt,
+        dtype: DType::BF16,
+        fp8: true,
+    };
+    let Mat::Fp8(got) = src.load_product(name, None, None).unwrap() else {
+        panic!("dense");
+    };
+    assert_eq!(q_bits(&got), q_bits(&file));
+    let (a, b) = (
+        got.scales().to_vec1::<f32>().unwrap(),
+        file.scales().to_vec1::<f32>().unwrap(),
+    );
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= y.abs() * 1e-6, "{x} against {y}");
+    }
+}
