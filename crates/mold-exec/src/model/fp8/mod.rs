@@ -96,9 +96,37 @@ pub fn row_scale(amax: f32) -> (f32, f32) {
     }
 }
 
-/// `v` rounded to e4m3 (nearest even, saturated at ±448), as the CUDA kernel does.
+/// `v` rounded to e4m3 (nearest even, saturated at ±448; NaN stays NaN), as the CUDA
+/// kernel does: float8's conversion, bit for bit ([`tests`]), without its detour through
+/// f64.
 pub fn round_e4m3(v: f32) -> F8E4M3 {
-    F8E4M3::from_f32(v.clamp(-E4M3_MAX, E4M3_MAX))
+    if v.is_nan() {
+        return F8E4M3::from_bits(0x7f | (((v.to_bits() >> 31) as u8) << 7));
+    }
+    let v = v.clamp(-E4M3_MAX, E4M3_MAX);
+    let bits = v.to_bits();
+    let sign = ((bits >> 31) as u8) << 7;
+    let a = bits & 0x7fff_ffff;
+    // The smallest normal e4m3 value, 2⁻⁶: f32 exponent field 121.
+    let q = if a >= 121 << 23 {
+        let mut e = (a >> 23) as i32 - 127 + 7;
+        let mant = a & 0x7f_ffff;
+        let mut r = mant >> 20;
+        let rem = mant & 0xf_ffff;
+        if rem > 0x8_0000 || (rem == 0x8_0000 && r & 1 == 1) {
+            r += 1;
+        }
+        if r == 8 {
+            r = 0;
+            e += 1;
+        }
+        ((e as u32) << 3 | r) as u8
+    } else {
+        // Subnormal: multiples of 2⁻⁹ (exact: a power-of-two scale), ties to even; 8
+        // steps is the smallest normal's encoding (exponent 1, mantissa 0).
+        (f32::from_bits(a) * 512.0).round_ties_even() as u8
+    };
+    F8E4M3::from_bits(sign | q)
 }
 
 /// Rows of `k` f32 values quantized row by row: the e4m3 values and one scale per row.
@@ -145,21 +173,30 @@ impl Fp8Weight {
     /// Quantizes an `(n, k)` weight per output feature (row), on the host, rows in
     /// parallel, read in the weight's own dtype (no widened copy).
     pub fn quantize(w: &Tensor) -> CResult<Fp8Weight> {
+        use candle_core::{CpuStorage, Storage};
         let (n, k) = w.dims2()?;
-        let w = w.to_device(&Device::Cpu)?.flatten_all()?;
+        let w = w.to_device(&Device::Cpu)?.contiguous()?;
         let mut q = vec![F8E4M3::from_bits(0); n * k];
         let mut s = vec![1f32; n];
-        match w.dtype() {
-            DType::BF16 => quantize_into(&w.to_vec1::<half::bf16>()?, k, &mut q, &mut s, |v| {
-                v.to_f32()
-            }),
-            DType::F16 => quantize_into(&w.to_vec1::<half::f16>()?, k, &mut q, &mut s, |v| {
-                v.to_f32()
-            }),
-            DType::F32 => quantize_into(&w.to_vec1::<f32>()?, k, &mut q, &mut s, |v| *v),
-            dt => candle_core::bail!(
-                "FP8 quantization of a {dt:?} weight: give it in bf16, f16 or f32"
-            ),
+        {
+            // The host tensor's own values, no copy.
+            let (st, l) = w.storage_and_layout();
+            let at = l.start_offset();
+            match &*st {
+                Storage::Cpu(CpuStorage::BF16(v)) => {
+                    quantize_into(&v[at..at + n * k], k, &mut q, &mut s, |v| v.to_f32())
+                }
+                Storage::Cpu(CpuStorage::F16(v)) => {
+                    quantize_into(&v[at..at + n * k], k, &mut q, &mut s, |v| v.to_f32())
+                }
+                Storage::Cpu(CpuStorage::F32(v)) => {
+                    quantize_into(&v[at..at + n * k], k, &mut q, &mut s, |v| *v)
+                }
+                _ => candle_core::bail!(
+                    "FP8 quantization of a {:?} weight: give it in bf16, f16 or f32",
+                    w.dtype()
+                ),
+            }
         }
         Ok(Fp8Weight {
             q: Tensor::from_vec(q, (n, k), &Device::Cpu)?,

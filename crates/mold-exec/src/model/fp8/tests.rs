@@ -45,6 +45,52 @@ fn rounding_saturates_and_keeps_the_grid() {
     assert_eq!(row_scale(448.0), (1.0, 1.0));
 }
 
+/// The conversion is float8's (a port of CUDA's `__nv_cvt_float_to_fp8`, saturating),
+/// bit for bit: every e4m3 value, the midpoints between neighbours and either side of them,
+/// subnormals, zeros, the saturation edge and NaN.
+#[test]
+fn rounding_is_floats_conversion_bit_for_bit() {
+    let reference = |v: f32| F8E4M3::from_f32(v.clamp(-E4M3_MAX, E4M3_MAX)).to_bits();
+    let mut values = vec![
+        0.0f32,
+        -0.0,
+        448.0,
+        -448.0,
+        447.9,
+        449.0,
+        464.0,
+        1e9,
+        -1e9,
+        f32::MIN_POSITIVE,
+    ];
+    let grid: Vec<f32> = (0u8..=0x7e)
+        .map(|b| F8E4M3::from_bits(b).to_f32())
+        .collect();
+    for w in grid.windows(2) {
+        let mid = (w[0] + w[1]) / 2.0;
+        for v in [w[0], mid, mid.next_up(), mid.next_down(), w[1]] {
+            values.push(v);
+            values.push(-v);
+        }
+    }
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..200_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let v = f32::from_bits((state >> 32) as u32);
+        if v.is_finite() {
+            values.push(v);
+            values.push(v * 1e-30);
+            values.push((v % 500.0).abs().min(448.0));
+        }
+    }
+    for v in values {
+        assert_eq!(round_e4m3(v).to_bits(), reference(v), "{v:e}");
+    }
+    assert!(round_e4m3(f32::NAN).to_f32().is_nan());
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     /// Every row's largest magnitude maps to ±448 (the scale uses the whole range) and each
