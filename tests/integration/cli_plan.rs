@@ -739,3 +739,24 @@ fn allow_fp8_keeps_the_better_plan_and_says_so() {
     let p = mold_plan::Plan::load(&out).unwrap();
     assert_eq!(p.transformer().unwrap().dtype, mold_plan::DType::Bf16);
 }
+
+/// FP8 blocks are held resident only: an FP8 request too big for the card is refused in
+/// one line naming the way out (bf16, which can stream), never planned streamed.
+#[test]
+fn an_fp8_transformer_never_streams() {
+    let e = plan_err(&[
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/1x-rtx4090.yaml",
+        "--dtype",
+        "transformer=fp8",
+        "--max-vram",
+        "cuda:0=8GiB",
+    ]);
+    assert!(
+        e.contains("--dtype transformer=bf16") && e.contains("FP8 blocks stay resident"),
+        "{e}"
+    );
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+}

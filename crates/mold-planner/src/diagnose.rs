@@ -2,7 +2,7 @@
 
 use crate::{search, Request, SpChoice, TpChoice};
 use mold_cost::Ctx;
-use mold_plan::ByteSize;
+use mold_plan::{ByteSize, DType};
 
 fn gb(b: u64) -> String {
     crate::report::decimal_bytes(b)
@@ -90,7 +90,15 @@ pub fn explain(req: &Request) -> String {
 
     // Relaxations, cheapest first; the first that yields a plan is suggested.
     let mut tries: Vec<(&str, Request)> = Vec::new();
-    if !req.constraints.stream {
+    if req.dtype("transformer") == DType::Fp8 {
+        let mut r = req.clone();
+        r.dtypes.insert("transformer".into(), DType::Bf16);
+        r.constraints.stream = true;
+        tries.push((
+            "hold the transformer in bf16 so that blocks can stream (--dtype transformer=bf16): FP8 blocks stay resident",
+            r,
+        ));
+    } else if !req.constraints.stream {
         let mut r = req.clone();
         r.constraints.stream = true;
         tries.push(("allow streaming (drop --no-stream)", r));

@@ -15,7 +15,7 @@
 use crate::{Family, Objective, Request};
 use mold_cost::{BlockCost, Ctx, Group};
 use mold_models::Workkind;
-use mold_plan::{CfgMode, ComponentRole, DeviceId, MemoryPhases, GIB};
+use mold_plan::{CfgMode, ComponentRole, DType, DeviceId, MemoryPhases, GIB};
 use std::collections::BTreeMap;
 
 /// Weight of latency in the `memory` objective (GiB per second): least device memory in
@@ -177,7 +177,9 @@ impl<'a> Problem<'a> {
                 .collect(),
             components,
             buffers: req.constraints.stream_buffers as u64,
-            stream: req.constraints.stream,
+            // FP8 weights are held resident only (the executor's stream buffers hold one
+            // dtype; an FP8 block is e4m3 values, f32 scales and bf16 biases).
+            stream: req.constraints.stream && req.dtype("transformer") != DType::Fp8,
             steps: req.workload.steps as f64
                 * if cfg == Some(CfgMode::Serial) {
                     2.0
