@@ -334,3 +334,34 @@ fn loras_that_do_not_fit_are_refused_naming_the_tensor() {
     );
     assert!(e.contains("DoRA"), "{e}");
 }
+
+/// In an FP8 plan LoRAs are merged before the weights are quantized: the plan over the base
+/// checkpoint with LoRAs runs as the FP8 plan over the merged checkpoint (measured: the same
+/// output), and not as the base model's (5.9e-2 away).
+#[test]
+fn loras_are_merged_before_fp8_quantization() {
+    let d = tmpdir("lora-fp8");
+    let base = tiny(&d, 12);
+    let mut w = candle_core::safetensors::load(&base, &Device::Cpu).unwrap();
+    let specs = write_loras(&d, &mut w);
+    let by_hand = d.join("by-hand.safetensors");
+    save(&by_hand, &w);
+    let cfg = FluxConfig::flux_tiny();
+    let with = Checkpoint::open(&base).unwrap().with_loras(&specs).unwrap();
+    let want = Checkpoint::open(&by_hand).unwrap();
+    let plain = Checkpoint::open(&base).unwrap();
+    let x = tiny_inputs(5);
+    let p = plan_with(
+        vec![part(&["emu:0"], &["double 0..2", "single 0..3"], false)],
+        mold_plan::DType::Fp8,
+    );
+    let run = |c: &Checkpoint| Executor::new(&cfg, &p, c).unwrap().forward(&x).unwrap();
+    let (a, b, c) = (run(&with), run(&want), run(&plain));
+    let merged = max_relative_error(&a, &b).unwrap();
+    let without = max_relative_error(&a, &c).unwrap();
+    assert!(
+        merged <= 1e-6,
+        "FP8 with LoRAs against FP8 of the merged weights: {merged}"
+    );
+    assert!(without > 1e-2, "the LoRAs' effect: {without}");
+}
