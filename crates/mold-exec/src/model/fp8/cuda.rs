@@ -164,6 +164,9 @@ pub(crate) fn products_apply(
             "a ({n}, {kw}) weight: FP8 products need multiples of 16"
         ));
     }
+    if x.elem_count() == 0 || n == 0 {
+        return Err("an empty product".into());
+    }
     if !x.is_contiguous() || !w.q.is_contiguous() || !w.scale.is_contiguous() {
         return Err("a non-contiguous operand".into());
     }
