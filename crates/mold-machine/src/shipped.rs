@@ -186,6 +186,13 @@ impl Machine {
                     if !covers(src, &t.device, count(self, &name)) {
                         continue;
                     }
+                    // FP8 products run as FP8 only on GPUs with FP8 tensor cores (compute
+                    // capability 8.9 and later); elsewhere they run weight-only, at about
+                    // the bf16 rate: no FP8 table is estimated for those, nor for a GPU of
+                    // unknown capability.
+                    if t.dtype == mold_plan::DType::Fp8 && !fp8_products(&dst) {
+                        continue;
+                    }
                     let Some(mut scaled) = scaled(t, sd, &dst) else {
                         continue;
                     };
@@ -212,6 +219,18 @@ impl Machine {
         }
         added
     }
+}
+
+/// Whether `d` multiplies FP8 in tensor cores: compute capability 8.9 (Ada) or later, as
+/// its profile records it.
+pub fn fp8_products(d: &crate::Device) -> bool {
+    let Some(cc) = d.compute_capability.as_deref() else {
+        return false;
+    };
+    let mut parts = cc.trim().splitn(2, '.');
+    let major = parts.next().and_then(|x| x.parse::<u32>().ok());
+    let minor = parts.next().map_or(Some(0), |x| x.parse::<u32>().ok());
+    matches!((major, minor), (Some(a), Some(b)) if (a, b) >= (8, 9))
 }
 
 /// `t`, measured on `src`, as a spec-sheet estimate for `dst`: each time scaled by how
@@ -298,7 +317,11 @@ mod tests {
     fn a_box_of_the_same_gpus_adopts_their_tables() {
         let mut m = two_h100(LinkKind::Nvlink);
         let added = m.adopt_tables(&profiles());
-        assert_eq!(added.len(), 1, "{added:?}");
+        // flux-dev in bf16 and in FP8.
+        assert_eq!(added.len(), 2, "{added:?}");
+        assert!(m
+            .op_tables("flux-dev", mold_plan::DType::Fp8, "NVIDIA H100 80GB HBM3")
+            .is_some());
         let t = m
             .op_tables("flux-dev", mold_plan::DType::Bf16, "NVIDIA H100 80GB HBM3")
             .unwrap();
@@ -331,6 +354,31 @@ mod tests {
         assert!(added[0].describe().contains("link model"));
     }
 
+    /// A GPU without FP8 tensor cores (an A100, sm_80), or one whose capability the profile
+    /// does not say, gets the bf16 table scaled, never an FP8 one.
+    #[test]
+    fn fp8_tables_go_only_to_gpus_with_fp8_products() {
+        for cc in [Some("8.0"), Some("8.6"), None] {
+            let mut m = two_h100(LinkKind::Pcie);
+            for d in &mut m.devices {
+                d.name = "NVIDIA A100-SXM4-80GB".into();
+                d.bf16_tflops /= 3.0;
+                d.compute_capability = cc.map(String::from);
+            }
+            let added = m.adopt_tables(&profiles());
+            assert_eq!(added.len(), 1, "{cc:?}: {added:?}");
+            assert!(m
+                .op_tables("flux-dev", mold_plan::DType::Fp8, "NVIDIA A100-SXM4-80GB")
+                .is_none());
+        }
+        let d = |cc: &str| crate::Device {
+            compute_capability: Some(cc.into()),
+            ..shipped_h100().devices[0].clone()
+        };
+        assert!(fp8_products(&d("9.0")) && fp8_products(&d("8.9")) && fp8_products(&d("12.0")));
+        assert!(!fp8_products(&d("8.6")) && !fp8_products(&d("x")) && !fp8_products(&d("")));
+    }
+
     #[test]
     fn a_box_larger_than_the_measured_one_adopts_nothing() {
         let mut m = shipped_h100();
@@ -352,9 +400,11 @@ mod tests {
             d.name = "NVIDIA L40S".into();
             d.bf16_tflops /= 3.0;
             d.mem_bandwidth_gbps /= 4.0;
+            d.compute_capability = Some("8.9".into());
         }
         let added = m.adopt_tables(&profiles());
-        assert_eq!(added.len(), 1, "{added:?}");
+        // bf16 and FP8: an L40S multiplies FP8 in tensor cores.
+        assert_eq!(added.len(), 2, "{added:?}");
         assert!(
             added[0].describe().contains("scaled by spec sheet"),
             "{}",
