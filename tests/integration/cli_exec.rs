@@ -125,6 +125,39 @@ fn bf16_plan_runs_and_verifies() {
     assert!(s.contains("max relative error"), "{s}");
 }
 
+/// An FP8 plan runs tensor parallel on emulated devices, says how its products ran
+/// (emulated on the CPU: FP8's arithmetic, not its speed) and verifies against the dense
+/// model within FP8's tolerance.
+#[test]
+fn fp8_plan_runs_reports_its_products_and_verifies() {
+    let d = tempdir("exec-fp8");
+    let w = d.join("w");
+    let w = w.to_str().unwrap();
+    ok(&["testdata", "flux-tiny", w]);
+    let p = d.join("p.yaml");
+    let p = p.to_str().unwrap();
+    ok(&[
+        "plan",
+        "--model",
+        "flux-tiny",
+        "--machine",
+        "sim/machines/cpu-emu-4.yaml",
+        "--tp",
+        "2",
+        "--dtype",
+        "transformer=fp8",
+        "-o",
+        p,
+    ]);
+    let s = ok(&["exec", p, "--weights", w, "--steps", "2", "--verify"]);
+    assert!(
+        s.contains("FP8 products: 0 FP8 matmuls (cuBLASLt, per-row scales), 0 weight-only, ")
+            && s.contains(" emulated"),
+        "{s}"
+    );
+    assert!(s.contains("(tolerance 1e-1)"), "{s}");
+}
+
 #[test]
 fn exec_refusals_name_the_problem() {
     let d = tempdir("exec-refuse");
