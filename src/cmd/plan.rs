@@ -556,21 +556,59 @@ pub fn run(a: Args) -> Result<i32> {
 
 /// The plan; with `--allow-fp8` (and no transformer dtype given), the better of the plan
 /// as asked and the same request with the transformer in FP8, by the objective, saying
-/// which and both figures.
+/// which and both figures. The two are compared only where both are priced alike (both
+/// from operation tables, or both estimated); otherwise FP8 is kept only when the plan as
+/// asked does not fit, and the message says how to price FP8 too.
 fn plan_with_fp8_allowed(a: &Args, req: &Request) -> Result<mold_planner::Outcome> {
     let given = a.dtype.iter().any(|s| s.starts_with("transformer="));
     let asked = req.dtypes.get("transformer").copied();
     if !a.allow_fp8 || given || asked == Some(DType::Fp8) {
         return Ok(mold_planner::plan(req)?);
     }
+    let dense_dtype = asked.unwrap_or(req.model.transformer.default_dtype);
+    let unlike = req.machine.devices.iter().find_map(|d| {
+        let t = |dt| req.machine.op_tables(&req.model.id, dt, &d.name).is_some();
+        (t(dense_dtype) != t(DType::Fp8)).then(|| {
+            format!(
+                "on {} {} is priced from operation tables and {} by estimate",
+                d.name,
+                if t(dense_dtype) {
+                    dense_dtype
+                } else {
+                    DType::Fp8
+                },
+                if t(dense_dtype) {
+                    DType::Fp8
+                } else {
+                    dense_dtype
+                },
+            )
+        })
+    });
     let mut r8 = req.clone();
     r8.dtypes.insert("transformer".into(), DType::Fp8);
     let dense = mold_planner::plan(req);
     let fp8 = mold_planner::plan(&r8);
     let score = |o: &mold_planner::Outcome| o.plan.solver.objective_value;
+    // Images a minute for throughput (more is better); seconds or bytes otherwise.
+    let better = |x: f64, y: f64| {
+        if req.objective == Objective::Throughput {
+            x > y
+        } else {
+            x < y
+        }
+    };
     let name = asked.map_or("its default dtype".to_string(), |d| d.to_string());
     Ok(match (dense, fp8) {
-        (Ok(d), Ok(f)) if score(&f) < score(&d) => {
+        (Ok(d), Ok(_)) if unlike.is_some() => {
+            eprintln!(
+                "--allow-fp8: the transformer stays in {name}: the two are not priced alike ({}); measure FP8 too with `mold devices --calibrate --model {} --dtype fp8`",
+                unlike.unwrap_or_default(),
+                req.model.id
+            );
+            d
+        }
+        (Ok(d), Ok(f)) if better(score(&f), score(&d)) => {
             eprintln!(
                 "--allow-fp8: the transformer in FP8 (objective {} against {} in {name})",
                 score(&f),

@@ -760,3 +760,39 @@ fn an_fp8_transformer_never_streams() {
     );
     assert_eq!(e.trim().lines().count(), 1, "{e}");
 }
+
+/// `--allow-fp8` compares the two only where both are priced alike: with measured bf16
+/// tables and no FP8 table the transformer stays bf16, and the message says how to
+/// measure FP8 too.
+#[test]
+fn allow_fp8_does_not_compare_a_measured_price_with_an_estimate() {
+    let d = tempdir("allow-fp8-unlike");
+    let mut m =
+        mold_machine::Machine::load(std::path::Path::new("sim/machines/4x-h100-measured.yaml"))
+            .unwrap();
+    m.ops.retain(|t| t.dtype != mold_plan::DType::Fp8);
+    m.name = "bf16-only".into();
+    let prof = d.join("bf16-only.yaml");
+    std::fs::write(&prof, m.to_yaml()).unwrap();
+    let out = d.join("p.yaml");
+    let o = mold(&[
+        "plan",
+        "--model",
+        "flux-dev",
+        "--machine",
+        prof.to_str().unwrap(),
+        "--allow-fp8",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("--allow-fp8: the transformer stays in")
+            && err.contains("not priced alike")
+            && err.contains("--dtype fp8"),
+        "{err}"
+    );
+    let p = mold_plan::Plan::load(&out).unwrap();
+    assert_eq!(p.transformer().unwrap().dtype, mold_plan::DType::Bf16);
+}

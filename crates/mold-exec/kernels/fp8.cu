@@ -3,7 +3,8 @@
 // quantize_rows: each row of a (rows, k) bf16/f16 matrix scaled by its own factor into
 //   e4m3: amax = max |x|, q = sat(x * (448 / amax)), scale = amax / 448 (1 for a zero
 //   row). The same arithmetic as the CPU reference (src/model/fp8/mod.rs): f32, IEEE
-//   division (explicit, whatever --use_fast_math says), round to nearest even, saturated.
+//   division (explicit, whatever --use_fast_math says), round to nearest even, saturated
+//   at ±448, NaN kept.
 //   Launch: grid (rows), block 256.
 // dequantize_rows: out = q * scale[row] in bf16/f16 (the weight-only path on GPUs without
 //   FP8 products). Launch: grid (rows, ceil(k / 256)), block 256.
@@ -50,8 +51,8 @@ __device__ void quantize_rows(const T *__restrict__ x, __nv_fp8_storage_t *__res
     __syncthreads();
     const float inv = inv_s;
     for (int i = threadIdx.x; i < k; i += THREADS) {
-        float v = fminf(fmaxf(__fmul_rn(to_f(xr[i]), inv), -E4M3_MAX), E4M3_MAX);
-        qr[i] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+        // Saturated at ±448 by the conversion; a NaN stays NaN (as on the CPU).
+        qr[i] = __nv_cvt_float_to_fp8(__fmul_rn(to_f(xr[i]), inv), __NV_SATFINITE, __NV_E4M3);
     }
 }
 

@@ -95,7 +95,11 @@ pub fn explain(req: &Request) -> String {
         r.dtypes.insert("transformer".into(), DType::Bf16);
         r.constraints.stream = true;
         tries.push((
-            "hold the transformer in bf16 so that blocks can stream (--dtype transformer=bf16): FP8 blocks stay resident",
+            if req.constraints.stream {
+                "hold the transformer in bf16 so that blocks can stream (--dtype transformer=bf16): FP8 blocks stay resident"
+            } else {
+                "hold the transformer in bf16 and let blocks stream (--dtype transformer=bf16, drop --no-stream): FP8 blocks stay resident"
+            },
             r,
         ));
     } else if !req.constraints.stream {

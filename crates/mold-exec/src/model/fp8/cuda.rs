@@ -97,14 +97,22 @@ fn handle(dev: &CudaDevice) -> CResult<Arc<Mutex<Handle>>> {
     Ok(h)
 }
 
-type EpilogueKey = (usize, bool, bool);
+/// A product: device, m (tokens), n (output features), k, bias, GELU.
+pub(crate) type ProductKey = (usize, usize, usize, usize, bool, bool);
 
-/// Products cuBLASLt refused (no algorithm), by device and epilogue (bias, GELU): with
-/// why. Asked by the first real product of each kind (its scale pointers set: cuBLASLt
-/// answers a heuristic query for outer-vector scales only with them).
-fn refused() -> &'static Mutex<HashMap<EpilogueKey, String>> {
-    static R: OnceLock<Mutex<HashMap<EpilogueKey, String>>> = OnceLock::new();
+/// Products cuBLASLt refused (a descriptor it does not take, as an older cuBLASLt without
+/// outer-vector scales answers, or no algorithm), by device, shape and epilogue: with why.
+/// Asked by the first real product of each kind (its scale pointers set: cuBLASLt answers
+/// a heuristic query for outer-vector scales only with them).
+fn refused() -> &'static Mutex<HashMap<ProductKey, String>> {
+    static R: OnceLock<Mutex<HashMap<ProductKey, String>>> = OnceLock::new();
     R.get_or_init(Default::default)
+}
+
+/// `(m, n, k)` of `x Wᵀ`: rows of `x`, the weight's output and input features.
+pub(crate) fn shape_of(x: &Tensor, w: &Fp8Weight) -> (usize, usize, usize) {
+    let (n, k) = w.dims2().unwrap_or((0, 0));
+    (x.elem_count() / k.max(1), n, k)
 }
 
 fn epilogue_words(bias: bool, gelu: bool) -> &'static str {
@@ -116,10 +124,15 @@ fn epilogue_words(bias: bool, gelu: bool) -> &'static str {
     }
 }
 
-/// Whether this device multiplies FP8 through cuBLASLt with per-row scales and this
-/// epilogue: compute capability 8.9 or later, and cuBLASLt not having refused such a
-/// product here before. `Err`: why not.
-pub(crate) fn device_takes(dev: &CudaDevice, bias: bool, gelu: bool) -> Result<(), String> {
+/// Whether this device multiplies FP8 through cuBLASLt with per-row scales for this product
+/// (`(m, n, k)`) and epilogue: compute capability 8.9 or later, and cuBLASLt not having
+/// refused such a product here before. `Err`: why not.
+pub(crate) fn device_takes(
+    dev: &CudaDevice,
+    (m, n, k): (usize, usize, usize),
+    bias: bool,
+    gelu: bool,
+) -> Result<(), String> {
     let ctx = dev.cuda_stream().context().clone();
     let ord = ctx.ordinal();
     match ctx.compute_capability() {
@@ -134,7 +147,7 @@ pub(crate) fn device_takes(dev: &CudaDevice, bias: bool, gelu: bool) -> Result<(
     match refused()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .get(&(ord, bias, gelu))
+        .get(&(ord, m, n, k, bias, gelu))
     {
         Some(why) => Err(why.clone()),
         None => Ok(()),
@@ -161,7 +174,7 @@ pub(crate) fn products_apply(
     }
     if kx != kw || kx % 16 != 0 || n % 16 != 0 {
         return Err(format!(
-            "a ({n}, {kw}) weight: FP8 products need multiples of 16"
+            "a ({n}, {kw}) weight on {kx} input features: FP8 products need them equal and multiples of 16"
         ));
     }
     if x.elem_count() == 0 || n == 0 {
@@ -176,7 +189,7 @@ pub(crate) fn products_apply(
     if !b.is_none_or(|b| b.dtype() == x.dtype() && b.dims() == [n] && b.is_contiguous()) {
         return Err("the bias's dtype or shape".into());
     }
-    device_takes(d, b.is_some(), gelu)
+    device_takes(d, shape_of(x, w), b.is_some(), gelu)
 }
 
 /// Whether [`accumulate`] runs `acc += x Wᵀ`: as [`products_apply`], `acc` the contiguous
@@ -368,14 +381,28 @@ unsafe fn run(
         .as_cuda_slice::<float8::F8E4M3>()?
         .slice(ql.start_offset()..);
     let wsc = ss.as_cuda_slice::<f32>()?.slice(sl.start_offset()..);
-    let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu)?;
+    // Anything cuBLASLt refuses before the launch is remembered for this product, which
+    // then runs weight-only ([`super::linear`]).
+    let ord = stream.context().ordinal();
+    let refuse = |e: candle_core::Error| -> candle_core::Error {
+        let why = format!(
+            "cuBLASLt on cuda:{ord} offers no FP8 product with per-row scales{} ({m}×{n}×{k}): {e}",
+            epilogue_words(bias.is_some(), gelu)
+        );
+        refused()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((ord, m, n, k, bias.is_some(), gelu), why.clone());
+        candle_core::Error::Msg(why)
+    };
+    let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu).map_err(refuse)?;
     let (wq_p, _g1) = wq.device_ptr(&stream);
     let (ws_p, _g2) = wsc.device_ptr(&stream);
     let (x8_p, _g3) = x8.device_ptr(&stream);
     let (sx_p, _g4) = sx.device_ptr(&stream);
     use sys::cublasLtMatmulDescAttributes_t as A;
-    set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws_p)?;
-    set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx_p)?;
+    set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws_p).map_err(refuse)?;
+    set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx_p).map_err(refuse)?;
     let (bias_b, bias_h);
     let mut _g5 = None;
     if let Some((bstore, bl)) = &bs {
@@ -400,7 +427,7 @@ unsafe fn run(
                 p
             }
         };
-        set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp)?;
+        set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp).map_err(refuse)?;
     }
     let h = handle(dev)?;
     let mut h = h.lock().unwrap_or_else(|p| p.into_inner());
@@ -433,21 +460,7 @@ unsafe fn run(
                 .insert(key, *a);
         }),
     };
-    let algo = match found {
-        Ok(a) => a,
-        Err(e) => {
-            let ord = stream.context().ordinal();
-            let why = format!(
-                "cuBLASLt on cuda:{ord} offers no FP8 product with per-row scales{} ({m}×{n}×{k}): {e}",
-                epilogue_words(bias.is_some(), gelu)
-            );
-            refused()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert((ord, bias.is_some(), gelu), why.clone());
-            return Err(candle_core::Error::Msg(why));
-        }
-    };
+    let algo = found.map_err(refuse)?;
     let alpha = 1f32;
     let lt_handle = h.h;
     let (ws_ptr, _g6) = h.ws.device_ptr_mut(&stream);

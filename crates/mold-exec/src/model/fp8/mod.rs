@@ -325,10 +325,13 @@ pub fn linear(
 ) -> CResult<Tensor> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && k.uses_libraries() {
-        // The first product of each epilogue asks cuBLASLt for an algorithm; a refusal is
-        // remembered (products_apply says why from then on) and falls back below.
+        // FP8 products take whole rows (a narrowed view of a batch is not contiguous).
+        let x = &x.contiguous()?;
+        // The first product of each shape and epilogue asks cuBLASLt for an algorithm; a
+        // refusal is remembered (products_apply says why from then on) and falls back below.
+        let shape = cuda::shape_of(x, w);
         let refused_now = |e: candle_core::Error, bias: bool, gelu: bool| match x.device() {
-            candle_core::Device::Cuda(d) => match cuda::device_takes(d, bias, gelu) {
+            candle_core::Device::Cuda(d) => match cuda::device_takes(d, shape, bias, gelu) {
                 Err(why) => Ok(why),
                 Ok(()) => Err(e),
             },
@@ -372,18 +375,24 @@ pub fn linear(
 /// consumed; it must not share storage), else a product and an add.
 pub fn add_linear(acc: Tensor, x: &Tensor, w: &Fp8Weight, k: Kernels) -> CResult<Tensor> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && k.uses_libraries() && cuda::accumulate_applies(&acc, x, w) {
-        match cuda::accumulate(&acc, x, w) {
-            Ok(()) => {
-                PRODUCTS.fetch_add(1, Ordering::Relaxed);
-                return Ok(acc);
+    if x.device().is_cuda() && k.uses_libraries() {
+        // FP8 products take whole rows (a narrowed view of a batch is not contiguous).
+        let x = &x.contiguous()?;
+        if cuda::accumulate_applies(&acc, x, w) {
+            match cuda::accumulate(&acc, x, w) {
+                Ok(()) => {
+                    PRODUCTS.fetch_add(1, Ordering::Relaxed);
+                    return Ok(acc);
+                }
+                // Refused by cuBLASLt (remembered): `acc` is unchanged; product and add.
+                Err(e) => match x.device() {
+                    candle_core::Device::Cuda(d)
+                        if cuda::device_takes(d, cuda::shape_of(x, w), false, false).is_err() => {}
+                    _ => return Err(e),
+                },
             }
-            // Refused by cuBLASLt (remembered): `acc` is unchanged; product and add below.
-            Err(e) => match x.device() {
-                candle_core::Device::Cuda(d) if cuda::device_takes(d, false, false).is_err() => {}
-                _ => return Err(e),
-            },
         }
+        return acc + linear(x, w, None, false, k)?;
     }
     acc + linear(x, w, None, false, k)?
 }
