@@ -283,6 +283,12 @@ impl Plan {
                     }
                     _ => {}
                 }
+                if p.residency == Residency::Streamed && c.dtype == DType::Fp8 {
+                    return Err(invalid(
+                        format!("{field}.residency"),
+                        "streamed, but FP8 weights are held resident: use `residency: resident`, or `dtype: bf16` to stream".into(),
+                    ));
+                }
                 if p.residency == Residency::Streamed && p.devices.iter().any(|d| d.is_host()) {
                     return Err(invalid(
                         format!("{field}.residency"),

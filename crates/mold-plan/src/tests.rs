@@ -122,6 +122,11 @@ fn structural_errors_name_the_field() {
         ),
         ("devices: [cuda:1]", "devices: [gpu1]", "not a device"),
         (
+            "role: transformer\n  dtype: bf16",
+            "role: transformer\n  dtype: fp8",
+            "components[1].parts[1].residency: streamed, but FP8 weights are held resident",
+        ),
+        (
             "devices: [cuda:1]",
             "devices: []",
             "components[1].parts[1].devices",
