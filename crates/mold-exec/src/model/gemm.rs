@@ -111,12 +111,12 @@ pub(crate) fn accumulate(acc: &Tensor, x: &Tensor, w: &Tensor) -> CResult<()> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use crate::model::cells::Cells;
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
     use candle_core::cuda::{CudaDType, CudaStorage};
     use candle_core::{CpuStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Tensor};
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
+    use std::sync::{Arc, Mutex};
 
     type CResult<T> = candle_core::Result<T>;
 
@@ -124,29 +124,14 @@ mod cuda {
     /// finds the key's cell: handles are created outside it, so the ranks of a multi-GPU plan
     /// create theirs at once rather than one after another.
     fn handle(dev: &candle_core::CudaDevice) -> CResult<Arc<Mutex<CudaBlasLT>>> {
-        // A cell per key, filled on success only (a failure, e.g. no memory for the
-        // workspace, is tried again on the next call).
-        type Cell = Arc<Mutex<Option<Arc<Mutex<CudaBlasLT>>>>>;
-        static H: OnceLock<Mutex<HashMap<(usize, usize), Cell>>> = OnceLock::new();
+        // A failure (e.g. no memory for the workspace) is tried again on the next call.
+        static H: Cells<(usize, usize), CudaBlasLT> = Cells::new();
         let stream = dev.cuda_stream();
         let key = (stream.context().ordinal(), stream.cu_stream() as usize);
-        let cell = H
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key)
-            .or_default()
-            .clone();
-        let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(h) = slot.as_ref() {
-            return Ok(h.clone());
-        }
-        let h =
-            Arc::new(Mutex::new(CudaBlasLT::new(stream).map_err(|e| {
-                candle_core::Error::Msg(format!("cuBLASLt: {e:?}"))
-            })?));
-        *slot = Some(h.clone());
-        Ok(h)
+        H.get_or_make(key, || {
+            CudaBlasLT::new(stream.clone())
+                .map_err(|e| candle_core::Error::Msg(format!("cuBLASLt: {e:?}")))
+        })
     }
 
     pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> CResult<Tensor> {

@@ -8,6 +8,8 @@
 
 pub mod attention;
 mod cache;
+#[cfg(any(feature = "cuda", test))]
+pub(crate) mod cells;
 pub mod conv;
 #[cfg(feature = "cuda")]
 pub mod cudnn;

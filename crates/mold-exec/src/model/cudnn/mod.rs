@@ -12,12 +12,13 @@ pub mod conv;
 mod ffi;
 mod graph;
 
+use crate::model::cells::Cells;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::DevicePtr;
 use candle_core::cuda::{CudaStorage, WrapErr};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -33,41 +34,20 @@ struct DeviceState {
 // SAFETY: the handle is only used with this state's lock held.
 unsafe impl Send for DeviceState {}
 
-/// A device's state, filled on success only (a failed cudnnCreate is tried again on the next
-/// call, as before).
-type Cell = Arc<Mutex<Option<Arc<Mutex<DeviceState>>>>>;
-
-fn devices() -> &'static Mutex<HashMap<usize, Cell>> {
-    static D: OnceLock<Mutex<HashMap<usize, Cell>>> = OnceLock::new();
-    D.get_or_init(Default::default)
-}
-
-/// The device's cuDNN state, made on first use. The map's lock only finds the device's cell:
-/// the handle is created outside it, so the ranks of a multi-GPU plan create theirs at once
-/// rather than one after another.
+/// The device's cuDNN state, made on first use ([`Cells`]: the ranks of a multi-GPU plan
+/// create their handles at once; a failed cudnnCreate is tried again on the next call).
 fn state(
     ordinal: usize,
     ctx: &candle_core::cuda::cudarc::driver::CudaContext,
 ) -> Result<Arc<Mutex<DeviceState>>, String> {
-    let cell = devices()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(ordinal)
-        .or_default()
-        .clone();
-    let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(s) = slot.as_ref() {
-        return Ok(s.clone());
-    }
-    let s = create_state(ordinal, ctx)?;
-    *slot = Some(s.clone());
-    Ok(s)
+    static D: Cells<usize, DeviceState> = Cells::new();
+    D.get_or_make(ordinal, || create_state(ordinal, ctx))
 }
 
 fn create_state(
     ordinal: usize,
     ctx: &candle_core::cuda::cudarc::driver::CudaContext,
-) -> Result<Arc<Mutex<DeviceState>>, String> {
+) -> Result<DeviceState, String> {
     let api = ffi::api()?;
     ctx.bind_to_thread()
         .map_err(|e| format!("cuda:{ordinal}: {e}"))?;
@@ -82,12 +62,12 @@ fn create_state(
         "{} sm_{major}{minor}",
         ctx.name().unwrap_or_else(|_| format!("cuda:{ordinal}"))
     );
-    Ok(Arc::new(Mutex::new(DeviceState {
+    Ok(DeviceState {
         handle,
         gpu,
         plans: HashMap::new(),
         convs: HashMap::new(),
-    })))
+    })
 }
 
 /// cuDNN's version, or why it cannot be used on this machine.

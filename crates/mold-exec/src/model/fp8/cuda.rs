@@ -7,12 +7,14 @@
 //! B's the input's (one per token).
 
 use super::Fp8Weight;
+use crate::model::cells::Cells;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{result as lt, sys};
+use candle_core::cuda::cudarc::driver::DeviceRepr;
 use candle_core::cuda::cudarc::driver::{
     CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda::{CudaDevice, CudaStorage};
+use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp1, Layout, Shape, Storage, Tensor, D};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -63,38 +65,25 @@ impl Drop for Handle {
 }
 
 fn handle(dev: &CudaDevice) -> CResult<Arc<Mutex<Handle>>> {
-    type Cell = Arc<Mutex<Option<Arc<Mutex<Handle>>>>>;
-    static H: OnceLock<Mutex<HashMap<(usize, usize), Cell>>> = OnceLock::new();
+    static H: Cells<(usize, usize), Handle> = Cells::new();
     let stream = dev.cuda_stream();
     let key = (stream.context().ordinal(), stream.cu_stream() as usize);
-    let cell = H
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(key)
-        .or_default()
-        .clone();
-    let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(h) = slot.as_ref() {
-        return Ok(h.clone());
-    }
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(|e| err("context", e))?;
-    let h = lt::create_handle().map_err(|e| err("cuBLASLt handle", e))?;
-    // SAFETY: a workspace is scratch memory; cuBLASLt writes before it reads.
-    let ws = match unsafe { stream.alloc::<u8>(WORKSPACE) } {
-        Ok(ws) => ws,
-        Err(e) => {
-            // SAFETY: just created, not shared.
-            let _ = unsafe { lt::destroy_handle(h) };
-            return Err(err("cuBLASLt workspace", e));
+    H.get_or_make(key, || {
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| err("context", e))?;
+        let h = lt::create_handle().map_err(|e| err("cuBLASLt handle", e))?;
+        // SAFETY: a workspace is scratch memory; cuBLASLt writes before it reads.
+        match unsafe { stream.alloc::<u8>(WORKSPACE) } {
+            Ok(ws) => Ok(Handle { h, ws }),
+            Err(e) => {
+                // SAFETY: just created, not shared.
+                let _ = unsafe { lt::destroy_handle(h) };
+                Err(err("cuBLASLt workspace", e))
+            }
         }
-    };
-    let h = Arc::new(Mutex::new(Handle { h, ws }));
-    *slot = Some(h.clone());
-    Ok(h)
+    })
 }
 
 /// A product: device, m (tokens), n (output features), k, bias, GELU.
@@ -135,15 +124,21 @@ pub(crate) fn device_takes(
 ) -> Result<(), String> {
     let ctx = dev.cuda_stream().context().clone();
     let ord = ctx.ordinal();
-    match ctx.compute_capability() {
-        Ok((major, minor)) if (major, minor) >= (8, 9) => {}
-        Ok((major, minor)) => {
-            return Err(format!(
+    // The capability is asked of the driver once per device, not per product.
+    static CAPABLE: OnceLock<Mutex<HashMap<usize, Result<(), String>>>> = OnceLock::new();
+    CAPABLE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(ord)
+        .or_insert_with(|| match ctx.compute_capability() {
+            Ok((major, minor)) if (major, minor) >= (8, 9) => Ok(()),
+            Ok((major, minor)) => Err(format!(
                 "cuda:{ord} (sm_{major}{minor}) has no FP8 tensor cores (sm_89 and later)"
-            ))
-        }
-        Err(e) => return Err(format!("cuda:{ord}: compute capability: {e:?}")),
-    }
+            )),
+            Err(e) => Err(format!("cuda:{ord}: compute capability: {e:?}")),
+        })
+        .clone()?;
     match refused()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -501,6 +496,41 @@ struct Linear {
     gelu: bool,
 }
 
+impl Linear {
+    /// The `(m, n)` product into a new buffer of `T` (the input's dtype).
+    fn run_new<T: CudaDType + DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        x: &CudaStorage,
+        xl: &Layout,
+        m: usize,
+        n: usize,
+    ) -> CResult<CudaStorage> {
+        // SAFETY: the product writes every element (beta = 0).
+        let mut out = unsafe { dev.alloc::<T>(m * n)? };
+        let stream = dev.cuda_stream();
+        {
+            let (p, _g) = out.device_ptr_mut(&stream);
+            // SAFETY: sizes as allocated; operands checked by products_apply.
+            unsafe {
+                run(
+                    dev,
+                    x,
+                    xl,
+                    m,
+                    &self.w,
+                    self.b.as_ref(),
+                    self.gelu,
+                    p,
+                    x.dtype(),
+                    0.0,
+                )?
+            };
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}
+
 impl CustomOp1 for Linear {
     fn name(&self) -> &'static str {
         "mold-fp8-linear"
@@ -516,59 +546,14 @@ impl CustomOp1 for Linear {
         }
         let m = xl.shape().elem_count() / k.max(1);
         let dev = x.device.clone();
-        let stream = dev.cuda_stream();
         let dt = x.dtype();
         let mut shape = dims.to_vec();
         if let Some(l) = shape.last_mut() {
             *l = n;
         }
         let storage = match dt {
-            DType::BF16 => {
-                // SAFETY: the product writes every element (beta = 0).
-                let mut out = unsafe { dev.alloc::<half::bf16>(m * n)? };
-                {
-                    let (p, _g) = out.device_ptr_mut(&stream);
-                    // SAFETY: sizes as allocated; operands checked by products_apply.
-                    unsafe {
-                        run(
-                            &dev,
-                            x,
-                            xl,
-                            m,
-                            &self.w,
-                            self.b.as_ref(),
-                            self.gelu,
-                            p,
-                            dt,
-                            0.0,
-                        )?
-                    };
-                }
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }
-            DType::F16 => {
-                // SAFETY: as above.
-                let mut out = unsafe { dev.alloc::<half::f16>(m * n)? };
-                {
-                    let (p, _g) = out.device_ptr_mut(&stream);
-                    // SAFETY: as above.
-                    unsafe {
-                        run(
-                            &dev,
-                            x,
-                            xl,
-                            m,
-                            &self.w,
-                            self.b.as_ref(),
-                            self.gelu,
-                            p,
-                            dt,
-                            0.0,
-                        )?
-                    };
-                }
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }
+            DType::BF16 => self.run_new::<half::bf16>(&dev, x, xl, m, n)?,
+            DType::F16 => self.run_new::<half::f16>(&dev, x, xl, m, n)?,
             dt => candle_core::bail!("mold-fp8-linear: unsupported dtype {dt:?}"),
         };
         Ok((storage, Shape::from(shape)))
@@ -609,13 +594,13 @@ impl InplaceOp1 for Accumulate {
         let stream = dev.cuda_stream();
         let dt = acc.dtype();
         let start = al.start_offset();
+        // SAFETY (both): C and D are the same buffer with equal layouts (allowed).
         match dt {
             DType::BF16 => {
                 let mut o = acc
                     .as_cuda_slice_mut::<half::bf16>()?
                     .slice_mut(start..start + m * n);
                 let (p, _g) = o.device_ptr_mut(&stream);
-                // SAFETY: C and D are the same buffer with equal layouts (allowed).
                 unsafe { run(&dev, xs, xl, m, &self.w, None, false, p, dt, 1.0) }
             }
             DType::F16 => {
@@ -623,7 +608,6 @@ impl InplaceOp1 for Accumulate {
                     .as_cuda_slice_mut::<half::f16>()?
                     .slice_mut(start..start + m * n);
                 let (p, _g) = o.device_ptr_mut(&stream);
-                // SAFETY: as above.
                 unsafe { run(&dev, xs, xl, m, &self.w, None, false, p, dt, 1.0) }
             }
             dt => candle_core::bail!("mold-fp8-accumulate: unsupported dtype {dt:?}"),
@@ -682,27 +666,32 @@ impl CustomOp1 for Dequantize {
             .slice(ql.start_offset()..);
         let sv = ss.as_cuda_slice::<f32>()?.slice(sl.start_offset()..);
         let kk = k as i32;
-        let stream = dev.cuda_stream();
         let storage = match self.dtype {
-            DType::BF16 => {
-                // SAFETY: the kernel writes every element.
-                let mut out = unsafe { dev.alloc::<half::bf16>(n * k)? };
-                let mut b = stream.launch_builder(&f);
-                b.arg(&qv).arg(&sv).arg(&mut out).arg(&kk);
-                // SAFETY: arguments match the kernel.
-                unsafe { b.launch(cfg) }.map_err(|e| err("dequantize kernel", e))?;
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }
-            _ => {
-                // SAFETY: as above.
-                let mut out = unsafe { dev.alloc::<half::f16>(n * k)? };
-                let mut b = stream.launch_builder(&f);
-                b.arg(&qv).arg(&sv).arg(&mut out).arg(&kk);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg) }.map_err(|e| err("dequantize kernel", e))?;
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }
+            DType::BF16 => launch::<half::bf16>(&dev, &f, cfg, (&qv, &sv), n * k, kk)?,
+            _ => launch::<half::f16>(&dev, &f, cfg, (&qv, &sv), n * k, kk)?,
         };
         Ok((storage, Shape::from((n, k))))
     }
+}
+
+/// Runs the dequantizing kernel `f` into a new buffer of `len` values of `T`.
+fn launch<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    f: &candle_core::cuda::cudarc::driver::CudaFunction,
+    cfg: LaunchConfig,
+    (q, s): (
+        &candle_core::cuda::cudarc::driver::CudaView<'_, float8::F8E4M3>,
+        &candle_core::cuda::cudarc::driver::CudaView<'_, f32>,
+    ),
+    len: usize,
+    k: i32,
+) -> CResult<CudaStorage> {
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { dev.alloc::<T>(len)? };
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(f);
+    b.arg(q).arg(s).arg(&mut out).arg(&k);
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { b.launch(cfg) }.map_err(|e| err("dequantize kernel", e))?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }

@@ -230,9 +230,6 @@ impl Fp8Weight {
     pub fn dims2(&self) -> CResult<(usize, usize)> {
         self.q.dims2()
     }
-    pub fn device(&self) -> &Device {
-        self.q.device()
-    }
 
     /// Output features `start..start + len` (a view: rows are contiguous).
     pub fn narrow_rows(&self, start: usize, len: usize) -> CResult<Fp8Weight> {
