@@ -472,8 +472,18 @@ fn tensor_parallel_with_overlapped_chunks() {
         .unwrap();
     let plans = [
         plan(vec![part(&["emu:0", "emu:1"], &ALL, false)]),
-        plan(vec![part(&["emu:0", "emu:1", "emu:2", "emu:3"], &ALL, false)]),
-        plan(vec![part_par(&["emu:0", "emu:1", "emu:2", "emu:3"], 2, 2, &ALL, false)]),
+        plan(vec![part(
+            &["emu:0", "emu:1", "emu:2", "emu:3"],
+            &ALL,
+            false,
+        )]),
+        plan(vec![part_par(
+            &["emu:0", "emu:1", "emu:2", "emu:3"],
+            2,
+            2,
+            &ALL,
+            false,
+        )]),
     ];
     for p in &plans {
         let mut outs = Vec::new();

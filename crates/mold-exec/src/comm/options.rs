@@ -11,7 +11,10 @@ pub const DEFAULT_DIST_TIMEOUT_S: f64 = 120.0;
 /// Default for a connection to the rendezvous to say who it is.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default of [`CommOptions::overlap_chunks`] (`MOLD_OVERLAP_CHUNKS`).
-pub const DEFAULT_OVERLAP_CHUNKS: usize = 4;
+/// 1: measured on 4 × H100 (NVLink), chunked sums made FLUX.1-dev steps slower (TP2 81.8 →
+/// 83.9 / 88.0 ms with 2 / 4 chunks, TP4 58.8 → 61.2 / 61.8): NCCL's kernels take SMs from
+/// the products they run beside (BENCHMARKS.md).
+pub const DEFAULT_OVERLAP_CHUNKS: usize = 1;
 /// The most chunks `MOLD_OVERLAP_CHUNKS` may ask for.
 pub const MAX_OVERLAP_CHUNKS: usize = 64;
 /// Default of [`CommOptions::pending_per_addr`].
