@@ -502,3 +502,42 @@ fn tensor_parallel_with_overlapped_chunks() {
         assert!(max_relative_error(&outs[1], &outs[0]).unwrap() <= TOL);
     }
 }
+
+/// Under tensor parallelism a part gathers the modulations of all its resident blocks with
+/// one all-gather before the first block (the profile's `modulation (resident blocks, one
+/// gather)` phase, once a call on every rank) and gives the single-device output; streamed
+/// blocks and a group of one make their own.
+#[test]
+fn one_modulation_gather_per_part() {
+    let cfg = FluxConfig::flux_tiny();
+    let seed = 3;
+    let ckpt = tiny_checkpoint(seed);
+    let x = tiny_inputs(seed);
+    let label = "modulation (resident blocks, one gather)";
+    let marks = |p: &mold_plan::Plan| {
+        let exec = Executor::new(&cfg, p, &ckpt).unwrap().with_profiling(true);
+        exec.forward(&x).unwrap();
+        exec.profile_report()
+            .into_iter()
+            .map(|(_, phases)| {
+                phases
+                    .iter()
+                    .find(|ph| ph.0 == label)
+                    .map(|ph| ph.2)
+                    .unwrap_or(0)
+            })
+            .collect::<Vec<_>>()
+    };
+    let tp2 = plan(vec![part(&["emu:0", "emu:1"], &ALL, false)]);
+    assert_eq!(marks(&tp2), vec![1, 1]);
+    assert!(error_vs_reference(&ckpt, &tp2, seed) <= TOL);
+    let split = plan(vec![
+        part(&["emu:0", "emu:1"], &["double 0..2"], false),
+        part(&["emu:2", "emu:3"], &["single 0..3"], false),
+    ]);
+    assert_eq!(marks(&split), vec![1, 1, 1, 1]);
+    assert_eq!(marks(&plan(vec![part(&["emu:0"], &ALL, false)])), vec![0]);
+    let streamed = plan(vec![part(&["emu:0", "emu:1"], &ALL, true)]);
+    assert_eq!(marks(&streamed), vec![0, 0]);
+    assert!(error_vs_reference(&ckpt, &streamed, seed) <= TOL);
+}

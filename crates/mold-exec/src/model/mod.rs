@@ -19,7 +19,7 @@ pub mod gemm;
 pub mod group_norm;
 pub mod layers;
 pub mod mat;
-mod modulation;
+pub(crate) mod modulation;
 pub mod ops;
 pub mod plan_cache;
 pub mod qwen;
