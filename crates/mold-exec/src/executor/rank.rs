@@ -4,10 +4,8 @@
 use super::{Executor, Flow, PartRt, Rank};
 use crate::comm::{Comm, LocalComm};
 use crate::error::{ExecError, Result};
-use crate::model::modulation::gather_modulation;
 use crate::model::{Activations, Ctx, Inputs, Transformer, Weights};
 use crate::runtime::Held;
-use candle_core::Tensor;
 use std::borrow::Cow;
 
 /// Aborts the rank's groups (tensor- and sequence-parallel) if the rank's thread leaves
@@ -333,9 +331,7 @@ impl<M: Transformer> Executor<M> {
             self.model.scatter_sequence(acts, &ctx)?
         };
         let ring_err = |e: ExecError| candle_core::Error::Msg(e.to_string());
-        let mut modulations = self.gather_modulations(rank, &acts, &ctx)?;
-        for ((step, held), modulation) in part.steps.iter().zip(&rank.blocks).zip(&mut modulations)
-        {
+        for (step, held) in part.steps.iter().zip(&rank.blocks) {
             if let Some(f) = &self.opts.fault {
                 f.trigger(&rank.id, *step)?;
             }
@@ -350,9 +346,7 @@ impl<M: Transformer> Executor<M> {
             if let Some(p) = ctx.profile {
                 p.mark(Some("weight fetch (streamed)"), dev);
             }
-            acts = self
-                .model
-                .block(block.as_ref(), acts, modulation.take(), &ctx)?;
+            acts = self.model.block(block.as_ref(), acts, &ctx)?;
             match held {
                 Held::Resident(_) => {}
                 // The buffer is refilled once this block's kernels are done.
@@ -373,54 +367,6 @@ impl<M: Transformer> Executor<M> {
             Some(fl) => Ok(Flow::Out(self.model.final_layer(fl, acts, &ctx)?)),
             None => Ok(Flow::Acts(acts)),
         }
-    }
-}
-
-impl<M: Transformer> Executor<M> {
-    /// The modulation outputs of the rank's resident blocks, made before the first of them
-    /// with one all-gather over the tensor-parallel group for all (each block's
-    /// conditioning is the same), instead of one all-gather per block; `None` for streamed
-    /// blocks, which make their own once their weights arrive, and for every block in a
-    /// group of one (no collective to save).
-    fn gather_modulations(
-        &self,
-        rank: &Rank<M>,
-        acts: &M::Acts,
-        ctx: &Ctx,
-    ) -> candle_core::Result<Vec<Option<Vec<Tensor>>>> {
-        let mut out: Vec<Option<Vec<Tensor>>> = rank.blocks.iter().map(|_| None).collect();
-        if ctx.comm.world_size() == 1 {
-            return Ok(out);
-        }
-        let mut locals = Vec::new();
-        let mut counts = Vec::with_capacity(rank.blocks.len());
-        for held in &rank.blocks {
-            counts.push(match held {
-                Held::Resident(b) => {
-                    let s = self.model.modulation_slices(b, acts, ctx)?;
-                    let n = s.len();
-                    locals.extend(s);
-                    n
-                }
-                Held::Streamed(..) | Held::Sync(_) => 0,
-            });
-        }
-        if locals.is_empty() {
-            return Ok(out);
-        }
-        let mut full = gather_modulation(&locals, ctx)?.into_iter();
-        for (slot, n) in out.iter_mut().zip(counts) {
-            if n > 0 {
-                *slot = Some(full.by_ref().take(n).collect());
-            }
-        }
-        if let Some(p) = ctx.profile {
-            p.mark(
-                Some("modulation (resident blocks, one gather)"),
-                &rank.device,
-            );
-        }
-        Ok(out)
     }
 }
 

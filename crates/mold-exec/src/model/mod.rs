@@ -19,7 +19,7 @@ pub mod gemm;
 pub mod group_norm;
 pub mod layers;
 pub mod mat;
-pub(crate) mod modulation;
+mod modulation;
 pub mod ops;
 pub mod plan_cache;
 pub mod qwen;

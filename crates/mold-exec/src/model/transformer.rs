@@ -116,27 +116,8 @@ pub trait Transformer: Clone + Send + Sync + 'static {
     /// The whole sequence again on every rank of `ctx.sp` (the inverse of
     /// [`Transformer::scatter_sequence`]; unchanged activations pass through).
     fn gather_sequence(&self, acts: Self::Acts, ctx: &Ctx) -> CResult<Self::Acts>;
-    /// This rank's column-parallel slices of block `b`'s modulation outputs, made from the
-    /// conditioning in `acts` (the same for every block of a call), so that a part gathers
-    /// the modulations of all its resident blocks with one collective
-    /// ([`crate::model::modulation::gather_modulation`]) before the first of them instead of
-    /// one per block.
-    fn modulation_slices(
-        &self,
-        b: &Self::Block,
-        acts: &Self::Acts,
-        ctx: &Ctx,
-    ) -> CResult<Vec<Tensor>>;
-    /// One block. It records its largest activation in `ctx.meter`. `modulation`: the
-    /// block's modulation outputs already gathered ([`Transformer::modulation_slices`]'s, in
-    /// that order); `None`: the block makes and gathers its own.
-    fn block(
-        &self,
-        b: &Self::Block,
-        acts: Self::Acts,
-        modulation: Option<Vec<Tensor>>,
-        ctx: &Ctx,
-    ) -> CResult<Self::Acts>;
+    /// One block. It records its largest activation in `ctx.meter`.
+    fn block(&self, b: &Self::Block, acts: Self::Acts, ctx: &Ctx) -> CResult<Self::Acts>;
     /// The final layer: the model's output (for a denoiser: the predicted velocity).
     fn final_layer(&self, f: &Self::Final, acts: Self::Acts, ctx: &Ctx) -> CResult<Tensor>;
 

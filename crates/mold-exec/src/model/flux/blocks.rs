@@ -346,38 +346,13 @@ impl DoubleBlock {
         lens: &[usize],
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
-        self.forward_with(img, txt, vec, None, pe, lens, ctx)
-    }
-
-    /// This rank's slices of the img and txt modulation outputs (`silu(vec)` through the
-    /// column-parallel modulation linears), for [`gather_modulation`].
-    pub fn modulation_slices(&self, vec: &Tensor, ctx: &Ctx) -> CResult<Vec<Tensor>> {
+        ctx.mark_start(&img);
         let silu_vec = vec.silu()?;
-        Ok(vec![
+        let local = [
             self.img.modulation.partial(&silu_vec, ctx.kernels)?,
             self.txt.modulation.partial(&silu_vec, ctx.kernels)?,
-        ])
-    }
-
-    /// [`DoubleBlock::forward`] with the img and txt modulation outputs already gathered
-    /// (`modulation`, from [`DoubleBlock::modulation_slices`]), or made here (`None`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_with(
-        &self,
-        img: Tensor,
-        txt: Tensor,
-        vec: &Tensor,
-        modulation: Option<Vec<Tensor>>,
-        pe: &Tensor,
-        lens: &[usize],
-        ctx: &Ctx,
-    ) -> CResult<(Tensor, Tensor)> {
-        ctx.mark_start(&img);
-        let full = match modulation {
-            Some(full) if full.len() == 2 => full,
-            Some(f) => candle_core::bail!("a double block given {} modulation outputs", f.len()),
-            None => gather_modulation(&self.modulation_slices(vec, ctx)?, ctx)?,
-        };
+        ];
+        let full = gather_modulation(&local, ctx)?;
         let im = mod_outs(&full[0], 2)?;
         let tm = mod_outs(&full[1], 2)?;
         ctx.mark("modulation", &tm[1].gate);
@@ -512,32 +487,9 @@ impl SingleBlock {
         lens: &[usize],
         ctx: &Ctx,
     ) -> CResult<Tensor> {
-        self.forward_with(x, vec, None, pe, lens, ctx)
-    }
-
-    /// This rank's slice of the modulation output, for [`gather_modulation`].
-    pub fn modulation_slices(&self, vec: &Tensor, ctx: &Ctx) -> CResult<Vec<Tensor>> {
-        Ok(vec![self.modulation.partial(&vec.silu()?, ctx.kernels)?])
-    }
-
-    /// [`SingleBlock::forward`] with the modulation output already gathered
-    /// (`modulation`, from [`SingleBlock::modulation_slices`]), or made here (`None`).
-    pub fn forward_with(
-        &self,
-        x: Tensor,
-        vec: &Tensor,
-        modulation: Option<Vec<Tensor>>,
-        pe: &Tensor,
-        lens: &[usize],
-        ctx: &Ctx,
-    ) -> CResult<Tensor> {
         ctx.mark_start(&x);
-        let full = match modulation {
-            Some(full) if full.len() == 1 => full,
-            Some(f) => candle_core::bail!("a single block given {} modulation outputs", f.len()),
-            None => gather_modulation(&self.modulation_slices(vec, ctx)?, ctx)?,
-        };
-        let m = mod_outs(&full[0], 1)?;
+        let local = self.modulation.partial(&vec.silu()?, ctx.kernels)?;
+        let m = mod_outs(&gather_modulation(&[local], ctx)?[0], 1)?;
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
         // q, k, v with their bias; the MLP part with bias and GELU (in the matmuls'

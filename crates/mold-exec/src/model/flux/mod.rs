@@ -473,23 +473,7 @@ impl Transformer for FluxConfig {
         })
     }
 
-    fn modulation_slices(&self, b: &FluxBlock, acts: &FluxActs, ctx: &Ctx) -> CResult<Vec<Tensor>> {
-        let vec = match acts {
-            FluxActs::Double { vec, .. } | FluxActs::Single { vec, .. } => vec,
-        };
-        match b {
-            FluxBlock::Double(b) => b.modulation_slices(vec, ctx),
-            FluxBlock::Single(b) => b.modulation_slices(vec, ctx),
-        }
-    }
-
-    fn block(
-        &self,
-        b: &FluxBlock,
-        acts: FluxActs,
-        modulation: Option<Vec<Tensor>>,
-        ctx: &Ctx,
-    ) -> CResult<FluxActs> {
+    fn block(&self, b: &FluxBlock, acts: FluxActs, ctx: &Ctx) -> CResult<FluxActs> {
         Ok(match (b, acts) {
             (
                 FluxBlock::Double(b),
@@ -502,7 +486,7 @@ impl Transformer for FluxConfig {
                 },
             ) => {
                 let lens = lens(&seq, img.dim(1)? + txt.dim(1)?);
-                let (img, txt) = b.forward_with(img, txt, &vec, modulation, &pe, &lens, ctx)?;
+                let (img, txt) = b.forward(img, txt, &vec, &pe, &lens, ctx)?;
                 ctx.meter.see(&img);
                 FluxActs::Double {
                     img,
@@ -533,7 +517,7 @@ impl Transformer for FluxConfig {
                     } => (x, vec, pe, txt_len, seq),
                 };
                 let lens = lens(&seq, x.dim(1)?);
-                let x = b.forward_with(x, &vec, modulation, &pe, &lens, ctx)?;
+                let x = b.forward(x, &vec, &pe, &lens, ctx)?;
                 ctx.meter.see(&x);
                 FluxActs::Single {
                     x,

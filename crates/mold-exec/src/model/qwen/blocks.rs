@@ -283,38 +283,13 @@ impl Block {
         lens: &[usize],
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
-        self.forward_with(img, txt, temb, None, pe, lens, ctx)
-    }
-
-    /// This rank's slices of the img and txt modulation outputs (`silu(temb)` through the
-    /// column-parallel modulation linears), for [`gather_modulation`].
-    pub fn modulation_slices(&self, temb: &Tensor, ctx: &Ctx) -> CResult<Vec<Tensor>> {
+        ctx.mark_start(&img);
         let silu = temb.silu()?;
-        Ok(vec![
+        let local = [
             self.img.modulation.forward_vec(&silu, ctx.kernels)?,
             self.txt.modulation.forward_vec(&silu, ctx.kernels)?,
-        ])
-    }
-
-    /// [`Block::forward`] with the img and txt modulation outputs already gathered
-    /// (`modulation`, from [`Block::modulation_slices`]), or made here (`None`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_with(
-        &self,
-        img: Tensor,
-        txt: Tensor,
-        temb: &Tensor,
-        modulation: Option<Vec<Tensor>>,
-        pe: &Tensor,
-        lens: &[usize],
-        ctx: &Ctx,
-    ) -> CResult<(Tensor, Tensor)> {
-        ctx.mark_start(&img);
-        let full = match modulation {
-            Some(full) if full.len() == 2 => full,
-            Some(f) => candle_core::bail!("a block given {} modulation outputs", f.len()),
-            None => gather_modulation(&self.modulation_slices(temb, ctx)?, ctx)?,
-        };
+        ];
+        let full = gather_modulation(&local, ctx)?;
         let im = mod_outs(&full[0], 2)?;
         let tm = mod_outs(&full[1], 2)?;
         let (im1, im2, tm1, tm2) = (&im[0], &im[1], &tm[0], &tm[1]);

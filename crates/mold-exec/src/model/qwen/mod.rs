@@ -309,17 +309,7 @@ impl Transformer for QwenConfig {
         })
     }
 
-    fn modulation_slices(&self, b: &Block, acts: &QwenActs, ctx: &Ctx) -> CResult<Vec<Tensor>> {
-        b.modulation_slices(&acts.temb, ctx)
-    }
-
-    fn block(
-        &self,
-        b: &Block,
-        acts: QwenActs,
-        modulation: Option<Vec<Tensor>>,
-        ctx: &Ctx,
-    ) -> CResult<QwenActs> {
+    fn block(&self, b: &Block, acts: QwenActs, ctx: &Ctx) -> CResult<QwenActs> {
         let lens = match &acts.seq {
             Some(s) => s.lens(),
             None => vec![acts.img.dim(1)? + acts.txt.dim(1)?],
@@ -331,7 +321,7 @@ impl Transformer for QwenConfig {
             pe,
             seq,
         } = acts;
-        let (img, txt) = b.forward_with(img, txt, &temb, modulation, &pe, &lens, ctx)?;
+        let (img, txt) = b.forward(img, txt, &temb, &pe, &lens, ctx)?;
         ctx.meter.see(&img);
         Ok(QwenActs {
             img,
