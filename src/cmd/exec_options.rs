@@ -71,7 +71,7 @@ fn one_line(m: &str) -> String {
 }
 
 /// The executor's options: `--streaming` else `MOLD_STREAMING` (default pinned),
-/// `MOLD_KERNELS` (auto|fused|mold|cudnn|candle), `MOLD_PROFILE` (non-empty, not 0), `MOLD_FAULT`
+/// `MOLD_KERNELS` (auto|fused|mold|cudnn|candle), `MOLD_PROFILE` (non-empty, not 0; `events`: GPU time by CUDA events), `MOLD_FAULT`
 /// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `--deterministic` else
 /// `MOLD_DETERMINISTIC` (non-empty, not 0), and the communication options. A malformed
 /// value is an error naming the variable.
@@ -93,6 +93,10 @@ pub fn exec_options(
         None => Kernels::Auto,
     };
     let profiling = env.get("MOLD_PROFILE").is_some_and(|v| v.trim() != "0");
+    // `events`: GPU phases timed by CUDA events, nothing waits at the marks.
+    let profile_events = env
+        .get("MOLD_PROFILE")
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("events"));
     let deterministic = deterministic
         || env
             .get("MOLD_DETERMINISTIC")
@@ -115,6 +119,7 @@ pub fn exec_options(
         streaming,
         kernels,
         profiling,
+        profile_events,
         fault,
         host_memory,
         comm,
@@ -240,6 +245,9 @@ mod tests {
         let o = opts(Some(Streaming::Pageable), &env).unwrap();
         assert_eq!(o.streaming, Streaming::Pageable);
         assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);
+        assert!(!o.profile_events);
+        let ev = opts(None, &[("MOLD_PROFILE", " Events")]).unwrap();
+        assert!(ev.profiling && ev.profile_events);
         assert!(!opts(None, &[]).unwrap().deterministic);
         assert!(
             opts(None, &[("MOLD_DETERMINISTIC", "1")])

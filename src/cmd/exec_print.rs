@@ -159,7 +159,12 @@ pub fn say_bench<M: Benchable>(
     let exec = &done.exec;
     if exec.profiling() {
         let measured = done.measured_steps();
-        say!(rep, "\nprofile (MOLD_PROFILE: device synchronised at each mark, so slower than a plain step), per step:");
+        let how = if exec.options().profile_events {
+            "MOLD_PROFILE=events: GPU time between CUDA events recorded at each mark, nothing waits"
+        } else {
+            "MOLD_PROFILE: device synchronised at each mark, so slower than a plain step"
+        };
+        say!(rep, "\nprofile ({how}), per step:");
         for (dev, phases) in exec.profile_report() {
             let total: f64 = phases.iter().map(|p| p.1).sum();
             say!(

@@ -15,6 +15,9 @@ pub struct ExecOptions {
     pub kernels: Kernels,
     /// Time each phase per device (synchronises at every mark: slower).
     pub profiling: bool,
+    /// With `profiling`: time GPUs by CUDA events recorded at each mark instead of
+    /// waiting for the device there ([`crate::model::Profiler`]; `MOLD_PROFILE=events`).
+    pub profile_events: bool,
     /// A failure to inject into one rank (tests and the GPU suite).
     pub fault: Option<Fault>,
     /// The most host memory streamed weights may take; `None`: what the host reports
@@ -39,6 +42,7 @@ impl Default for ExecOptions {
             streaming: Streaming::default(),
             kernels: Kernels::Auto,
             profiling: false,
+            profile_events: false,
             fault: None,
             host_memory: None,
             comm: CommOptions::default(),

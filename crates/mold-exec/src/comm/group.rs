@@ -24,6 +24,7 @@ pub fn make_group(
     if let Some(ordinals) = distinct_cuda_ordinals(devices) {
         return super::nccl::local_group(&ordinals, opts.nccl_timeout, abort.cloned())
             .into_iter()
+            .map(|c| c.with_overlap_chunks(opts.overlap_chunks))
             .map(|c| Box::new(c) as Box<dyn Comm>)
             .collect();
     }
@@ -40,7 +41,7 @@ pub fn make_group(
     }
     ThreadComm::group(devices.len())
         .into_iter()
-        .map(|c| Box::new(c) as Box<dyn Comm>)
+        .map(|c| Box::new(c.with_overlap_chunks(opts.overlap_chunks)) as Box<dyn Comm>)
         .collect()
 }
 
@@ -130,7 +131,7 @@ pub fn cross_process_group(
             Some(mesh.abort_signal().clone()),
         )
         .into_iter()
-        .map(|c| Box::new(c) as Box<dyn Comm>)
+        .map(|c| Box::new(c.with_overlap_chunks(mesh.options().overlap_chunks)) as Box<dyn Comm>)
         .collect());
     }
     Ok(local

@@ -33,7 +33,8 @@ pub use group::{cross_process_group, make_group};
 pub use handoff::{decode_header, encode_header, HandOff};
 pub use options::{
     timeout_secs, CommOptions, Secret, DEFAULT_DIST_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT,
-    DEFAULT_NCCL_TIMEOUT_S, DEFAULT_PENDING_PER_ADDR, MAX_TIMEOUT_S,
+    DEFAULT_NCCL_TIMEOUT_S, DEFAULT_OVERLAP_CHUNKS, DEFAULT_PENDING_PER_ADDR, MAX_OVERLAP_CHUNKS,
+    MAX_TIMEOUT_S,
 };
 pub use tcp::TcpComm;
 pub use thread::ThreadComm;
@@ -71,6 +72,24 @@ pub trait Comm: Send + Sync {
     /// between pairs (uneven sequence shards). `send[rank]` comes back as is. The results
     /// are contiguous, on the device of `send[rank]`.
     fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>>;
+    /// How many token chunks a row-parallel product is split into so that each chunk's
+    /// sum over the group runs beside the next chunk's product ([`Comm::chunked_sum`]);
+    /// 1: one sum after the whole product. The provided implementation says 1.
+    fn overlap_chunks(&self) -> usize {
+        1
+    }
+    /// A sum over the group of a partial product given in chunks along dimension 1
+    /// (tokens), `total` long in all: each chunk's sum may start as soon as it is pushed,
+    /// beside the work queued after it (NCCL: on a stream of its own). Every rank must
+    /// push chunks of the same shapes in the same order. The provided implementation sums
+    /// each chunk with [`Comm::all_reduce_sum`] when pushed and concatenates the sums.
+    fn chunked_sum(&self, total: usize) -> Box<dyn ChunkedSum + '_> {
+        Box::new(SerialSum {
+            comm: self,
+            total,
+            sums: Vec::new(),
+        })
+    }
     /// Marks the group failed so the other ranks stop waiting for this one (called when a
     /// rank errors or panics); they then fail with [`CommError::PeerAborted`]. The
     /// default does nothing.
@@ -81,6 +100,65 @@ pub trait Comm: Send + Sync {
     fn check(&self) -> Result<()> {
         Ok(())
     }
+}
+
+/// A sum over the group taken in chunks ([`Comm::chunked_sum`]).
+pub trait ChunkedSum {
+    /// The next chunk of the partial product, `(b, len, ..)`: its sum over the group starts.
+    fn push(&mut self, partial: Tensor) -> Result<()>;
+    /// The sums of every chunk, in order along dimension 1: `(b, total, ..)`. Fails
+    /// unless the chunks pushed are `total` long together.
+    fn finish(self: Box<Self>) -> Result<Tensor>;
+}
+
+/// [`Comm::chunked_sum`]'s provided implementation: each chunk summed when pushed.
+struct SerialSum<'a, C: ?Sized> {
+    comm: &'a C,
+    total: usize,
+    sums: Vec<Tensor>,
+}
+
+impl<C: Comm + ?Sized> ChunkedSum for SerialSum<'_, C> {
+    fn push(&mut self, partial: Tensor) -> Result<()> {
+        self.sums.push(self.comm.all_reduce_sum(&partial)?);
+        Ok(())
+    }
+    fn finish(self: Box<Self>) -> Result<Tensor> {
+        let len: usize = self.sums.iter().map(|t| t.dim(1)).sum::<Result<usize>>()?;
+        if len != self.total || self.sums.is_empty() {
+            return Err(CommError::Local(format!(
+                "chunked sum: chunks {len} long in all, expected {}",
+                self.total
+            ))
+            .into());
+        }
+        if self.sums.len() == 1 {
+            return Ok(self.sums.into_iter().next().expect("one"));
+        }
+        Tensor::cat(&self.sums, 1)
+    }
+}
+
+/// `n` token chunks of `total` tokens for [`Comm::chunked_sum`]: `(start, len)`, in
+/// order, covering `0..total`, as even as multiples of `align` allow (the last takes the
+/// rest); fewer when `total` is too short for `n` aligned chunks, at least one.
+pub fn token_chunks(total: usize, n: usize, align: usize) -> Vec<(usize, usize)> {
+    let align = align.max(1);
+    let units = total / align;
+    let n = n.max(1).min(units.max(1));
+    let mut out = Vec::with_capacity(n);
+    let mut start = 0;
+    for i in 0..n {
+        let len = if i + 1 == n {
+            total - start
+        } else {
+            // Even shares of the aligned units, rounded so the chunks stay aligned.
+            (units * (i + 1) / n - units * i / n) * align
+        };
+        out.push((start, len));
+        start += len;
+    }
+    out
 }
 
 /// The group of one: all-reduce is the identity.
@@ -136,4 +214,42 @@ pub(crate) fn check_all_to_all(
         .into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_chunks;
+    use proptest::prelude::*;
+
+    #[test]
+    fn token_chunks_examples() {
+        assert_eq!(
+            token_chunks(4608, 4, 128),
+            vec![(0, 1152), (1152, 1152), (2304, 1152), (3456, 1152)]
+        );
+        assert_eq!(token_chunks(512, 1, 128), vec![(0, 512)]);
+        // Too short for two aligned chunks: one.
+        assert_eq!(token_chunks(200, 4, 128), vec![(0, 200)]);
+        assert_eq!(token_chunks(0, 3, 128), vec![(0, 0)]);
+        assert_eq!(token_chunks(10, 3, 1), vec![(0, 3), (3, 3), (6, 4)]);
+    }
+
+    proptest! {
+        /// The chunks cover 0..total in order, at most n and at least one, every one but
+        /// the last a multiple of the alignment.
+        #[test]
+        fn token_chunks_cover_the_tokens(total in 0usize..20_000, n in 0usize..70, align in 0usize..300) {
+            let c = token_chunks(total, n, align);
+            prop_assert!(!c.is_empty() && c.len() <= n.max(1));
+            let mut at = 0;
+            for (i, &(s, l)) in c.iter().enumerate() {
+                prop_assert_eq!(s, at);
+                if i + 1 < c.len() {
+                    prop_assert!(l > 0 && l % align.max(1) == 0);
+                }
+                at += l;
+            }
+            prop_assert_eq!(at, total);
+        }
+    }
 }

@@ -10,6 +10,13 @@ pub const DEFAULT_NCCL_TIMEOUT_S: f64 = 120.0;
 pub const DEFAULT_DIST_TIMEOUT_S: f64 = 120.0;
 /// Default for a connection to the rendezvous to say who it is.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default of [`CommOptions::overlap_chunks`] (`MOLD_OVERLAP_CHUNKS`).
+/// 1: measured on 4 × H100 (NVLink), chunked sums made FLUX.1-dev steps slower (TP2 81.8 →
+/// 83.9 / 88.0 ms with 2 / 4 chunks, TP4 58.8 → 61.2 / 61.8): NCCL's kernels take SMs from
+/// the products they run beside (BENCHMARKS.md).
+pub const DEFAULT_OVERLAP_CHUNKS: usize = 1;
+/// The most chunks `MOLD_OVERLAP_CHUNKS` may ask for.
+pub const MAX_OVERLAP_CHUNKS: usize = 64;
 /// Default of [`CommOptions::pending_per_addr`].
 pub const DEFAULT_PENDING_PER_ADDR: usize = 16;
 /// The longest any of the `MOLD_*_TIMEOUT_S` variables may ask for: a week, in seconds.
@@ -67,6 +74,11 @@ pub struct CommOptions {
     /// fresh nonces, both ways; the secret itself never travels). `MOLD_DIST_SECRET`,
     /// default none, which only a loopback `MOLD_MASTER_ADDR` allows.
     pub secret: Option<Secret>,
+    /// Token chunks a tensor-parallel group splits each row-parallel product into, so
+    /// each chunk's all-reduce runs beside the next chunk's product ([`super::Comm::
+    /// overlap_chunks`]); 1 sums once after the whole product. `MOLD_OVERLAP_CHUNKS`,
+    /// default [`DEFAULT_OVERLAP_CHUNKS`].
+    pub overlap_chunks: usize,
 }
 
 impl Default for CommOptions {
@@ -77,6 +89,7 @@ impl Default for CommOptions {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             pending_per_addr: DEFAULT_PENDING_PER_ADDR,
             secret: None,
+            overlap_chunks: DEFAULT_OVERLAP_CHUNKS,
         }
     }
 }
@@ -136,6 +149,17 @@ impl CommOptions {
             }
             o.secret = Some(Secret(v));
         }
+        if let Some(v) = get("MOLD_OVERLAP_CHUNKS") {
+            o.overlap_chunks = match v.trim().parse::<usize>() {
+                Ok(n) if (1..=MAX_OVERLAP_CHUNKS).contains(&n) => n,
+                _ => {
+                    return Err(ExecError::Launch(format!(
+                        "MOLD_OVERLAP_CHUNKS={v:?}: give a whole number from 1 (no overlap) \
+                         to {MAX_OVERLAP_CHUNKS}, or unset it (default {DEFAULT_OVERLAP_CHUNKS})"
+                    )))
+                }
+            };
+        }
         Ok(o)
     }
 
@@ -184,6 +208,19 @@ mod tests {
         ]);
         assert_eq!(o.unwrap().dist_timeout, Duration::from_secs(604_800));
         assert!(msg(&[("MOLD_DIST_SECRET", "")]).contains("MOLD_DIST_SECRET"));
+        assert_eq!(
+            from(&[("MOLD_OVERLAP_CHUNKS", " 2")])
+                .unwrap()
+                .overlap_chunks,
+            2
+        );
+        for bad in ["0", "65", "-1", "x", "1.5", ""] {
+            let m = msg(&[("MOLD_OVERLAP_CHUNKS", bad)]);
+            assert!(
+                m.contains("MOLD_OVERLAP_CHUNKS") && m.contains("1 (no overlap)"),
+                "{m}"
+            );
+        }
         let long = "x".repeat(crate::dist::MAX_SECRET_BYTES + 1);
         assert!(msg(&[("MOLD_DIST_SECRET", &long)]).contains("bytes"));
     }

@@ -67,6 +67,9 @@ impl Shared {
 pub struct ThreadComm {
     rank: usize,
     shared: Arc<Shared>,
+    /// [`Comm::overlap_chunks`]: host-staged sums do not overlap anything, but the model
+    /// code's chunked path is the same one NCCL groups run, so emulated devices prove it.
+    chunks: usize,
 }
 
 impl ThreadComm {
@@ -87,8 +90,16 @@ impl ThreadComm {
             .map(|rank| ThreadComm {
                 rank,
                 shared: shared.clone(),
+                chunks: 1,
             })
             .collect()
+    }
+
+    /// The same handle, splitting row-parallel products into `n` token chunks
+    /// ([`Comm::overlap_chunks`]; at least 1).
+    pub fn with_overlap_chunks(mut self, n: usize) -> ThreadComm {
+        self.chunks = n.max(1);
+        self
     }
 }
 
@@ -98,6 +109,9 @@ impl Comm for ThreadComm {
     }
     fn world_size(&self) -> usize {
         self.shared.world
+    }
+    fn overlap_chunks(&self) -> usize {
+        self.chunks
     }
     /// Ranks waiting in (or later entering) a collective get
     /// [`CommError::PeerAborted`] instead of waiting forever for this rank.

@@ -63,7 +63,7 @@ impl<M: Transformer> Rank<M> {
     fn mb_profile(&self, j: usize) -> Arc<Profiler> {
         let mut v = self.mb_profiles.lock().unwrap_or_else(|e| e.into_inner());
         while v.len() <= j {
-            v.push(Arc::default());
+            v.push(Arc::new(Profiler::with_events(self.profile.events())));
         }
         v[j].clone()
     }
@@ -565,7 +565,7 @@ impl<M: Transformer> Executor<M> {
                     final_layer,
                     blocks,
                     meter: ActivationMeter::default(),
-                    profile: Profiler::default(),
+                    profile: Profiler::with_events(opts.profile_events),
                     mb_profiles: Mutex::default(),
                     resident_bytes,
                     sync_stream_bytes,

@@ -182,32 +182,179 @@ impl RowParallel {
     }
 }
 
-/// The two streams' row-parallel partial sums (txt, img), summed over the tensor-parallel
-/// group with one all-reduce (the two side by side along the sequence); in a group of one
-/// they are already the sums, and nothing is copied.
-pub(crate) fn reduce_pair(
-    txt: Tensor,
-    img: Tensor,
+/// Token chunks are multiples of this many tokens (GEMM tiles stay whole).
+const CHUNK_ALIGN: usize = 128;
+
+/// Row-parallel products summed over the tensor-parallel group, one per sequence segment
+/// in order (a double block's txt then img; a single block's one): `partial(i, start,
+/// len)` is this rank's partial product (no bias) of tokens `start..start + len` of
+/// segment `i`, `(b, len, out)`; `lens` are the segments' token counts. Returns each
+/// segment's sum.
+///
+/// In a group of one the partial products are the sums (nothing is copied). With
+/// [`Comm::overlap_chunks`](crate::comm::Comm::overlap_chunks) `n` > 1 the products are
+/// made in about `n` token chunks (a segment gets its share of them, at least one), each
+/// pushed to a [`chunked_sum`](crate::comm::Comm::chunked_sum) as soon as it is queued, so
+/// the group sums chunk i while the GPU computes chunk i+1. With `n` = 1 the segments'
+/// products are put side by side and summed with one all-reduce after them.
+pub(crate) fn row_parallel_sums(
+    lens: &[usize],
     label: &'static str,
     ctx: &Ctx,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    ctx.meter.see(&img);
-    ctx.mark(label, &img);
-    if ctx.comm.world_size() == 1 {
-        return Ok((txt, img));
+    mut partial: impl FnMut(usize, usize, usize) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Vec<Tensor>> {
+    let world = ctx.comm.world_size();
+    let n = ctx.comm.overlap_chunks();
+    let total: usize = lens.iter().sum();
+    if world == 1 || n <= 1 || total == 0 {
+        let parts = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| partial(i, 0, l))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        if let Some(last) = parts.last() {
+            ctx.meter.see(last);
+            ctx.mark(label, last);
+        }
+        if world == 1 || parts.is_empty() {
+            return Ok(parts);
+        }
+        let joined = if parts.len() == 1 {
+            parts[0].clone()
+        } else {
+            Tensor::cat(&parts, 1)?
+        };
+        drop(parts);
+        ctx.meter.see(&joined);
+        let reduced = ctx.comm.all_reduce_sum(&joined)?;
+        drop(joined);
+        ctx.mark("all-reduce", &reduced);
+        return split_segments(&reduced, lens);
     }
-    let tl = txt.dim(1)?;
-    let il = img.dim(1)?;
-    let partial = Tensor::cat(&[&txt, &img], 1)?;
-    drop((txt, img));
-    ctx.meter.see(&partial);
-    let reduced = ctx.comm.all_reduce_sum(&partial)?;
-    drop(partial);
-    ctx.mark("all-reduce", &reduced);
-    Ok((reduced.narrow(1, 0, tl)?, reduced.narrow(1, tl, il)?))
+    let mut sum = ctx.comm.chunked_sum(total);
+    for (i, &l) in lens.iter().enumerate() {
+        let k = (n * l).div_ceil(total).max(1);
+        for (start, len) in crate::comm::token_chunks(l, k, CHUNK_ALIGN) {
+            let p = partial(i, start, len)?;
+            sum.push(p)?;
+        }
+    }
+    let reduced = sum.finish()?;
+    // The result and, until the sums are done, every chunk: two hidden states.
+    ctx.meter.see_all(&[&reduced, &reduced]);
+    ctx.mark("out linear + all-reduce", &reduced);
+    split_segments(&reduced, lens)
+}
+
+/// `t` (`(b, Σ lens, ..)`) cut back into its segments along dimension 1.
+fn split_segments(t: &Tensor, lens: &[usize]) -> candle_core::Result<Vec<Tensor>> {
+    if lens.len() == 1 {
+        return Ok(vec![t.clone()]);
+    }
+    let mut at = 0;
+    let mut out = Vec::with_capacity(lens.len());
+    for &l in lens {
+        out.push(t.narrow(1, at, l)?);
+        at += l;
+    }
+    Ok(out)
 }
 
 /// A replicated weight vector (e.g. an RMSNorm scale).
 pub(crate) fn vector_bytes(t: &Tensor) -> u64 {
     bytes(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::{Comm, ThreadComm};
+    use crate::model::{ActivationMeter, Ctx};
+    use candle_core::{DType, Device, IndexOp};
+
+    /// Runs `row_parallel_sums` on every rank of a thread group of `world` with `chunks`;
+    /// rank r's partial product is `r + 1 + token index` at every element. Returns rank
+    /// 0's sums and the (segment, start, len) calls it made.
+    #[allow(clippy::type_complexity)]
+    fn run(
+        world: usize,
+        chunks: usize,
+        lens: &[usize],
+    ) -> (Vec<Tensor>, Vec<(usize, usize, usize)>) {
+        let comms: Vec<ThreadComm> = ThreadComm::group(world)
+            .into_iter()
+            .map(|c| c.with_overlap_chunks(chunks))
+            .collect();
+        let out = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let meter = ActivationMeter::default();
+                        let ctx = Ctx {
+                            comm: c,
+                            sp: &crate::comm::LocalComm,
+                            meter: &meter,
+                            kernels: crate::Kernels::Candle,
+                            profile: None,
+                        };
+                        let mut calls = Vec::new();
+                        let sums = row_parallel_sums(lens, "test", &ctx, |i, start, len| {
+                            calls.push((i, start, len));
+                            let base = (c.rank() + 1) as f32;
+                            let tok =
+                                Tensor::arange(start as f32, (start + len) as f32, &Device::Cpu)?
+                                    .reshape((1, len, 1))?;
+                            (tok + base as f64)?.broadcast_as((1, len, 3))?.contiguous()
+                        })
+                        .unwrap();
+                        (sums, calls)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        out.into_iter().next().unwrap()
+    }
+
+    /// Chunked or not, each segment's sum is Σ_r (r + 1 + token) = world·token + Σ(r+1);
+    /// with 4 chunks the 520-token segment is made in 4 aligned products and the 40-token
+    /// one in one, and the sums come back per segment.
+    #[test]
+    fn chunked_row_parallel_sums_equal_one_sum() {
+        let lens = [40usize, 520];
+        for world in [2usize, 3] {
+            for chunks in [1usize, 2, 4] {
+                let (sums, calls) = run(world, chunks, &lens);
+                assert_eq!(sums.len(), 2);
+                for (seg, sum) in sums.iter().enumerate() {
+                    assert_eq!(sum.dims(), &[1, lens[seg], 3]);
+                    let got = sum.to_dtype(DType::F32).unwrap().i((0, .., 0)).unwrap();
+                    let got = got.to_vec1::<f32>().unwrap();
+                    let ranks: f32 = (1..=world).map(|r| r as f32).sum();
+                    for (t, v) in got.iter().enumerate() {
+                        assert_eq!(*v, world as f32 * t as f32 + ranks, "w{world} c{chunks}");
+                    }
+                }
+                let want: Vec<(usize, usize, usize)> = match chunks {
+                    1 => vec![(0, 0, 40), (1, 0, 520)],
+                    2 => vec![(0, 0, 40), (1, 0, 256), (1, 256, 264)],
+                    _ => vec![
+                        (0, 0, 40),
+                        (1, 0, 128),
+                        (1, 128, 128),
+                        (1, 256, 128),
+                        (1, 384, 136),
+                    ],
+                };
+                assert_eq!(calls, want, "world {world}, {chunks} chunks");
+            }
+        }
+        // A group of one makes each segment's product whole, whatever the chunks.
+        let (sums, calls) = run(1, 4, &lens);
+        assert_eq!(calls, vec![(0, 0, 40), (1, 0, 520)]);
+        assert_eq!(sums[1].dims(), &[1, 520, 3]);
+    }
 }

@@ -111,13 +111,22 @@ impl ActivationMeter {
     }
 }
 
-/// Per-rank wall time of the model's phases ([`crate::ExecOptions::profiling`]): each [`Ctx::mark`]
-/// waits for the device, then adds the time since the previous mark to its label. The
-/// waits serialise host and device, so a profiled step is slower than a plain one; the
-/// split between phases is what it is for.
+/// Per-rank time of the model's phases ([`crate::ExecOptions::profiling`]), each
+/// [`Ctx::mark`] charging the time since the previous mark to its label, in one of two ways:
+///
+/// - **synchronised** (the default): each mark waits for the device and reads the host
+///   clock. The waits serialise host and device, so a profiled step is slower than a plain
+///   one (each collective also carries the ranks' host skew); the split between phases is
+///   what it is for.
+/// - **events** ([`Profiler::with_events`], `MOLD_PROFILE=events`): on a GPU each mark records
+///   a CUDA event on the device's stream and nothing waits; the times are the GPU's, between
+///   consecutive events, read when the report is asked for. The host runs ahead as in a plain
+///   step, so a collective's phase is what it costs the GPU there (its transfer and the wait
+///   for the slowest peer). Other devices are timed as synchronised.
 #[derive(Debug, Default)]
 pub struct Profiler {
     state: Mutex<ProfState>,
+    events: bool,
 }
 
 #[derive(Debug, Default)]
@@ -125,26 +134,101 @@ struct ProfState {
     last: Option<Instant>,
     /// label → (seconds, marks)
     acc: BTreeMap<&'static str, (f64, u64)>,
+    /// Events mode: the marks recorded and not yet read, in order (`None`: a restart).
+    #[cfg(feature = "cuda")]
+    pending: Vec<(
+        Option<&'static str>,
+        candle_core::cuda::cudarc::driver::CudaEvent,
+    )>,
+}
+
+/// Marks an events-mode profiler keeps unread before it reads the older ones (which waits
+/// for the GPU to reach them).
+#[cfg(feature = "cuda")]
+const MAX_PENDING_MARKS: usize = 4096;
+
+impl ProfState {
+    fn charge(&mut self, label: &'static str, secs: f64) {
+        let e = self.acc.entry(label).or_insert((0.0, 0));
+        e.0 += secs;
+        e.1 += 1;
+    }
+
+    /// Events mode: charges the time between consecutive recorded marks, keeping the last
+    /// one as the start of what follows.
+    #[cfg(feature = "cuda")]
+    fn settle(&mut self) {
+        if self.pending.len() < 2 {
+            return;
+        }
+        let mut marks = std::mem::take(&mut self.pending);
+        let last = marks.pop().expect("two or more");
+        let mut prev: Option<candle_core::cuda::cudarc::driver::CudaEvent> = None;
+        for (label, ev) in marks.into_iter().chain(std::iter::once(last)) {
+            if let (Some(p), Some(label)) = (&prev, label) {
+                if let Ok(ms) = p.elapsed_ms(&ev) {
+                    self.charge(label, f64::from(ms) * 1e-3);
+                }
+            }
+            prev = Some(ev);
+        }
+        if let Some(ev) = prev {
+            self.pending.push((None, ev));
+        }
+    }
 }
 
 impl Profiler {
-    /// Waits for `device` and charges the time since the last mark to `label`
-    /// (`None`: restarts the clock without charging anything).
+    /// A profiler timing GPUs by CUDA events instead of synchronised marks.
+    pub fn with_events(events: bool) -> Self {
+        Profiler {
+            events,
+            ..Profiler::default()
+        }
+    }
+
+    /// Whether GPUs are timed by events ([`Profiler::with_events`]).
+    pub fn events(&self) -> bool {
+        self.events
+    }
+
+    /// Charges the time since the last mark to `label` (`None`: restarts the clock without
+    /// charging anything).
     pub fn mark(&self, label: Option<&'static str>, device: &candle_core::Device) {
+        #[cfg(feature = "cuda")]
+        if self.events {
+            if let candle_core::Device::Cuda(cd) = device {
+                use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
+                let ev = cd
+                    .cuda_stream()
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                match ev {
+                    Ok(ev) => st.pending.push((label, ev)),
+                    // Without an event this mark is lost; the next one starts anew.
+                    Err(_) => st.pending.clear(),
+                }
+                if st.pending.len() > MAX_PENDING_MARKS {
+                    st.settle();
+                }
+                return;
+            }
+        }
         let _ = device.synchronize();
         let now = Instant::now();
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let (Some(label), Some(last)) = (label, st.last) {
-            let e = st.acc.entry(label).or_insert((0.0, 0));
-            e.0 += (now - last).as_secs_f64();
-            e.1 += 1;
+            st.charge(label, (now - last).as_secs_f64());
         }
         st.last = Some(now);
     }
 
     /// `(label, seconds, marks)`, largest time first.
     pub fn report(&self) -> Vec<(&'static str, f64, u64)> {
-        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        #[cfg(feature = "cuda")]
+        st.settle();
         let mut v: Vec<_> = st.acc.iter().map(|(k, (s, n))| (*k, *s, *n)).collect();
         v.sort_by(|a, b| b.1.total_cmp(&a.1));
         v

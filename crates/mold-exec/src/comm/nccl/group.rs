@@ -50,7 +50,10 @@ pub(super) struct RankSlot {
     /// and when it was enqueued (the watchdog's clock).
     pub(super) pending: VecDeque<(CudaEvent, Instant)>,
     /// Keeps the GPU's primary context alive as long as the communicator.
-    ctx: Option<Arc<CudaContext>>,
+    pub(super) ctx: Option<Arc<CudaContext>>,
+    /// The stream chunked sums run on beside the compute ([`super::overlap`]), made on
+    /// first use.
+    pub(super) side: Option<Arc<cudarc::driver::CudaStream>>,
     tracker: Option<Arc<Tracker>>,
 }
 
@@ -240,6 +243,7 @@ pub fn local_group(
             rank,
             group: group.clone(),
             _lease: lease.clone(),
+            chunks: 1,
         })
         .collect()
 }
@@ -290,6 +294,7 @@ pub fn spanning_group(
             rank,
             group: g.clone(),
             _lease: lease.clone(),
+            chunks: 1,
         })
         .collect()
 }
@@ -338,6 +343,7 @@ fn create_ranks(
             comm: None,
             pending: VecDeque::new(),
             ctx: None,
+            side: None,
             tracker: Some(tracker.clone()),
         })
         .collect();
@@ -373,6 +379,7 @@ fn create_ranks(
                         comm: Some(c),
                         pending: VecDeque::new(),
                         ctx: Some(ctx),
+                        side: None,
                         tracker: None,
                     };
                     s.abort();

@@ -48,13 +48,14 @@
 
 mod group;
 mod op;
+mod overlap;
 mod p2p;
 mod watchdog;
 
 pub use group::{local_group, spanning_group, unique_id};
 pub(crate) use group::{release, set_nccl_env};
 
-use super::{AbortSignal, Comm, CommError};
+use super::{AbortSignal, ChunkedSum, Comm, CommError};
 use candle_core::cuda::cudarc;
 use candle_core::{Result, Shape, Tensor};
 use cudarc::driver::CudaEvent;
@@ -134,6 +135,8 @@ pub struct NcclComm {
     rank: usize,
     group: Arc<Group>,
     _lease: Arc<Lease>,
+    /// [`Comm::overlap_chunks`].
+    chunks: usize,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -149,6 +152,13 @@ impl std::fmt::Debug for NcclComm {
 }
 
 impl NcclComm {
+    /// The same handle, splitting row-parallel products into `n` token chunks whose sums
+    /// run beside the compute ([`Comm::overlap_chunks`]; at least 1).
+    pub fn with_overlap_chunks(mut self, n: usize) -> NcclComm {
+        self.chunks = n.max(1);
+        self
+    }
+
     /// This rank's GPU ordinal.
     pub(crate) fn ordinal(&self) -> usize {
         self.group.ordinals[self.rank]
@@ -230,12 +240,17 @@ impl NcclComm {
     /// not wait for it; the monitor watches it, and the host waits only when more than
     /// `MAX_IN_FLIGHT` are pending (for the oldest).
     fn watch(&self, slot: &mut RankSlot, out: &Tensor) -> Result<()> {
+        let stream = out.device().as_cuda_device()?.cuda_stream();
+        self.watch_stream(slot, &stream)
+    }
+
+    /// [`NcclComm::watch`] for a collective enqueued on `stream`.
+    fn watch_stream(&self, slot: &mut RankSlot, stream: &cudarc::driver::CudaStream) -> Result<()> {
         if let Some(limit) = self.group.limit {
             // The host does not wait for the collective: it goes on queueing kernels
             // (waiting here would leave the GPU idle while the next ones are launched).
             // The monitor watches the pending collectives; the host waits only when more
             // than MAX_IN_FLIGHT are pending, for the oldest.
-            let stream = out.device().as_cuda_device()?.cuda_stream();
             let event = stream
                 .record_event(Some(
                     cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
@@ -299,6 +314,16 @@ impl Comm for NcclComm {
         };
         self.watch(&mut slot, &out)?;
         Ok(out)
+    }
+
+    fn overlap_chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// Each chunk summed on the rank's side stream beside the compute
+    /// ([`overlap`](self::overlap)).
+    fn chunked_sum(&self, total: usize) -> Box<dyn ChunkedSum + '_> {
+        Box::new(overlap::OverlapSum::new(self, total))
     }
 
     fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>> {

@@ -128,6 +128,11 @@ fn prepare_qkv(
     Ok((q, k, v))
 }
 
+/// [`layers::row_parallel_sums`] gave other than one sum per segment (cannot happen).
+fn pair_err() -> candle_core::Error {
+    candle_core::Error::Msg("row-parallel sums: one per segment expected".into())
+}
+
 /// Sinusoidal embedding of `t` (scaled by 1000), `dim` wide, cos then sin.
 fn timestep_embedding(t: &Tensor, dim: usize, dtype: DType) -> CResult<Tensor> {
     const TIME_FACTOR: f64 = 1000.;
@@ -374,10 +379,14 @@ impl DoubleBlock {
         drop((q, k, v));
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
-        let txt_part = self.txt.proj.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
-        let img_part = self.img.proj.partial(&[&attn.narrow(1, tl, il)?], kn)?;
+        let streams = [&self.txt, &self.img];
+        let sums = layers::row_parallel_sums(&[tl, il], "attn out linear", ctx, |i, s, n| {
+            streams[i]
+                .proj
+                .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+        })?;
         drop(attn);
-        let (txt_proj, img_proj) = layers::reduce_pair(txt_part, img_part, "attn out linear", ctx)?;
+        let [txt_proj, img_proj]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
         // The projections' biases in the gated residual's pass.
         let img_mid = im[0].gate_bias_residual(&img, &img_proj, self.img.proj.bias(), kn)?;
         let txt_mid = tm[0].gate_bias_residual(&txt, &txt_proj, self.txt.proj.bias(), kn)?;
@@ -394,10 +403,13 @@ impl DoubleBlock {
             .forward_gelu(&tm[1].norm_scale_shift(&txt_mid, eps, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
-        let txt_part = self.txt.mlp2.partial(&[&txt_h], kn)?;
-        let img_part = self.img.mlp2.partial(&[&img_h], kn)?;
+        let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
+        let hs = [&txt_h, &img_h];
+        let sums = layers::row_parallel_sums(&[tl, il], "mlp out linear", ctx, |i, s, n| {
+            streams[i].mlp2.partial(&[&hs[i].narrow(1, s, n)?], kn)
+        })?;
         drop((img_h, txt_h));
-        let (txt_mlp, img_mlp) = layers::reduce_pair(txt_part, img_part, "mlp out linear", ctx)?;
+        let [txt_mlp, img_mlp]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
         let img = im[1].gate_bias_residual(&img_mid, &img_mlp, self.img.mlp2.bias(), kn)?;
         drop((img_mid, img_mlp));
         let txt = tm[1].gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp2.bias(), kn)?;
@@ -494,12 +506,14 @@ impl SingleBlock {
         let attn = attention(&q, &k, &v, lens, ctx)?;
         drop((q, k, v));
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
-        let partial = self.linear2.partial(&[&attn, &mlp], kn)?;
+        let len = attn.dim(1)?;
+        let reduced = layers::row_parallel_sums(&[len], "out linear", ctx, |_, s, n| {
+            self.linear2
+                .partial(&[&attn.narrow(1, s, n)?, &mlp.narrow(1, s, n)?], kn)
+        })?
+        .pop()
+        .ok_or_else(pair_err)?;
         drop((attn, mlp));
-        ctx.mark("out linear", &partial);
-        let reduced = ctx.comm.all_reduce_sum(&partial)?;
-        drop(partial);
-        ctx.mark("all-reduce", &reduced);
         let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &out);
         Ok(out)

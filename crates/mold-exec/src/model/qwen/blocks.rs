@@ -315,10 +315,16 @@ impl Block {
 
         // One all-reduce for both streams' output projections (none in a group of one);
         // their biases in the gated residual's pass.
-        let txt_part = self.txt.out.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
-        let img_part = self.img.out.partial(&[&attn.narrow(1, tl, il)?], kn)?;
+        let streams = [&self.txt, &self.img];
+        let sums = layers::row_parallel_sums(&[tl, il], "attn out linear", ctx, |i, s, n| {
+            streams[i]
+                .out
+                .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+        })?;
         drop(attn);
-        let (txt_attn, img_attn) = layers::reduce_pair(txt_part, img_part, "attn out linear", ctx)?;
+        let [txt_attn, img_attn]: [Tensor; 2] = sums
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?;
         let img_mid = im1.gate_bias_residual(&img, &img_attn, self.img.out.bias(), kn)?;
         let txt_mid = tm1.gate_bias_residual(&txt, &txt_attn, self.txt.out.bias(), kn)?;
         drop((img, txt, img_attn, txt_attn));
@@ -335,10 +341,15 @@ impl Block {
             .forward_gelu(&tm2.norm_scale_shift(&txt_mid, eps, kn)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
-        let txt_part = self.txt.mlp_out.partial(&[&txt_h], kn)?;
-        let img_part = self.img.mlp_out.partial(&[&img_h], kn)?;
+        let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
+        let hs = [&txt_h, &img_h];
+        let sums = layers::row_parallel_sums(&[tl, il], "mlp out linear", ctx, |i, s, n| {
+            streams[i].mlp_out.partial(&[&hs[i].narrow(1, s, n)?], kn)
+        })?;
         drop((img_h, txt_h));
-        let (txt_mlp, img_mlp) = layers::reduce_pair(txt_part, img_part, "mlp out linear", ctx)?;
+        let [txt_mlp, img_mlp]: [Tensor; 2] = sums
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?;
         let img = im2.gate_bias_residual(&img_mid, &img_mlp, self.img.mlp_out.bias(), kn)?;
         drop((img_mid, img_mlp));
         let txt = tm2.gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp_out.bias(), kn)?;
