@@ -282,13 +282,32 @@ impl<'a> Ctx<'a> {
         // 1/sp it keeps sent to the others.
         let shard =
             mold_models::product(&[self.batch, local, kind.hidden.div_ceil(tp as u64), act]);
+        // As the executor runs them: q, k and v stacked into one all-to-all, the output in
+        // another, with the layout copies around them on the rank's memory.
         let alltoall_s = if sp > 1 {
-            let sent = shard as f64 * (sp - 1) as f64 / sp as f64;
-            self.slowest_op(&group.sp_groups(), dtype, |c, n, op| {
-                ALLTOALLS_PER_BLOCK as f64
-                    * op(CollectiveOp::AllToAll, shard as f64)
-                        .unwrap_or_else(|| alltoall_s(c, sent, n))
-            })
+            let transfers = self.slowest_op(&group.sp_groups(), dtype, |c, n, op| {
+                ALLTOALL_SHARDS
+                    .iter()
+                    .map(|&k| {
+                        let bytes = k as f64 * shard as f64;
+                        let sent = bytes * (sp - 1) as f64 / sp as f64;
+                        op(CollectiveOp::AllToAll, bytes).unwrap_or_else(|| alltoall_s(c, sent, n))
+                    })
+                    .sum()
+            });
+            let copy_bytes = ALLTOALL_COPY_SHARDS * shard;
+            let copies = group
+                .devices
+                .iter()
+                .map(|id| match self.op_tables(id, dtype) {
+                    // The measured element-wise rate where the profile has one.
+                    Some(t) if t.elementwise_gbps > 0.0 => {
+                        copy_bytes as f64 / (t.elementwise_gbps * 1e9)
+                    }
+                    _ => self.elementwise_time(id, copy_bytes),
+                })
+                .fold(0.0, f64::max);
+            transfers + copies
         } else {
             0.0
         };
@@ -665,9 +684,16 @@ pub struct ComponentEstimate {
     pub outside: Option<String>,
 }
 
-/// All-to-alls a block runs under sequence parallelism: q, k and v from token shards to
-/// head shards before attention, and the output back after it.
-pub const ALLTOALLS_PER_BLOCK: u32 = 4;
+/// The all-to-alls a block runs under sequence parallelism, as the executor runs them
+/// (`mold-exec`'s `model/sequence.rs`), in head shards (a rank's tokens of its tensor-parallel
+/// heads) per rank: q, k and v from token shards to head shards, stacked into one message
+/// (3), and the attention output back (1).
+pub const ALLTOALL_SHARDS: [u32; 2] = [3, 1];
+
+/// Memory traffic of the all-to-alls' layout copies, in shards: q, k and v stacked per
+/// destination (3 read, 3 written) and the received pieces put together (3 and 3); the
+/// output's pieces made contiguous (1 and 1) and put together (1 and 1).
+pub const ALLTOALL_COPY_SHARDS: u64 = 16;
 
 /// Seconds for an all-to-all in which each of `n` ranks sends `sent` bytes: the link's
 /// latency plus the bytes over its bus bandwidth (the model the all-reduce uses).

@@ -516,7 +516,10 @@ pub fn calibration_shapes(
                         ));
                     }
                     if sp == n {
-                        out.collectives.push((CollectiveOp::AllToAll, n, shard));
+                        for k in crate::ALLTOALL_SHARDS {
+                            out.collectives
+                                .push((CollectiveOp::AllToAll, n, k as u64 * shard));
+                        }
                         out.collectives.push((CollectiveOp::AllGather, n, gathered));
                     }
                 }

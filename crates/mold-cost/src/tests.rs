@@ -341,8 +341,11 @@ fn sequence_parallel_is_hand_computable() {
         let w = k.weight_bytes(DType::F32, 1) as f64 / 1000e9;
         let per_token = 7 * k.hidden * k.allreduces as u64 + 12 * k.hidden + 2 * k.mlp_hidden;
         let ew = (local * per_token * 4) as f64 / 1000e9;
-        // Each all-to-all sends the half of this rank's (tokens/2 × hidden) it does not keep.
-        let a2a = 4.0 * link((local * k.hidden * 4) as f64 / 2.0);
+        // q/k/v stacked (3 shards) then the output (1), each sending the half of this
+        // rank's (tokens/2 × hidden) shards it does not keep; the layout copies move 16
+        // shards through memory at 1000 GB/s.
+        let shard = (local * k.hidden * 4) as f64;
+        let a2a = link(3.0 * shard / 2.0) + link(shard / 2.0) + 16.0 * shard / 1000e9;
         want += k.count as f64 * ((flops / 10e12).max(w) + ew + a2a);
         assert_eq!(
             Ctx::new(&model, &m, &plan.workload)
@@ -414,8 +417,10 @@ fn hybrid_layout_combines_both() {
         "{} vs {want_ar}",
         bc.allreduce_s
     );
-    // Four all-to-alls of (tokens/2) × (hidden/2), half of it sent.
-    let want_a2a = 4.0 * link((local * 32 * 4) as f64 / 2.0, 1.0);
+    // The stacked q/k/v (3 shards of (tokens/2) × (hidden/2)) and the output (1), half
+    // of each sent, and 16 shards of layout copies at 1000 GB/s.
+    let shard = (local * 32 * 4) as f64;
+    let want_a2a = link(3.0 * shard / 2.0, 1.0) + link(shard / 2.0, 1.0) + 16.0 * shard / 1000e9;
     assert!(
         (bc.alltoall_s - want_a2a).abs() < 1e-15,
         "{} vs {want_a2a}",
@@ -544,9 +549,11 @@ fn groups_across_nodes_pay_the_network() {
         (hybrid.parts[0].allreduce_s - hybrid_one_node.parts[0].allreduce_s).abs() < 1e-15,
         "the all-reduces stay on NVLink"
     );
-    let shard = (local * 32 * 4) as f64 / 2.0;
-    // Four all-to-alls per block, five blocks, each over the network.
-    let a2a = 5.0 * 4.0 * (40e-6 + shard / 5e9);
+    let shard = (local * 32 * 4) as f64;
+    // Two all-to-alls per block (q/k/v stacked: 3 shards; the output: 1), half of each
+    // sent over the network, and the layout copies; five blocks.
+    let a2a = 5.0
+        * ((40e-6 + 3.0 * shard / 2.0 / 5e9) + (40e-6 + shard / 2.0 / 5e9) + 16.0 * shard / 1000e9);
     assert!(
         (hybrid.parts[0].alltoall_s - a2a).abs() < 1e-12,
         "{} vs {a2a}",

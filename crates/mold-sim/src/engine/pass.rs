@@ -129,8 +129,8 @@ impl<'a> Sim<'a> {
             )
         };
         let alltoall = format!(
-            "all-to-all ×{} in {what} ({} shard each, {via})",
-            mold_cost::ALLTOALLS_PER_BLOCK,
+            "all-to-all ×{} in {what} (q/k/v stacked, then the output: {} shard each, {via})",
+            mold_cost::ALLTOALL_SHARDS.len(),
             human(info.shard)
         );
         // Tensor-parallel all-reduces, then sequence-parallel all-to-alls: each joins
