@@ -257,13 +257,15 @@ impl ChunkedSum for OverlapSum<'_> {
             );
             return Err(comm.fail(&mut slot, m));
         }
-        comm.watch_stream(&mut slot, &side)?;
-        drop(slot);
+        // Referenced before anything else can fail: the side stream now reads the chunk and
+        // writes the sum, so neither may be freed before the compute stream waited for it.
         self.len += dims[1];
         self.keep.push(partial);
         if let Some(d) = dst {
             self.sums.push(d);
         }
+        comm.watch_stream(&mut slot, &side)?;
+        drop(slot);
         Ok(())
     }
 
