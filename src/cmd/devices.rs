@@ -189,14 +189,41 @@ pub fn local_machine(headroom: ByteSize) -> Result<Machine> {
 pub fn local_machine_adopting(
     headroom: ByteSize,
 ) -> Result<(Machine, Vec<mold_machine::shipped::Adopted>)> {
-    let mut m = local_inventory_machine(headroom)?;
-    let adopted = m.adopt_tables(&mold_machine::shipped::profiles());
-    if !adopted.is_empty() {
-        let list: Vec<String> = adopted.iter().map(|a| a.describe()).collect();
+    let (mut m, inv) = local_inventory(headroom)?;
+    // This box's own calibration, kept by `mold devices --calibrate`, comes first.
+    let mut adopted = Vec::new();
+    if let Some(dir) = mold_config::cache_dir(|k| std::env::var(k).ok()) {
+        match mold_machine::box_cache::load(&dir, &inv) {
+            Ok(Some(kept)) => adopted.extend(m.adopt_tables(&[kept])),
+            Ok(None) => {}
+            Err(e) => eprintln!(
+                "warning: this box's kept calibration is unreadable and passed over ({e});                  the next `mold devices --calibrate` replaces it"
+            ),
+        }
+    }
+    let own = adopted.len();
+    adopted.extend(m.adopt_tables(&mold_machine::shipped::profiles()));
+    let list = |a: &[mold_machine::shipped::Adopted]| -> String {
+        a.iter()
+            .map(|a| a.describe())
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    if own > 0 {
+        m.calibration.notes = format!(
+            "{} Operation tables measured on this box by `mold devices --calibrate` (kept in \
+             mold's cache directory): {}.",
+            m.calibration.notes,
+            list(&adopted[..own])
+        )
+        .trim()
+        .to_string();
+    }
+    if adopted.len() > own {
         m.calibration.notes = format!(
             "{} Operation tables shipped with mold, not measured on this box: {}.",
             m.calibration.notes,
-            list.join("; ")
+            list(&adopted[own..])
         )
         .trim()
         .to_string();
@@ -206,6 +233,11 @@ pub fn local_machine_adopting(
 
 /// This box's GPUs as queried now, nothing adopted.
 pub fn local_inventory_machine(headroom: ByteSize) -> Result<Machine> {
+    Ok(local_inventory(headroom)?.0)
+}
+
+/// [`local_inventory_machine`] and the inventory it was made from.
+fn local_inventory(headroom: ByteSize) -> Result<(Machine, Inventory)> {
     if !inventory::CUDA {
         bail!(
             "--machine local: this build has no CUDA, so it cannot query this box's GPUs; build one with scripts/build-cuda, or pass a profile such as sim/machines/2x-h200.yaml"
@@ -221,7 +253,28 @@ pub fn local_inventory_machine(headroom: ByteSize) -> Result<Machine> {
             mold_version: env!("CARGO_PKG_VERSION").into(),
         })
         .context("--machine local")?;
-    Ok(m)
+    Ok((m, inv))
+}
+
+/// Keeps `m`, a profile of this box just measured, in mold's cache directory, where
+/// `--machine local` finds it (`mold_machine::box_cache`); says where, or why not.
+fn keep_for_this_box(inv: &Inventory, m: &Machine) {
+    if m.ops.is_empty() {
+        return;
+    }
+    let Some(dir) = mold_config::cache_dir(|k| std::env::var(k).ok()) else {
+        eprintln!(
+            "note: no cache directory (MOLD_CACHE_DIR, XDG_CACHE_HOME or HOME): the              calibration is not kept for `--machine local`"
+        );
+        return;
+    };
+    match mold_machine::box_cache::keep(&dir, inv, m) {
+        Ok(p) => eprintln!(
+            "calibration kept for this box in {} (`mold plan --machine local` uses it)",
+            p.display()
+        ),
+        Err(e) => eprintln!("warning: the calibration is not kept for `--machine local`: {e}"),
+    }
 }
 
 /// The configuration with these flags on top.
@@ -303,6 +356,9 @@ pub fn run(a: Args) -> Result<i32> {
         let req = model_request(&a, model)?;
         let done = calibrate(&a, &mut m, None, Some(req))?;
         print!("{}", ops_yaml(&done.tables)?);
+        if !a.no_peer {
+            keep_for_this_box(&inv, &m);
+        }
     }
     Ok(0)
 }
@@ -682,6 +738,10 @@ fn save(
         calibrate(a, &mut m, a.calibrate.then_some(inv), model)?;
     }
     write_profile(a, path, &m)?;
+    // Measured as the box is (a `--no-peer` profile prices another box).
+    if !a.no_peer {
+        keep_for_this_box(inv, &m);
+    }
     eprintln!(
         "machine profile written to {} ({})",
         path.display(),

@@ -227,12 +227,22 @@ fn machine_for(
         });
         let (m, adopted) = devices::local_machine_adopting(h)
             .with_context(|| format!("machine from {}", spec.source()))?;
-        let tables = if adopted.is_empty() {
-            String::new()
-        } else {
-            let list: Vec<String> = adopted.iter().map(|a| a.describe()).collect();
-            format!("; operation tables shipped with mold: {}", list.join("; "))
+        // This box's kept calibration is named `box-…` (mold_machine::box_cache).
+        let (own, shipped): (Vec<_>, Vec<_>) =
+            adopted.iter().partition(|a| a.from.starts_with("box-"));
+        let list = |v: &[&mold_machine::shipped::Adopted]| -> String {
+            v.iter()
+                .map(|a| a.describe())
+                .collect::<Vec<_>>()
+                .join("; ")
         };
+        let mut tables = String::new();
+        if !own.is_empty() {
+            tables += &format!("; operation tables measured on this box: {}", list(&own));
+        }
+        if !shipped.is_empty() {
+            tables += &format!("; operation tables shipped with mold: {}", list(&shipped));
+        }
         let line = format!(
             "machine profile: local (queried now: {}; headroom {h} from {hsrc}{tables}){from}",
             m.device_list()

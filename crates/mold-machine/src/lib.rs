@@ -6,6 +6,7 @@
 //! `links.rs`: nodes, peer domains and what a transfer between devices costs; `ops.rs`:
 //! measured operation tables; [`inventory`]: this box's GPUs and their calibration.
 
+pub mod box_cache;
 pub mod inventory;
 mod links;
 pub mod ops;
