@@ -197,11 +197,15 @@ const CHUNK_ALIGN: usize = 128;
 /// pushed to a [`chunked_sum`](crate::comm::Comm::chunked_sum) as soon as it is queued, so
 /// the group sums chunk i while the GPU computes chunk i+1. With `n` = 1 the segments'
 /// products are put side by side and summed with one all-reduce after them.
-pub(crate) fn row_parallel_sums(
+///
+/// `inputs` (what the products read) are taken by value and dropped as soon as the last
+/// product is queued, before the sum, so they are not alive beside it.
+pub(crate) fn row_parallel_sums<T>(
+    inputs: T,
     lens: &[usize],
     label: &'static str,
     ctx: &Ctx,
-    mut partial: impl FnMut(usize, usize, usize) -> candle_core::Result<Tensor>,
+    mut partial: impl FnMut(&T, usize, usize, usize) -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Vec<Tensor>> {
     let world = ctx.comm.world_size();
     let n = ctx.comm.overlap_chunks();
@@ -210,8 +214,9 @@ pub(crate) fn row_parallel_sums(
         let parts = lens
             .iter()
             .enumerate()
-            .map(|(i, &l)| partial(i, 0, l))
+            .map(|(i, &l)| partial(&inputs, i, 0, l))
             .collect::<candle_core::Result<Vec<_>>>()?;
+        drop(inputs);
         if let Some(last) = parts.last() {
             ctx.meter.see(last);
             ctx.mark(label, last);
@@ -235,10 +240,11 @@ pub(crate) fn row_parallel_sums(
     for (i, &l) in lens.iter().enumerate() {
         let k = (n * l).div_ceil(total).max(1);
         for (start, len) in crate::comm::token_chunks(l, k, CHUNK_ALIGN) {
-            let p = partial(i, start, len)?;
+            let p = partial(&inputs, i, start, len)?;
             sum.push(p)?;
         }
     }
+    drop(inputs);
     let reduced = sum.finish()?;
     // The result and, until the sums are done, every chunk: two hidden states.
     ctx.meter.see_all(&[&reduced, &reduced]);
@@ -299,7 +305,7 @@ mod tests {
                             profile: None,
                         };
                         let mut calls = Vec::new();
-                        let sums = row_parallel_sums(lens, "test", &ctx, |i, start, len| {
+                        let sums = row_parallel_sums((), lens, "test", &ctx, |_, i, start, len| {
                             calls.push((i, start, len));
                             let base = (c.rank() + 1) as f32;
                             let tok =

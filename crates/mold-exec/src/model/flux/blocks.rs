@@ -380,12 +380,12 @@ impl DoubleBlock {
         let tl = txt.dim(1)?;
         let il = attn.dim(1)? - tl;
         let streams = [&self.txt, &self.img];
-        let sums = layers::row_parallel_sums(&[tl, il], "attn out linear", ctx, |i, s, n| {
-            streams[i]
-                .proj
-                .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
-        })?;
-        drop(attn);
+        let sums =
+            layers::row_parallel_sums(attn, &[tl, il], "attn out linear", ctx, |attn, i, s, n| {
+                streams[i]
+                    .proj
+                    .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+            })?;
         let [txt_proj, img_proj]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
         // The projections' biases in the gated residual's pass.
         let img_mid = im[0].gate_bias_residual(&img, &img_proj, self.img.proj.bias(), kn)?;
@@ -404,11 +404,13 @@ impl DoubleBlock {
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
-        let hs = [&txt_h, &img_h];
-        let sums = layers::row_parallel_sums(&[tl, il], "mlp out linear", ctx, |i, s, n| {
-            streams[i].mlp2.partial(&[&hs[i].narrow(1, s, n)?], kn)
-        })?;
-        drop((img_h, txt_h));
+        let sums = layers::row_parallel_sums(
+            [txt_h, img_h],
+            &[tl, il],
+            "mlp out linear",
+            ctx,
+            |hs, i, s, n| streams[i].mlp2.partial(&[&hs[i].narrow(1, s, n)?], kn),
+        )?;
         let [txt_mlp, img_mlp]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
         let img = im[1].gate_bias_residual(&img_mid, &img_mlp, self.img.mlp2.bias(), kn)?;
         drop((img_mid, img_mlp));
@@ -507,13 +509,18 @@ impl SingleBlock {
         drop((q, k, v));
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
         let len = attn.dim(1)?;
-        let reduced = layers::row_parallel_sums(&[len], "out linear", ctx, |_, s, n| {
-            self.linear2
-                .partial(&[&attn.narrow(1, s, n)?, &mlp.narrow(1, s, n)?], kn)
-        })?
+        let reduced = layers::row_parallel_sums(
+            (attn, mlp),
+            &[len],
+            "out linear",
+            ctx,
+            |(attn, mlp), _, s, n| {
+                self.linear2
+                    .partial(&[&attn.narrow(1, s, n)?, &mlp.narrow(1, s, n)?], kn)
+            },
+        )?
         .pop()
         .ok_or_else(pair_err)?;
-        drop((attn, mlp));
         let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &out);
         Ok(out)

@@ -316,12 +316,12 @@ impl Block {
         // One all-reduce for both streams' output projections (none in a group of one);
         // their biases in the gated residual's pass.
         let streams = [&self.txt, &self.img];
-        let sums = layers::row_parallel_sums(&[tl, il], "attn out linear", ctx, |i, s, n| {
-            streams[i]
-                .out
-                .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
-        })?;
-        drop(attn);
+        let sums =
+            layers::row_parallel_sums(attn, &[tl, il], "attn out linear", ctx, |attn, i, s, n| {
+                streams[i]
+                    .out
+                    .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+            })?;
         let [txt_attn, img_attn]: [Tensor; 2] = sums
             .try_into()
             .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?;
@@ -342,11 +342,13 @@ impl Block {
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
-        let hs = [&txt_h, &img_h];
-        let sums = layers::row_parallel_sums(&[tl, il], "mlp out linear", ctx, |i, s, n| {
-            streams[i].mlp_out.partial(&[&hs[i].narrow(1, s, n)?], kn)
-        })?;
-        drop((img_h, txt_h));
+        let sums = layers::row_parallel_sums(
+            [txt_h, img_h],
+            &[tl, il],
+            "mlp out linear",
+            ctx,
+            |hs, i, s, n| streams[i].mlp_out.partial(&[&hs[i].narrow(1, s, n)?], kn),
+        )?;
         let [txt_mlp, img_mlp]: [Tensor; 2] = sums
             .try_into()
             .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?;
