@@ -374,7 +374,7 @@ pub struct PartMeasured {
     pub collective_s: f64,
 }
 
-const NOT_PROFILED: &str = "per-part phases are measured in transformer-only runs with MOLD_PROFILE=1 (its synchronisation slows the step)";
+const NOT_PROFILED: &str = "per-part phases are measured in transformer-only runs with MOLD_PROFILE=events (GPU time by CUDA events) or MOLD_PROFILE=1 (synchronised: slows the step)";
 
 /// The prediction of every phase of `plan` (the plan as run: its workload is the run's)
 /// from its simulation `sim`, with `m`'s measurements beside them. Rows: encoders,
