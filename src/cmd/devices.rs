@@ -194,10 +194,11 @@ pub fn local_machine_adopting(
     let mut adopted = Vec::new();
     if let Some(dir) = mold_config::cache_dir(|k| std::env::var(k).ok()) {
         match mold_machine::box_cache::load(&dir, &inv) {
-            Ok(Some(kept)) => adopted.extend(m.adopt_tables(&[kept])),
+            Ok(Some(kept)) => adopted.extend(mold_machine::box_cache::adopt(&mut m, &kept)),
             Ok(None) => {}
             Err(e) => eprintln!(
-                "warning: this box's kept calibration is unreadable and passed over ({e});                  the next `mold devices --calibrate` replaces it"
+                "warning: this box's kept calibration is unreadable and passed over ({e}); \
+                 the next `mold devices --calibrate` replaces it"
             ),
         }
     }
@@ -256,15 +257,47 @@ fn local_inventory(headroom: ByteSize) -> Result<(Machine, Inventory)> {
     Ok((m, inv))
 }
 
+/// Why a calibration was not measured as this box runs plans by default, if it was not:
+/// then it prices another box and is not kept for `--machine local`.
+fn not_as_the_box_runs(a: &Args, get: impl Fn(&str) -> Option<String>) -> Option<String> {
+    if a.no_peer {
+        return Some("measured as a box without peer access (--no-peer)".into());
+    }
+    for var in [
+        "NCCL_P2P_DISABLE",
+        "NCCL_P2P_LEVEL",
+        "NCCL_ALGO",
+        "NCCL_PROTO",
+    ] {
+        if get(var).is_some_and(|v| !v.trim().is_empty()) {
+            return Some(format!(
+                "{var} is set, so the collectives were measured unlike a plain run"
+            ));
+        }
+    }
+    if get("MOLD_KERNELS").is_some_and(|v| !matches!(v.trim(), "" | "auto")) {
+        return Some("MOLD_KERNELS is not auto, so the operations ran other kernels".into());
+    }
+    if a.timing.as_deref().is_some_and(|t| t != "mixed") {
+        return Some("--timing is not mixed, the way operations are timed for the tables".into());
+    }
+    None
+}
+
 /// Keeps `m`, a profile of this box just measured, in mold's cache directory, where
 /// `--machine local` finds it (`mold_machine::box_cache`); says where, or why not.
-fn keep_for_this_box(inv: &Inventory, m: &Machine) {
+fn keep_for_this_box(a: &Args, inv: &Inventory, m: &Machine) {
     if m.ops.is_empty() {
+        return;
+    }
+    if let Some(why) = not_as_the_box_runs(a, |k| std::env::var(k).ok()) {
+        eprintln!("note: the calibration is not kept for `--machine local`: {why}");
         return;
     }
     let Some(dir) = mold_config::cache_dir(|k| std::env::var(k).ok()) else {
         eprintln!(
-            "note: no cache directory (MOLD_CACHE_DIR, XDG_CACHE_HOME or HOME): the              calibration is not kept for `--machine local`"
+            "note: no cache directory (MOLD_CACHE_DIR, XDG_CACHE_HOME or HOME): the \
+             calibration is not kept for `--machine local`"
         );
         return;
     };
@@ -356,9 +389,7 @@ pub fn run(a: Args) -> Result<i32> {
         let req = model_request(&a, model)?;
         let done = calibrate(&a, &mut m, None, Some(req))?;
         print!("{}", ops_yaml(&done.tables)?);
-        if !a.no_peer {
-            keep_for_this_box(&inv, &m);
-        }
+        keep_for_this_box(&a, &inv, &m);
     }
     Ok(0)
 }
@@ -738,10 +769,7 @@ fn save(
         calibrate(a, &mut m, a.calibrate.then_some(inv), model)?;
     }
     write_profile(a, path, &m)?;
-    // Measured as the box is (a `--no-peer` profile prices another box).
-    if !a.no_peer {
-        keep_for_this_box(inv, &m);
-    }
+    keep_for_this_box(a, inv, &m);
     eprintln!(
         "machine profile written to {} ({})",
         path.display(),
@@ -833,6 +861,53 @@ mod tests {
 
     /// `--timing` names the timing, whatever the devices (their default:
     /// `mold_pipeline::calibrate`'s `operations_on_gpus_are_timed_in_their_mix_by_default`).
+    #[test]
+    fn a_calibration_unlike_a_plain_run_is_not_kept() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: Args,
+        }
+        use clap::Parser;
+        let args = |flags: &[&str]| {
+            let mut v = vec!["mold-devices", "--calibrate", "--model", "flux-dev"];
+            v.extend_from_slice(flags);
+            Cli::parse_from(v).a
+        };
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(not_as_the_box_runs(&args(&[]), env(&[])), None);
+        assert_eq!(
+            not_as_the_box_runs(
+                &args(&["--timing", "mixed"]),
+                env(&[("MOLD_KERNELS", "auto")])
+            ),
+            None
+        );
+        for (flags, vars, why) in [
+            (&["--no-peer"][..], &[][..], "--no-peer"),
+            (
+                &[][..],
+                &[("NCCL_P2P_DISABLE", "1")][..],
+                "NCCL_P2P_DISABLE",
+            ),
+            (&[][..], &[("NCCL_ALGO", "Tree")][..], "NCCL_ALGO"),
+            (&[][..], &[("MOLD_KERNELS", "candle")][..], "MOLD_KERNELS"),
+            (&["--timing", "alone"][..], &[][..], "--timing"),
+        ] {
+            let vars: &'static [(&'static str, &'static str)] =
+                Box::leak(vars.to_vec().into_boxed_slice());
+            let got = not_as_the_box_runs(&args(flags), env(vars)).unwrap_or_default();
+            assert!(got.contains(why), "{flags:?} {vars:?}: {got}");
+        }
+    }
+
     #[test]
     fn the_timing_flag_names_the_timing() {
         assert_eq!(timing_flag("sustained"), Timing::SUSTAINED);

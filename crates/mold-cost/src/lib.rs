@@ -295,7 +295,7 @@ impl<'a> Ctx<'a> {
                     })
                     .sum()
             });
-            let copy_bytes = ALLTOALL_COPY_SHARDS * shard;
+            let copy_bytes = alltoall_copy_shards(self.batch) * shard;
             let copies = group
                 .devices
                 .iter()
@@ -690,10 +690,14 @@ pub struct ComponentEstimate {
 /// (3), and the attention output back (1).
 pub const ALLTOALL_SHARDS: [u32; 2] = [3, 1];
 
-/// Memory traffic of the all-to-alls' layout copies, in shards: q, k and v stacked per
-/// destination (3 read, 3 written) and the received pieces put together (3 and 3); the
-/// output's pieces made contiguous (1 and 1) and put together (1 and 1).
-pub const ALLTOALL_COPY_SHARDS: u64 = 16;
+/// Memory traffic of the all-to-alls' layout copies, in shards, for a batch of `batch`: q,
+/// k and v stacked per destination (3 read, 3 written), the received pieces put together (3
+/// and 3), the output's pieces put together (1 and 1); with more than one sample the
+/// output's pieces are also made contiguous before they are sent (1 and 1; a batch of one
+/// slices contiguous pieces).
+pub fn alltoall_copy_shards(batch: u64) -> u64 {
+    14 + if batch > 1 { 2 } else { 0 }
+}
 
 /// Seconds for an all-to-all in which each of `n` ranks sends `sent` bytes: the link's
 /// latency plus the bytes over its bus bandwidth (the model the all-reduce uses).

@@ -1,8 +1,10 @@
 //! This box's own measurements, kept between runs: `mold devices --calibrate` on the local
 //! box keeps the profile it measured in mold's cache directory, named by the box's key (its
-//! GPUs' UUIDs in ordinal order and the driver version: another GPU, another order under
-//! `CUDA_VISIBLE_DEVICES`, or another driver is another box), and `--machine local` adopts
-//! its tables before the ones mold ships ([`crate::shipped`]). A calibration thus refines
+//! GPUs' UUIDs in ordinal order and the CUDA driver API version: another GPU, another order
+//! under `CUDA_VISIBLE_DEVICES`, or a driver of another CUDA version is another box), and
+//! `--machine local` adopts its tables before the ones mold ships ([`crate::shipped`]). A
+//! later calibration replaces whole tables (a model, dtype and device) and keeps the others;
+//! two calibrations at once may each keep only its own. A calibration thus refines
 //! every later plan on the box without a `--machine FILE`.
 //!
 //! The directory is the caller's (the CLI resolves `MOLD_CACHE_DIR` / `XDG_CACHE_HOME`);
@@ -56,6 +58,30 @@ pub fn load(cache_dir: &Path, inv: &Inventory) -> Result<Option<Machine>, Machin
         }
     };
     Machine::from_yaml(&text, &p.display().to_string()).map(Some)
+}
+
+/// Adds to `m` (this box's profile, as queried now) the tables of `kept` (its kept
+/// calibration) that `m` has none of, as measured: with their collectives and the busy
+/// copy rate, which are this box's own (unlike a shipped profile's, see
+/// [`Machine::adopt_tables`]). Tables of devices `m` does not have are left out.
+pub fn adopt(m: &mut Machine, kept: &Machine) -> Vec<crate::shipped::Adopted> {
+    let mut added = Vec::new();
+    for t in &kept.ops {
+        if !m.devices.iter().any(|d| d.name == t.device)
+            || m.op_tables(&t.model, t.dtype, &t.device).is_some()
+        {
+            continue;
+        }
+        added.push(crate::shipped::Adopted {
+            from: kept.name.clone(),
+            date: kept.calibration.date.clone(),
+            table: format!("{} {} on {}", t.model, t.dtype, t.device),
+            collectives: !t.collectives.all_reduce.is_empty(),
+            scaled: None,
+        });
+        m.ops.push(t.clone());
+    }
+    added
 }
 
 /// `measured` (a profile of this box with the tables just measured) with the tables kept
@@ -196,6 +222,17 @@ mod tests {
         let models: Vec<&str> = got.ops.iter().map(|t| t.model.as_str()).collect();
         assert_eq!(models, ["flux-dev", "qwen-image"]);
         assert_eq!(got.ops[0].elementwise_gbps, 1234.5);
+        // Adopted as measured (the busy copy rate kept), before anything else; a table
+        // the profile already has is not replaced.
+        let mut local = measured(&[]);
+        local.ops.clear();
+        let mut kept = load(&dir, &box_a).unwrap().unwrap();
+        kept.ops[0].htod_busy_ratio = Some(0.5);
+        let added = adopt(&mut local, &kept);
+        assert_eq!(added.len(), 2);
+        assert!(added[0].from.starts_with("box-"));
+        assert_eq!(local.ops[0].htod_busy_ratio, Some(0.5));
+        assert!(adopt(&mut local, &kept).is_empty());
         // Another box has nothing kept.
         assert_eq!(load(&dir, &inv("13.0", &[(0, "GPU-z")])).unwrap(), None);
         // Damaged: an error naming the file; the next calibration writes it afresh.

@@ -158,13 +158,22 @@ impl ProfState {
     /// one as the start of what follows.
     #[cfg(feature = "cuda")]
     fn settle(&mut self) {
-        if self.pending.len() < 2 {
+        self.settle_first(self.pending.len());
+    }
+
+    /// Events mode: [`ProfState::settle`] for the oldest `n` marks only (reading a mark
+    /// waits for the GPU to reach it: the older, the shorter the wait), the last of them
+    /// kept as the start of the rest.
+    #[cfg(feature = "cuda")]
+    fn settle_first(&mut self, n: usize) {
+        let n = n.min(self.pending.len());
+        if n < 2 {
             return;
         }
-        let mut marks = std::mem::take(&mut self.pending);
-        let last = marks.pop().expect("two or more");
+        let rest = self.pending.split_off(n);
+        let marks = std::mem::replace(&mut self.pending, rest);
         let mut prev: Option<candle_core::cuda::cudarc::driver::CudaEvent> = None;
-        for (label, ev) in marks.into_iter().chain(std::iter::once(last)) {
+        for (label, ev) in marks {
             if let (Some(p), Some(label)) = (&prev, label) {
                 if let Ok(ms) = p.elapsed_ms(&ev) {
                     self.charge(label, f64::from(ms) * 1e-3);
@@ -173,7 +182,7 @@ impl ProfState {
             prev = Some(ev);
         }
         if let Some(ev) = prev {
-            self.pending.push((None, ev));
+            self.pending.insert(0, (None, ev));
         }
     }
 }
@@ -205,11 +214,16 @@ impl Profiler {
                 let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 match ev {
                     Ok(ev) => st.pending.push((label, ev)),
-                    // Without an event this mark is lost; the next one starts anew.
-                    Err(_) => st.pending.clear(),
+                    // Without an event this mark is lost: what came before it is charged,
+                    // and the next mark starts anew.
+                    Err(_) => {
+                        st.settle();
+                        st.pending.clear();
+                    }
                 }
                 if st.pending.len() > MAX_PENDING_MARKS {
-                    st.settle();
+                    let half = st.pending.len() / 2;
+                    st.settle_first(half);
                 }
                 return;
             }

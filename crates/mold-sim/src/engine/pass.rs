@@ -129,8 +129,9 @@ impl<'a> Sim<'a> {
             )
         };
         let alltoall = format!(
-            "all-to-all ×{} in {what} (q/k/v stacked, then the output: {} shard each, {via})",
+            "all-to-all ×{} in {what} (q/k/v stacked, 3 × {}; then the output, {}; {via})",
             mold_cost::ALLTOALL_SHARDS.len(),
+            human(info.shard),
             human(info.shard)
         );
         // Tensor-parallel all-reduces, then sequence-parallel all-to-alls: each joins
