@@ -17,10 +17,11 @@
 //! chunk's offset (no concatenation); a larger batch sums each chunk into a buffer of its
 //! own and concatenates them at `finish`.
 
+use super::buffers::{address, uninit};
 use super::watchdog::CALL_ALL_REDUCE;
 use super::{cudarc, describe, lock, nccl, sys, ChunkedSum, NcclComm};
-use candle_core::{CudaStorage, DType, Result, Shape, Storage, Tensor};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use candle_core::{DType, Result, Shape, Tensor};
+use cudarc::driver::CudaStream;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -91,60 +92,6 @@ fn nccl_dtype(d: DType) -> Option<sys::ncclDataType_t> {
     })
 }
 
-/// The device address of contiguous `t`'s first element.
-fn address(t: &Tensor, stream: &CudaStream) -> Result<cudarc::driver::sys::CUdeviceptr> {
-    fn of<T: candle_core::cuda::CudaDType + cudarc::driver::DeviceRepr>(
-        cs: &CudaStorage,
-        offset: usize,
-        stream: &CudaStream,
-    ) -> Result<cudarc::driver::sys::CUdeviceptr> {
-        let s = cs.as_cuda_slice::<T>()?;
-        let (p, _guard) = s.device_ptr(stream);
-        Ok(p + (offset * std::mem::size_of::<T>()) as u64)
-    }
-    let (st, l) = t.storage_and_layout();
-    let Storage::Cuda(cs) = &*st else {
-        candle_core::bail!("NCCL chunked sum needs CUDA tensors");
-    };
-    let (start, _) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("NCCL chunked sum: not contiguous".into()))?;
-    match t.dtype() {
-        DType::BF16 => of::<half::bf16>(cs, start, stream),
-        DType::F16 => of::<half::f16>(cs, start, stream),
-        DType::F32 => of::<f32>(cs, start, stream),
-        DType::F64 => of::<f64>(cs, start, stream),
-        d => candle_core::bail!("NCCL chunked sum: unsupported dtype {d:?}"),
-    }
-}
-
-/// A new uninitialised CUDA tensor of `shape` and `dtype` on `dev` (every element is
-/// written by a sum before anyone reads it).
-fn uninit(dev: &candle_core::CudaDevice, shape: Shape, dtype: DType) -> Result<Tensor> {
-    fn make<T: candle_core::cuda::CudaDType + cudarc::driver::DeviceRepr>(
-        dev: &candle_core::CudaDevice,
-        n: usize,
-    ) -> Result<CudaStorage> {
-        // SAFETY: every element is written by the chunks' sums before the result is read.
-        let s: CudaSlice<T> = unsafe { dev.alloc::<T>(n) }?;
-        Ok(CudaStorage::wrap_cuda_slice(s, dev.clone()))
-    }
-    let n = shape.elem_count();
-    let st = match dtype {
-        DType::BF16 => make::<half::bf16>(dev, n)?,
-        DType::F16 => make::<half::f16>(dev, n)?,
-        DType::F32 => make::<f32>(dev, n)?,
-        DType::F64 => make::<f64>(dev, n)?,
-        d => candle_core::bail!("NCCL chunked sum: unsupported dtype {d:?}"),
-    };
-    Ok(Tensor::from_storage(
-        Storage::Cuda(st),
-        shape,
-        candle_core::op::BackpropOp::none(),
-        false,
-    ))
-}
-
 impl ChunkedSum for OverlapSum<'_> {
     fn push(&mut self, partial: Tensor) -> Result<()> {
         let comm = self.comm;
@@ -209,11 +156,11 @@ impl ChunkedSum for OverlapSum<'_> {
             if self.out.is_none() {
                 let mut full = dims.clone();
                 full[1] = self.total;
-                self.out = Some(uninit(&dev, Shape::from(full), partial.dtype())?);
+                self.out = Some(uninit(&dev, &compute, partial.dtype(), &Shape::from(full))?.0);
             }
             None
         } else {
-            Some(uninit(&dev, partial.shape().clone(), partial.dtype())?)
+            Some(uninit(&dev, &compute, partial.dtype(), partial.shape())?.0)
         };
         let row: usize = dims[2..].iter().product();
         let n = partial.elem_count();
@@ -222,12 +169,12 @@ impl ChunkedSum for OverlapSum<'_> {
             .record_event(Some(sys_flags()))
             .and_then(|ev| side.wait(&ev))
             .map_err(|e| comm.fail(&mut slot, format!("cannot order the streams: {e:?}")))?;
-        let src = address(&partial, &side)?;
+        let src = address(&partial, &side)?.0;
         let dst_ptr = match (&dst, &self.out) {
-            (Some(d), _) => address(d, &side)?,
+            (Some(d), _) => address(d, &side)?.0,
             (None, Some(out)) => {
                 let size = out.dtype().size_in_bytes();
-                address(out, &side)? + (self.len * row * size) as u64
+                address(out, &side)?.0 + (self.len * row * size) as u64
             }
             (None, None) => unreachable!("the result buffer is made above"),
         };
