@@ -97,6 +97,14 @@ fn parse_header(
         // Names are quoted as Rust would (escapes included): one line whatever they hold.
         let bad =
             |field: &str, what: String| err(path, format!("tensor {name:?}: {field}: {what}"));
+        // No model's tensor name holds a control character; refusing one here keeps every
+        // later message that quotes a name (LoRA, shape, missing-tensor) on one line.
+        if name.chars().any(char::is_control) {
+            return Err(err(
+                path,
+                format!("tensor {name:?}: its name holds a control character: the header is damaged; re-download or re-export the file"),
+            ));
+        }
         let dtype = v
             .get("dtype")
             .and_then(|d| d.as_str())

@@ -526,8 +526,12 @@ fn malformed_headers_name_the_tensor_and_field() {
             "tensor \"a\": data_offsets: missing",
         ),
         (
-            r#"{"a\nb":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"c":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
-            "tensor \"c\": data_offsets: overlaps tensor \"a\\nb\"",
+            r#"{"a b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"c":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+            "tensor \"c\": data_offsets: overlaps tensor \"a b\"",
+        ),
+        (
+            r#"{"a\nb":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+            "tensor \"a\\nb\": its name holds a control character",
         ),
         (
             r#"{"a":{"dtype":"F32","shape":[18446744073709551615,2],"data_offsets":[0,8]}}"#,
