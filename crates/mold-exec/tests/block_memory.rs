@@ -188,6 +188,7 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
         sp: &LocalComm,
         meter: &meter,
         kernels: Kernels::Candle,
+        token_split: false,
         profile: None,
     };
     let tokens = Tokens {
@@ -247,7 +248,7 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
     let peak = warm_peak(|| {
         let x = random(&[1, img + txt, h]);
         peak_of(bytes(&[&x]), || {
-            single.forward(x, &vec, &pe, &lens, &ctx).unwrap()
+            single.forward(x, &vec, &pe, &lens, false, &ctx).unwrap()
         })
     });
     let c = counted("flux-dev", "single");

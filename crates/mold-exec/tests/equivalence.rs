@@ -502,3 +502,68 @@ fn tensor_parallel_with_overlapped_chunks() {
         assert!(max_relative_error(&outs[1], &outs[0]).unwrap() <= TOL);
     }
 }
+
+/// Token-split tensor parallelism (`CommOptions::token_split`): between the products of
+/// the single-stream blocks each rank holds its share of the tokens; every layout gives
+/// the single-device output: TP2, TP4, SP2 × TP2, and two TP2 parts that each split at
+/// their first single block and gather at their end. 8 text and 320 image tokens, batch
+/// 1, so each group divides them; with 7 text tokens (327 in all) no group of 2 or 4
+/// does, and the blocks run unsplit. The profile shows which ran: the token
+/// reduce-scatter is a phase of every rank's report exactly where the tokens split.
+#[test]
+fn tensor_parallel_with_split_tokens() {
+    let cfg = FluxConfig::flux_tiny();
+    let seed = 13;
+    let ckpt = tiny_checkpoint(seed);
+    let four = ["emu:0", "emu:1", "emu:2", "emu:3"];
+    let plans = [
+        plan(vec![part(&["emu:0", "emu:1"], &ALL, false)]),
+        plan(vec![part(&four, &ALL, false)]),
+        plan(vec![part_par(&four, 2, 2, &ALL, false)]),
+        plan(vec![
+            part(&["emu:0", "emu:1"], &["double 0..2", "single 0..1"], false),
+            part(&["emu:2", "emu:3"], &["single 1..3"], true),
+        ]),
+    ];
+    for (txt, splits) in [(8usize, true), (7, false)] {
+        let x = random_inputs(&cfg, 256, 320, txt, 1, seed).unwrap();
+        let reference = Executor::reference(&cfg, &ckpt, &mold_plan::DeviceId::Host, DType::F32)
+            .unwrap()
+            .forward(&x)
+            .unwrap();
+        for (i, p) in plans.iter().enumerate() {
+            let mut opts = ExecOptions::default();
+            opts.comm.token_split = true;
+            let exec = Executor::with_options(&cfg, p, &ckpt, opts)
+                .unwrap()
+                .with_profiling(true);
+            let out = exec.forward(&x).unwrap();
+            let err = max_relative_error(&out, &reference).unwrap();
+            assert!(err <= TOL, "plan {i}, {txt} text tokens: {err:e}");
+            // (SP2 × TP2 with 7 text tokens: one sequence slice holds 164 tokens, which its
+            // TP2 group splits, the other 163, which it does not.)
+            if i == 2 && !splits {
+                continue;
+            }
+            for (dev, phases) in exec.profile_report() {
+                let split = phases.iter().any(|p| p.0 == "reduce-scatter (tokens)");
+                assert_eq!(
+                    split, splits,
+                    "plan {i}, {txt} text tokens, {dev}: {phases:?}"
+                );
+            }
+        }
+    }
+    // Off by default: the same plan runs its single blocks unsplit.
+    let x = random_inputs(&cfg, 256, 320, 8, 1, seed).unwrap();
+    let exec = Executor::with_options(&cfg, &plans[0], &ckpt, ExecOptions::default())
+        .unwrap()
+        .with_profiling(true);
+    exec.forward(&x).unwrap();
+    for (dev, phases) in exec.profile_report() {
+        assert!(
+            !phases.iter().any(|p| p.0 == "reduce-scatter (tokens)"),
+            "{dev}: {phases:?}"
+        );
+    }
+}

@@ -2,7 +2,8 @@
 //! box keeps the profile it measured in mold's cache directory, named by the box's key (its
 //! GPUs' UUIDs in ordinal order and the CUDA driver API version: another GPU, another order
 //! under `CUDA_VISIBLE_DEVICES`, or a driver of another CUDA version is another box), and
-//! `--machine local` adopts its tables before the ones mold ships ([`crate::shipped`]). A
+//! `--machine local` adopts its tables before the ones mold ships ([`crate::shipped`]). The
+//! key also carries [`TABLES_VERSION`], so tables measured otherwise are never adopted. A
 //! later calibration replaces whole tables (a model, dtype and device) and keeps the others;
 //! two calibrations at once may each keep only its own. A calibration thus refines
 //! every later plan on the box without a `--machine FILE`.
@@ -18,9 +19,20 @@ use std::path::{Path, PathBuf};
 /// The folder under mold's cache directory that holds the boxes' profiles.
 pub const DIR: &str = "profiles";
 
-/// The box's key: `box-` and 16 hex digits of the SHA-256 of its driver version and its
-/// GPUs' UUIDs in ordinal order.
+/// What a kept profile's tables measure, as a number: raised whenever calibration measures
+/// other sizes or the cost model reads its tables otherwise (2: the all-to-all's
+/// three-shard q/k/v message). It is part of the key, so a profile kept by a mold that
+/// measured otherwise is never adopted: the box is calibrated anew, or planned on the
+/// tables mold ships, until then.
+pub const TABLES_VERSION: u32 = 2;
+
+/// The box's key: `box-` and 16 hex digits of the SHA-256 of [`TABLES_VERSION`], its
+/// driver version and its GPUs' UUIDs in ordinal order.
 pub fn key(inv: &Inventory) -> String {
+    key_of(inv, TABLES_VERSION)
+}
+
+fn key_of(inv: &Inventory, version: u32) -> String {
     let mut gpus: Vec<(u32, &str)> = inv
         .devices
         .iter()
@@ -28,7 +40,8 @@ pub fn key(inv: &Inventory) -> String {
         .collect();
     gpus.sort();
     let mut h = Sha256::new();
-    h.update(b"mold box v1\n");
+    // (Version 1's key hashed "mold box v1" here: its files stay where they are, unread.)
+    h.update(format!("mold box tables {version}\n").as_bytes());
     h.update(inv.driver_version.as_deref().unwrap_or("?").as_bytes());
     for (ordinal, uuid) in gpus {
         h.update(format!("\n{ordinal} {uuid}").as_bytes());
@@ -181,6 +194,9 @@ mod tests {
             assert_ne!(key(&other), k);
         }
         assert!(path(Path::new("/c"), &a).ends_with(format!("profiles/{k}.yaml")));
+        // Tables measured by a mold that measured otherwise are another box's.
+        assert_ne!(key_of(&a, TABLES_VERSION - 1), k);
+        assert_ne!(key_of(&a, TABLES_VERSION + 1), k);
     }
 
     fn measured(models: &[&str]) -> Machine {

@@ -349,6 +349,38 @@ fn where_the_solver_fails_as_it_did_on_qwen_image_over_pcie_the_local_search_ans
 }
 
 /// The mixed family's row.
+#[test]
+fn where_microlp_fails_numerically_the_rescaled_program_answers() {
+    // A random machine of the stress test above: flux-dev with the memory objective on a
+    // 24 GiB and an 8 GiB GPU without peer links. microlp's dual simplex failed on the
+    // split family ("the pivot element … is 2.0e-31"), the instance is too large to
+    // enumerate, and the local search found no split plan, so the family had none. The
+    // same program with rows and objective scaled to a largest coefficient of 1
+    // (`lp.rs`) is solved: proven infeasible.
+    let model = mold_models::find("flux-dev").unwrap();
+    let w = model.default_workload.clone();
+    let mut req = Request::new(model, saved("24gib-8gib-no-peer"), w);
+    req.objective = Objective::Memory;
+    req.time_limit = Duration::from_millis(150);
+    let o = mold_planner::plan(&req).unwrap();
+    let split = o
+        .families
+        .iter()
+        .find(|f| f.family == Family::Split)
+        .unwrap();
+    // The family is answered by the solver, proven: it does not fit, as with the latency
+    // objective, where microlp never failed (nor does the local search find one).
+    assert!(
+        split.method == Method::Solver && split.proven_optimal && split.status == "does not fit",
+        "{split:?}"
+    );
+    for f in &o.families {
+        assert!(!f.status.contains("solver failed"), "{f:?}");
+    }
+    simulates(&o, &req);
+    check(req.machine, "flux-dev", Objective::Memory, req.time_limit).unwrap();
+}
+
 fn mixed_row(o: &mold_planner::Outcome) -> &mold_planner::FamilyResult {
     o.families
         .iter()

@@ -66,6 +66,45 @@ pub trait Comm: Send + Sync {
             .collect();
         self.all_reduce_sum(&Tensor::cat(&slots, 0)?)
     }
+    /// Every rank's `t` concatenated along dimension 0 in rank order: shape
+    /// `(world_size · d0, ..)`. Every rank must call it with a tensor of the same shape and
+    /// dtype (token-split tensor parallelism: each rank's tokens, before a column-parallel
+    /// product). The provided implementation reshapes [`Comm::all_gather`]'s stack.
+    fn all_gather_cat(&self, t: &Tensor) -> Result<Tensor> {
+        let n = self.world_size();
+        if n == 1 {
+            return Ok(t.clone());
+        }
+        let mut dims = t.dims().to_vec();
+        let Some(d0) = dims.first_mut() else {
+            candle_core::bail!("all-gather: a scalar has no dimension 0");
+        };
+        *d0 *= n;
+        self.all_gather(t)?.reshape(dims)
+    }
+    /// The element-wise sum of `t` over all ranks, of which this rank keeps slice `rank`
+    /// of `world_size` equal slices along dimension 0 (token-split tensor parallelism: the
+    /// sum of a row-parallel product, each rank keeping its tokens). Every rank must call
+    /// it with tensors of the same shape and dtype, dimension 0 divisible by
+    /// `world_size`. The provided implementation sums with [`Comm::all_reduce_sum`] and
+    /// keeps its slice.
+    fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let n = self.world_size();
+        let d0 = match t.dims().first() {
+            Some(d) if d % n == 0 => *d,
+            _ => candle_core::bail!(
+                "reduce-scatter of shape {:?}: dimension 0 must split evenly over {n} ranks",
+                t.dims()
+            ),
+        };
+        if n == 1 {
+            return Ok(t.clone());
+        }
+        let m = d0 / n;
+        self.all_reduce_sum(t)?
+            .narrow(0, self.rank() * m, m)?
+            .contiguous()
+    }
     /// Sends `send[j]` to rank j and returns, in rank order, what every rank sent to this
     /// one; `recv[j]` is the shape rank j sends here. Every rank must call it, in the same
     /// order, with `world_size` tensors of one dtype each way; tensors may differ in shape

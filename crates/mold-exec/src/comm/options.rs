@@ -79,6 +79,13 @@ pub struct CommOptions {
     /// overlap_chunks`]); 1 sums once after the whole product. `MOLD_OVERLAP_CHUNKS`,
     /// default [`DEFAULT_OVERLAP_CHUNKS`].
     pub overlap_chunks: usize,
+    /// Token-split tensor parallelism (Megatron's sequence parallelism inside a
+    /// tensor-parallel group) in FLUX's single-stream blocks: each rank keeps 1/N of the
+    /// tokens between products and runs the norms, modulation and gated residuals on
+    /// them alone; an all-gather before each column-parallel product and a
+    /// reduce-scatter after each row-parallel one replace the all-reduce.
+    /// `MOLD_TP_TOKEN_SPLIT=on|off`, default off (not yet measured on GPUs).
+    pub token_split: bool,
 }
 
 impl Default for CommOptions {
@@ -90,6 +97,7 @@ impl Default for CommOptions {
             pending_per_addr: DEFAULT_PENDING_PER_ADDR,
             secret: None,
             overlap_chunks: DEFAULT_OVERLAP_CHUNKS,
+            token_split: false,
         }
     }
 }
@@ -160,6 +168,17 @@ impl CommOptions {
                 }
             };
         }
+        if let Some(v) = get("MOLD_TP_TOKEN_SPLIT") {
+            o.token_split = match v.trim() {
+                "on" | "1" => true,
+                "off" | "0" => false,
+                _ => {
+                    return Err(ExecError::Launch(format!(
+                        "MOLD_TP_TOKEN_SPLIT={v:?}: give on or off, or unset it (default off)"
+                    )))
+                }
+            };
+        }
         Ok(o)
     }
 
@@ -214,6 +233,16 @@ mod tests {
                 .overlap_chunks,
             2
         );
+        for (v, on) in [("on", true), (" 1", true), ("off", false), ("0 ", false)] {
+            assert_eq!(from(&[("MOLD_TP_TOKEN_SPLIT", v)]).unwrap().token_split, on);
+        }
+        for bad in ["yes", "2", ""] {
+            let m = msg(&[("MOLD_TP_TOKEN_SPLIT", bad)]);
+            assert!(
+                m.contains("MOLD_TP_TOKEN_SPLIT") && m.contains("on or off"),
+                "{m}"
+            );
+        }
         for bad in ["0", "65", "-1", "x", "1.5", ""] {
             let m = msg(&[("MOLD_OVERLAP_CHUNKS", bad)]);
             assert!(

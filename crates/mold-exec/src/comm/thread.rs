@@ -264,6 +264,69 @@ mod tests {
         assert_eq!(one.unwrap().to_vec2::<f32>().unwrap(), vec![vec![2.0]]);
     }
 
+    /// The all-gather along dimension 0 puts every rank's rows in rank order; the
+    /// reduce-scatter gives each rank its slice of the sum; gathering the scattered sums
+    /// gives the all-reduce back, exactly (integers in f32).
+    #[test]
+    fn all_gather_cat_and_reduce_scatter_are_the_all_reduce_in_two_halves() {
+        for world in [1usize, 2, 3, 4] {
+            let comms = ThreadComm::group(world);
+            // Per rank: the gather, the scattered sum, the sums gathered, the refusal.
+            type Rows = Vec<Vec<f32>>;
+            let outs: Vec<(Rows, Rows, Rows, String)> = std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .iter()
+                    .map(|c| {
+                        s.spawn(move || {
+                            let r = c.rank() as f32;
+                            let rows: Vec<f32> =
+                                (0..2 * world * 3).map(|i| i as f32 * (r + 1.0)).collect();
+                            let t = Tensor::from_vec(rows, (2 * world, 3), &Device::Cpu).unwrap();
+                            let mine = t.narrow(0, 0, 2).unwrap();
+                            let g = c.all_gather_cat(&mine).unwrap();
+                            let rs = c.reduce_scatter_sum(&t).unwrap();
+                            let back = c.all_gather_cat(&rs).unwrap();
+                            let bad = c
+                                .reduce_scatter_sum(&t.narrow(0, 0, 2 * world - 1).unwrap())
+                                .map(|_| String::new())
+                                .unwrap_or_else(|e| e.to_string());
+                            (
+                                g.to_vec2::<f32>().unwrap(),
+                                rs.to_vec2::<f32>().unwrap(),
+                                back.to_vec2::<f32>().unwrap(),
+                                bad,
+                            )
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            // Every rank's first two rows, in rank order.
+            let gathered: Vec<Vec<f32>> = (0..world)
+                .flat_map(|r| {
+                    (0..2).map(move |row| {
+                        (0..3)
+                            .map(|col| (row * 3 + col) as f32 * (r as f32 + 1.0))
+                            .collect::<Vec<f32>>()
+                    })
+                })
+                .collect();
+            // The sum over ranks: element i times 1 + 2 + … + world.
+            let k = (world * (world + 1) / 2) as f32;
+            let sum: Vec<Vec<f32>> = (0..2 * world)
+                .map(|row| (0..3).map(|col| (row * 3 + col) as f32 * k).collect())
+                .collect();
+            for (r, (g, rs, back, bad)) in outs.into_iter().enumerate() {
+                assert_eq!(g, gathered, "world {world}");
+                assert_eq!(rs, sum[2 * r..2 * r + 2].to_vec(), "world {world} rank {r}");
+                assert_eq!(back, sum, "world {world}");
+                if world > 1 {
+                    assert!(bad.contains("split evenly over"), "{bad}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn abort_releases_waiting_ranks_as_peer_aborted() {
         let comms = ThreadComm::group(2);

@@ -274,6 +274,7 @@ impl<M: Transformer> Executor<M> {
             sp,
             meter: &rank.meter,
             kernels: self.opts.kernels,
+            token_split: self.opts.comm.token_split,
             profile: self.opts.profiling.then_some(profile),
         };
         // Start the clock here: the stem's first phase is not charged with whatever ran

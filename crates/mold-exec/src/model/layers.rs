@@ -302,6 +302,7 @@ mod tests {
                             sp: &crate::comm::LocalComm,
                             meter: &meter,
                             kernels: crate::Kernels::Candle,
+                            token_split: false,
                             profile: None,
                         };
                         let mut calls = Vec::new();

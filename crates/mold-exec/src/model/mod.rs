@@ -264,6 +264,9 @@ pub struct Ctx<'a> {
     pub meter: &'a ActivationMeter,
     /// Fused CUDA kernels or candle's ops, for attention and element-wise work.
     pub kernels: ops::Kernels,
+    /// Token-split tensor parallelism where the model has it
+    /// ([`crate::comm::CommOptions::token_split`]).
+    pub token_split: bool,
     /// Phase timing, when profiling.
     pub profile: Option<&'a Profiler>,
 }

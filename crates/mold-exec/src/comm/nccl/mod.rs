@@ -62,7 +62,7 @@ use candle_core::{Result, Shape, Tensor};
 use cudarc::driver::CudaEvent;
 use cudarc::nccl::{result as nccl, sys};
 use group::{Group, Lease, RankSlot};
-use op::AllReduceOp;
+use op::{CollectiveOp, Kind};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -273,16 +273,9 @@ impl NcclComm {
     }
 }
 
-impl Comm for NcclComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.group.world()
-    }
-
-    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+impl NcclComm {
+    /// One collective of `kind` on `t` (on this rank's GPU), watched like every other.
+    fn collective(&self, t: &Tensor, kind: Kind) -> Result<Tensor> {
         let ordinal = self.group.ordinals[self.rank];
         if self.group.is_failed() {
             let mut slot = lock(&self.group.slots[self.rank]);
@@ -295,18 +288,28 @@ impl Comm for NcclComm {
                 let mut slot = lock(&self.group.slots[self.rank]);
                 return Err(self.fail(
                     &mut slot,
-                    format!("all_reduce_sum got a tensor on {loc:?}, expected this rank's GPU"),
+                    format!("{kind:?} got a tensor on {loc:?}, expected this rank's GPU"),
                 ));
             }
+        }
+        let world = self.group.world();
+        if kind == Kind::ReduceScatter && t.dims().first().is_none_or(|d| d % world != 0) {
+            // A caller's mistake, before any rank enqueued anything: the group stays whole.
+            candle_core::bail!(
+                "reduce-scatter of shape {:?}: dimension 0 must split evenly over {world} ranks",
+                t.dims()
+            );
         }
         let t = t.contiguous()?;
         let mut slot = lock(&self.group.slots[self.rank]);
         let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
             return Err(self.group.peer_failed_error(self.rank));
         };
-        let op = AllReduceOp {
+        let op = CollectiveOp {
+            kind,
             comm,
             rank: self.rank,
+            world,
             tracker: &self.group.tracker,
         };
         let out = match t.apply_op1_no_bwd(&op) {
@@ -315,6 +318,28 @@ impl Comm for NcclComm {
         };
         self.watch(&mut slot, &out)?;
         Ok(out)
+    }
+}
+
+impl Comm for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.world()
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        self.collective(t, Kind::AllReduce)
+    }
+
+    fn all_gather_cat(&self, t: &Tensor) -> Result<Tensor> {
+        self.collective(t, Kind::AllGather)
+    }
+
+    fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
+        self.collective(t, Kind::ReduceScatter)
     }
 
     fn overlap_chunks(&self) -> usize {

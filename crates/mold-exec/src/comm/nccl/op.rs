@@ -1,10 +1,14 @@
-//! The NCCL collectives themselves: the all-reduce as a candle op on the tensor's stream
-//! (for [`Comm::all_reduce_sum`](super::Comm::all_reduce_sum)), the all-to-all as one
+//! The NCCL collectives themselves: the all-reduce, all-gather and reduce-scatter as
+//! candle ops on the tensor's stream (for [`Comm::all_reduce_sum`](super::Comm::
+//! all_reduce_sum), [`Comm::all_gather_cat`](super::Comm::all_gather_cat) and
+//! [`Comm::reduce_scatter_sum`](super::Comm::reduce_scatter_sum)), the all-to-all as one
 //! group of sends and receives (for [`Comm::all_to_all`](super::Comm::all_to_all)), and
 //! an in-place all-reduce enqueue without allocation or host wait (for
 //! [`crate::calibrate`]).
 
-use super::watchdog::{Tracker, CALL_ALL_REDUCE, CALL_ALL_TO_ALL};
+use super::watchdog::{
+    Tracker, CALL_ALL_GATHER, CALL_ALL_REDUCE, CALL_ALL_TO_ALL, CALL_REDUCE_SCATTER,
+};
 use super::{cudarc, describe, lock, nccl, sys, NcclComm};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape};
@@ -12,53 +16,111 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-/// The all-reduce as a candle op: reads the (contiguous) input, writes a new buffer.
-pub(super) struct AllReduceOp<'a> {
+/// Which collective a [`CollectiveOp`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// The sum over ranks, the input's shape.
+    AllReduce,
+    /// Every rank's input concatenated along dimension 0, in rank order.
+    AllGather,
+    /// The sum over ranks of the input, whose dimension 0 is `world` equal slices: this
+    /// rank's slice of it.
+    ReduceScatter,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all-reduce",
+            Kind::AllGather => "all-gather",
+            Kind::ReduceScatter => "reduce-scatter",
+        }
+    }
+}
+
+/// A collective as a candle op: reads the (contiguous) input, writes a new buffer.
+pub(super) struct CollectiveOp<'a> {
+    pub(super) kind: Kind,
     pub(super) comm: sys::ncclComm_t,
     pub(super) rank: usize,
+    pub(super) world: usize,
     pub(super) tracker: &'a Tracker,
 }
 
-impl AllReduceOp<'_> {
+impl CollectiveOp<'_> {
+    /// The output's shape for an input of `shape` (checked: a reduce-scatter's dimension 0
+    /// must split evenly).
+    fn out_shape(&self, shape: &Shape) -> Result<Shape> {
+        let mut dims = shape.dims().to_vec();
+        if self.kind == Kind::AllReduce {
+            return Ok(shape.clone());
+        }
+        let Some(d0) = dims.first_mut() else {
+            candle_core::bail!("NCCL {}: a scalar has no dimension 0", self.kind.name());
+        };
+        match self.kind {
+            Kind::AllGather => *d0 *= self.world,
+            _ if *d0 % self.world != 0 => candle_core::bail!(
+                "NCCL reduce-scatter: dimension 0 ({}) does not split over {} ranks",
+                d0,
+                self.world
+            ),
+            _ => *d0 /= self.world,
+        }
+        Ok(Shape::from(dims))
+    }
+
     fn run<T>(&self, s: &CudaStorage, l: &Layout, dtype: sys::ncclDataType_t) -> Result<CudaStorage>
     where
         T: candle_core::cuda::CudaDType + cudarc::driver::DeviceRepr,
     {
+        let what = self.kind.name();
         let (start, end) = l.contiguous_offsets().ok_or_else(|| {
-            candle_core::Error::Msg("NCCL all-reduce: input is not contiguous".into())
+            candle_core::Error::Msg(format!("NCCL {what}: input is not contiguous"))
         })?;
         let dev = s.device().clone();
         let stream = dev.cuda_stream();
         let src = s.as_cuda_slice::<T>()?.slice(start..end);
         let n = end - start;
-        // SAFETY: every element is written by the all-reduce before anyone reads it.
-        let mut dst: CudaSlice<T> = unsafe { dev.alloc::<T>(n) }?;
+        let out = self.out_shape(l.shape())?.elem_count();
+        // SAFETY: every element is written by the collective before anyone reads it.
+        let mut dst: CudaSlice<T> = unsafe { dev.alloc::<T>(out) }?;
         stream
             .context()
             .bind_to_thread()
-            .map_err(|e| candle_core::Error::Msg(format!("NCCL all-reduce: {e:?}")))?;
+            .map_err(|e| candle_core::Error::Msg(format!("NCCL {what}: {e:?}")))?;
         {
             let (src_ptr, _src_guard) = src.device_ptr(&stream);
             let (dst_ptr, _dst_guard) = dst.device_ptr_mut(&stream);
-            // SAFETY: both buffers hold `n` elements of the type `dtype` names, on this
+            let (sp, dp) = (
+                src_ptr as *const std::ffi::c_void,
+                dst_ptr as *mut std::ffi::c_void,
+            );
+            let cs = stream.cu_stream() as sys::cudaStream_t;
+            let sum = sys::ncclRedOp_t::ncclSum;
+            let call = match self.kind {
+                Kind::AllReduce => CALL_ALL_REDUCE,
+                Kind::AllGather => CALL_ALL_GATHER,
+                Kind::ReduceScatter => CALL_REDUCE_SCATTER,
+            };
+            // SAFETY: the input holds `n` elements and the output `out` (n, n · world or
+            // n / world, as the collective writes) of the type `dtype` names, on this
             // communicator's GPU; the stream is that GPU's candle stream; the guards
             // record the use on the stream when dropped (after the enqueue).
             self.tracker.issued[self.rank].fetch_add(1, Ordering::SeqCst);
             self.tracker
-                .busy(self.rank, CALL_ALL_REDUCE, || unsafe {
-                    nccl::all_reduce(
-                        src_ptr as *const std::ffi::c_void,
-                        dst_ptr as *mut std::ffi::c_void,
-                        n,
-                        dtype,
-                        sys::ncclRedOp_t::ncclSum,
-                        self.comm,
-                        stream.cu_stream() as sys::cudaStream_t,
-                    )
+                .busy(self.rank, call, || unsafe {
+                    match self.kind {
+                        Kind::AllReduce => nccl::all_reduce(sp, dp, n, dtype, sum, self.comm, cs),
+                        Kind::AllGather => nccl::all_gather(sp, dp, n, dtype, self.comm, cs),
+                        Kind::ReduceScatter => {
+                            nccl::reduce_scatter(sp, dp, out, dtype, sum, self.comm, cs)
+                        }
+                    }
                 })
                 .map_err(|e| {
                     candle_core::Error::Msg(format!(
-                        "NCCL all-reduce on rank {} failed: {}",
+                        "NCCL {what} on rank {} failed: {}",
                         self.rank,
                         describe(&e, Some(self.comm))
                     ))
@@ -68,26 +130,34 @@ impl AllReduceOp<'_> {
     }
 }
 
-impl CustomOp1 for AllReduceOp<'_> {
+impl CustomOp1 for CollectiveOp<'_> {
     fn name(&self) -> &'static str {
-        "nccl-all-reduce-sum"
+        match self.kind {
+            Kind::AllReduce => "nccl-all-reduce-sum",
+            Kind::AllGather => "nccl-all-gather",
+            Kind::ReduceScatter => "nccl-reduce-scatter-sum",
+        }
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("NCCL all-reduce needs a CUDA tensor, got a CPU one")
+        candle_core::bail!(
+            "NCCL {} needs a CUDA tensor, got a CPU one",
+            self.kind.name()
+        )
     }
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         use half::{bf16, f16};
         use sys::ncclDataType_t as D;
+        let shape = self.out_shape(l.shape())?;
         let out = match s.dtype() {
             DType::BF16 => self.run::<bf16>(s, l, D::ncclBfloat16)?,
             DType::F16 => self.run::<f16>(s, l, D::ncclFloat16)?,
             DType::F32 => self.run::<f32>(s, l, D::ncclFloat32)?,
             DType::F64 => self.run::<f64>(s, l, D::ncclFloat64)?,
-            dt => candle_core::bail!("NCCL all-reduce: unsupported dtype {dt:?}"),
+            dt => candle_core::bail!("NCCL {}: unsupported dtype {dt:?}", self.kind.name()),
         };
-        Ok((out, l.shape().clone()))
+        Ok((out, shape))
     }
 }
 

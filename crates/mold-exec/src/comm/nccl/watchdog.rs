@@ -32,14 +32,18 @@ pub(super) struct Tracker {
     pub(super) failed_at: AtomicU64,
 }
 
-const CALLS: [&str; 3] = [
+const CALLS: [&str; 5] = [
     "ncclAllReduce",
     "ncclCommAbort",
     "ncclSend/ncclRecv (all-to-all)",
+    "ncclAllGather",
+    "ncclReduceScatter",
 ];
 pub(super) const CALL_ALL_REDUCE: usize = 0;
 pub(super) const CALL_ABORT: usize = 1;
 pub(super) const CALL_ALL_TO_ALL: usize = 2;
+pub(super) const CALL_ALL_GATHER: usize = 3;
+pub(super) const CALL_REDUCE_SCATTER: usize = 4;
 
 impl Tracker {
     pub(super) fn new(world: usize) -> Tracker {

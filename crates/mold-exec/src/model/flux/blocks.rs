@@ -11,6 +11,12 @@
 //! gate vectors), followed by one all-gather per block (a double block gathers img and
 //! txt together). Norm scales, row-parallel biases, the stem and the final layer are
 //! replicated.
+//!
+//! Token-split tensor parallelism (`CommOptions::token_split`, single-stream blocks,
+//! batch 1): between products each rank holds 1/N of the tokens, so the norms, modulation
+//! and gated residuals are not repeated on every rank; an all-gather of the normed tokens
+//! before `linear1` and a reduce-scatter of `linear2`'s partial sums replace its
+//! all-reduce ([`SingleBlock::forward`]).
 
 use super::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
@@ -126,6 +132,18 @@ fn prepare_qkv(
     let k = apply_rope(&k, pe)?;
     ctx.mark("rope", &k);
     Ok((q, k, v))
+}
+
+/// Every rank's share of the tokens of `t` (`(1, share, h)`), in rank order: `(1, share
+/// · world, h)` (token-split tensor parallelism).
+pub(super) fn gather_tokens(t: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
+    ctx.comm.all_gather_cat(&t.squeeze(0)?)?.unsqueeze(0)
+}
+
+/// The sum over the group of the partial product `t` (`(1, L, h)`), this rank's share of
+/// the tokens: `(1, L / world, h)` (token-split tensor parallelism).
+fn scatter_tokens(t: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
+    ctx.comm.reduce_scatter_sum(&t.squeeze(0)?)?.unsqueeze(0)
 }
 
 /// [`layers::row_parallel_sums`] gave other than one sum per segment (cannot happen).
@@ -481,12 +499,20 @@ impl SingleBlock {
 
     /// The block over `x`, taken by value: each intermediate is dropped after its last
     /// use (see [`DoubleBlock::forward`]).
+    ///
+    /// With `split` (token-split tensor parallelism, batch 1), `x` is this rank's equal
+    /// share of the tokens, in rank order: the norm, modulation and gated residual run on
+    /// it alone; the normed share is all-gathered before `linear1` and `linear2`'s partial
+    /// sums are reduce-scattered back to shares ([`Comm::all_gather_cat`](crate::comm::Comm::all_gather_cat),
+    /// [`Comm::reduce_scatter_sum`](crate::comm::Comm::reduce_scatter_sum)), in place of
+    /// the one all-reduce. The result is this rank's share.
     pub fn forward(
         &self,
         x: Tensor,
         vec: &Tensor,
         pe: &Tensor,
         lens: &[usize],
+        split: bool,
         ctx: &Ctx,
     ) -> CResult<Tensor> {
         ctx.mark_start(&x);
@@ -494,13 +520,21 @@ impl SingleBlock {
         let m = mod_outs(&gather_modulation(&[local], ctx)?[0], 1)?;
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
+        let normed = m[0].norm_scale_shift(&x, EPS as f32, kn)?;
+        let normed = if split {
+            ctx.mark("norm", &normed);
+            let all = gather_tokens(&normed, ctx)?;
+            ctx.mark("all-gather (tokens)", &all);
+            all
+        } else {
+            normed
+        };
         // q, k, v with their bias; the MLP part with bias and GELU (in the matmuls'
         // epilogues on CUDA).
-        let (x_qkv, mlp) = self.linear1.forward_split_gelu(
-            &m[0].norm_scale_shift(&x, EPS as f32, kn)?,
-            3 * self.h_local,
-            kn,
-        )?;
+        let (x_qkv, mlp) = self
+            .linear1
+            .forward_split_gelu(&normed, 3 * self.h_local, kn)?;
+        drop(normed);
         ctx.meter.see_all(&[&x_qkv, &mlp]);
         ctx.mark("norm + qkv/mlp linear + gelu", &mlp);
         let (q, k, v) = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, ctx)?;
@@ -508,19 +542,28 @@ impl SingleBlock {
         let attn = attention(&q, &k, &v, lens, ctx)?;
         drop((q, k, v));
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
-        let len = attn.dim(1)?;
-        let reduced = layers::row_parallel_sums(
-            (attn, mlp),
-            &[len],
-            "out linear",
-            ctx,
-            |(attn, mlp), _, s, n| {
-                self.linear2
-                    .partial(&[&attn.narrow(1, s, n)?, &mlp.narrow(1, s, n)?], kn)
-            },
-        )?
-        .pop()
-        .ok_or_else(pair_err)?;
+        let reduced = if split {
+            let partial = self.linear2.partial(&[&attn, &mlp], kn)?;
+            drop((attn, mlp));
+            ctx.mark("out linear", &partial);
+            let share = scatter_tokens(&partial, ctx)?;
+            ctx.mark("reduce-scatter (tokens)", &share);
+            share
+        } else {
+            let len = attn.dim(1)?;
+            layers::row_parallel_sums(
+                (attn, mlp),
+                &[len],
+                "out linear",
+                ctx,
+                |(attn, mlp), _, s, n| {
+                    self.linear2
+                        .partial(&[&attn.narrow(1, s, n)?, &mlp.narrow(1, s, n)?], kn)
+                },
+            )?
+            .pop()
+            .ok_or_else(pair_err)?
+        };
         let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &out);
         Ok(out)

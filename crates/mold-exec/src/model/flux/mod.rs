@@ -99,7 +99,35 @@ pub enum FluxActs {
         /// Text tokens at the front of `x` (this rank's, under sequence parallelism).
         txt_len: usize,
         seq: Option<SeqSlice>,
+        /// Token-split tensor parallelism: `x` is this tensor-parallel rank's share.
+        split: Option<TokenSplit>,
     },
+}
+
+/// Under token-split tensor parallelism ([`crate::comm::CommOptions::token_split`]) rank
+/// `rank` of the tensor-parallel group of `world` holds tokens `rank · len / world ..
+/// (rank + 1) · len / world` of the `len` tokens of single-stream activations (batch 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenSplit {
+    pub rank: usize,
+    pub world: usize,
+    pub len: usize,
+}
+
+impl TokenSplit {
+    /// This rank's share of `x` (`(1, len, h)`), where the group splits it: token split
+    /// asked for, a tensor-parallel group, batch 1, and a length the group divides.
+    fn of(x: &Tensor, ctx: &Ctx) -> CResult<Option<(Tensor, TokenSplit)>> {
+        let world = ctx.comm.world_size();
+        let (b, len, _) = x.dims3()?;
+        if !ctx.token_split || world < 2 || b != 1 || len % world != 0 {
+            return Ok(None);
+        }
+        let rank = ctx.comm.rank();
+        let m = len / world;
+        let share = x.narrow(1, rank * m, m)?.contiguous()?;
+        Ok(Some((share, TokenSplit { rank, world, len })))
+    }
 }
 
 /// Which slice of the sequence a sequence-parallel rank holds: text tokens
@@ -155,7 +183,7 @@ impl FluxActs {
     /// (moved, sent or fed to the final layer).
     fn whole_sequence_only(&self) -> CResult<()> {
         let (FluxActs::Double { seq, .. } | FluxActs::Single { seq, .. }) = self;
-        if seq.is_some() {
+        if seq.is_some() || matches!(self, FluxActs::Single { split: Some(_), .. }) {
             candle_core::bail!("a sequence slice cannot leave its part: gather it first");
         }
         Ok(())
@@ -187,6 +215,7 @@ impl Activations for FluxActs {
                 pe: f(pe)?,
                 txt_len: *txt_len,
                 seq: None,
+                split: None,
             },
         })
     }
@@ -239,6 +268,7 @@ impl Activations for FluxActs {
                     pe,
                     txt_len,
                     seq: None,
+                    split: None,
                 })
             }
             _ => Err(bad()),
@@ -397,6 +427,7 @@ impl Transformer for FluxConfig {
                 pe,
                 txt_len,
                 seq: None,
+                split: None,
             } => {
                 let (pe_r, t, i, seq) = slice(txt_len, x.dim(1)? - txt_len, &pe)?;
                 let x = Tensor::cat(
@@ -412,6 +443,7 @@ impl Transformer for FluxConfig {
                     pe: pe_r,
                     txt_len: t.len(),
                     seq: Some(seq),
+                    split: None,
                 }
             }
             _ => candle_core::bail!("scatter of activations already sliced"),
@@ -419,6 +451,32 @@ impl Transformer for FluxConfig {
     }
 
     fn gather_sequence(&self, acts: FluxActs, ctx: &Ctx) -> CResult<FluxActs> {
+        // First the tensor-parallel rank's token share back to its group's whole (this
+        // sequence-parallel rank's slice, or the whole sequence).
+        let acts = match acts {
+            FluxActs::Single {
+                x,
+                vec,
+                pe,
+                txt_len,
+                seq,
+                split: Some(sp),
+            } => {
+                let (share, w) = (x.dim(1)?, ctx.comm.world_size());
+                if (sp.world, sp.rank, share * sp.world) != (w, ctx.comm.rank(), sp.len) {
+                    candle_core::bail!("token share {sp:?} gathered by another group");
+                }
+                FluxActs::Single {
+                    x: blocks::gather_tokens(&x, ctx)?,
+                    vec,
+                    pe,
+                    txt_len,
+                    seq,
+                    split: None,
+                }
+            }
+            acts => acts,
+        };
         // Every rank's [text slice, image slice] to every rank, in one all-to-all; then
         // the text slices in rank order, then the image slices.
         let gather = |local: Tensor, s: &SeqSlice| -> CResult<(Tensor, usize)> {
@@ -467,6 +525,7 @@ impl Transformer for FluxConfig {
                     pe: s.pe.clone(),
                     txt_len: t,
                     seq: None,
+                    split: None,
                 }
             }
             whole => whole,
@@ -497,7 +556,7 @@ impl Transformer for FluxConfig {
                 }
             }
             (FluxBlock::Single(b), a) => {
-                let (x, vec, pe, txt_len, seq) = match a {
+                let (x, vec, pe, txt_len, seq, split) = match a {
                     FluxActs::Double {
                         img,
                         txt,
@@ -506,7 +565,7 @@ impl Transformer for FluxConfig {
                         seq,
                     } => {
                         let txt_len = txt.dim(1)?;
-                        (Tensor::cat(&[&txt, &img], 1)?, vec, pe, txt_len, seq)
+                        (Tensor::cat(&[&txt, &img], 1)?, vec, pe, txt_len, seq, None)
                     }
                     FluxActs::Single {
                         x,
@@ -514,10 +573,20 @@ impl Transformer for FluxConfig {
                         pe,
                         txt_len,
                         seq,
-                    } => (x, vec, pe, txt_len, seq),
+                        split,
+                    } => (x, vec, pe, txt_len, seq, split),
                 };
-                let lens = lens(&seq, x.dim(1)?);
-                let x = b.forward(x, &vec, &pe, &lens, ctx)?;
+                // The first single block of a part splits the tokens where asked; the
+                // part's end gathers them ([`Transformer::gather_sequence`]).
+                let (x, split) = match split {
+                    Some(s) => (x, Some(s)),
+                    None => match TokenSplit::of(&x, ctx)? {
+                        Some((share, s)) => (share, Some(s)),
+                        None => (x, None),
+                    },
+                };
+                let lens = lens(&seq, split.map_or(x.dim(1)?, |s| s.len));
+                let x = b.forward(x, &vec, &pe, &lens, split.is_some(), ctx)?;
                 ctx.meter.see(&x);
                 FluxActs::Single {
                     x,
@@ -525,6 +594,7 @@ impl Transformer for FluxConfig {
                     pe,
                     txt_len,
                     seq,
+                    split,
                 }
             }
             (FluxBlock::Double(_), FluxActs::Single { .. }) => {
@@ -571,6 +641,19 @@ mod tests {
             pe: t(6),
             txt_len: 2,
             seq: None,
+            split: None,
+        };
+        let shared = FluxActs::Single {
+            x: t(3),
+            vec: t(1),
+            pe: t(6),
+            txt_len: 2,
+            seq: None,
+            split: Some(TokenSplit {
+                rank: 0,
+                world: 2,
+                len: 6,
+            }),
         };
         let sliced = FluxActs::Double {
             img: t(2),
@@ -583,6 +666,8 @@ mod tests {
         for e in [
             sliced.to_wire().map(|_| ()).unwrap_err(),
             sliced.map(&mut |x| Ok(x.clone())).map(|_| ()).unwrap_err(),
+            shared.to_wire().map(|_| ()).unwrap_err(),
+            shared.map(&mut |x| Ok(x.clone())).map(|_| ()).unwrap_err(),
         ] {
             assert!(e.to_string().contains("gather it first"), "{e}");
         }

@@ -41,6 +41,7 @@ fn ctx<'a>(comm: &'a dyn Comm, meter: &'a ActivationMeter) -> Ctx<'a> {
         sp: &crate::comm::LocalComm,
         meter,
         kernels: Kernels::Candle,
+        token_split: false,
         profile: None,
     }
 }
