@@ -234,7 +234,7 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
         let given = bytes(&[&x_img, &x_txt]);
         peak_of(given, || {
             double
-                .forward(x_img, x_txt, &vec, &pe, &lens, &ctx)
+                .forward(x_img, x_txt, &vec, &pe, &lens, false, &ctx)
                 .unwrap()
         })
     });

@@ -504,12 +504,13 @@ fn tensor_parallel_with_overlapped_chunks() {
 }
 
 /// Token-split tensor parallelism (`CommOptions::token_split`): between the products of
-/// the single-stream blocks each rank holds its share of the tokens; every layout gives
-/// the single-device output: TP2, TP4, SP2 × TP2, and two TP2 parts that each split at
-/// their first single block and gather at their end. 8 text and 320 image tokens, batch
-/// 1, so each group divides them; with 7 text tokens (327 in all) no group of 2 or 4
-/// does, and the blocks run unsplit. The profile shows which ran: the token
-/// reduce-scatter is a phase of every rank's report exactly where the tokens split.
+/// every block each rank holds its share of the text and of the image tokens; every
+/// layout gives the single-device output: TP2, TP4, SP2 × TP2, and two TP2 parts that
+/// split at their first block (double, or single) and gather at their end, with the
+/// boundary between double blocks or between single blocks. 8 text and 320 image tokens,
+/// batch 1 and 2, so each group divides both; with 7 text tokens no group of 2 or 4 does, and
+/// the blocks run unsplit. The profile shows which ran: the token reduce-scatter is a
+/// phase of every rank's report exactly where the tokens split.
 #[test]
 fn tensor_parallel_with_split_tokens() {
     let cfg = FluxConfig::flux_tiny();
@@ -524,9 +525,13 @@ fn tensor_parallel_with_split_tokens() {
             part(&["emu:0", "emu:1"], &["double 0..2", "single 0..1"], false),
             part(&["emu:2", "emu:3"], &["single 1..3"], true),
         ]),
+        plan(vec![
+            part(&["emu:0", "emu:1"], &["double 0..1"], false),
+            part(&["emu:2", "emu:3"], &["double 1..2", "single 0..3"], false),
+        ]),
     ];
-    for (txt, splits) in [(8usize, true), (7, false)] {
-        let x = random_inputs(&cfg, 256, 320, txt, 1, seed).unwrap();
+    for (txt, batch, splits) in [(8usize, 1usize, true), (8, 2, true), (7, 1, false)] {
+        let x = random_inputs(&cfg, 256, 320, txt, batch, seed).unwrap();
         let reference = Executor::reference(&cfg, &ckpt, &mold_plan::DeviceId::Host, DType::F32)
             .unwrap()
             .forward(&x)
@@ -539,7 +544,10 @@ fn tensor_parallel_with_split_tokens() {
                 .with_profiling(true);
             let out = exec.forward(&x).unwrap();
             let err = max_relative_error(&out, &reference).unwrap();
-            assert!(err <= TOL, "plan {i}, {txt} text tokens: {err:e}");
+            assert!(
+                err <= TOL,
+                "plan {i}, {txt} text tokens, batch {batch}: {err:e}"
+            );
             // (SP2 × TP2 with 7 text tokens: one sequence slice holds 164 tokens, which its
             // TP2 group splits, the other 163, which it does not.)
             if i == 2 && !splits {

@@ -12,11 +12,11 @@
 //! txt together). Norm scales, row-parallel biases, the stem and the final layer are
 //! replicated.
 //!
-//! Token-split tensor parallelism (`CommOptions::token_split`, single-stream blocks,
-//! batch 1): between products each rank holds 1/N of the tokens, so the norms, modulation
-//! and gated residuals are not repeated on every rank; an all-gather of the normed tokens
-//! before `linear1` and a reduce-scatter of `linear2`'s partial sums replace its
-//! all-reduce ([`SingleBlock::forward`]).
+//! Token-split tensor parallelism (`CommOptions::token_split`): between products
+//! each rank holds 1/N of the tokens, so the norms, modulation and gated residuals are not
+//! repeated on every rank; all-gathers of the normed tokens before the column-parallel
+//! products and a reduce-scatter of the row-parallel partial sums replace each all-reduce
+//! ([`DoubleBlock::forward`], [`SingleBlock::forward`]).
 
 use super::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
@@ -134,16 +134,62 @@ fn prepare_qkv(
     Ok((q, k, v))
 }
 
-/// Every rank's share of the tokens of `t` (`(1, share, h)`), in rank order: `(1, share
-/// · world, h)` (token-split tensor parallelism).
+/// Every rank's share of the tokens of `t` (`(b, share, h)`), in rank order: `(b, share ·
+/// world, h)` (token-split tensor parallelism). Above batch 1 the gathered samples are
+/// interleaved back (one copy).
 pub(super) fn gather_tokens(t: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
-    ctx.comm.all_gather_cat(&t.squeeze(0)?)?.unsqueeze(0)
+    let (b, m, h) = t.dims3()?;
+    let n = ctx.comm.world_size();
+    let g = ctx.comm.all_gather_cat(&t.contiguous()?)?;
+    if b == 1 {
+        return g.reshape((1, n * m, h));
+    }
+    g.reshape((n, b, m, h))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((b, n * m, h))
 }
 
-/// The sum over the group of the partial product `t` (`(1, L, h)`), this rank's share of
-/// the tokens: `(1, L / world, h)` (token-split tensor parallelism).
+/// The sum over the group of the partial product `t` (`(b, L, h)`), this rank's share of
+/// the tokens: `(b, L / world, h)` (token-split tensor parallelism). Above batch 1 each
+/// rank's tokens of every sample are laid side by side first (one copy).
 fn scatter_tokens(t: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
-    ctx.comm.reduce_scatter_sum(&t.squeeze(0)?)?.unsqueeze(0)
+    let (b, l, h) = t.dims3()?;
+    let n = ctx.comm.world_size();
+    if l % n != 0 {
+        candle_core::bail!("token split: {l} tokens do not split over {n} ranks");
+    }
+    let laid = if b == 1 {
+        t.reshape((l, h))?
+    } else {
+        t.reshape((b, n, l / n, h))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((n * b, l / n, h))?
+    };
+    let share = ctx.comm.reduce_scatter_sum(&laid)?;
+    share.reshape((b, l / n, h))
+}
+
+/// The sums over the group of the partial products of both streams (`(1, tl, h)` and
+/// `(1, il, h)`), this rank's shares: one reduce-scatter of the partials laid out rank by
+/// rank (each rank's text share, then its image share), so the group's one call leaves
+/// each rank both of its shares side by side (token-split tensor parallelism).
+fn scatter_streams(txt: Tensor, img: Tensor, ctx: &Ctx) -> CResult<[Tensor; 2]> {
+    let n = ctx.comm.world_size();
+    let (tn, inn) = (txt.dim(1)? / n, img.dim(1)? / n);
+    let mut pieces = Vec::with_capacity(2 * n);
+    for r in 0..n {
+        pieces.push(txt.narrow(1, r * tn, tn)?);
+        pieces.push(img.narrow(1, r * inn, inn)?);
+    }
+    let laid = Tensor::cat(&pieces, 1)?;
+    drop((pieces, txt, img));
+    ctx.meter.see(&laid);
+    let share = scatter_tokens(&laid, ctx)?;
+    drop(laid);
+    ctx.mark("reduce-scatter (tokens)", &share);
+    Ok([share.narrow(1, 0, tn)?, share.narrow(1, tn, inn)?])
 }
 
 /// [`layers::row_parallel_sums`] gave other than one sum per segment (cannot happen).
@@ -355,6 +401,14 @@ impl DoubleBlock {
     /// included) is dropped after its last use, not at the end of the call, so the
     /// block's peak is its MLP's — about what [`mold_models::BlockKind::activation_bytes`]
     /// counts — and not every intermediate at once.
+    ///
+    /// With `split` (token-split tensor parallelism), `img` and `txt` are this
+    /// rank's equal shares of each stream's tokens: the norms, modulation and gated
+    /// residuals run on them alone; each stream's normed share is all-gathered before its
+    /// column-parallel product, and the row-parallel partial sums of both streams are
+    /// reduce-scattered back to shares in one call (each rank's text share, then its image
+    /// share). The results are this rank's shares.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         img: Tensor,
@@ -362,6 +416,7 @@ impl DoubleBlock {
         vec: &Tensor,
         pe: &Tensor,
         lens: &[usize],
+        split: bool,
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
         ctx.mark_start(&img);
@@ -376,14 +431,16 @@ impl DoubleBlock {
         ctx.mark("modulation", &tm[1].gate);
         let kn = ctx.kernels;
         let eps = EPS as f32;
+        // Under token split, each stream's normed share gathered to the whole stream.
+        let whole = |t: Tensor| if split { gather_tokens(&t, ctx) } else { Ok(t) };
         let img_qkv = self
             .img
             .qkv
-            .forward(&im[0].norm_scale_shift(&img, eps, kn)?, kn)?;
+            .forward(&whole(im[0].norm_scale_shift(&img, eps, kn)?)?, kn)?;
         let txt_qkv = self
             .txt
             .qkv
-            .forward(&tm[0].norm_scale_shift(&txt, eps, kn)?, kn)?;
+            .forward(&whole(tm[0].norm_scale_shift(&txt, eps, kn)?)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = prepare_qkv(
@@ -395,16 +452,33 @@ impl DoubleBlock {
         drop((img_qkv, txt_qkv));
         let attn = attention(&q, &k, &v, lens, ctx)?;
         drop((q, k, v));
-        let tl = txt.dim(1)?;
+        let tl = if split {
+            txt.dim(1)? * ctx.comm.world_size()
+        } else {
+            txt.dim(1)?
+        };
         let il = attn.dim(1)? - tl;
         let streams = [&self.txt, &self.img];
-        let sums =
-            layers::row_parallel_sums(attn, &[tl, il], "attn out linear", ctx, |attn, i, s, n| {
-                streams[i]
-                    .proj
-                    .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
-            })?;
-        let [txt_proj, img_proj]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
+        let [txt_proj, img_proj]: [Tensor; 2] = if split {
+            let t = self.txt.proj.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
+            let i = self.img.proj.partial(&[&attn.narrow(1, tl, il)?], kn)?;
+            drop(attn);
+            ctx.mark("attn out linear", &i);
+            scatter_streams(t, i, ctx)?
+        } else {
+            let sums = layers::row_parallel_sums(
+                attn,
+                &[tl, il],
+                "attn out linear",
+                ctx,
+                |attn, i, s, n| {
+                    streams[i]
+                        .proj
+                        .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+                },
+            )?;
+            sums.try_into().map_err(|_| pair_err())?
+        };
         // The projections' biases in the gated residual's pass.
         let img_mid = im[0].gate_bias_residual(&img, &img_proj, self.img.proj.bias(), kn)?;
         let txt_mid = tm[0].gate_bias_residual(&txt, &txt_proj, self.txt.proj.bias(), kn)?;
@@ -414,22 +488,30 @@ impl DoubleBlock {
         let img_h = self
             .img
             .mlp0
-            .forward_gelu(&im[1].norm_scale_shift(&img_mid, eps, kn)?, kn)?;
+            .forward_gelu(&whole(im[1].norm_scale_shift(&img_mid, eps, kn)?)?, kn)?;
         let txt_h = self
             .txt
             .mlp0
-            .forward_gelu(&tm[1].norm_scale_shift(&txt_mid, eps, kn)?, kn)?;
+            .forward_gelu(&whole(tm[1].norm_scale_shift(&txt_mid, eps, kn)?)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
-        let sums = layers::row_parallel_sums(
-            [txt_h, img_h],
-            &[tl, il],
-            "mlp out linear",
-            ctx,
-            |hs, i, s, n| streams[i].mlp2.partial(&[&hs[i].narrow(1, s, n)?], kn),
-        )?;
-        let [txt_mlp, img_mlp]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
+        let [txt_mlp, img_mlp]: [Tensor; 2] = if split {
+            let t = self.txt.mlp2.partial(&[&txt_h], kn)?;
+            let i = self.img.mlp2.partial(&[&img_h], kn)?;
+            drop((txt_h, img_h));
+            ctx.mark("mlp out linear", &i);
+            scatter_streams(t, i, ctx)?
+        } else {
+            let sums = layers::row_parallel_sums(
+                [txt_h, img_h],
+                &[tl, il],
+                "mlp out linear",
+                ctx,
+                |hs, i, s, n| streams[i].mlp2.partial(&[&hs[i].narrow(1, s, n)?], kn),
+            )?;
+            sums.try_into().map_err(|_| pair_err())?
+        };
         let img = im[1].gate_bias_residual(&img_mid, &img_mlp, self.img.mlp2.bias(), kn)?;
         drop((img_mid, img_mlp));
         let txt = tm[1].gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp2.bias(), kn)?;
@@ -500,7 +582,7 @@ impl SingleBlock {
     /// The block over `x`, taken by value: each intermediate is dropped after its last
     /// use (see [`DoubleBlock::forward`]).
     ///
-    /// With `split` (token-split tensor parallelism, batch 1), `x` is this rank's equal
+    /// With `split` (token-split tensor parallelism), `x` is this rank's equal
     /// share of the tokens, in rank order: the norm, modulation and gated residual run on
     /// it alone; the normed share is all-gathered before `linear1` and `linear2`'s partial
     /// sums are reduce-scattered back to shares ([`Comm::all_gather_cat`](crate::comm::Comm::all_gather_cat),

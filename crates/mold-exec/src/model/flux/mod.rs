@@ -91,6 +91,8 @@ pub enum FluxActs {
         vec: Tensor,
         pe: Tensor,
         seq: Option<SeqSlice>,
+        /// Token-split tensor parallelism: `img` and `txt` are this rank's shares.
+        split: Option<TokenSplit>,
     },
     Single {
         x: Tensor,
@@ -99,34 +101,97 @@ pub enum FluxActs {
         /// Text tokens at the front of `x` (this rank's, under sequence parallelism).
         txt_len: usize,
         seq: Option<SeqSlice>,
-        /// Token-split tensor parallelism: `x` is this tensor-parallel rank's share.
+        /// Token-split tensor parallelism: `x` is this tensor-parallel rank's text share
+        /// then its image share, and `pe` the table of [`TokenSplit::shared_pe`].
         split: Option<TokenSplit>,
     },
 }
 
 /// Under token-split tensor parallelism ([`crate::comm::CommOptions::token_split`]) rank
-/// `rank` of the tensor-parallel group of `world` holds tokens `rank · len / world ..
-/// (rank + 1) · len / world` of the `len` tokens of single-stream activations (batch 1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `rank` of the tensor-parallel group of `world` holds an equal share of the group's
+/// `txt` text and `img` image tokens (its sequence-parallel slice, or the whole sequence):
+/// text tokens `rank · txt / world ..` and image tokens `rank · img / world ..`, as
+/// sequence parallelism lays out its slices. Double-stream activations hold the two
+/// shares apart; single-stream ones side by side, and their rotation table then lists the
+/// group's tokens rank by rank ([`TokenSplit::shared_pe`]) so that the gathered sequence
+/// attends with its own positions; `pe` is the group's table in the sequence's order.
+#[derive(Clone, Debug)]
 pub struct TokenSplit {
     pub rank: usize,
     pub world: usize,
-    pub len: usize,
+    pub txt: usize,
+    pub img: usize,
+    pub pe: Tensor,
 }
 
 impl TokenSplit {
-    /// This rank's share of `x` (`(1, len, h)`), where the group splits it: token split
-    /// asked for, a tensor-parallel group, batch 1, and a length the group divides.
-    fn of(x: &Tensor, ctx: &Ctx) -> CResult<Option<(Tensor, TokenSplit)>> {
+    /// The split of `txt` text and `img` image tokens over the tensor-parallel group,
+    /// where the group splits them: token split asked for, a group of two or more, and
+    /// both counts divided evenly.
+    fn of(txt: usize, img: usize, pe: &Tensor, ctx: &Ctx) -> Option<TokenSplit> {
         let world = ctx.comm.world_size();
-        let (b, len, _) = x.dims3()?;
-        if !ctx.token_split || world < 2 || b != 1 || len % world != 0 {
-            return Ok(None);
+        let even = txt.is_multiple_of(world) && img.is_multiple_of(world) && txt + img > 0;
+        (ctx.token_split && world > 1 && even).then(|| TokenSplit {
+            rank: ctx.comm.rank(),
+            world,
+            txt,
+            img,
+            pe: pe.clone(),
+        })
+    }
+
+    /// Rank `r`'s text and image token ranges.
+    fn ranges(&self, r: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (t, i) = (self.txt / self.world, self.img / self.world);
+        (r * t..(r + 1) * t, r * i..(r + 1) * i)
+    }
+
+    /// This rank's shares of whole `txt` and `img` (`(b, n, h)` each).
+    fn shares(&self, txt: &Tensor, img: &Tensor) -> CResult<(Tensor, Tensor)> {
+        let (t, i) = self.ranges(self.rank);
+        Ok((
+            txt.narrow(1, t.start, t.len())?.contiguous()?,
+            img.narrow(1, i.start, i.len())?.contiguous()?,
+        ))
+    }
+
+    /// The rotation table of the group's tokens laid out rank by rank (each rank's text
+    /// share, then its image share): the order in which single-stream blocks gather them.
+    fn shared_pe(&self) -> CResult<Tensor> {
+        let parts = (0..self.world)
+            .map(|r| {
+                let (t, i) = self.ranges(r);
+                pe_slice(&self.pe, self.txt, &t, &i)
+            })
+            .collect::<CResult<Vec<_>>>()?;
+        Tensor::cat(&parts, 2)
+    }
+
+    /// Whole single-stream activations from the group's gathered shares (`(b, txt + img,
+    /// h)` rank by rank): text then image, each in order.
+    fn unshare(&self, gathered: &Tensor) -> CResult<Tensor> {
+        let (t, i) = (self.txt / self.world, self.img / self.world);
+        let mut txt = Vec::with_capacity(self.world);
+        let mut img = Vec::with_capacity(self.world);
+        for r in 0..self.world {
+            txt.push(gathered.narrow(1, r * (t + i), t)?);
+            img.push(gathered.narrow(1, r * (t + i) + t, i)?);
         }
-        let rank = ctx.comm.rank();
-        let m = len / world;
-        let share = x.narrow(1, rank * m, m)?.contiguous()?;
-        Ok(Some((share, TokenSplit { rank, world, len })))
+        txt.extend(img);
+        Tensor::cat(&txt, 1)
+    }
+
+    /// Checks that the group gathering `share` tokens is the one that split them.
+    fn check(&self, share: usize, ctx: &Ctx) -> CResult<()> {
+        let (w, r) = (ctx.comm.world_size(), ctx.comm.rank());
+        if (w, r, share * w) != (self.world, self.rank, self.txt + self.img) {
+            candle_core::bail!(
+                "token share of rank {} of {} gathered by rank {r} of {w}",
+                self.rank,
+                self.world
+            );
+        }
+        Ok(())
     }
 }
 
@@ -182,8 +247,8 @@ impl FluxActs {
     /// Fails on a rank's slice of the sequence: only the whole sequence leaves a part
     /// (moved, sent or fed to the final layer).
     fn whole_sequence_only(&self) -> CResult<()> {
-        let (FluxActs::Double { seq, .. } | FluxActs::Single { seq, .. }) = self;
-        if seq.is_some() || matches!(self, FluxActs::Single { split: Some(_), .. }) {
+        let (FluxActs::Double { seq, split, .. } | FluxActs::Single { seq, split, .. }) = self;
+        if seq.is_some() || split.is_some() {
             candle_core::bail!("a sequence slice cannot leave its part: gather it first");
         }
         Ok(())
@@ -202,6 +267,7 @@ impl Activations for FluxActs {
                 vec: f(vec)?,
                 pe: f(pe)?,
                 seq: None,
+                split: None,
             },
             FluxActs::Single {
                 x,
@@ -255,6 +321,7 @@ impl Activations for FluxActs {
                 vec,
                 pe,
                 seq: None,
+                split: None,
             }),
             (1, Ok([x, vec, pe, tl])) => {
                 let tl = tl.to_vec1::<u32>().map_err(|_| bad())?;
@@ -379,6 +446,7 @@ impl Transformer for FluxConfig {
             vec: s.vec,
             pe: s.pe,
             seq: None,
+            split: None,
         })
     }
 
@@ -411,6 +479,7 @@ impl Transformer for FluxConfig {
                 vec,
                 pe,
                 seq: None,
+                split: None,
             } => {
                 let (pe_r, t, i, seq) = slice(txt.dim(1)?, img.dim(1)?, &pe)?;
                 FluxActs::Double {
@@ -419,6 +488,7 @@ impl Transformer for FluxConfig {
                     vec,
                     pe: pe_r,
                     seq: Some(seq),
+                    split: None,
                 }
             }
             FluxActs::Single {
@@ -451,25 +521,41 @@ impl Transformer for FluxConfig {
     }
 
     fn gather_sequence(&self, acts: FluxActs, ctx: &Ctx) -> CResult<FluxActs> {
-        // First the tensor-parallel rank's token share back to its group's whole (this
+        // First the tensor-parallel rank's token shares back to its group's whole (this
         // sequence-parallel rank's slice, or the whole sequence).
         let acts = match acts {
-            FluxActs::Single {
-                x,
+            FluxActs::Double {
+                img,
+                txt,
                 vec,
                 pe,
-                txt_len,
                 seq,
                 split: Some(sp),
             } => {
-                let (share, w) = (x.dim(1)?, ctx.comm.world_size());
-                if (sp.world, sp.rank, share * sp.world) != (w, ctx.comm.rank(), sp.len) {
-                    candle_core::bail!("token share {sp:?} gathered by another group");
-                }
-                FluxActs::Single {
-                    x: blocks::gather_tokens(&x, ctx)?,
+                sp.check(img.dim(1)? + txt.dim(1)?, ctx)?;
+                FluxActs::Double {
+                    img: blocks::gather_tokens(&img, ctx)?,
+                    txt: blocks::gather_tokens(&txt, ctx)?,
                     vec,
                     pe,
+                    seq,
+                    split: None,
+                }
+            }
+            FluxActs::Single {
+                x,
+                vec,
+                txt_len,
+                seq,
+                split: Some(sp),
+                ..
+            } => {
+                sp.check(x.dim(1)?, ctx)?;
+                let x = sp.unshare(&blocks::gather_tokens(&x, ctx)?)?;
+                FluxActs::Single {
+                    x,
+                    vec,
+                    pe: sp.pe,
                     txt_len,
                     seq,
                     split: None,
@@ -510,6 +596,7 @@ impl Transformer for FluxConfig {
                     vec,
                     pe: s.pe.clone(),
                     seq: None,
+                    split: None,
                 }
             }
             FluxActs::Single {
@@ -533,6 +620,8 @@ impl Transformer for FluxConfig {
     }
 
     fn block(&self, b: &FluxBlock, acts: FluxActs, ctx: &Ctx) -> CResult<FluxActs> {
+        // The first block of a part splits the tokens where asked (token-split tensor
+        // parallelism); the part's end gathers them ([`Transformer::gather_sequence`]).
         Ok(match (b, acts) {
             (
                 FluxBlock::Double(b),
@@ -542,10 +631,25 @@ impl Transformer for FluxConfig {
                     vec,
                     pe,
                     seq,
+                    split,
                 },
             ) => {
-                let lens = lens(&seq, img.dim(1)? + txt.dim(1)?);
-                let (img, txt) = b.forward(img, txt, &vec, &pe, &lens, ctx)?;
+                let (img, txt, split) = match split {
+                    Some(s) => (img, txt, Some(s)),
+                    None => match TokenSplit::of(txt.dim(1)?, img.dim(1)?, &pe, ctx) {
+                        Some(s) => {
+                            let (t, i) = s.shares(&txt, &img)?;
+                            (i, t, Some(s))
+                        }
+                        None => (img, txt, None),
+                    },
+                };
+                let whole = match &split {
+                    Some(s) => s.txt + s.img,
+                    None => img.dim(1)? + txt.dim(1)?,
+                };
+                let lens = lens(&seq, whole);
+                let (img, txt) = b.forward(img, txt, &vec, &pe, &lens, split.is_some(), ctx)?;
                 ctx.meter.see(&img);
                 FluxActs::Double {
                     img,
@@ -553,19 +657,64 @@ impl Transformer for FluxConfig {
                     vec,
                     pe,
                     seq,
+                    split,
                 }
             }
             (FluxBlock::Single(b), a) => {
+                // Single-stream activations: x, its table, its text length, and the split.
                 let (x, vec, pe, txt_len, seq, split) = match a {
+                    FluxActs::Double {
+                        img,
+                        txt,
+                        vec,
+                        seq,
+                        split: Some(s),
+                        ..
+                    } => {
+                        // The shares side by side; the table of the group's tokens laid out
+                        // rank by rank.
+                        let x = Tensor::cat(&[&txt, &img], 1)?;
+                        (x, vec, s.shared_pe()?, s.txt, seq, Some(s))
+                    }
                     FluxActs::Double {
                         img,
                         txt,
                         vec,
                         pe,
                         seq,
+                        split: None,
                     } => {
                         let txt_len = txt.dim(1)?;
-                        (Tensor::cat(&[&txt, &img], 1)?, vec, pe, txt_len, seq, None)
+                        let x = Tensor::cat(&[&txt, &img], 1)?;
+                        match TokenSplit::of(txt_len, img.dim(1)?, &pe, ctx) {
+                            Some(s) => {
+                                let (t, i) = s.shares(&txt, &img)?;
+                                let x = Tensor::cat(&[&t, &i], 1)?;
+                                (x, vec, s.shared_pe()?, txt_len, seq, Some(s))
+                            }
+                            None => (x, vec, pe, txt_len, seq, None),
+                        }
+                    }
+                    FluxActs::Single {
+                        x,
+                        vec,
+                        pe,
+                        txt_len,
+                        seq,
+                        split: None,
+                    } => {
+                        let img_len = x.dim(1)? - txt_len;
+                        match TokenSplit::of(txt_len, img_len, &pe, ctx) {
+                            Some(s) => {
+                                let (t, i) = s.shares(
+                                    &x.narrow(1, 0, txt_len)?,
+                                    &x.narrow(1, txt_len, img_len)?,
+                                )?;
+                                let x = Tensor::cat(&[&t, &i], 1)?;
+                                (x, vec, s.shared_pe()?, txt_len, seq, Some(s))
+                            }
+                            None => (x, vec, pe, txt_len, seq, None),
+                        }
                     }
                     FluxActs::Single {
                         x,
@@ -576,16 +725,11 @@ impl Transformer for FluxConfig {
                         split,
                     } => (x, vec, pe, txt_len, seq, split),
                 };
-                // The first single block of a part splits the tokens where asked; the
-                // part's end gathers them ([`Transformer::gather_sequence`]).
-                let (x, split) = match split {
-                    Some(s) => (x, Some(s)),
-                    None => match TokenSplit::of(&x, ctx)? {
-                        Some((share, s)) => (share, Some(s)),
-                        None => (x, None),
-                    },
+                let whole = match &split {
+                    Some(s) => s.txt + s.img,
+                    None => x.dim(1)?,
                 };
-                let lens = lens(&seq, split.map_or(x.dim(1)?, |s| s.len));
+                let lens = lens(&seq, whole);
                 let x = b.forward(x, &vec, &pe, &lens, split.is_some(), ctx)?;
                 ctx.meter.see(&x);
                 FluxActs::Single {
@@ -652,7 +796,9 @@ mod tests {
             split: Some(TokenSplit {
                 rank: 0,
                 world: 2,
-                len: 6,
+                txt: 2,
+                img: 4,
+                pe: t(6),
             }),
         };
         let sliced = FluxActs::Double {
@@ -661,6 +807,7 @@ mod tests {
             vec: t(1),
             pe: t(3),
             seq: Some(seq),
+            split: None,
         };
         assert!(whole.to_wire().is_ok() && whole.map(&mut |x| Ok(x.clone())).is_ok());
         for e in [
