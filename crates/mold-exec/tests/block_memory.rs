@@ -234,7 +234,7 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
         let given = bytes(&[&x_img, &x_txt]);
         peak_of(given, || {
             double
-                .forward(x_img, x_txt, &vec, &pe, &lens, false, &ctx)
+                .forward(x_img, x_txt, &vec, &pe, &lens, None, &ctx)
                 .unwrap()
         })
     });
@@ -248,7 +248,7 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
     let peak = warm_peak(|| {
         let x = random(&[1, img + txt, h]);
         peak_of(bytes(&[&x]), || {
-            single.forward(x, &vec, &pe, &lens, false, &ctx).unwrap()
+            single.forward(x, &vec, &pe, &lens, None, &ctx).unwrap()
         })
     });
     let c = counted("flux-dev", "single");
@@ -285,7 +285,7 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
         let given = bytes(&[&x_img, &x_txt]);
         peak_of(given, || {
             block
-                .forward(x_img, x_txt, &temb, &pe, &lens, &ctx)
+                .forward(x_img, x_txt, &temb, &pe, &lens, None, &ctx)
                 .unwrap()
         })
     });

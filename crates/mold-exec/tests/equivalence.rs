@@ -507,10 +507,11 @@ fn tensor_parallel_with_overlapped_chunks() {
 /// every block each rank holds its share of the text and of the image tokens; every
 /// layout gives the single-device output: TP2, TP4, SP2 × TP2, and two TP2 parts that
 /// split at their first block (double, or single) and gather at their end, with the
-/// boundary between double blocks or between single blocks. 8 text and 320 image tokens,
-/// batch 1 and 2, so each group divides both; with 7 text tokens no group of 2 or 4 does, and
-/// the blocks run unsplit. The profile shows which ran: the token reduce-scatter is a
-/// phase of every rank's report exactly where the tokens split.
+/// boundary between double blocks or between single blocks. 8 text and 320 image tokens
+/// (every group divides both), batch 1 and 2; 7 text tokens (shares padded: 4 + 3 over
+/// two ranks, 2 + 2 + 2 + 1 over four); 1 text token over four ranks (three empty text
+/// shares). The profile shows the split ran: the token reduce-scatter is a phase of every
+/// rank's report, and of none with the option off.
 #[test]
 fn tensor_parallel_with_split_tokens() {
     let cfg = FluxConfig::flux_tiny();
@@ -530,13 +531,17 @@ fn tensor_parallel_with_split_tokens() {
             part(&["emu:2", "emu:3"], &["double 1..2", "single 0..3"], false),
         ]),
     ];
-    for (txt, batch, splits) in [(8usize, 1usize, true), (8, 2, true), (7, 1, false)] {
+    for (txt, batch) in [(8usize, 1usize), (8, 2), (7, 1), (7, 2), (1, 1)] {
         let x = random_inputs(&cfg, 256, 320, txt, batch, seed).unwrap();
         let reference = Executor::reference(&cfg, &ckpt, &mold_plan::DeviceId::Host, DType::F32)
             .unwrap()
             .forward(&x)
             .unwrap();
         for (i, p) in plans.iter().enumerate() {
+            // (Sequence parallelism over 2 needs 2 text tokens.)
+            if txt < 2 && i == 2 {
+                continue;
+            }
             let mut opts = ExecOptions::default();
             opts.comm.token_split = true;
             let exec = Executor::with_options(&cfg, p, &ckpt, opts)
@@ -548,21 +553,15 @@ fn tensor_parallel_with_split_tokens() {
                 err <= TOL,
                 "plan {i}, {txt} text tokens, batch {batch}: {err:e}"
             );
-            // (SP2 × TP2 with 7 text tokens: one sequence slice holds 164 tokens, which its
-            // TP2 group splits, the other 163, which it does not.)
-            if i == 2 && !splits {
-                continue;
-            }
             for (dev, phases) in exec.profile_report() {
-                let split = phases.iter().any(|p| p.0 == "reduce-scatter (tokens)");
-                assert_eq!(
-                    split, splits,
-                    "plan {i}, {txt} text tokens, {dev}: {phases:?}"
+                assert!(
+                    phases.iter().any(|p| p.0 == "reduce-scatter (tokens)"),
+                    "plan {i}, {txt} text tokens, batch {batch}, {dev}: {phases:?}"
                 );
             }
         }
     }
-    // Off by default: the same plan runs its single blocks unsplit.
+    // Off by default: the same plan runs its blocks unsplit.
     let x = random_inputs(&cfg, 256, 320, 8, 1, seed).unwrap();
     let exec = Executor::with_options(&cfg, &plans[0], &ckpt, ExecOptions::default())
         .unwrap()

@@ -279,3 +279,45 @@ fn refusals() {
     let e = exec.forward(&x).unwrap_err().to_string();
     assert!(e.contains("txt must be (2, tokens ≥ 1, 32)"), "{e}");
 }
+
+/// Token-split tensor parallelism (`CommOptions::token_split`): between products each
+/// rank holds its share of the 7 text tokens (padded: 4 + 3 over two ranks, 2 + 2 + 2 + 1
+/// over four) and of the 12 image tokens, batch 2. TP2, TP4, two TP2 parts, and SP2 × TP2
+/// give the single-device output, and every rank's profile has the token reduce-scatter.
+#[test]
+fn tensor_parallel_with_split_tokens() {
+    let four = ["emu:0", "emu:1", "emu:2", "emu:3"];
+    let layouts = [
+        vec![part(&["emu:0", "emu:1"], &ALL, false)],
+        vec![part(&four, &ALL, false)],
+        vec![
+            part(&["emu:0", "emu:1"], &["block 0..2"], false),
+            part(&["emu:2", "emu:3"], &["block 2..3"], true),
+        ],
+        vec![part_par(&four, 2, 2, &ALL, false)],
+    ];
+    for seed in SEEDS {
+        let ckpt = checkpoint(seed);
+        let x = inputs(seed);
+        let reference = Executor::reference(&cfg(), &ckpt, &DeviceId::Host, DType::F32)
+            .unwrap()
+            .forward(&x)
+            .unwrap();
+        for (i, parts) in layouts.iter().enumerate() {
+            let mut opts = ExecOptions::default();
+            opts.comm.token_split = true;
+            let p = qwen_plan(parts.clone(), mold_plan::DType::F32);
+            let exec = Executor::with_options(&cfg(), &p, &ckpt, opts)
+                .unwrap()
+                .with_profiling(true);
+            let err = max_relative_error(&exec.forward(&x).unwrap(), &reference).unwrap();
+            assert!(err <= TOL, "seed {seed}, layout {i}: {err:e}");
+            for (dev, phases) in exec.profile_report() {
+                assert!(
+                    phases.iter().any(|p| p.0 == "reduce-scatter (tokens)"),
+                    "layout {i}, {dev}: {phases:?}"
+                );
+            }
+        }
+    }
+}

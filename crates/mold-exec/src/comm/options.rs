@@ -80,10 +80,11 @@ pub struct CommOptions {
     /// default [`DEFAULT_OVERLAP_CHUNKS`].
     pub overlap_chunks: usize,
     /// Token-split tensor parallelism (Megatron's sequence parallelism inside a
-    /// tensor-parallel group) in FLUX's blocks: each rank keeps 1/N of the text and of the
-    /// image tokens between products and runs the norms, modulation and gated residuals
-    /// on them alone; all-gathers before the column-parallel products and a
-    /// reduce-scatter after each row-parallel one replace the all-reduce.
+    /// tensor-parallel group) in FLUX's and Qwen-Image's blocks: each rank keeps 1/N of the
+    /// text and of the image tokens between products and runs the norms, modulation and
+    /// gated residuals on them alone; all-gathers before the column-parallel products and
+    /// a reduce-scatter after each row-parallel one replace the all-reduce
+    /// ([`crate::model::token_split`]).
     /// `MOLD_TP_TOKEN_SPLIT=on|off`, default off (not yet measured on GPUs).
     pub token_split: bool,
 }

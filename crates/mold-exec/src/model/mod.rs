@@ -25,6 +25,7 @@ pub mod plan_cache;
 pub mod qwen;
 pub mod sequence;
 pub mod softmax;
+pub mod token_split;
 pub mod transformer;
 
 pub use transformer::{Activations, BlockRef, Inputs, Packable, TensorSpec, Transformer, Weights};

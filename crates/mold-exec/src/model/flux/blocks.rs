@@ -12,17 +12,18 @@
 //! txt together). Norm scales, row-parallel biases, the stem and the final layer are
 //! replicated.
 //!
-//! Token-split tensor parallelism (`CommOptions::token_split`): between products
-//! each rank holds 1/N of the tokens, so the norms, modulation and gated residuals are not
-//! repeated on every rank; all-gathers of the normed tokens before the column-parallel
-//! products and a reduce-scatter of the row-parallel partial sums replace each all-reduce
-//! ([`DoubleBlock::forward`], [`SingleBlock::forward`]).
+//! Token-split tensor parallelism (`CommOptions::token_split`, [`crate::model::token_split`]):
+//! between products each rank holds its share of the tokens, so the norms, modulation and
+//! gated residuals are not repeated on every rank; all-gathers of the normed tokens before
+//! the column-parallel products and a reduce-scatter of the row-parallel partial sums
+//! replace each all-reduce ([`DoubleBlock::forward`], [`SingleBlock::forward`]).
 
 use super::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
 use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops;
+use crate::model::token_split::TokenSplit;
 use crate::model::{sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
@@ -132,64 +133,6 @@ fn prepare_qkv(
     let k = apply_rope(&k, pe)?;
     ctx.mark("rope", &k);
     Ok((q, k, v))
-}
-
-/// Every rank's share of the tokens of `t` (`(b, share, h)`), in rank order: `(b, share ·
-/// world, h)` (token-split tensor parallelism). Above batch 1 the gathered samples are
-/// interleaved back (one copy).
-pub(super) fn gather_tokens(t: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
-    let (b, m, h) = t.dims3()?;
-    let n = ctx.comm.world_size();
-    let g = ctx.comm.all_gather_cat(&t.contiguous()?)?;
-    if b == 1 {
-        return g.reshape((1, n * m, h));
-    }
-    g.reshape((n, b, m, h))?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((b, n * m, h))
-}
-
-/// The sum over the group of the partial product `t` (`(b, L, h)`), this rank's share of
-/// the tokens: `(b, L / world, h)` (token-split tensor parallelism). Above batch 1 each
-/// rank's tokens of every sample are laid side by side first (one copy).
-fn scatter_tokens(t: &Tensor, ctx: &Ctx) -> CResult<Tensor> {
-    let (b, l, h) = t.dims3()?;
-    let n = ctx.comm.world_size();
-    if l % n != 0 {
-        candle_core::bail!("token split: {l} tokens do not split over {n} ranks");
-    }
-    let laid = if b == 1 {
-        t.reshape((l, h))?
-    } else {
-        t.reshape((b, n, l / n, h))?
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((n * b, l / n, h))?
-    };
-    let share = ctx.comm.reduce_scatter_sum(&laid)?;
-    share.reshape((b, l / n, h))
-}
-
-/// The sums over the group of the partial products of both streams (`(1, tl, h)` and
-/// `(1, il, h)`), this rank's shares: one reduce-scatter of the partials laid out rank by
-/// rank (each rank's text share, then its image share), so the group's one call leaves
-/// each rank both of its shares side by side (token-split tensor parallelism).
-fn scatter_streams(txt: Tensor, img: Tensor, ctx: &Ctx) -> CResult<[Tensor; 2]> {
-    let n = ctx.comm.world_size();
-    let (tn, inn) = (txt.dim(1)? / n, img.dim(1)? / n);
-    let mut pieces = Vec::with_capacity(2 * n);
-    for r in 0..n {
-        pieces.push(txt.narrow(1, r * tn, tn)?);
-        pieces.push(img.narrow(1, r * inn, inn)?);
-    }
-    let laid = Tensor::cat(&pieces, 1)?;
-    drop((pieces, txt, img));
-    ctx.meter.see(&laid);
-    let share = scatter_tokens(&laid, ctx)?;
-    drop(laid);
-    ctx.mark("reduce-scatter (tokens)", &share);
-    Ok([share.narrow(1, 0, tn)?, share.narrow(1, tn, inn)?])
 }
 
 /// [`layers::row_parallel_sums`] gave other than one sum per segment (cannot happen).
@@ -403,11 +346,11 @@ impl DoubleBlock {
     /// counts — and not every intermediate at once.
     ///
     /// With `split` (token-split tensor parallelism), `img` and `txt` are this
-    /// rank's equal shares of each stream's tokens: the norms, modulation and gated
-    /// residuals run on them alone; each stream's normed share is all-gathered before its
+    /// rank's shares of each stream's tokens: the norms, modulation and gated residuals run
+    /// on them alone; each stream's normed share is all-gathered before its
     /// column-parallel product, and the row-parallel partial sums of both streams are
-    /// reduce-scattered back to shares in one call (each rank's text share, then its image
-    /// share). The results are this rank's shares.
+    /// reduce-scattered back to shares in one call ([`TokenSplit::scatter_streams`]). The
+    /// results are this rank's shares.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -416,7 +359,7 @@ impl DoubleBlock {
         vec: &Tensor,
         pe: &Tensor,
         lens: &[usize],
-        split: bool,
+        split: Option<&TokenSplit>,
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
         ctx.mark_start(&img);
@@ -432,15 +375,22 @@ impl DoubleBlock {
         let kn = ctx.kernels;
         let eps = EPS as f32;
         // Under token split, each stream's normed share gathered to the whole stream.
-        let whole = |t: Tensor| if split { gather_tokens(&t, ctx) } else { Ok(t) };
+        let whole_img = |t: Tensor| match split {
+            Some(s) => s.gather_stream(&t, s.img, ctx),
+            None => Ok(t),
+        };
+        let whole_txt = |t: Tensor| match split {
+            Some(s) => s.gather_stream(&t, s.txt, ctx),
+            None => Ok(t),
+        };
         let img_qkv = self
             .img
             .qkv
-            .forward(&whole(im[0].norm_scale_shift(&img, eps, kn)?)?, kn)?;
+            .forward(&whole_img(im[0].norm_scale_shift(&img, eps, kn)?)?, kn)?;
         let txt_qkv = self
             .txt
             .qkv
-            .forward(&whole(tm[0].norm_scale_shift(&txt, eps, kn)?)?, kn)?;
+            .forward(&whole_txt(tm[0].norm_scale_shift(&txt, eps, kn)?)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = prepare_qkv(
@@ -452,19 +402,20 @@ impl DoubleBlock {
         drop((img_qkv, txt_qkv));
         let attn = attention(&q, &k, &v, lens, ctx)?;
         drop((q, k, v));
-        let tl = if split {
-            txt.dim(1)? * ctx.comm.world_size()
-        } else {
-            txt.dim(1)?
+        let tl = match split {
+            Some(s) => s.txt,
+            None => txt.dim(1)?,
         };
         let il = attn.dim(1)? - tl;
         let streams = [&self.txt, &self.img];
-        let [txt_proj, img_proj]: [Tensor; 2] = if split {
+        let [txt_proj, img_proj]: [Tensor; 2] = if let Some(sp) = split {
             let t = self.txt.proj.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
             let i = self.img.proj.partial(&[&attn.narrow(1, tl, il)?], kn)?;
             drop(attn);
             ctx.mark("attn out linear", &i);
-            scatter_streams(t, i, ctx)?
+            let (t, i) = sp.scatter_streams(t, i, ctx)?;
+            ctx.mark("reduce-scatter (tokens)", &i);
+            [t, i]
         } else {
             let sums = layers::row_parallel_sums(
                 attn,
@@ -488,20 +439,22 @@ impl DoubleBlock {
         let img_h = self
             .img
             .mlp0
-            .forward_gelu(&whole(im[1].norm_scale_shift(&img_mid, eps, kn)?)?, kn)?;
+            .forward_gelu(&whole_img(im[1].norm_scale_shift(&img_mid, eps, kn)?)?, kn)?;
         let txt_h = self
             .txt
             .mlp0
-            .forward_gelu(&whole(tm[1].norm_scale_shift(&txt_mid, eps, kn)?)?, kn)?;
+            .forward_gelu(&whole_txt(tm[1].norm_scale_shift(&txt_mid, eps, kn)?)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
-        let [txt_mlp, img_mlp]: [Tensor; 2] = if split {
+        let [txt_mlp, img_mlp]: [Tensor; 2] = if let Some(sp) = split {
             let t = self.txt.mlp2.partial(&[&txt_h], kn)?;
             let i = self.img.mlp2.partial(&[&img_h], kn)?;
             drop((txt_h, img_h));
             ctx.mark("mlp out linear", &i);
-            scatter_streams(t, i, ctx)?
+            let (t, i) = sp.scatter_streams(t, i, ctx)?;
+            ctx.mark("reduce-scatter (tokens)", &i);
+            [t, i]
         } else {
             let sums = layers::row_parallel_sums(
                 [txt_h, img_h],
@@ -582,19 +535,19 @@ impl SingleBlock {
     /// The block over `x`, taken by value: each intermediate is dropped after its last
     /// use (see [`DoubleBlock::forward`]).
     ///
-    /// With `split` (token-split tensor parallelism), `x` is this rank's equal
-    /// share of the tokens, in rank order: the norm, modulation and gated residual run on
-    /// it alone; the normed share is all-gathered before `linear1` and `linear2`'s partial
-    /// sums are reduce-scattered back to shares ([`Comm::all_gather_cat`](crate::comm::Comm::all_gather_cat),
-    /// [`Comm::reduce_scatter_sum`](crate::comm::Comm::reduce_scatter_sum)), in place of
-    /// the one all-reduce. The result is this rank's share.
+    /// With `split` (token-split tensor parallelism), `x` is this rank's text share then
+    /// its image share: the norm, modulation and gated residual run on them alone; every
+    /// rank's normed shares are gathered before `linear1` ([`TokenSplit::gather_single`])
+    /// and `linear2`'s partial sums reduce-scattered back to shares
+    /// ([`TokenSplit::scatter_single`]), in place of the one all-reduce. The result is this
+    /// rank's shares.
     pub fn forward(
         &self,
         x: Tensor,
         vec: &Tensor,
         pe: &Tensor,
         lens: &[usize],
-        split: bool,
+        split: Option<&TokenSplit>,
         ctx: &Ctx,
     ) -> CResult<Tensor> {
         ctx.mark_start(&x);
@@ -603,9 +556,9 @@ impl SingleBlock {
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
         let normed = m[0].norm_scale_shift(&x, EPS as f32, kn)?;
-        let normed = if split {
+        let normed = if let Some(sp) = split {
             ctx.mark("norm", &normed);
-            let all = gather_tokens(&normed, ctx)?;
+            let all = sp.gather_single(&normed, ctx)?;
             ctx.mark("all-gather (tokens)", &all);
             all
         } else {
@@ -624,11 +577,11 @@ impl SingleBlock {
         let attn = attention(&q, &k, &v, lens, ctx)?;
         drop((q, k, v));
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
-        let reduced = if split {
+        let reduced = if let Some(sp) = split {
             let partial = self.linear2.partial(&[&attn, &mlp], kn)?;
             drop((attn, mlp));
             ctx.mark("out linear", &partial);
-            let share = scatter_tokens(&partial, ctx)?;
+            let share = sp.scatter_single(&partial, ctx)?;
             ctx.mark("reduce-scatter (tokens)", &share);
             share
         } else {

@@ -14,6 +14,7 @@ pub mod config;
 pub mod inputs;
 pub mod testdata;
 
+pub use crate::model::token_split::TokenSplit;
 pub use blocks::{DoubleBlock, FinalLayer, SingleBlock, Stem};
 pub use config::{FluxConfig, TIME_EMBED_DIM};
 pub use inputs::{random_inputs, FluxInputs};
@@ -107,94 +108,6 @@ pub enum FluxActs {
     },
 }
 
-/// Under token-split tensor parallelism ([`crate::comm::CommOptions::token_split`]) rank
-/// `rank` of the tensor-parallel group of `world` holds an equal share of the group's
-/// `txt` text and `img` image tokens (its sequence-parallel slice, or the whole sequence):
-/// text tokens `rank · txt / world ..` and image tokens `rank · img / world ..`, as
-/// sequence parallelism lays out its slices. Double-stream activations hold the two
-/// shares apart; single-stream ones side by side, and their rotation table then lists the
-/// group's tokens rank by rank ([`TokenSplit::shared_pe`]) so that the gathered sequence
-/// attends with its own positions; `pe` is the group's table in the sequence's order.
-#[derive(Clone, Debug)]
-pub struct TokenSplit {
-    pub rank: usize,
-    pub world: usize,
-    pub txt: usize,
-    pub img: usize,
-    pub pe: Tensor,
-}
-
-impl TokenSplit {
-    /// The split of `txt` text and `img` image tokens over the tensor-parallel group,
-    /// where the group splits them: token split asked for, a group of two or more, and
-    /// both counts divided evenly.
-    fn of(txt: usize, img: usize, pe: &Tensor, ctx: &Ctx) -> Option<TokenSplit> {
-        let world = ctx.comm.world_size();
-        let even = txt.is_multiple_of(world) && img.is_multiple_of(world) && txt + img > 0;
-        (ctx.token_split && world > 1 && even).then(|| TokenSplit {
-            rank: ctx.comm.rank(),
-            world,
-            txt,
-            img,
-            pe: pe.clone(),
-        })
-    }
-
-    /// Rank `r`'s text and image token ranges.
-    fn ranges(&self, r: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
-        let (t, i) = (self.txt / self.world, self.img / self.world);
-        (r * t..(r + 1) * t, r * i..(r + 1) * i)
-    }
-
-    /// This rank's shares of whole `txt` and `img` (`(b, n, h)` each).
-    fn shares(&self, txt: &Tensor, img: &Tensor) -> CResult<(Tensor, Tensor)> {
-        let (t, i) = self.ranges(self.rank);
-        Ok((
-            txt.narrow(1, t.start, t.len())?.contiguous()?,
-            img.narrow(1, i.start, i.len())?.contiguous()?,
-        ))
-    }
-
-    /// The rotation table of the group's tokens laid out rank by rank (each rank's text
-    /// share, then its image share): the order in which single-stream blocks gather them.
-    fn shared_pe(&self) -> CResult<Tensor> {
-        let parts = (0..self.world)
-            .map(|r| {
-                let (t, i) = self.ranges(r);
-                pe_slice(&self.pe, self.txt, &t, &i)
-            })
-            .collect::<CResult<Vec<_>>>()?;
-        Tensor::cat(&parts, 2)
-    }
-
-    /// Whole single-stream activations from the group's gathered shares (`(b, txt + img,
-    /// h)` rank by rank): text then image, each in order.
-    fn unshare(&self, gathered: &Tensor) -> CResult<Tensor> {
-        let (t, i) = (self.txt / self.world, self.img / self.world);
-        let mut txt = Vec::with_capacity(self.world);
-        let mut img = Vec::with_capacity(self.world);
-        for r in 0..self.world {
-            txt.push(gathered.narrow(1, r * (t + i), t)?);
-            img.push(gathered.narrow(1, r * (t + i) + t, i)?);
-        }
-        txt.extend(img);
-        Tensor::cat(&txt, 1)
-    }
-
-    /// Checks that the group gathering `share` tokens is the one that split them.
-    fn check(&self, share: usize, ctx: &Ctx) -> CResult<()> {
-        let (w, r) = (ctx.comm.world_size(), ctx.comm.rank());
-        if (w, r, share * w) != (self.world, self.rank, self.txt + self.img) {
-            candle_core::bail!(
-                "token share of rank {} of {} gathered by rank {r} of {w}",
-                self.rank,
-                self.world
-            );
-        }
-        Ok(())
-    }
-}
-
 /// Which slice of the sequence a sequence-parallel rank holds: text tokens
 /// `sequence::split(txt, rank, world)` and image tokens `sequence::split(img, rank,
 /// world)`; `pe` is the whole sequence's rotation table (restored on gathering).
@@ -217,6 +130,19 @@ impl SeqSlice {
             })
             .collect()
     }
+}
+
+/// The rotation table of a token split's tokens laid out rank by rank (each rank's text
+/// tokens, then its image tokens): the order in which single-stream blocks gather them
+/// ([`TokenSplit::gather_single`]).
+fn shared_pe(s: &TokenSplit) -> CResult<Tensor> {
+    let parts = (0..s.world)
+        .map(|r| {
+            let (t, i) = s.ranges(r);
+            pe_slice(&s.pe, s.txt, &t, &i)
+        })
+        .collect::<CResult<Vec<_>>>()?;
+    Tensor::cat(&parts, 2)
 }
 
 /// Every rank's token count: the whole sequence on one rank without `seq`.
@@ -532,10 +458,10 @@ impl Transformer for FluxConfig {
                 seq,
                 split: Some(sp),
             } => {
-                sp.check(img.dim(1)? + txt.dim(1)?, ctx)?;
+                sp.check(ctx)?;
                 FluxActs::Double {
-                    img: blocks::gather_tokens(&img, ctx)?,
-                    txt: blocks::gather_tokens(&txt, ctx)?,
+                    img: sp.gather_stream(&img, sp.img, ctx)?,
+                    txt: sp.gather_stream(&txt, sp.txt, ctx)?,
                     vec,
                     pe,
                     seq,
@@ -550,8 +476,8 @@ impl Transformer for FluxConfig {
                 split: Some(sp),
                 ..
             } => {
-                sp.check(x.dim(1)?, ctx)?;
-                let x = sp.unshare(&blocks::gather_tokens(&x, ctx)?)?;
+                sp.check(ctx)?;
+                let x = sp.unshare(&sp.gather_single(&x, ctx)?)?;
                 FluxActs::Single {
                     x,
                     vec,
@@ -649,7 +575,7 @@ impl Transformer for FluxConfig {
                     None => img.dim(1)? + txt.dim(1)?,
                 };
                 let lens = lens(&seq, whole);
-                let (img, txt) = b.forward(img, txt, &vec, &pe, &lens, split.is_some(), ctx)?;
+                let (img, txt) = b.forward(img, txt, &vec, &pe, &lens, split.as_ref(), ctx)?;
                 ctx.meter.see(&img);
                 FluxActs::Double {
                     img,
@@ -674,7 +600,7 @@ impl Transformer for FluxConfig {
                         // The shares side by side; the table of the group's tokens laid out
                         // rank by rank.
                         let x = Tensor::cat(&[&txt, &img], 1)?;
-                        (x, vec, s.shared_pe()?, s.txt, seq, Some(s))
+                        (x, vec, shared_pe(&s)?, s.txt, seq, Some(s))
                     }
                     FluxActs::Double {
                         img,
@@ -690,7 +616,7 @@ impl Transformer for FluxConfig {
                             Some(s) => {
                                 let (t, i) = s.shares(&txt, &img)?;
                                 let x = Tensor::cat(&[&t, &i], 1)?;
-                                (x, vec, s.shared_pe()?, txt_len, seq, Some(s))
+                                (x, vec, shared_pe(&s)?, txt_len, seq, Some(s))
                             }
                             None => (x, vec, pe, txt_len, seq, None),
                         }
@@ -711,7 +637,7 @@ impl Transformer for FluxConfig {
                                     &x.narrow(1, txt_len, img_len)?,
                                 )?;
                                 let x = Tensor::cat(&[&t, &i], 1)?;
-                                (x, vec, s.shared_pe()?, txt_len, seq, Some(s))
+                                (x, vec, shared_pe(&s)?, txt_len, seq, Some(s))
                             }
                             None => (x, vec, pe, txt_len, seq, None),
                         }
@@ -730,7 +656,7 @@ impl Transformer for FluxConfig {
                     None => x.dim(1)?,
                 };
                 let lens = lens(&seq, whole);
-                let x = b.forward(x, &vec, &pe, &lens, split.is_some(), ctx)?;
+                let x = b.forward(x, &vec, &pe, &lens, split.as_ref(), ctx)?;
                 ctx.meter.see(&x);
                 FluxActs::Single {
                     x,

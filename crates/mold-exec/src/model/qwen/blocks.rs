@@ -21,6 +21,7 @@ use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParall
 use crate::model::mat::Mat;
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops::{self, Kernels};
+use crate::model::token_split::TokenSplit;
 use crate::model::{sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
@@ -274,6 +275,14 @@ impl Block {
     /// use, not at the end of the call, so the block's peak is its MLP's — about what
     /// [`mold_models::BlockKind::activation_bytes`] counts — and not every intermediate at
     /// once.
+    ///
+    /// With `split` (token-split tensor parallelism), `img` and `txt` are this rank's
+    /// shares of each stream's tokens: the norms, modulation and gated residuals run on
+    /// them alone; each stream's normed share is all-gathered before its column-parallel
+    /// product, and both streams' row-parallel partial sums are reduce-scattered back to
+    /// shares in one call ([`TokenSplit::scatter_streams`]). The results are this rank's
+    /// shares.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         img: Tensor,
@@ -281,6 +290,7 @@ impl Block {
         temb: &Tensor,
         pe: &Tensor,
         lens: &[usize],
+        split: Option<&TokenSplit>,
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
         ctx.mark_start(&img);
@@ -296,35 +306,61 @@ impl Block {
         ctx.mark("modulation", &tm2.gate);
         let kn = ctx.kernels;
         let eps = EPS as f32;
+        // Under token split, each stream's normed share gathered to the whole stream.
+        let whole_img = |t: Tensor| match split {
+            Some(s) => s.gather_stream(&t, s.img, ctx),
+            None => Ok(t),
+        };
+        let whole_txt = |t: Tensor| match split {
+            Some(s) => s.gather_stream(&t, s.txt, ctx),
+            None => Ok(t),
+        };
         let img_qkv = self
             .img
             .qkv
-            .forward(&im1.norm_scale_shift(&img, eps, kn)?, kn)?;
+            .forward(&whole_img(im1.norm_scale_shift(&img, eps, kn)?)?, kn)?;
         let txt_qkv = self
             .txt
             .qkv
-            .forward(&tm1.norm_scale_shift(&txt, eps, kn)?, kn)?;
+            .forward(&whole_txt(tm1.norm_scale_shift(&txt, eps, kn)?)?, kn)?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = self.prepare_qkv(&txt_qkv, &img_qkv, pe, ctx)?;
         drop((img_qkv, txt_qkv));
         let attn = sequence::attention(&q, &k, &v, lens, ctx)?;
         drop((q, k, v));
-        let tl = txt.dim(1)?;
+        let tl = match split {
+            Some(s) => s.txt,
+            None => txt.dim(1)?,
+        };
         let il = attn.dim(1)? - tl;
 
-        // One all-reduce for both streams' output projections (none in a group of one);
-        // their biases in the gated residual's pass.
+        // One all-reduce for both streams' output projections (none in a group of one;
+        // under token split one reduce-scatter); their biases in the gated residual's pass.
         let streams = [&self.txt, &self.img];
-        let sums =
-            layers::row_parallel_sums(attn, &[tl, il], "attn out linear", ctx, |attn, i, s, n| {
-                streams[i]
-                    .out
-                    .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
-            })?;
-        let [txt_attn, img_attn]: [Tensor; 2] = sums
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?;
+        let [txt_attn, img_attn]: [Tensor; 2] = if let Some(sp) = split {
+            let t = self.txt.out.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
+            let i = self.img.out.partial(&[&attn.narrow(1, tl, il)?], kn)?;
+            drop(attn);
+            ctx.mark("attn out linear", &i);
+            let (t, i) = sp.scatter_streams(t, i, ctx)?;
+            ctx.mark("reduce-scatter (tokens)", &i);
+            [t, i]
+        } else {
+            let sums = layers::row_parallel_sums(
+                attn,
+                &[tl, il],
+                "attn out linear",
+                ctx,
+                |attn, i, s, n| {
+                    streams[i]
+                        .out
+                        .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+                },
+            )?;
+            sums.try_into()
+                .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?
+        };
         let img_mid = im1.gate_bias_residual(&img, &img_attn, self.img.out.bias(), kn)?;
         let txt_mid = tm1.gate_bias_residual(&txt, &txt_attn, self.txt.out.bias(), kn)?;
         drop((img, txt, img_attn, txt_attn));
@@ -334,24 +370,33 @@ impl Block {
         let img_h = self
             .img
             .mlp_in
-            .forward_gelu(&im2.norm_scale_shift(&img_mid, eps, kn)?, kn)?;
+            .forward_gelu(&whole_img(im2.norm_scale_shift(&img_mid, eps, kn)?)?, kn)?;
         let txt_h = self
             .txt
             .mlp_in
-            .forward_gelu(&tm2.norm_scale_shift(&txt_mid, eps, kn)?, kn)?;
+            .forward_gelu(&whole_txt(tm2.norm_scale_shift(&txt_mid, eps, kn)?)?, kn)?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
-        let sums = layers::row_parallel_sums(
-            [txt_h, img_h],
-            &[tl, il],
-            "mlp out linear",
-            ctx,
-            |hs, i, s, n| streams[i].mlp_out.partial(&[&hs[i].narrow(1, s, n)?], kn),
-        )?;
-        let [txt_mlp, img_mlp]: [Tensor; 2] = sums
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?;
+        let [txt_mlp, img_mlp]: [Tensor; 2] = if let Some(sp) = split {
+            let t = self.txt.mlp_out.partial(&[&txt_h], kn)?;
+            let i = self.img.mlp_out.partial(&[&img_h], kn)?;
+            drop((txt_h, img_h));
+            ctx.mark("mlp out linear", &i);
+            let (t, i) = sp.scatter_streams(t, i, ctx)?;
+            ctx.mark("reduce-scatter (tokens)", &i);
+            [t, i]
+        } else {
+            let sums = layers::row_parallel_sums(
+                [txt_h, img_h],
+                &[tl, il],
+                "mlp out linear",
+                ctx,
+                |hs, i, s, n| streams[i].mlp_out.partial(&[&hs[i].narrow(1, s, n)?], kn),
+            )?;
+            sums.try_into()
+                .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?
+        };
         let img = im2.gate_bias_residual(&img_mid, &img_mlp, self.img.mlp_out.bias(), kn)?;
         drop((img_mid, img_mlp));
         let txt = tm2.gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp_out.bias(), kn)?;

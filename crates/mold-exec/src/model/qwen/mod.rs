@@ -24,6 +24,7 @@ use super::layers::TensorMap;
 use super::transformer::{Activations, BlockRef, Packable, TensorSpec, Transformer, Weights};
 use super::{sequence, Ctx, Shard, WeightSource};
 use crate::error::{ExecError, Result};
+use crate::model::token_split::TokenSplit;
 use candle_core::{DType, Device, Tensor};
 
 type CResult<T> = candle_core::Result<T>;
@@ -75,6 +76,8 @@ pub struct QwenActs {
     pub temb: Tensor,
     pub pe: Tensor,
     pub seq: Option<SeqSlice>,
+    /// Token-split tensor parallelism: `img` and `txt` are this rank's shares.
+    pub split: Option<TokenSplit>,
 }
 
 /// Which slice of the sequence a sequence-parallel rank holds: text tokens
@@ -104,7 +107,7 @@ impl SeqSlice {
 impl QwenActs {
     /// Fails on a rank's slice of the sequence: only the whole sequence leaves a part.
     fn whole_sequence_only(&self) -> CResult<()> {
-        if self.seq.is_some() {
+        if self.seq.is_some() || self.split.is_some() {
             candle_core::bail!("a sequence slice cannot leave its part: gather it first");
         }
         Ok(())
@@ -120,6 +123,7 @@ impl Activations for QwenActs {
             temb: f(&self.temb)?,
             pe: f(&self.pe)?,
             seq: None,
+            split: None,
         })
     }
 
@@ -145,6 +149,7 @@ impl Activations for QwenActs {
                 temb,
                 pe,
                 seq: None,
+                split: None,
             }),
             _ => candle_core::bail!("malformed Qwen-Image activations: tag {tag}, {n} tensors"),
         }
@@ -239,6 +244,7 @@ impl Transformer for QwenConfig {
             temb: s.temb,
             pe: s.pe,
             seq: None,
+            split: None,
         })
     }
 
@@ -247,7 +253,7 @@ impl Transformer for QwenConfig {
         if world == 1 {
             return Ok(acts);
         }
-        if acts.seq.is_some() {
+        if acts.seq.is_some() || acts.split.is_some() {
             candle_core::bail!("scatter of activations already sliced");
         }
         let (txt, img) = (acts.txt.dim(1)?, acts.img.dim(1)?);
@@ -278,10 +284,25 @@ impl Transformer for QwenConfig {
                 img,
                 pe: acts.pe,
             }),
+            split: None,
         })
     }
 
     fn gather_sequence(&self, acts: QwenActs, ctx: &Ctx) -> CResult<QwenActs> {
+        // First the tensor-parallel rank's token shares back to its group's whole (this
+        // sequence-parallel rank's slice, or the whole sequence).
+        let acts = match acts.split {
+            Some(sp) => {
+                sp.check(ctx)?;
+                QwenActs {
+                    img: sp.gather_stream(&acts.img, sp.img, ctx)?,
+                    txt: sp.gather_stream(&acts.txt, sp.txt, ctx)?,
+                    split: None,
+                    ..acts
+                }
+            }
+            None => acts,
+        };
         let Some(s) = acts.seq else {
             return Ok(acts);
         };
@@ -306,22 +327,37 @@ impl Transformer for QwenConfig {
             temb: acts.temb,
             pe: s.pe,
             seq: None,
+            split: None,
         })
     }
 
     fn block(&self, b: &Block, acts: QwenActs, ctx: &Ctx) -> CResult<QwenActs> {
-        let lens = match &acts.seq {
-            Some(s) => s.lens(),
-            None => vec![acts.img.dim(1)? + acts.txt.dim(1)?],
-        };
         let QwenActs {
             img,
             txt,
             temb,
             pe,
             seq,
+            split,
         } = acts;
-        let (img, txt) = b.forward(img, txt, &temb, &pe, &lens, ctx)?;
+        // The first block of a part splits the tokens where asked (token-split tensor
+        // parallelism); the part's end gathers them ([`Transformer::gather_sequence`]).
+        let (img, txt, split) = match split {
+            Some(s) => (img, txt, Some(s)),
+            None => match TokenSplit::of(txt.dim(1)?, img.dim(1)?, &pe, ctx) {
+                Some(s) => {
+                    let (t, i) = s.shares(&txt, &img)?;
+                    (i, t, Some(s))
+                }
+                None => (img, txt, None),
+            },
+        };
+        let lens = match (&seq, &split) {
+            (Some(s), _) => s.lens(),
+            (None, Some(s)) => vec![s.txt + s.img],
+            (None, None) => vec![img.dim(1)? + txt.dim(1)?],
+        };
+        let (img, txt) = b.forward(img, txt, &temb, &pe, &lens, split.as_ref(), ctx)?;
         ctx.meter.see(&img);
         Ok(QwenActs {
             img,
@@ -329,6 +365,7 @@ impl Transformer for QwenConfig {
             temb,
             pe,
             seq,
+            split,
         })
     }
 
@@ -357,6 +394,7 @@ mod tests {
             temb: t(1),
             pe: t(6),
             seq: None,
+            split: None,
         };
         let (tag, wire) = whole.to_wire().unwrap();
         let back = QwenActs::from_wire(tag, wire).unwrap();
@@ -373,11 +411,25 @@ mod tests {
                 img: 4,
                 pe: t(6),
             }),
+            ..whole.clone()
+        };
+        let shared = QwenActs {
+            img: t(2),
+            txt: t(1),
+            split: Some(TokenSplit {
+                rank: 0,
+                world: 2,
+                txt: 2,
+                img: 4,
+                pe: t(6),
+            }),
             ..whole
         };
         for e in [
             sliced.to_wire().map(|_| ()).unwrap_err(),
             sliced.map(&mut |x| Ok(x.clone())).map(|_| ()).unwrap_err(),
+            shared.to_wire().map(|_| ()).unwrap_err(),
+            shared.map(&mut |x| Ok(x.clone())).map(|_| ()).unwrap_err(),
         ] {
             assert!(e.to_string().contains("gather it first"), "{e}");
         }
