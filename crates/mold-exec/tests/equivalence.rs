@@ -510,7 +510,8 @@ fn tensor_parallel_with_overlapped_chunks() {
 /// boundary between double blocks or between single blocks. 8 text and 320 image tokens
 /// (every group divides both), batch 1 and 2; 7 text tokens (shares padded: 4 + 3 over
 /// two ranks, 2 + 2 + 2 + 1 over four); 1 text token over four ranks (three empty text
-/// shares). The profile shows the split ran: the token reduce-scatter is a phase of every
+/// shares); 357 image tokens (padded image shares). Two SP2 × TP2 parts on the same GPUs
+/// hand the shares on without gathering. The profile shows the split ran: the token reduce-scatter is a phase of every
 /// rank's report, and of none with the option off.
 #[test]
 fn tensor_parallel_with_split_tokens() {
@@ -530,16 +531,31 @@ fn tensor_parallel_with_split_tokens() {
             part(&["emu:0", "emu:1"], &["double 0..1"], false),
             part(&["emu:2", "emu:3"], &["double 1..2", "single 0..3"], false),
         ]),
+        // Two SP2 × TP2 parts on the same GPUs: the shares pass to the next part as they
+        // are, within each sequence slice.
+        plan(vec![
+            part_par(&four, 2, 2, &["double 0..2"], false),
+            part_par(&four, 2, 2, &["single 0..3"], false),
+        ]),
     ];
-    for (txt, batch) in [(8usize, 1usize), (8, 2), (7, 1), (7, 2), (1, 1)] {
-        let x = random_inputs(&cfg, 256, 320, txt, batch, seed).unwrap();
+    let sizes = [
+        (256, 320, 8usize, 1usize),
+        (256, 320, 8, 2),
+        (256, 320, 7, 1),
+        (256, 320, 7, 2),
+        (256, 320, 1, 1),
+        // 357 image tokens: padded image shares too.
+        (272, 336, 7, 2),
+    ];
+    for (height, width, txt, batch) in sizes {
+        let x = random_inputs(&cfg, height, width, txt, batch, seed).unwrap();
         let reference = Executor::reference(&cfg, &ckpt, &mold_plan::DeviceId::Host, DType::F32)
             .unwrap()
             .forward(&x)
             .unwrap();
         for (i, p) in plans.iter().enumerate() {
             // (Sequence parallelism over 2 needs 2 text tokens.)
-            if txt < 2 && i == 2 {
+            if txt < 2 && (i == 2 || i == 5) {
                 continue;
             }
             let mut opts = ExecOptions::default();

@@ -147,6 +147,10 @@ pub fn run<M: Benchable>(
                 ("seed", o.seed.to_string()),
                 ("verify", o.verify.to_string()),
                 ("streaming", opts.streaming.to_string()),
+                // Settings that change which collectives a group calls: a process that
+                // differs would wait in one NCCL call while its peer waits in another.
+                ("token split", opts.comm.token_split.to_string()),
+                ("overlap chunks", opts.comm.overlap_chunks.to_string()),
             ];
             let t = Instant::now();
             let mesh = Mesh::connect(&p.launch, &run, &p.comm)?;

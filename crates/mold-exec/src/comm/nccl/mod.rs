@@ -29,7 +29,7 @@
 //!   when another process of a multi-process run failed (the run's [`AbortSignal`]); it
 //!   then aborts the communicators of every rank not inside an NCCL call
 //!   (`ncclCommAbort`, which also ends their kernels, so a rank waiting for its GPU
-//!   returns). A rank with more than `MAX_IN_FLIGHT` pending all-reduces waits for the
+//!   returns). A rank with more than `MAX_IN_FLIGHT` pending collectives waits for the
 //!   oldest itself, polling the same conditions. After its work, each rank calls
 //!   [`Comm::check`], which turns a failure that happened after the last collective was
 //!   enqueued into an error ([`CommError::PeerAborted`] unless the failure was this
@@ -66,9 +66,10 @@ use op::{CollectiveOp, Kind};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// All-reduces a rank may have enqueued and not finished before the host waits for the
-/// oldest (FLUX runs 1 or 2 per block: the host stays several blocks ahead at most).
-const MAX_IN_FLIGHT: usize = 8;
+/// Collectives a rank may have enqueued and not finished before the host waits for the
+/// oldest (FLUX runs 2 or 3 a block, up to 7 a double block under token split: the host
+/// stays a few blocks ahead at most).
+const MAX_IN_FLIGHT: usize = 24;
 
 /// NCCL's text for a result code.
 fn nccl_err_str(r: sys::ncclResult_t) -> String {
@@ -293,12 +294,25 @@ impl NcclComm {
             }
         }
         let world = self.group.world();
-        if kind == Kind::ReduceScatter && t.dims().first().is_none_or(|d| d % world != 0) {
-            // A caller's mistake, before any rank enqueued anything: the group stays whole.
+        // A caller's mistake is refused before anything is enqueued, without failing the
+        // group here (the executor still aborts it for the rank's error).
+        if kind != Kind::AllReduce && t.dims().is_empty() {
+            candle_core::bail!("{kind:?} of a scalar: it needs a dimension 0");
+        }
+        if kind == Kind::ReduceScatter && t.dims().first().is_some_and(|d| d % world != 0) {
             candle_core::bail!(
                 "reduce-scatter of shape {:?}: dimension 0 must split evenly over {world} ranks",
                 t.dims()
             );
+        }
+        if !matches!(
+            t.dtype(),
+            candle_core::DType::BF16
+                | candle_core::DType::F16
+                | candle_core::DType::F32
+                | candle_core::DType::F64
+        ) {
+            candle_core::bail!("{kind:?}: unsupported dtype {:?}", t.dtype());
         }
         let t = t.contiguous()?;
         let mut slot = lock(&self.group.slots[self.rank]);

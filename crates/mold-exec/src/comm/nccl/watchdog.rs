@@ -85,7 +85,7 @@ impl Tracker {
                     )
                 };
                 format!(
-                    "  rank {r} (cuda:{o}): {} all-reduces issued, {state}",
+                    "  rank {r} (cuda:{o}): {} collectives issued, {state}",
                     self.issued[r].load(Ordering::SeqCst)
                 )
             })
