@@ -12,6 +12,7 @@ use super::ops::{bias_act, Kernels};
 use super::Ctx;
 use super::WeightSource;
 use crate::error::Result;
+use crate::model::token_split::TokenSplit;
 use candle_core::{Device, Module, Tensor};
 use std::ops::Range;
 
@@ -198,6 +199,11 @@ const CHUNK_ALIGN: usize = 128;
 /// the group sums chunk i while the GPU computes chunk i+1. With `n` = 1 the segments'
 /// products are put side by side and summed with one all-reduce after them.
 ///
+/// With `split` (token-split tensor parallelism) the segments' products are reduce-scattered
+/// instead, and each segment's sum comes back as this rank's share of it: two segments are
+/// a double block's streams ([`TokenSplit::scatter_streams`]), one a single-stream block's
+/// tokens laid out rank by rank ([`TokenSplit::scatter_single`]).
+///
 /// `inputs` (what the products read) are taken by value and dropped as soon as the last
 /// product is queued, before the sum, so they are not alive beside it.
 pub(crate) fn row_parallel_sums<T>(
@@ -205,8 +211,35 @@ pub(crate) fn row_parallel_sums<T>(
     lens: &[usize],
     label: &'static str,
     ctx: &Ctx,
+    split: Option<&TokenSplit>,
     mut partial: impl FnMut(&T, usize, usize, usize) -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Vec<Tensor>> {
+    if let Some(s) = split {
+        let parts = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| partial(&inputs, i, 0, l))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        drop(inputs);
+        if let Some(last) = parts.last() {
+            ctx.meter.see(last);
+            ctx.mark(label, last);
+        }
+        let shares = match <[Tensor; 2]>::try_from(parts) {
+            Ok([t, i]) => {
+                let (t, i) = s.scatter_streams(t, i, ctx)?;
+                vec![t, i]
+            }
+            Err(parts) => parts
+                .iter()
+                .map(|p| s.scatter_single(p, ctx))
+                .collect::<candle_core::Result<Vec<_>>>()?,
+        };
+        if let Some(last) = shares.last() {
+            ctx.mark("reduce-scatter (tokens)", last);
+        }
+        return Ok(shares);
+    }
     let world = ctx.comm.world_size();
     let n = ctx.comm.overlap_chunks();
     let total: usize = lens.iter().sum();
@@ -306,15 +339,19 @@ mod tests {
                             profile: None,
                         };
                         let mut calls = Vec::new();
-                        let sums = row_parallel_sums((), lens, "test", &ctx, |_, i, start, len| {
-                            calls.push((i, start, len));
-                            let base = (c.rank() + 1) as f32;
-                            let tok =
-                                Tensor::arange(start as f32, (start + len) as f32, &Device::Cpu)?
-                                    .reshape((1, len, 1))?;
-                            (tok + base as f64)?.broadcast_as((1, len, 3))?.contiguous()
-                        })
-                        .unwrap();
+                        let sums =
+                            row_parallel_sums((), lens, "test", &ctx, None, |_, i, start, len| {
+                                calls.push((i, start, len));
+                                let base = (c.rank() + 1) as f32;
+                                let tok = Tensor::arange(
+                                    start as f32,
+                                    (start + len) as f32,
+                                    &Device::Cpu,
+                                )?
+                                .reshape((1, len, 1))?;
+                                (tok + base as f64)?.broadcast_as((1, len, 3))?.contiguous()
+                            })
+                            .unwrap();
                         (sums, calls)
                     })
                 })

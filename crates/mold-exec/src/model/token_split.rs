@@ -33,7 +33,7 @@ pub struct TokenSplit {
 impl TokenSplit {
     /// The split of `txt` text and `img` image tokens over the tensor-parallel group, where
     /// it applies: token split asked for and a group of two or more.
-    pub(crate) fn of(txt: usize, img: usize, pe: &Tensor, ctx: &Ctx) -> Option<TokenSplit> {
+    fn of(txt: usize, img: usize, pe: &Tensor, ctx: &Ctx) -> Option<TokenSplit> {
         let world = ctx.comm.world_size();
         (ctx.token_split && world > 1 && txt + img > 0).then(|| TokenSplit {
             rank: ctx.comm.rank(),
@@ -62,10 +62,35 @@ impl TokenSplit {
     }
 
     /// This rank's shares of the whole streams `txt` and `img` (`(b, n, h)` each), padded.
-    pub(crate) fn shares(&self, txt: &Tensor, img: &Tensor) -> CResult<(Tensor, Tensor)> {
+    fn shares(&self, txt: &Tensor, img: &Tensor) -> CResult<(Tensor, Tensor)> {
         let (t, i) = self.ranges(self.rank);
         let (ts, is) = self.share_lens();
-        Ok((take(txt, t, ts)?, take(img, i, is)?))
+        Ok((
+            take(txt, t, ts)?.contiguous()?,
+            take(img, i, is)?.contiguous()?,
+        ))
+    }
+
+    /// The text and image streams of a part's first block as this rank's shares where the
+    /// group splits them ([`TokenSplit::of`]); streams already split (`split`) pass as
+    /// they are. Returns the text, the image and the split.
+    pub(crate) fn streams(
+        split: Option<TokenSplit>,
+        txt: Tensor,
+        img: Tensor,
+        pe: &Tensor,
+        ctx: &Ctx,
+    ) -> CResult<(Tensor, Tensor, Option<TokenSplit>)> {
+        if split.is_some() {
+            return Ok((txt, img, split));
+        }
+        match TokenSplit::of(txt.dim(1)?, img.dim(1)?, pe, ctx) {
+            Some(s) => {
+                let (t, i) = s.shares(&txt, &img)?;
+                Ok((t, i, Some(s)))
+            }
+            None => Ok((txt, img, None)),
+        }
     }
 
     /// One stream gathered from every rank's share (`(b, share, h)`): `(b, n, h)`, the
@@ -166,12 +191,37 @@ impl TokenSplit {
     }
 }
 
-/// Rows `rows` of `t` (`(b, n, h)`), then zero rows up to `len`: `(b, len, h)`.
+/// Which stream of a double-stream block a share belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    Txt,
+    Img,
+}
+
+/// `share` (this rank's normed share of stream `side` under `split`) as the whole stream, for
+/// a column-parallel product: gathered where the tokens are split, else `share` itself.
+pub(crate) fn whole(
+    split: Option<&TokenSplit>,
+    share: Tensor,
+    side: Side,
+    ctx: &Ctx,
+) -> CResult<Tensor> {
+    match split {
+        Some(s) => {
+            let n = if side == Side::Txt { s.txt } else { s.img };
+            s.gather_stream(&share, n, ctx)
+        }
+        None => Ok(share),
+    }
+}
+
+/// Rows `rows` of `t` (`(b, n, h)`), then zero rows up to `len`: `(b, len, h)` (a view
+/// where nothing is padded).
 fn take(t: &Tensor, rows: Range<usize>, len: usize) -> CResult<Tensor> {
     let real = t.narrow(1, rows.start, rows.len())?;
     let pad = len - rows.len();
     if pad == 0 {
-        return real.contiguous();
+        return Ok(real);
     }
     let (b, _, h) = t.dims3()?;
     let zeros = Tensor::zeros((b, pad, h), t.dtype(), t.device())?;

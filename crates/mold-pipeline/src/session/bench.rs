@@ -101,6 +101,27 @@ impl Verified {
     }
 }
 
+/// What every process of a multi-process run must agree on, checked at the rendezvous
+/// before any weight is read.
+fn run_settings(
+    plan_text: &str,
+    steps: u32,
+    o: &BenchOptions,
+    opts: &ExecOptions,
+) -> [(&'static str, String); 7] {
+    [
+        ("plan", text_fingerprint(plan_text)),
+        ("steps", steps.to_string()),
+        ("seed", o.seed.to_string()),
+        ("verify", o.verify.to_string()),
+        ("streaming", opts.streaming.to_string()),
+        // Settings that change which collectives a group calls: a process that differs
+        // would wait in one NCCL call while its peer waits in another.
+        ("token split", opts.comm.token_split.to_string()),
+        ("overlap chunks", opts.comm.overlap_chunks.to_string()),
+    ]
+}
+
 /// A short fingerprint of a file's text, for processes to check they run the same plan.
 fn text_fingerprint(text: &str) -> String {
     format!("{:016x}", mold_exec::fnv1a(text.bytes()))
@@ -141,17 +162,7 @@ pub fn run<M: Benchable>(
                 own: &p.own,
             });
             let plan_text = std::fs::read_to_string(&o.plan_file).unwrap_or_default();
-            let run = [
-                ("plan", text_fingerprint(&plan_text)),
-                ("steps", steps.to_string()),
-                ("seed", o.seed.to_string()),
-                ("verify", o.verify.to_string()),
-                ("streaming", opts.streaming.to_string()),
-                // Settings that change which collectives a group calls: a process that
-                // differs would wait in one NCCL call while its peer waits in another.
-                ("token split", opts.comm.token_split.to_string()),
-                ("overlap chunks", opts.comm.overlap_chunks.to_string()),
-            ];
+            let run = run_settings(&plan_text, steps, o, opts);
             let t = Instant::now();
             let mesh = Mesh::connect(&p.launch, &run, &p.comm)?;
             on(Event::Joined {
@@ -371,6 +382,28 @@ impl<M: Benchable> BenchDone<M> {
 mod tests {
     use super::*;
     use mold_exec::FluxConfig;
+
+    /// Processes that differ in a setting that changes their collectives differ in what
+    /// they bring to the rendezvous, so it refuses them instead of letting them deadlock.
+    #[test]
+    fn the_rendezvous_compares_the_collective_settings() {
+        let o = BenchOptions::default();
+        let base = ExecOptions::default();
+        let mut split = base.clone();
+        split.comm.token_split = true;
+        let mut chunks = base.clone();
+        chunks.comm.overlap_chunks = 4;
+        let of = |e: &ExecOptions| run_settings("plan", 2, &o, e);
+        for (other, key) in [(&split, "token split"), (&chunks, "overlap chunks")] {
+            let differ: Vec<&str> = of(&base)
+                .iter()
+                .zip(of(other).iter())
+                .filter(|(a, b)| a != b)
+                .map(|(a, _)| a.0)
+                .collect();
+            assert_eq!(differ, vec![key]);
+        }
+    }
 
     #[test]
     fn the_benchmark_reports_its_way_in_order_and_verifies_against_the_reference() {

@@ -23,7 +23,7 @@ use crate::error::Result;
 use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops;
-use crate::model::token_split::TokenSplit;
+use crate::model::token_split::{whole, Side, TokenSplit};
 use crate::model::{sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
@@ -374,23 +374,24 @@ impl DoubleBlock {
         ctx.mark("modulation", &tm[1].gate);
         let kn = ctx.kernels;
         let eps = EPS as f32;
-        // Under token split, each stream's normed share gathered to the whole stream.
-        let whole_img = |t: Tensor| match split {
-            Some(s) => s.gather_stream(&t, s.img, ctx),
-            None => Ok(t),
-        };
-        let whole_txt = |t: Tensor| match split {
-            Some(s) => s.gather_stream(&t, s.txt, ctx),
-            None => Ok(t),
-        };
-        let img_qkv = self
-            .img
-            .qkv
-            .forward(&whole_img(im[0].norm_scale_shift(&img, eps, kn)?)?, kn)?;
-        let txt_qkv = self
-            .txt
-            .qkv
-            .forward(&whole_txt(tm[0].norm_scale_shift(&txt, eps, kn)?)?, kn)?;
+        let img_qkv = self.img.qkv.forward(
+            &whole(
+                split,
+                im[0].norm_scale_shift(&img, eps, kn)?,
+                Side::Img,
+                ctx,
+            )?,
+            kn,
+        )?;
+        let txt_qkv = self.txt.qkv.forward(
+            &whole(
+                split,
+                tm[0].norm_scale_shift(&txt, eps, kn)?,
+                Side::Txt,
+                ctx,
+            )?,
+            kn,
+        )?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = prepare_qkv(
@@ -408,63 +409,55 @@ impl DoubleBlock {
         };
         let il = attn.dim(1)? - tl;
         let streams = [&self.txt, &self.img];
-        let [txt_proj, img_proj]: [Tensor; 2] = if let Some(sp) = split {
-            let t = self.txt.proj.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
-            let i = self.img.proj.partial(&[&attn.narrow(1, tl, il)?], kn)?;
-            drop(attn);
-            ctx.mark("attn out linear", &i);
-            let (t, i) = sp.scatter_streams(t, i, ctx)?;
-            ctx.mark("reduce-scatter (tokens)", &i);
-            [t, i]
-        } else {
-            let sums = layers::row_parallel_sums(
-                attn,
-                &[tl, il],
-                "attn out linear",
-                ctx,
-                |attn, i, s, n| {
-                    streams[i]
-                        .proj
-                        .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
-                },
-            )?;
-            sums.try_into().map_err(|_| pair_err())?
-        };
+        let sums = layers::row_parallel_sums(
+            attn,
+            &[tl, il],
+            "attn out linear",
+            ctx,
+            split,
+            |attn, i, s, n| {
+                streams[i]
+                    .proj
+                    .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+            },
+        )?;
+        let [txt_proj, img_proj]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
         // The projections' biases in the gated residual's pass.
         let img_mid = im[0].gate_bias_residual(&img, &img_proj, self.img.proj.bias(), kn)?;
         let txt_mid = tm[0].gate_bias_residual(&txt, &txt_proj, self.txt.proj.bias(), kn)?;
         drop((img, txt, img_proj, txt_proj));
         ctx.mark("bias + gate + residual", &txt_mid);
 
-        let img_h = self
-            .img
-            .mlp0
-            .forward_gelu(&whole_img(im[1].norm_scale_shift(&img_mid, eps, kn)?)?, kn)?;
-        let txt_h = self
-            .txt
-            .mlp0
-            .forward_gelu(&whole_txt(tm[1].norm_scale_shift(&txt_mid, eps, kn)?)?, kn)?;
+        let img_h = self.img.mlp0.forward_gelu(
+            &whole(
+                split,
+                im[1].norm_scale_shift(&img_mid, eps, kn)?,
+                Side::Img,
+                ctx,
+            )?,
+            kn,
+        )?;
+        let txt_h = self.txt.mlp0.forward_gelu(
+            &whole(
+                split,
+                tm[1].norm_scale_shift(&txt_mid, eps, kn)?,
+                Side::Txt,
+                ctx,
+            )?,
+            kn,
+        )?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
-        let [txt_mlp, img_mlp]: [Tensor; 2] = if let Some(sp) = split {
-            let t = self.txt.mlp2.partial(&[&txt_h], kn)?;
-            let i = self.img.mlp2.partial(&[&img_h], kn)?;
-            drop((txt_h, img_h));
-            ctx.mark("mlp out linear", &i);
-            let (t, i) = sp.scatter_streams(t, i, ctx)?;
-            ctx.mark("reduce-scatter (tokens)", &i);
-            [t, i]
-        } else {
-            let sums = layers::row_parallel_sums(
-                [txt_h, img_h],
-                &[tl, il],
-                "mlp out linear",
-                ctx,
-                |hs, i, s, n| streams[i].mlp2.partial(&[&hs[i].narrow(1, s, n)?], kn),
-            )?;
-            sums.try_into().map_err(|_| pair_err())?
-        };
+        let sums = layers::row_parallel_sums(
+            [txt_h, img_h],
+            &[tl, il],
+            "mlp out linear",
+            ctx,
+            split,
+            |hs, i, s, n| streams[i].mlp2.partial(&[&hs[i].narrow(1, s, n)?], kn),
+        )?;
+        let [txt_mlp, img_mlp]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
         let img = im[1].gate_bias_residual(&img_mid, &img_mlp, self.img.mlp2.bias(), kn)?;
         drop((img_mid, img_mlp));
         let txt = tm[1].gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp2.bias(), kn)?;
@@ -577,28 +570,20 @@ impl SingleBlock {
         let attn = attention(&q, &k, &v, lens, ctx)?;
         drop((q, k, v));
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
-        let reduced = if let Some(sp) = split {
-            let partial = self.linear2.partial(&[&attn, &mlp], kn)?;
-            drop((attn, mlp));
-            ctx.mark("out linear", &partial);
-            let share = sp.scatter_single(&partial, ctx)?;
-            ctx.mark("reduce-scatter (tokens)", &share);
-            share
-        } else {
-            let len = attn.dim(1)?;
-            layers::row_parallel_sums(
-                (attn, mlp),
-                &[len],
-                "out linear",
-                ctx,
-                |(attn, mlp), _, s, n| {
-                    self.linear2
-                        .partial(&[&attn.narrow(1, s, n)?, &mlp.narrow(1, s, n)?], kn)
-                },
-            )?
-            .pop()
-            .ok_or_else(pair_err)?
-        };
+        let len = attn.dim(1)?;
+        let reduced = layers::row_parallel_sums(
+            (attn, mlp),
+            &[len],
+            "out linear",
+            ctx,
+            split,
+            |(attn, mlp), _, s, n| {
+                self.linear2
+                    .partial(&[&attn.narrow(1, s, n)?, &mlp.narrow(1, s, n)?], kn)
+            },
+        )?
+        .pop()
+        .ok_or_else(pair_err)?;
         let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &out);
         Ok(out)

@@ -560,16 +560,7 @@ impl Transformer for FluxConfig {
                     split,
                 },
             ) => {
-                let (img, txt, split) = match split {
-                    Some(s) => (img, txt, Some(s)),
-                    None => match TokenSplit::of(txt.dim(1)?, img.dim(1)?, &pe, ctx) {
-                        Some(s) => {
-                            let (t, i) = s.shares(&txt, &img)?;
-                            (i, t, Some(s))
-                        }
-                        None => (img, txt, None),
-                    },
-                };
+                let (txt, img, split) = TokenSplit::streams(split, txt, img, &pe, ctx)?;
                 let whole = match &split {
                     Some(s) => s.txt + s.img,
                     None => img.dim(1)? + txt.dim(1)?,
@@ -587,38 +578,31 @@ impl Transformer for FluxConfig {
                 }
             }
             (FluxBlock::Single(b), a) => {
-                // Single-stream activations: x, its table, its text length, and the split.
+                // Single-stream activations: x, its table, its text length, and the split
+                // (under which x holds this rank's text and image shares side by side, and
+                // the table lists the group's tokens rank by rank).
+                let side_by_side = |txt: Tensor, img: Tensor, s: &TokenSplit| -> CResult<_> {
+                    Ok((Tensor::cat(&[&txt, &img], 1)?, shared_pe(s)?))
+                };
                 let (x, vec, pe, txt_len, seq, split) = match a {
-                    FluxActs::Double {
-                        img,
-                        txt,
-                        vec,
-                        seq,
-                        split: Some(s),
-                        ..
-                    } => {
-                        // The shares side by side; the table of the group's tokens laid out
-                        // rank by rank.
-                        let x = Tensor::cat(&[&txt, &img], 1)?;
-                        (x, vec, shared_pe(&s)?, s.txt, seq, Some(s))
-                    }
                     FluxActs::Double {
                         img,
                         txt,
                         vec,
                         pe,
                         seq,
-                        split: None,
+                        split,
                     } => {
-                        let txt_len = txt.dim(1)?;
-                        let x = Tensor::cat(&[&txt, &img], 1)?;
-                        match TokenSplit::of(txt_len, img.dim(1)?, &pe, ctx) {
-                            Some(s) => {
-                                let (t, i) = s.shares(&txt, &img)?;
-                                let x = Tensor::cat(&[&t, &i], 1)?;
-                                (x, vec, shared_pe(&s)?, txt_len, seq, Some(s))
+                        let txt_len = split.as_ref().map_or(txt.dim(1)?, |s| s.txt);
+                        match TokenSplit::streams(split, txt, img, &pe, ctx)? {
+                            (txt, img, Some(s)) => {
+                                let (x, pe) = side_by_side(txt, img, &s)?;
+                                (x, vec, pe, txt_len, seq, Some(s))
                             }
-                            None => (x, vec, pe, txt_len, seq, None),
+                            (txt, img, None) => {
+                                let x = Tensor::cat(&[&txt, &img], 1)?;
+                                (x, vec, pe, txt_len, seq, None)
+                            }
                         }
                     }
                     FluxActs::Single {
@@ -630,16 +614,13 @@ impl Transformer for FluxConfig {
                         split: None,
                     } => {
                         let img_len = x.dim(1)? - txt_len;
-                        match TokenSplit::of(txt_len, img_len, &pe, ctx) {
-                            Some(s) => {
-                                let (t, i) = s.shares(
-                                    &x.narrow(1, 0, txt_len)?,
-                                    &x.narrow(1, txt_len, img_len)?,
-                                )?;
-                                let x = Tensor::cat(&[&t, &i], 1)?;
-                                (x, vec, shared_pe(&s)?, txt_len, seq, Some(s))
+                        let (t, i) = (x.narrow(1, 0, txt_len)?, x.narrow(1, txt_len, img_len)?);
+                        match TokenSplit::streams(None, t, i, &pe, ctx)? {
+                            (t, i, Some(s)) => {
+                                let (x, pe) = side_by_side(t, i, &s)?;
+                                (x, vec, pe, txt_len, seq, Some(s))
                             }
-                            None => (x, vec, pe, txt_len, seq, None),
+                            (_, _, None) => (x, vec, pe, txt_len, seq, None),
                         }
                     }
                     FluxActs::Single {

@@ -21,7 +21,7 @@ use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParall
 use crate::model::mat::Mat;
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops::{self, Kernels};
-use crate::model::token_split::TokenSplit;
+use crate::model::token_split::{whole, Side, TokenSplit};
 use crate::model::{sequence, Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
@@ -306,23 +306,14 @@ impl Block {
         ctx.mark("modulation", &tm2.gate);
         let kn = ctx.kernels;
         let eps = EPS as f32;
-        // Under token split, each stream's normed share gathered to the whole stream.
-        let whole_img = |t: Tensor| match split {
-            Some(s) => s.gather_stream(&t, s.img, ctx),
-            None => Ok(t),
-        };
-        let whole_txt = |t: Tensor| match split {
-            Some(s) => s.gather_stream(&t, s.txt, ctx),
-            None => Ok(t),
-        };
-        let img_qkv = self
-            .img
-            .qkv
-            .forward(&whole_img(im1.norm_scale_shift(&img, eps, kn)?)?, kn)?;
-        let txt_qkv = self
-            .txt
-            .qkv
-            .forward(&whole_txt(tm1.norm_scale_shift(&txt, eps, kn)?)?, kn)?;
+        let img_qkv = self.img.qkv.forward(
+            &whole(split, im1.norm_scale_shift(&img, eps, kn)?, Side::Img, ctx)?,
+            kn,
+        )?;
+        let txt_qkv = self.txt.qkv.forward(
+            &whole(split, tm1.norm_scale_shift(&txt, eps, kn)?, Side::Txt, ctx)?,
+            kn,
+        )?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let (q, k, v) = self.prepare_qkv(&txt_qkv, &img_qkv, pe, ctx)?;
@@ -338,65 +329,59 @@ impl Block {
         // One all-reduce for both streams' output projections (none in a group of one;
         // under token split one reduce-scatter); their biases in the gated residual's pass.
         let streams = [&self.txt, &self.img];
-        let [txt_attn, img_attn]: [Tensor; 2] = if let Some(sp) = split {
-            let t = self.txt.out.partial(&[&attn.narrow(1, 0, tl)?], kn)?;
-            let i = self.img.out.partial(&[&attn.narrow(1, tl, il)?], kn)?;
-            drop(attn);
-            ctx.mark("attn out linear", &i);
-            let (t, i) = sp.scatter_streams(t, i, ctx)?;
-            ctx.mark("reduce-scatter (tokens)", &i);
-            [t, i]
-        } else {
-            let sums = layers::row_parallel_sums(
-                attn,
-                &[tl, il],
-                "attn out linear",
-                ctx,
-                |attn, i, s, n| {
-                    streams[i]
-                        .out
-                        .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
-                },
-            )?;
-            sums.try_into()
-                .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?
-        };
+        let sums = layers::row_parallel_sums(
+            attn,
+            &[tl, il],
+            "attn out linear",
+            ctx,
+            split,
+            |attn, i, s, n| {
+                streams[i]
+                    .out
+                    .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+            },
+        )?;
+        let [txt_attn, img_attn]: [Tensor; 2] = sums
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?;
         let img_mid = im1.gate_bias_residual(&img, &img_attn, self.img.out.bias(), kn)?;
         let txt_mid = tm1.gate_bias_residual(&txt, &txt_attn, self.txt.out.bias(), kn)?;
         drop((img, txt, img_attn, txt_attn));
         ctx.mark("bias + gate + residual", &txt_mid);
 
         // One all-reduce for both streams' MLPs.
-        let img_h = self
-            .img
-            .mlp_in
-            .forward_gelu(&whole_img(im2.norm_scale_shift(&img_mid, eps, kn)?)?, kn)?;
-        let txt_h = self
-            .txt
-            .mlp_in
-            .forward_gelu(&whole_txt(tm2.norm_scale_shift(&txt_mid, eps, kn)?)?, kn)?;
+        let img_h = self.img.mlp_in.forward_gelu(
+            &whole(
+                split,
+                im2.norm_scale_shift(&img_mid, eps, kn)?,
+                Side::Img,
+                ctx,
+            )?,
+            kn,
+        )?;
+        let txt_h = self.txt.mlp_in.forward_gelu(
+            &whole(
+                split,
+                tm2.norm_scale_shift(&txt_mid, eps, kn)?,
+                Side::Txt,
+                ctx,
+            )?,
+            kn,
+        )?;
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
-        let [txt_mlp, img_mlp]: [Tensor; 2] = if let Some(sp) = split {
-            let t = self.txt.mlp_out.partial(&[&txt_h], kn)?;
-            let i = self.img.mlp_out.partial(&[&img_h], kn)?;
-            drop((txt_h, img_h));
-            ctx.mark("mlp out linear", &i);
-            let (t, i) = sp.scatter_streams(t, i, ctx)?;
-            ctx.mark("reduce-scatter (tokens)", &i);
-            [t, i]
-        } else {
-            let sums = layers::row_parallel_sums(
-                [txt_h, img_h],
-                &[tl, il],
-                "mlp out linear",
-                ctx,
-                |hs, i, s, n| streams[i].mlp_out.partial(&[&hs[i].narrow(1, s, n)?], kn),
-            )?;
-            sums.try_into()
-                .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?
-        };
+        let sums = layers::row_parallel_sums(
+            [txt_h, img_h],
+            &[tl, il],
+            "mlp out linear",
+            ctx,
+            split,
+            |hs, i, s, n| streams[i].mlp_out.partial(&[&hs[i].narrow(1, s, n)?], kn),
+        )?;
+        let [txt_mlp, img_mlp]: [Tensor; 2] = sums
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("row-parallel sums: two expected".into()))?;
         let img = im2.gate_bias_residual(&img_mid, &img_mlp, self.img.mlp_out.bias(), kn)?;
         drop((img_mid, img_mlp));
         let txt = tm2.gate_bias_residual(&txt_mid, &txt_mlp, self.txt.mlp_out.bias(), kn)?;

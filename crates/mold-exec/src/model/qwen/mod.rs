@@ -342,16 +342,7 @@ impl Transformer for QwenConfig {
         } = acts;
         // The first block of a part splits the tokens where asked (token-split tensor
         // parallelism); the part's end gathers them ([`Transformer::gather_sequence`]).
-        let (img, txt, split) = match split {
-            Some(s) => (img, txt, Some(s)),
-            None => match TokenSplit::of(txt.dim(1)?, img.dim(1)?, &pe, ctx) {
-                Some(s) => {
-                    let (t, i) = s.shares(&txt, &img)?;
-                    (i, t, Some(s))
-                }
-                None => (img, txt, None),
-            },
-        };
+        let (txt, img, split) = TokenSplit::streams(split, txt, img, &pe, ctx)?;
         let lens = match (&seq, &split) {
             (Some(s), _) => s.lens(),
             (None, Some(s)) => vec![s.txt + s.img],
