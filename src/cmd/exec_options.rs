@@ -72,7 +72,7 @@ fn one_line(m: &str) -> String {
 
 /// The executor's options: `--streaming` else `MOLD_STREAMING` (default pinned),
 /// `MOLD_KERNELS` (auto|fused|mold|cudnn|candle), `MOLD_PROFILE` (non-empty, not 0; `events`: GPU time by CUDA events), `MOLD_FAULT`
-/// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `--deterministic` else
+/// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `MOLD_LOAD` (staged|host), `--deterministic` else
 /// `MOLD_DETERMINISTIC` (non-empty, not 0), and the communication options. A malformed
 /// value is an error naming the variable.
 pub fn exec_options(
@@ -115,6 +115,19 @@ pub fn exec_options(
         }
         None => None,
     };
+    let staged_load = match env.get("MOLD_LOAD") {
+        None => true,
+        Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "staged" => true,
+            "host" => false,
+            _ => {
+                return Err(anyhow!(
+                    "MOLD_LOAD={}: use staged (the default: weights copied to the GPU through page-locked buffers) or host (read on the host, uploaded from pageable memory)",
+                    one_line(&format!("{v:?}"))
+                ))
+            }
+        },
+    };
     Ok(ExecOptions {
         streaming,
         kernels,
@@ -127,6 +140,7 @@ pub fn exec_options(
         // `mold exec --no-peer` turns it off (not an environment setting: it goes with
         // the NCCL setting the flag makes, `common::no_peer_access`).
         peer_copies: true,
+        staged_load,
     })
 }
 
@@ -167,6 +181,11 @@ pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
             "profile".into(),
             o.profiling.to_string(),
             src("MOLD_PROFILE"),
+        ),
+        (
+            "load".into(),
+            if o.staged_load { "staged" } else { "host" }.into(),
+            src("MOLD_LOAD"),
         ),
         (
             "deterministic".into(),
@@ -242,6 +261,9 @@ mod tests {
         let f = o.fault.unwrap();
         assert_eq!((f.block_kind.as_str(), f.block_index), ("single", 2));
         assert_eq!(o.host_memory, Some(2 << 30));
+        assert!(o.staged_load);
+        assert!(!opts(None, &[("MOLD_LOAD", " Host")]).unwrap().staged_load);
+        assert!(opts(None, &[("MOLD_LOAD", "staged")]).unwrap().staged_load);
         let o = opts(Some(Streaming::Pageable), &env).unwrap();
         assert_eq!(o.streaming, Streaming::Pageable);
         assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);
@@ -307,6 +329,8 @@ mod tests {
             ("MOLD_FAULT", "emu:1"),
             ("MOLD_HOST_MEMORY", "lots"),
             ("MOLD_HOST_MEMORY", "1\nXB"),
+            ("MOLD_LOAD", "fast"),
+            ("MOLD_LOAD", "a\nb"),
             ("MOLD_STREAMING", "a\nb"),
             ("MOLD_KERNELS", "a\nb"),
             ("MOLD_FAULT", "a\nb"),

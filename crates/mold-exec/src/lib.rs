@@ -50,6 +50,7 @@ pub mod model;
 pub mod options;
 pub mod random_weights;
 pub mod runtime;
+pub mod staging;
 pub mod streaming;
 pub mod verify;
 

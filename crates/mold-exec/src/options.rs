@@ -34,6 +34,10 @@ pub struct ExecOptions {
     /// box without peer access (`mold exec --no-peer`, which also keeps NCCL off the
     /// GPU-to-GPU path: issue 19's no-peer profile).
     pub peer_copies: bool,
+    /// Upload resident weights to a GPU through page-locked staging buffers straight from
+    /// the mapped checkpoint (`true`, the default; [`crate::staging`]); `false` reads each
+    /// slice on the host and uploads it from pageable memory (`MOLD_LOAD=host`).
+    pub staged_load: bool,
 }
 
 impl Default for ExecOptions {
@@ -48,6 +52,7 @@ impl Default for ExecOptions {
             comm: CommOptions::default(),
             deterministic: false,
             peer_copies: true,
+            staged_load: true,
         }
     }
 }

@@ -456,6 +456,44 @@ impl WeightSource for CheckpointSource<'_> {
     }
 }
 
+/// Resident weights for a GPU: a slice the checkpoint holds as the model wants it
+/// ([`Checkpoint::stored_slice`]) goes from the mapped file to the device through page-locked
+/// buffers ([`crate::staging::Stager`]) and is cast there to the compute dtype; any other
+/// (a LoRA merged in, diffusers' names, an FP8 checkpoint, FP8 products) is read on the host
+/// by [`CheckpointSource`], for the caller to upload.
+pub(crate) struct StagedSource<'a> {
+    pub host: CheckpointSource<'a>,
+    pub stager: &'a crate::staging::Stager,
+}
+
+impl WeightSource for StagedSource<'_> {
+    fn load(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Tensor> {
+        match self.host.ckpt.stored_slice(name, rows, cols)? {
+            Some(sel) if matches!(sel.dtype, DType::BF16 | DType::F16 | DType::F32) => {
+                let t = self.stager.upload(&sel.pieces, sel.dtype, &sel.shape)?;
+                Ok(t.to_dtype(self.host.dtype)?)
+            }
+            _ => self.host.load(name, rows, cols),
+        }
+    }
+    fn load_product(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Mat> {
+        if self.host.fp8 {
+            return self.host.load_product(name, rows, cols);
+        }
+        Ok(Mat::Dense(self.load(name, rows, cols)?))
+    }
+}
+
 /// Shapes only: what [`CheckpointSource`] would read, as broadcast zeros (nothing read
 /// or allocated). Loading a block from it gives the block's exact per-rank size, by the
 /// model's own sharding, before any weight is touched.

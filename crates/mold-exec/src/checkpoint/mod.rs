@@ -403,6 +403,28 @@ impl Checkpoint {
         rows: &[Range<usize>],
         cols: Option<&[Range<usize>]>,
     ) -> Result<Tensor> {
+        let sel = self.select(name, rows, cols)?;
+        let mut bytes = Vec::with_capacity(sel.len());
+        for p in &sel.pieces {
+            bytes.extend_from_slice(p);
+        }
+        Ok(Tensor::from_raw_buffer(
+            &bytes,
+            sel.dtype,
+            &sel.shape,
+            &Device::Cpu,
+        )?)
+    }
+
+    /// The bytes of `rows` (and of each row, `cols`) of a stored tensor, in order, as
+    /// slices of the mapped files: what [`Checkpoint::read_stored`] concatenates. The
+    /// bounds and the data's length are checked here.
+    fn select(
+        &self,
+        name: &str,
+        rows: &[Range<usize>],
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Selection<'_>> {
         let header = self
             .stored
             .get(name)
@@ -437,40 +459,81 @@ impl Checkpoint {
             None => n_cols,
             Some(c) => c.iter().map(|r| r.len()).sum(),
         };
-        let oob = rows.iter().any(|r| r.end > n_rows)
-            || cols.is_some_and(|c| c.iter().any(|r| r.end > n_cols));
+        let oob = rows.iter().any(|r| r.start > r.end || r.end > n_rows)
+            || cols.is_some_and(|c| c.iter().any(|r| r.start > r.end || r.end > n_cols));
         if oob || data.len() != n_rows * n_cols * es {
             return Err(ExecError::BadCheckpointFile {
                 path: self.display.clone(),
                 message: format!("tensor `{name}`: slice out of bounds or truncated data"),
             });
         }
-        let mut bytes = Vec::with_capacity(out_rows * out_cols * es);
+        let mut pieces = Vec::new();
         for r in rows {
             match cols {
-                None => bytes.extend_from_slice(&data[r.start * n_cols * es..r.end * n_cols * es]),
+                None => pieces.push(&data[r.start * n_cols * es..r.end * n_cols * es]),
                 Some(cs) => {
                     for row in r.clone() {
+                        let base = row * n_cols;
                         for c in cs {
-                            let base = row * n_cols;
-                            bytes.extend_from_slice(
-                                &data[(base + c.start) * es..(base + c.end) * es],
-                            );
+                            pieces.push(&data[(base + c.start) * es..(base + c.end) * es]);
                         }
                     }
                 }
             }
         }
-        let out_shape: Vec<usize> = if shape.len() == 1 {
+        pieces.retain(|p| !p.is_empty());
+        let shape = if shape.len() == 1 {
             vec![out_rows]
         } else {
             vec![out_rows, out_cols]
         };
-        Ok(Tensor::from_raw_buffer(
-            &bytes,
-            src_dtype,
-            &out_shape,
-            &Device::Cpu,
-        )?)
+        Ok(Selection {
+            dtype: src_dtype,
+            shape,
+            pieces,
+        })
+    }
+
+    /// The stored bytes of a slice where they are the tensor the model asks for, as
+    /// stored: a BFL-named tensor with no LoRA merged into it and not FP8 (whose stored
+    /// scale [`Checkpoint::read_slice`] applies). A loader may then copy these bytes to the
+    /// device itself and cast there ([`crate::staging`]); `None` where the slice must go
+    /// through [`Checkpoint::read_slice`].
+    pub fn stored_slice(
+        &self,
+        name: &str,
+        rows: Option<&[Range<usize>]>,
+        cols: Option<&[Range<usize>]>,
+    ) -> Result<Option<Selection<'_>>> {
+        if !matches!(self.layout, Layout::Bfl) || self.loras.iter().any(|d| d.target == name) {
+            return Ok(None);
+        }
+        let Some(h) = self.stored.get(name) else {
+            return Ok(None);
+        };
+        if h.dtype.starts_with("F8") {
+            return Ok(None);
+        }
+        let all = 0..h.shape.first().copied().unwrap_or(0);
+        let rows = rows.unwrap_or(std::slice::from_ref(&all));
+        self.select(name, rows, cols).map(Some)
+    }
+}
+
+/// A tensor slice as stored: its bytes are `pieces` concatenated, `shape` in `dtype`.
+#[derive(Debug)]
+pub struct Selection<'a> {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub pieces: Vec<&'a [u8]>,
+}
+
+impl Selection<'_> {
+    /// Bytes in all.
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(|p| p.len()).sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }

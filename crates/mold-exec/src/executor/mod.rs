@@ -24,9 +24,12 @@ use crate::checkpoint::Checkpoint;
 use crate::comm::Comm;
 use crate::dist::{LocalDevices, Mesh};
 use crate::error::{ExecError, Result};
-use crate::model::{ActivationMeter, BlockRef, Packable, Profiler, Shard, Transformer, Weights};
+use crate::model::{
+    ActivationMeter, BlockRef, Packable, Profiler, Shard, Transformer, WeightSource, Weights,
+};
 use crate::options::ExecOptions;
-use crate::runtime::{self, CheckpointSource, DeviceMap, DeviceMemory, Held};
+use crate::runtime::{self, CheckpointSource, DeviceMap, DeviceMemory, Held, StagedSource};
+use crate::staging::Stager;
 use crate::streaming::{self, Ring, Streaming};
 use candle_core::{DType, Device, Tensor};
 use mold_plan::{DeviceId, Plan, Residency};
@@ -508,11 +511,26 @@ impl<M: Transformer> Executor<M> {
                     }
                     let readers = load_ahead::readers(largest);
                     let steps = &spec.steps;
+                    // Resident blocks on a GPU go from the mapped files to the device
+                    // through page-locked buffers; the rest are read on the host.
+                    let stager = if spec.residency == Residency::Resident && opts.staged_load {
+                        Stager::new(&device)?
+                    } else {
+                        None
+                    };
+                    let staged = stager.as_ref().map(|stager| StagedSource {
+                        host: CheckpointSource { ckpt, dtype, fp8 },
+                        stager,
+                    });
+                    let block_src: &(dyn WeightSource + Sync) = match &staged {
+                        Some(s) => s,
+                        None => &src,
+                    };
                     load_ahead::in_order(
                         steps.len(),
                         readers,
                         readers,
-                        |i| model.load_block(&src, steps[i], shard),
+                        |i| model.load_block(block_src, steps[i], shard),
                         |_, b| {
                             let bytes = b.bytes();
                             blocks.push(match spec.residency {

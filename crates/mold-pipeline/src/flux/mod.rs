@@ -157,7 +157,16 @@ pub fn generate(
     // Encode, one encoder at a time: load, encode, release.
     for name in resident::ENCODERS {
         let (id, _) = placement(plan, name)?;
-        let enc = TextEncoder::load(plan, prep, name, &id, &mut devmap, opts.kernels, on)?;
+        let enc = TextEncoder::load(
+            plan,
+            prep,
+            name,
+            &id,
+            &mut devmap,
+            opts.kernels,
+            opts.staged_load,
+            on,
+        )?;
         job.add_load_s(enc.load_s());
         job.hold(&id, enc.weight_bytes(), true);
         job.encode(&enc, Some(&target), &never, on)?;

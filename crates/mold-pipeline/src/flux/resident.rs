@@ -52,7 +52,9 @@ pub struct TextEncoder {
 impl TextEncoder {
     /// Loads encoder `name` (`t5` or `clip`) on `on` (any device: the plan gives the
     /// dtype), reporting `Loading` and `Loaded`; `kernels`: mold's network, or
-    /// candle-transformers' under `candle`.
+    /// candle-transformers' under `candle`; `staged`: weights through page-locked buffers
+    /// ([`mold_exec::staging`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn load(
         plan: &Plan,
         prep: &Prepared,
@@ -60,6 +62,7 @@ impl TextEncoder {
         on: &DeviceId,
         devmap: &mut DeviceMap,
         kernels: mold_exec::Kernels,
+        staged: bool,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<TextEncoder> {
         let name = match ENCODERS.iter().find(|n| **n == name) {
@@ -82,11 +85,18 @@ impl TextEncoder {
         });
         let t = Instant::now();
         let (model, weight_bytes) = if name == "t5" {
-            let m = text::T5::load(&prep.layout.t5, prep.t5_tokens, dtype, &dev, kernels)?;
+            let m = text::T5::load(
+                &prep.layout.t5,
+                prep.t5_tokens,
+                dtype,
+                &dev,
+                kernels,
+                staged,
+            )?;
             let b = m.weight_bytes;
             (EncoderModel::T5(Mutex::new(m)), b)
         } else {
-            let m = text::Clip::load(&prep.layout.clip, dtype, &dev, kernels)?;
+            let m = text::Clip::load(&prep.layout.clip, dtype, &dev, kernels, staged)?;
             let b = m.weight_bytes;
             (EncoderModel::Clip(Mutex::new(m)), b)
         };
@@ -677,6 +687,7 @@ impl Resident {
                 &id,
                 &mut devmap,
                 opts.kernels,
+                opts.staged_load,
                 progress,
             )?);
         }

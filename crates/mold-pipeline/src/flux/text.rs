@@ -182,13 +182,13 @@ fn diagnose_tokenizer(text: &str) -> Option<String> {
         })
 }
 
-fn var_builder<'a>(
+fn var_builder(
     files: &[std::path::PathBuf],
     dtype: DType,
     dev: &Device,
-) -> Result<VarBuilder<'a>> {
-    // SAFETY: the files are mapped read-only and must not change while loading.
-    Ok(unsafe { VarBuilder::from_mmaped_safetensors(files, dtype, dev)? })
+    staged: bool,
+) -> Result<VarBuilder<'static>> {
+    Ok(mold_exec::staging::var_builder(files, dtype, dev, staged)?)
 }
 
 /// T5's config, read before loading.
@@ -250,13 +250,14 @@ impl T5 {
         dtype: DType,
         dev: &Device,
         kernels: Kernels,
+        staged: bool,
     ) -> Result<T5> {
         let cfg = t5_config(files)?;
         let tok = load_tokenizer(&files.tokenizer, len, &["<pad>"])?;
         let weight_bytes = weight_bytes(&files.weights, dtype, |n| {
             n.starts_with("shared.") || n.starts_with("encoder.")
         })?;
-        let vb = var_builder(&files.weights, dtype, dev)?;
+        let vb = var_builder(&files.weights, dtype, dev, staged)?;
         let model = T5Net::new(vb, &cfg, kernels).map_err(|e| PipelineError::Component {
             component: "t5".into(),
             message: format!("cannot load {:?}: {e}", files.weights),
@@ -367,6 +368,7 @@ impl Clip {
         dtype: DType,
         dev: &Device,
         kernels: Kernels,
+        staged: bool,
     ) -> Result<Clip> {
         let cfg = clip_config(files)?;
         let tok = load_tokenizer(
@@ -377,7 +379,7 @@ impl Clip {
         let weight_bytes = weight_bytes(&files.weights, dtype, |n| {
             n.starts_with("text_model.") && !n.ends_with("position_ids")
         })?;
-        let vb = var_builder(&files.weights, dtype, dev)?;
+        let vb = var_builder(&files.weights, dtype, dev, staged)?;
         let model = ClipNet::new(vb.pp("text_model"), &cfg, kernels).map_err(|e| {
             PipelineError::Component {
                 component: "clip".into(),

@@ -49,6 +49,7 @@ impl Engine {
                     &id,
                     &mut devmap,
                     self.vae.kernels,
+                    self.staged_load,
                     progress,
                 )?))
             }

@@ -176,6 +176,8 @@ pub struct Engine {
     encoder_pool: bool,
     /// How the VAE decodes (`MOLD_KERNELS`, through the deployment's exec options).
     vae: mold_pipeline::flux::vae::VaeOptions,
+    /// Encoders' weights staged to the GPU (`MOLD_LOAD`, through the exec options).
+    staged_load: bool,
     next_id: AtomicU64,
     pub metrics: Metrics,
     workers: Mutex<Vec<JoinHandle<()>>>,

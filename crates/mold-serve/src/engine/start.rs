@@ -153,6 +153,7 @@ impl Engine {
             capacity: opts.queue.max(1),
             encoder_pool: opts.encoder_pool,
             vae: mold_pipeline::flux::vae::VaeOptions::with_kernels(d.exec.kernels),
+            staged_load: d.exec.staged_load,
             next_id: AtomicU64::new(1),
             metrics: Metrics::default(),
             workers: Mutex::new(Vec::new()),

@@ -74,7 +74,7 @@ fn tiny_pipeline_loads_and_runs_each_component() {
     let flux = FluxConfig::flux_tiny();
     let dev = Device::Cpu;
 
-    let mut t5 = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto).unwrap();
+    let mut t5 = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto, true).unwrap();
     let txt = t5.encode("a red fox in snow").unwrap();
     assert_eq!(txt.dims(), [1, 8, flux.context_in_dim]);
     // Truncation: a long prompt still gives 8 tokens.
@@ -86,7 +86,7 @@ fn tiny_pipeline_loads_and_runs_each_component() {
     assert_eq!(&ids[3..], &[1, 0, 0, 0, 0]);
     assert!(ids[..3].iter().all(|&i| i > 2), "{ids:?}");
 
-    let mut clip = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto).unwrap();
+    let mut clip = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto, true).unwrap();
     let y = clip.encode("a red fox in snow").unwrap();
     assert_eq!(y.dims(), [1, flux.vec_in_dim]);
     let ctok =
