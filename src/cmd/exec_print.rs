@@ -65,15 +65,28 @@ pub fn say_event(rep: &Reporter, e: Event) {
             weights,
             seconds,
             weight_bytes,
+            phases,
         } => {
             rep.clear();
             say!(rep, "loaded {} in {seconds:.2} s", weights.display());
+            let split: Vec<String> = phases
+                .iter()
+                .filter(|(_, s)| *s >= 0.005)
+                .map(|(what, s)| format!("{what} {s:.2} s"))
+                .collect();
+            if !split.is_empty() {
+                say!(rep, "  load: {}", split.join(", "));
+            }
             rep.event(json!({
                 "event": "loaded",
                 "component": "transformer",
                 "weights": weights.display().to_string(),
                 "seconds": seconds,
                 "weight_bytes": weight_bytes,
+                "phases": phases
+                    .iter()
+                    .map(|(what, s)| json!({"phase": what, "seconds": s}))
+                    .collect::<Vec<_>>(),
             }));
         }
         Event::ProcessHandOff {

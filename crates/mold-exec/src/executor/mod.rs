@@ -156,6 +156,8 @@ pub struct Executor<M: Transformer> {
     /// Resident blocks a rank copied from another rank's device at load instead of
     /// reading them from the checkpoint ([`Executor::blocks_copied`]).
     blocks_copied: usize,
+    /// Where the load's time went ([`Executor::load_phases`]).
+    load_phases: Vec<(&'static str, f64)>,
 }
 
 impl<M: Transformer> std::fmt::Debug for Executor<M> {
@@ -439,6 +441,8 @@ impl<M: Transformer> Executor<M> {
         Self::check_host_memory(model, ckpt, &specs, dtype, opts.host_memory, &|d| {
             local_id(d).is_some()
         })?;
+        let t_load = std::time::Instant::now();
+        let (mut read_s, mut copy_s) = (0.0, 0.0);
         // The communicators of a one-process run start while the weights load (NCCL's take
         // about a second for four GPUs), instead of in the first step.
         let warming = if dist.is_none() {
@@ -493,6 +497,7 @@ impl<M: Transformer> Executor<M> {
                         && runtime::copies_directly(from, &device, opts.peer_copies)
                 });
                 if let Some((_, first)) = source {
+                    let t = std::time::Instant::now();
                     for b in first {
                         let copy = b.map_tensors(&mut |t| {
                             runtime::hand_off(t, &device, opts.peer_copies)
@@ -501,7 +506,9 @@ impl<M: Transformer> Executor<M> {
                         blocks.push(Held::Resident(copy));
                     }
                     blocks_copied += first.len();
+                    copy_s += t.elapsed().as_secs_f64();
                 } else {
+                    let t = std::time::Instant::now();
                     let mut keep = Vec::new();
                     // Blocks are read on several threads, as many as the largest (its size
                     // from the shapes alone) allows, and uploaded here in order.
@@ -571,6 +578,7 @@ impl<M: Transformer> Executor<M> {
                             Ok(())
                         },
                     )?;
+                    read_s += t.elapsed().as_secs_f64();
                     if !keep.is_empty() {
                         loaded.insert(shard.rank, (device.clone(), keep));
                     }
@@ -624,12 +632,27 @@ impl<M: Transformer> Executor<M> {
         }
         // The weights were uploaded from this thread; ranks read them from theirs, whose
         // streams are not ordered with this one.
+        let t = std::time::Instant::now();
         devmap.synchronize()?;
+        let sync_s = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
         if let Some(w) = warming {
             // Made and dropped: pooled for the first call. A group that failed to start is
             // not pooled, and the first call makes it again and reports why.
             let _ = w.join();
         }
+        let groups_s = t.elapsed().as_secs_f64();
+        let total_s = t_load.elapsed().as_secs_f64();
+        let load_phases = vec![
+            ("blocks read and uploaded", read_s),
+            ("blocks copied between GPUs", copy_s),
+            ("waiting for the GPUs", sync_s),
+            ("waiting for the communicators", groups_s),
+            (
+                "the rest (stem, final layer, groups of other processes)",
+                (total_s - read_s - copy_s - sync_s - groups_s).max(0.0),
+            ),
+        ];
         for (id, ring) in rings.iter_mut() {
             ring.finish()?;
             if let Some(why) = ring.pinned_failed() {
@@ -650,6 +673,7 @@ impl<M: Transformer> Executor<M> {
             timeline: Mutex::default(),
             waits: Default::default(),
             blocks_copied,
+            load_phases,
         })
     }
 
@@ -835,6 +859,13 @@ impl<M: Transformer> Executor<M> {
     /// Resident blocks a rank copied from another rank's device at load (peer copies on
     /// GPUs) instead of reading them from the checkpoint: the ranks of a
     /// sequence-parallel group hold the same weights, and each is read once.
+    /// Where the load's time went, in seconds: the blocks read from the checkpoint and
+    /// uploaded, the blocks copied from another rank's device, the wait for the GPUs' queued
+    /// copies, the wait for the communicators started beside the load, and the rest.
+    pub fn load_phases(&self) -> &[(&'static str, f64)] {
+        &self.load_phases
+    }
+
     pub fn blocks_copied(&self) -> usize {
         self.blocks_copied
     }

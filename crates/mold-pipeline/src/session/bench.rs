@@ -197,6 +197,7 @@ pub fn run<M: Benchable>(
             .iter()
             .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
             .sum::<u64>(),
+        phases: exec.load_phases().to_vec(),
     });
     // Between processes: NCCL between GPUs when built with it, else TCP.
     for (part, from, to, path) in exec.process_hand_offs() {

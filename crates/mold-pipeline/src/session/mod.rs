@@ -44,6 +44,8 @@ pub enum Event<'a> {
         weights: &'a Path,
         seconds: f64,
         weight_bytes: u64,
+        /// Where the executor's load went ([`mold_exec::Executor::load_phases`]).
+        phases: Vec<(&'static str, f64)>,
     },
     /// A multi-process run: after part `part`, activations go from process `from` to
     /// process `to` over `path`.
