@@ -537,7 +537,20 @@ impl<M: Transformer> Executor<M> {
                         steps.len(),
                         readers,
                         readers,
-                        |i| model.load_block(block_src, steps[i], shard),
+                        |i| {
+                            let b = model.load_block(block_src, steps[i], shard)?;
+                            if staged.is_some() {
+                                // A staged block's tensors are on the device already, and
+                                // the model's own work on them (a cast, a concatenation)
+                                // was queued on this reader thread's stream: done before
+                                // another thread's stream reads them.
+                                device.synchronize().map_err(|e| ExecError::Device {
+                                    device: id.to_string(),
+                                    message: format!("loading a block: {e}"),
+                                })?;
+                            }
+                            Ok::<_, ExecError>(b)
+                        },
                         |_, b| {
                             let bytes = b.bytes();
                             blocks.push(match spec.residency {
