@@ -72,6 +72,51 @@ fn testdata_plan_exec_verify() {
     for dev in ["emu:1", "emu:2", "emu:3"] {
         assert!(s.contains(dev), "{dev}: {s}");
     }
+    // The load's phases, in the `loaded` event: the second rank of a sequence-parallel
+    // group copies the first rank's blocks; one device reads them all.
+    let phases = |plan: &str| -> Vec<(String, f64)> {
+        let s = ok(&[
+            "exec",
+            d.join(plan).to_str().unwrap(),
+            "--weights",
+            w,
+            "--steps",
+            "1",
+            "--json",
+        ]);
+        let loaded: serde_json::Value = s
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["event"] == "loaded")
+            .unwrap_or_else(|| panic!("no loaded event: {s}"));
+        loaded["phases"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no phases: {loaded}"))
+            .iter()
+            .map(|p| {
+                (
+                    p["phase"].as_str().unwrap().to_string(),
+                    p["seconds"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let copied = |ph: &[(String, f64)]| {
+        ph.iter()
+            .find(|(n, _)| n == "blocks copied between GPUs")
+            .map(|p| p.1)
+    };
+    let (one, sp2) = (phases("one.yaml"), phases("sp2.yaml"));
+    assert_eq!(copied(&one), Some(0.0), "{one:?}");
+    assert!(copied(&sp2).is_some_and(|s| s > 0.0), "{sp2:?}");
+    for ph in [&one, &sp2] {
+        assert!(ph.iter().all(|(_, s)| *s >= 0.0), "{ph:?}");
+        assert!(
+            ph.iter()
+                .any(|(n, s)| n == "blocks read and uploaded" && *s > 0.0),
+            "{ph:?}"
+        );
+    }
     // `--sp 2` (and `--sp 2 --tp 2`) plans are sequence parallel, and exec runs them.
     let sp = read(&d.join("sp2.yaml"));
     assert!(sp.contains("sp: 2"), "{sp}");

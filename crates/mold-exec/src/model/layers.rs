@@ -214,36 +214,11 @@ pub(crate) fn row_parallel_sums<T>(
     split: Option<&TokenSplit>,
     mut partial: impl FnMut(&T, usize, usize, usize) -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Vec<Tensor>> {
-    if let Some(s) = split {
-        let parts = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| partial(&inputs, i, 0, l))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        drop(inputs);
-        if let Some(last) = parts.last() {
-            ctx.meter.see(last);
-            ctx.mark(label, last);
-        }
-        let shares = match <[Tensor; 2]>::try_from(parts) {
-            Ok([t, i]) => {
-                let (t, i) = s.scatter_streams(t, i, ctx)?;
-                vec![t, i]
-            }
-            Err(parts) => parts
-                .iter()
-                .map(|p| s.scatter_single(p, ctx))
-                .collect::<candle_core::Result<Vec<_>>>()?,
-        };
-        if let Some(last) = shares.last() {
-            ctx.mark("reduce-scatter (tokens)", last);
-        }
-        return Ok(shares);
-    }
     let world = ctx.comm.world_size();
     let n = ctx.comm.overlap_chunks();
     let total: usize = lens.iter().sum();
-    if world == 1 || n <= 1 || total == 0 {
+    if split.is_some() || world == 1 || n <= 1 || total == 0 {
+        // Each segment's product whole, then one collective over them all.
         let parts = lens
             .iter()
             .enumerate()
@@ -253,6 +228,22 @@ pub(crate) fn row_parallel_sums<T>(
         if let Some(last) = parts.last() {
             ctx.meter.see(last);
             ctx.mark(label, last);
+        }
+        if let Some(s) = split {
+            let shares = match <[Tensor; 2]>::try_from(parts) {
+                Ok([t, i]) => {
+                    let (t, i) = s.scatter_streams(t, i, ctx)?;
+                    vec![t, i]
+                }
+                Err(parts) => parts
+                    .iter()
+                    .map(|p| s.scatter_single(p, ctx))
+                    .collect::<candle_core::Result<Vec<_>>>()?,
+            };
+            if let Some(last) = shares.last() {
+                ctx.mark("reduce-scatter (tokens)", last);
+            }
+            return Ok(shares);
         }
         if world == 1 || parts.is_empty() {
             return Ok(parts);
