@@ -17,9 +17,18 @@ pub(crate) const AHEAD_BYTES: u64 = 6 << 30;
 /// at most 8, and no more than [`AHEAD_BYTES`] of blocks of `largest` bytes (at least
 /// one). Qwen-Image's and FLUX's blocks (under 0.7 GB in bf16) get all 8.
 pub(crate) fn readers(largest: u64) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-    let fit = (AHEAD_BYTES / largest.max(1)).max(1);
-    cores.min(usize::try_from(fit).unwrap_or(usize::MAX))
+    readers_shared(largest, 1)
+}
+
+/// [`readers`] for one of `share` loaders reading at once (a tensor-parallel group's ranks):
+/// each gets its share of the cores (still at most 8 threads, at least one) and of
+/// [`AHEAD_BYTES`].
+pub(crate) fn readers_shared(largest: u64, share: usize) -> usize {
+    let share = share.max(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = (cores / share).clamp(1, 8);
+    let fit = (AHEAD_BYTES / share as u64 / largest.max(1)).max(1);
+    per.min(usize::try_from(fit).unwrap_or(usize::MAX))
 }
 
 struct State<T, E> {

@@ -10,11 +10,13 @@
 //! - [`pipeline`]: several micro-batches through the parts at once (a thread per stage);
 //! - [`multiprocess`]: a run spread over several processes.
 
+mod copy_out;
 mod load_ahead;
 mod multiprocess;
 pub mod pipeline;
 pub mod plan_check;
 mod rank;
+mod read_resident;
 
 pub use pipeline::MicroBatchSpan;
 
@@ -24,12 +26,9 @@ use crate::checkpoint::Checkpoint;
 use crate::comm::Comm;
 use crate::dist::{LocalDevices, Mesh};
 use crate::error::{ExecError, Result};
-use crate::model::{
-    ActivationMeter, BlockRef, Packable, Profiler, Shard, Transformer, WeightSource, Weights,
-};
+use crate::model::{ActivationMeter, BlockRef, Profiler, Shard, Transformer, Weights};
 use crate::options::ExecOptions;
-use crate::runtime::{self, CheckpointSource, DeviceMap, DeviceMemory, Held, StagedSource};
-use crate::staging::Stager;
+use crate::runtime::{self, CheckpointSource, DeviceMap, DeviceMemory, Held};
 use crate::streaming::{self, Ring, Streaming};
 use candle_core::{DType, Device, Tensor};
 use mold_plan::{DeviceId, Plan, Residency};
@@ -97,6 +96,34 @@ fn mb_label(j: usize, label: &'static str) -> &'static str {
     let mut m = LABELS.lock().unwrap_or_else(|e| e.into_inner());
     m.entry((j, label))
         .or_insert_with(|| Box::leak(format!("mb{j} {label}").into_boxed_str()))
+}
+
+/// Which ranks get their resident blocks copied from another rank's device at load, by
+/// the rank that reads them: `ranks` are this process's `(rank, device)` of a part in rank
+/// order, sharded over `tp`. The first rank of each shard reads the checkpoint; a later
+/// rank of the same shard follows it where [`runtime::copies_directly`] allows, and reads
+/// for itself where not. Returns each reading rank's followers, in rank order.
+fn followers_of(
+    ranks: &[(usize, Device)],
+    tp: usize,
+    peer_copies: bool,
+) -> HashMap<usize, Vec<(usize, Device)>> {
+    let mut reader_of_shard: HashMap<usize, (usize, &Device)> = HashMap::new();
+    let mut out: HashMap<usize, Vec<(usize, Device)>> = HashMap::new();
+    for (rank, device) in ranks {
+        match reader_of_shard.get(&(rank % tp.max(1))) {
+            Some((reader, from)) if runtime::copies_directly(from, device, peer_copies) => {
+                out.entry(*reader)
+                    .or_default()
+                    .push((*rank, device.clone()));
+            }
+            Some(_) => {}
+            None => {
+                reader_of_shard.insert(rank % tp.max(1), (*rank, device));
+            }
+        }
+    }
+    out
 }
 
 struct PartRt<M: Transformer> {
@@ -459,10 +486,94 @@ impl<M: Transformer> Executor<M> {
         for (pi, spec) in specs.into_iter().enumerate() {
             let world = spec.devices.len();
             let mut ranks = Vec::with_capacity(world);
-            // The resident blocks of each shard as its first rank loaded them: the other
-            // ranks holding that shard (a sequence-parallel group's) copy them device to
-            // device instead of reading the checkpoint again ([`runtime::copies_directly`]).
-            let mut loaded: HashMap<usize, (Device, Vec<M::Block>)> = HashMap::new();
+            // The ranks holding a shard another rank of this process reads (a
+            // sequence-parallel group's) get its resident blocks copied device to device as
+            // each block is uploaded, instead of reading the checkpoint again
+            // ([`runtime::copies_directly`]): the copies run beside the reading.
+            let followers = if spec.residency == Residency::Resident {
+                let mut ranks_devices = Vec::new();
+                for (rank, id) in spec.devices.iter().enumerate() {
+                    if let Some(lid) = local_id(id) {
+                        ranks_devices.push((rank, devmap.get(&lid)?));
+                    }
+                }
+                followers_of(&ranks_devices, spec.tp, opts.peer_copies)
+            } else {
+                HashMap::new()
+            };
+            let mut copied: HashMap<usize, Vec<M::Block>> = HashMap::new();
+            // Resident blocks of the ranks that read the checkpoint, read by all of them at
+            // once (each on its own thread), the followers' copies with them.
+            let mut pre_read: HashMap<usize, Vec<M::Block>> = HashMap::new();
+            if spec.residency == Residency::Resident {
+                let following: Vec<usize> = followers.values().flatten().map(|(r, _)| *r).collect();
+                let mut reading = Vec::new();
+                for (rank, id) in spec.devices.iter().enumerate() {
+                    if let Some(lid) = local_id(id) {
+                        if !following.contains(&rank) {
+                            reading.push((rank, id.clone(), devmap.get(&lid)?));
+                        }
+                    }
+                }
+                let from = read_resident::Source { ckpt, dtype, fp8 };
+                let share = reading.len();
+                let read_one = |(rank, id, device): &(usize, DeviceId, Device)| {
+                    let shard = Shard {
+                        rank: rank % spec.tp,
+                        world: spec.tp,
+                    };
+                    let mine = followers.get(rank).map_or(&[][..], |f| &f[..]);
+                    read_resident::read_resident(
+                        model,
+                        from,
+                        &spec.steps,
+                        shard,
+                        device,
+                        id,
+                        mine,
+                        &opts,
+                        share,
+                    )
+                };
+                let t = std::time::Instant::now();
+                let reads: Vec<Result<_>> = if share > 1 {
+                    std::thread::scope(|s| {
+                        let threads: Vec<_> = reading
+                            .iter()
+                            .map(|r| s.spawn(move || read_one(r)))
+                            .collect();
+                        threads
+                            .into_iter()
+                            .map(|t| {
+                                t.join().unwrap_or_else(|_| {
+                                    Err(ExecError::Plan("a weight-reading thread panicked".into()))
+                                })
+                            })
+                            .collect()
+                    })
+                } else {
+                    reading.iter().map(read_one).collect()
+                };
+                let mut longest_read: f64 = 0.0;
+                for ((rank, _, _), read) in reading.iter().zip(reads) {
+                    let read = read?;
+                    longest_read = longest_read.max(read.read_s);
+                    let mine = followers.get(rank).map_or(&[][..], |f| &f[..]);
+                    for ((to, _), c) in mine.iter().zip(read.copies) {
+                        copied.insert(*to, c);
+                    }
+                    pre_read.insert(*rank, read.blocks);
+                }
+                // The copies' wait after the longest reading; without copies, all reading.
+                let wall = t.elapsed().as_secs_f64();
+                if followers.is_empty() {
+                    read_s += wall;
+                } else {
+                    read_s += longest_read;
+                    copy_s += (wall - longest_read).max(0.0);
+                }
+            }
+            let mut host_stem = None;
             let mut local_ids = Vec::with_capacity(world);
             for (rank, id) in spec.devices.iter().enumerate() {
                 let Some(lid) = local_id(id) else { continue };
@@ -478,9 +589,16 @@ impl<M: Transformer> Executor<M> {
                 let mut sync_stream_bytes = 0;
                 let mut sync_host_bytes = 0;
                 let stem = if pi == 0 {
-                    let s = model.load_stem(&src)?.to_device(&device)?;
-                    resident_bytes += s.bytes();
-                    Some(s)
+                    // Read once for every rank of the part.
+                    if host_stem.is_none() {
+                        host_stem = Some(model.load_stem(&src)?);
+                    }
+                    let s = host_stem
+                        .as_ref()
+                        .map(|h| h.to_device(&device))
+                        .transpose()?;
+                    resident_bytes += s.as_ref().map_or(0, |s| s.bytes());
+                    s
                 } else {
                     None
                 };
@@ -492,109 +610,66 @@ impl<M: Transformer> Executor<M> {
                     None
                 };
                 let mut blocks = Vec::with_capacity(spec.steps.len());
-                let source = loaded.get(&shard.rank).filter(|(from, _)| {
-                    spec.residency == Residency::Resident
-                        && runtime::copies_directly(from, &device, opts.peer_copies)
-                });
-                if let Some((_, first)) = source {
-                    let t = std::time::Instant::now();
-                    for b in first {
-                        let copy = b.map_tensors(&mut |t| {
-                            runtime::hand_off(t, &device, opts.peer_copies)
-                        })?;
+                if let Some(copies) = copied.remove(&rank) {
+                    for copy in copies {
                         resident_bytes += copy.bytes();
                         blocks.push(Held::Resident(copy));
+                        blocks_copied += 1;
                     }
-                    blocks_copied += first.len();
-                    copy_s += t.elapsed().as_secs_f64();
+                } else if let Some(read) = pre_read.remove(&rank) {
+                    for b in read {
+                        resident_bytes += b.bytes();
+                        blocks.push(Held::Resident(b));
+                    }
+                } else if spec.residency == Residency::Resident {
+                    return Err(ExecError::Plan(format!(
+                        "part {pi}: rank {rank}'s resident blocks were neither read nor copied (a bug in mold: please report it)"
+                    )));
                 } else {
+                    // Streamed blocks: read here in order, each added to its device's ring
+                    // or kept on the host.
                     let t = std::time::Instant::now();
-                    let mut keep = Vec::new();
-                    // Blocks are read on several threads, as many as the largest (its size
-                    // from the shapes alone) allows, and uploaded here in order.
                     let mut largest = 0;
                     for step in &spec.steps {
                         largest = largest.max(model.load_block(&shapes, *step, shard)?.bytes());
                     }
                     let readers = load_ahead::readers(largest);
                     let steps = &spec.steps;
-                    // Resident blocks on a GPU go from the mapped files to the device
-                    // through page-locked buffers; the rest are read on the host.
-                    let stager = if spec.residency == Residency::Resident && opts.staged_load {
-                        Stager::new(&device)?
-                    } else {
-                        None
-                    };
-                    let staged = stager.as_ref().map(|stager| StagedSource {
-                        host: CheckpointSource { ckpt, dtype, fp8 },
-                        stager,
-                    });
-                    let block_src: &(dyn WeightSource + Sync) = match &staged {
-                        Some(s) => s,
-                        None => &src,
-                    };
                     load_ahead::in_order(
                         steps.len(),
                         readers,
                         readers,
-                        |i| {
-                            let b = model.load_block(block_src, steps[i], shard)?;
-                            if staged.is_some() {
-                                // A staged block's tensors are on the device already, and
-                                // the model's own work on them (a cast, a concatenation)
-                                // was queued on this reader thread's stream: done before
-                                // another thread's stream reads them.
-                                device.synchronize().map_err(|e| ExecError::Device {
-                                    device: id.to_string(),
-                                    message: format!("loading a block: {e}"),
-                                })?;
-                            }
-                            Ok::<_, ExecError>(b)
-                        },
+                        |i| model.load_block(&src, steps[i], shard),
                         |_, b| {
                             let bytes = b.bytes();
-                            blocks.push(match spec.residency {
-                                Residency::Resident => {
-                                    resident_bytes += bytes;
-                                    let on = b.to_device(&device)?;
-                                    if world > 1 {
-                                        keep.push(on.map_tensors(&mut |t| Ok(t.clone()))?);
+                            blocks.push(if opts.streaming == Streaming::Sync {
+                                sync_host_bytes += bytes;
+                                sync_stream_bytes = sync_stream_bytes.max(bytes);
+                                Held::Sync(b)
+                            } else {
+                                let ri = match rings.iter().position(|(d, _)| d == id) {
+                                    Some(i) => i,
+                                    None => {
+                                        rings.push((
+                                            id.clone(),
+                                            Ring::new(
+                                                device.clone(),
+                                                dtype,
+                                                opts.streaming,
+                                                spec.buffers,
+                                            ),
+                                        ));
+                                        rings.len() - 1
                                     }
-                                    Held::Resident(on)
-                                }
-                                Residency::Streamed if opts.streaming == Streaming::Sync => {
-                                    sync_host_bytes += bytes;
-                                    sync_stream_bytes = sync_stream_bytes.max(bytes);
-                                    Held::Sync(b)
-                                }
-                                Residency::Streamed => {
-                                    let ri = match rings.iter().position(|(d, _)| d == id) {
-                                        Some(i) => i,
-                                        None => {
-                                            rings.push((
-                                                id.clone(),
-                                                Ring::new(
-                                                    device.clone(),
-                                                    dtype,
-                                                    opts.streaming,
-                                                    spec.buffers,
-                                                ),
-                                            ));
-                                            rings.len() - 1
-                                        }
-                                    };
-                                    let ring = &mut rings[ri].1;
-                                    ring.want_buffers(spec.buffers);
-                                    Held::Streamed(ri, ring.add(&b)?)
-                                }
+                                };
+                                let ring = &mut rings[ri].1;
+                                ring.want_buffers(spec.buffers);
+                                Held::Streamed(ri, ring.add(&b)?)
                             });
-                            Ok(())
+                            Ok::<_, ExecError>(())
                         },
                     )?;
                     read_s += t.elapsed().as_secs_f64();
-                    if !keep.is_empty() {
-                        loaded.insert(shard.rank, (device.clone(), keep));
-                    }
                 }
                 ranks.push(Rank {
                     id: id.clone(),
@@ -977,5 +1052,37 @@ mod group_tests {
             group_device_lists(&[spec(&[0, 1, 2, 3], 1, 4)]),
             vec![ids(&[0, 1, 2, 3])]
         );
+    }
+}
+
+#[cfg(test)]
+mod follower_tests {
+    use super::*;
+
+    fn cpu(ranks: &[usize]) -> Vec<(usize, Device)> {
+        ranks.iter().map(|&r| (r, Device::Cpu)).collect()
+    }
+
+    fn of(f: &HashMap<usize, Vec<(usize, Device)>>, reader: usize) -> Vec<usize> {
+        f.get(&reader)
+            .map(|v| v.iter().map(|(r, _)| *r).collect())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn each_shard_is_read_once_and_copied_to_the_ranks_holding_it() {
+        // SP4: rank 0 reads, the other three get copies.
+        let f = followers_of(&cpu(&[0, 1, 2, 3]), 1, true);
+        assert_eq!(of(&f, 0), vec![1, 2, 3]);
+        assert_eq!(f.len(), 1);
+        // SP2 x TP2 (rank = sp_rank * tp + tp_rank): ranks 0 and 1 read their shards,
+        // 2 and 3 copy them.
+        let f = followers_of(&cpu(&[0, 1, 2, 3]), 2, true);
+        assert_eq!((of(&f, 0), of(&f, 1)), (vec![2], vec![3]));
+        // TP4: every rank reads its own shard.
+        assert!(followers_of(&cpu(&[0, 1, 2, 3]), 4, true).is_empty());
+        // Ranks of another process are absent: the local ones follow the first local one.
+        let f = followers_of(&cpu(&[2, 3]), 1, true);
+        assert_eq!(of(&f, 2), vec![3]);
     }
 }
