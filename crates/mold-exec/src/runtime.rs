@@ -430,10 +430,21 @@ mod peer {
     }
 
     pub(super) fn copy(t: &Tensor, _s: &CudaDevice, d: &CudaDevice) -> candle_core::Result<Tensor> {
-        t.contiguous()?.apply_op1_no_bwd(&PeerCopy {
+        let c = t.contiguous()?;
+        let out = c.apply_op1_no_bwd(&PeerCopy {
             dst: d,
             ordered: false,
-        })
+        })?;
+        if !t.is_contiguous() {
+            // `c` is a copy made here: dropped on return, its memory goes back to the source's
+            // pool at once (nothing is queued on the source's stream after the copy), where
+            // the next allocation may take it before the destination's stream has read it.
+            // The copy is done first. (The caller keeps a contiguous `t` itself.)
+            use candle_core::backend::BackendDevice;
+            d.synchronize()?;
+        }
+        drop(c);
+        Ok(out)
     }
 
     pub(super) fn copy_ordered(t: &Tensor, d: &CudaDevice) -> candle_core::Result<Tensor> {
