@@ -477,6 +477,7 @@ fn saved_profile(name: &str) -> Machine {
         ],
         allreduce: None,
         not_measured: vec![],
+        host_read_gbps: Some(23.46),
     };
     apply_measurements(&mut m, &r, "2026-05-01", env!("CARGO_PKG_VERSION"));
     m
@@ -509,6 +510,13 @@ fn saved_profile_plans_and_simulates_anywhere() {
     assert_eq!(m.device(&DeviceId::Cuda(0)).unwrap().bf16_tflops, 712.4);
     assert_eq!(m.links.peer.len(), 1);
     assert_eq!(m.links.peer[0].gbps, 362.0);
+    // The host's read rate prices loading.
+    assert_eq!(m.host.read_gbps, Some(23.5));
+    assert!(
+        m.calibration.notes.contains("host read rate"),
+        "{}",
+        m.calibration.notes
+    );
 
     // plan and sim on this (GPU-less) box
     let (s, p) = plan(&d, None, &[], &["--machine", path.to_str().unwrap()]);
@@ -530,4 +538,11 @@ fn saved_profile_plans_and_simulates_anywhere() {
     );
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     assert!(stdout(&o).contains("fits"), "{}", stdout(&o));
+    // Loading is priced at the measured read rate.
+    assert!(
+        stdout(&o).contains("before a one-shot request (")
+            && stdout(&o).contains("host read 23.5 GB/s, measured"),
+        "{}",
+        stdout(&o)
+    );
 }

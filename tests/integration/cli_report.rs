@@ -88,6 +88,7 @@ fn a_pipeline_run_reports_and_sim_compares_it() {
         "denoise",
         "decode",
         "request",
+        "load",
     ] {
         let r = row(&v, phase);
         assert!(r["predicted_s"].as_f64().unwrap() >= 0.0, "{phase}: {r}");
@@ -193,7 +194,7 @@ fn a_profiled_transformer_run_measures_each_part() {
     let parts = of_kind(&v, "compute");
     let coll = of_kind(&v, "collective");
     assert!(parts.len() >= 2 && !coll.is_empty(), "{v:#}");
-    let whole = [row(&v, "step"), row(&v, "denoise")];
+    let whole = [row(&v, "step"), row(&v, "denoise"), row(&v, "load")];
     for r in parts.iter().chain(&coll).chain(&whole) {
         assert!(r["predicted_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["measured_s"].as_f64().unwrap() > 0.0, "{r}");

@@ -78,6 +78,7 @@
 
 mod evaluate;
 mod group;
+pub mod load;
 pub mod ops;
 mod validate;
 
@@ -86,6 +87,7 @@ pub use evaluate::{
     PhasePeaks,
 };
 pub use group::Group;
+pub use load::{load_time, LoadTime, DEFAULT_HOST_READ_GBPS};
 pub use validate::{check_machine, validate, MachineCheck};
 
 use mold_machine::{Collective, CollectiveOp, Machine};

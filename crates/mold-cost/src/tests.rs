@@ -64,7 +64,21 @@ pub fn tiny_plan(parts: Vec<Part>) -> (Plan, ModelSpec) {
 }
 
 fn tiny_plan_on(parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
-    let model = mold_models::find("flux-tiny").unwrap();
+    let (mut plan, model) = plan_on("flux-tiny", parts, m);
+    if let Some(t) = plan
+        .components
+        .iter_mut()
+        .find(|c| c.role == ComponentRole::Transformer)
+    {
+        t.dtype = DType::F32;
+    }
+    (plan, model)
+}
+
+/// `model` with its components on cuda:0 and the transformer's `parts`, in its default
+/// dtypes.
+fn plan_on(model: &str, parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
+    let model = mold_models::find(model).unwrap();
     let mut components: Vec<ComponentPlan> = model
         .components
         .iter()
@@ -78,7 +92,7 @@ fn tiny_plan_on(parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
     components.push(ComponentPlan {
         name: "transformer".into(),
         role: ComponentRole::Transformer,
-        dtype: DType::F32,
+        dtype: model.transformer.default_dtype,
         parts,
     });
     let plan = Plan {
@@ -608,6 +622,7 @@ fn every_replica_is_validated_and_must_fit() {
 
 mod cfg;
 mod libraries;
+mod load;
 
 /// Calibration measures every layout the planner may pick on the box, three GPUs of four
 /// included (FLUX's 24 heads split 3 ways), and the collectives of every group size.

@@ -82,6 +82,11 @@ pub struct Host {
     /// CPU throughput for components placed on the host (TFLOP/s, their dtype).
     pub tflops: f64,
     pub mem_bandwidth_gbps: f64,
+    /// Weights read from a warm page cache into page-locked memory, every core reading
+    /// (GB/s): what loading a checkpoint runs at before its upload (`mold devices
+    /// --calibrate` measures it). Absent: the cost model's conservative default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_gbps: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -53,6 +53,8 @@ pub struct Recorder {
     stream_wait: Vec<(DeviceId, f64)>,
     profiled: bool,
     probe: Option<MemoryProbe>,
+    /// Seconds loading weights, summed over what loaded.
+    load_s: Option<f64>,
 }
 
 /// What [`Recorder::finish`] needs besides the measurements.
@@ -81,6 +83,7 @@ impl Recorder {
             encoders: Vec::new(),
             steps: Vec::new(),
             decode_s: None,
+            load_s: None,
             parts: BTreeMap::new(),
             stream_wait: Vec::new(),
             profiled: false,
@@ -99,7 +102,12 @@ impl Recorder {
     /// boundary (a component loaded, encoded, released; a step; the decode).
     pub fn progress(&mut self, p: &Progress) {
         let phase = match p {
-            Progress::Loaded { component, .. } => format!("loaded {component}"),
+            Progress::Loaded {
+                component, seconds, ..
+            } => {
+                *self.load_s.get_or_insert(0.0) += seconds;
+                format!("loaded {component}")
+            }
             Progress::Encoded {
                 component, seconds, ..
             } => {
@@ -118,6 +126,12 @@ impl Recorder {
             Progress::Loading { .. } | Progress::Note(_) => return,
         };
         self.sample(&phase);
+    }
+
+    /// The transformer's load in a transformer-only run.
+    pub fn loaded(&mut self, seconds: f64) {
+        *self.load_s.get_or_insert(0.0) += seconds;
+        self.sample("loaded transformer");
     }
 
     /// A step of a transformer-only run (1-based `index`).
@@ -185,6 +199,7 @@ impl Recorder {
             },
             decode_s: self.decode_s,
             request_s: t.map(|t| (t.total_s - t.load_s).max(0.0)),
+            load_s: t.map(|t| t.load_s).or(self.load_s),
             parts: self.parts.clone(),
             stream_wait: self.stream_wait.clone(),
             profiled: self.profiled,

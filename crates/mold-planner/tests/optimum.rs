@@ -205,6 +205,7 @@ fn build(inst: &Instance) -> Option<Request> {
             pinned_limit: ByteSize((total as f64 * inst.pinned_fraction) as u64),
             tflops: 0.5,
             mem_bandwidth_gbps: 20.0,
+            read_gbps: None,
         },
         devices: inst
             .devices

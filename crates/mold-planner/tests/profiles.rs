@@ -99,6 +99,7 @@ pub fn machine() -> impl Strategy<Value = Machine> {
                     pinned_limit: ByteSize((host_memory as f64 * pinned_frac) as u64),
                     tflops: 1.0,
                     mem_bandwidth_gbps: 100.0,
+                    read_gbps: None,
                 },
                 devices,
                 links: Links {

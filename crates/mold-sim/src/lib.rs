@@ -277,6 +277,13 @@ pub struct SimReport {
     /// ([`run_report::predicted_phases`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub first_use: Vec<FirstUse>,
+    /// Loading the plan's weights before a one-shot request (`mold exec`; `mold serve`
+    /// pays it once at start): [`mold_cost::load_time`]. Not part of `request_s`.
+    pub load: mold_cost::LoadTime,
+    /// The host read rate the load was priced at (GB/s), and whether the profile measured
+    /// it (else the cost model's default).
+    pub host_read_gbps: f64,
+    pub host_read_measured: bool,
 }
 
 /// A component's first use in a fresh process ([`SimReport::first_use`]).

@@ -185,6 +185,9 @@ impl Sim<'_> {
             denoise_start_s: denoise_start,
             cost_basis: mold_cost::ops::describe(plan, self.model, self.machine),
             first_use: self.first_use(),
+            load: mold_cost::load_time(plan, &self.ctx),
+            host_read_gbps: self.ctx.host_read_gbps(),
+            host_read_measured: self.machine.host.read_gbps.is_some_and(|g| g > 0.0),
         }
     }
 

@@ -94,6 +94,26 @@ impl SimReport {
             secs(self.denoise_s),
             secs(self.decode_s),
         ));
+        if self.load.total_s > 0.0 {
+            let mut parts: Vec<String> = self
+                .load
+                .components
+                .iter()
+                .map(|(n, s)| format!("{n} {}", secs(*s)))
+                .collect();
+            parts.push(format!("transformer {}", secs(self.load.transformer_s)));
+            o.push_str(&format!(
+                "load {} before a one-shot request ({}; host read {:.1} GB/s, {})\n",
+                secs(self.load.total_s),
+                parts.join(", "),
+                self.host_read_gbps,
+                if self.host_read_measured {
+                    "measured"
+                } else {
+                    "default: `mold devices --calibrate` measures it"
+                }
+            ));
+        }
         o.push_str(&format!("bottleneck: {}\n", self.bottleneck));
         for line in &self.cost_basis {
             o.push_str(&format!("{line}\n"));

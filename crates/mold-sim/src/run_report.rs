@@ -105,6 +105,8 @@ pub enum PhaseKind {
     Denoise,
     /// Encode, denoise and decode (loading left out).
     Request,
+    /// Loading the weights the run reads (a one-shot run's; `mold serve` loads once).
+    Load,
 }
 
 /// One phase: the prediction beside the measurement.
@@ -358,6 +360,8 @@ pub struct Measurements {
     pub denoise_s: Option<f64>,
     pub decode_s: Option<f64>,
     pub request_s: Option<f64>,
+    /// Loading every weight the run read (a transformer-only run: the transformer's).
+    pub load_s: Option<f64>,
     /// Per part (0-based index): blocks' compute and collectives, seconds per step, the
     /// slowest rank's (`MOLD_PROFILE`).
     pub parts: BTreeMap<usize, PartMeasured>,
@@ -427,6 +431,7 @@ pub fn phase_rows(plan: &Plan, sim: &SimReport, kind: RunKind, m: &Measurements)
             PhaseKind::Step => m.step_s,
             PhaseKind::Denoise => m.denoise_s,
             PhaseKind::Request => m.request_s,
+            PhaseKind::Load => m.load_s,
         };
     }
     rows
@@ -654,6 +659,25 @@ pub fn predicted_phases(plan: &Plan, sim: &SimReport, kind: RunKind) -> Vec<Phas
             ),
             first_of(&|_| true),
         ));
+    }
+    // Loading, as the cost model prices it (mold_cost::load_time): what a text-to-image
+    // run reads, or the transformer alone.
+    let load = match kind {
+        RunKind::Pipeline => sim.load.total_s,
+        _ => sim.load.transformer_s,
+    };
+    if load > 0.0 {
+        let mut r = row("load".into(), PhaseKind::Load, false, vec![], load);
+        r.note = Some(format!(
+            "host read {:.1} GB/s{}",
+            sim.host_read_gbps,
+            if sim.host_read_measured {
+                " (measured)"
+            } else {
+                " (the cost model's default; `mold devices --calibrate` measures it)"
+            }
+        ));
+        rows.push(r);
     }
     rows
 }

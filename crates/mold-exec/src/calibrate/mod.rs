@@ -58,5 +58,11 @@ pub fn measure_devices(
     let r = allreduce::add_allreduce(inv, r, watchdog, progress);
     #[cfg(not(feature = "nccl"))]
     let _ = watchdog;
+    let mut r = r;
+    progress("host read rate (1 GiB scratch file in the temporary directory, every core)");
+    match inventory::host_read::measure(&std::env::temp_dir(), 1 << 30) {
+        Ok(g) => r.host_read_gbps = Some(g),
+        Err(e) => r.not_measured.push(e.to_string()),
+    }
     Ok(r)
 }

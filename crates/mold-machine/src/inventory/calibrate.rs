@@ -19,6 +19,10 @@ pub struct Measurements {
     /// Why a figure was not measured.
     #[serde(default)]
     pub not_measured: Vec<String>,
+    /// The host's read rate from a warm page cache, every core reading (GB/s):
+    /// [`super::host_read`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_read_gbps: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -190,6 +194,17 @@ pub fn apply_measurements(m: &mut Machine, r: &Measurements, date: &str, mold_ve
              the peer domains' and host-staged all-reduce figures are estimates"
                 .into(),
         ),
+    }
+    match r.host_read_gbps {
+        Some(g) if g.is_finite() && g > 0.0 => {
+            m.host.read_gbps = Some(round1(g));
+            measured.push(
+                "host read rate from a warm page cache (a scratch file read back by every core,                  16 MiB reads)"
+                    .into(),
+            );
+        }
+        _ => not
+            .push("host read rate: not measured (the cost model's default prices loading)".into()),
     }
     not.push("host CPU TFLOP/s and memory bandwidth: estimates".into());
     m.calibration = Calibration {

@@ -22,6 +22,7 @@ mod calibrate;
 mod cuda;
 mod date;
 mod diff;
+pub mod host_read;
 mod profile;
 mod table;
 #[cfg(test)]

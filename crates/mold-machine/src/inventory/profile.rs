@@ -172,6 +172,7 @@ impl Inventory {
                 pinned_limit: ByteSize(host_memory.0 / 2),
                 tflops: round1((cpus as f64 * 0.04).max(0.1)),
                 mem_bandwidth_gbps: 50.0,
+                read_gbps: None,
             },
             devices,
             links: Links {

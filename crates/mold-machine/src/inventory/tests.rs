@@ -214,6 +214,7 @@ fn measurements_are_applied() {
         ],
         allreduce: None,
         not_measured: vec![],
+        host_read_gbps: None,
     };
     // A device that did not measure it leaves the profile without a busy rate.
     let mut partly = r.clone();
@@ -265,6 +266,7 @@ fn measurements_are_applied() {
     let r3 = Measurements {
         allreduce: None,
         not_measured: vec!["all-reduce: not measured (NCCL failed: boom)".into()],
+        host_read_gbps: None,
         ..r2
     };
     apply_measurements(&mut m, &r3, "2026-02-03", "0.1.0");
@@ -298,6 +300,7 @@ fn without_peer_domains_the_measured_all_reduce_is_the_host_staged_one() {
             },
         ]),
         not_measured: vec![],
+        host_read_gbps: None,
     };
     apply_measurements(&mut m, &r, "2026-02-03", "0.1.0");
     assert_eq!(m.links.host_staged_allreduce.latency_us, 42.0);

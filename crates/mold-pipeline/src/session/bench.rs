@@ -186,12 +186,13 @@ pub fn run<M: Benchable>(
             Executor::new_multi_process(&cfg, plan, &ckpt, opts.clone(), m.clone(), own.clone())?
         }
     };
+    let load_s = t0.elapsed().as_secs_f64();
     if let Some(r) = recorder.as_mut() {
-        r.sample("loaded transformer");
+        r.loaded(load_s);
     }
     on(Event::Loaded {
         weights,
-        seconds: t0.elapsed().as_secs_f64(),
+        seconds: load_s,
         weight_bytes: exec
             .memory_report()
             .iter()
