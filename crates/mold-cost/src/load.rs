@@ -13,8 +13,10 @@
 //!   and the reading rank's copies out over its links; without peer access every rank reads;
 //! - streamed blocks are read into host memory only (the device gets them per step).
 //!
-//! The stem and final layer load with the first and last parts. What the host does to a
-//! slice besides copying it (an FP8 quantization, a LoRA merged in) is not priced.
+//! The stem is read once and uploaded from pageable memory to each rank of the first part;
+//! the final layer likewise to the last part's first rank. What the host does to a slice
+//! besides copying it (an FP8 quantization, a LoRA merged in) is not priced, nor a cold page
+//! cache (the disk's rate).
 
 use crate::{Ctx, Group};
 use mold_plan::{CfgMode, ComponentRole, DeviceId, Plan, Residency};
@@ -96,32 +98,28 @@ pub fn load_time(plan: &Plan, ctx: &Ctx) -> LoadTime {
                     rank_bytes.saturating_add((r.len() as u64).saturating_mul(bc.weight_bytes));
             }
             let ranks = p.devices.len().max(1) as u64;
-            // The stem on every rank of the first part; the final layer (about the stem's
-            // size) on the last part's first rank.
-            let extra = |rank: u64| {
-                let mut b = 0u64;
-                if pi == 0 {
-                    b = b.saturating_add(stem);
-                }
-                if pi == last && rank == 0 {
-                    b = b.saturating_add(stem);
-                }
-                b
-            };
+            // The stem, read once, uploaded from pageable memory to every rank of the first
+            // part; the final layer (about the stem's size) read and uploaded to the last
+            // part's first rank.
+            let read_rate = ctx.host_read_gbps() * 1e9;
+            let pageable = ctx.machine.links.host_pageable_gbps.max(f64::MIN_POSITIVE) * 1e9;
+            let mut extra_s = 0.0;
+            if pi == 0 {
+                extra_s += stem as f64 / read_rate + ranks as f64 * stem as f64 / pageable;
+            }
+            if pi == last {
+                extra_s += stem as f64 / read_rate + stem as f64 / pageable;
+            }
             let first = p.devices.first().cloned().unwrap_or(DeviceId::Host);
             let s = match p.residency {
                 Residency::Streamed => {
-                    let all = rank_bytes.saturating_mul(ranks);
-                    all as f64 / (ctx.host_read_gbps() * 1e9)
-                        + (0..ranks)
-                            .map(|r| ctx.load_one_s(extra(r), &first))
-                            .sum::<f64>()
+                    rank_bytes.saturating_mul(ranks) as f64 / read_rate + extra_s
                 }
                 Residency::Resident => {
                     let tp = (p.tp.max(1) as u64).min(ranks);
                     let peers = ranks > tp && ctx.machine.domain_of(&p.devices).is_some();
                     let readers = if peers { tp } else { ranks };
-                    let read = readers as f64 * rank_bytes as f64 / (ctx.host_read_gbps() * 1e9);
+                    let read = readers as f64 * rank_bytes as f64 / read_rate;
                     let upload = rank_bytes as f64
                         / (ctx.machine.links.host_pinned_gbps.max(f64::MIN_POSITIVE) * 1e9);
                     // Each reading rank sends its shard to the other ranks holding it.
@@ -132,10 +130,7 @@ pub fn load_time(plan: &Plan, ctx: &Ctx) -> LoadTime {
                     } else {
                         0.0
                     };
-                    read.max(upload).max(copies)
-                        + (0..ranks)
-                            .map(|r| ctx.load_one_s(extra(r), &first))
-                            .sum::<f64>()
+                    read.max(upload).max(copies) + extra_s
                 }
             };
             out.transformer_s += s;

@@ -119,12 +119,18 @@ fn every_figure_must_be_finite_and_non_negative() {
             "  host_pinned_gbps: 25\n",
             "  host_pinned_gbps: 25\n  host_pinned_busy_gbps: 21\n",
             1,
+        )
+        .replacen(
+            "mem_bandwidth_gbps: 50}",
+            "mem_bandwidth_gbps: 50, read_gbps: 30}",
+            1,
         );
     Machine::from_yaml(&full, "t.yaml").unwrap();
     // (text to replace, field named, whether 0 is allowed)
     let cases = [
         ("tflops: 1.0", "host.tflops", false),
         ("mem_bandwidth_gbps: 50", "host.mem_bandwidth_gbps", false),
+        ("read_gbps: 30", "host.read_gbps", false),
         ("bf16_tflops: 100", "devices[0].bf16_tflops", false),
         (
             "mem_bandwidth_gbps: 1000",

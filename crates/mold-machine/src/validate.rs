@@ -119,6 +119,7 @@ impl Machine {
                 self.host.mem_bandwidth_gbps,
                 false,
             ),
+            ("host.read_gbps", self.host.read_gbps.unwrap_or(1.0), false),
             ("links.host_pinned_gbps", l.host_pinned_gbps, false),
             (
                 "links.host_pinned_busy_gbps",

@@ -29,14 +29,15 @@ fn near(a: f64, b: f64, rel: f64) -> bool {
 
 #[test]
 fn one_gpu_loads_at_the_slower_of_reading_and_uploading() {
-    // Reading below the 1 GB/s upload: half the rate, twice the time.
+    // Reading below the 1 GB/s upload: half the rate, about twice the time (the stem's
+    // upload from pageable memory does not change).
     let slow = transformer_s(&box4(Some(0.25), true), &[0], 1, 1);
     let half = transformer_s(&box4(Some(0.5), true), &[0], 1, 1);
-    assert!(near(slow, 2.0 * half, 1e-9), "{slow} {half}");
-    // Reading above it: the upload sets the time.
+    assert!(near(slow, 2.0 * half, 0.02), "{slow} {half}");
+    // Reading above it: the upload sets the time (the stem's own read aside).
     let a = transformer_s(&box4(Some(2.0), true), &[0], 1, 1);
     let b = transformer_s(&box4(Some(8.0), true), &[0], 1, 1);
-    assert!(near(a, b, 1e-9), "{a} {b}");
+    assert!(near(a, b, 0.01), "{a} {b}");
     // About FLUX.1-dev's 23.8 GB at 1 GB/s.
     assert!(a > 20.0 && a < 30.0, "{a}");
 }

@@ -36,15 +36,23 @@ impl<'scope, B: Packable + 'scope> CopyOut<'scope, B> {
             senders.push(tx);
             threads.push(scope.spawn(move || {
                 let mut out = Vec::new();
+                let mut failed = None;
                 for b in rx {
-                    out.push(
-                        b.map_tensors(&mut |t| runtime::hand_off(t, device, peer_copies))
-                            .map_err(|e| copy_error(device, e))?,
-                    );
+                    match b.map_tensors(&mut |t| runtime::hand_off(t, device, peer_copies)) {
+                        Ok(c) => out.push(c),
+                        Err(e) => {
+                            failed = Some(copy_error(device, e));
+                            break;
+                        }
+                    }
                 }
-                // The copies were queued on this thread's stream of the receiving device.
-                device.synchronize().map_err(|e| copy_error(device, e))?;
-                Ok(out)
+                // The copies were queued on this thread's stream of the receiving device:
+                // done before their sources may be freed, also after a failure.
+                let synced = device.synchronize().map_err(|e| copy_error(device, e));
+                match failed {
+                    Some(e) => Err(e),
+                    None => synced.map(|_| out),
+                }
             }));
         }
         CopyOut { senders, threads }
@@ -74,8 +82,15 @@ impl<'scope, B: Packable + 'scope> CopyOut<'scope, B> {
 
 fn copy_error(device: &Device, e: candle_core::Error) -> ExecError {
     ExecError::Device {
-        device: format!("{:?}", device.location()),
-        message: format!("copying weights to it: {e}"),
+        device: match device.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+            other => format!("{other:?}"),
+        },
+        // One line: candle's error may carry a captured backtrace after it.
+        message: format!(
+            "copying weights to it: {}",
+            e.to_string().lines().next().unwrap_or("failed")
+        ),
     }
 }
 

@@ -51,9 +51,13 @@ pub(super) fn read_resident<M: Transformer>(
 ) -> Result<ResidentRead<M::Block>> {
     let Source { ckpt, dtype, fp8 } = from;
     let t = std::time::Instant::now();
+    // One line: candle's error may carry a captured backtrace after it.
     let device_error = |what: &str, e: candle_core::Error| ExecError::Device {
         device: id.to_string(),
-        message: format!("{what}: {e}"),
+        message: format!(
+            "{what}: {}",
+            e.to_string().lines().next().unwrap_or("failed")
+        ),
     };
     // Blocks are read on several threads, as many as the largest (its size from the shapes
     // alone) allows, and uploaded here in order.
@@ -101,11 +105,12 @@ pub(super) fn read_resident<M: Transformer>(
             |_, b| {
                 let on = b.to_device(device)?;
                 if !followers.is_empty() {
-                    // An upload from host memory was queued on this thread's stream:
-                    // complete before it is copied.
-                    if staged.is_none() {
-                        device.synchronize()?;
-                    }
+                    // Tensors read on the host (every one without staging; an FP8 product,
+                    // a LoRA merge or diffusers' names with it) were uploaded just now on this
+                    // thread's stream: complete before another thread copies them.
+                    device
+                        .synchronize()
+                        .map_err(|e| device_error("loading a block", e))?;
                     out.send(&on);
                 }
                 blocks.push(on);

@@ -195,11 +195,11 @@ pub fn apply_measurements(m: &mut Machine, r: &Measurements, date: &str, mold_ve
                 .into(),
         ),
     }
-    match r.host_read_gbps {
+    match r.host_read_gbps.map(round1) {
         Some(g) if g.is_finite() && g > 0.0 => {
-            m.host.read_gbps = Some(round1(g));
+            m.host.read_gbps = Some(g);
             measured.push(
-                "host read rate from a warm page cache (a scratch file read back by every core,                  16 MiB reads)"
+                "host read rate from a warm page cache (a scratch file read back by every core, 16 MiB reads)"
                     .into(),
             );
         }
