@@ -268,6 +268,9 @@ pub struct Outcome {
     pub plan: Plan,
     #[serde(skip)]
     pub machine: Machine,
+    /// The model planned (for what the summary prices beside the plan: its load).
+    #[serde(skip)]
+    pub model: mold_models::ModelSpec,
     pub families: Vec<FamilyResult>,
     pub evaluation: mold_cost::Evaluation,
     pub solve_time_ms: f64,
@@ -397,6 +400,7 @@ pub(crate) fn plan_one(req: &Request) -> Result<Outcome, PlanError> {
     Ok(Outcome {
         plan,
         machine: req.machine.clone(),
+        model: req.model.clone(),
         families,
         evaluation,
         solve_time_ms,

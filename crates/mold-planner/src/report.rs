@@ -253,6 +253,21 @@ pub fn summary(o: &Outcome) -> String {
         secs(e.step_s),
         secs(e.decode_s)
     );
+    // Loading, which a one-shot `mold exec` pays before the request and `mold serve` once.
+    let ctx = mold_cost::Ctx::new(&o.model, &o.machine, w);
+    let load = mold_cost::load_time(p, &ctx);
+    let _ = writeln!(
+        s,
+        "load before a one-shot request: {} (transformer {}; host read {:.1} GB/s, {})",
+        secs(load.total_s),
+        secs(load.transformer_s),
+        ctx.host_read_gbps(),
+        if o.machine.host.read_gbps.is_some() {
+            "measured"
+        } else {
+            "the default until `mold devices --calibrate`"
+        }
+    );
     let _ = writeln!(s, "\nmemory        peak + headroom / budget");
     for d in &e.devices {
         let used = d.peak + d.headroom;
