@@ -47,6 +47,11 @@ impl Ctx<'_> {
             .unwrap_or(DEFAULT_HOST_READ_GBPS)
     }
 
+    /// Whether the profile measured the host's read rate (else the default prices loading).
+    pub fn host_read_measured(&self) -> bool {
+        self.machine.host.read_gbps.is_some_and(|g| g > 0.0)
+    }
+
     /// Seconds to load `bytes` from the page cache onto `on` (the host: into its memory).
     fn load_one_s(&self, bytes: u64, on: &DeviceId) -> f64 {
         let read = self.host_read_gbps();

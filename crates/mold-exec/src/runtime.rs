@@ -128,12 +128,15 @@ fn cuda_device(n: u32, id: &DeviceId, own_stream: bool) -> Result<Device> {
 /// trims the pool to what is in use, and the next pass maps its activations' memory again.
 /// What the pool holds never exceeds its high-water mark of bytes in use, the peak the
 /// cost model predicts. A device without memory pools is left as it is.
+/// The default memory pool of `ctx`'s device (the stream-ordered allocator candle allocates
+/// from), with `ctx` bound to this thread; `None` for a device without memory pools.
 #[cfg(feature = "cuda")]
-fn keep_freed_memory(cd: &candle_core::CudaDevice) -> std::result::Result<(), String> {
+fn default_pool(
+    ctx: &candle_core::cuda::cudarc::driver::CudaContext,
+) -> std::result::Result<Option<candle_core::cuda::cudarc::driver::sys::CUmemoryPool>, String> {
     use candle_core::cuda::cudarc::driver::sys;
-    let ctx = cd.cuda_stream().context().clone();
     if !ctx.has_async_alloc() {
-        return Ok(());
+        return Ok(None);
     }
     ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
@@ -141,6 +144,15 @@ fn keep_freed_memory(cd: &candle_core::CudaDevice) -> std::result::Result<(), St
     unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
         .result()
         .map_err(|e| format!("its memory pool: {e:?}"))?;
+    Ok(Some(pool))
+}
+
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(cd: &candle_core::CudaDevice) -> std::result::Result<(), String> {
+    use candle_core::cuda::cudarc::driver::sys;
+    let Some(pool) = default_pool(cd.cuda_stream().context())? else {
+        return Ok(());
+    };
     let mut keep: u64 = u64::MAX;
     // SAFETY: the release threshold is a cuuint64_t, read through a valid pointer.
     unsafe {
@@ -303,20 +315,13 @@ mod peer {
     /// default memory pool (`cuMemPoolSetAccess`), as PyTorch's asynchronous allocator does
     /// for peers. A device without memory pools needs nothing.
     fn grant_pool(owner: &CudaDevice, peer: &CudaDevice) -> Result<(), String> {
-        let (o, p) = (ctx(owner), ctx(peer));
-        if !o.has_async_alloc() {
+        let Some(pool) = super::default_pool(&ctx(owner))? else {
             return Ok(());
-        }
-        o.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: a valid out pointer and the device of a live context.
-        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, o.cu_device()) }
-            .result()
-            .map_err(|e| format!("cuDeviceGetDefaultMemPool: {e:?}"))?;
+        };
         let desc = sys::CUmemAccessDesc {
             location: sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: p.ordinal() as i32,
+                id: ctx(peer).ordinal() as i32,
             },
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
@@ -457,6 +462,7 @@ mod peer {
 
 /// Reads checkpoint slices into host memory in the compute dtype; with `fp8`, the weights
 /// of products quantized to FP8 per output feature ([`crate::model::fp8`]).
+#[derive(Clone, Copy)]
 pub(crate) struct CheckpointSource<'a> {
     pub ckpt: &'a Checkpoint,
     pub dtype: DType,

@@ -13,23 +13,6 @@ use mold_exec::*;
 use mold_plan::Part;
 use proptest::prelude::*;
 
-/// Bit-for-bit equality (shape and every f32).
-fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
-    assert_eq!(a.dims(), b.dims(), "{what}");
-    let bits = |t: &Tensor| -> Vec<u32> {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f32::to_bits)
-            .collect()
-    };
-    assert!(bits(a) == bits(b), "{what}: outputs differ");
-}
-
 /// For k = 1, 2, 3 distinct micro-batches: each output equals `forward` of it alone,
 /// before and after the pipelined call (the executor's state, e.g. weight rings, carries
 /// over both ways).

@@ -2,7 +2,10 @@
 //! the host path reads ([`Checkpoint::read_slice`]) for any rows and columns, in every dtype
 //! a checkpoint stores; an FP8 tensor (scaled on the host) is left to the host path.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::assert_same;
 use mold_exec::checkpoint::Checkpoint;
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -49,20 +52,6 @@ fn staged_bytes(
     Tensor::from_raw_buffer(&bytes, sel.dtype, &sel.shape, &Device::Cpu).unwrap()
 }
 
-fn same(a: &Tensor, b: &Tensor) {
-    assert_eq!(a.dims(), b.dims());
-    assert_eq!(a.dtype(), b.dtype());
-    let f = |t: &Tensor| {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-    };
-    assert_eq!(f(a), f(b));
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
@@ -82,8 +71,8 @@ proptest! {
         let c = ranges(cols, &col_cuts);
         let r = (!whole_rows).then_some(r.as_slice());
         let c = (!whole_cols).then_some(c.as_slice());
-        same(&staged_bytes(&ck, "w", r, c), &ck.read_slice("w", r, c, dtype).unwrap());
-        same(&staged_bytes(&ck, "b", r, None), &ck.read_slice("b", r, None, dtype).unwrap());
+        assert_same(&staged_bytes(&ck, "w", r, c), &ck.read_slice("w", r, c, dtype).unwrap(), "w");
+        assert_same(&staged_bytes(&ck, "b", r, None), &ck.read_slice("b", r, None, dtype).unwrap(), "b");
     }
 }
 

@@ -262,7 +262,7 @@ pub fn summary(o: &Outcome) -> String {
         secs(load.total_s),
         secs(load.transformer_s),
         ctx.host_read_gbps(),
-        if o.machine.host.read_gbps.is_some() {
+        if ctx.host_read_measured() {
             "measured"
         } else {
             "the default until `mold devices --calibrate`"

@@ -187,7 +187,7 @@ impl Sim<'_> {
             first_use: self.first_use(),
             load: mold_cost::load_time(plan, &self.ctx),
             host_read_gbps: self.ctx.host_read_gbps(),
-            host_read_measured: self.machine.host.read_gbps.is_some_and(|g| g > 0.0),
+            host_read_measured: self.ctx.host_read_measured(),
         }
     }
 

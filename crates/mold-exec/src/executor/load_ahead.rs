@@ -172,6 +172,26 @@ mod tests {
         }
     }
 
+    /// Loaders reading at once share the cores and the look-ahead bytes: together they
+    /// never hold more than one loader may, and each keeps at least one thread.
+    #[test]
+    fn loaders_reading_at_once_share_cores_and_bytes() {
+        let all = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for share in [1usize, 2, 4, 8, 64] {
+            for largest in [1u64, 700 << 20, 2 << 30, 7 << 30] {
+                let n = readers_shared(largest, share);
+                assert!((1..=8).contains(&n), "{share} {largest}: {n}");
+                assert!(
+                    n == 1 || n <= all / share,
+                    "{share} {largest}: {n} of {all} cores"
+                );
+                let held = (n * share) as u64 * largest;
+                assert!(n == 1 || held <= AHEAD_BYTES, "{share} {largest}: {held}");
+            }
+        }
+        assert_eq!(readers_shared(700 << 20, 1), readers(700 << 20));
+    }
+
     /// The first error in index order comes back, nothing after it is taken, and the
     /// workers stop claiming items.
     #[test]

@@ -515,7 +515,6 @@ impl<M: Transformer> Executor<M> {
                         }
                     }
                 }
-                let from = read_resident::Source { ckpt, dtype, fp8 };
                 let share = reading.len();
                 let read_one = |(rank, id, device): &(usize, DeviceId, Device)| {
                     let shard = Shard {
@@ -525,7 +524,7 @@ impl<M: Transformer> Executor<M> {
                     let mine = followers.get(rank).map_or(&[][..], |f| &f[..]);
                     read_resident::read_resident(
                         model,
-                        from,
+                        src,
                         &spec.steps,
                         shard,
                         device,

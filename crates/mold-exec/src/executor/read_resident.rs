@@ -7,13 +7,12 @@
 
 use super::copy_out::CopyOut;
 use super::load_ahead;
-use crate::checkpoint::Checkpoint;
 use crate::error::{ExecError, Result};
 use crate::model::{BlockRef, Shard, Transformer, WeightSource, Weights};
 use crate::options::ExecOptions;
 use crate::runtime::{CheckpointSource, ShapeSource, StagedSource};
 use crate::staging::Stager;
-use candle_core::{DType, Device};
+use candle_core::Device;
 use mold_plan::DeviceId;
 
 /// What one reading rank loaded.
@@ -26,21 +25,13 @@ pub(super) struct ResidentRead<B> {
     pub read_s: f64,
 }
 
-/// The checkpoint and how its weights are held.
-#[derive(Clone, Copy)]
-pub(super) struct Source<'a> {
-    pub ckpt: &'a Checkpoint,
-    pub dtype: DType,
-    pub fp8: bool,
-}
-
 /// Reads the blocks `steps` of `shard` onto `device` (this process's `id`), copying each on
 /// to `followers`' devices as it is uploaded. `share`: how many ranks read at once, which
 /// divides the reading threads and their host memory among them.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn read_resident<M: Transformer>(
     model: &M,
-    from: Source<'_>,
+    host: CheckpointSource<'_>,
     steps: &[BlockRef],
     shard: Shard,
     device: &Device,
@@ -49,7 +40,7 @@ pub(super) fn read_resident<M: Transformer>(
     opts: &ExecOptions,
     share: usize,
 ) -> Result<ResidentRead<M::Block>> {
-    let Source { ckpt, dtype, fp8 } = from;
+    let CheckpointSource { ckpt, dtype, fp8 } = host;
     let t = std::time::Instant::now();
     // One line: candle's error may carry a captured backtrace after it.
     let device_error = |what: &str, e: candle_core::Error| ExecError::Device {
@@ -67,7 +58,6 @@ pub(super) fn read_resident<M: Transformer>(
         largest = largest.max(model.load_block(&shapes, *step, shard)?.bytes());
     }
     let readers = load_ahead::readers_shared(largest, share);
-    let host = CheckpointSource { ckpt, dtype, fp8 };
     // Resident blocks on a GPU go from the mapped files to the device through page-locked
     // buffers; the rest are read on the host.
     let stager = if opts.staged_load {
@@ -75,10 +65,7 @@ pub(super) fn read_resident<M: Transformer>(
     } else {
         None
     };
-    let staged = stager.as_ref().map(|stager| StagedSource {
-        host: CheckpointSource { ckpt, dtype, fp8 },
-        stager,
-    });
+    let staged = stager.as_ref().map(|stager| StagedSource { host, stager });
     let block_src: &(dyn WeightSource + Sync) = match &staged {
         Some(s) => s,
         None => &host,

@@ -132,3 +132,21 @@ pub fn error_vs_reference(ckpt: &Checkpoint, plan: &Plan, seed: u64) -> f64 {
     assert_eq!(max_relative_error(&again, &out).unwrap(), 0.0);
     max_relative_error(&out, &reference).unwrap()
 }
+
+/// Bit-for-bit equality of two tensors: shape, dtype and every value (as f32 bits).
+pub fn assert_same(a: &candle_core::Tensor, b: &candle_core::Tensor, what: &str) {
+    assert_eq!(a.dims(), b.dims(), "{what}");
+    assert_eq!(a.dtype(), b.dtype(), "{what}");
+    let bits = |t: &candle_core::Tensor| -> Vec<u32> {
+        t.to_dtype(candle_core::DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect()
+    };
+    assert!(bits(a) == bits(b), "{what}: values differ");
+}
