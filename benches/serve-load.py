@@ -51,6 +51,11 @@ class Client:
 
     def request(self, method, path, body=None):
         """(status, content type, bytes); status 0 with the reason for a transport failure."""
+        status, ctype, payload, _ = self.request_timed(method, path, body)
+        return status, ctype, payload
+
+    def request_timed(self, method, path, body=None):
+        """request's answer and its Server-Timing header ("" where none)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base + path, data=data, method=method)
         if data is not None:
@@ -59,11 +64,27 @@ class Client:
             req.add_header("authorization", "Bearer " + self.token)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return r.status, r.headers.get("content-type", ""), r.read()
+                return (r.status, r.headers.get("content-type", ""), r.read(),
+                        r.headers.get("server-timing", ""))
         except urllib.error.HTTPError as e:
-            return e.code, e.headers.get("content-type", ""), e.read()
+            return e.code, e.headers.get("content-type", ""), e.read(), ""
         except (urllib.error.URLError, OSError) as e:
-            return 0, "", one_line(getattr(e, "reason", e)).encode()
+            return 0, "", one_line(getattr(e, "reason", e)).encode(), ""
+
+
+def parse_server_timing(value):
+    """`name;dur=ms, …` → {name: seconds}; entries without a duration are left out."""
+    out = {}
+    for entry in value.split(","):
+        name, _, params = entry.strip().partition(";")
+        for p in params.split(";"):
+            k, _, v = p.strip().partition("=")
+            if k == "dur" and name:
+                try:
+                    out[name] = float(v) / 1e3
+                except ValueError:
+                    pass
+    return out
 
 
 def images_of(content_type, payload):
@@ -118,10 +139,12 @@ class Run:
             if seed is not None:
                 body["seed"] = seed
             t0 = time.monotonic()
-            status, ctype, payload = self.client.request("POST", self.args.endpoint, body)
+            status, ctype, payload, timing = self.client.request_timed(
+                "POST", self.args.endpoint, body)
             t1 = time.monotonic()
             r = {"index": i, "seed": body.get("seed"), "start": t0, "end": t1,
-                 "latency_s": t1 - t0, "status": status}
+                 "latency_s": t1 - t0, "status": status,
+                 "server_timing_s": parse_server_timing(timing)}
             if status == 200:
                 try:
                     imgs = images_of(ctype, payload)
@@ -196,6 +219,12 @@ def summarize(args, results, t0, t1):
         differ = sorted(str(s) for s, d in repeated.items() if len(d) > 1)
         same = {"seeds_repeated": len(repeated), "seeds_differing": differ,
                 "ok": not differ}
+    # The server's own account of each request (Server-Timing), phase by phase: medians.
+    phases = {}
+    for r in ok:
+        for name, sec in r.get("server_timing_s", {}).items():
+            phases.setdefault(name, []).append(sec)
+    server_phases = {n: round(statistics.median(v), 4) for n, v in phases.items()}
     reasons = {}
     for r in errors:
         reasons[r["error"]] = reasons.get(r["error"], 0) + 1
@@ -221,6 +250,7 @@ def summarize(args, results, t0, t1):
             "max": round(lat[-1], 4) if lat else 0.0,
         },
         "same_seed": same,
+        "server_phases_median_s": server_phases,
     }
 
 

@@ -579,6 +579,7 @@ async fn generate(State(st): App, headers: HeaderMap, body: Body) -> Response {
                 ("x-mold-replica", img.replica.to_string()),
                 ("x-mold-seconds", format!("{:.3}", img.seconds)),
                 ("x-mold-request-id", img.request.to_string()),
+                ("server-timing", server_timing(&img)),
             ] {
                 if let Ok(v) = HeaderValue::from_str(&v) {
                     h.insert(k, v);
@@ -588,6 +589,25 @@ async fn generate(State(st): App, headers: HeaderMap, body: Body) -> Response {
         }
         Err(w) => waited(&st, w),
     }
+}
+
+/// The request's phases as a `Server-Timing` header (W3C Server Timing: milliseconds),
+/// what it waited for as `queue` and the whole as `total`.
+fn server_timing(img: &Image) -> String {
+    let p = img.phases;
+    let queue = (img.seconds - p.encode - p.denoise - p.decode - p.png).max(0.0);
+    [
+        ("queue", queue),
+        ("encode", p.encode),
+        ("denoise", p.denoise),
+        ("decode", p.decode),
+        ("png", p.png),
+        ("total", img.seconds),
+    ]
+    .iter()
+    .map(|(n, s)| format!("{n};dur={:.1}", s * 1e3))
+    .collect::<Vec<_>>()
+    .join(", ")
 }
 
 fn progress_event(p: &mold_pipeline::Progress) -> SseEvent {

@@ -55,6 +55,7 @@ fn sixteen_concurrent_requests_over_two_replicas_equal_each_run_alone() {
                 let r = client().post(&url).json(&body(s, 2)).send().unwrap();
                 assert_eq!(r.status(), 200, "{:?}", r.text());
                 let replica = r.headers()["x-mold-replica"].to_str().unwrap().to_string();
+                check_server_timing(r.headers());
                 (replica, r.bytes().unwrap().to_vec())
             })
         })
@@ -104,6 +105,33 @@ fn sixteen_concurrent_requests_over_two_replicas_equal_each_run_alone() {
     );
     let s = h.shutdown().unwrap();
     assert_eq!(s.ok, 18);
+}
+
+/// A `Server-Timing` header naming every phase in order, each a duration in ms, with the
+/// phases (queue included) adding up to the total, and the request's work not nothing.
+fn check_server_timing(h: &reqwest::header::HeaderMap) {
+    let v = h["server-timing"].to_str().unwrap();
+    let got: Vec<(&str, f64)> = v
+        .split(", ")
+        .map(|m| {
+            let (name, dur) = m.split_once(";dur=").unwrap_or_else(|| panic!("{v}"));
+            (name, dur.parse::<f64>().unwrap_or_else(|_| panic!("{v}")))
+        })
+        .collect();
+    let names: Vec<&str> = got.iter().map(|(n, _)| *n).collect();
+    assert_eq!(
+        names,
+        ["queue", "encode", "denoise", "decode", "png", "total"],
+        "{v}"
+    );
+    assert!(got.iter().all(|(_, d)| *d >= 0.0), "{v}");
+    let parts: f64 = got[..5].iter().map(|(_, d)| d).sum();
+    let total = got[5].1;
+    // Each figure is rounded to 0.1 ms.
+    assert!((parts - total).abs() <= 0.3 || parts < total, "{v}");
+    for work in [1, 2, 3] {
+        assert!(got[work].1 > 0.0, "{v}");
+    }
 }
 
 #[test]

@@ -87,6 +87,10 @@ pub struct CommOptions {
     /// ([`crate::model::token_split`]).
     /// `MOLD_TP_TOKEN_SPLIT=on|off`, default off (not yet measured on GPUs).
     pub token_split: bool,
+    /// A one-process run starts its NCCL communicators while the weights load (true), or
+    /// once they are loaded (false: the load's `waiting for the communicators` phase is
+    /// then their whole start). `MOLD_COMM_WARM=during|after`, default during.
+    pub warm_during_load: bool,
 }
 
 impl Default for CommOptions {
@@ -99,6 +103,7 @@ impl Default for CommOptions {
             secret: None,
             overlap_chunks: DEFAULT_OVERLAP_CHUNKS,
             token_split: false,
+            warm_during_load: true,
         }
     }
 }
@@ -180,6 +185,19 @@ impl CommOptions {
                 }
             };
         }
+        if let Some(v) = get("MOLD_COMM_WARM") {
+            o.warm_during_load = match v.trim() {
+                "during" => true,
+                "after" => false,
+                _ => {
+                    return Err(ExecError::Launch(format!(
+                        "MOLD_COMM_WARM={v:?}: give during or after (when a one-process run \
+                         starts its communicators: while the weights load, or once they are \
+                         loaded), or unset it (default during)"
+                    )))
+                }
+            };
+        }
         Ok(o)
     }
 
@@ -244,6 +262,17 @@ mod tests {
                 "{m}"
             );
         }
+        for (v, during) in [("during", true), (" after", false)] {
+            assert_eq!(
+                from(&[("MOLD_COMM_WARM", v)]).unwrap().warm_during_load,
+                during
+            );
+        }
+        let m = msg(&[("MOLD_COMM_WARM", "later")]);
+        assert!(
+            m.contains("MOLD_COMM_WARM") && m.contains("during or after"),
+            "{m}"
+        );
         for bad in ["0", "65", "-1", "x", "1.5", ""] {
             let m = msg(&[("MOLD_OVERLAP_CHUNKS", bad)]);
             assert!(

@@ -234,7 +234,14 @@ fn warm_groups(
     specs: &[PartSpec],
     comm: &crate::comm::CommOptions,
 ) -> Option<std::thread::JoinHandle<()>> {
-    let lists = group_device_lists(specs);
+    warm_lists(group_device_lists(specs), comm)
+}
+
+/// Starts and drops the communicators of `lists` on a thread of its own.
+fn warm_lists(
+    lists: Vec<Vec<DeviceId>>,
+    comm: &crate::comm::CommOptions,
+) -> Option<std::thread::JoinHandle<()>> {
     if lists.is_empty() {
         return None;
     }
@@ -472,10 +479,17 @@ impl<M: Transformer> Executor<M> {
         let (mut read_s, mut copy_s) = (0.0, 0.0);
         // The communicators of a one-process run start while the weights load (NCCL's take
         // about a second for four GPUs), instead of in the first step.
-        let warming = if dist.is_none() {
+        let warm_now = dist.is_none() && opts.comm.warm_during_load;
+        let warm_later = dist.is_none() && !opts.comm.warm_during_load;
+        let mut warming = if warm_now {
             warm_groups(&specs, &opts.comm)
         } else {
             None
+        };
+        let group_lists = if warm_later {
+            group_device_lists(&specs)
+        } else {
+            Vec::new()
         };
         let mut rings: Vec<(DeviceId, Ring<M::Block>)> = Vec::new();
         let src = CheckpointSource { ckpt, dtype, fp8 };
@@ -723,6 +737,9 @@ impl<M: Transformer> Executor<M> {
         devmap.synchronize()?;
         let sync_s = t.elapsed().as_secs_f64();
         let t = std::time::Instant::now();
+        if warm_later {
+            warming = warm_lists(group_lists, &opts.comm);
+        }
         if let Some(w) = warming {
             // Made and dropped: pooled for the first call. A group that failed to start is
             // not pooled, and the first call makes it again and reports why.

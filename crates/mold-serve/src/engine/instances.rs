@@ -105,11 +105,13 @@ impl Engine {
         job: &mut Job,
         own: Option<usize>,
     ) -> Result<(), PipelineError> {
+        let mut started = None;
         for c in 0..ENCODERS.len() {
             let allowed = own.map(|r| vec![self.replicas[r].planned[c]]);
             self.with_component(c, allowed.as_deref(), ticket, |inst| {
                 if c == 0 {
                     self.hooks.at(Stage::Encode);
+                    started = Some(Instant::now());
                 }
                 match inst {
                     Instance::Encoder(enc) => {
@@ -118,6 +120,9 @@ impl Engine {
                     Instance::Decoder(_) => unreachable!("components 0 and 1 are encoders"),
                 }
             })?;
+        }
+        if let Some(t) = started {
+            ticket.spent(t.elapsed().as_secs_f64(), |p| &mut p.encode);
         }
         Ok(())
     }

@@ -59,6 +59,23 @@ pub struct Image {
     pub seconds: f64,
     /// The request's id (as the log names it).
     pub request: u64,
+    /// Where its `seconds` went.
+    pub phases: Phases,
+}
+
+/// Seconds a request spent in each part of its run, from its admission; what is left of
+/// [`Image::seconds`] is waiting (for an encoder, a transformer, a decoder). HTTP answers
+/// carry them as a `Server-Timing` header.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Phases {
+    /// Both text encoders, from the first one's start to the second one's end.
+    pub encode: f64,
+    /// Every denoising step on the transformer's devices.
+    pub denoise: f64,
+    /// The VAE, the decoded image back on the host included.
+    pub decode: f64,
+    /// The PNG made from it.
+    pub png: f64,
 }
 
 /// What a request's client hears while it runs.

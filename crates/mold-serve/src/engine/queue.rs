@@ -22,9 +22,17 @@ pub(super) struct Ticket {
     pub(super) admitted: Instant,
     /// A start-up warm-up request: kept out of the metrics.
     pub(super) warm_up: bool,
+    /// Where its time went so far (set by the thread running each part).
+    pub(super) phases: std::sync::Mutex<super::Phases>,
 }
 
 impl Ticket {
+    /// Adds `seconds` to one of its phases.
+    pub(super) fn spent(&self, seconds: f64, phase: impl FnOnce(&mut super::Phases) -> &mut f64) {
+        let mut p = self.phases.lock().unwrap_or_else(|e| e.into_inner());
+        *phase(&mut p) += seconds;
+    }
+
     pub(super) fn progress(&self) -> impl FnMut(&Progress) + '_ {
         move |p: &Progress| {
             if let Some(tx) = &self.events {
@@ -159,6 +167,7 @@ impl Engine {
                 done,
                 admitted: Instant::now(),
                 warm_up,
+                phases: Default::default(),
             };
             q.queued += 1;
             if self.encoder_pool {

@@ -190,6 +190,7 @@ impl Engine {
             let t = Instant::now();
             let out = job.denoise(den, true, &ticket.cancel, &mut ticket.progress());
             let s = t.elapsed().as_secs_f64();
+            ticket.spent(s, |p| &mut p.denoise);
             for &d in rep.devices.iter().filter(|_| !ticket.warm_up) {
                 self.metrics.busy(&self.pool.devices()[d].id.to_string(), s);
             }
@@ -202,7 +203,8 @@ impl Engine {
         let mut job = Some(job);
         let out = self.with_component(vae, allowed.as_deref(), ticket, |inst| {
             self.hooks.at(Stage::Decode);
-            match inst {
+            let t = Instant::now();
+            let out = match inst {
                 Instance::Decoder(dec) => job.take().expect("once").decode(
                     dec,
                     latents,
@@ -211,11 +213,15 @@ impl Engine {
                     &mut ticket.progress(),
                 ),
                 Instance::Encoder(_) => unreachable!("the VAE"),
-            }
+            };
+            ticket.spent(t.elapsed().as_secs_f64(), |p| &mut p.decode);
+            out
         })?;
         stage.set(Stage::Png);
         self.hooks.at(Stage::Png);
+        let t = Instant::now();
         let png = mold_pipeline::encode_png(&out.image, &out.metadata)?;
+        ticket.spent(t.elapsed().as_secs_f64(), |p| &mut p.png);
         Ok(Made {
             png,
             width: out.image.width,
@@ -248,6 +254,7 @@ impl Engine {
                     replica: r,
                     seconds,
                     request: id,
+                    phases: *ticket.phases.lock().unwrap_or_else(|e| e.into_inner()),
                 })
             }
             Err(Fail::Pipeline(e))
