@@ -15,6 +15,20 @@ pub struct RgbImage {
 /// Encodes `img` as a PNG with one tEXt chunk per `(keyword, text)`. tEXt is Latin-1:
 /// characters outside it are written as `?` (PNG readers show the rest as is).
 pub fn encode_png(img: &RgbImage, text: &[(String, String)]) -> Result<Vec<u8>> {
+    encode_png_with(img, text, PNG_COMPRESSION)
+}
+
+/// How [`encode_png`] compresses: fdeflate's fast mode. On a 1024² image it takes a few ms
+/// where the default (`Balanced`) takes over 100 ms of a request, for files about a tenth
+/// larger (`cargo run --release -p mold-pipeline --example image_bench`, BENCHMARKS.md).
+pub const PNG_COMPRESSION: png::Compression = png::Compression::Fast;
+
+/// [`encode_png`] at the compression level `compression`.
+pub fn encode_png_with(
+    img: &RgbImage,
+    text: &[(String, String)],
+    compression: png::Compression,
+) -> Result<Vec<u8>> {
     let err = |e: png::EncodingError| PipelineError::Png {
         path: "<memory>".into(),
         message: e.to_string(),
@@ -24,6 +38,7 @@ pub fn encode_png(img: &RgbImage, text: &[(String, String)]) -> Result<Vec<u8>> 
         let mut enc = png::Encoder::new(&mut out, img.width, img.height);
         enc.set_color(png::ColorType::Rgb);
         enc.set_depth(png::BitDepth::Eight);
+        enc.set_compression(compression);
         for (k, v) in text {
             let latin1: String = v
                 .chars()
@@ -112,18 +127,73 @@ pub(crate) fn rgb8_with(
             message: format!("decoded {c} channels, expected 3 (RGB)"),
         });
     }
-    let hwc = img
-        .to_device(&candle_core::Device::Cpu)?
+    // Widened where it is (a GPU does it at once), copied as it lies (channel planes), then
+    // interleaved here: a strided copy on the host would cost more than the rest.
+    let chw = img
         .to_dtype(candle_core::DType::F32)?
-        .permute((1, 2, 0))?
         .flatten_all()?
+        .to_device(&candle_core::Device::Cpu)?
         .to_vec1::<f32>()?;
-    Ok((w as u32, h as u32, hwc.into_iter().map(byte).collect()))
+    let plane = h * w;
+    let (r, rest) = chw.split_at(plane);
+    let (g, b) = rest.split_at(plane);
+    let mut out = Vec::with_capacity(3 * plane);
+    for ((r, g), b) in r.iter().zip(g).zip(b) {
+        out.extend_from_slice(&[byte(*r), byte(*g), byte(*b)]);
+    }
+    Ok((w as u32, h as u32, out))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Channel planes in, rows of interleaved R, G, B out, pixel by pixel in row order.
+    #[test]
+    fn rgb_bytes_interleave_the_channel_planes() {
+        // 3 channels × 2 rows × 3 columns: channel c, row y, column x holds 100c + 10y + x.
+        let v: Vec<f32> = (0..3)
+            .flat_map(|c| {
+                (0..2).flat_map(move |y| (0..3).map(move |x| (100 * c + 10 * y + x) as f32))
+            })
+            .collect();
+        let t = candle_core::Tensor::from_vec(v, (3, 2, 3), &candle_core::Device::Cpu).unwrap();
+        let (w, h, data) = rgb8_with(&t, |v| v as u8).unwrap();
+        assert_eq!((w, h), (3, 2));
+        let want: Vec<u8> = (0..2)
+            .flat_map(|y| {
+                (0..3).flat_map(move |x| (0..3).map(move |c| (100 * c + 10 * y + x) as u8))
+            })
+            .collect();
+        assert_eq!(data, want);
+        // A strided (transposed) tensor reads as its values, not its storage.
+        let tt = t.transpose(1, 2).unwrap();
+        let (w, h, data) = rgb8_with(&tt, |v| v as u8).unwrap();
+        assert_eq!((w, h), (2, 3));
+        assert_eq!(data[..6], [0, 100, 200, 10, 110, 210]);
+    }
+
+    /// Every compression level writes a PNG that reads back as the same pixels.
+    #[test]
+    fn each_compression_reads_back_the_same_pixels() {
+        let img = RgbImage {
+            width: 4,
+            height: 3,
+            data: (0..36).map(|i| (i * 7) as u8).collect(),
+        };
+        for c in [
+            png::Compression::Fast,
+            png::Compression::Balanced,
+            png::Compression::NoCompression,
+        ] {
+            let bytes = encode_png_with(&img, &[], c).unwrap();
+            let d = png::Decoder::new(std::io::Cursor::new(bytes));
+            let mut r = d.read_info().unwrap();
+            let mut buf = vec![0; r.output_buffer_size().unwrap()];
+            let info = r.next_frame(&mut buf).unwrap();
+            assert_eq!(&buf[..info.buffer_size()], &img.data[..], "{c:?}");
+        }
+    }
 
     #[test]
     fn text_chunks_round_trip() {
