@@ -22,6 +22,11 @@ fn warm_up_runs_one_request_per_replica_before_serving_and_counts_none() {
         let l = lines.lock().unwrap();
         let w = l.iter().find(|l| l.starts_with("warm-up: 2 requests at"));
         assert!(w.is_some(), "{l:?}");
+        // The second replica's transformer was copied from the first's, not read again.
+        let copied = l
+            .iter()
+            .any(|l| l.starts_with("replica 1: load") && l.contains("(copied from emu:"));
+        assert!(copied, "{l:?}");
     }
     assert_eq!(
         metric(h.addr(), "mold_requests_total{outcome=\"ok\"} "),

@@ -17,6 +17,7 @@ pub mod pipeline;
 pub mod plan_check;
 mod rank;
 mod read_resident;
+mod replicate;
 
 pub use pipeline::MicroBatchSpan;
 

@@ -226,6 +226,62 @@ impl Denoiser {
         })
     }
 
+    /// This transformer on the devices of `plan`, another replica of the placement it was
+    /// loaded for, its weights copied device to device ([`Executor::replicate`]: over
+    /// NVLink or PCIe where the GPUs have peer access) instead of read from the checkpoint.
+    /// Refused in one line where the placements differ or a part streams.
+    pub fn replicate(
+        &self,
+        plan: &Plan,
+        devmap: &mut DeviceMap,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Denoiser> {
+        let target = Target::of(plan, devmap)?;
+        let tf = plan.transformer().expect("Target::of checked");
+        let mut devices: Vec<DeviceId> = Vec::new();
+        for d in tf.parts.iter().flat_map(|p| &p.devices) {
+            if !devices.contains(d) {
+                devices.push(d.clone());
+            }
+        }
+        let label = devices
+            .iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        progress(&Progress::Loading {
+            component: "transformer".into(),
+            devices: format!(
+                "{label} (copied from {})",
+                self.devices
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+        let t = Instant::now();
+        let exec = self.exec.replicate(plan)?;
+        let load_s = t.elapsed().as_secs_f64();
+        let weight_bytes = exec
+            .memory_report()
+            .iter()
+            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
+            .sum();
+        progress(&Progress::Loaded {
+            component: "transformer".into(),
+            devices: label,
+            seconds: load_s,
+            weight_bytes,
+        });
+        Ok(Denoiser {
+            exec,
+            target,
+            devices,
+            load_s,
+        })
+    }
+
     /// The devices the transformer runs on, each once, in the plan's order.
     pub fn devices(&self) -> &[DeviceId] {
         &self.devices

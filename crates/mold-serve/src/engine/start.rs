@@ -168,11 +168,28 @@ impl Engine {
                 engine.instance(c, d, &mut on)?;
             }
         }
-        // One thread per replica, each loading its transformer.
+        // Several replicas: the first one's transformer read from the checkpoint, every
+        // other one's copied from it device to device where the placements allow
+        // (`Denoiser::replicate`: over NVLink or PCIe instead of through host memory again),
+        // read on its own thread where not.
+        let mut copied: Vec<Option<Denoiser>> = (0..n).map(|_| None).collect();
+        if n > 1 {
+            match copy_replicas(&engine, d) {
+                Ok(dens) => copied = dens,
+                Err(e) => {
+                    engine.close();
+                    engine.join();
+                    return Err(e.into());
+                }
+            }
+        }
+        // One thread per replica, each loading its transformer (or taking its copy).
         let (tx, rx) = std::sync::mpsc::channel::<Result<(), PipelineError>>();
         let mut preps_iter = std::iter::once(None).chain(preps.into_iter().map(Some));
+        let mut copied = copied.into_iter();
         for r in 0..engine.replicas.len() {
             let own = preps_iter.next().flatten();
+            let ready = copied.next().flatten();
             let (e, tx) = (engine.clone(), tx.clone());
             let exec = d.exec.clone();
             let h = std::thread::Builder::new()
@@ -184,7 +201,11 @@ impl Engine {
                         let mut on = |p: &Progress| (e.log)(format!("replica {r}: {p}"));
                         Denoiser::load(&e.replicas[r].plan, prep, &exec, &mut devmap, &mut on)
                     };
-                    let mut den = match load() {
+                    let loaded = match ready {
+                        Some(den) => Ok(den),
+                        None => load(),
+                    };
+                    let mut den = match loaded {
                         Ok(den) => den,
                         Err(err) => {
                             let _ = tx.send(Err(err));
@@ -279,6 +300,28 @@ impl Engine {
         }
         Ok(engine)
     }
+}
+
+/// The replicas' transformers: the first read from the checkpoint, each other copied from
+/// it where [`Denoiser::replicate`] can (`None` where not: its thread reads it, and the log
+/// says why).
+fn copy_replicas(e: &Engine, d: &Deployment) -> Result<Vec<Option<Denoiser>>, PipelineError> {
+    let mut devmap = lock(&e.devmap);
+    let mut on = |p: &Progress| (e.log)(format!("replica 0: {p}"));
+    let first = Denoiser::load(&e.replicas[0].plan, &e.prep, &d.exec, &mut devmap, &mut on)?;
+    let mut out = vec![None];
+    for r in 1..e.replicas.len() {
+        let mut on = |p: &Progress| (e.log)(format!("replica {r}: {p}"));
+        match first.replicate(&e.replicas[r].plan, &mut devmap, &mut on) {
+            Ok(den) => out.push(Some(den)),
+            Err(why) => {
+                (e.log)(format!("replica {r}: {why}"));
+                out.push(None);
+            }
+        }
+    }
+    out[0] = Some(first);
+    Ok(out)
 }
 
 /// Where the plan puts component `name`: its device; for a VAE planned in row bands over
