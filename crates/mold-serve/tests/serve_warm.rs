@@ -25,7 +25,7 @@ fn warm_up_runs_one_request_per_replica_before_serving_and_counts_none() {
         // The second replica's transformer was copied from the first's, not read again.
         let copied = l
             .iter()
-            .any(|l| l.starts_with("replica 1: load") && l.contains("(copied from emu:"));
+            .any(|l| l.starts_with("replica copies: load") && l.contains("(copied from emu:0)"));
         assert!(copied, "{l:?}");
     }
     assert_eq!(

@@ -226,60 +226,107 @@ impl Denoiser {
         })
     }
 
-    /// This transformer on the devices of `plan`, another replica of the placement it was
-    /// loaded for, its weights copied device to device ([`Executor::replicate`]: over
-    /// NVLink or PCIe where the GPUs have peer access) instead of read from the checkpoint.
-    /// Refused in one line where the placements differ or a part streams.
-    pub fn replicate(
+    /// This transformer on the devices of each of `plans`, other replicas of the placement
+    /// it was loaded for, its weights copied device to device ([`Executor::replicate`]:
+    /// over NVLink or PCIe where the GPUs have peer access) instead of read from the
+    /// checkpoint, every replica at once. One result per plan: refused in one line where
+    /// the placements differ or a part streams.
+    pub fn replicas(
         &self,
-        plan: &Plan,
+        plans: &[&Plan],
         devmap: &mut DeviceMap,
         progress: &mut dyn FnMut(&Progress),
-    ) -> Result<Denoiser> {
-        let target = Target::of(plan, devmap)?;
-        let tf = plan.transformer().expect("Target::of checked");
-        let mut devices: Vec<DeviceId> = Vec::new();
-        for d in tf.parts.iter().flat_map(|p| &p.devices) {
-            if !devices.contains(d) {
-                devices.push(d.clone());
-            }
-        }
-        let label = devices
+    ) -> Vec<Result<Denoiser>> {
+        let from = self
+            .devices
             .iter()
             .map(|d| d.to_string())
             .collect::<Vec<_>>()
             .join(", ");
-        progress(&Progress::Loading {
-            component: "transformer".into(),
-            devices: format!(
-                "{label} (copied from {})",
-                self.devices
+        let mut wanted = Vec::with_capacity(plans.len());
+        for plan in plans {
+            wanted.push(Target::of(plan, devmap).map(|target| {
+                let tf = plan.transformer().expect("Target::of checked");
+                let mut devices: Vec<DeviceId> = Vec::new();
+                for d in tf.parts.iter().flat_map(|p| &p.devices) {
+                    if !devices.contains(d) {
+                        devices.push(d.clone());
+                    }
+                }
+                (target, devices)
+            }));
+        }
+        let label = |devices: &[DeviceId]| {
+            devices
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        for (_, devices) in wanted.iter().flatten() {
+            progress(&Progress::Loading {
+                component: "transformer".into(),
+                devices: format!("{} (copied from {from})", label(devices)),
+            });
+        }
+        // Each replica's copies on threads of their own (and one per receiving device
+        // inside): the source's links serve them all at once.
+        let copies: Vec<Option<(Result<Executor<FluxConfig>>, f64)>> = std::thread::scope(|s| {
+            let threads: Vec<_> = plans
+                .iter()
+                .zip(&wanted)
+                .map(|(plan, w)| {
+                    w.is_ok().then(|| {
+                        s.spawn(move || {
+                            let t = Instant::now();
+                            let e = self.exec.replicate(plan).map_err(PipelineError::from);
+                            (e, t.elapsed().as_secs_f64())
+                        })
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| {
+                    t.map(|t| {
+                        t.join().unwrap_or_else(|_| {
+                            (
+                                Err(PipelineError::Plan(
+                                    "a replica's copy thread panicked".into(),
+                                )),
+                                0.0,
+                            )
+                        })
+                    })
+                })
+                .collect()
+        });
+        wanted
+            .into_iter()
+            .zip(copies)
+            .map(|(w, c)| {
+                let (target, devices) = w?;
+                let (exec, load_s) = c.expect("a thread for every wanted replica");
+                let exec = exec?;
+                let weight_bytes = exec
+                    .memory_report()
                     .iter()
-                    .map(|d| d.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        });
-        let t = Instant::now();
-        let exec = self.exec.replicate(plan)?;
-        let load_s = t.elapsed().as_secs_f64();
-        let weight_bytes = exec
-            .memory_report()
-            .iter()
-            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
-            .sum();
-        progress(&Progress::Loaded {
-            component: "transformer".into(),
-            devices: label,
-            seconds: load_s,
-            weight_bytes,
-        });
-        Ok(Denoiser {
-            exec,
-            target,
-            devices,
-            load_s,
-        })
+                    .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
+                    .sum();
+                progress(&Progress::Loaded {
+                    component: "transformer".into(),
+                    devices: label(&devices),
+                    seconds: load_s,
+                    weight_bytes,
+                });
+                Ok(Denoiser {
+                    exec,
+                    target,
+                    devices,
+                    load_s,
+                })
+            })
+            .collect()
     }
 
     /// The devices the transformer runs on, each once, in the plan's order.

@@ -309,10 +309,11 @@ fn copy_replicas(e: &Engine, d: &Deployment) -> Result<Vec<Option<Denoiser>>, Pi
     let mut devmap = lock(&e.devmap);
     let mut on = |p: &Progress| (e.log)(format!("replica 0: {p}"));
     let first = Denoiser::load(&e.replicas[0].plan, &e.prep, &d.exec, &mut devmap, &mut on)?;
+    let plans: Vec<&Plan> = e.replicas[1..].iter().map(|r| &r.plan).collect();
+    let mut on = |p: &Progress| (e.log)(format!("replica copies: {p}"));
     let mut out = vec![None];
-    for r in 1..e.replicas.len() {
-        let mut on = |p: &Progress| (e.log)(format!("replica {r}: {p}"));
-        match first.replicate(&e.replicas[r].plan, &mut devmap, &mut on) {
+    for (r, copy) in (1..).zip(first.replicas(&plans, &mut devmap, &mut on)) {
+        match copy {
             Ok(den) => out.push(Some(den)),
             Err(why) => {
                 (e.log)(format!("replica {r}: {why}"));
