@@ -684,6 +684,7 @@ async fn generate_stream(State(st): App, headers: HeaderMap, body: Body) -> Resp
                     "seed": img.seed,
                     "width": img.width,
                     "height": img.height,
+                    "replica": img.replica,
                     "request_id": img.request,
                 })
                 .to_string(),
