@@ -17,6 +17,12 @@ use candle_core::Device;
 use mold_plan::{DeviceId, Plan, Residency};
 use std::sync::Mutex;
 
+/// A rank by its part and its index in the part: `(part, rank)`.
+type RankAt = (usize, usize);
+
+/// One receiving device's ranks, copied.
+type Copied<M> = Vec<(RankAt, Rank<M>)>;
+
 impl<M: Transformer> Executor<M> {
     /// This executor's weights on the devices of `plan`, a replica of the placement it
     /// was loaded for: the same parts, each with the same blocks, layout and number of
@@ -67,7 +73,7 @@ impl<M: Transformer> Executor<M> {
         }
         let mut devmap = DeviceMap::new(self.opts.deterministic);
         // Each receiving device with the ranks it gets: (part, rank).
-        let mut to: Vec<(DeviceId, Device, Vec<(usize, usize)>)> = Vec::new();
+        let mut to: Vec<(DeviceId, Device, Vec<RankAt>)> = Vec::new();
         for (pi, p) in comp.parts.iter().enumerate() {
             for (ri, id) in p.devices.iter().enumerate() {
                 let device = devmap.get(id)?;
@@ -95,7 +101,7 @@ impl<M: Transformer> Executor<M> {
         let warming = warm_groups(&specs, &self.opts.comm);
         let t = std::time::Instant::now();
         let peer = self.opts.peer_copies;
-        let copied: Vec<Result<Vec<((usize, usize), Rank<M>)>>> = std::thread::scope(|s| {
+        let copied: Vec<Result<Copied<M>>> = std::thread::scope(|s| {
             let threads: Vec<_> = to
                 .iter()
                 .map(|(id, device, ranks)| {
