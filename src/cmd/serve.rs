@@ -86,8 +86,9 @@ pub struct Args {
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub encoder_pool: String,
     /// on: before answering anything, one request per replica at the plan's size (one
-    /// step) loads every kernel and builds cuDNN's plans, so the first client's request
-    /// runs warm; off: the first request pays that.
+    /// step; with the encoder pool on, one more per device holding an encoder or the VAE,
+    /// run there) loads every kernel and builds cuDNN's plans on every device, so the first
+    /// client's request runs warm; off: the first request pays that.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub warm_up: String,
     /// More sizes the warm-up runs besides the plan's, WIDTHxHEIGHT[,WIDTHxHEIGHT…] (e.g.

@@ -33,7 +33,8 @@ pub struct ServeOptions {
     /// Text encoders and the VAE run on any idle device with room (the lock pool);
     /// off: each request's on its replica's planned devices.
     pub encoder_pool: bool,
-    /// Before serving, one request per replica at the plan's size, one step: every kernel's
+    /// Before serving, one request per replica at the plan's size, one step (with
+    /// `encoder_pool`, one more per device holding an encoder or the VAE, run there): every kernel's
     /// first load, cuDNN's plans and the collectives' first use happen before the server
     /// answers, so the first client pays a warm request. Off here; `mold serve` turns it
     /// on (`--warm-up off` leaves it out). The start waits for it: start the engine

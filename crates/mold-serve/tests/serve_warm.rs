@@ -12,6 +12,8 @@ fn warm_up_runs_one_request_per_replica_before_serving_and_counts_none() {
     let (lines, log) = keep_log();
     let o = ServeOptions {
         warm_up: true,
+        // One warm-up request at a time: unpinned, each would take the first idle device.
+        queue: 1,
         ..opts()
     };
     let h = Detached(Some(
@@ -27,6 +29,12 @@ fn warm_up_runs_one_request_per_replica_before_serving_and_counts_none() {
             .iter()
             .any(|l| l.starts_with("replica copies: load") && l.contains("(copied from emu:0)"));
         assert!(copied, "{l:?}");
+        // With the encoder pool on (the default), every device holding an encoder or the
+        // VAE ran each of them once more, pinned there: both replicas' devices.
+        let pinned = l.iter().any(|l| {
+            l.starts_with("warm-up: the encoders and the VAE on 2 of 2 devices (emu:0, emu:2) at")
+        });
+        assert!(pinned, "{l:?}");
     }
     assert_eq!(
         metric(h.addr(), "mold_requests_total{outcome=\"ok\"} "),

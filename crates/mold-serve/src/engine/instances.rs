@@ -59,6 +59,21 @@ impl Engine {
         Ok(inst)
     }
 
+    /// The device a warm-up `ticket` is pinned to, as the only one allowed for component
+    /// `c`, where an instance of `c` is loaded there.
+    pub(super) fn pinned(&self, ticket: &Ticket, c: usize) -> Option<Vec<usize>> {
+        let d = ticket.pin?;
+        lock(&self.instances).contains_key(&(c, d)).then(|| vec![d])
+    }
+
+    /// Devices holding a loaded encoder or VAE instance, in the pool's order.
+    pub(super) fn instance_devices(&self) -> Vec<usize> {
+        let mut ds: Vec<usize> = lock(&self.instances).keys().map(|&(_, d)| d).collect();
+        ds.sort_unstable();
+        ds.dedup();
+        ds
+    }
+
     /// Runs component `c` for `ticket` on a device from the pool (`allowed`, else any),
     /// loading its instance there on first use; `f` gets the instance. If `f` panics, the
     /// instance is dropped (loaded afresh on next use) and the panic goes on.
@@ -74,6 +89,9 @@ impl Engine {
             .component(c, allowed, ticket.id, &ticket.cancel)
             .map_err(|_| PipelineError::Cancelled)?;
         let t = Instant::now();
+        if ticket.warm_up {
+            lock(&self.warmed).insert((c, lease.device()));
+        }
         let inst = match self.instance(c, lease.device(), &mut ticket.progress()) {
             Ok(i) => i,
             Err(e) => {
@@ -107,7 +125,9 @@ impl Engine {
     ) -> Result<(), PipelineError> {
         let mut started = None;
         for c in 0..ENCODERS.len() {
-            let allowed = own.map(|r| vec![self.replicas[r].planned[c]]);
+            let allowed = self
+                .pinned(ticket, c)
+                .or_else(|| own.map(|r| vec![self.replicas[r].planned[c]]));
             self.with_component(c, allowed.as_deref(), ticket, |inst| {
                 if c == 0 {
                     self.hooks.at(Stage::Encode);

@@ -186,6 +186,9 @@ pub struct Engine {
     pool: Pool,
     replicas: Vec<ReplicaInfo>,
     instances: Mutex<HashMap<(usize, usize), Arc<Instance>>>,
+    /// The (component, device) pairs warm-up requests ran since it was last cleared
+    /// ([`Engine::warm_up`]).
+    warmed: Mutex<std::collections::HashSet<(usize, usize)>>,
     devmap: Mutex<DeviceMap>,
     queue: Mutex<Queue>,
     wake: Condvar,

@@ -22,6 +22,9 @@ pub(super) struct Ticket {
     pub(super) admitted: Instant,
     /// A start-up warm-up request: kept out of the metrics.
     pub(super) warm_up: bool,
+    /// A warm-up request's device: its encoders and VAE run there wherever an instance of
+    /// them is loaded there, so that every loaded instance is warmed ([`Engine::warm_up`]).
+    pub(super) pin: Option<usize>,
     /// Where its time went so far (set by the thread running each part).
     pub(super) phases: std::sync::Mutex<super::Phases>,
 }
@@ -113,16 +116,18 @@ impl Engine {
         cancel: Arc<AtomicBool>,
         events: Option<mpsc::UnboundedSender<Event>>,
     ) -> Result<Vec<Pending>, Refused> {
-        self.submit_with(reqs, cancel, events, false)
+        self.submit_with(reqs, cancel, events, false, None)
     }
 
-    /// [`Engine::submit`]; `warm_up` keeps the requests out of the metrics.
+    /// [`Engine::submit`]; `warm_up` keeps the requests out of the metrics, `pin` holds
+    /// their encoders and VAE to one device where it has them ([`Ticket::pin`]).
     pub(super) fn submit_with(
         &self,
         reqs: Vec<Request>,
         cancel: Arc<AtomicBool>,
         events: Option<mpsc::UnboundedSender<Event>>,
         warm_up: bool,
+        pin: Option<usize>,
     ) -> Result<Vec<Pending>, Refused> {
         // Requests given up (deadline passed, client gone) leave the queue first.
         self.purge();
@@ -167,6 +172,7 @@ impl Engine {
                 done,
                 admitted: Instant::now(),
                 warm_up,
+                pin,
                 phases: Default::default(),
             };
             q.queued += 1;

@@ -144,6 +144,7 @@ impl Engine {
             pool,
             replicas,
             instances: Mutex::new(HashMap::new()),
+            warmed: Mutex::default(),
             devmap: Mutex::new(DeviceMap::default()),
             queue: Mutex::new(Queue {
                 replicas: vec![ReplicaState::Loading; n],

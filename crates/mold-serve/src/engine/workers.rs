@@ -199,7 +199,9 @@ impl Engine {
         };
         stage.set(Stage::Decode);
         let vae = COMPONENTS.len() - 1;
-        let allowed = (!self.encoder_pool).then(|| vec![rep.planned[vae]]);
+        let allowed = self
+            .pinned(ticket, vae)
+            .or_else(|| (!self.encoder_pool).then(|| vec![rep.planned[vae]]));
         let mut job = Some(job);
         let out = self.with_component(vae, allowed.as_deref(), ticket, |inst| {
             self.hooks.at(Stage::Decode);
