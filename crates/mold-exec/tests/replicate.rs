@@ -41,6 +41,17 @@ fn a_replica_copied_equals_the_replica_read() {
             )],
         ),
         (
+            // Two sequence-parallel parts on the same devices: slices handed straight on.
+            vec![
+                part_par(&["emu:0", "emu:1"], 1, 2, &["double 0..2"], false),
+                part_par(&["emu:0", "emu:1"], 1, 2, &["single 0..3"], false),
+            ],
+            vec![
+                part_par(&["emu:2", "emu:3"], 1, 2, &["double 0..2"], false),
+                part_par(&["emu:2", "emu:3"], 1, 2, &["single 0..3"], false),
+            ],
+        ),
+        (
             vec![part_par(
                 &["emu:0", "emu:1", "emu:2", "emu:3"],
                 2,
@@ -113,6 +124,15 @@ fn what_cannot_be_copied_is_refused_in_one_line() {
         "2 parts against 1",
     );
     refused(plan(vec![part(&["emu:1"], &all, true)]), "not resident");
+    // Another dtype, or FP8 products where the loaded one has none.
+    refused(
+        plan_with(vec![part(&["emu:1"], &all, false)], mold_plan::DType::Bf16),
+        "computes in BF16, the loaded one in F32",
+    );
+    refused(
+        plan_with(vec![part(&["emu:1"], &all, false)], mold_plan::DType::Fp8),
+        "computes in BF16 with FP8 products, the loaded one in F32",
+    );
     // A loaded executor that streams cannot be the source.
     let streams = Executor::new(&cfg, &plan(vec![part(&["emu:0"], &all, true)]), &ckpt).unwrap();
     let e = streams

@@ -24,10 +24,12 @@ fn warm_up_runs_one_request_per_replica_before_serving_and_counts_none() {
         let l = lines.lock().unwrap();
         let w = l.iter().find(|l| l.starts_with("warm-up: 2 requests at"));
         assert!(w.is_some(), "{l:?}");
-        // The second replica's transformer was copied from the first's, not read again.
-        let copied = l
-            .iter()
-            .any(|l| l.starts_with("replica copies: load") && l.contains("(copied from emu:0)"));
+        // The second replica's transformer was copied from the first's, not read again:
+        // its copy finished, and nothing was refused.
+        let copied = l.iter().any(|l| {
+            l.starts_with("replica copies: load   transformer on emu:2: ") && l.contains(" in ")
+        }) && l.iter().any(|l| l.contains("(copied from emu:0)"))
+            && !l.iter().any(|l| l.contains("cannot copy"));
         assert!(copied, "{l:?}");
         // With the encoder pool on (the default), every device holding an encoder or the
         // VAE ran each of them once more, pinned there: both replicas' devices.

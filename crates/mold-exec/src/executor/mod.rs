@@ -170,6 +170,8 @@ enum Flow<A> {
 pub struct Executor<M: Transformer> {
     model: M,
     dtype: DType,
+    /// The products' weights are FP8 ([`weights_dtype`]).
+    fp8: bool,
     parts: Vec<PartRt<M>>,
     opts: ExecOptions,
     /// One per device that runs streamed blocks (pipelined streaming).
@@ -771,6 +773,7 @@ impl<M: Transformer> Executor<M> {
         Ok(Executor {
             model: model.clone(),
             dtype,
+            fp8,
             parts,
             opts,
             rings: rings.into_iter().map(|(d, r)| (d, Mutex::new(r))).collect(),

@@ -13,7 +13,7 @@ use super::{warm_groups, Executor, PartRt, PartSpec, Rank};
 use crate::error::{ExecError, Result};
 use crate::model::{ActivationMeter, Packable, Profiler, Transformer, Weights};
 use crate::runtime::{self, DeviceMap, Held};
-use candle_core::Device;
+use candle_core::{DType, Device};
 use mold_plan::{DeviceId, Plan, Residency};
 use std::sync::Mutex;
 
@@ -64,11 +64,14 @@ impl<M: Transformer> Executor<M> {
                 return refuse(format!("part {pi} runs some of its ranks elsewhere"));
             }
         }
-        let (dtype, _) = weights_dtype(comp.dtype)?;
-        if dtype != self.dtype {
+        let (dtype, fp8) = weights_dtype(comp.dtype)?;
+        if (dtype, fp8) != (self.dtype, self.fp8) {
+            let name =
+                |d: DType, f: bool| format!("{d:?}{}", if f { " with FP8 products" } else { "" });
             return refuse(format!(
-                "it computes in {:?}, the loaded one in {:?}",
-                dtype, self.dtype
+                "it computes in {}, the loaded one in {}",
+                name(dtype, fp8),
+                name(self.dtype, self.fp8)
             ));
         }
         let mut devmap = DeviceMap::new(self.opts.deterministic);
@@ -143,7 +146,7 @@ impl<M: Transformer> Executor<M> {
         }
         let groups_s = t.elapsed().as_secs_f64();
         let mut blocks_copied = 0;
-        let parts = comp
+        let mut parts: Vec<PartRt<M>> = comp
             .parts
             .iter()
             .zip(&self.parts)
@@ -158,7 +161,7 @@ impl<M: Transformer> Executor<M> {
                     devices: p.devices.clone(),
                     tp: rt.tp,
                     sp: rt.sp,
-                    keep_sliced: rt.keep_sliced,
+                    keep_sliced: false,
                     steps: rt.steps.clone(),
                     ranks,
                     local_ids: p.devices.clone(),
@@ -166,9 +169,17 @@ impl<M: Transformer> Executor<M> {
                 }
             })
             .collect();
+        // As the load decides it: a sequence-parallel part hands its slices straight to a
+        // next part on the same devices with the same layout.
+        for i in 1..parts.len() {
+            let (a, b) = (&parts[i - 1], &parts[i]);
+            let same = a.devices == b.devices && a.tp == b.tp && a.sp == b.sp;
+            parts[i - 1].keep_sliced = same && a.sp > 1;
+        }
         Ok(Executor {
             model: self.model.clone(),
             dtype: self.dtype,
+            fp8: self.fp8,
             parts,
             opts: self.opts.clone(),
             rings: Vec::new(),

@@ -572,7 +572,15 @@ impl Job {
         for i in 0..ENCODERS.len() {
             if let Some((_, out)) = self.raw[i].take() {
                 let t = Instant::now();
-                let out = out.to_device(&to.dev)?.to_dtype(to.dtype)?;
+                let moved = out.to_device(&to.dev)?;
+                if !out.device().same_device(&to.dev) {
+                    // A copy between GPUs is queued on the destination's stream; the source,
+                    // freed below on this thread's (idle) stream of its GPU, would go back to
+                    // that GPU's pool at once and could be reused before the copy read it.
+                    sync(&to.dev)?;
+                }
+                drop(out);
+                let out = moved.to_dtype(to.dtype)?;
                 self.times.encode_s += t.elapsed().as_secs_f64();
                 for d in &to.first {
                     self.mem.add(d, bytes(&out));

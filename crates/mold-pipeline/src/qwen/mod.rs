@@ -325,8 +325,6 @@ fn check_request(q: &QwenRequest) -> Result<()> {
     Ok(())
 }
 
-/// Loads the transformer of `plan` (every part's weights on its devices), reporting it
-/// as `component`.
 /// The unconditional pass's transformer on `plan`'s devices: `exec`'s weights copied
 /// device to device ([`Executor::replicate`]), or read from the checkpoint where the two
 /// placements differ (the progress says why).
@@ -371,6 +369,8 @@ fn copy_transformer(
     Ok(copy)
 }
 
+/// Loads the transformer of `plan` (every part's weights on its devices), reporting it
+/// as `component`.
 fn load_transformer(
     plan: &Plan,
     prep: &QwenPrepared,

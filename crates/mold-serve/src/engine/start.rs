@@ -175,7 +175,15 @@ impl Engine {
         // read on its own thread where not.
         let mut copied: Vec<Option<Denoiser>> = (0..n).map(|_| None).collect();
         if n > 1 {
-            match copy_replicas(&engine, d) {
+            // A panic loading or copying is a failed start, as a replica thread's is.
+            let res =
+                catch_unwind(AssertUnwindSafe(|| copy_replicas(&engine, d))).unwrap_or_else(|p| {
+                    Err(PipelineError::Plan(format!(
+                        "loading the replicas' transformers panicked: {}",
+                        panic_message(p.as_ref())
+                    )))
+                });
+            match res {
                 Ok(dens) => copied = dens,
                 Err(e) => {
                     engine.close();
