@@ -281,6 +281,14 @@ fn bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
+/// Device ids as a progress line names them: `cuda:0, cuda:1`.
+pub(crate) fn device_list(ids: &[DeviceId]) -> String {
+    ids.iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn sync(d: &Device) -> Result<()> {
     Ok(d.synchronize()?)
 }

@@ -985,6 +985,14 @@ impl<M: Transformer> Executor<M> {
         self.waits.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The transformer's weights, on its devices and in host memory, in bytes.
+    pub fn weight_bytes(&self) -> u64 {
+        self.memory_report()
+            .iter()
+            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
+            .sum()
+    }
+
     /// Accounted memory per device, summed over the parts each device serves (in
     /// first-use order). Activation sizes are known after a [`Executor::forward`].
     pub fn memory_report(&self) -> Vec<DeviceMemory> {

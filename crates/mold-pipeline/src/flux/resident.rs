@@ -170,6 +170,22 @@ impl Target {
     }
 }
 
+/// The devices of `plan`'s transformer parts, each once, in the plan's order.
+fn transformer_devices(plan: &Plan) -> Vec<DeviceId> {
+    let mut devices: Vec<DeviceId> = Vec::new();
+    for d in plan
+        .transformer()
+        .iter()
+        .flat_map(|t| &t.parts)
+        .flat_map(|p| &p.devices)
+    {
+        if !devices.contains(d) {
+            devices.push(d.clone());
+        }
+    }
+    devices
+}
+
 /// The transformer of a plan, loaded on its parts' devices.
 pub struct Denoiser {
     exec: Executor<FluxConfig>,
@@ -188,18 +204,8 @@ impl Denoiser {
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<Denoiser> {
         let target = Target::of(plan, devmap)?;
-        let tf = plan.transformer().expect("Target::of checked");
-        let mut devices: Vec<DeviceId> = Vec::new();
-        for d in tf.parts.iter().flat_map(|p| &p.devices) {
-            if !devices.contains(d) {
-                devices.push(d.clone());
-            }
-        }
-        let label = devices
-            .iter()
-            .map(|d| d.to_string())
-            .collect::<Vec<_>>()
-            .join(", ");
+        let devices = transformer_devices(plan);
+        let label = crate::device_list(&devices);
         progress(&Progress::Loading {
             component: "transformer".into(),
             devices: label.clone(),
@@ -207,11 +213,7 @@ impl Denoiser {
         let t = Instant::now();
         let exec = Executor::with_options(&prep.flux, plan, &prep.ckpt, opts.clone())?;
         let load_s = t.elapsed().as_secs_f64();
-        let weight_bytes = exec
-            .memory_report()
-            .iter()
-            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
-            .sum();
+        let weight_bytes = exec.weight_bytes();
         progress(&Progress::Loaded {
             component: "transformer".into(),
             devices: label,
@@ -237,36 +239,15 @@ impl Denoiser {
         devmap: &mut DeviceMap,
         progress: &mut dyn FnMut(&Progress),
     ) -> Vec<Result<Denoiser>> {
-        let from = self
-            .devices
+        let from = crate::device_list(&self.devices);
+        let wanted: Vec<Result<(Target, Vec<DeviceId>)>> = plans
             .iter()
-            .map(|d| d.to_string())
-            .collect::<Vec<_>>()
-            .join(", ");
-        let mut wanted = Vec::with_capacity(plans.len());
-        for plan in plans {
-            wanted.push(Target::of(plan, devmap).map(|target| {
-                let tf = plan.transformer().expect("Target::of checked");
-                let mut devices: Vec<DeviceId> = Vec::new();
-                for d in tf.parts.iter().flat_map(|p| &p.devices) {
-                    if !devices.contains(d) {
-                        devices.push(d.clone());
-                    }
-                }
-                (target, devices)
-            }));
-        }
-        let label = |devices: &[DeviceId]| {
-            devices
-                .iter()
-                .map(|d| d.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+            .map(|plan| Target::of(plan, devmap).map(|t| (t, transformer_devices(plan))))
+            .collect();
         for (_, devices) in wanted.iter().flatten() {
             progress(&Progress::Loading {
                 component: "transformer".into(),
-                devices: format!("{} (copied from {from})", label(devices)),
+                devices: format!("{} (copied from {from})", crate::device_list(devices)),
             });
         }
         // Each replica's copies on threads of their own (and one per receiving device
@@ -308,14 +289,10 @@ impl Denoiser {
                 let (target, devices) = w?;
                 let (exec, load_s) = c.expect("a thread for every wanted replica");
                 let exec = exec?;
-                let weight_bytes = exec
-                    .memory_report()
-                    .iter()
-                    .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
-                    .sum();
+                let weight_bytes = exec.weight_bytes();
                 progress(&Progress::Loaded {
                     component: "transformer".into(),
-                    devices: label(&devices),
+                    devices: crate::device_list(&devices),
                     seconds: load_s,
                     weight_bytes,
                 });

@@ -337,11 +337,7 @@ fn copy_transformer(
     on: &mut dyn FnMut(&Progress),
 ) -> Result<Executor<QwenConfig>> {
     const COMPONENT: &str = "transformer (unconditional)";
-    let label = transformer_devices(plan)
-        .iter()
-        .map(|d| d.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let label = crate::device_list(&transformer_devices(plan));
     on(&Progress::Loading {
         component: COMPONENT.into(),
         devices: format!("{label} (copied)"),
@@ -360,11 +356,7 @@ fn copy_transformer(
         component: COMPONENT.into(),
         devices: format!("{label} (copied)"),
         seconds: load_s,
-        weight_bytes: copy
-            .memory_report()
-            .iter()
-            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
-            .sum(),
+        weight_bytes: copy.weight_bytes(),
     });
     Ok(copy)
 }
@@ -379,11 +371,7 @@ fn load_transformer(
     times: &mut Timings,
     on: &mut dyn FnMut(&Progress),
 ) -> Result<Executor<QwenConfig>> {
-    let label = transformer_devices(plan)
-        .iter()
-        .map(|d| d.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let label = crate::device_list(&transformer_devices(plan));
     on(&Progress::Loading {
         component: component.into(),
         devices: label.clone(),
@@ -396,11 +384,7 @@ fn load_transformer(
         component: component.into(),
         devices: label,
         seconds: load_s,
-        weight_bytes: exec
-            .memory_report()
-            .iter()
-            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
-            .sum(),
+        weight_bytes: exec.weight_bytes(),
     });
     Ok(exec)
 }

@@ -193,11 +193,7 @@ pub fn run<M: Benchable>(
     on(Event::Loaded {
         weights,
         seconds: load_s,
-        weight_bytes: exec
-            .memory_report()
-            .iter()
-            .map(|m| m.resident_weight_bytes + m.host_weight_bytes)
-            .sum::<u64>(),
+        weight_bytes: exec.weight_bytes(),
         phases: exec.load_phases().to_vec(),
     });
     // Between processes: NCCL between GPUs when built with it, else TCP.
