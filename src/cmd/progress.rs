@@ -320,11 +320,13 @@ pub fn progress_event(p: &Progress) -> Value {
             "digest": hex(*digest),
         }),
         Progress::Decoded {
+            devices,
             seconds,
             latents_digest,
             image_digest,
         } => json!({
             "event": "decoded",
+            "devices": devices,
             "seconds": seconds,
             "latents_digest": hex(*latents_digest),
             "image_digest": hex(*image_digest),
@@ -385,6 +387,7 @@ mod tests {
                 digest: 0xab,
             },
             Progress::Decoded {
+                devices: "emu:1".into(),
                 seconds: 1.0,
                 latents_digest: 1,
                 image_digest: 2,
@@ -399,7 +402,7 @@ mod tests {
                 r#"{"component":"t5","digest":"ffffffffffffffff","event":"encoded","seconds":0.25}"#,
                 r#"{"component":"t5","event":"released"}"#,
                 r#"{"digest":"00000000000000ab","event":"step","index":2,"seconds":0.125,"steps":4,"t":0.5}"#,
-                r#"{"event":"decoded","image_digest":"0000000000000002","latents_digest":"0000000000000001","seconds":1.0}"#,
+                r#"{"devices":"emu:1","event":"decoded","image_digest":"0000000000000002","latents_digest":"0000000000000001","seconds":1.0}"#,
                 r#"{"event":"note","message":"n"}"#,
             ]
             .iter()

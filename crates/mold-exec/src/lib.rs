@@ -53,6 +53,7 @@ pub mod runtime;
 pub mod staging;
 pub mod streaming;
 pub mod verify;
+pub mod weights_copy;
 
 pub use checkpoint::{Checkpoint, TensorHeader};
 pub use error::ExecError;

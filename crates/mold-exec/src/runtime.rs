@@ -15,7 +15,9 @@ use std::ops::Range;
 
 /// Maps plan devices to candle devices, one candle device per plan device (so tensors
 /// of the same GPU compare as on the same device).
-#[derive(Default)]
+/// A clone maps the devices opened so far to the same candle devices (loaders on other
+/// threads take one, so none holds the shared map while it loads).
+#[derive(Clone, Default)]
 pub struct DeviceMap {
     devices: HashMap<DeviceId, Device>,
     /// Open each GPU with a stream of its own ([`ExecOptions::deterministic`]) instead of
@@ -202,14 +204,24 @@ pub fn copies_directly(src: &Device, dst: &Device, peer_copies: bool) -> bool {
     }
 }
 
-/// Moves an activation to `dst`. Between two GPUs that can access each other's memory
-/// (`cuDeviceCanAccessPeer`, checked once per pair, then `cuCtxEnablePeerAccess`), a
-/// peer copy (`cuMemcpyPeerAsync`, over NVLink or PCIe, on the destination's stream
-/// after the source's work is done), unless `peer_copies` is off
-/// ([`crate::ExecOptions::peer_copies`], `--no-peer`); otherwise, and for every other pair
-/// of devices, candle's copy through host memory. Each GPU pair's path is recorded for
-/// [`hand_off_paths`]. The caller keeps `t` until the receiving device's work on the copy is
-/// done (a peer copy reads it after this returns).
+/// Moves a tensor to `dst`: the one way mold moves data between two GPUs. Between two GPUs
+/// that can access each other's memory (`cuDeviceCanAccessPeer`, checked once per pair,
+/// then `cuCtxEnablePeerAccess` and the memory pools' access), a peer copy
+/// (`cuMemcpyPeerAsync`, over NVLink or PCIe, on the destination's stream after the
+/// source's work is done), unless `peer_copies` is off ([`crate::ExecOptions::peer_copies`],
+/// `--no-peer`); between any other two GPUs, through host memory: candle's `to_device`, which
+/// mold's patch of candle (vendor/README.md) makes read the source back on this thread's
+/// stream of its GPU (the host waits) and upload it on this thread's stream of the
+/// destination. Each GPU pair's path is recorded for [`hand_off_paths`]. Either way the copy
+/// is ordered before the work this thread queues next on `dst`. The caller keeps `t` until
+/// the receiving device's work on the copy is done (a peer copy reads it after this returns).
+///
+/// Unpatched, candle's copy between two GPUs queued `cuMemcpyPeerAsync` on the
+/// destination's per-thread stream however the pair stood, and between GPUs without peer
+/// access to each other's memory pools it was seen unordered with the destination's next
+/// work: FLUX's text encoders copied that way encoded wrongly on 4 × H100 with `--no-peer`,
+/// and a server's decode of latents from such a GPU gave another image now and then
+/// (BENCHMARKS.md, "Replicas answering alike").
 pub fn hand_off(t: &Tensor, dst: &Device, peer_copies: bool) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let (Device::Cuda(s), Device::Cuda(d)) = (t.device(), dst) {

@@ -88,6 +88,8 @@ pub enum Progress {
         digest: u64,
     },
     Decoded {
+        /// The devices the VAE decoded on (its bands' devices, comma-separated).
+        devices: String,
         seconds: f64,
         /// Digests of the final latents and of the decoded image's values.
         latents_digest: u64,
@@ -132,12 +134,13 @@ impl std::fmt::Display for Progress {
                 "step   {index:>3}/{steps} (t = {t:.3}): {seconds:.3} s (latents digest {digest:016x})"
             ),
             Progress::Decoded {
+                devices,
                 seconds,
                 latents_digest,
                 image_digest,
             } => write!(
                 f,
-                "decode vae: {seconds:.3} s (latents digest {latents_digest:016x}, image digest {image_digest:016x})"
+                "decode vae on {devices}: {seconds:.3} s (latents digest {latents_digest:016x}, image digest {image_digest:016x})"
             ),
             Progress::Note(n) => write!(f, "note: {n}"),
         }

@@ -239,7 +239,8 @@ pub fn denoise_passes<M: Transformer>(
             ((vc, Some(vn)), Some(g)) => (g.combine)(&vc, &vn)?,
             ((vc, _), _) => vc,
         };
-        let v = v.to_device(x.device())?.to_dtype(x.dtype())?;
+        let peer = passes.cond().options().peer_copies;
+        let v = mold_exec::runtime::hand_off_ordered(&v, x.device(), peer)?.to_dtype(x.dtype())?;
         let next = (&x + v.affine(t_next - t, 0.0)?)?;
         // GPU kernels run asynchronously: wait for them before reading the clock.
         next.device().synchronize()?;

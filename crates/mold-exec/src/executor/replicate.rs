@@ -86,6 +86,26 @@ impl<M: Transformer> Executor<M> {
                 }
             }
         }
+        // Through host memory a copy is slower than reading the checkpoint again (pageable
+        // reads and writes, tensor by tensor): only pairs that copy directly.
+        let peer = self.opts.peer_copies;
+        for (id, device, ranks) in &to {
+            for &(pi, ri) in ranks {
+                let src = &self.parts[pi].ranks[ri];
+                if !runtime::copies_directly(&src.device, device, peer) {
+                    return refuse(format!(
+                        "{} cannot copy from {} directly ({})",
+                        id,
+                        src.id,
+                        if peer {
+                            "no peer access between them"
+                        } else {
+                            "peer copies are off"
+                        }
+                    ));
+                }
+            }
+        }
         // Communicators of the new groups start beside the copies (made and dropped: pooled
         // for the first step), as a load starts them beside its reading.
         let specs: Vec<PartSpec> = comp
@@ -103,7 +123,6 @@ impl<M: Transformer> Executor<M> {
             .collect();
         let warming = warm_groups(&specs, &self.opts.comm);
         let t = std::time::Instant::now();
-        let peer = self.opts.peer_copies;
         let copied: Vec<Result<Copied<M>>> = std::thread::scope(|s| {
             let threads: Vec<_> = to
                 .iter()

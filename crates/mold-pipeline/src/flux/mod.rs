@@ -152,7 +152,7 @@ pub fn generate(
     let never = AtomicBool::new(false);
     let mut job = Job::begin(plan, &prep.flux, req, on)?;
     let mut devmap = DeviceMap::default();
-    let target = resident::Target::of(plan, &mut devmap)?;
+    let target = resident::Target::of(plan, &mut devmap, opts.peer_copies)?;
 
     // Encode, one encoder at a time: load, encode, release.
     for name in resident::ENCODERS {
@@ -164,7 +164,7 @@ pub fn generate(
             &id,
             &mut devmap,
             opts.kernels,
-            opts.staged_load,
+            &mold_exec::weights_copy::WeightsFrom::files(opts.staged_load),
             on,
         )?;
         job.add_load_s(enc.load_s());

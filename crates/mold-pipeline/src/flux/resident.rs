@@ -23,6 +23,7 @@ use crate::{
 };
 use candle_core::{DType, Device, IndexOp, Tensor};
 use mold_exec::runtime::DeviceMap;
+use mold_exec::weights_copy::WeightsFrom;
 use mold_exec::{Executor, FluxConfig, FluxInputs};
 use mold_plan::{DeviceId, Plan};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -52,8 +53,9 @@ pub struct TextEncoder {
 impl TextEncoder {
     /// Loads encoder `name` (`t5` or `clip`) on `on` (any device: the plan gives the
     /// dtype), reporting `Loading` and `Loaded`; `kernels`: mold's network, or
-    /// candle-transformers' under `candle`; `staged`: weights through page-locked buffers
-    /// ([`mold_exec::staging`]).
+    /// candle-transformers' under `candle`; `from`: its files (through page-locked buffers
+    /// where staged, [`mold_exec::staging`]), or copies of another instance's weights
+    /// ([`mold_exec::weights_copy`]).
     #[allow(clippy::too_many_arguments)]
     pub fn load(
         plan: &Plan,
@@ -62,7 +64,7 @@ impl TextEncoder {
         on: &DeviceId,
         devmap: &mut DeviceMap,
         kernels: mold_exec::Kernels,
-        staged: bool,
+        from: &WeightsFrom,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<TextEncoder> {
         let name = match ENCODERS.iter().find(|n| **n == name) {
@@ -81,22 +83,15 @@ impl TextEncoder {
         let dev = devmap.get(on)?;
         progress(&Progress::Loading {
             component: name.into(),
-            devices: on.to_string(),
+            devices: copy_label(on, from),
         });
         let t = Instant::now();
         let (model, weight_bytes) = if name == "t5" {
-            let m = text::T5::load(
-                &prep.layout.t5,
-                prep.t5_tokens,
-                dtype,
-                &dev,
-                kernels,
-                staged,
-            )?;
+            let m = text::T5::load(&prep.layout.t5, prep.t5_tokens, dtype, &dev, kernels, from)?;
             let b = m.weight_bytes;
             (EncoderModel::T5(Mutex::new(m)), b)
         } else {
-            let m = text::Clip::load(&prep.layout.clip, dtype, &dev, kernels, staged)?;
+            let m = text::Clip::load(&prep.layout.clip, dtype, &dev, kernels, from)?;
             let b = m.weight_bytes;
             (EncoderModel::Clip(Mutex::new(m)), b)
         };
@@ -104,7 +99,7 @@ impl TextEncoder {
         let load_s = t.elapsed().as_secs_f64();
         progress(&Progress::Loaded {
             component: name.into(),
-            devices: on.to_string(),
+            devices: copy_label(on, from),
             seconds: load_s,
             weight_bytes,
         });
@@ -147,15 +142,18 @@ impl TextEncoder {
     }
 }
 
-/// Where the conditioning goes: the transformer's first devices, in its compute dtype.
+/// Where the conditioning goes: the transformer's first devices, in its compute dtype;
+/// moved there by peer copies where the GPUs allow and `peer_copies` is on
+/// ([`mold_exec::runtime::hand_off`]).
 pub struct Target {
     first: Vec<DeviceId>,
     dev: Device,
     dtype: DType,
+    peer_copies: bool,
 }
 
 impl Target {
-    pub fn of(plan: &Plan, devmap: &mut DeviceMap) -> Result<Target> {
+    pub fn of(plan: &Plan, devmap: &mut DeviceMap, peer_copies: bool) -> Result<Target> {
         let tf = plan.transformer().ok_or_else(|| {
             PipelineError::Plan(
                 "no transformer component: regenerate the plan with `mold plan`".into(),
@@ -166,6 +164,7 @@ impl Target {
             dev: devmap.get(&first[0])?,
             dtype: mold_exec::weights_dtype(tf.dtype)?.0,
             first,
+            peer_copies,
         })
     }
 }
@@ -186,6 +185,14 @@ fn transformer_devices(plan: &Plan) -> Vec<DeviceId> {
     devices
 }
 
+/// `on`, and where its weights were copied from when they were.
+fn copy_label(on: &DeviceId, from: &WeightsFrom) -> String {
+    match from {
+        WeightsFrom::CopyOf { kept, .. } => format!("{on} (copied from {})", kept.source()),
+        WeightsFrom::Files { .. } => on.to_string(),
+    }
+}
+
 /// The transformer of a plan, loaded on its parts' devices.
 pub struct Denoiser {
     exec: Executor<FluxConfig>,
@@ -203,7 +210,7 @@ impl Denoiser {
         devmap: &mut DeviceMap,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<Denoiser> {
-        let target = Target::of(plan, devmap)?;
+        let target = Target::of(plan, devmap, opts.peer_copies)?;
         let devices = transformer_devices(plan);
         let label = crate::device_list(&devices);
         progress(&Progress::Loading {
@@ -242,7 +249,10 @@ impl Denoiser {
         let from = crate::device_list(&self.devices);
         let wanted: Vec<Result<(Target, Vec<DeviceId>)>> = plans
             .iter()
-            .map(|plan| Target::of(plan, devmap).map(|t| (t, transformer_devices(plan))))
+            .map(|plan| {
+                Target::of(plan, devmap, self.target.peer_copies)
+                    .map(|t| (t, transformer_devices(plan)))
+            })
             .collect();
         for (_, devices) in wanted.iter().flatten() {
             progress(&Progress::Loading {
@@ -361,6 +371,46 @@ impl Decoder {
     ) -> Result<Decoder> {
         let opts = vae::VaeOptions::default();
         Self::load_with(plan, prep, on, devmap, opts, progress)
+    }
+
+    /// Loads the VAE's decoder on one device, `on`, with `opts`, its weights read from the
+    /// file or copied from another instance's as `from` says ([`mold_exec::weights_copy`]).
+    pub fn load_from(
+        plan: &Plan,
+        prep: &Prepared,
+        on: &DeviceId,
+        devmap: &mut DeviceMap,
+        opts: vae::VaeOptions,
+        from: &WeightsFrom,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Decoder> {
+        let (_, d) = crate::vae_devices(plan)?;
+        let (dtype, _) = component_dtype("vae", d)?;
+        let dev = devmap.get(on)?;
+        let label = copy_label(on, from);
+        progress(&Progress::Loading {
+            component: "vae".into(),
+            devices: label.clone(),
+        });
+        let t = Instant::now();
+        let vae = vae::Vae::load_from(&prep.layout, dtype, &dev, opts, from)?;
+        sync(&dev)?;
+        let load_s = t.elapsed().as_secs_f64();
+        progress(&Progress::Loaded {
+            component: "vae".into(),
+            devices: label,
+            seconds: load_s,
+            weight_bytes: vae.weight_bytes,
+        });
+        Ok(Decoder {
+            vae,
+            device: on.clone(),
+            devices: vec![on.clone()],
+            dev,
+            devs: Vec::new(),
+            dtype,
+            load_s,
+        })
     }
 
     /// Loads the VAE's decoder on `on` with `opts` (`MOLD_KERNELS` picks the decoder): one
@@ -549,11 +599,11 @@ impl Job {
         for i in 0..ENCODERS.len() {
             if let Some((_, out)) = self.raw[i].take() {
                 let t = Instant::now();
-                let moved = out.to_device(&to.dev)?;
+                let moved = mold_exec::runtime::hand_off(&out, &to.dev, to.peer_copies)?;
                 if !out.device().same_device(&to.dev) {
-                    // A copy between GPUs is queued on the destination's stream; the source,
-                    // freed below on this thread's (idle) stream of its GPU, would go back to
-                    // that GPU's pool at once and could be reused before the copy read it.
+                    // A peer copy is queued on the destination's stream; the source, freed
+                    // below on this thread's (idle) stream of its GPU, would go back to that
+                    // GPU's pool at once and could be reused before the copy read it.
                     sync(&to.dev)?;
                 }
                 drop(out);
@@ -721,6 +771,7 @@ impl Job {
             self.mem.sub(d, bytes(&latents));
         }
         progress(&Progress::Decoded {
+            devices: crate::device_list(&dec.devices),
             seconds: self.times.decode_s,
             latents_digest: mold_exec::digest(&latents)?,
             image_digest: mold_exec::digest(&img)?,
@@ -775,7 +826,7 @@ impl Resident {
                 &id,
                 &mut devmap,
                 opts.kernels,
-                opts.staged_load,
+                &WeightsFrom::files(opts.staged_load),
                 progress,
             )?);
         }

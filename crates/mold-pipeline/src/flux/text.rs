@@ -20,6 +20,7 @@ use candle_transformers::models::clip::text_model::{
     Activation, ClipTextConfig, ClipTextTransformer,
 };
 use candle_transformers::models::t5;
+use mold_exec::weights_copy::WeightsFrom;
 use mold_exec::Kernels;
 use std::path::Path;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
@@ -186,9 +187,11 @@ fn var_builder(
     files: &[std::path::PathBuf],
     dtype: DType,
     dev: &Device,
-    staged: bool,
+    from: &WeightsFrom,
 ) -> Result<VarBuilder<'static>> {
-    Ok(mold_exec::staging::var_builder(files, dtype, dev, staged)?)
+    Ok(mold_exec::weights_copy::var_builder(
+        files, dtype, dev, from,
+    )?)
 }
 
 /// T5's config, read before loading.
@@ -250,14 +253,14 @@ impl T5 {
         dtype: DType,
         dev: &Device,
         kernels: Kernels,
-        staged: bool,
+        from: &WeightsFrom,
     ) -> Result<T5> {
         let cfg = t5_config(files)?;
         let tok = load_tokenizer(&files.tokenizer, len, &["<pad>"])?;
         let weight_bytes = weight_bytes(&files.weights, dtype, |n| {
             n.starts_with("shared.") || n.starts_with("encoder.")
         })?;
-        let vb = var_builder(&files.weights, dtype, dev, staged)?;
+        let vb = var_builder(&files.weights, dtype, dev, from)?;
         let model = T5Net::new(vb, &cfg, kernels).map_err(|e| PipelineError::Component {
             component: "t5".into(),
             message: format!("cannot load {:?}: {e}", files.weights),
@@ -368,7 +371,7 @@ impl Clip {
         dtype: DType,
         dev: &Device,
         kernels: Kernels,
-        staged: bool,
+        from: &WeightsFrom,
     ) -> Result<Clip> {
         let cfg = clip_config(files)?;
         let tok = load_tokenizer(
@@ -379,7 +382,7 @@ impl Clip {
         let weight_bytes = weight_bytes(&files.weights, dtype, |n| {
             n.starts_with("text_model.") && !n.ends_with("position_ids")
         })?;
-        let vb = var_builder(&files.weights, dtype, dev, staged)?;
+        let vb = var_builder(&files.weights, dtype, dev, from)?;
         let model = ClipNet::new(vb.pp("text_model"), &cfg, kernels).map_err(|e| {
             PipelineError::Component {
                 component: "clip".into(),

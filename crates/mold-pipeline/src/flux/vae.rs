@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::flux::autoencoder::{Config, Decoder};
 use mold_exec::model::conv::{cudnn_version, ConvOptions};
+use mold_exec::weights_copy::WeightsFrom;
 use mold_exec::Kernels;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -241,11 +242,35 @@ impl Vae {
         dev: &Device,
         opts: VaeOptions,
     ) -> Result<Vae> {
+        Self::load_file_from(ae, cfg, dtype, dev, opts, &WeightsFrom::files(false))
+    }
+
+    /// [`Vae::load_with`] on one device, its weights read from the file (candle's memory-
+    /// mapped reader unless `from` says otherwise) or copied from another instance's
+    /// ([`mold_exec::weights_copy`]).
+    pub fn load_from(
+        layout: &WeightsLayout,
+        dtype: DType,
+        dev: &Device,
+        opts: VaeOptions,
+        from: &WeightsFrom,
+    ) -> Result<Vae> {
+        let cfg = AeConfig::for_layout(layout)?;
+        Self::load_file_from(&layout.ae, cfg, dtype, dev, opts, from)
+    }
+
+    fn load_file_from(
+        ae: &Path,
+        cfg: AeConfig,
+        dtype: DType,
+        dev: &Device,
+        opts: VaeOptions,
+        from: &WeightsFrom,
+    ) -> Result<Vae> {
         let dtype = crate::on_device_dtype(dtype, dev);
         let files = [ae.to_path_buf()];
         let weight_bytes = crate::text::weight_bytes(&files, dtype, |n| n.starts_with("decoder."))?;
-        // SAFETY: mapped read-only; the file must not change while loading.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, dev)? };
+        let vb = mold_exec::weights_copy::var_builder(&files, dtype, dev, from)?;
         let imp = build(vb, &cfg, dtype, dev, opts)?.map_err(|e| PipelineError::Component {
             component: "vae".into(),
             message: format!(
@@ -371,7 +396,9 @@ impl Vae {
         latents: &Tensor,
         mut marks: crate::flux::vae_nhwc::Marks,
     ) -> Result<Tensor> {
-        let z = latents.to_device(&self.devices[0])?.to_dtype(self.dtype)?;
+        // The caller keeps `latents` until the decode is done (a peer copy reads it later).
+        let z = mold_exec::runtime::hand_off(latents, &self.devices[0], self.peer_copies)?
+            .to_dtype(self.dtype)?;
         let z = ((z / self.cfg.scale_factor)? + self.cfg.shift_factor)?;
         let y = match &self.imp {
             Imp::Candle(d, _) => {

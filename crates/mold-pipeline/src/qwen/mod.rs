@@ -527,7 +527,8 @@ pub fn generate_on(
             seconds,
             digest: mold_exec::digest(&c)?,
         });
-        let c = c.to_device(&tdev)?.to_dtype(tdtype)?;
+        let c =
+            mold_exec::runtime::hand_off_ordered(&c, &tdev, opts.peer_copies)?.to_dtype(tdtype)?;
         for d in &first {
             mem.add(d, bytes(&c));
         }
@@ -697,6 +698,7 @@ pub fn generate_on(
         r.write(path)?;
     }
     on(&Progress::Decoded {
+        devices: id.to_string(),
         seconds: times.decode_s,
         latents_digest: mold_exec::digest(&latents)?,
         image_digest: mold_exec::digest(&img)?,

@@ -191,7 +191,8 @@ impl SchedulerConfig {
 /// per token (norms over the channels), in f32.
 pub fn combine(cond: &Tensor, neg: &Tensor, scale: f64) -> Result<Tensor> {
     let cond = cond.to_dtype(DType::F32)?;
-    let neg = neg.to_dtype(DType::F32)?.to_device(cond.device())?;
+    let neg =
+        mold_exec::runtime::hand_off_ordered(&neg.to_dtype(DType::F32)?, cond.device(), true)?;
     let comb = (&neg + ((&cond - &neg)? * scale)?)?;
     let norm =
         |t: &Tensor| -> candle_core::Result<Tensor> { t.sqr()?.sum_keepdim(D::Minus1)?.sqrt() };
@@ -246,7 +247,8 @@ pub fn denoise(
             (v, Some(vn)) => combine(&v, &vn, guidance.map_or(1.0, |g| g.scale))?,
             (v, None) => v,
         };
-        let v = v.to_device(x.device())?.to_dtype(x.dtype())?;
+        let peer = passes.cond().options().peer_copies;
+        let v = mold_exec::runtime::hand_off_ordered(&v, x.device(), peer)?.to_dtype(x.dtype())?;
         let next = (&x + v.affine(t_next - t, 0.0)?)?;
         next.device().synchronize()?;
         let seconds = start.elapsed().as_secs_f64();

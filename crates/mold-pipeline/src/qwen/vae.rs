@@ -548,7 +548,8 @@ impl QwenVae {
     /// Normalized latents `(b, z, h, w)` (any device, any float dtype) → images
     /// `(b, 3, 8h, 8w)` in [-1, 1], f32 on the VAE's device.
     pub fn decode(&self, latents: &Tensor) -> Result<Tensor> {
-        let z = latents.to_device(&self.device)?.to_dtype(DType::F32)?;
+        let z = mold_exec::runtime::hand_off_ordered(latents, &self.device, true)?
+            .to_dtype(DType::F32)?;
         let z = z.broadcast_mul(&self.std)?.broadcast_add(&self.mean)?;
         let z = z.to_dtype(self.dtype)?;
         let x = self.post_quant.forward(&z)?;

@@ -2,8 +2,9 @@
 //! the lock pool, and dropped (loaded afresh on next use) when it panics.
 
 use super::queue::Ticket;
-use super::{lock, Engine, COMPONENTS};
+use super::{lock, panic_message, Engine, COMPONENTS};
 use crate::options::Stage;
+use mold_exec::weights_copy::{Kept, WeightsFrom};
 use mold_pipeline::flux::resident::{Decoder, Job, ENCODERS};
 use mold_pipeline::{PipelineError, Progress};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -25,38 +26,148 @@ impl Engine {
         d: usize,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<Arc<Instance>, PipelineError> {
+        self.instance_from(c, d, &WeightsFrom::files(self.staged_load), progress)
+    }
+
+    /// [`Engine::instance`], a new one's weights read or copied as `from` says.
+    fn instance_from(
+        &self,
+        c: usize,
+        d: usize,
+        from: &WeightsFrom,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Arc<Instance>, PipelineError> {
         if let Some(i) = lock(&self.instances).get(&(c, d)) {
             return Ok(i.clone());
         }
         let id = self.pool.devices()[d].id.clone();
         let name = COMPONENTS[c];
-        let inst = {
-            let mut devmap = lock(&self.devmap);
-            if name == "vae" {
-                Instance::Decoder(Box::new(Decoder::load_with(
-                    &self.plan,
-                    &self.prep,
-                    std::slice::from_ref(&id),
-                    &mut devmap,
-                    self.vae,
-                    progress,
-                )?))
-            } else {
-                Instance::Encoder(Box::new(mold_pipeline::flux::resident::TextEncoder::load(
-                    &self.plan,
-                    &self.prep,
-                    name,
-                    &id,
-                    &mut devmap,
-                    self.vae.kernels,
-                    self.staged_load,
-                    progress,
-                )?))
-            }
+        // The device opened in the shared map, loaded through a copy of it: loads on other
+        // threads go on meanwhile.
+        let mut devmap = {
+            let mut shared = lock(&self.devmap);
+            shared.get(&id)?;
+            shared.clone()
+        };
+        let inst = if name == "vae" {
+            Instance::Decoder(Box::new(Decoder::load_from(
+                &self.plan,
+                &self.prep,
+                &id,
+                &mut devmap,
+                self.vae,
+                from,
+                progress,
+            )?))
+        } else {
+            Instance::Encoder(Box::new(mold_pipeline::flux::resident::TextEncoder::load(
+                &self.plan,
+                &self.prep,
+                name,
+                &id,
+                &mut devmap,
+                self.vae.kernels,
+                from,
+                progress,
+            )?))
         };
         let inst = Arc::new(inst);
         lock(&self.instances).insert((c, d), inst.clone());
         Ok(inst)
+    }
+
+    /// Loads component `c`'s planned instances on devices `ds` (startup): read from the
+    /// checkpoint on the first, then copied from it to all the others at once, device to
+    /// device ([`mold_exec::weights_copy`]) where the pair copies directly (peer access over
+    /// NVLink or PCIe, [`mold_exec::runtime::copies_directly`]) instead of read again; read
+    /// where it does not. An instance that cannot be copied is read, and the log says why.
+    pub(super) fn load_planned(&self, c: usize, ds: &[usize]) -> Result<(), PipelineError> {
+        let log = |p: &Progress| (self.log)(format!("{p}"));
+        let Some((&first, others)) = ds.split_first() else {
+            return Ok(());
+        };
+        let (rest, read): (Vec<usize>, Vec<usize>) = {
+            let mut devmap = lock(&self.devmap);
+            let id = |d: usize| self.pool.devices()[d].id.clone();
+            let src = devmap.get(&id(first))?;
+            let mut direct = Vec::with_capacity(others.len());
+            for &d in others {
+                let dst = devmap.get(&id(d))?;
+                direct.push(mold_exec::runtime::copies_directly(
+                    &src,
+                    &dst,
+                    self.peer_copies,
+                ));
+            }
+            let (rest, read): (Vec<_>, Vec<_>) =
+                others.iter().zip(direct).partition(|(_, direct)| *direct);
+            (
+                rest.into_iter().map(|(&d, _)| d).collect(),
+                read.into_iter().map(|(&d, _)| d).collect(),
+            )
+        };
+        if rest.is_empty() {
+            for &d in std::iter::once(&first).chain(&read) {
+                self.instance(c, d, &mut |p| log(p))?;
+            }
+            return Ok(());
+        }
+        for &d in &read {
+            self.instance(c, d, &mut |p| log(p))?;
+        }
+        let kept = Kept::on(&self.pool.devices()[first].id.to_string());
+        let keep = WeightsFrom::Files {
+            staged: self.staged_load,
+            keep: Some(kept.clone()),
+        };
+        self.instance_from(c, first, &keep, &mut |p| log(p))?;
+        let copy = WeightsFrom::CopyOf {
+            kept,
+            peer_copies: self.peer_copies,
+        };
+        let copies: Vec<(usize, Result<(), String>)> = std::thread::scope(|s| {
+            let threads: Vec<_> = rest
+                .iter()
+                .map(|&d| {
+                    let copy = &copy;
+                    let log = &log;
+                    (
+                        d,
+                        s.spawn(move || {
+                            catch_unwind(AssertUnwindSafe(|| {
+                                self.instance_from(c, d, copy, &mut |p| log(p))
+                            }))
+                        }),
+                    )
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|(d, t)| {
+                    let res = match t.join() {
+                        Ok(Ok(Ok(_))) => Ok(()),
+                        Ok(Ok(Err(e))) => Err(e.to_string()),
+                        Ok(Err(p)) | Err(p) => Err(format!("panicked: {}", panic_message(&*p))),
+                    };
+                    (d, res)
+                })
+                .collect()
+        });
+        // The copies are done (each load waits for its device): the first instance's
+        // merged-away tensors can go.
+        drop(copy);
+        for (d, res) in copies {
+            if let Err(why) = res {
+                (self.log)(format!(
+                    "{} on {}: cannot copy it ({}); reading it",
+                    COMPONENTS[c],
+                    self.pool.devices()[d].id,
+                    why.replace('\n', " ")
+                ));
+                self.instance(c, d, &mut |p| log(p))?;
+            }
+        }
+        Ok(())
     }
 
     /// The device a warm-up `ticket` is pinned to, as the only one allowed for component

@@ -198,6 +198,8 @@ pub struct Engine {
     vae: mold_pipeline::flux::vae::VaeOptions,
     /// Encoders' weights staged to the GPU (`MOLD_LOAD`, through the exec options).
     staged_load: bool,
+    /// Hand-offs between GPUs by peer copies (`--no-peer`: through host memory).
+    peer_copies: bool,
     next_id: AtomicU64,
     pub metrics: Metrics,
     workers: Mutex<Vec<JoinHandle<()>>>,

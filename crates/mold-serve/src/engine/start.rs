@@ -153,21 +153,27 @@ impl Engine {
             wake: Condvar::new(),
             capacity: opts.queue.max(1),
             encoder_pool: opts.encoder_pool,
-            vae: mold_pipeline::flux::vae::VaeOptions::with_kernels(d.exec.kernels),
+            vae: mold_pipeline::flux::vae::VaeOptions {
+                peer_copies: d.exec.peer_copies,
+                ..mold_pipeline::flux::vae::VaeOptions::with_kernels(d.exec.kernels)
+            },
             staged_load: d.exec.staged_load,
+            peer_copies: d.exec.peer_copies,
             next_id: AtomicU64::new(1),
             metrics: Metrics::default(),
             workers: Mutex::new(Vec::new()),
             hooks: opts.hooks.clone(),
             log: log.clone(),
         });
-        // The planned instances, loaded now (errors before serving).
+        // The planned instances, loaded now (errors before serving): each component read
+        // once and copied device to device to its other planned devices.
         for (c, cost) in engine.pool.components().iter().enumerate() {
-            for dev in &cost.planned {
-                let d = engine.pool.index(dev).expect("in the pool");
-                let mut on = |p: &Progress| log(format!("{p}"));
-                engine.instance(c, d, &mut on)?;
-            }
+            let ds: Vec<usize> = cost
+                .planned
+                .iter()
+                .map(|dev| engine.pool.index(dev).expect("in the pool"))
+                .collect();
+            engine.load_planned(c, &ds)?;
         }
         // Several replicas: the first one's transformer read from the checkpoint, every
         // other one's copied from it device to device where the placements allow

@@ -1318,6 +1318,18 @@ impl CudaStorage {
     }
 
     pub fn transfer_to_device(&self, dst: &CudaDevice) -> Result<Self> {
+        // mold's patch (vendor/README.md): between two GPUs, through host memory — read back
+        // on the calling thread's stream of the source (the host waits), uploaded on its
+        // stream of the destination. cudarc's cross-context copy queues cuMemcpyPeerAsync on
+        // the destination's per-thread stream, and where the two GPUs' memory pools have no
+        // peer access to each other that copy was seen unordered with the destination's
+        // next work (wrong values on 4 × H100). mold moves data between GPUs with its own
+        // peer copies (`mold_exec::runtime::hand_off`); this keeps any other move correct.
+        let src_ordinal = self.device.cuda_stream().context().ordinal();
+        if src_ordinal != dst.cuda_stream().context().ordinal() {
+            let host = self.to_cpu_storage()?;
+            return dst.storage_from_cpu_storage(&host);
+        }
         let dst_stream = dst.cuda_stream();
         let storage_slice = match self.dtype() {
             DType::U8 => {

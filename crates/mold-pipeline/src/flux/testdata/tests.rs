@@ -73,8 +73,9 @@ fn tiny_pipeline_loads_and_runs_each_component() {
     let l = WeightsLayout::locate(&d, "flux-tiny").unwrap();
     let flux = FluxConfig::flux_tiny();
     let dev = Device::Cpu;
+    let files = mold_exec::weights_copy::WeightsFrom::files(true);
 
-    let mut t5 = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto, true).unwrap();
+    let mut t5 = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto, &files).unwrap();
     let txt = t5.encode("a red fox in snow").unwrap();
     assert_eq!(txt.dims(), [1, 8, flux.context_in_dim]);
     // Truncation: a long prompt still gives 8 tokens.
@@ -86,7 +87,7 @@ fn tiny_pipeline_loads_and_runs_each_component() {
     assert_eq!(&ids[3..], &[1, 0, 0, 0, 0]);
     assert!(ids[..3].iter().all(|&i| i > 2), "{ids:?}");
 
-    let mut clip = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto, true).unwrap();
+    let mut clip = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto, &files).unwrap();
     let y = clip.encode("a red fox in snow").unwrap();
     assert_eq!(y.dims(), [1, flux.vec_in_dim]);
     let ctok =
@@ -105,5 +106,78 @@ fn tiny_pipeline_loads_and_runs_each_component() {
     let vae = Vae::load(&l, DType::BF16, &dev).unwrap();
     let z = Tensor::zeros((1, 16, 4, 6), DType::BF16, &dev).unwrap();
     assert_eq!(vae.decode(&z).unwrap().dims(), [1, 3, 32, 48]);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// An encoder or VAE loaded by copying another instance's kept weights
+/// (`WeightsFrom::CopyOf`) computes what the instance read from the files computes, bit for
+/// bit: the builders redo their fusions on the copies.
+#[test]
+fn copied_encoders_and_vae_equal_the_ones_read() {
+    use mold_exec::weights_copy::{Kept, WeightsFrom};
+    let d = std::env::temp_dir().join(format!("mold-pipeline-copies-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    write_tiny_pipeline(&d, 0).unwrap();
+    let l = WeightsLayout::locate(&d, "flux-tiny").unwrap();
+    let dev = Device::Cpu;
+    let bits = |t: &Tensor| {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<u32>>()
+    };
+    let keep = |kept: &Kept| WeightsFrom::Files {
+        staged: true,
+        keep: Some(kept.clone()),
+    };
+    let copy = |kept: &Kept| WeightsFrom::CopyOf {
+        kept: kept.clone(),
+        peer_copies: true,
+    };
+    let prompt = "a red fox in snow";
+
+    let kept = Kept::on("emu:0");
+    let mut read = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto, &keep(&kept)).unwrap();
+    assert!(!kept.is_empty());
+    let mut copied = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto, &copy(&kept)).unwrap();
+    assert_eq!(
+        bits(&read.encode(prompt).unwrap()),
+        bits(&copied.encode(prompt).unwrap())
+    );
+
+    let kept = Kept::on("emu:0");
+    let mut read = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto, &keep(&kept)).unwrap();
+    let mut copied = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto, &copy(&kept)).unwrap();
+    assert_eq!(
+        bits(&read.encode(prompt).unwrap()),
+        bits(&copied.encode(prompt).unwrap())
+    );
+
+    let kept = Kept::on("emu:0");
+    let opts = crate::flux::vae::VaeOptions::default();
+    let read = Vae::load_from(&l, DType::F32, &dev, opts, &keep(&kept)).unwrap();
+    let copied = Vae::load_from(&l, DType::F32, &dev, opts, &copy(&kept)).unwrap();
+    let z = Tensor::randn(0f32, 1., (1, 16, 4, 6), &dev).unwrap();
+    assert_eq!(
+        bits(&read.decode(&z).unwrap()),
+        bits(&copied.decode(&z).unwrap())
+    );
+    // The copy took the kept tensors: a kept weight changed changes the copy's output.
+    let name = kept
+        .names()
+        .into_iter()
+        .find(|n| n.ends_with("conv_out.weight"))
+        .unwrap();
+    kept.keep(&name, &(kept.get(&name).unwrap() * 2.).unwrap());
+    let changed = Vae::load_from(&l, DType::F32, &dev, opts, &copy(&kept)).unwrap();
+    assert_ne!(
+        bits(&read.decode(&z).unwrap()),
+        bits(&changed.decode(&z).unwrap())
+    );
     std::fs::remove_dir_all(&d).unwrap();
 }
