@@ -49,6 +49,47 @@ impl DeviceMap {
         Ok(d)
     }
 
+    /// Opens every device of `ids` not opened yet, the GPUs at once (a thread each: a CUDA
+    /// context, its memory pool and mold's kernels take a few hundred milliseconds a GPU).
+    pub fn open_all(&mut self, ids: &[DeviceId]) -> Result<()> {
+        let own_streams = self.own_streams;
+        let new: Vec<&DeviceId> = ids
+            .iter()
+            .filter(|id| !self.devices.contains_key(*id))
+            .collect();
+        let opened: Vec<(DeviceId, Result<Device>)> = std::thread::scope(|s| {
+            let threads: Vec<_> = new
+                .iter()
+                .map(|&id| {
+                    s.spawn(move || {
+                        let mut one = DeviceMap::new(own_streams);
+                        (id.clone(), one.get(id))
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .zip(&new)
+                .map(|(t, &id)| {
+                    t.join().unwrap_or_else(|_| {
+                        (
+                            id.clone(),
+                            Err(ExecError::Device {
+                                device: id.to_string(),
+                                message: "opening it panicked".into(),
+                            }),
+                        )
+                    })
+                })
+                .collect()
+        });
+        for (id, d) in opened {
+            let d = d?;
+            self.devices.entry(id).or_insert(d);
+        }
+        Ok(())
+    }
+
     /// Waits for what this thread queued on every device opened so far (weights uploaded
     /// from this thread are complete before other threads' streams read them).
     pub fn synchronize(&self) -> Result<()> {

@@ -165,6 +165,13 @@ impl Engine {
             hooks: opts.hooks.clone(),
             log: log.clone(),
         });
+        // Every GPU of the pool opened at once before anything loads.
+        {
+            let ids: Vec<_> = engine.pool.devices().iter().map(|d| d.id.clone()).collect();
+            lock(&engine.devmap)
+                .open_all(&ids)
+                .map_err(PipelineError::from)?;
+        }
         // The planned instances, loaded now (errors before serving): each component read
         // once and copied device to device to its other planned devices.
         for (c, cost) in engine.pool.components().iter().enumerate() {
