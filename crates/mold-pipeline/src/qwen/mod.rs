@@ -679,6 +679,8 @@ pub fn generate_on(
     mem.add(&id, vae.weight_bytes);
     let t = Instant::now();
     let z = crate::sampling::unpack(&latents, req.width, req.height)?;
+    // To the VAE's GPU with the run's peer setting (the decode's own move is then none).
+    let z = mold_exec::runtime::hand_off_ordered(&z, &dev, opts.peer_copies)?;
     let img = vae.decode(&z)?;
     sync(&dev)?;
     let (width, height, data) = crate::qwen::vae::to_rgb8(&img.i(0)?)?;

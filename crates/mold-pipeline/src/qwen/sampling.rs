@@ -191,6 +191,7 @@ impl SchedulerConfig {
 /// per token (norms over the channels), in f32.
 pub fn combine(cond: &Tensor, neg: &Tensor, scale: f64) -> Result<Tensor> {
     let cond = cond.to_dtype(DType::F32)?;
+    // In the pipeline already on `cond`'s device (moved with the run's peer setting).
     let neg =
         mold_exec::runtime::hand_off_ordered(&neg.to_dtype(DType::F32)?, cond.device(), true)?;
     let comb = (&neg + ((&cond - &neg)? * scale)?)?;
@@ -243,11 +244,15 @@ pub fn denoise(
         // GPUs): finish what this thread queued first.
         inputs.latents().device().synchronize()?;
         let x = inputs.latents().clone();
+        let peer = passes.cond().options().peer_copies;
         let v = match crate::sampling::predict(passes, inputs, neg.as_ref())? {
-            (v, Some(vn)) => combine(&v, &vn, guidance.map_or(1.0, |g| g.scale))?,
+            (v, Some(vn)) => {
+                // CFG-parallel: the unconditional prediction comes from another GPU.
+                let vn = mold_exec::runtime::hand_off_ordered(&vn, v.device(), peer)?;
+                combine(&v, &vn, guidance.map_or(1.0, |g| g.scale))?
+            }
             (v, None) => v,
         };
-        let peer = passes.cond().options().peer_copies;
         let v = mold_exec::runtime::hand_off_ordered(&v, x.device(), peer)?.to_dtype(x.dtype())?;
         let next = (&x + v.affine(t_next - t, 0.0)?)?;
         next.device().synchronize()?;
