@@ -53,10 +53,12 @@ impl DeviceMap {
     /// context, its memory pool and mold's kernels take a few hundred milliseconds a GPU).
     pub fn open_all(&mut self, ids: &[DeviceId]) -> Result<()> {
         let own_streams = self.own_streams;
-        let new: Vec<&DeviceId> = ids
-            .iter()
-            .filter(|id| !self.devices.contains_key(*id))
-            .collect();
+        let mut new: Vec<&DeviceId> = Vec::new();
+        for id in ids {
+            if !self.devices.contains_key(id) && !new.contains(&id) {
+                new.push(id);
+            }
+        }
         let opened: Vec<(DeviceId, Result<Device>)> = std::thread::scope(|s| {
             let threads: Vec<_> = new
                 .iter()

@@ -23,12 +23,26 @@ use std::sync::{Arc, Mutex};
 
 /// Tensors a load took, by name, for copies of it; and where they are (a label).
 #[derive(Clone, Default)]
-pub struct Kept(Arc<Mutex<HashMap<String, Tensor>>>, Arc<str>);
+pub struct Kept(
+    Arc<Mutex<HashMap<String, Tensor>>>,
+    Arc<str>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
 
 impl Kept {
     /// Nothing kept yet, of a load on `on` (a label for reports, such as `cuda:0`).
     pub fn on(on: &str) -> Kept {
-        Kept(Arc::default(), on.into())
+        Kept(Arc::default(), on.into(), Arc::default())
+    }
+
+    /// How many tensors the copies asked for that nothing kept, so read from the files
+    /// (none, where the copies' builders are the first load's).
+    pub fn misses(&self) -> usize {
+        self.2.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn missed(&self) {
+        self.2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Where the kept tensors are.
@@ -199,17 +213,22 @@ impl SimpleBackend for Copying {
                 got: t.shape().clone(),
             }
             .bt()),
-            None => self
-                .files
-                .get_with_hints_dtype(s, name, Init::Const(0.), dtype)?
-                .to_device(dev),
+            None => {
+                self.kept.missed();
+                self.files
+                    .get_with_hints_dtype(s, name, Init::Const(0.), dtype)?
+                    .to_device(dev)
+            }
         }
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
         match self.kept.get(name) {
             Some(t) => self.copy(&t, dtype, dev),
-            None => self.files.get_unchecked_dtype(name, dtype)?.to_device(dev),
+            None => {
+                self.kept.missed();
+                self.files.get_unchecked_dtype(name, dtype)?.to_device(dev)
+            }
         }
     }
 
@@ -276,9 +295,11 @@ mod tests {
         .unwrap();
         let got = copy.get((3, 4), "a.weight").unwrap();
         assert_eq!(got.to_vec2::<f32>().unwrap()[2], vec![16., 18., 20., 22.]);
-        // Not kept: read from the files.
+        assert_eq!(kept.misses(), 0);
+        // Not kept: read from the files, and counted.
         let b = copy.get(3, "b.bias").unwrap();
         assert_eq!(b.to_vec1::<f32>().unwrap(), vec![1., -2.5, 3.25]);
+        assert_eq!(kept.misses(), 1);
         // Another dtype asked: the kept tensor cast.
         let copy16 = var_builder(
             &files,

@@ -232,14 +232,18 @@ pub fn denoise_passes<M: Transformer>(
         // read it.
         inputs.latents().device().synchronize()?;
         let x = inputs.latents().clone();
+        let peer = passes.cond().options().peer_copies;
         let v = match (
             predict(passes, inputs, guided.as_ref().map(|g| &g.neg))?,
             &guided,
         ) {
-            ((vc, Some(vn)), Some(g)) => (g.combine)(&vc, &vn)?,
+            ((vc, Some(vn)), Some(g)) => {
+                // CFG-parallel: the unconditional prediction comes from another GPU.
+                let vn = mold_exec::runtime::hand_off_ordered(&vn, vc.device(), peer)?;
+                (g.combine)(&vc, &vn)?
+            }
             ((vc, _), _) => vc,
         };
-        let peer = passes.cond().options().peer_copies;
         let v = mold_exec::runtime::hand_off_ordered(&v, x.device(), peer)?.to_dtype(x.dtype())?;
         let next = (&x + v.affine(t_next - t, 0.0)?)?;
         // GPU kernels run asynchronously: wait for them before reading the clock.

@@ -33,6 +33,8 @@ fn other_replicas_copy_the_encoders_and_the_vae_and_answer_alike() {
             assert_eq!(reads, 1, "{c}: {l:?}");
         }
         assert!(!l.iter().any(|x| x.contains("cannot copy")), "{l:?}");
+        // Every tensor the copies asked for came from the first load, none from the files.
+        assert!(!l.iter().any(|x| x.contains("were not kept")), "{l:?}");
     }
     // Requests at once spread over both devices' encoders and VAEs (the pool): every
     // answer is the image of the request run alone.

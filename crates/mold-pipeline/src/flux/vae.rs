@@ -279,7 +279,9 @@ impl Vae {
                 crate::layout::AE_CONFIG
             ),
         })?;
-        Ok(Vae::new(imp, cfg, dtype, dev, weight_bytes))
+        let mut vae = Vae::new(imp, cfg, dtype, dev, weight_bytes);
+        vae.peer_copies = opts.peer_copies;
+        Ok(vae)
     }
 
     /// The decoder on each of `devices` for a decode in row bands, one per device

@@ -191,7 +191,8 @@ impl SchedulerConfig {
 /// per token (norms over the channels), in f32.
 pub fn combine(cond: &Tensor, neg: &Tensor, scale: f64) -> Result<Tensor> {
     let cond = cond.to_dtype(DType::F32)?;
-    // In the pipeline already on `cond`'s device (moved with the run's peer setting).
+    // The denoising loops move it to `cond`'s device first, with the run's peer setting;
+    // a caller's tensor elsewhere moves by peer copy where the GPUs allow.
     let neg =
         mold_exec::runtime::hand_off_ordered(&neg.to_dtype(DType::F32)?, cond.device(), true)?;
     let comb = (&neg + ((&cond - &neg)? * scale)?)?;

@@ -106,6 +106,20 @@ impl Engine {
                 read.into_iter().map(|(&d, _)| d).collect(),
             )
         };
+        let name = |d: usize| self.pool.devices()[d].id.to_string();
+        for &d in &read {
+            (self.log)(format!(
+                "{} on {}: read from the checkpoint ({} cannot copy to it directly: {})",
+                COMPONENTS[c],
+                name(d),
+                name(first),
+                if self.peer_copies {
+                    "no peer access between them"
+                } else {
+                    "--no-peer"
+                }
+            ));
+        }
         if rest.is_empty() {
             for &d in std::iter::once(&first).chain(&read) {
                 self.instance(c, d, &mut |p| log(p))?;
@@ -115,15 +129,22 @@ impl Engine {
         for &d in &read {
             self.instance(c, d, &mut |p| log(p))?;
         }
-        let kept = Kept::on(&self.pool.devices()[first].id.to_string());
-        let keep = WeightsFrom::Files {
-            staged: self.staged_load,
-            keep: Some(kept.clone()),
-        };
-        self.instance_from(c, first, &keep, &mut |p| log(p))?;
+        let kept = Kept::on(&name(first));
+        {
+            // Its own handle on `kept` goes with it: only `copy`'s is left to drop below.
+            let keep = WeightsFrom::Files {
+                staged: self.staged_load,
+                keep: Some(kept.clone()),
+            };
+            self.instance_from(c, first, &keep, &mut |p| log(p))?;
+        }
         let copy = WeightsFrom::CopyOf {
             kept,
             peer_copies: self.peer_copies,
+        };
+        let kept_misses = |w: &WeightsFrom| match w {
+            WeightsFrom::CopyOf { kept, .. } => kept.misses(),
+            WeightsFrom::Files { .. } => 0,
         };
         let copies: Vec<(usize, Result<(), String>)> = std::thread::scope(|s| {
             let threads: Vec<_> = rest
@@ -155,7 +176,14 @@ impl Engine {
         });
         // The copies are done (each load waits for its device): the first instance's
         // merged-away tensors can go.
+        let misses = kept_misses(&copy);
         drop(copy);
+        if misses > 0 {
+            (self.log)(format!(
+                "{}: {misses} tensors the copies asked for were not kept by the first load, read from the checkpoint",
+                COMPONENTS[c]
+            ));
+        }
         for (d, res) in copies {
             if let Err(why) = res {
                 (self.log)(format!(

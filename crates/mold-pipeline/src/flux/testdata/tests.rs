@@ -140,6 +140,15 @@ fn copied_encoders_and_vae_equal_the_ones_read() {
         peer_copies: true,
     };
     let prompt = "a red fox in snow";
+    // Doubles the kept tensor whose name ends with `suffix`.
+    let double_one = |kept: &Kept, suffix: &str| {
+        let name = kept
+            .names()
+            .into_iter()
+            .find(|n| n.ends_with(suffix))
+            .unwrap_or_else(|| panic!("no kept {suffix}: {:?}", kept.names()));
+        kept.keep(&name, &(kept.get(&name).unwrap() * 2.).unwrap());
+    };
 
     let kept = Kept::on("emu:0");
     let mut read = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto, &keep(&kept)).unwrap();
@@ -149,6 +158,14 @@ fn copied_encoders_and_vae_equal_the_ones_read() {
         bits(&read.encode(prompt).unwrap()),
         bits(&copied.encode(prompt).unwrap())
     );
+    assert_eq!(kept.misses(), 0);
+    // The copy took the kept tensors: a kept weight changed changes the copy's output.
+    double_one(&kept, "shared.weight");
+    let mut changed = T5::load(&l.t5, 8, DType::F32, &dev, Kernels::Auto, &copy(&kept)).unwrap();
+    assert_ne!(
+        bits(&read.encode(prompt).unwrap()),
+        bits(&changed.encode(prompt).unwrap())
+    );
 
     let kept = Kept::on("emu:0");
     let mut read = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto, &keep(&kept)).unwrap();
@@ -156,6 +173,13 @@ fn copied_encoders_and_vae_equal_the_ones_read() {
     assert_eq!(
         bits(&read.encode(prompt).unwrap()),
         bits(&copied.encode(prompt).unwrap())
+    );
+    assert_eq!(kept.misses(), 0);
+    double_one(&kept, "final_layer_norm.weight");
+    let mut changed = Clip::load(&l.clip, DType::F32, &dev, Kernels::Auto, &copy(&kept)).unwrap();
+    assert_ne!(
+        bits(&read.encode(prompt).unwrap()),
+        bits(&changed.encode(prompt).unwrap())
     );
 
     let kept = Kept::on("emu:0");
@@ -168,12 +192,8 @@ fn copied_encoders_and_vae_equal_the_ones_read() {
         bits(&copied.decode(&z).unwrap())
     );
     // The copy took the kept tensors: a kept weight changed changes the copy's output.
-    let name = kept
-        .names()
-        .into_iter()
-        .find(|n| n.ends_with("conv_out.weight"))
-        .unwrap();
-    kept.keep(&name, &(kept.get(&name).unwrap() * 2.).unwrap());
+    assert_eq!(kept.misses(), 0);
+    double_one(&kept, "conv_out.weight");
     let changed = Vae::load_from(&l, DType::F32, &dev, opts, &copy(&kept)).unwrap();
     assert_ne!(
         bits(&read.decode(&z).unwrap()),
