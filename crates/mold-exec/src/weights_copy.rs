@@ -59,14 +59,6 @@ impl Kept {
         self.len() == 0
     }
 
-    /// The kept tensors' bytes.
-    pub fn bytes(&self) -> u64 {
-        self.lock()
-            .values()
-            .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
-            .sum()
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Tensor>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -104,11 +96,6 @@ impl WeightsFrom {
     /// The files, nothing kept.
     pub fn files(staged: bool) -> WeightsFrom {
         WeightsFrom::Files { staged, keep: None }
-    }
-
-    /// Whether this load copies another's weights.
-    pub fn is_copy(&self) -> bool {
-        matches!(self, WeightsFrom::CopyOf { .. })
     }
 }
 
@@ -280,7 +267,6 @@ mod tests {
         .unwrap();
         let a = first.get((3, 4), "a.weight").unwrap();
         assert_eq!(kept.len(), 1);
-        assert_eq!(kept.bytes(), 48);
         // What the copy gets is the kept tensor, not the file's: change the kept one.
         kept.keep("a.weight", &(a * 2.).unwrap());
         let copy = var_builder(

@@ -120,17 +120,8 @@ fn copied_encoders_and_vae_equal_the_ones_read() {
     write_tiny_pipeline(&d, 0).unwrap();
     let l = WeightsLayout::locate(&d, "flux-tiny").unwrap();
     let dev = Device::Cpu;
-    let bits = |t: &Tensor| {
-        t.flatten_all()
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect::<Vec<u32>>()
-    };
+    // Equal digests (FNV-1a of the values' f32 bits): equal outputs, bit for bit.
+    let bits = |t: &Tensor| mold_exec::digest(t).unwrap();
     let keep = |kept: &Kept| WeightsFrom::Files {
         staged: true,
         keep: Some(kept.clone()),
