@@ -221,6 +221,12 @@ fn warn_if_box_differs(plan: &Plan) {
 /// cache (`HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`), every
 /// place looked at named when it is nowhere.
 fn weights_for(plan: &Plan, flag: &Option<PathBuf>) -> Result<PathBuf> {
+    weights_for_model(&plan.model.id, flag)
+}
+
+/// [`weights_for`] by the catalogue id of the model (`mold plan --tune` resolves its
+/// weights before it plans).
+pub(super) fn weights_for_model(id: &str, flag: &Option<PathBuf>) -> Result<PathBuf> {
     if let Some(path) = flag {
         if !path.exists() {
             bail!(
@@ -242,7 +248,6 @@ fn weights_for(plan: &Plan, flag: &Option<PathBuf>) -> Result<PathBuf> {
             .or_else(|| var("HF_HOME").map(|h| h.join("hub")))
             .or_else(|| var("HOME").map(|h| h.join(".cache/huggingface/hub"))),
     );
-    let id = &plan.model.id;
     match mold_models::snapshot::find_weights(&roots, id) {
         Ok(dir) => {
             eprintln!("note: no --weights: using {}", dir.display());

@@ -12,3 +12,4 @@ pub mod run_report;
 pub mod serve;
 pub mod sim;
 pub mod testdata;
+pub mod tune;

@@ -133,7 +133,31 @@ pub struct Args {
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Measure before choosing: run each placement worth comparing (the planner's pick
+    /// and the best plan of every other tensor × sequence-parallel layout, those priced
+    /// within 25 % of the fastest, at most --tune-candidates) for a few steps with `mold
+    /// exec` on this box, one after another, and write the one measured fastest, with the
+    /// record of each as comments under the plan. Needs the weights and the GPUs free; a
+    /// load and a few steps a placement.
+    #[arg(long)]
+    pub tune: bool,
+    /// With --tune: steps each placement runs; its step is the median of steps 2..N
+    /// (default 6).
+    #[arg(long, value_name = "N", requires = "tune")]
+    pub tune_steps: Option<u32>,
+    /// With --tune: the most placements measured, the planner's pick included (default 6).
+    #[arg(long, value_name = "N", requires = "tune")]
+    pub tune_candidates: Option<usize>,
+    /// With --tune: the weights the placements run, as `mold exec --weights` takes them
+    /// (default: the checkpoint given as --model, else found as `mold exec` finds them).
+    #[arg(long, requires = "tune")]
+    pub weights: Option<PathBuf>,
 }
+
+/// Steps each placement runs under `--tune` by default.
+const TUNE_STEPS: u32 = 6;
+/// How long one placement may run under `--tune`, its load included.
+const TUNE_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 #[derive(clap::Args, Debug)]
 pub struct ModelsArgs {
@@ -547,21 +571,79 @@ pub fn run(a: Args) -> Result<i32> {
     let stamp = mold_files::Stamp::HashComment;
     dest.check(mold_files::Mine::Stamped(stamp))?;
     let (req, profile_line, machine_name) = request(&a)?;
-    let outcome = plan_with_fp8_allowed(&a, &req)?;
-    dest.write_stamped(stamp, outcome.plan.to_yaml().as_bytes())?;
+    // Everything --tune needs is checked before the planner runs.
+    let tuning = if a.tune {
+        Some(tune_args(&a, &req)?)
+    } else {
+        None
+    };
+    let mut outcome = plan_with_fp8_allowed(&a, &req)?;
+    let mut record = None;
+    let mut yaml = outcome.plan.to_yaml();
+    if let Some((weights, steps, options)) = &tuning {
+        let t = super::tune::TuneArgs {
+            weights,
+            machine: &machine_name,
+            steps: *steps,
+            options: *options,
+            limit: TUNE_LIMIT,
+        };
+        let (tuned, rows) = super::tune::run(&req, outcome, &t)?;
+        outcome = tuned;
+        yaml = outcome.plan.to_yaml();
+        if let Some(rows) = &rows {
+            yaml += &super::tune::plan_comment(rows, *steps);
+        }
+        record = rows;
+    }
+    dest.write_stamped(stamp, yaml.as_bytes())?;
     if a.json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "machine_profile": machine_name,
             "plan_file": a.out,
             "outcome": outcome,
         });
+        if let Some(rows) = &record {
+            v["tune"] = serde_json::to_value(rows)?;
+        }
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!("{profile_line}");
         print!("{}", mold_planner::report::summary(&outcome));
+        if let Some(rows) = &record {
+            println!("\nmeasured on this box (--tune), the kept placement written:");
+            print!("{}", mold_planner::tune::table(rows, "  "));
+        }
         println!("\nplan written to {}", a.out.display());
     }
     Ok(0)
+}
+
+/// `--tune`'s weights, steps and options, each checked: refused in one line before the
+/// planner runs.
+fn tune_args(a: &Args, req: &Request) -> Result<(PathBuf, u32, mold_planner::tune::TuneOptions)> {
+    if let Some(m) = mold_planner::tune::refuse(req) {
+        bail!("{m}");
+    }
+    let steps = a.tune_steps.unwrap_or(TUNE_STEPS);
+    if steps < 2 {
+        bail!("--tune-steps {steps}: give at least 2 (a placement's step is the median of steps 2..N; step 1 loads kernels)");
+    }
+    let mut options = mold_planner::tune::TuneOptions::default();
+    if let Some(n) = a.tune_candidates {
+        if n < 2 {
+            bail!("--tune-candidates {n}: give at least 2 (the planner's pick and one more to compare)");
+        }
+        options.max_candidates = n;
+    }
+    // A checkpoint given as --model is the weights to run, unless --weights says otherwise.
+    let flag = a.weights.clone().or_else(|| {
+        let p = PathBuf::from(&a.model);
+        p.exists().then_some(p)
+    });
+    let weights = super::exec::weights_for_model(&req.model.id, &flag)
+        .map_err(|e| anyhow::anyhow!("--tune: {e}"))?;
+    Ok((weights, steps, options))
 }
 
 /// The plan; with `--allow-fp8` (and no transformer dtype given), the better of the plan

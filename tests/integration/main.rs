@@ -16,6 +16,7 @@ mod cli_qwen_pipeline;
 mod cli_report;
 mod cli_serve;
 mod cli_sim;
+mod cli_tune;
 mod parsers;
 mod parsers_env;
 mod parsers_lora;

@@ -22,7 +22,8 @@
 //! `ilp.rs` its encoding, `lp.rs` the program handed to microlp, `brute.rs` the
 //! independent enumerator, `local.rs` the local search that stands in where the solver
 //! gives a family no plan, `search.rs` one family's search, `layout.rs` choice → plan,
-//! `throughput.rs` the throughput objective (replicas of a placement versus one group).
+//! `throughput.rs` the throughput objective (replicas of a placement versus one group),
+//! `tune.rs` the placements `mold plan --tune` measures and the pick among them.
 
 pub mod brute;
 mod candidates;
@@ -37,6 +38,7 @@ mod problem;
 pub mod report;
 mod search;
 pub mod throughput;
+pub mod tune;
 mod vae_bands;
 
 pub use cfg::{CfgCandidate, CfgChoice};
