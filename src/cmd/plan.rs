@@ -136,18 +136,22 @@ pub struct Args {
     /// Measure before choosing: run each placement worth comparing (the planner's pick
     /// and the best plan of every other tensor × sequence-parallel layout, those priced
     /// within 25 % of the fastest, at most --tune-candidates) for a few steps with `mold
-    /// exec` on this box, one after another, and write the one measured fastest, with the
-    /// record of each as comments under the plan. Needs the weights and the GPUs free; a
-    /// load and a few steps a placement.
+    /// exec` on this box, one process after another, --tune-rounds times each, and write
+    /// the one measured fastest, with the record of each as comments under the plan.
+    /// Needs the weights and the GPUs free; a load and a few steps a run.
     #[arg(long)]
     pub tune: bool,
-    /// With --tune: steps each placement runs; its step is the median of steps 2..N
-    /// (default 6).
+    /// With --tune: steps each placement runs; a run's step is the median of steps 2..N
+    /// (default 8).
     #[arg(long, value_name = "N", requires = "tune")]
     pub tune_steps: Option<u32>,
     /// With --tune: the most placements measured, the planner's pick included (default 6).
     #[arg(long, value_name = "N", requires = "tune")]
     pub tune_candidates: Option<usize>,
+    /// With --tune: runs of each placement, each a fresh process, every other round in
+    /// reverse order; the smallest run's step counts (default 2).
+    #[arg(long, value_name = "N", requires = "tune")]
+    pub tune_rounds: Option<u32>,
     /// With --tune: the weights the placements run, as `mold exec --weights` takes them
     /// (default: the checkpoint given as --model, else found as `mold exec` finds them).
     #[arg(long, requires = "tune")]
@@ -155,7 +159,9 @@ pub struct Args {
 }
 
 /// Steps each placement runs under `--tune` by default.
-const TUNE_STEPS: u32 = 6;
+const TUNE_STEPS: u32 = 8;
+/// Runs of each placement under `--tune` by default.
+const TUNE_ROUNDS: u32 = 2;
 /// How long one placement may run under `--tune`, its load included.
 const TUNE_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
 
@@ -580,11 +586,12 @@ pub fn run(a: Args) -> Result<i32> {
     let mut outcome = plan_with_fp8_allowed(&a, &req)?;
     let mut record = None;
     let mut yaml = outcome.plan.to_yaml();
-    if let Some((weights, steps, options)) = &tuning {
+    if let Some((weights, steps, rounds, options)) = &tuning {
         let t = super::tune::TuneArgs {
             weights,
             machine: &machine_name,
             steps: *steps,
+            rounds: *rounds,
             options: *options,
             limit: TUNE_LIMIT,
         };
@@ -592,7 +599,7 @@ pub fn run(a: Args) -> Result<i32> {
         outcome = tuned;
         yaml = outcome.plan.to_yaml();
         if let Some(rows) = &rows {
-            yaml += &super::tune::plan_comment(rows, *steps);
+            yaml += &super::tune::plan_comment(rows, *steps, *rounds);
         }
         record = rows;
     }
@@ -621,13 +628,20 @@ pub fn run(a: Args) -> Result<i32> {
 
 /// `--tune`'s weights, steps and options, each checked: refused in one line before the
 /// planner runs.
-fn tune_args(a: &Args, req: &Request) -> Result<(PathBuf, u32, mold_planner::tune::TuneOptions)> {
+fn tune_args(
+    a: &Args,
+    req: &Request,
+) -> Result<(PathBuf, u32, u32, mold_planner::tune::TuneOptions)> {
     if let Some(m) = mold_planner::tune::refuse(req) {
         bail!("{m}");
     }
     let steps = a.tune_steps.unwrap_or(TUNE_STEPS);
     if steps < 2 {
         bail!("--tune-steps {steps}: give at least 2 (a placement's step is the median of steps 2..N; step 1 loads kernels)");
+    }
+    let rounds = a.tune_rounds.unwrap_or(TUNE_ROUNDS);
+    if rounds < 1 {
+        bail!("--tune-rounds 0: give at least 1 (runs of each placement)");
     }
     let mut options = mold_planner::tune::TuneOptions::default();
     if let Some(n) = a.tune_candidates {
@@ -643,7 +657,7 @@ fn tune_args(a: &Args, req: &Request) -> Result<(PathBuf, u32, mold_planner::tun
     });
     let weights = super::exec::weights_for_model(&req.model.id, &flag)
         .map_err(|e| anyhow::anyhow!("--tune: {e}"))?;
-    Ok((weights, steps, options))
+    Ok((weights, steps, rounds, options))
 }
 
 /// The plan; with `--allow-fp8` (and no transformer dtype given), the better of the plan

@@ -20,6 +20,9 @@ pub struct TuneArgs<'a> {
     pub machine: &'a str,
     /// Steps each candidate runs; the median of steps 2..N is its step.
     pub steps: u32,
+    /// Runs of each candidate, each a fresh process, rounds in alternating order; the
+    /// smallest median is its step.
+    pub rounds: u32,
     pub options: TuneOptions,
     /// How long one candidate may take, load included.
     pub limit: Duration,
@@ -42,29 +45,43 @@ pub fn run(req: &Request, pick: Outcome, a: &TuneArgs) -> Result<(Outcome, Optio
         return Ok((only.outcome, None));
     }
     let dir = work_dir()?;
+    let rounds = a.rounds.max(1);
     eprintln!(
-        "tune: measuring {} placements, {} steps each, one after another (each in a `mold exec` of its own, its load included; logs in {}):",
+        "tune: measuring {} placements, {} steps each, {rounds} round{} (each run a `mold exec` of its own, its load included; logs in {}):",
         cands.len(),
         a.steps,
+        if rounds == 1 { "" } else { "s, every other in reverse order" },
         dir.display()
     );
     let exe = std::env::current_exe().context("tune: the mold binary's path")?;
-    let mut measured: Vec<Measured> = Vec::with_capacity(cands.len());
-    for (i, c) in cands.iter().enumerate() {
-        let t = Instant::now();
-        let m = measure(&exe, &dir, i, c, a);
-        match &m {
-            Ok(s) => eprintln!(
-                "  {}: {:.1} ms a step (priced {:.1} ms) [{:.0} s]",
-                c.label,
-                s * 1e3,
-                c.predicted_step_s() * 1e3,
-                t.elapsed().as_secs_f64()
-            ),
-            Err(e) => eprintln!("  {}: failed: {e}", c.label),
+    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); cands.len()];
+    for round in 0..rounds {
+        let mut order: Vec<usize> = (0..cands.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
         }
-        measured.push(m);
+        for i in order {
+            let c = &cands[i];
+            // A placement that failed once is not run again.
+            if runs[i].iter().any(|r| r.is_err()) {
+                continue;
+            }
+            let t = Instant::now();
+            let m = measure(&exe, &dir, i, round, c, a);
+            match &m {
+                Ok(s) => eprintln!(
+                    "  {}: {:.1} ms a step (priced {:.1} ms) [{:.0} s]",
+                    c.label,
+                    s * 1e3,
+                    c.predicted_step_s() * 1e3,
+                    t.elapsed().as_secs_f64()
+                ),
+                Err(e) => eprintln!("  {}: failed: {e}", c.label),
+            }
+            runs[i].push(m);
+        }
     }
+    let measured: Vec<Measured> = runs.iter().map(|r| tune::combine(r)).collect();
     let Some(chosen) = tune::choose(&cands, &measured) else {
         bail!(
             "--tune: no placement ran ({}: {}); the logs are in {}; plan without --tune to keep the priced pick",
@@ -73,7 +90,7 @@ pub fn run(req: &Request, pick: Outcome, a: &TuneArgs) -> Result<(Outcome, Optio
             dir.display()
         );
     };
-    let rows = tune::rows(&cands, &measured, Some(chosen));
+    let rows = tune::rows(&cands, &runs, Some(chosen));
     // The logs are kept where anything failed, for the user to read.
     if measured.iter().all(|m| m.is_ok()) {
         let _ = std::fs::remove_dir_all(&dir);
@@ -88,9 +105,9 @@ pub fn run(req: &Request, pick: Outcome, a: &TuneArgs) -> Result<(Outcome, Optio
 }
 
 /// The lines added to the plan file under the plan: the record as YAML comments.
-pub fn plan_comment(rows: &[TuneRow], steps: u32) -> String {
+pub fn plan_comment(rows: &[TuneRow], steps: u32, rounds: u32) -> String {
     format!(
-        "# mold plan --tune: each placement run by `mold exec` for {steps} steps on this box (step: the median of steps 2..{steps}; request: that step, the rest as priced)\n{}",
+        "# mold plan --tune: each placement run {rounds}× by `mold exec` for {steps} steps on this box (a run's step: the median of steps 2..{steps}; measured: the smallest; request: that step, the rest as priced)\n{}",
         tune::table(rows, "# ")
     )
 }
@@ -107,11 +124,11 @@ fn work_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Runs candidate `i` and reads its step from the run report.
-fn measure(exe: &Path, dir: &Path, i: usize, c: &Candidate, a: &TuneArgs) -> Measured {
+/// Runs candidate `i` once (`round`) and reads its step from the run report.
+fn measure(exe: &Path, dir: &Path, i: usize, round: u32, c: &Candidate, a: &TuneArgs) -> Measured {
     let plan = dir.join(format!("candidate-{i}.yaml"));
-    let report = dir.join(format!("candidate-{i}.json"));
-    let log = dir.join(format!("candidate-{i}.log"));
+    let report = dir.join(format!("candidate-{i}-run-{round}.json"));
+    let log = dir.join(format!("candidate-{i}-run-{round}.log"));
     std::fs::write(&plan, c.plan().to_yaml()).map_err(|e| format!("writing its plan: {e}"))?;
     let out = std::fs::File::create(&log).map_err(|e| format!("creating its log: {e}"))?;
     let err = out.try_clone().map_err(|e| format!("its log: {e}"))?;

@@ -29,6 +29,8 @@ fn tune_keeps_the_measured_fastest() {
         "--tune",
         "--tune-steps",
         "3",
+        "--tune-rounds",
+        "3",
         "--weights",
         &w,
         "-o",
@@ -36,6 +38,7 @@ fn tune_keeps_the_measured_fastest() {
         "--json",
     ];
     let (out, err) = mold_ok(&args);
+    assert!(err.contains("3 rounds"), "{err}");
     assert!(err.contains("tune: measuring"), "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = v["tune"].as_array().expect("a tune record");
@@ -123,6 +126,8 @@ fn tune_refusals() {
     assert!(e.contains("--tune-steps 1"), "{e}");
     let e = run(&["--tune", "--weights", &w, "--tune-candidates", "1"]);
     assert!(e.contains("--tune-candidates 1"), "{e}");
+    let e = run(&["--tune", "--weights", &w, "--tune-rounds", "0"]);
+    assert!(e.contains("--tune-rounds 0"), "{e}");
     let e = run(&["--tune-steps", "3"]);
     assert!(e.contains("--tune"), "{e}");
     // Weights no placement can run: every candidate fails, nothing is written.

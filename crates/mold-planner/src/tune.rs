@@ -65,14 +65,32 @@ impl Candidate {
 /// What measuring one candidate gave: its step's median, or why it has none.
 pub type Measured = Result<f64, String>;
 
+/// A candidate's step from its runs (fresh processes, a median of steps each): the
+/// smallest — a slow start or a clock dip in one process lengthens its median, nothing
+/// shortens it — or, where no run gave one, the first run's error.
+pub fn combine(runs: &[Measured]) -> Measured {
+    let best = runs
+        .iter()
+        .filter_map(|r| r.as_ref().ok().copied())
+        .fold(None, |b: Option<f64>, x| Some(b.map_or(x, |b| b.min(x))));
+    match (best, runs.first()) {
+        (Some(s), _) => Ok(s),
+        (None, Some(Err(e))) => Err(e.clone()),
+        (None, _) => Err("not run".into()),
+    }
+}
+
 /// One candidate's row in the tuning record.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TuneRow {
     pub label: String,
     pub planner_pick: bool,
     pub predicted_step_s: f64,
+    /// The step: the smallest of the runs' medians ([`combine`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub measured_step_s: Option<f64>,
+    /// Each run's median step, in the order they ran.
+    pub runs_s: Vec<f64>,
     /// The request with the measured step, the rest as priced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub request_s: Option<f64>,
@@ -161,20 +179,25 @@ pub fn choose(cands: &[Candidate], measured: &[Measured]) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// The tuning record: a row per candidate, `chosen` marking the kept one.
-pub fn rows(cands: &[Candidate], measured: &[Measured], chosen: Option<usize>) -> Vec<TuneRow> {
+/// The tuning record from each candidate's runs: a row per candidate, `chosen` marking
+/// the kept one.
+pub fn rows(cands: &[Candidate], runs: &[Vec<Measured>], chosen: Option<usize>) -> Vec<TuneRow> {
     cands
         .iter()
-        .zip(measured)
+        .zip(runs)
         .enumerate()
-        .map(|(i, (c, m))| TuneRow {
-            label: c.label.clone(),
-            planner_pick: c.planner_pick,
-            predicted_step_s: c.predicted_step_s(),
-            measured_step_s: m.as_ref().ok().copied(),
-            request_s: m.as_ref().ok().map(|&s| c.request_with_step(s)),
-            error: m.as_ref().err().cloned(),
-            chosen: chosen == Some(i),
+        .map(|(i, (c, r))| {
+            let m = combine(r);
+            TuneRow {
+                label: c.label.clone(),
+                planner_pick: c.planner_pick,
+                predicted_step_s: c.predicted_step_s(),
+                measured_step_s: m.as_ref().ok().copied(),
+                runs_s: r.iter().filter_map(|x| x.as_ref().ok().copied()).collect(),
+                request_s: m.as_ref().ok().map(|&s| c.request_with_step(s)),
+                error: m.as_ref().err().cloned(),
+                chosen: chosen == Some(i),
+            }
         })
         .collect()
 }
@@ -183,11 +206,17 @@ pub fn rows(cands: &[Candidate], measured: &[Measured], chosen: Option<usize>) -
 pub fn table(rows: &[TuneRow], prefix: &str) -> String {
     let w = rows.iter().map(|r| r.label.len()).max().unwrap_or(0).max(9);
     let mut s = format!(
-        "{prefix}{:<w$}  {:>10}  {:>10}  {:>7}  {:>10}\n",
+        "{prefix}{:<w$}  {:>10}  {:>10}  {:>7}  {:>10}  runs\n",
         "placement", "priced", "measured", "dev.", "request"
     );
     for r in rows {
         let ms = |x: f64| format!("{:.1} ms", x * 1e3);
+        let runs = r
+            .runs_s
+            .iter()
+            .map(|x| format!("{:.1}", x * 1e3))
+            .collect::<Vec<_>>()
+            .join(", ");
         let (measured, dev, request) = match (r.measured_step_s, r.request_s) {
             (Some(m), Some(q)) => (
                 ms(m),
@@ -212,7 +241,7 @@ pub fn table(rows: &[TuneRow], prefix: &str) -> String {
             format!("  ({})", marks.join("; "))
         };
         s += &format!(
-            "{prefix}{:<w$}  {:>10}  {measured:>10}  {dev:>7}  {request:>10}{marks}\n",
+            "{prefix}{:<w$}  {:>10}  {measured:>10}  {dev:>7}  {request:>10}  {runs}{marks}\n",
             r.label,
             ms(r.predicted_step_s),
         );

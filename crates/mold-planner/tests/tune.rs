@@ -167,7 +167,8 @@ fn the_measured_fastest_is_kept() {
     m[slowest] = Err("out of memory".into());
     let chosen = tune::choose(&c, &m).unwrap();
     assert_ne!(chosen, slowest);
-    let rows = tune::rows(&c, &m, Some(chosen));
+    let runs: Vec<Vec<tune::Measured>> = m.iter().map(|x| vec![x.clone()]).collect();
+    let rows = tune::rows(&c, &runs, Some(chosen));
     assert!(rows[chosen].chosen && rows.iter().filter(|r| r.chosen).count() == 1);
     assert_eq!(rows[slowest].error.as_deref(), Some("out of memory"));
     let text = tune::table(&rows, "# ");
@@ -197,4 +198,16 @@ fn other_objectives_are_refused() {
             "{e}"
         );
     }
+}
+
+/// A candidate's step is its fastest run; errors count only where no run gave a step.
+#[test]
+fn runs_combine_to_the_fastest() {
+    assert_eq!(tune::combine(&[Ok(0.061), Ok(0.057)]), Ok(0.057));
+    assert_eq!(tune::combine(&[Err("oom".into()), Ok(0.07)]), Ok(0.07));
+    assert_eq!(
+        tune::combine(&[Err("oom".into()), Err("later".into())]),
+        Err("oom".to_string())
+    );
+    assert!(tune::combine(&[]).is_err());
 }
