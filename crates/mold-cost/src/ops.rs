@@ -180,20 +180,28 @@ pub fn block_ops(
     })
 }
 
-/// [`Ctx::elementwise_bytes`] less the passes the measured products hold: the q/k/v bias
-/// (read and written, 6·hidden per token) and the MLP's bias and GELU (2·mlp), which run
-/// with their column-parallel products ([`Run::Bias`], [`Run::BiasGelu`]). Of the rest,
-/// the passes over the hidden state (norm and modulation, bias + gate + residual:
-/// 7·hidden per sub-block) run whole on every rank of a tensor-parallel group, and the
-/// q/k/v preparation (norm, RoPE, layout: 6·hidden) on the rank's `1/tp` of the heads, as
-/// the executor runs them.
+/// The bytes of a block's element-wise kernels as the executor runs them with operation
+/// tables: [`Ctx::elementwise_bytes`] less the passes the measured products hold (the
+/// q/k/v bias, 6·hidden per token, and the MLP's bias and GELU, 2·mlp, run in their
+/// column-parallel products' epilogues: [`Run::Bias`], [`Run::BiasGelu`]), and with each
+/// sub-block's norm and modulation as one fused pass. Per sub-block, over the hidden
+/// state and whole on every rank of a tensor-parallel group: the norm with its
+/// modulation (`ln_modulate`: reads the hidden state once, writes it once, 2·hidden) and
+/// the bias + gate + residual (`gate_residual`: reads two, writes one, 3·hidden) — the
+/// passes the calibration counts for the same kernels when it measures their rate; and
+/// the q/k/v preparation (norm, RoPE, layout: 6·hidden) on the rank's `1/tp` of the
+/// heads.
 pub fn elementwise_bytes(kind: &BlockKind, local: u64, batch: u64, act: u64, tp: u64) -> u64 {
     let h = kind.hidden;
-    let per_token = (7 * h)
+    let per_token = (HIDDEN_PASSES_PER_SUB_BLOCK * h)
         .saturating_mul(kind.allreduces as u64)
         .saturating_add((6 * h).div_ceil(tp.max(1)));
     mold_models::product(&[batch, local, act, per_token])
 }
+
+/// Passes over the hidden state per sub-block: `ln_modulate` (2) and `gate_residual` (3),
+/// as [`elementwise_bytes`] says.
+pub const HIDDEN_PASSES_PER_SUB_BLOCK: u64 = 5;
 
 /// A time read from a table outside its measured range.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -669,7 +669,9 @@ fn calibration_covers_three_of_four_gpus() {
 }
 
 /// Under tensor parallelism the q/k/v preparation runs on the rank's share of the heads;
-/// the passes over the hidden state stay whole.
+/// the passes over the hidden state stay whole: per sub-block the fused norm with its
+/// modulation (read once, written once) and the bias + gate + residual (two read, one
+/// written), as the calibration counts the same kernels' bytes.
 #[test]
 fn tensor_parallel_divides_only_the_qkv_preparation() {
     let model = mold_models::find("flux-dev").unwrap();
@@ -678,7 +680,8 @@ fn tensor_parallel_divides_only_the_qkv_preparation() {
     let ew = |tp: u64| crate::ops::elementwise_bytes(kind, 1, 1, 1, tp);
     assert_eq!(ew(1) - ew(2), 3 * h);
     assert_eq!(ew(1) - ew(3), 4 * h);
-    assert_eq!(ew(2), 7 * h * kind.allreduces as u64 + 3 * h);
+    assert_eq!(ew(2), (2 + 3) * h * kind.allreduces as u64 + 3 * h);
+    assert_eq!(crate::ops::HIDDEN_PASSES_PER_SUB_BLOCK, 2 + 3);
 }
 
 /// The VAE in row bands: each band's device holds the decoder's weights and its band's share
