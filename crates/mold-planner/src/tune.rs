@@ -112,8 +112,8 @@ pub fn refuse(req: &Request) -> Option<String> {
 
 /// The placements to measure for `req`, whose plan (the planner's pick) is `pick`: the
 /// pick first, then the best plan of every other tensor × sequence-parallel layout the
-/// request leaves open (a layout given with `--tp N`/`--sp N`/`off` stays fixed), each
-/// transformer placement once, those priced within `opts.margin` of the fastest price, at
+/// request leaves open (a layout given with `--tp N`/`--sp N`/`off` stays fixed) and of
+/// every strategy family the pick's search priced, each transformer placement once, those priced within `opts.margin` of the fastest price, at
 /// most `opts.max_candidates`, fastest price first after the pick. A layout no plan fits
 /// is left out.
 pub fn candidates(req: &Request, pick: Outcome, opts: &TuneOptions) -> Vec<Candidate> {
@@ -143,6 +143,40 @@ pub fn candidates(req: &Request, pick: Outcome, opts: &TuneOptions) -> Vec<Candi
             if out.iter().any(|c| same_transformer(c.plan(), &o.plan)) {
                 continue;
             }
+            out.push(Candidate {
+                label: describe(&o.plan),
+                outcome: o,
+                planner_pick: false,
+            });
+        }
+    }
+    // Each strategy family's best plan too: a mixed placement (one layout for the double
+    // blocks, another for the single ones) is no single layout's. Without true CFG only,
+    // where a family's choice is a plan as it stands.
+    if !req.true_cfg() {
+        for f in &out[0].outcome.families.clone() {
+            let Some(choice) = &f.choice else {
+                continue;
+            };
+            let mut plan =
+                crate::plan_from_choice(req, choice, f.family, "feasible", f.solve_time_ms);
+            if crate::vae_bands::widen(req, &mut plan, f.family).is_err() {
+                continue;
+            }
+            if out.iter().any(|c| same_transformer(c.plan(), &plan)) {
+                continue;
+            }
+            let first = &out[0].outcome;
+            let o = Outcome {
+                evaluation: mold_cost::evaluate(&plan, &req.model, &req.machine),
+                plan,
+                machine: first.machine.clone(),
+                model: first.model.clone(),
+                families: first.families.clone(),
+                solve_time_ms: f.solve_time_ms,
+                throughput: None,
+                cfg_modes: vec![],
+            };
             out.push(Candidate {
                 label: describe(&o.plan),
                 outcome: o,
@@ -296,7 +330,9 @@ pub fn describe(plan: &Plan) -> String {
                 ""
             };
             if t.parts.len() > 1 {
-                format!("{layout} on {on} ({} blocks{streamed})", p.block_count())
+                let n = p.block_count();
+                let blocks = if n == 1 { "block" } else { "blocks" };
+                format!("{layout} on {on} ({n} {blocks}{streamed})")
             } else {
                 format!("{layout} on {on}{streamed}")
             }

@@ -114,7 +114,7 @@ fn margin_and_cap() {
 }
 
 /// A layout the user fixed stays fixed: `--tp off` leaves sequence parallelism and one
-/// GPU; `--sp off --tp 2` leaves TP2 alone.
+/// GPU; `--sp off --tp 2` leaves TP2 groups (and single devices).
 #[test]
 fn a_given_layout_stays() {
     let mut req = flux_on("4x-h100-measured");
@@ -134,6 +134,8 @@ fn a_given_layout_stays() {
     assert!(labels(&c).contains(&"SP4 on cuda:0–3".to_string()));
     req.constraints.tp = ParallelChoice::Degree(2);
     req.constraints.sp = ParallelChoice::Off;
+    // Every parallel group has the degree given (single devices stay allowed, as in the
+    // planner's own search).
     let c = cands(&req, all);
     assert!(c.iter().all(|c| c
         .plan()
@@ -141,7 +143,8 @@ fn a_given_layout_stays() {
         .unwrap()
         .parts
         .iter()
-        .all(|p| p.tp == 2 && p.sp == 1)));
+        .all(|p| (p.tp == 2 || p.degree() == 1) && p.sp == 1)));
+    assert!(labels(&c).iter().any(|l| l.contains("TP2")));
 }
 
 /// The pick is the shortest request with the measured step, not the lowest price; a
@@ -210,4 +213,46 @@ fn runs_combine_to_the_fastest() {
         Err("oom".to_string())
     );
     assert!(tune::combine(&[]).is_err());
+}
+
+/// Each strategy family's best is a candidate too: on two GPUs the mixed placement (one
+/// layout for the double blocks, another for the single ones) is measured whatever the
+/// pick, and each family's plan once.
+#[test]
+fn every_family_best_is_a_candidate() {
+    let mut req = flux_on("4x-h100-measured");
+    req.machine = req
+        .machine
+        .select(&[mold_plan::DeviceId::Cuda(0), mold_plan::DeviceId::Cuda(1)])
+        .unwrap();
+    let pick = mold_planner::plan(&req).unwrap();
+    let families: Vec<String> = pick
+        .families
+        .iter()
+        .filter(|f| f.choice.is_some())
+        .map(|f| f.family.name().to_string())
+        .collect();
+    let c = tune::candidates(
+        &req,
+        pick,
+        &TuneOptions {
+            max_candidates: 100,
+            margin: 100.0,
+        },
+    );
+    let strategies: Vec<&str> = c
+        .iter()
+        .map(|c| c.plan().solver.strategy.as_str())
+        .collect();
+    for f in &families {
+        assert!(
+            strategies.contains(&f.as_str()),
+            "{f} not in {strategies:?}"
+        );
+    }
+    assert!(
+        labels(&c).iter().any(|l| l.contains(" + ")),
+        "{:?}",
+        labels(&c)
+    );
 }
