@@ -4,9 +4,13 @@
 //! [`BATCH`] collectives queued back to back on each rank's stream between two timing
 //! events, as a step queues them between its products (the host never waits for one to
 //! end before queueing the next); a collective's time is the run's span over [`BATCH`],
-//! the slowest rank's, the ranks lined up by a barrier before each run. Timing each
-//! collective alone, the host waiting for it, priced the host's launch and wait into
-//! every collective.
+//! the slowest rank's. Before each run the ranks meet at a barrier, then run one
+//! untimed collective of the same kind: it ends on every device only once every rank
+//! has queued it, so the timed batch starts with the devices lined up, and a rank whose
+//! host queued late (a thread scheduled late) is not timed as the others' wait — in a
+//! step the devices' queues are full of products and hide that. Timing each collective
+//! alone, the host waiting for it, priced the host's launch and wait into every
+//! collective.
 
 use super::bench::{list, OpBench};
 use super::loads::random;
@@ -154,7 +158,7 @@ fn time_collective(
                 s.spawn(move || {
                     // A panic is a failure too: the other ranks must not wait for this one.
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        rank_runs(comm.as_ref(), dev, dtype, op, elems, runs, gate)
+                        rank_runs(comm.as_ref(), dev, dtype, op, elems, runs, gate, &|| {})
                     }))
                     .unwrap_or_else(|_| {
                         Err(candle_core::Error::Msg(
@@ -198,7 +202,10 @@ fn time_collective(
 }
 
 /// One rank's runs of `op`; `elems` is the message per rank in elements (for an
-/// all-gather the gathered output, for an all-to-all the whole send buffer).
+/// all-gather the gathered output, for an all-to-all the whole send buffer). `late` runs
+/// after each barrier, before the rank queues anything: nothing in a calibration, a
+/// late host in the tests.
+#[allow(clippy::too_many_arguments)]
 fn rank_runs(
     comm: &dyn Comm,
     dev: &Device,
@@ -207,6 +214,7 @@ fn rank_runs(
     elems: u64,
     runs: usize,
     gate: &Gate,
+    late: &dyn Fn(),
 ) -> candle_core::Result<Vec<f64>> {
     let n = comm.world_size();
     let piece = elems / n as u64;
@@ -225,17 +233,24 @@ fn rank_runs(
     dev.synchronize()?;
     let mut clock = OpClock::new(dev, 2)?;
     let mut times = Vec::with_capacity(runs);
+    // Each output is freed as soon as it is queued: the stream-ordered allocator hands
+    // its memory to the next collective after this one ends.
+    let one = || -> candle_core::Result<()> {
+        match op {
+            CollectiveOp::AllReduce => drop(comm.all_reduce_sum(&input)?),
+            CollectiveOp::AllGather => drop(comm.all_gather(&input)?),
+            CollectiveOp::AllToAll => drop(comm.all_to_all(&pieces, &recv)?),
+        }
+        Ok(())
+    };
     for _ in 0..runs {
         gate.wait()?;
+        late();
+        // Untimed: the devices leave it together, whenever each host queued it.
+        one()?;
         clock.mark(0)?;
         for _ in 0..BATCH {
-            // Each output is freed as soon as it is queued: the stream-ordered allocator
-            // hands its memory to the next collective after this one ends.
-            match op {
-                CollectiveOp::AllReduce => drop(comm.all_reduce_sum(&input)?),
-                CollectiveOp::AllGather => drop(comm.all_gather(&input)?),
-                CollectiveOp::AllToAll => drop(comm.all_to_all(&pieces, &recv)?),
-            }
+            one()?;
         }
         clock.mark(1)?;
         dev.synchronize()?;
@@ -248,6 +263,55 @@ fn rank_runs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rank whose host queues each run 30 ms late does not make the collective look
+    /// 30 ms long: the untimed collective before the batch lines the ranks up, and the
+    /// batch is timed from there (two emulated devices, the thread backend).
+    #[test]
+    fn a_late_host_is_not_timed() {
+        let ids: Vec<DeviceId> = (0..2).map(DeviceId::Emu).collect();
+        let mut map = DeviceMap::new(false);
+        let devs: Vec<Device> = ids.iter().map(|d| map.get(d).unwrap()).collect();
+        let comms = make_group(&ids, &crate::comm::CommOptions::default(), None);
+        let gate = Gate::new(2);
+        let delay = std::time::Duration::from_millis(30);
+        let per_rank: Vec<Vec<f64>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .zip(&devs)
+                .enumerate()
+                .map(|(rank, (comm, dev))| {
+                    let gate = &gate;
+                    s.spawn(move || {
+                        let late = move || {
+                            if rank == 1 {
+                                std::thread::sleep(delay);
+                            }
+                        };
+                        rank_runs(
+                            comm.as_ref(),
+                            dev,
+                            DType::F32,
+                            CollectiveOp::AllGather,
+                            64,
+                            3,
+                            gate,
+                            &late,
+                        )
+                        .unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, times) in per_rank.iter().enumerate() {
+            assert_eq!(times.len(), 3);
+            for t in times {
+                // A late host timed would read at least 30 ms / BATCH = 3.75 ms.
+                assert!(*t < 0.002, "rank {rank}: {times:?}");
+            }
+        }
+    }
 
     /// Ranks meet round after round; one that fails releases those waiting for it, which
     /// then fail instead of waiting for ever (a plain barrier hung the calibration there).
