@@ -134,8 +134,9 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     /// Measure before choosing: run each placement worth comparing (the planner's pick
-    /// and the best plan of every other tensor × sequence-parallel layout, those priced
-    /// within 25 % of the fastest, at most --tune-candidates) for a few steps with `mold
+    /// and the best plan of every other tensor × sequence-parallel layout and of every
+    /// strategy family, those priced within 25 % of the fastest, at most
+    /// --tune-candidates) for a few steps with `mold
     /// exec` on this box, one process after another, --tune-rounds times each, and write
     /// the one measured fastest, with the record of each as comments under the plan.
     /// Needs the weights and the GPUs free; a load and a few steps a run.
@@ -618,7 +619,7 @@ pub fn run(a: Args) -> Result<i32> {
         println!("{profile_line}");
         print!("{}", mold_planner::report::summary(&outcome));
         if let Some(rows) = &record {
-            println!("\nmeasured on this box (--tune), the kept placement written:");
+            println!("\nmeasured on this box (--tune), the kept placement written (the table of families above is the planner's own search, priced):");
             print!("{}", mold_planner::tune::table(rows, "  "));
         }
         println!("\nplan written to {}", a.out.display());

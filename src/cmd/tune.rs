@@ -1,6 +1,6 @@
 //! `mold plan --tune`: each placement worth measuring ([`mold_planner::tune::candidates`])
 //! run for a few steps by `mold exec` in a child process of its own, one after another,
-//! and the measured fastest kept ([`mold_planner::tune::choose`]). The children are this
+//! `rounds` times, and the measured fastest kept ([`mold_planner::tune::choose`]). The children are this
 //! binary: what they run is exactly what `mold exec` of the written plan runs.
 
 use anyhow::{bail, Context, Result};
@@ -92,7 +92,7 @@ pub fn run(req: &Request, pick: Outcome, a: &TuneArgs) -> Result<(Outcome, Optio
     };
     let rows = tune::rows(&cands, &runs, Some(chosen));
     // The logs are kept where anything failed, for the user to read.
-    if measured.iter().all(|m| m.is_ok()) {
+    if runs.iter().flatten().all(|m| m.is_ok()) {
         let _ = std::fs::remove_dir_all(&dir);
     }
     let mut kept = cands
@@ -119,8 +119,8 @@ fn work_dir() -> Result<PathBuf> {
         .map(|d| d.as_millis())
         .unwrap_or(0);
     let dir = std::env::temp_dir().join(format!("mold-tune-{}-{stamp}", std::process::id()));
-    std::fs::create_dir_all(&dir)
-        .with_context(|| format!("tune: cannot create {}", dir.display()))?;
+    // A new directory, never one already there (nobody else's files written through).
+    std::fs::create_dir(&dir).with_context(|| format!("tune: cannot create {}", dir.display()))?;
     Ok(dir)
 }
 
@@ -132,7 +132,7 @@ fn measure(exe: &Path, dir: &Path, i: usize, round: u32, c: &Candidate, a: &Tune
     std::fs::write(&plan, c.plan().to_yaml()).map_err(|e| format!("writing its plan: {e}"))?;
     let out = std::fs::File::create(&log).map_err(|e| format!("creating its log: {e}"))?;
     let err = out.try_clone().map_err(|e| format!("its log: {e}"))?;
-    let mut child = Command::new(exe)
+    let child = Command::new(exe)
         .arg("exec")
         .arg(&plan)
         .arg("--weights")
@@ -146,13 +146,23 @@ fn measure(exe: &Path, dir: &Path, i: usize, round: u32, c: &Candidate, a: &Tune
         .stderr(err)
         .spawn()
         .map_err(|e| format!("starting `mold exec`: {e}"))?;
+    // Killed and reaped on every way out but its own end: a child left running would hold
+    // the GPUs.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            if let Ok(None) = self.0.try_wait() {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+    }
+    let mut child = Reap(child);
     let t = Instant::now();
     let status = loop {
-        match child.try_wait() {
+        match child.0.try_wait() {
             Ok(Some(s)) => break s,
             Ok(None) if t.elapsed() > a.limit => {
-                let _ = child.kill();
-                let _ = child.wait();
                 return Err(format!(
                     "stopped after {:.0} s (the limit of one placement)",
                     a.limit.as_secs_f64()
@@ -163,7 +173,10 @@ fn measure(exe: &Path, dir: &Path, i: usize, round: u32, c: &Candidate, a: &Tune
         }
     };
     if !status.success() {
-        return Err(last_line(&log).unwrap_or_else(|| format!("`mold exec` ended with {status}")));
+        return Err(match last_line(&log) {
+            Some(l) => format!("`mold exec` ended with {status}: {l}"),
+            None => format!("`mold exec` ended with {status}"),
+        });
     }
     let text = std::fs::read_to_string(&report).map_err(|e| format!("its report: {e}"))?;
     let r: RunReport = serde_json::from_str(&text).map_err(|e| format!("its report: {e}"))?;

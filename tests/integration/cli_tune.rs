@@ -94,10 +94,11 @@ fn tune_keeps_a_given_layout() {
         "--json",
     ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    if let Some(rows) = v["tune"].as_array() {
-        for r in rows {
-            assert!(!r["label"].as_str().unwrap().contains("TP"), "{r}");
-        }
+    let rows = v["tune"]
+        .as_array()
+        .expect("a tune record: --tp off leaves SP and one GPU");
+    for r in rows {
+        assert!(!r["label"].as_str().unwrap().contains("TP"), "{r}");
     }
     let plan = mold_plan::Plan::load(&p).unwrap();
     assert!(plan.transformer().unwrap().parts.iter().all(|p| p.tp == 1));

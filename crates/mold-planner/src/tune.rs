@@ -4,8 +4,8 @@
 //! The cost model prices every placement, but a price is an estimate: on a 4 × H100 box
 //! a calibrated profile still prices some layouts 5–9 % high and others 5–7 % low
 //! (BENCHMARKS.md), enough to rank two placements wrongly. Tuning plans the request once
-//! more for each tensor × sequence-parallel layout the devices allow (the planner's own
-//! pick among them), keeps those priced within a margin of the fastest, and — after the
+//! more for each tensor × sequence-parallel layout the devices allow and takes each
+//! strategy family's best (the planner's own pick among them), keeps those priced within a margin of the fastest, and — after the
 //! caller has run a few steps of each on the box — picks the one whose request is the
 //! shortest with its measured step (the rest of the request as priced). The measuring is
 //! the caller's (the CLI runs `mold exec` on each candidate in a child process); this
@@ -158,9 +158,10 @@ pub fn candidates(req: &Request, pick: Outcome, opts: &TuneOptions) -> Vec<Candi
             let Some(choice) = &f.choice else {
                 continue;
             };
+            // In the pick's transformer dtype (FP8 where the pick is), as the layouts above.
             let mut plan =
-                crate::plan_from_choice(req, choice, f.family, "feasible", f.solve_time_ms);
-            if crate::vae_bands::widen(req, &mut plan, f.family).is_err() {
+                crate::plan_from_choice(&dtype_req, choice, f.family, "feasible", f.solve_time_ms);
+            if crate::vae_bands::widen(&dtype_req, &mut plan, f.family).is_err() {
                 continue;
             }
             if out.iter().any(|c| same_transformer(c.plan(), &plan)) {
@@ -168,7 +169,7 @@ pub fn candidates(req: &Request, pick: Outcome, opts: &TuneOptions) -> Vec<Candi
             }
             let first = &out[0].outcome;
             let o = Outcome {
-                evaluation: mold_cost::evaluate(&plan, &req.model, &req.machine),
+                evaluation: mold_cost::evaluate(&plan, &dtype_req.model, &dtype_req.machine),
                 plan,
                 machine: first.machine.clone(),
                 model: first.model.clone(),
@@ -302,7 +303,7 @@ fn choice(d: u32) -> ParallelChoice {
 
 /// Whether two plans place the transformer alike (parts, devices, layouts, residency).
 fn same_transformer(a: &Plan, b: &Plan) -> bool {
-    a.transformer().map(|t| &t.parts) == b.transformer().map(|t| &t.parts)
+    a.transformer().map(|t| (&t.parts, t.dtype)) == b.transformer().map(|t| (&t.parts, t.dtype))
         && a.cfg == b.cfg
         && a.replicas == b.replicas
 }

@@ -256,3 +256,32 @@ fn every_family_best_is_a_candidate() {
         labels(&c)
     );
 }
+
+/// Every candidate keeps the pick's transformer dtype: where `--allow-fp8` picked FP8 for
+/// a request asked in bf16, the layouts and family bests are FP8 plans, priced and sized
+/// as FP8.
+#[test]
+fn an_fp8_pick_keeps_fp8_candidates() {
+    let req = flux_on("4x-h100-measured");
+    let mut r8 = req.clone();
+    r8.dtypes
+        .insert("transformer".into(), mold_plan::DType::Fp8);
+    let pick = mold_planner::plan(&r8).unwrap();
+    let c = tune::candidates(
+        &req,
+        pick,
+        &TuneOptions {
+            max_candidates: 100,
+            margin: 100.0,
+        },
+    );
+    assert!(c.len() >= 3, "{:?}", labels(&c));
+    for x in &c {
+        assert_eq!(
+            x.plan().transformer().unwrap().dtype,
+            mold_plan::DType::Fp8,
+            "{}",
+            x.label
+        );
+    }
+}
