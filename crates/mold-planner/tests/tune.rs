@@ -17,6 +17,12 @@ fn flux_on(machine: &str) -> Request {
     Request::new(model, shipped(machine), w)
 }
 
+/// No margin or cap in the way: every candidate.
+const ALL: TuneOptions = TuneOptions {
+    max_candidates: 100,
+    margin: 100.0,
+};
+
 fn cands(req: &Request, opts: TuneOptions) -> Vec<Candidate> {
     let pick = mold_planner::plan(req).unwrap();
     tune::candidates(req, pick, &opts)
@@ -32,10 +38,7 @@ fn labels(c: &[Candidate]) -> Vec<String> {
 #[test]
 fn every_layout_once_with_the_pick_first() {
     let req = flux_on("4x-h100-measured");
-    let all = TuneOptions {
-        max_candidates: 100,
-        margin: 100.0,
-    };
+    let all = ALL;
     let c = cands(&req, all);
     let pick = mold_planner::plan(&req).unwrap();
     assert!(c[0].planner_pick);
@@ -74,13 +77,7 @@ fn every_layout_once_with_the_pick_first() {
 #[test]
 fn margin_and_cap() {
     let req = flux_on("4x-h100-measured");
-    let all = cands(
-        &req,
-        TuneOptions {
-            max_candidates: 100,
-            margin: 100.0,
-        },
-    );
+    let all = cands(&req, ALL);
     let best = all
         .iter()
         .map(Candidate::predicted_step_s)
@@ -118,10 +115,7 @@ fn margin_and_cap() {
 #[test]
 fn a_given_layout_stays() {
     let mut req = flux_on("4x-h100-measured");
-    let all = TuneOptions {
-        max_candidates: 100,
-        margin: 100.0,
-    };
+    let all = ALL;
     req.constraints.tp = ParallelChoice::Off;
     let c = cands(&req, all);
     assert!(c.iter().all(|c| c
@@ -152,13 +146,7 @@ fn a_given_layout_stays() {
 #[test]
 fn the_measured_fastest_is_kept() {
     let req = flux_on("4x-h100-measured");
-    let c = cands(
-        &req,
-        TuneOptions {
-            max_candidates: 100,
-            margin: 100.0,
-        },
-    );
+    let c = cands(&req, ALL);
     assert!(c.len() >= 4);
     // The candidate priced slowest measures fastest.
     let slowest = (0..c.len())
@@ -232,14 +220,7 @@ fn every_family_best_is_a_candidate() {
         .filter(|f| f.choice.is_some())
         .map(|f| f.family.name().to_string())
         .collect();
-    let c = tune::candidates(
-        &req,
-        pick,
-        &TuneOptions {
-            max_candidates: 100,
-            margin: 100.0,
-        },
-    );
+    let c = tune::candidates(&req, pick, &ALL);
     let strategies: Vec<&str> = c
         .iter()
         .map(|c| c.plan().solver.strategy.as_str())
@@ -267,14 +248,7 @@ fn an_fp8_pick_keeps_fp8_candidates() {
     r8.dtypes
         .insert("transformer".into(), mold_plan::DType::Fp8);
     let pick = mold_planner::plan(&r8).unwrap();
-    let c = tune::candidates(
-        &req,
-        pick,
-        &TuneOptions {
-            max_candidates: 100,
-            margin: 100.0,
-        },
-    );
+    let c = tune::candidates(&req, pick, &ALL);
     assert!(c.len() >= 3, "{:?}", labels(&c));
     for x in &c {
         assert_eq!(
