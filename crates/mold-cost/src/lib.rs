@@ -302,9 +302,14 @@ impl<'a> Ctx<'a> {
                 .devices
                 .iter()
                 .map(|id| match self.op_tables(id, dtype) {
-                    // The measured element-wise rate where the profile has one.
+                    // The measured layout-copy rate where the profile has one, else
+                    // its element-wise rate.
                     Some(t) if t.elementwise_gbps > 0.0 => {
-                        copy_bytes as f64 / (t.elementwise_gbps * 1e9)
+                        let gbps = t
+                            .layout_copy_gbps
+                            .filter(|g| *g > 0.0)
+                            .unwrap_or(t.elementwise_gbps);
+                        copy_bytes as f64 / (gbps * 1e9)
                     }
                     _ => self.elementwise_time(id, copy_bytes),
                 })

@@ -53,6 +53,7 @@ fn tables_for(model: &ModelSpec, dtype: DType, machine: &Machine, gemm_scale: f6
             })
             .collect(),
         elementwise_gbps: 1500.0,
+        layout_copy_gbps: None,
         htod_busy_ratio: None,
         estimated: None,
         library_bytes: None,
@@ -214,6 +215,51 @@ fn a_block_is_the_sum_of_its_measured_operations() {
         }
     }
     assert!(t.gemm.len() > 20, "{}", t.gemm.len());
+}
+
+/// A measured layout-copy rate prices the copies around the sequence-parallel
+/// all-to-alls (14 shards at a batch of one), and nothing else: a tensor-parallel or
+/// single-device block costs the same.
+#[test]
+fn the_layout_copy_rate_prices_the_all_to_all_s_copies() {
+    let (model, plain) = with_tables(1.0);
+    let mut copies = plain.clone();
+    let mut t = copies
+        .op_tables("flux-dev", DType::Bf16, "G")
+        .unwrap()
+        .clone();
+    t.layout_copy_gbps = Some(500.0);
+    copies.set_op_tables(t);
+    copies.validate("unit").unwrap();
+    let w = model.default_workload.clone();
+    let (a, b) = (Ctx::new(&model, &plain, &w), Ctx::new(&model, &copies, &w));
+    for kind in &model.transformer.kinds {
+        for group in [
+            Group::single(DeviceId::Cuda(0)),
+            Group::tensor(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]),
+        ] {
+            let (x, y) = (
+                a.block(kind, &group, DType::Bf16),
+                b.block(kind, &group, DType::Bf16),
+            );
+            assert_eq!(x.resident_s(), y.resident_s(), "{group} {}", kind.name);
+        }
+        let sp = Group::sequence(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]);
+        let (x, y) = (
+            a.block(kind, &sp, DType::Bf16),
+            b.block(kind, &sp, DType::Bf16),
+        );
+        let local = (a.tokens.img + a.tokens.txt).div_ceil(2);
+        let copy = 14.0 * (local * kind.hidden * 2) as f64;
+        let want = copy / 500e9 - copy / 1500e9;
+        assert!(
+            (y.alltoall_s - x.alltoall_s - want).abs() < 1e-12,
+            "{}: {} vs {want}",
+            kind.name,
+            y.alltoall_s - x.alltoall_s
+        );
+        assert_eq!(x.compute_s, y.compute_s);
+    }
 }
 
 #[test]

@@ -33,6 +33,14 @@ pub struct OpTables {
     /// Bytes per second (GB/s) the model's element-wise kernels (modulation, gated
     /// residual, bias + GELU) reach: bytes read and written over their time.
     pub elementwise_gbps: f64,
+    /// Bytes per second (GB/s) of the layout copies around a sequence-parallel
+    /// all-to-all: q, k and v stacked per destination, the received pieces and the
+    /// output's pieces put together (candle's strided copies, as `mold-exec`'s
+    /// `model/sequence.rs` runs them), bytes read and written over their time. `None` in
+    /// profiles calibrated before it was measured: those copies are priced at
+    /// `elementwise_gbps`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout_copy_gbps: Option<f64>,
     #[serde(default)]
     pub collectives: CollectiveTables,
     /// The pinned host→device copy's rate while this model's blocks compute on the
@@ -237,6 +245,9 @@ impl OpTables {
             );
         }
         seconds(&format!("{at}.elementwise_gbps"), self.elementwise_gbps)?;
+        if let Some(g) = self.layout_copy_gbps {
+            seconds(&format!("{at}.layout_copy_gbps"), g)?;
+        }
         if let Some(r) = self.htod_busy_ratio {
             seconds(&format!("{at}.htod_busy_ratio"), r)?;
         }
@@ -514,6 +525,11 @@ ops:
                 "elementwise_gbps: 1500",
                 "elementwise_gbps: 0",
                 "t.yaml: ops[0].elementwise_gbps: 0 is not allowed",
+            ),
+            (
+                "elementwise_gbps: 1500",
+                "elementwise_gbps: 1500\n  layout_copy_gbps: -3",
+                "t.yaml: ops[0].layout_copy_gbps: -3 is not allowed",
             ),
             (
                 "elementwise_gbps: 1500",

@@ -268,6 +268,7 @@ pub fn scaled(
         a.seconds *= by_rate;
     }
     out.elementwise_gbps /= by_bandwidth;
+    out.layout_copy_gbps = out.layout_copy_gbps.map(|g| g / by_bandwidth);
     for c in &mut out.components {
         c.seconds *= by_rate;
     }

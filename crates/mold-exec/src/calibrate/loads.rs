@@ -193,6 +193,48 @@ pub(super) fn elementwise_loads(
     ])
 }
 
+/// The layout copies around a sequence-parallel all-to-all over `n` ranks as
+/// [`crate::model::sequence`] runs them, for a rank holding `tokens / n` of `tokens`
+/// tokens of `hidden` features in heads of `head_dim`: q, k and v stacked per destination,
+/// the received q/k/v pieces put together, and the attention output's pieces put together
+/// (a batch of one: the output's own pieces are sliced without a copy). With the bytes
+/// they move, read and written: `mold_cost::alltoall_copy_shards(1)` shards of the rank's
+/// tokens by every head, as the cost model counts them. `None` where the heads do not
+/// split over `n`.
+pub(super) fn layout_copy_load(
+    dev: &Device,
+    dtype: DType,
+    (tokens, hidden): (u64, u64),
+    head_dim: u64,
+    n: u64,
+) -> candle_core::Result<Option<(f64, Load<'static>)>> {
+    let heads = hidden / head_dim.max(1);
+    let local = tokens / n.max(1);
+    if n < 2 || heads < n || heads % n != 0 || local == 0 || heads * head_dim != hidden {
+        return Ok(None);
+    }
+    let hs = heads / n;
+    let qkv = || random(&[1, heads, local, head_dim], dtype, dev);
+    let (q, k, v) = (qkv()?, qkv()?, qkv()?);
+    let got = (0..n)
+        .map(|_| random(&[3, 1, hs, local, head_dim], dtype, dev))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let outs = (0..n)
+        .map(|_| random(&[1, local, hs * head_dim], dtype, dev))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let shard = (local * hidden) as f64 * dtype.size_in_bytes() as f64;
+    let bytes = mold_cost::alltoall_copy_shards(1) as f64 * shard;
+    let n = n as usize;
+    Ok(Some((
+        bytes,
+        Box::new(move || {
+            drop(crate::model::sequence::stack_heads(&q, &k, &v, n)?);
+            drop(crate::model::sequence::join_tokens(&got)?);
+            crate::model::sequence::join_heads(&outs)
+        }),
+    )))
+}
+
 /// What one operation of a mix is, for its table.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) enum Slot {

@@ -23,7 +23,8 @@ use super::bench::{OpBench, Timing};
 use super::collectives::measure_collectives;
 use super::copy;
 use super::loads::{
-    attention_load, block_loads, elementwise_loads, gemm_load, random, Load, Precision, Slot,
+    attention_load, block_loads, elementwise_loads, gemm_load, layout_copy_load, random, Load,
+    Precision, Slot,
 };
 use super::mix;
 use super::timing::{median_time, sustained_time};
@@ -145,11 +146,23 @@ pub fn measure_ops(
         "element-wise kernels on {id} ({} x {})",
         shapes.elementwise.0, shapes.elementwise.1
     ));
-    let elementwise_gbps = match mixed.elementwise_gbps() {
-        Some(g) => g,
-        None => elementwise_gbps(&dev, dtype, shapes.elementwise, bench)
-            .map_err(|e| on(e, "element-wise kernels"))?,
-    };
+    // Timed back to back alone: they are bound by memory, not by the clock a mix sets,
+    // and the per-operation marks of the mix add to such short kernels what a step does
+    // not pay (the mix's rate is reported beside it).
+    let elementwise_gbps = elementwise_gbps(&dev, dtype, shapes.elementwise, bench)
+        .map_err(|e| on(e, "element-wise kernels"))?;
+    if let Some(g) = mixed.elementwise_gbps() {
+        progress(&format!(
+            "element-wise kernels: {elementwise_gbps:.1} GB/s back to back alone (kept), {g:.1} GB/s timed one by one inside the blocks' mix"
+        ));
+    }
+    let layout_copy_gbps = layout_copy_gbps(&dev, dtype, shapes, bench)
+        .map_err(|e| on(e, "the all-to-all's layout copies"))?;
+    if let Some(g) = layout_copy_gbps {
+        progress(&format!(
+            "layout copies around a sequence-parallel all-to-all: {g:.1} GB/s"
+        ));
+    }
     let mut htod_busy_ratio = None;
     if dev.is_cuda() && !shapes.blocks.is_empty() {
         progress(&format!(
@@ -173,6 +186,7 @@ pub fn measure_ops(
         gemm,
         attention,
         elementwise_gbps,
+        layout_copy_gbps,
         htod_busy_ratio,
         estimated: None,
         library_bytes: None,
@@ -256,10 +270,10 @@ fn copy_loads(
 /// The load whose copy rate goes into the table: the model's blocks run whole.
 const COPY_BESIDE_BLOCKS: &str = "its blocks";
 
-/// Bytes per second of mold's element-wise kernels over `(1, rows, width)`: LayerNorm +
-/// modulation (reads x, writes the result), gated residual with the row-parallel bias
-/// (reads two, writes one) and bias + GELU
-/// (reads x, writes the result), their bytes over their median times.
+/// Bytes per second of mold's element-wise kernels over `(1, rows, width)`, each run back
+/// to back by itself (`--timing mixed` and `sustained`; `alone`: synchronised runs):
+/// LayerNorm + modulation (reads x, writes the result) and gated residual with the
+/// row-parallel bias (reads two, writes one), their bytes over their median times.
 fn elementwise_gbps(
     dev: &Device,
     dtype: DType,
@@ -273,6 +287,28 @@ fn elementwise_gbps(
         seconds += median(dev, bench, run)?;
     }
     Ok(((bytes / seconds / 1e9) * 1000.0).round().max(1.0) / 1000.0)
+}
+
+/// Bytes per second of the layout copies around a sequence-parallel all-to-all over two
+/// ranks ([`layout_copy_load`]) at the element-wise shape's tokens and width, in heads of
+/// the attention shapes' head size; `None` where there is no attention shape or the heads
+/// do not split in two.
+fn layout_copy_gbps(
+    dev: &Device,
+    dtype: DType,
+    shapes: &CalibrationShapes,
+    bench: &OpBench,
+) -> candle_core::Result<Option<f64>> {
+    let Some(head_dim) = shapes.attention.first().map(|a| a.head_dim) else {
+        return Ok(None);
+    };
+    let Some((bytes, run)) = layout_copy_load(dev, dtype, shapes.elementwise, head_dim, 2)? else {
+        return Ok(None);
+    };
+    let seconds = median(dev, bench, run)?;
+    Ok(Some(
+        ((bytes / seconds / 1e9) * 1000.0).round().max(1.0) / 1000.0,
+    ))
 }
 
 /// The median seconds of `f` on `dev`, each run synchronised; never 0 (a clock tick).
@@ -377,6 +413,26 @@ mod tests {
             assert!(!t.collective_curve(op, n).is_empty(), "{op:?} {n}");
         }
         assert!(t.elementwise_gbps > 0.0);
+        // flux-tiny's heads split in two: the all-to-all's layout copies are measured.
+        assert!(t.layout_copy_gbps.is_some_and(|g| g > 0.0));
+    }
+
+    /// The layout-copy load runs the executor's own copies ([`crate::model::sequence`]):
+    /// its output is the attention output's pieces side by side, and its bytes are the
+    /// cost model's 14 shards of the rank's tokens.
+    #[test]
+    fn the_layout_copy_load_runs_the_all_to_alls_copies() {
+        let dev = Device::Cpu;
+        let (bytes, run) = layout_copy_load(&dev, DType::F32, (64, 32), 8, 2)
+            .unwrap()
+            .unwrap();
+        let shard = (64 / 2 * 32 * 4) as f64;
+        assert_eq!(bytes, 14.0 * shard);
+        assert_eq!(run().unwrap().dims(), &[1, 32, 32]);
+        // Heads that do not split over the ranks: nothing to measure.
+        assert!(layout_copy_load(&dev, DType::F32, (64, 24), 8, 2)
+            .unwrap()
+            .is_none());
     }
 
     /// The mixed timing fills the same table: every product and attention shape, from

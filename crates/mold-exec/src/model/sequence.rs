@@ -45,19 +45,12 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[usize], ctx: &Ctx) 
     }
     let hr = |j: usize| split(heads, j, n);
     let hs = hr(me).len();
-    // Heads `split(heads, j, n)` go to rank j, q, k and v stacked (one copy, one message);
-    // every rank's tokens of this rank's heads come back.
-    let send = (0..n)
-        .map(|j| {
-            let h = hr(j);
-            let pick = |t: &Tensor| t.narrow(1, h.start, h.len());
-            Tensor::stack(&[pick(q)?, pick(k)?, pick(v)?], 0)
-        })
-        .collect::<Result<Vec<_>>>()?;
+    // Every rank's tokens of this rank's heads come back.
+    let send = stack_heads(q, k, v, n)?;
     let shapes: Vec<Shape> = lens.iter().map(|&lj| (3, b, hs, lj, d).into()).collect();
     let got = sp.all_to_all(&send, &shapes)?;
     drop(send);
-    let all = Tensor::cat(&got, 3)?;
+    let all = join_tokens(&got)?;
     drop(got);
     ctx.mark("all-to-all (q, k, v)", &all);
     let out = local(&all.i(0)?, &all.i(1)?, &all.i(2)?, ctx)?; // (b, L, hs·d)
@@ -71,9 +64,35 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[usize], ctx: &Ctx) 
     }
     let shapes: Vec<Shape> = (0..n).map(|j| (b, l, hr(j).len() * d).into()).collect();
     let got = sp.all_to_all(&send, &shapes)?;
-    let out = Tensor::cat(&got, 2)?;
+    let out = join_heads(&got)?;
     ctx.mark("all-to-all (output)", &out);
     Ok(out)
+}
+
+/// The messages of the q/k/v all-to-all: heads `split(heads, j, n)` of `q`, `k` and `v`
+/// (`(b, heads, L, d)`) for rank j, stacked into one `(3, b, heads_j, L, d)` (one copy,
+/// one message). The calibration times these layout copies as they run here.
+pub(crate) fn stack_heads(q: &Tensor, k: &Tensor, v: &Tensor, n: usize) -> Result<Vec<Tensor>> {
+    let heads = q.dim(1)?;
+    (0..n)
+        .map(|j| {
+            let h = split(heads, j, n);
+            let pick = |t: &Tensor| t.narrow(1, h.start, h.len());
+            Tensor::stack(&[pick(q)?, pick(k)?, pick(v)?], 0)
+        })
+        .collect()
+}
+
+/// The q/k/v pieces received from every rank (`(3, b, hs, L_j, d)`) put together along
+/// the tokens.
+pub(crate) fn join_tokens(got: &[Tensor]) -> Result<Tensor> {
+    Tensor::cat(got, 3)
+}
+
+/// The attention output's pieces received from every rank (`(b, L, hs_j · d)`) put
+/// together along the features, in rank order.
+pub(crate) fn join_heads(got: &[Tensor]) -> Result<Tensor> {
+    Tensor::cat(got, 2)
 }
 
 fn local(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> Result<Tensor> {

@@ -189,6 +189,7 @@ fn with_component_runs(plan: &Plan, first: bool) -> Machine {
         gemm: vec![],
         attention: vec![],
         elementwise_gbps: 1000.0,
+        layout_copy_gbps: None,
         htod_busy_ratio: None,
         estimated: None,
         library_bytes: None,
