@@ -210,7 +210,7 @@ pub(super) fn layout_copy_load(
 ) -> candle_core::Result<Option<(f64, Load<'static>)>> {
     let heads = hidden / head_dim.max(1);
     let local = tokens / n.max(1);
-    if n < 2 || heads < n || heads % n != 0 || local == 0 || heads * head_dim != hidden {
+    if n < 2 || heads < n || !heads.is_multiple_of(n) || local == 0 || heads * head_dim != hidden {
         return Ok(None);
     }
     let hs = heads / n;
