@@ -20,10 +20,17 @@
 use crate::{LinkKind, Machine};
 
 /// The measured profiles mold carries: `(name, YAML)`.
-const PROFILES: &[(&str, &str)] = &[(
-    "4x-h100-measured",
-    include_str!("../../../sim/machines/4x-h100-measured.yaml"),
-)];
+/// The H100's first: a GPU mold has not measured is scaled from the first measured one.
+const PROFILES: &[(&str, &str)] = &[
+    (
+        "4x-h100-measured",
+        include_str!("../../../sim/machines/4x-h100-measured.yaml"),
+    ),
+    (
+        "4x-h200-measured",
+        include_str!("../../../sim/machines/4x-h200-measured.yaml"),
+    ),
+];
 
 /// The shipped measured profiles (those that parse: each is checked by a test).
 pub fn profiles() -> Vec<Machine> {
@@ -333,6 +340,34 @@ mod tests {
         assert!(t.collectives.all_to_all.iter().any(|p| p.devices == 2));
         // Adopting again adds nothing; a box's own tables are never replaced.
         assert!(m.adopt_tables(&profiles()).is_empty());
+    }
+
+    /// A two-GPU H200 box adopts the bf16 tables measured on four H200s (not the H100's
+    /// scaled), with their layout-copy rate and their collectives over two; FP8, measured
+    /// on H100 only, comes scaled from there.
+    #[test]
+    fn an_h200_box_adopts_the_measured_h200_tables() {
+        let src = profiles()
+            .into_iter()
+            .find(|m| m.name == "4x-h200-measured")
+            .unwrap();
+        let mut m = src.clone();
+        m.name = "local".into();
+        m.ops.clear();
+        m.devices.truncate(2);
+        m.links.peer[0].devices.truncate(2);
+        let added = m.adopt_tables(&profiles());
+        assert_eq!(added.len(), 2, "{added:?}");
+        assert_eq!(added[0].from, "4x-h200-measured");
+        assert!(added[0].scaled.is_none() && added[0].collectives);
+        assert_eq!(added[1].table, "flux-dev fp8 on NVIDIA H200");
+        assert!(added[1].scaled.is_some());
+        let t = m
+            .op_tables("flux-dev", mold_plan::DType::Bf16, "NVIDIA H200")
+            .unwrap();
+        assert!(t.estimated.is_none());
+        assert!(t.layout_copy_gbps.is_some_and(|g| g > 0.0));
+        assert!(t.collectives.all_reduce.iter().all(|p| p.devices == 2));
     }
 
     #[test]
