@@ -153,6 +153,10 @@ pub struct Args {
     /// reverse order; the smallest run's step counts (default 2).
     #[arg(long, value_name = "N", requires = "tune")]
     pub tune_rounds: Option<u32>,
+    /// With --tune: the most seconds one run of a placement may take, its load included;
+    /// a run past it is stopped and the placement left out (default 300).
+    #[arg(long, value_name = "SECONDS", requires = "tune")]
+    pub tune_timeout: Option<f64>,
     /// With --tune: the weights the placements run, as `mold exec --weights` takes them
     /// (default: the checkpoint given as --model, else found as `mold exec` finds them).
     #[arg(long, requires = "tune")]
@@ -164,7 +168,7 @@ const TUNE_STEPS: u32 = 8;
 /// Runs of each placement under `--tune` by default.
 const TUNE_ROUNDS: u32 = 2;
 /// How long one placement may run under `--tune`, its load included.
-const TUNE_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+const TUNE_LIMIT_S: f64 = 300.0;
 
 #[derive(clap::Args, Debug)]
 pub struct ModelsArgs {
@@ -587,14 +591,14 @@ pub fn run(a: Args) -> Result<i32> {
     let mut outcome = plan_with_fp8_allowed(&a, &req)?;
     let mut record = None;
     let mut yaml = outcome.plan.to_yaml();
-    if let Some((weights, steps, rounds, options)) = &tuning {
+    if let Some((weights, steps, rounds, options, limit)) = &tuning {
         let t = super::tune::TuneArgs {
             weights,
             machine: &machine_name,
             steps: *steps,
             rounds: *rounds,
             options: *options,
-            limit: TUNE_LIMIT,
+            limit: *limit,
         };
         let (tuned, rows) = super::tune::run(&req, outcome, &t)?;
         outcome = tuned;
@@ -629,10 +633,17 @@ pub fn run(a: Args) -> Result<i32> {
 
 /// `--tune`'s weights, steps and options, each checked: refused in one line before the
 /// planner runs.
+#[allow(clippy::type_complexity)]
 fn tune_args(
     a: &Args,
     req: &Request,
-) -> Result<(PathBuf, u32, u32, mold_planner::tune::TuneOptions)> {
+) -> Result<(
+    PathBuf,
+    u32,
+    u32,
+    mold_planner::tune::TuneOptions,
+    std::time::Duration,
+)> {
     if let Some(m) = mold_planner::tune::refuse(req) {
         bail!("{m}");
     }
@@ -644,6 +655,11 @@ fn tune_args(
     if rounds < 1 {
         bail!("--tune-rounds 0: give at least 1 (runs of each placement)");
     }
+    let limit_s = a.tune_timeout.unwrap_or(TUNE_LIMIT_S);
+    if !(limit_s.is_finite() && limit_s > 0.0 && limit_s <= 86_400.0) {
+        bail!("--tune-timeout {limit_s}: give the seconds one run may take, above 0 and at most 86400 (default {TUNE_LIMIT_S})");
+    }
+    let limit = std::time::Duration::from_secs_f64(limit_s);
     let mut options = mold_planner::tune::TuneOptions::default();
     if let Some(n) = a.tune_candidates {
         if n < 2 {
@@ -658,7 +674,7 @@ fn tune_args(
     });
     let weights = super::exec::weights_for_model(&req.model.id, &flag)
         .map_err(|e| anyhow::anyhow!("--tune: {e}"))?;
-    Ok((weights, steps, rounds, options))
+    Ok((weights, steps, rounds, options, limit))
 }
 
 /// The plan; with `--allow-fp8` (and no transformer dtype given), the better of the plan

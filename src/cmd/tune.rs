@@ -164,7 +164,7 @@ fn measure(exe: &Path, dir: &Path, i: usize, round: u32, c: &Candidate, a: &Tune
             Ok(Some(s)) => break s,
             Ok(None) if t.elapsed() > a.limit => {
                 return Err(format!(
-                    "stopped after {:.0} s (the limit of one placement)",
+                    "stopped after {} s (the limit of one run, --tune-timeout)",
                     a.limit.as_secs_f64()
                 ));
             }

@@ -129,8 +129,14 @@ fn tune_refusals() {
     assert!(e.contains("--tune-candidates 1"), "{e}");
     let e = run(&["--tune", "--weights", &w, "--tune-rounds", "0"]);
     assert!(e.contains("--tune-rounds 0"), "{e}");
+    let e = run(&["--tune", "--weights", &w, "--tune-timeout", "0"]);
+    assert!(e.contains("--tune-timeout 0"), "{e}");
     let e = run(&["--tune-steps", "3"]);
     assert!(e.contains("--tune"), "{e}");
+    // A limit no run can keep: every run is stopped, nothing is written.
+    let e = run(&["--tune", "--weights", &w, "--tune-timeout", "0.001"]);
+    assert!(e.contains("no placement ran"), "{e}");
+    assert!(e.contains("stopped after 0.001 s"), "{e}");
     // Weights no placement can run: every candidate fails, nothing is written.
     let empty = d.join("empty");
     std::fs::create_dir_all(&empty).unwrap();
