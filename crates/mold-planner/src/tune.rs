@@ -104,7 +104,7 @@ pub fn refuse(req: &Request) -> Option<String> {
     match req.objective {
         Objective::Latency => None,
         o => Some(format!(
-            "--tune measures steps to pick the fastest placement, which is --objective latency's aim; with --objective {} drop --tune",
+            "--tune measures steps to pick the fastest placement, which is the latency objective's aim; the objective here is {} (--objective, MOLD_OBJECTIVE or `objective` in config.toml): plan for latency or drop --tune",
             o.name()
         )),
     }
