@@ -123,12 +123,12 @@ pub fn say_event(rep: &Reporter, e: Event) {
 /// A benchmark's step `s` of `steps`, beside the plan's prediction: a line (plain), the
 /// bar (bars) or an event (`--json`).
 pub fn say_step(rep: &Reporter, s: StepTime, steps: u32, predicted: f64) {
+    let digest = s.digest.map(hex).unwrap_or_default();
     rep.plain(format_args!(
-        "step {:>3}/{steps}: {:.4} s   (plan predicted {:.4} s)   latents {:016x}",
+        "step {:>3}/{steps}: {:.4} s   (plan predicted {:.4} s)   latents {digest}",
         s.index + 1,
         s.seconds,
         predicted,
-        s.digest
     ));
     rep.step(s.index as u32 + 1, steps, s.seconds);
     rep.event(json!({
@@ -137,7 +137,7 @@ pub fn say_step(rep: &Reporter, s: StepTime, steps: u32, predicted: f64) {
         "steps": steps,
         "seconds": s.seconds,
         "predicted_s": predicted,
-        "digest": hex(s.digest),
+        "digest": digest,
     }));
 }
 

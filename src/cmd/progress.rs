@@ -276,6 +276,15 @@ pub fn hex(d: u64) -> String {
     format!("{d:016x}")
 }
 
+/// `v` with `key`: `d` in hex, where the run took the digest (a run without digests
+/// leaves the key out).
+fn with_digest(mut v: Value, key: &str, d: Option<u64>) -> Value {
+    if let (Some(d), Some(o)) = (d, v.as_object_mut()) {
+        o.insert(key.into(), Value::String(hex(d)));
+    }
+    v
+}
+
 /// The JSON event of one pipeline [`Progress`].
 pub fn progress_event(p: &Progress) -> Value {
     match p {
@@ -298,12 +307,15 @@ pub fn progress_event(p: &Progress) -> Value {
             component,
             seconds,
             digest,
-        } => json!({
-            "event": "encoded",
-            "component": component,
-            "seconds": seconds,
-            "digest": hex(*digest),
-        }),
+        } => with_digest(
+            json!({
+                "event": "encoded",
+                "component": component,
+                "seconds": seconds,
+            }),
+            "digest",
+            *digest,
+        ),
         Progress::Released { component } => json!({"event": "released", "component": component}),
         Progress::Step {
             index,
@@ -311,26 +323,35 @@ pub fn progress_event(p: &Progress) -> Value {
             t,
             seconds,
             digest,
-        } => json!({
-            "event": "step",
-            "index": index,
-            "steps": steps,
-            "t": t,
-            "seconds": seconds,
-            "digest": hex(*digest),
-        }),
+        } => with_digest(
+            json!({
+                "event": "step",
+                "index": index,
+                "steps": steps,
+                "t": t,
+                "seconds": seconds,
+            }),
+            "digest",
+            *digest,
+        ),
         Progress::Decoded {
             devices,
             seconds,
             latents_digest,
             image_digest,
-        } => json!({
-            "event": "decoded",
-            "devices": devices,
-            "seconds": seconds,
-            "latents_digest": hex(*latents_digest),
-            "image_digest": hex(*image_digest),
-        }),
+        } => with_digest(
+            with_digest(
+                json!({
+                    "event": "decoded",
+                    "devices": devices,
+                    "seconds": seconds,
+                }),
+                "latents_digest",
+                *latents_digest,
+            ),
+            "image_digest",
+            *image_digest,
+        ),
         Progress::Note(n) => json!({"event": "note", "message": n}),
     }
 }
@@ -374,7 +395,7 @@ mod tests {
             Progress::Encoded {
                 component: "t5".into(),
                 seconds: 0.25,
-                digest: u64::MAX,
+                digest: Some(u64::MAX),
             },
             Progress::Released {
                 component: "t5".into(),
@@ -384,15 +405,29 @@ mod tests {
                 steps: 4,
                 t: 0.5,
                 seconds: 0.125,
-                digest: 0xab,
+                digest: Some(0xab),
             },
             Progress::Decoded {
                 devices: "emu:1".into(),
                 seconds: 1.0,
-                latents_digest: 1,
-                image_digest: 2,
+                latents_digest: Some(1),
+                image_digest: Some(2),
             },
             Progress::Note("n".into()),
+            // A run without digests leaves the keys out.
+            Progress::Step {
+                index: 3,
+                steps: 4,
+                t: 0.25,
+                seconds: 0.125,
+                digest: None,
+            },
+            Progress::Decoded {
+                devices: "emu:1".into(),
+                seconds: 1.0,
+                latents_digest: None,
+                image_digest: None,
+            },
         ];
         let got: Vec<Value> = events.iter().map(progress_event).collect();
         let want: Vec<Value> = [
@@ -404,6 +439,8 @@ mod tests {
                 r#"{"digest":"00000000000000ab","event":"step","index":2,"seconds":0.125,"steps":4,"t":0.5}"#,
                 r#"{"devices":"emu:1","event":"decoded","image_digest":"0000000000000002","latents_digest":"0000000000000001","seconds":1.0}"#,
                 r#"{"event":"note","message":"n"}"#,
+                r#"{"event":"step","index":3,"seconds":0.125,"steps":4,"t":0.25}"#,
+                r#"{"devices":"emu:1","event":"decoded","seconds":1.0}"#,
             ]
             .iter()
             .map(|s| serde_json::from_str(s).unwrap())

@@ -54,6 +54,20 @@ pub struct Request {
     pub latents: Option<std::path::PathBuf>,
     /// Write the run's inputs and outputs to this file ([`io`] names them).
     pub save_io: Option<std::path::PathBuf>,
+    /// No digests in the progress events (a server that reports none): each is the values
+    /// copied to the host and hashed there, about a millisecond per megabyte, between the
+    /// steps and around the encoders and the decoder.
+    pub no_digests: bool,
+}
+
+/// The digest of `t`'s values ([`mold_exec::digest`]) where `take`: the events of a
+/// request without digests ([`Request::no_digests`]) carry none.
+pub(crate) fn digest_if(take: bool, t: &candle_core::Tensor) -> Result<Option<u64>> {
+    if take {
+        Ok(Some(mold_exec::digest(t)?))
+    } else {
+        Ok(None)
+    }
 }
 
 /// Progress, reported as the pipeline goes.
@@ -73,8 +87,9 @@ pub enum Progress {
         component: String,
         seconds: f64,
         /// FNV-1a of the encoder's output values ([`mold_exec::digest`]): equal digests,
-        /// equal conditioning, so runs can be compared stage by stage.
-        digest: u64,
+        /// equal conditioning, so runs can be compared stage by stage. `None` with
+        /// [`Request::no_digests`].
+        digest: Option<u64>,
     },
     Released {
         component: String,
@@ -84,16 +99,17 @@ pub enum Progress {
         steps: u32,
         t: f64,
         seconds: f64,
-        /// Digest of the latents after this step.
-        digest: u64,
+        /// Digest of the latents after this step (`None` with [`Request::no_digests`]).
+        digest: Option<u64>,
     },
     Decoded {
         /// The devices the VAE decoded on (its bands' devices, comma-separated).
         devices: String,
         seconds: f64,
-        /// Digests of the final latents and of the decoded image's values.
-        latents_digest: u64,
-        image_digest: u64,
+        /// Digests of the final latents and of the decoded image's values (`None` with
+        /// [`Request::no_digests`]).
+        latents_digest: Option<u64>,
+        image_digest: Option<u64>,
     },
     Note(String),
 }
@@ -119,9 +135,10 @@ impl std::fmt::Display for Progress {
                 component,
                 seconds,
                 digest,
-            } => {
-                write!(f, "encode {component}: {seconds:.3} s (digest {digest:016x})")
-            }
+            } => match digest {
+                Some(d) => write!(f, "encode {component}: {seconds:.3} s (digest {d:016x})"),
+                None => write!(f, "encode {component}: {seconds:.3} s"),
+            },
             Progress::Released { component } => write!(f, "free   {component}"),
             Progress::Step {
                 index,
@@ -129,19 +146,27 @@ impl std::fmt::Display for Progress {
                 t,
                 seconds,
                 digest,
-            } => write!(
-                f,
-                "step   {index:>3}/{steps} (t = {t:.3}): {seconds:.3} s (latents digest {digest:016x})"
-            ),
+            } => {
+                write!(f, "step   {index:>3}/{steps} (t = {t:.3}): {seconds:.3} s")?;
+                match digest {
+                    Some(d) => write!(f, " (latents digest {d:016x})"),
+                    None => Ok(()),
+                }
+            }
             Progress::Decoded {
                 devices,
                 seconds,
                 latents_digest,
                 image_digest,
-            } => write!(
-                f,
-                "decode vae on {devices}: {seconds:.3} s (latents digest {latents_digest:016x}, image digest {image_digest:016x})"
-            ),
+            } => {
+                write!(f, "decode vae on {devices}: {seconds:.3} s")?;
+                match (latents_digest, image_digest) {
+                    (Some(l), Some(i)) => {
+                        write!(f, " (latents digest {l:016x}, image digest {i:016x})")
+                    }
+                    _ => Ok(()),
+                }
+            }
             Progress::Note(n) => write!(f, "note: {n}"),
         }
     }

@@ -289,6 +289,7 @@ fn run_bench<M: Benchable>(
         &mut cond,
         guided,
         &sampling::linear_schedule(steps),
+        true,
         on_step,
     )?;
     Ok(mold_exec::Inputs::latents(&cond).clone())

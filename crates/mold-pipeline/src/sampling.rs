@@ -112,7 +112,7 @@ pub fn linear_schedule(steps: u32) -> Vec<f64> {
 }
 
 /// One denoising step as the loop reports it: its index (from 0), its time, how long it
-/// took (the device finished) and the digest of the latents it produced
+/// took (the device finished) and, where asked for, the digest of the latents it produced
 /// ([`mold_exec::digest`], taken after the clock stopped): two runs that differ can be
 /// compared step by step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -120,7 +120,7 @@ pub struct StepTime {
     pub index: usize,
     pub t: f64,
     pub seconds: f64,
-    pub digest: u64,
+    pub digest: Option<u64>,
 }
 
 /// Where a step's transformer passes run. True CFG has two a step (the conditional and
@@ -202,19 +202,23 @@ pub fn denoise<M: Transformer>(
     exec: &Executor<M>,
     inputs: &mut M::Inputs,
     sched: &[f64],
+    digests: bool,
     on_step: &mut dyn FnMut(StepTime),
 ) -> crate::Result<()> {
-    denoise_passes(&Passes::Serial(exec), inputs, None, sched, on_step)
+    denoise_passes(&Passes::Serial(exec), inputs, None, sched, digests, on_step)
 }
 
 /// [`denoise`] with true CFG's passes: `v` is the conditional prediction or, with
 /// `guided`, the combination of the conditional and the unconditional one, the passes run
-/// where `passes` says. A step's time covers both passes and the combination.
+/// where `passes` says. A step's time covers both passes and the combination. With `digests` each
+/// step's latents are digested after its clock stopped (the host hashes them before it
+/// queues the next step).
 pub fn denoise_passes<M: Transformer>(
     passes: &Passes<M>,
     inputs: &mut M::Inputs,
     mut guided: Option<Guided<'_, M::Inputs>>,
     sched: &[f64],
+    digests: bool,
     on_step: &mut dyn FnMut(StepTime),
 ) -> crate::Result<()> {
     use mold_exec::Inputs;
@@ -249,7 +253,7 @@ pub fn denoise_passes<M: Transformer>(
         // GPU kernels run asynchronously: wait for them before reading the clock.
         next.device().synchronize()?;
         let seconds = start.elapsed().as_secs_f64();
-        let digest = mold_exec::digest(&next)?;
+        let digest = crate::digest_if(digests, &next)?;
         inputs.set_latents(next);
         on_step(StepTime {
             index,

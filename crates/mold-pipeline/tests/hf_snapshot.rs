@@ -298,3 +298,45 @@ fn both_transformer_formats_give_identical_images() {
         );
     }
 }
+
+/// `no_digests` (what `mold serve` asks for) takes no digest at any stage and changes
+/// nothing else: the same image, and every event but the digests the same.
+#[test]
+fn a_request_without_digests_takes_none_and_gives_the_same_image() {
+    use mold_pipeline::Progress;
+    let (_, plan) = plans().into_iter().next().unwrap();
+    let prep = mold_pipeline::flux::prepare(&plan, snapshot()).unwrap();
+    let opts = mold_exec::ExecOptions::default();
+    let run = |no_digests: bool| {
+        let req = mold_pipeline::Request {
+            prompt: "a red fox in snow".into(),
+            seed: 5,
+            steps: 2,
+            width: 64,
+            height: 48,
+            no_digests,
+            ..Default::default()
+        };
+        let mut digests = Vec::new();
+        let out = mold_pipeline::flux::generate(&plan, &prep, &req, &opts, &mut |p| match p {
+            Progress::Encoded { digest, .. } | Progress::Step { digest, .. } => {
+                digests.push(*digest)
+            }
+            Progress::Decoded {
+                latents_digest,
+                image_digest,
+                ..
+            } => digests.extend([*latents_digest, *image_digest]),
+            _ => {}
+        })
+        .unwrap();
+        (out.image.data, digests)
+    };
+    let (with, taken) = run(false);
+    let (without, none) = run(true);
+    assert_eq!(with, without);
+    // Two encoders, two steps, the final latents and the image.
+    assert_eq!(taken.len(), 6, "{taken:?}");
+    assert!(taken.iter().all(Option::is_some), "{taken:?}");
+    assert_eq!(none, vec![None; 6]);
+}

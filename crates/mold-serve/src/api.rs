@@ -229,6 +229,8 @@ pub fn check_images(
             height,
             latents: None,
             save_io: None,
+            // The server reports no digests: none is taken.
+            no_digests: true,
         })
         .collect();
     Ok(Checked { requests })
@@ -264,6 +266,7 @@ pub fn check_generate(
             height,
             latents: None,
             save_io: None,
+            no_digests: true,
         }],
     })
 }

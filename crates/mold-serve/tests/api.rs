@@ -251,3 +251,17 @@ fn requests_beyond_the_plan_or_the_queue_are_refused_naming_the_limit() {
     let c = api::check_generate(&r, &o, model, plan).unwrap();
     assert_eq!((c.requests[0].width, c.requests[0].height), (32, 48));
 }
+
+/// The server reports no digests, so its requests take none (each costs the host about a
+/// millisecond per megabyte hashed, between the steps).
+#[test]
+fn the_server_s_requests_take_no_digests() {
+    let (o, plan, model) = (opts(), plan(), model());
+    let g: GenerateRequest = api::parse(br#"{"prompt":"x"}"#).unwrap();
+    let c = api::check_generate(&g, &o, model, plan).unwrap();
+    assert!(c.requests.iter().all(|r| r.no_digests));
+    let i: ImagesRequest = api::parse(br#"{"prompt":"x","n":2}"#).unwrap();
+    let c = api::check_images(&i, &o, model, plan).unwrap();
+    assert_eq!(c.requests.len(), 2);
+    assert!(c.requests.iter().all(|r| r.no_digests));
+}

@@ -482,6 +482,7 @@ pub fn generate_on(
         None => None,
     };
     let mut rec = req.save_io.as_ref().map(|_| io::IoRecord::default());
+    let digests = !req.no_digests;
     let tf = plan.transformer().ok_or_else(|| {
         PipelineError::Plan("no transformer component: regenerate the plan with `mold plan`".into())
     })?;
@@ -525,7 +526,7 @@ pub fn generate_on(
         on(&Progress::Encoded {
             component: label.into(),
             seconds,
-            digest: mold_exec::digest(&c)?,
+            digest: crate::digest_if(digests, &c)?,
         });
         let c =
             mold_exec::runtime::hand_off_ordered(&c, &tdev, opts.peer_copies)?.to_dtype(tdtype)?;
@@ -599,6 +600,7 @@ pub fn generate_on(
         &mut inputs,
         guidance.as_ref(),
         &sigmas,
+        digests,
         &mut |i, x, t| {
             if let Some(r) = &mut rec {
                 r.add(format!("step.{i}.latents"), x)?;
@@ -702,8 +704,8 @@ pub fn generate_on(
     on(&Progress::Decoded {
         devices: id.to_string(),
         seconds: times.decode_s,
-        latents_digest: mold_exec::digest(&latents)?,
-        image_digest: mold_exec::digest(&img)?,
+        latents_digest: crate::digest_if(digests, &latents)?,
+        image_digest: crate::digest_if(digests, &img)?,
     });
     times.total_s = started.elapsed().as_secs_f64();
     let peaks = mem

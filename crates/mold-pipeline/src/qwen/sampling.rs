@@ -217,13 +217,15 @@ pub type Passes<'a> = crate::sampling::Passes<'a, mold_exec::QwenConfig>;
 /// conditional pass) and, with `guidance`, on the same latents with the negative
 /// conditioning (on `passes`: serially, or CFG-parallel on a second device group), the
 /// two predictions combined ([`combine`]); then the Euler step in the latents' dtype.
-/// Each step waits for the device before reading the clock; `on_step` sees it, and
-/// `before` each step's input (for `--save-io`).
+/// Each step waits for the device before reading the clock; `on_step` sees it (with the
+/// latents' digest where `digests`), and `before` each step's input (for `--save-io`).
+#[allow(clippy::too_many_arguments)]
 pub fn denoise(
     passes: &Passes,
     inputs: &mut mold_exec::QwenInputs,
     guidance: Option<&Guidance>,
     sigmas: &[f64],
+    digests: bool,
     before: &mut dyn FnMut(usize, &Tensor, f64) -> Result<()>,
     on_step: &mut dyn FnMut(crate::sampling::StepTime),
 ) -> Result<()> {
@@ -258,7 +260,7 @@ pub fn denoise(
         let next = (&x + v.affine(t_next - t, 0.0)?)?;
         next.device().synchronize()?;
         let seconds = start.elapsed().as_secs_f64();
-        let digest = mold_exec::digest(&next)?;
+        let digest = crate::digest_if(digests, &next)?;
         inputs.set_latents(next);
         on_step(crate::sampling::StepTime {
             index,
@@ -336,7 +338,16 @@ mod tests {
         let sigmas = SchedulerConfig::qwen_image().sigmas(3, 8);
         let run = |p: &Passes, g: Option<&Guidance>| {
             let mut inp = x.clone();
-            denoise(p, &mut inp, g, &sigmas, &mut |_, _, _| Ok(()), &mut |_| {}).unwrap();
+            denoise(
+                p,
+                &mut inp,
+                g,
+                &sigmas,
+                true,
+                &mut |_, _, _| Ok(()),
+                &mut |_| {},
+            )
+            .unwrap();
             inp.img
         };
         let serial = run(&Passes::Serial(&a), Some(&g));
@@ -407,6 +418,7 @@ solver: {{solver: hand, status: optimal, objective: latency, objective_value: 0.
                 &mut inp,
                 Some(&g),
                 &sigmas,
+                true,
                 &mut |_, _, _| Ok(()),
                 &mut |s| digests.push(s.digest),
             )

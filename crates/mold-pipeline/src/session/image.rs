@@ -266,6 +266,8 @@ impl CheckedImage<'_> {
             height: self.run_plan.workload.height,
             latents: o.latents.clone(),
             save_io: o.save_io.clone(),
+            // `mold exec` prints every stage's digest.
+            no_digests: false,
         };
         let run_plan = &self.run_plan;
         let output = match &self.family {

@@ -45,6 +45,7 @@ impl Engine {
             height,
             latents: None,
             save_io: None,
+            no_digests: true,
         };
         let start = Instant::now();
         // As many at once as the queue takes (a queue shorter than the replicas).

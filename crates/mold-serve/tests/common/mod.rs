@@ -107,6 +107,7 @@ pub fn request(seed: u64, steps: u32) -> mold_pipeline::Request {
         height: 64,
         latents: None,
         save_io: None,
+        no_digests: true,
     }
 }
 
