@@ -123,9 +123,13 @@ pub fn say_event(rep: &Reporter, e: Event) {
 /// A benchmark's step `s` of `steps`, beside the plan's prediction: a line (plain), the
 /// bar (bars) or an event (`--json`).
 pub fn say_step(rep: &Reporter, s: StepTime, steps: u32, predicted: f64) {
-    let digest = s.digest.map(hex).unwrap_or_default();
+    let digest = s.digest.map(hex);
+    let latents = digest
+        .as_deref()
+        .map(|d| format!("   latents {d}"))
+        .unwrap_or_default();
     rep.plain(format_args!(
-        "step {:>3}/{steps}: {:.4} s   (plan predicted {:.4} s)   latents {digest}",
+        "step {:>3}/{steps}: {:.4} s   (plan predicted {:.4} s){latents}",
         s.index + 1,
         s.seconds,
         predicted,

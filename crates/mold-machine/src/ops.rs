@@ -30,8 +30,8 @@ pub struct OpTables {
     /// `head_dim`. Sorted by (head_dim, heads, seq).
     #[serde(default)]
     pub attention: Vec<AttentionPoint>,
-    /// Bytes per second (GB/s) the model's element-wise kernels (modulation, gated
-    /// residual, bias + GELU) reach: bytes read and written over their time.
+    /// Bytes per second (GB/s) the model's element-wise kernels (the norm with its
+    /// modulation, the gated residual) reach: bytes read and written over their time.
     pub elementwise_gbps: f64,
     /// Bytes per second (GB/s) of the layout copies around a sequence-parallel
     /// all-to-all: q, k and v stacked per destination, the received pieces and the

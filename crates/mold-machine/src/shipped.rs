@@ -1,6 +1,6 @@
 //! Operation tables mold ships: measured on lent boxes by `mold devices --calibrate
-//! --model M` (`sim/machines/*-measured.yaml`, each with its box, date and commit in its
-//! description), built into the binary. A profile built from a box's inventory (`--machine
+//! --model M` (`sim/machines/4x-h100-measured.yaml` and `4x-h200-measured.yaml`, each with
+//! its box, date and commit in its description), built into the binary. A profile built from a box's inventory (`--machine
 //! local`) adopts the tables of the GPUs it has ([`Machine::adopt_tables`]), so a box
 //! nobody calibrated is priced from measurement; `mold devices --calibrate` measures the
 //! box's own and never adopts.
@@ -209,6 +209,17 @@ impl Machine {
                         src.name,
                         src.calibration.date.as_deref().unwrap_or("undated")
                     ));
+                    // The element-wise kernels and the layout copies run in bf16 whatever
+                    // the products' dtype: where this GPU has a measured table of the
+                    // model, its rates stand, so the two dtypes are priced alike there.
+                    if let Some(own) = self
+                        .ops
+                        .iter()
+                        .find(|o| o.model == t.model && o.device == name && o.estimated.is_none())
+                    {
+                        scaled.elementwise_gbps = own.elementwise_gbps;
+                        scaled.layout_copy_gbps = own.layout_copy_gbps;
+                    }
                     added.push(Adopted {
                         from: src.name.clone(),
                         date: src.calibration.date.clone(),
@@ -362,6 +373,16 @@ mod tests {
         assert!(added[0].scaled.is_none() && added[0].collectives);
         assert_eq!(added[1].table, "flux-dev fp8 on NVIDIA H200");
         assert!(added[1].scaled.is_some());
+        // FP8's products scaled from the H100; its element-wise kernels and layout copies,
+        // bf16 in both, at this GPU's measured rates.
+        let fp8 = m
+            .op_tables("flux-dev", mold_plan::DType::Fp8, "NVIDIA H200")
+            .unwrap();
+        let bf16 = m
+            .op_tables("flux-dev", mold_plan::DType::Bf16, "NVIDIA H200")
+            .unwrap();
+        assert_eq!(fp8.elementwise_gbps, bf16.elementwise_gbps);
+        assert_eq!(fp8.layout_copy_gbps, bf16.layout_copy_gbps);
         let t = m
             .op_tables("flux-dev", mold_plan::DType::Bf16, "NVIDIA H200")
             .unwrap();

@@ -229,7 +229,8 @@ pub fn check_images(
             height,
             latents: None,
             save_io: None,
-            // The server reports no digests: none is taken.
+            // Only the progress stream shows digests (`/v1/generate/stream` turns them
+            // back on): a plain request takes none.
             no_digests: true,
         })
         .collect();

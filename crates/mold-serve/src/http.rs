@@ -641,10 +641,14 @@ async fn generate_stream(State(st): App, headers: HeaderMap, body: Body) -> Resp
         Ok(b) => b,
         Err(r) => return r,
     };
-    let checked = match generate_checked(&st, &body) {
+    let mut checked = match generate_checked(&st, &body) {
         Ok(c) => c,
         Err(r) => return refused(&st, r),
     };
+    // The stream's progress lines carry each stage's digest: here someone reads them.
+    for r in &mut checked.requests {
+        r.no_digests = false;
+    }
     before_admission(&st).await;
     let cancel = Arc::new(AtomicBool::new(false));
     let deadline = Instant::now() + st.opts.request_timeout;

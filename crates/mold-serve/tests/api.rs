@@ -252,8 +252,9 @@ fn requests_beyond_the_plan_or_the_queue_are_refused_naming_the_limit() {
     assert_eq!((c.requests[0].width, c.requests[0].height), (32, 48));
 }
 
-/// The server reports no digests, so its requests take none (each costs the host about a
-/// millisecond per megabyte hashed, between the steps).
+/// A plain request's answer shows no digest, so it takes none (each costs the host about
+/// a millisecond per megabyte hashed, between the steps); the progress stream turns them
+/// back on (tests/serve.rs).
 #[test]
 fn the_server_s_requests_take_no_digests() {
     let (o, plan, model) = (opts(), plan(), model());

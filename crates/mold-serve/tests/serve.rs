@@ -476,3 +476,51 @@ fn an_idle_event_stream_gets_keep_alive_comments() {
     drop(s);
     assert_eq!(shutdown_within(h).ok, 1);
 }
+
+/// The progress stream's lines carry each stage's digest (someone reads them there), so a
+/// streamed request takes them; a plain request takes none (tests/api.rs).
+#[test]
+fn the_progress_stream_carries_the_digests() {
+    let h = mold_serve::spawn(&deployment(1), &opts()).unwrap();
+    let addr = h.addr();
+    let b = body(5, 2).to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST /v1/generate/stream HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{b}",
+        b.len()
+    )
+    .unwrap();
+    let mut r = BufReader::new(s.try_clone().unwrap());
+    let mut lines = Vec::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0, "no image: {lines:?}");
+        if line.trim_end() == "event: image" {
+            break;
+        }
+        if let Some(d) = line.strip_prefix("data:") {
+            let v: serde_json::Value = serde_json::from_str(d.trim()).unwrap();
+            if let Some(l) = v.get("line").and_then(|l| l.as_str()) {
+                lines.push(l.to_string());
+            }
+        }
+    }
+    let steps: Vec<&String> = lines.iter().filter(|l| l.starts_with("step")).collect();
+    assert_eq!(steps.len(), 2, "{lines:?}");
+    assert!(
+        steps.iter().all(|l| l.contains("latents digest")),
+        "{lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("decode") && l.contains("image digest")),
+        "{lines:?}"
+    );
+    drop(r);
+    drop(s);
+    assert_eq!(shutdown_within(h).ok, 1);
+}

@@ -66,8 +66,9 @@ impl Timing {
                 round.as_millis()
             ),
             Timing::Mixed { round, span } => format!(
-                "inside their blocks, each block's operations back to back for {} ms, the \
-                 median of rounds of {} ms",
+                "products and attention inside their blocks, each block's operations back \
+                 to back for {} ms, the median of rounds of {} ms; element-wise kernels and \
+                 layout copies back to back alone",
                 span.as_millis(),
                 round.as_millis()
             ),
