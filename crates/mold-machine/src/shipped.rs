@@ -1,9 +1,9 @@
 //! Operation tables mold ships: measured on lent boxes by `mold devices --calibrate
 //! --model M` (`sim/machines/4x-h100-measured.yaml` and `4x-h200-measured.yaml`, each with
-//! its box, date and commit in its description), built into the binary. A profile built from a box's inventory (`--machine
-//! local`) adopts the tables of the GPUs it has ([`Machine::adopt_tables`]), so a box
-//! nobody calibrated is priced from measurement; `mold devices --calibrate` measures the
-//! box's own and never adopts.
+//! its box, date and commit in its description), built into the binary. A profile built
+//! from a box's inventory (`--machine local`) adopts the tables of the GPUs it has
+//! ([`Machine::adopt_tables`]), so a box nobody calibrated is priced from measurement;
+//! `mold devices --calibrate` measures the box's own and never adopts.
 //!
 //! A GPU's products, attention, element-wise kernels, encoders and decoder are the GPU's
 //! own and travel with its name. A GPU mold has not measured gets the tables of one it
@@ -383,12 +383,9 @@ mod tests {
             .unwrap();
         assert_eq!(fp8.elementwise_gbps, bf16.elementwise_gbps);
         assert_eq!(fp8.layout_copy_gbps, bf16.layout_copy_gbps);
-        let t = m
-            .op_tables("flux-dev", mold_plan::DType::Bf16, "NVIDIA H200")
-            .unwrap();
-        assert!(t.estimated.is_none());
-        assert!(t.layout_copy_gbps.is_some_and(|g| g > 0.0));
-        assert!(t.collectives.all_reduce.iter().all(|p| p.devices == 2));
+        assert!(bf16.estimated.is_none());
+        assert!(bf16.layout_copy_gbps.is_some_and(|g| g > 0.0));
+        assert!(bf16.collectives.all_reduce.iter().all(|p| p.devices == 2));
     }
 
     #[test]

@@ -50,7 +50,7 @@ impl MixTimes {
     /// The element-wise kernels' rate (GB/s) over every mix; `None` without any.
     pub fn elementwise_gbps(&self) -> Option<f64> {
         let (bytes, s) = self.elementwise;
-        (bytes > 0.0 && s > 0.0).then(|| ((bytes / s / 1e9) * 1000.0).round().max(1.0) / 1000.0)
+        (bytes > 0.0 && s > 0.0).then(|| gbps(bytes, s))
     }
 }
 
@@ -93,6 +93,12 @@ pub(super) fn measure(
         }
     }
     Ok(out)
+}
+
+/// `bytes` moved in `seconds` as GB/s, to a thousandth, at least 0.001 (what the tables
+/// keep of a measured rate).
+pub(super) fn gbps(bytes: f64, seconds: f64) -> f64 {
+    ((bytes / seconds / 1e9) * 1000.0).round().max(1.0) / 1000.0
 }
 
 /// The most repetitions of a block in one round, whatever the estimate says.

@@ -286,7 +286,7 @@ fn elementwise_gbps(
         bytes += passes * x_bytes;
         seconds += median(dev, bench, run)?;
     }
-    Ok(((bytes / seconds / 1e9) * 1000.0).round().max(1.0) / 1000.0)
+    Ok(mix::gbps(bytes, seconds))
 }
 
 /// Bytes per second of the layout copies around a sequence-parallel all-to-all over two
@@ -306,9 +306,7 @@ fn layout_copy_gbps(
         return Ok(None);
     };
     let seconds = median(dev, bench, run)?;
-    Ok(Some(
-        ((bytes / seconds / 1e9) * 1000.0).round().max(1.0) / 1000.0,
-    ))
+    Ok(Some(mix::gbps(bytes, seconds)))
 }
 
 /// The median seconds of `f` on `dev`, each run synchronised; never 0 (a clock tick).
