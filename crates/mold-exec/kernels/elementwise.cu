@@ -164,9 +164,10 @@ MOLD_EW_ALL(f32, float)
 // q/k/v preparation for attention, one warp per (token, head): reads the row segments of
 // q, k and v of the fused projection `qkv` (row = token, [q | k | v] each heads × D wide,
 // row stride `ld`), applies RMSNorm (scale q_scale / k_scale) and RoPE (interleaved pairs,
-// tables cos/sin (len_tot, D/2) per batch, in T or f32: the `_f32tab` kernels) to q and k, and writes q, k, v transposed
-// into out = (3, B, heads, len_tot, D) at sequence offset l_off — so txt and img segments
-// land concatenated without a copy. All loads of a warp (q, k, v, the tables, the scales)
+// tables cos/sin (len_tot, D/2) per batch, in T or f32: the `_f32tab` kernels) to q and k, and
+// writes q, k, v at sequence offset l_off — so txt and img segments land concatenated without
+// a copy — either transposed into out = (3, B, heads, len_tot, D) (groups = 0) or as the
+// messages of a sequence-parallel all-to-all (groups >= 1, see below). All loads of a warp (q, k, v, the tables, the scales)
 // are issued before any arithmetic, so each warp keeps several requests in flight.
 // Launch: grid (ceil(len * heads / 4), B), block 128.
 namespace mold_ew {
@@ -181,7 +182,7 @@ template <typename T, typename C, int D>
 __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, int l_off,
                                          int len_tot, int heads, const T *q_scale,
                                          const T *k_scale, const C *cos_t, const C *sin_t,
-                                         long long cs_batch, T *out, float eps) {
+                                         long long cs_batch, T *out, float eps, int groups) {
     constexpr int E = D / 32; // elements per lane (even)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long idx = static_cast<long long>(blockIdx.x) * 4 + warp;
@@ -242,10 +243,35 @@ __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, in
             x[which][e + 1] = x0 * sv + x1 * cc;
         }
     }
+    // groups == 0: (3, B, heads, len_tot, D). groups >= 1: the heads in `groups` groups
+    // (sequence.rs's `split`: the first heads % groups one head more), group j's heads
+    // hs_j written token-major as (len_tot, 3, B, hs_j, D), the groups one after another:
+    // each group is one contiguous all-to-all message.
+    long long base = 0, row = 0, hstride = 0;
+    if (groups > 0) {
+        const int q = heads / groups, r = heads % groups, big = r * (q + 1);
+        int hs, hl, hstart;
+        if (h < big) {
+            hs = q + 1;
+            hl = h % hs;
+            hstart = h - hl;
+        } else {
+            hs = q;
+            hl = (h - big) % q;
+            hstart = h - hl;
+        }
+        base = static_cast<long long>(hstart) * 3 * B * len_tot * D +
+               static_cast<long long>(hl) * D;
+        row = static_cast<long long>(hs) * D; // one (token, which, b) row of the group
+        hstride = 3LL * B * row;              // one token
+    }
 #pragma unroll
     for (int which = 0; which < 3; ++which) {
-        T *dst = out + ((static_cast<long long>(which) * B + b) * heads + h) * len_tot * D +
-                 pos * D + lane * E;
+        T *dst = groups > 0
+                     ? out + base + pos * hstride + (static_cast<long long>(which) * B + b) * row +
+                           lane * E
+                     : out + ((static_cast<long long>(which) * B + b) * heads + h) * len_tot * D +
+                           pos * D + lane * E;
 #pragma unroll
         for (int e = 0; e < E; e += 2)
             store2<T>(dst + e, make_float2(x[which][e], x[which][e + 1]));
@@ -257,9 +283,9 @@ __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, in
     extern "C" __global__ void NAME(const T *qkv, long long ld, int len, int l_off,            \
                                     int len_tot, int heads, const T *q_scale,                  \
                                     const T *k_scale, const C *cos_t, const C *sin_t,          \
-                                    long long cs_batch, T *out, float eps) {                   \
+                                    long long cs_batch, T *out, float eps, int groups) {       \
         mold_ew::qkv_prep<T, C, D>(qkv, ld, len, l_off, len_tot, heads, q_scale, k_scale,       \
-                                   cos_t, sin_t, cs_batch, out, eps);                          \
+                                   cos_t, sin_t, cs_batch, out, eps, groups);                  \
     }
 #define MOLD_QKV_PREP_ALL(SUFFIX, T, D)                                                        \
     MOLD_QKV_PREP(mold_qkv_prep_##SUFFIX##_d##D, T, T, D)                                     \

@@ -22,10 +22,11 @@ pub const DIR: &str = "profiles";
 /// What a kept profile's tables measure, as a number: raised whenever calibration measures
 /// other sizes or the cost model reads its tables otherwise (2: the all-to-all's
 /// three-shard q/k/v message; 3: the element-wise kernels timed back to back and the
-/// all-to-all's layout copies measured). It is part of the key, so a profile kept by a mold
+/// all-to-all's layout copies measured; 4: the all-to-all's copies as they run with the
+/// messages written in place). It is part of the key, so a profile kept by a mold
 /// that measured otherwise is never adopted: the box is calibrated anew, or planned on the
 /// tables mold ships, until then.
-pub const TABLES_VERSION: u32 = 3;
+pub const TABLES_VERSION: u32 = 4;
 
 /// The box's key: `box-` and 16 hex digits of the SHA-256 of [`TABLES_VERSION`], its
 /// driver version and its GPUs' UUIDs in ordinal order.

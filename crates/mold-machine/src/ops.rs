@@ -33,12 +33,13 @@ pub struct OpTables {
     /// Bytes per second (GB/s) the model's element-wise kernels (the norm with its
     /// modulation, the gated residual) reach: bytes read and written over their time.
     pub elementwise_gbps: f64,
-    /// Bytes per second (GB/s) of the layout copies around a sequence-parallel
-    /// all-to-all: q, k and v stacked per destination, the received pieces and the
-    /// output's pieces put together (candle's strided copies, as `mold-exec`'s
-    /// `model/sequence.rs` runs them), bytes read and written over their time. `None` in
-    /// profiles calibrated before it was measured: those copies are priced at
-    /// `elementwise_gbps`.
+    /// Bytes per second (GB/s) of the copies around a sequence-parallel all-to-all, as
+    /// `mold-exec`'s `model/sequence.rs` runs them: the rank's own q/k/v piece copied into
+    /// the received buffer and the output's pieces put together, bytes read and written
+    /// over their time. (Profiles calibrated before 2026-11-28's in-place messages measured
+    /// the older copies here — q, k and v stacked per destination, the received pieces put
+    /// together — which ran at about half this rate.) `None` in profiles calibrated before
+    /// it was measured: those copies are priced at `elementwise_gbps`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout_copy_gbps: Option<f64>,
     #[serde(default)]

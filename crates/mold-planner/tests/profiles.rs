@@ -609,9 +609,8 @@ fn a_large_model_whose_solver_gives_up_gets_a_local_search_plan() {
 }
 
 /// On the measured 2 × H200 profile the planner weighs tensor parallel, sequence
-/// parallel and the block split for flux-dev, and picks the cheapest by the cost model:
-/// each layout forced on its own (`--tp 2 --sp off`, `--sp 2`, `--tp off --sp off`) costs
-/// no less than the pick, and the pick is one of them.
+/// parallel, the block split and their mixes for flux-dev: each layout forced on its own
+/// (`--tp 2 --sp off`, `--sp 2`, `--tp off --sp off`) costs no less than the pick.
 #[test]
 fn the_pick_for_two_gpus_is_the_cheapest_layout() {
     use mold_planner::{SpChoice, TpChoice};
@@ -634,7 +633,6 @@ fn the_pick_for_two_gpus_is_the_cheapest_layout() {
         ("sequence", req(TpChoice::Off, SpChoice::Degree(2))),
         ("split", req(TpChoice::Off, SpChoice::Off)),
     ];
-    let mut costs = Vec::new();
     for (name, r) in forced {
         let o = mold_planner::plan(&r).unwrap();
         assert!(
@@ -643,15 +641,18 @@ fn the_pick_for_two_gpus_is_the_cheapest_layout() {
             o.evaluation.request_s,
             pick.evaluation.request_s
         );
-        costs.push((o.evaluation.request_s, o.plan.solver.strategy.clone()));
     }
-    let best = costs.iter().min_by(|a, b| a.0.total_cmp(&b.0)).unwrap();
-    assert!((best.0 - pick.evaluation.request_s).abs() <= 1e-9 * best.0);
-    // On the tables measured on that box tensor parallel wins, as it did in the box's own
-    // steps (TP2 79.4–81.7 ms against SP2 84.2–85.7, BENCHMARKS.md).
-    assert_eq!(pick.plan.solver.strategy, "tensor");
+    // On the tables measured on that box, with the all-to-all's messages written in place,
+    // sequence parallel over the double blocks and tensor parallel over the single ones:
+    // the box's own steps (BENCHMARKS.md, 2026-11-28) put it at 78.3–78.9 ms, SP2 at
+    // 78.3–79.1 and TP2 at 81.6–83.1.
+    assert_eq!(pick.plan.solver.strategy, "mixed");
     let t = pick.plan.transformer().unwrap();
-    assert!(t.parts.iter().all(|p| (p.tp, p.sp) == (2, 1)));
+    for p in &t.parts {
+        let double = p.blocks.iter().any(|b| b.kind == "double");
+        let want = if double { (1, 2) } else { (2, 1) };
+        assert_eq!((p.tp, p.sp), want, "{:?}", p.blocks);
+    }
 }
 
 /// `--sp 2` with `--tp 2` asks for hybrid groups of four.

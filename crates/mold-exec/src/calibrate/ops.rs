@@ -289,7 +289,7 @@ fn elementwise_gbps(
     Ok(mix::gbps(bytes, seconds))
 }
 
-/// Bytes per second of the layout copies around a sequence-parallel all-to-all over two
+/// Bytes per second of the copies around a sequence-parallel all-to-all over two
 /// ranks ([`layout_copy_load`]) at the element-wise shape's tokens and width, in heads of
 /// the attention shapes' head size; `None` where there is no attention shape or the heads
 /// do not split in two.
@@ -417,7 +417,8 @@ mod tests {
 
     /// The layout-copy load runs the executor's own copies ([`crate::model::sequence`]):
     /// its output is the attention output's pieces side by side, and its bytes are the
-    /// cost model's 14 shards of the rank's tokens.
+    /// cost model's 5 shards of the rank's tokens over two ranks (the own q/k/v piece, 3/2
+    /// read and 3/2 written; the output's pieces joined, 1 and 1).
     #[test]
     fn the_layout_copy_load_runs_the_all_to_alls_copies() {
         let dev = Device::Cpu;
@@ -425,7 +426,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let shard = (64 / 2 * 32 * 4) as f64;
-        assert_eq!(bytes, 14.0 * shard);
+        assert_eq!(bytes, 5.0 * shard);
         assert_eq!(run().unwrap().dims(), &[1, 32, 32]);
         // Heads that do not split over the ranks: nothing to measure.
         assert!(layout_copy_load(&dev, DType::F32, (64, 24), 8, 2)

@@ -111,6 +111,18 @@ pub trait Comm: Send + Sync {
     /// between pairs (uneven sequence shards). `send[rank]` comes back as is. The results
     /// are contiguous, on the device of `send[rank]`.
     fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>>;
+    /// [`Comm::all_to_all`] with what every rank sent here put one after another along
+    /// dimension 0, in rank order, in one contiguous tensor (the shapes in `recv` must
+    /// agree past dimension 0). The provided implementation concatenates
+    /// [`Comm::all_to_all`]'s pieces; NCCL receives them into one buffer.
+    fn all_to_all_cat(&self, send: &[Tensor], recv: &[Shape]) -> Result<Tensor> {
+        cat_shape(recv)?;
+        let got = self.all_to_all(send, recv)?;
+        if got.len() == 1 {
+            return got[0].contiguous();
+        }
+        Tensor::cat(&got, 0)
+    }
     /// How many token chunks a row-parallel product is split into so that each chunk's
     /// sum over the group runs beside the next chunk's product ([`Comm::chunked_sum`]);
     /// 1: one sum after the whole product. The provided implementation says 1.
@@ -218,6 +230,24 @@ impl Comm for LocalComm {
         check_all_to_all(0, 1, send, recv)?;
         Ok(send.to_vec())
     }
+}
+
+/// The shape of [`Comm::all_to_all_cat`]'s result: `recv`'s shapes one after another
+/// along dimension 0. Fails unless they agree past it.
+pub(crate) fn cat_shape(recv: &[Shape]) -> Result<Shape> {
+    let Some(first) = recv.first() else {
+        return Err(CommError::Local("all_to_all_cat: no shapes".into()).into());
+    };
+    let tail = first.dims().get(1..).unwrap_or(&[]);
+    if first.rank() == 0 || recv.iter().any(|s| s.rank() == 0 || &s.dims()[1..] != tail) {
+        return Err(CommError::Local(format!(
+            "all_to_all_cat: shapes {recv:?} differ past dimension 0"
+        ))
+        .into());
+    }
+    let mut dims = first.dims().to_vec();
+    dims[0] = recv.iter().map(|s| s.dims()[0]).sum();
+    Ok(dims.into())
 }
 
 /// The checks every [`Comm::all_to_all`] makes before communicating: one tensor and one

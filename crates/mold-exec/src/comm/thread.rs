@@ -264,6 +264,52 @@ mod tests {
         assert_eq!(one.unwrap().to_vec2::<f32>().unwrap(), vec![vec![2.0]]);
     }
 
+    /// `all_to_all_cat` puts what every rank sent here one after another in rank order,
+    /// uneven pieces included, and refuses shapes that differ past dimension 0.
+    #[test]
+    fn all_to_all_cat_puts_the_pieces_one_after_another() {
+        let world = 3usize;
+        let comms = ThreadComm::group(world);
+        // Rank r sends rank j a (r + 1, 2) piece of values 100·r + 10·j + i.
+        let outs: Vec<(Vec<Vec<f32>>, String)> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let r = c.rank();
+                        let send: Vec<Tensor> = (0..world)
+                            .map(|j| {
+                                let v: Vec<f32> = (0..2 * (r + 1))
+                                    .map(|i| (100 * r + 10 * j + i) as f32)
+                                    .collect();
+                                Tensor::from_vec(v, (r + 1, 2), &Device::Cpu).unwrap()
+                            })
+                            .collect();
+                        let recv: Vec<Shape> = (0..world).map(|j| (j + 1, 2).into()).collect();
+                        let got = c.all_to_all_cat(&send, &recv).unwrap();
+                        let bad: Vec<Shape> = (0..world).map(|j| (1, j + 1).into()).collect();
+                        let err = c.all_to_all_cat(&send, &bad).unwrap_err().to_string();
+                        (got.to_vec2::<f32>().unwrap(), err)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (me, (got, err)) in outs.into_iter().enumerate() {
+            let want: Vec<Vec<f32>> = (0..world)
+                .flat_map(|j| {
+                    (0..j + 1).map(move |row| {
+                        (0..2)
+                            .map(|col| (100 * j + 10 * me + 2 * row + col) as f32)
+                            .collect()
+                    })
+                })
+                .collect();
+            assert_eq!(got, want, "rank {me}");
+            assert!(err.contains("differ past dimension 0"), "{err}");
+        }
+    }
+
     /// The all-gather along dimension 0 puts every rank's rows in rank order; the
     /// reduce-scatter gives each rank its slice of the sum; gathering the scattered sums
     /// gives the all-reduce back, exactly (integers in f32).

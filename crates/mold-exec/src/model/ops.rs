@@ -226,13 +226,47 @@ pub fn qkv_prep_fused(
     sin: &Tensor,
     eps: f32,
 ) -> CResult<Tensor> {
-    fused::qkv_prep(segs, heads, cos, sin, eps)
+    fused::qkv_prep(segs, heads, 0, cos, sin, eps)
+}
+
+/// [`qkv_prep_fused`] writing the messages of a sequence-parallel all-to-all over
+/// `groups` ranks instead: piece j holds heads [`super::sequence::split`]`(heads, j,
+/// groups)` of q, k and v token-major, `(L, 3, b, heads_j, d)`, each piece contiguous and
+/// the pieces one buffer. So no copy puts the messages together, and the pieces received
+/// from every rank, one after another, are all tokens of a group of heads.
+pub fn qkv_prep_fused_groups(
+    segs: &[QkvSegment],
+    heads: usize,
+    groups: usize,
+    cos: &Tensor,
+    sin: &Tensor,
+    eps: f32,
+) -> CResult<Vec<Tensor>> {
+    if groups == 0 || groups > heads {
+        candle_core::bail!("mold qkv-prep: {heads} heads cannot make {groups} groups");
+    }
+    let flat = fused::qkv_prep(segs, heads, groups, cos, sin, eps)?;
+    let first = segs[0].qkv;
+    let b = first.dim(0)?;
+    let d = segs[0].q_scale.dims1()?;
+    let len: usize = segs.iter().map(|s| s.qkv.dim(1)).sum::<CResult<usize>>()?;
+    let mut off = 0;
+    (0..groups)
+        .map(|j| {
+            let hs = super::sequence::split(heads, j, groups).len();
+            let n = len * 3 * b * hs * d;
+            let piece = flat.narrow(0, off, n)?.reshape((len, 3, b, hs, d));
+            off += n;
+            piece
+        })
+        .collect()
 }
 
 #[cfg(not(feature = "cuda"))]
 mod fused {
     pub fn qkv_prep(
         _: &[super::QkvSegment],
+        _: usize,
         _: usize,
         _: &Tensor,
         _: &Tensor,
@@ -692,6 +726,7 @@ mod fused {
     fn qkv_prep_t<T: CudaDType + DeviceRepr>(
         segs: &[super::QkvSegment],
         heads: usize,
+        groups: usize,
         cos: &Tensor,
         sin: &Tensor,
         eps: f32,
@@ -724,6 +759,7 @@ mod fused {
             len_tot,
             cs_batch,
             eps,
+            groups: groups as i32,
         };
         // Tables in the activations' dtype as given, else in f32 (`_f32tab` kernels).
         if cos.dtype() == first.dtype() && sin.dtype() == first.dtype() {
@@ -739,9 +775,14 @@ mod fused {
             };
             qkv_launch::<T, f32>(segs, &shape, &cos, &sin, &y, &dev, tab)?;
         }
+        let shape: candle_core::Shape = if groups == 0 {
+            (3, b, heads, len_tot, d).into()
+        } else {
+            (3 * b * heads * len_tot * d,).into()
+        };
         Ok(Tensor::from_storage(
             candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(y, dev)),
-            (3, b, heads, len_tot, d),
+            shape,
             candle_core::op::BackpropOp::none(),
             false,
         ))
@@ -754,6 +795,8 @@ mod fused {
         len_tot: usize,
         cs_batch: i64,
         eps: f32,
+        /// 0: `(3, b, heads, L, d)`; else the all-to-all's pieces ([`super::qkv_prep_fused_groups`]).
+        groups: i32,
     }
 
     /// One launch per segment, tables of element type `C`.
@@ -811,7 +854,8 @@ mod fused {
                 .arg(&sv)
                 .arg(&sh.cs_batch)
                 .arg(y)
-                .arg(&sh.eps);
+                .arg(&sh.eps)
+                .arg(&sh.groups);
             // SAFETY: argument order and types match the kernel.
             unsafe { a.launch(cfg) }.w()?;
             l_off += len;
@@ -822,14 +866,15 @@ mod fused {
     pub fn qkv_prep(
         segs: &[super::QkvSegment],
         heads: usize,
+        groups: usize,
         cos: &Tensor,
         sin: &Tensor,
         eps: f32,
     ) -> CResult<Tensor> {
         match segs[0].qkv.dtype() {
-            DType::BF16 => qkv_prep_t::<bf16>(segs, heads, cos, sin, eps),
-            DType::F16 => qkv_prep_t::<f16>(segs, heads, cos, sin, eps),
-            DType::F32 => qkv_prep_t::<f32>(segs, heads, cos, sin, eps),
+            DType::BF16 => qkv_prep_t::<bf16>(segs, heads, groups, cos, sin, eps),
+            DType::F16 => qkv_prep_t::<f16>(segs, heads, groups, cos, sin, eps),
+            DType::F32 => qkv_prep_t::<f32>(segs, heads, groups, cos, sin, eps),
             dt => candle_core::bail!("mold fused kernels: unsupported dtype {dt:?}"),
         }
     }

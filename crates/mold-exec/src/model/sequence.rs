@@ -20,40 +20,70 @@ pub fn split(n: usize, rank: usize, world: usize) -> Range<usize> {
     start..start + q + usize::from(rank < r)
 }
 
+/// q, k and v of this rank's tokens, ready for [`attention`].
+pub enum Qkv {
+    /// Each `(b, heads, L_r, head_dim)`: every head of the rank's tensor-parallel shard.
+    Heads(Tensor, Tensor, Tensor),
+    /// The q/k/v all-to-all's messages, as [`messages`] lays them out (or the fused
+    /// preparation writes them, `ops::qkv_prep_fused_groups`): message j `(L_r, 3, b,
+    /// heads_j, head_dim)`, heads `split(heads, j, n)` of q, k and v token-major.
+    Messages(Vec<Tensor>),
+}
+
+impl Qkv {
+    /// Prepared q, k, v `(b, heads, L_r, head_dim)` as [`attention`] takes them in a
+    /// sequence-parallel group of `n`: as they are for one rank, else as the messages.
+    pub fn new(q: Tensor, k: Tensor, v: Tensor, n: usize) -> Result<Qkv> {
+        if n <= 1 {
+            return Ok(Qkv::Heads(q, k, v));
+        }
+        Ok(Qkv::Messages(messages(&q, &k, &v, n)?))
+    }
+}
+
 /// Attention over the whole sequence for a rank that holds a slice of it.
 ///
-/// `q`, `k`, `v` are `(b, heads, L_r, head_dim)`: this rank's tokens (normed and rotated
-/// with their own positions) for every head of the rank's tensor-parallel shard;
-/// `lens[j]` is how many tokens rank j of `ctx.sp` holds. Returns `(b, L_r, heads ·
-/// head_dim)` for this rank's tokens. The keys arrive in rank order, not in sequence
-/// order; attention does not depend on the order of the keys (each key comes with its
-/// value), and each query's output goes back to the rank that holds it.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
+/// `qkv` holds this rank's tokens (normed and rotated with their own positions) for
+/// every head of the rank's tensor-parallel shard; `lens[j]` is how many tokens rank j of
+/// `ctx.sp` holds. Returns `(b, L_r, heads · head_dim)` for this rank's tokens. The keys
+/// arrive in rank order, not in sequence order; attention does not depend on the order
+/// of the keys (each key comes with its value), and each query's output goes back to the
+/// rank that holds it.
+///
+/// The messages are token-major, so the pieces every rank sends here, received one after
+/// another into one buffer (`Comm::all_to_all_cat`), are `(L, 3, b, heads_r, head_dim)`:
+/// attention reads q, k and v from it in place, with strides, and nothing is copied to
+/// put the pieces together. Only the output's pieces are joined by a copy.
+pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     let sp = ctx.sp;
     let (n, me) = (sp.world_size(), sp.rank());
-    if n == 1 {
-        return local(q, k, v, ctx);
+    let send = match qkv {
+        Qkv::Heads(q, k, v) if n == 1 => return local(&q, &k, &v, ctx),
+        Qkv::Heads(q, k, v) => messages(&q, &k, &v, n)?,
+        Qkv::Messages(m) => m,
+    };
+    if send.len() != n || lens.len() != n {
+        candle_core::bail!(
+            "sequence parallel attention: rank {me} of {n} has {} messages, shares {lens:?}",
+            send.len()
+        );
     }
-    let (b, heads, l, d) = q.dims4()?;
-    if lens.len() != n || lens[me] != l {
+    let (l, _, b, hs, d) = send[me].dims5()?;
+    // Message j carries rank j's heads; they add up to this rank's.
+    let heads_each: Vec<usize> = send.iter().map(|t| t.dim(3)).collect::<Result<_>>()?;
+    if lens[me] != l {
         candle_core::bail!(
             "sequence parallel attention: rank {me} of {n} holds {l} tokens, shares {lens:?}"
         );
     }
-    if heads < n {
-        candle_core::bail!("sequence parallel attention: {n} ranks but {heads} heads");
-    }
-    let hr = |j: usize| split(heads, j, n);
-    let hs = hr(me).len();
-    // Every rank's tokens of this rank's heads come back.
-    let send = stack_heads(q, k, v, n)?;
-    let shapes: Vec<Shape> = lens.iter().map(|&lj| (3, b, hs, lj, d).into()).collect();
-    let got = sp.all_to_all(&send, &shapes)?;
+    // Every rank's tokens of this rank's heads come back, one after another.
+    let shapes: Vec<Shape> = lens.iter().map(|&lj| (lj, 3, b, hs, d).into()).collect();
+    let all = sp.all_to_all_cat(&send, &shapes)?;
     drop(send);
-    let all = join_tokens(&got)?;
-    drop(got);
     ctx.mark("all-to-all (q, k, v)", &all);
-    let out = local(&all.i(0)?, &all.i(1)?, &all.i(2)?, ctx)?; // (b, L, hs·d)
+    // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
+    let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
+    let out = local(&part(0)?, &part(1)?, &part(2)?, ctx)?; // (b, L, hs·d)
     drop(all);
     // Each rank's tokens back to it; the head groups side by side, in rank order.
     let mut send = Vec::with_capacity(n);
@@ -62,35 +92,35 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[usize], ctx: &Ctx) 
         send.push(out.narrow(1, off, lj)?.contiguous()?);
         off += lj;
     }
-    let shapes: Vec<Shape> = (0..n).map(|j| (b, l, hr(j).len() * d).into()).collect();
+    let shapes: Vec<Shape> = (0..n).map(|j| (b, l, heads_each[j] * d).into()).collect();
     let got = sp.all_to_all(&send, &shapes)?;
     let out = join_heads(&got)?;
     ctx.mark("all-to-all (output)", &out);
     Ok(out)
 }
 
-/// The messages of the q/k/v all-to-all: heads `split(heads, j, n)` of `q`, `k` and `v`
-/// (`(b, heads, L, d)`) for rank j, stacked into one `(3, b, heads_j, L, d)` (one copy,
-/// one message). The calibration times these layout copies as they run here.
-pub(crate) fn stack_heads(q: &Tensor, k: &Tensor, v: &Tensor, n: usize) -> Result<Vec<Tensor>> {
+/// The messages of the q/k/v all-to-all from q, k, v `(b, heads, L, d)`: message j
+/// `(L, 3, b, heads_j, d)` holds heads `split(heads, j, n)` of the three, token-major,
+/// contiguous. The fused q/k/v preparation writes the same bytes without this copy.
+pub fn messages(q: &Tensor, k: &Tensor, v: &Tensor, n: usize) -> Result<Vec<Tensor>> {
     let heads = q.dim(1)?;
+    if heads < n {
+        candle_core::bail!("sequence parallel attention: {n} ranks but {heads} heads");
+    }
     (0..n)
         .map(|j| {
             let h = split(heads, j, n);
             let pick = |t: &Tensor| t.narrow(1, h.start, h.len());
-            Tensor::stack(&[pick(q)?, pick(k)?, pick(v)?], 0)
+            Tensor::stack(&[pick(q)?, pick(k)?, pick(v)?], 0)? // (3, b, hs, L, d)
+                .permute((3, 0, 1, 2, 4))?
+                .contiguous()
         })
         .collect()
 }
 
-/// The q/k/v pieces received from every rank (`(3, b, hs, L_j, d)`) put together along
-/// the tokens.
-pub(crate) fn join_tokens(got: &[Tensor]) -> Result<Tensor> {
-    Tensor::cat(got, 3)
-}
-
 /// The attention output's pieces received from every rank (`(b, L, hs_j · d)`) put
-/// together along the features, in rank order.
+/// together along the features, in rank order. The calibration times this layout copy
+/// as it runs here.
 pub(crate) fn join_heads(got: &[Tensor]) -> Result<Tensor> {
     Tensor::cat(got, 2)
 }
@@ -104,6 +134,50 @@ fn local(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Message j holds heads `split(heads, j, n)` of q, k and v token-major, `(L, 3, b,
+    /// heads_j, d)`: the layout the fused preparation writes and attention reads in place
+    /// once the pieces of every rank are put one after another. Uneven heads included.
+    #[test]
+    fn messages_are_each_rank_s_heads_token_major() {
+        use candle_core::Device;
+        let (b, heads, l, d) = (2usize, 5usize, 3usize, 4usize);
+        let make = |c: usize| {
+            let v: Vec<f32> = (0..b * heads * l * d)
+                .map(|i| (1000 * c + i) as f32)
+                .collect();
+            Tensor::from_vec(v, (b, heads, l, d), &Device::Cpu).unwrap()
+        };
+        let (q, k, v) = (make(0), make(1), make(2));
+        for n in [1usize, 2, 3, 5] {
+            let m = messages(&q, &k, &v, n).unwrap();
+            assert_eq!(m.len(), n);
+            for (j, piece) in m.iter().enumerate() {
+                let h = split(heads, j, n);
+                assert_eq!(piece.dims(), &[l, 3, b, h.len(), d], "n {n} j {j}");
+                assert!(piece.is_contiguous());
+                let flat: Vec<f32> = piece.flatten_all().unwrap().to_vec1().unwrap();
+                let mut i = 0;
+                for t in 0..l {
+                    for (c, src) in [&q, &k, &v].into_iter().enumerate() {
+                        for bi in 0..b {
+                            for hh in h.clone() {
+                                let row: Vec<f32> = src.i((bi, hh, t)).unwrap().to_vec1().unwrap();
+                                assert_eq!(&flat[i..i + d], &row[..], "n {n} j {j} t {t} c {c}");
+                                i += d;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(messages(&q, &k, &v, 6).is_err(), "more ranks than heads");
+        assert!(matches!(
+            Qkv::new(q.clone(), k.clone(), v.clone(), 1).unwrap(),
+            Qkv::Heads(..)
+        ));
+        assert!(matches!(Qkv::new(q, k, v, 2).unwrap(), Qkv::Messages(m) if m.len() == 2));
+    }
 
     #[test]
     fn split_covers_every_token_once_in_order() {

@@ -335,6 +335,45 @@ impl NcclComm {
     }
 }
 
+impl NcclComm {
+    /// [`Comm::all_to_all`], its pieces into one buffer of shape `cat` where given.
+    fn exchange(
+        &self,
+        send: &[Tensor],
+        recv: &[Shape],
+        cat: Option<&Shape>,
+    ) -> Result<Vec<Tensor>> {
+        super::check_all_to_all(self.rank, self.group.world(), send, recv)?;
+        let ordinal = self.group.ordinals[self.rank];
+        if self.group.is_failed() {
+            let mut slot = lock(&self.group.slots[self.rank]);
+            slot.abort();
+            return Err(self.group.peer_failed_error(self.rank));
+        }
+        if let Some(t) = send.iter().find(|t| {
+            !matches!(t.device().location(),
+                candle_core::DeviceLocation::Cuda { gpu_id } if gpu_id == ordinal)
+        }) {
+            let mut slot = lock(&self.group.slots[self.rank]);
+            let loc = t.device().location();
+            return Err(self.fail(
+                &mut slot,
+                format!("all_to_all got a tensor on {loc:?}, expected this rank's GPU"),
+            ));
+        }
+        let mut slot = lock(&self.group.slots[self.rank]);
+        let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
+            return Err(self.group.peer_failed_error(self.rank));
+        };
+        let got = match op::all_to_all(comm, self.rank, &self.group.tracker, send, recv, cat) {
+            Ok(g) => g,
+            Err(e) => return Err(self.fail(&mut slot, e.to_string())),
+        };
+        self.watch(&mut slot, &send[self.rank])?;
+        Ok(got)
+    }
+}
+
 impl Comm for NcclComm {
     fn rank(&self) -> usize {
         self.rank
@@ -367,34 +406,14 @@ impl Comm for NcclComm {
     }
 
     fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>> {
-        super::check_all_to_all(self.rank, self.group.world(), send, recv)?;
-        let ordinal = self.group.ordinals[self.rank];
-        if self.group.is_failed() {
-            let mut slot = lock(&self.group.slots[self.rank]);
-            slot.abort();
-            return Err(self.group.peer_failed_error(self.rank));
-        }
-        if let Some(t) = send.iter().find(|t| {
-            !matches!(t.device().location(),
-                candle_core::DeviceLocation::Cuda { gpu_id } if gpu_id == ordinal)
-        }) {
-            let mut slot = lock(&self.group.slots[self.rank]);
-            let loc = t.device().location();
-            return Err(self.fail(
-                &mut slot,
-                format!("all_to_all got a tensor on {loc:?}, expected this rank's GPU"),
-            ));
-        }
-        let mut slot = lock(&self.group.slots[self.rank]);
-        let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
-            return Err(self.group.peer_failed_error(self.rank));
-        };
-        let got = match op::all_to_all(comm, self.rank, &self.group.tracker, send, recv) {
-            Ok(g) => g,
-            Err(e) => return Err(self.fail(&mut slot, e.to_string())),
-        };
-        self.watch(&mut slot, &send[self.rank])?;
-        Ok(got)
+        self.exchange(send, recv, None)
+    }
+
+    fn all_to_all_cat(&self, send: &[Tensor], recv: &[Shape]) -> Result<Tensor> {
+        let shape = super::cat_shape(recv)?;
+        let mut got = self.exchange(send, recv, Some(&shape))?;
+        got.pop()
+            .ok_or_else(|| candle_core::Error::Msg("NCCL all-to-all: nothing received".into()))
     }
 
     /// The group failed (here, in another rank, or in another process) after this

@@ -164,31 +164,40 @@ impl CustomOp1 for CollectiveOp<'_> {
 /// Enqueues the all-to-all of `send` (on this rank's GPU) into new buffers of the
 /// `recv` shapes: one NCCL group of a send and a receive per peer, on the device's
 /// stream (ordered after the kernels that made `send`, before those that read the
-/// result). `send[rank]` is returned as is (contiguous).
+/// result). With `cat` (the shape of the pieces one after another along dimension 0),
+/// every piece lands in one buffer, this rank's own copied in on the stream; else
+/// `send[rank]` is returned as is (contiguous).
 pub(super) fn all_to_all(
     comm: sys::ncclComm_t,
     rank: usize,
     tracker: &Tracker,
     send: &[candle_core::Tensor],
     recv: &[Shape],
+    cat: Option<&Shape>,
 ) -> Result<Vec<candle_core::Tensor>> {
     use half::{bf16, f16};
     use sys::ncclDataType_t as D;
+    let a = (comm, rank, tracker, send, recv, cat);
     match send[rank].dtype() {
-        DType::BF16 => all_to_all_t::<bf16>(comm, rank, tracker, send, recv, D::ncclBfloat16),
-        DType::F16 => all_to_all_t::<f16>(comm, rank, tracker, send, recv, D::ncclFloat16),
-        DType::F32 => all_to_all_t::<f32>(comm, rank, tracker, send, recv, D::ncclFloat32),
-        DType::F64 => all_to_all_t::<f64>(comm, rank, tracker, send, recv, D::ncclFloat64),
+        DType::BF16 => all_to_all_t::<bf16>(a, D::ncclBfloat16),
+        DType::F16 => all_to_all_t::<f16>(a, D::ncclFloat16),
+        DType::F32 => all_to_all_t::<f32>(a, D::ncclFloat32),
+        DType::F64 => all_to_all_t::<f64>(a, D::ncclFloat64),
         dt => candle_core::bail!("NCCL all-to-all: unsupported dtype {dt:?}"),
     }
 }
 
+type AllToAllArgs<'a> = (
+    sys::ncclComm_t,
+    usize,
+    &'a Tracker,
+    &'a [candle_core::Tensor],
+    &'a [Shape],
+    Option<&'a Shape>,
+);
+
 fn all_to_all_t<T>(
-    comm: sys::ncclComm_t,
-    rank: usize,
-    tracker: &Tracker,
-    send: &[candle_core::Tensor],
-    recv: &[Shape],
+    (comm, rank, tracker, send, recv, cat): AllToAllArgs,
     dtype: sys::ncclDataType_t,
 ) -> Result<Vec<candle_core::Tensor>>
 where
@@ -198,14 +207,28 @@ where
     let send: Vec<Tensor> = send.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
     let dev = send[rank].device().as_cuda_device()?.clone();
     let stream = dev.cuda_stream();
+    // Where each piece lands: its own buffer, or its range of the one buffer.
+    let mut offsets = Vec::with_capacity(recv.len());
+    let mut total = 0usize;
+    for s in recv {
+        offsets.push(total);
+        total += s.elem_count();
+    }
     let mut outs: Vec<Option<CudaSlice<T>>> = Vec::with_capacity(recv.len());
-    for (j, s) in recv.iter().enumerate() {
-        outs.push(if j == rank {
-            None
-        } else {
-            // SAFETY: every element is written by the receive before anyone reads it.
-            Some(unsafe { dev.alloc::<T>(s.elem_count()) }?)
-        });
+    let mut whole: Option<CudaSlice<T>> = None;
+    if cat.is_some() {
+        // SAFETY: every element is written, by a receive or the copy of this rank's own
+        // piece, before anyone reads it.
+        whole = Some(unsafe { dev.alloc::<T>(total.max(1)) }?);
+    } else {
+        for (j, s) in recv.iter().enumerate() {
+            outs.push(if j == rank {
+                None
+            } else {
+                // SAFETY: every element is written by the receive before anyone reads it.
+                Some(unsafe { dev.alloc::<T>(s.elem_count()) }?)
+            });
+        }
     }
     stream
         .context()
@@ -222,18 +245,36 @@ where
             .ok_or_else(|| candle_core::Error::Msg("NCCL all-to-all: not contiguous".into()))?;
         srcs.push(cs.as_cuda_slice::<T>()?.slice(a..b));
     }
+    if let Some(w) = whole.as_mut() {
+        let own = offsets[rank]..offsets[rank] + recv[rank].elem_count();
+        stream
+            .memcpy_dtod(&srcs[rank], &mut w.slice_mut(own))
+            .map_err(|e| candle_core::Error::Msg(format!("NCCL all-to-all: own piece: {e:?}")))?;
+    }
     let cu_stream = stream.cu_stream() as sys::cudaStream_t;
     tracker.issued[rank].fetch_add(1, Ordering::SeqCst);
     let r: std::result::Result<(), nccl::NcclError> = tracker.busy(rank, CALL_ALL_TO_ALL, || {
         nccl::group_start()?;
         let mut first: std::result::Result<(), nccl::NcclError> = Ok(());
-        for (j, out) in outs.iter_mut().enumerate() {
-            let Some(out) = out.as_mut() else { continue };
+        for j in 0..recv.len() {
+            if j == rank {
+                continue;
+            }
             let (sp, _sg) = srcs[j].device_ptr(&stream);
-            let (rp, _rg) = out.device_ptr_mut(&stream);
+            let mut view;
+            let (rp, _rg) = match (whole.as_mut(), outs.get_mut(j)) {
+                (Some(w), _) => {
+                    view = w.slice_mut(offsets[j]..offsets[j] + recv[j].elem_count());
+                    view.device_ptr_mut(&stream)
+                }
+                (None, Some(Some(o))) => o.device_ptr_mut(&stream),
+                _ => continue,
+            };
             // SAFETY: the send buffer holds `srcs[j].len()` elements and the receive buffer
             // `recv[j].elem_count()`, both of `dtype` on this communicator's GPU; the peer
-            // sends and receives the matching counts (the same call on every rank).
+            // sends and receives the matching counts (the same call on every rank). Both
+            // stay allocated until the stream has run the group (cudarc frees in stream
+            // order).
             let r = unsafe {
                 nccl::send(
                     sp as *const std::ffi::c_void,
@@ -268,17 +309,24 @@ where
             describe(&e, Some(comm))
         ))
     })?;
+    drop(srcs);
     drop(held);
+    let wrap = |o: CudaSlice<T>, shape: Shape| {
+        Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(o, dev.clone())),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    };
+    if let (Some(w), Some(shape)) = (whole, cat) {
+        return Ok(vec![wrap(w, shape.clone())]);
+    }
     let mut got = Vec::with_capacity(recv.len());
     for (j, out) in outs.into_iter().enumerate() {
         got.push(match out {
             None => send[rank].clone(),
-            Some(o) => Tensor::from_storage(
-                Storage::Cuda(CudaStorage::wrap_cuda_slice(o, dev.clone())),
-                recv[j].clone(),
-                candle_core::op::BackpropOp::none(),
-                false,
-            ),
+            Some(o) => wrap(o, recv[j].clone()),
         });
     }
     Ok(got)

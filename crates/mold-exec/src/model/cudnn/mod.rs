@@ -124,8 +124,10 @@ fn attention_with(
         DType::F16 => ffi::DATA_HALF,
         dt => return Ok(Err(format!("dtype {dt:?}"))),
     };
-    let contiguous =
-        |h: usize, l: usize, d: usize| [(h * l * d) as i64, (l * d) as i64, d as i64, 1];
+    // q, k and v as they are where their rows are contiguous and 16-byte aligned (the
+    // views of a sequence-parallel all-to-all's buffer: `sequence::attention`), else
+    // copied to `(b, h, L, d)`.
+    let (q, k, v) = (strided(q)?, strided(k)?, strided(v)?);
     let key = graph::Key {
         dtype,
         b: b as i64,
@@ -133,9 +135,9 @@ fn attention_with(
         lq: lq as i64,
         lk: lk as i64,
         d: d as i64,
-        q_strides: contiguous(h, lq, d),
-        k_strides: contiguous(h, lk, d),
-        v_strides: contiguous(h, lk, d),
+        q_strides: strides4(&q)?,
+        k_strides: strides4(&k)?,
+        v_strides: strides4(&v)?,
         bias: bias.is_some(),
     };
     let candle_core::Device::Cuda(dev) = q.device() else {
@@ -179,18 +181,43 @@ fn attention_with(
     };
     let op = CudnnAttn {
         scale,
+        strides: [key.q_strides, key.k_strides, key.v_strides],
         plan,
         state: st,
         bias: bias.cloned(),
     };
-    let out = q
-        .contiguous()?
-        .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
+    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
     Ok(Ok((out, form)))
+}
+
+/// `t` `(b, h, L, d)` itself where cuDNN reads it in place (each row of `d` contiguous,
+/// the other strides and the start multiples of 8 elements: 16 bytes), else a
+/// contiguous copy.
+fn strided(t: &Tensor) -> CResult<Tensor> {
+    let st = t.stride();
+    let aligned = st.len() == 4
+        && st[3] == 1
+        && st[..3].iter().all(|s| s % 8 == 0)
+        && t.layout().start_offset() % 8 == 0;
+    if aligned {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+/// The strides of a 4-D tensor, as cuDNN takes them.
+fn strides4(t: &Tensor) -> CResult<[i64; 4]> {
+    match t.stride() {
+        [a, b, c, d] => Ok([*a as i64, *b as i64, *c as i64, *d as i64]),
+        s => candle_core::bail!("cudnn-attention: strides {s:?} are not 4-D"),
+    }
 }
 
 struct CudnnAttn {
     scale: f32,
+    /// q's, k's and v's strides, as the plan was built for.
+    strides: [[i64; 4]; 3],
     plan: Arc<graph::Plan>,
     state: Arc<Mutex<DeviceState>>,
     /// `(1, h, Lq, Lk)`, contiguous, q's dtype, on q's device.
@@ -242,9 +269,14 @@ impl CudnnAttn {
         vl: &Layout,
     ) -> CResult<(CudaStorage, Shape)> {
         let (b, h, lq, d) = ql.shape().dims4()?;
-        for (n, l) in [("q", ql), ("k", kl), ("v", vl)] {
-            if !l.is_contiguous() {
-                candle_core::bail!("cudnn-attention: {n} is not contiguous");
+        for (n, l, want) in [
+            ("q", ql, self.strides[0]),
+            ("k", kl, self.strides[1]),
+            ("v", vl, self.strides[2]),
+        ] {
+            let got: Vec<i64> = l.stride().iter().map(|&s| s as i64).collect();
+            if got != want {
+                candle_core::bail!("cudnn-attention: {n}'s strides {got:?}, the plan's {want:?}");
             }
         }
         let dev = &q.device;

@@ -23,8 +23,9 @@ use crate::error::Result;
 use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops;
+use crate::model::sequence::{self, Qkv};
 use crate::model::token_split::{whole, Side, TokenSplit};
-use crate::model::{sequence, Ctx, Shard, WeightSource};
+use crate::model::{Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
 type CResult<T> = candle_core::Result<T>;
@@ -79,23 +80,19 @@ pub fn rope_table(pe: &Tensor) -> CResult<Tensor> {
     Tensor::stack(&[&cos, &sin], 0)?.contiguous()
 }
 
-/// Attention over this rank's heads: `q, k, v` are `(b, heads, L, head_dim)`, already
-/// normed and rotated; returns `(b, L, heads * head_dim)`. Under sequence parallelism
-/// `L` is this rank's tokens and `lens` every rank's count ([`sequence::attention`]).
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[usize], ctx: &Ctx) -> CResult<Tensor> {
-    sequence::attention(q, k, v, lens, ctx)
+/// Attention over this rank's heads, q, k and v already normed and rotated
+/// ([`prepare_qkv`]); returns `(b, L, heads * head_dim)`. Under sequence parallelism `L`
+/// is this rank's tokens and `lens` every rank's count ([`sequence::attention`]).
+fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> CResult<Tensor> {
+    sequence::attention(qkv, lens, ctx)
 }
 
 /// q, k, v for attention from the fused projections of the sequence segments in order
 /// (double blocks: txt then img, each with its own q/k norms; single blocks: one): q/k
-/// RMSNorm, RoPE, `(b, heads, L, head_dim)` layout, segments concatenated along L. On CUDA
+/// RMSNorm, RoPE, `(b, heads, L, head_dim)` layout, segments concatenated along L — or,
+/// under sequence parallelism, laid out as the all-to-all's messages ([`Qkv`]). On CUDA
 /// one fused kernel per segment; elsewhere candle's ops.
-fn prepare_qkv(
-    segs: &[(&Tensor, &QkNorm)],
-    heads: usize,
-    pe: &Tensor,
-    ctx: &Ctx,
-) -> CResult<(Tensor, Tensor, Tensor)> {
+fn prepare_qkv(segs: &[(&Tensor, &QkNorm)], heads: usize, pe: &Tensor, ctx: &Ctx) -> CResult<Qkv> {
     let fsegs: Vec<ops::QkvSegment> = segs
         .iter()
         .map(|(x, n)| ops::QkvSegment {
@@ -108,9 +105,15 @@ fn prepare_qkv(
     if ctx.kernels.use_fused(supported, "q/k/v preparation")? {
         // The table in the activations' dtype, as the candle path below rotates with it.
         let (cos, sin) = (pe.i(0)?, pe.i(1)?);
+        let n = ctx.sp.world_size();
+        if n > 1 {
+            let m = ops::qkv_prep_fused_groups(&fsegs, heads, n, &cos, &sin, EPS as f32)?;
+            ctx.mark("qk norm + rope + layout", &m[n - 1]);
+            return Ok(Qkv::Messages(m));
+        }
         let t = ops::qkv_prep_fused(&fsegs, heads, &cos, &sin, EPS as f32)?;
         ctx.mark("qk norm + rope + layout", &t);
-        return Ok((t.i(0)?, t.i(1)?, t.i(2)?));
+        return Ok(Qkv::Heads(t.i(0)?, t.i(1)?, t.i(2)?));
     }
     let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
     for (x, norm) in segs {
@@ -132,7 +135,7 @@ fn prepare_qkv(
     let q = apply_rope(&q, pe)?;
     let k = apply_rope(&k, pe)?;
     ctx.mark("rope", &k);
-    Ok((q, k, v))
+    Qkv::new(q, k, v, ctx.sp.world_size())
 }
 
 /// [`layers::row_parallel_sums`] gave other than one sum per segment (cannot happen).
@@ -394,15 +397,14 @@ impl DoubleBlock {
         )?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
-        let (q, k, v) = prepare_qkv(
+        let qkv = prepare_qkv(
             &[(&txt_qkv, &self.txt.norm), (&img_qkv, &self.img.norm)],
             self.heads,
             pe,
             ctx,
         )?;
         drop((img_qkv, txt_qkv));
-        let attn = attention(&q, &k, &v, lens, ctx)?;
-        drop((q, k, v));
+        let attn = attention(qkv, lens, ctx)?;
         let tl = match split {
             Some(s) => s.txt,
             None => txt.dim(1)?,
@@ -565,10 +567,9 @@ impl SingleBlock {
         drop(normed);
         ctx.meter.see_all(&[&x_qkv, &mlp]);
         ctx.mark("norm + qkv/mlp linear + gelu", &mlp);
-        let (q, k, v) = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, ctx)?;
+        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, ctx)?;
         drop(x_qkv);
-        let attn = attention(&q, &k, &v, lens, ctx)?;
-        drop((q, k, v));
+        let attn = attention(qkv, lens, ctx)?;
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
         let len = attn.dim(1)?;
         let reduced = layers::row_parallel_sums(

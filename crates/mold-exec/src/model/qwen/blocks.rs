@@ -21,8 +21,9 @@ use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParall
 use crate::model::mat::Mat;
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops::{self, Kernels};
+use crate::model::sequence;
 use crate::model::token_split::{whole, Side, TokenSplit};
-use crate::model::{sequence, Ctx, Shard, WeightSource};
+use crate::model::{Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
 type CResult<T> = candle_core::Result<T>;
@@ -228,7 +229,7 @@ impl Block {
         img_qkv: &Tensor,
         pe: &Tensor,
         ctx: &Ctx,
-    ) -> CResult<(Tensor, Tensor, Tensor)> {
+    ) -> CResult<sequence::Qkv> {
         let segs = [(txt_qkv, &self.txt.norm), (img_qkv, &self.img.norm)];
         let fsegs: Vec<ops::QkvSegment> = segs
             .iter()
@@ -242,9 +243,15 @@ impl Block {
         if ctx.kernels.use_fused(supported, "q/k/v preparation")? {
             let cos = pe.narrow(0, 0, 1)?.contiguous()?;
             let sin = pe.narrow(0, 1, 1)?.contiguous()?;
+            let n = ctx.sp.world_size();
+            if n > 1 {
+                let m = ops::qkv_prep_fused_groups(&fsegs, self.heads, n, &cos, &sin, EPS as f32)?;
+                ctx.mark("qk norm + rope + layout", &m[n - 1]);
+                return Ok(sequence::Qkv::Messages(m));
+            }
             let t = ops::qkv_prep_fused(&fsegs, self.heads, &cos, &sin, EPS as f32)?;
             ctx.mark("qk norm + rope + layout", &t);
-            return Ok((t.i(0)?, t.i(1)?, t.i(2)?));
+            return Ok(sequence::Qkv::Heads(t.i(0)?, t.i(1)?, t.i(2)?));
         }
         let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
         for (x, norm) in segs {
@@ -265,7 +272,7 @@ impl Block {
         let q = apply_rope(&q, pe)?;
         let k = apply_rope(&k, pe)?;
         ctx.mark("rope", &k);
-        Ok((q, k, v))
+        sequence::Qkv::new(q, k, v, ctx.sp.world_size())
     }
 
     /// The block on this rank's tokens: `img` `(b, L_img, h)`, `txt` `(b, L_txt, h)`,
@@ -316,10 +323,9 @@ impl Block {
         )?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
-        let (q, k, v) = self.prepare_qkv(&txt_qkv, &img_qkv, pe, ctx)?;
+        let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, ctx)?;
         drop((img_qkv, txt_qkv));
-        let attn = sequence::attention(&q, &k, &v, lens, ctx)?;
-        drop((q, k, v));
+        let attn = sequence::attention(qkv, lens, ctx)?;
         let tl = match split {
             Some(s) => s.txt,
             None => txt.dim(1)?,
