@@ -297,7 +297,7 @@ impl<'a> Ctx<'a> {
                     })
                     .sum()
             });
-            let copy_bytes = (alltoall_copy_shards(self.batch, sp as u64) * shard as f64) as u64;
+            let copy_bytes = (alltoall_copy_shards(self.batch) * shard as f64) as u64;
             let copies = group
                 .devices
                 .iter()
@@ -697,14 +697,14 @@ pub struct ComponentEstimate {
 /// (3), and the attention output back (1).
 pub const ALLTOALL_SHARDS: [u32; 2] = [3, 1];
 
-/// Memory traffic of the all-to-alls' copies, in shards, for a batch of `batch` over `sp`
-/// ranks. The q/k/v preparation writes the messages in place and the pieces arrive in one
-/// buffer that attention reads as it is, so what is copied is: the rank's own q/k/v
-/// piece into that buffer (3/sp read, 3/sp written), the output's pieces put together (1
-/// and 1); with more than one sample the output's pieces are also made contiguous before
-/// they are sent (1 and 1; a batch of one slices contiguous pieces).
-pub fn alltoall_copy_shards(batch: u64, sp: u64) -> f64 {
-    6.0 / sp.max(1) as f64 + 2.0 + if batch > 1 { 2.0 } else { 0.0 }
+/// Memory traffic of the all-to-alls' copies, in shards, for a batch of `batch`. The q/k/v
+/// preparation writes the messages in place, the rank's own piece straight into the buffer
+/// the others' pieces arrive in, and attention reads that buffer as it is, so what is
+/// copied is the output's pieces put together (1 read, 1 written); with more than one
+/// sample the output's pieces are also made contiguous before they are sent (1 and 1; a
+/// batch of one slices contiguous pieces).
+pub fn alltoall_copy_shards(batch: u64) -> f64 {
+    2.0 + if batch > 1 { 2.0 } else { 0.0 }
 }
 
 /// Seconds for an all-to-all in which each of `n` ranks sends `sent` bytes: the link's

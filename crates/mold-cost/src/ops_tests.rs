@@ -207,10 +207,9 @@ fn a_block_is_the_sum_of_its_measured_operations() {
                 let local = (ctx.tokens.img + ctx.tokens.txt).div_ceil(2);
                 let shard = (local * kind.hidden * 2) as f64;
                 // The stacked q/k/v (3 shards) and the output (1) from the tables, the
-                // copies (5 shards over two ranks, a batch of one) at the measured
-                // element-wise rate.
+                // copy (2 shards, a batch of one) at the measured element-wise rate.
                 let want =
-                    (10e-6 + 3.0 * shard / 100e9) + (10e-6 + shard / 100e9) + 5.0 * shard / 1500e9;
+                    (10e-6 + 3.0 * shard / 100e9) + (10e-6 + shard / 100e9) + 2.0 * shard / 1500e9;
                 assert!((bc.alltoall_s - want).abs() < 1e-12, "{}", bc.alltoall_s);
             }
         }
@@ -219,7 +218,7 @@ fn a_block_is_the_sum_of_its_measured_operations() {
 }
 
 /// A measured layout-copy rate prices the copies around the sequence-parallel
-/// all-to-alls (5 shards over two ranks at a batch of one), and nothing else: a tensor-parallel or
+/// all-to-alls (2 shards at a batch of one), and nothing else: a tensor-parallel or
 /// single-device block costs the same.
 #[test]
 fn the_layout_copy_rate_prices_the_all_to_all_s_copies() {
@@ -251,10 +250,9 @@ fn the_layout_copy_rate_prices_the_all_to_all_s_copies() {
             b.block(kind, &sp, DType::Bf16),
         );
         let local = (a.tokens.img + a.tokens.txt).div_ceil(2);
-        // Over 2 ranks: the own q/k/v piece into the received buffer (3/2 read, 3/2
-        // written) and the output's pieces joined (1 and 1); the messages themselves are
-        // written in place.
-        let copy = 5.0 * (local * kind.hidden * 2) as f64;
+        // The output's pieces joined (1 read, 1 written); the q/k/v messages and the own
+        // piece are written in place.
+        let copy = 2.0 * (local * kind.hidden * 2) as f64;
         let want = copy / 500e9 - copy / 1500e9;
         assert!(
             (y.alltoall_s - x.alltoall_s - want).abs() < 1e-12,

@@ -356,11 +356,10 @@ fn sequence_parallel_is_hand_computable() {
         let per_token = 7 * k.hidden * k.allreduces as u64 + 12 * k.hidden + 2 * k.mlp_hidden;
         let ew = (local * per_token * 4) as f64 / 1000e9;
         // q/k/v stacked (3 shards) then the output (1), each sending the half of this
-        // rank's (tokens/2 × hidden) shards it does not keep; the copies (the own q/k/v
-        // piece into the received buffer, the output's pieces joined) move 5 shards through
-        // memory at 1000 GB/s.
+        // rank's (tokens/2 × hidden) shards it does not keep; the copy (the output's
+        // pieces joined) moves 2 shards through memory at 1000 GB/s.
         let shard = (local * k.hidden * 4) as f64;
-        let a2a = link(3.0 * shard / 2.0) + link(shard / 2.0) + 5.0 * shard / 1000e9;
+        let a2a = link(3.0 * shard / 2.0) + link(shard / 2.0) + 2.0 * shard / 1000e9;
         want += k.count as f64 * ((flops / 10e12).max(w) + ew + a2a);
         assert_eq!(
             Ctx::new(&model, &m, &plan.workload)
@@ -433,9 +432,9 @@ fn hybrid_layout_combines_both() {
         bc.allreduce_s
     );
     // The stacked q/k/v (3 shards of (tokens/2) × (hidden/2)) and the output (1), half
-    // of each sent, and 5 shards of copies at 1000 GB/s.
+    // of each sent, and 2 shards of copies at 1000 GB/s.
     let shard = (local * 32 * 4) as f64;
-    let want_a2a = link(3.0 * shard / 2.0, 1.0) + link(shard / 2.0, 1.0) + 5.0 * shard / 1000e9;
+    let want_a2a = link(3.0 * shard / 2.0, 1.0) + link(shard / 2.0, 1.0) + 2.0 * shard / 1000e9;
     assert!(
         (bc.alltoall_s - want_a2a).abs() < 1e-15,
         "{} vs {want_a2a}",
@@ -566,9 +565,9 @@ fn groups_across_nodes_pay_the_network() {
     );
     let shard = (local * 32 * 4) as f64;
     // Two all-to-alls per block (q/k/v stacked: 3 shards; the output: 1), half of each
-    // sent over the network, and the copies (5 shards); five blocks.
+    // sent over the network, and the copy (2 shards); five blocks.
     let a2a = 5.0
-        * ((40e-6 + 3.0 * shard / 2.0 / 5e9) + (40e-6 + shard / 2.0 / 5e9) + 5.0 * shard / 1000e9);
+        * ((40e-6 + 3.0 * shard / 2.0 / 5e9) + (40e-6 + shard / 2.0 / 5e9) + 2.0 * shard / 1000e9);
     assert!(
         (hybrid.parts[0].alltoall_s - a2a).abs() < 1e-12,
         "{} vs {a2a}",

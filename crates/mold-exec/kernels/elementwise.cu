@@ -167,7 +167,8 @@ MOLD_EW_ALL(f32, float)
 // tables cos/sin (len_tot, D/2) per batch, in T or f32: the `_f32tab` kernels) to q and k, and
 // writes q, k, v at sequence offset l_off — so txt and img segments land concatenated without
 // a copy — either transposed into out = (3, B, heads, len_tot, D) (groups = 0) or as the
-// messages of a sequence-parallel all-to-all (groups >= 1, see below). All loads of a warp (q, k, v, the tables, the scales)
+// messages of a sequence-parallel all-to-all (groups >= 1, see below; group `me`, if >= 0,
+// at element `me_base` of out_me instead of its place in out). All loads of a warp (q, k, v, the tables, the scales)
 // are issued before any arithmetic, so each warp keeps several requests in flight.
 // Launch: grid (ceil(len * heads / 4), B), block 128.
 namespace mold_ew {
@@ -182,7 +183,8 @@ template <typename T, typename C, int D>
 __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, int l_off,
                                          int len_tot, int heads, const T *q_scale,
                                          const T *k_scale, const C *cos_t, const C *sin_t,
-                                         long long cs_batch, T *out, float eps, int groups) {
+                                         long long cs_batch, T *out, float eps, int groups,
+                                         int me, T *out_me, long long me_base) {
     constexpr int E = D / 32; // elements per lane (even)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long idx = static_cast<long long>(blockIdx.x) * 4 + warp;
@@ -248,6 +250,7 @@ __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, in
     // hs_j written token-major as (len_tot, 3, B, hs_j, D), the groups one after another:
     // each group is one contiguous all-to-all message.
     long long base = 0, row = 0, hstride = 0;
+    T *dst0 = out;
     if (groups > 0) {
         const int q = heads / groups, r = heads % groups, big = r * (q + 1);
         int hs, hl, hstart;
@@ -260,15 +263,21 @@ __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, in
             hl = (h - big) % q;
             hstart = h - hl;
         }
-        base = static_cast<long long>(hstart) * 3 * B * len_tot * D +
-               static_cast<long long>(hl) * D;
+        // Group `me` (this rank's own heads) goes to out_me + me_base instead: its place in
+        // the buffer the other ranks' pieces are received into.
+        if ((h < big ? h / hs : r + (h - big) / q) == me) {
+            dst0 = out_me + me_base;
+        } else {
+            dst0 = out + static_cast<long long>(hstart) * 3 * B * len_tot * D;
+        }
+        base = static_cast<long long>(hl) * D;
         row = static_cast<long long>(hs) * D; // one (token, which, b) row of the group
         hstride = 3LL * B * row;              // one token
     }
 #pragma unroll
     for (int which = 0; which < 3; ++which) {
         T *dst = groups > 0
-                     ? out + base + pos * hstride + (static_cast<long long>(which) * B + b) * row +
+                     ? dst0 + base + pos * hstride + (static_cast<long long>(which) * B + b) * row +
                            lane * E
                      : out + ((static_cast<long long>(which) * B + b) * heads + h) * len_tot * D +
                            pos * D + lane * E;
@@ -283,9 +292,11 @@ __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, in
     extern "C" __global__ void NAME(const T *qkv, long long ld, int len, int l_off,            \
                                     int len_tot, int heads, const T *q_scale,                  \
                                     const T *k_scale, const C *cos_t, const C *sin_t,          \
-                                    long long cs_batch, T *out, float eps, int groups) {       \
+                                    long long cs_batch, T *out, float eps, int groups, int me, \
+                                    T *out_me, long long me_base) {                            \
         mold_ew::qkv_prep<T, C, D>(qkv, ld, len, l_off, len_tot, heads, q_scale, k_scale,       \
-                                   cos_t, sin_t, cs_batch, out, eps, groups);                  \
+                                   cos_t, sin_t, cs_batch, out, eps, groups, me, out_me,       \
+                                   me_base);                                                   \
     }
 #define MOLD_QKV_PREP_ALL(SUFFIX, T, D)                                                        \
     MOLD_QKV_PREP(mold_qkv_prep_##SUFFIX##_d##D, T, T, D)                                     \
@@ -297,3 +308,15 @@ MOLD_QKV_PREP_ALL(f16, __half, 128)
 MOLD_QKV_PREP_ALL(f16, __half, 64)
 MOLD_QKV_PREP(mold_qkv_prep_f32_d128, float, float, 128)
 MOLD_QKV_PREP(mold_qkv_prep_f32_d64, float, float, 64)
+
+// Pieces put side by side along the last dimension (the attention output's head groups after
+// a sequence-parallel all-to-all): piece (rows, w) into out (rows, ld) at column col, every
+// width counted in 16-byte units, one thread per unit. Type-blind.
+extern "C" __global__ void mold_join_columns(const uint4 *src, uint4 *dst, long long rows, int w,
+                                             int ld, int col) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= rows * w) return;
+    const long long r = i / w;
+    const int c = static_cast<int>(i - r * w);
+    dst[r * ld + col + c] = src[i];
+}

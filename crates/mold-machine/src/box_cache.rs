@@ -23,10 +23,11 @@ pub const DIR: &str = "profiles";
 /// other sizes or the cost model reads its tables otherwise (2: the all-to-all's
 /// three-shard q/k/v message; 3: the element-wise kernels timed back to back and the
 /// all-to-all's layout copies measured; 4: the all-to-all's copies as they run with the
-/// messages written in place). It is part of the key, so a profile kept by a mold
+/// messages written in place; 5: its own q/k/v piece written in place too, only the
+/// output's join copied). It is part of the key, so a profile kept by a mold
 /// that measured otherwise is never adopted: the box is calibrated anew, or planned on the
 /// tables mold ships, until then.
-pub const TABLES_VERSION: u32 = 4;
+pub const TABLES_VERSION: u32 = 5;
 
 /// The box's key: `box-` and 16 hex digits of the SHA-256 of [`TABLES_VERSION`], its
 /// driver version and its GPUs' UUIDs in ordinal order.

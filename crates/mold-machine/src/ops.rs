@@ -33,13 +33,13 @@ pub struct OpTables {
     /// Bytes per second (GB/s) the model's element-wise kernels (the norm with its
     /// modulation, the gated residual) reach: bytes read and written over their time.
     pub elementwise_gbps: f64,
-    /// Bytes per second (GB/s) of the copies around a sequence-parallel all-to-all, as
-    /// `mold-exec`'s `model/sequence.rs` runs them: the rank's own q/k/v piece copied into
-    /// the received buffer and the output's pieces put together, bytes read and written
-    /// over their time. (Profiles calibrated before 2026-11-28's in-place messages measured
-    /// the older copies here — q, k and v stacked per destination, the received pieces put
-    /// together — which ran at about half this rate.) `None` in profiles calibrated before
-    /// it was measured: those copies are priced at `elementwise_gbps`.
+    /// Bytes per second (GB/s) of the copy around a sequence-parallel all-to-all, as
+    /// `mold-exec`'s `model/sequence.rs` runs it: the attention output's pieces put
+    /// together, bytes read and written over their time. (Profiles calibrated before the
+    /// q/k/v messages were written in place, 2026-11-28, measured the older copies here — q,
+    /// k and v stacked per destination, the received pieces put together — which ran at
+    /// about half the rate.) `None` in profiles calibrated before it was measured: the copy
+    /// is priced at `elementwise_gbps`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout_copy_gbps: Option<f64>,
     #[serde(default)]

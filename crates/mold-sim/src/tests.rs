@@ -548,10 +548,10 @@ fn sequence_parallel_all_to_alls_and_closing_all_gather() {
     let slow = per_rank(0.5);
     // Two all-to-alls a block over the 10 µs + 100 GB/s link: q, k and v stacked (3
     // shards of 1 token × hidden × 2 bytes, half of each sent) and the output (1 shard),
-    // with the copies around them (5 shards at 1000 GB/s: the own q/k/v piece into the
-    // received buffer, the output's pieces joined); one all-gather of the
+    // with the copy after them (2 shards at 1000 GB/s: the output's pieces joined); one
+    // all-gather of the
     // other rank's half of the hidden state (2 tokens × hidden × 2 bytes) at the end.
-    let a2a = (10e-6 + 3e6 / 100e9) + (10e-6 + 1e6 / 100e9) + 5.0 * 2e6 / 1000e9;
+    let a2a = (10e-6 + 3e6 / 100e9) + (10e-6 + 1e6 / 100e9) + 2.0 * 2e6 / 1000e9;
     let gather = 10e-6 + 2e6 / 100e9;
     for d in [0, 1] {
         let comm = events(&r, d, Lane::Comm, 1);

@@ -193,14 +193,13 @@ pub(super) fn elementwise_loads(
     ])
 }
 
-/// The copies around a sequence-parallel all-to-all over `n` ranks as
-/// [`crate::model::sequence`] runs them, for a rank holding `tokens / n` of `tokens`
-/// tokens of `hidden` features in heads of `head_dim`: the rank's own q/k/v message
-/// copied into the received buffer, and the attention output's pieces put together (a
-/// batch of one: the output's own pieces are sliced without a copy). With the bytes they
-/// move, read and written: `mold_cost::alltoall_copy_shards(1, n)` shards of the rank's
-/// tokens by every head, as the cost model counts them. `None` where the heads do not
-/// split over `n`.
+/// The copy around a sequence-parallel all-to-all over `n` ranks as
+/// [`crate::model::sequence`] runs it, for a rank holding `tokens / n` of `tokens` tokens
+/// of `hidden` features in heads of `head_dim`: the attention output's pieces put together
+/// (a batch of one: the output's own pieces are sliced without a copy; the q/k/v messages
+/// and the own piece are written in place). With the bytes it moves, read and written:
+/// `mold_cost::alltoall_copy_shards(1)` shards of the rank's tokens by every head, as the
+/// cost model counts them. `None` where the heads do not split over `n`.
 pub(super) fn layout_copy_load(
     dev: &Device,
     dtype: DType,
@@ -214,20 +213,14 @@ pub(super) fn layout_copy_load(
         return Ok(None);
     }
     let hs = heads / n;
-    // The rank's own q/k/v message, copied into the received buffer as NCCL's
-    // `all_to_all_cat` does (a contiguous device copy).
-    let own = random(&[local, 3, 1, hs, head_dim], dtype, dev)?;
     let outs = (0..n)
         .map(|_| random(&[1, local, hs * head_dim], dtype, dev))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let shard = (local * hidden) as f64 * dtype.size_in_bytes() as f64;
-    let bytes = mold_cost::alltoall_copy_shards(1, n) * shard;
+    let bytes = mold_cost::alltoall_copy_shards(1) * shard;
     Ok(Some((
         bytes,
-        Box::new(move || {
-            drop(own.copy()?);
-            crate::model::sequence::join_heads(&outs)
-        }),
+        Box::new(move || crate::model::sequence::join_heads(&outs)),
     )))
 }
 

@@ -417,8 +417,8 @@ mod tests {
 
     /// The layout-copy load runs the executor's own copies ([`crate::model::sequence`]):
     /// its output is the attention output's pieces side by side, and its bytes are the
-    /// cost model's 5 shards of the rank's tokens over two ranks (the own q/k/v piece, 3/2
-    /// read and 3/2 written; the output's pieces joined, 1 and 1).
+    /// cost model's 2 shards of the rank's tokens (the output's pieces joined: 1 read, 1
+    /// written).
     #[test]
     fn the_layout_copy_load_runs_the_all_to_alls_copies() {
         let dev = Device::Cpu;
@@ -426,7 +426,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let shard = (64 / 2 * 32 * 4) as f64;
-        assert_eq!(bytes, 5.0 * shard);
+        assert_eq!(bytes, 2.0 * shard);
         assert_eq!(run().unwrap().dims(), &[1, 32, 32]);
         // Heads that do not split over the ranks: nothing to measure.
         assert!(layout_copy_load(&dev, DType::F32, (64, 24), 8, 2)

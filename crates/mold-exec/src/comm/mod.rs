@@ -113,9 +113,19 @@ pub trait Comm: Send + Sync {
     fn all_to_all(&self, send: &[Tensor], recv: &[Shape]) -> Result<Vec<Tensor>>;
     /// [`Comm::all_to_all`] with what every rank sent here put one after another along
     /// dimension 0, in rank order, in one contiguous tensor (the shapes in `recv` must
-    /// agree past dimension 0). The provided implementation concatenates
-    /// [`Comm::all_to_all`]'s pieces; NCCL receives them into one buffer.
-    fn all_to_all_cat(&self, send: &[Tensor], recv: &[Shape]) -> Result<Tensor> {
+    /// agree past dimension 0). `into`, where given, is a contiguous buffer of that shape
+    /// on this rank's device whose own piece already holds `send[rank]`'s values (the
+    /// fused q/k/v preparation writes it there): a backend may receive into it and return
+    /// it, so the own piece is not copied. The provided implementation concatenates
+    /// [`Comm::all_to_all`]'s pieces (and ignores `into`); NCCL receives them into one
+    /// buffer, `into` where given.
+    fn all_to_all_cat(
+        &self,
+        send: &[Tensor],
+        recv: &[Shape],
+        into: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let _ = into;
         cat_shape(recv)?;
         let got = self.all_to_all(send, recv)?;
         if got.len() == 1 {

@@ -286,9 +286,9 @@ mod tests {
                             })
                             .collect();
                         let recv: Vec<Shape> = (0..world).map(|j| (j + 1, 2).into()).collect();
-                        let got = c.all_to_all_cat(&send, &recv).unwrap();
+                        let got = c.all_to_all_cat(&send, &recv, None).unwrap();
                         let bad: Vec<Shape> = (0..world).map(|j| (1, j + 1).into()).collect();
-                        let err = c.all_to_all_cat(&send, &bad).unwrap_err().to_string();
+                        let err = c.all_to_all_cat(&send, &bad, None).unwrap_err().to_string();
                         (got.to_vec2::<f32>().unwrap(), err)
                     })
                 })

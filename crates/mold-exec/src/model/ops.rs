@@ -226,52 +226,124 @@ pub fn qkv_prep_fused(
     sin: &Tensor,
     eps: f32,
 ) -> CResult<Tensor> {
-    fused::qkv_prep(segs, heads, 0, cos, sin, eps)
+    Ok(fused::qkv_prep(segs, heads, QkvLayout::default(), cos, sin, eps)?.0)
+}
+
+/// The fused q/k/v kernel's output layout: `(3, b, heads, L, d)` (the default), or the
+/// all-to-all's messages over `groups` ranks, with group `own.0`'s piece written at element
+/// `own.1` of a second buffer of `extra` elements instead of its place among them.
+#[derive(Clone, Copy, Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct QkvLayout {
+    groups: usize,
+    own: Option<(usize, usize)>,
+    extra: usize,
+}
+
+/// Where [`qkv_prep_fused_groups`] writes the rank's own piece: straight into the buffer
+/// the all-to-all receives the other ranks' pieces into, `(total, 3, b, heads_rank, d)`, at
+/// token `before` (the tokens of the ranks before it).
+#[derive(Clone, Copy, Debug)]
+pub struct OwnPiece {
+    pub rank: usize,
+    pub before: usize,
+    pub total: usize,
+}
+
+/// [`qkv_prep_fused_groups`]'s result: the messages, message j `(L, 3, b, heads_j, d)`, and
+/// with [`OwnPiece`] the receive buffer `(total, 3, b, heads_rank, d)`, whose own piece
+/// is already written (message `rank` is that piece, a view of it).
+pub struct Messages {
+    pub send: Vec<Tensor>,
+    pub recv: Option<Tensor>,
 }
 
 /// [`qkv_prep_fused`] writing the messages of a sequence-parallel all-to-all over
 /// `groups` ranks instead: piece j holds heads [`super::sequence::split`]`(heads, j,
 /// groups)` of q, k and v token-major, `(L, 3, b, heads_j, d)`, each piece contiguous and
 /// the pieces one buffer. So no copy puts the messages together, and the pieces received
-/// from every rank, one after another, are all tokens of a group of heads.
+/// from every rank, one after another, are all tokens of a group of heads. With `own`,
+/// the rank's own piece is written where the pieces are received, so it is not copied
+/// there either.
 pub fn qkv_prep_fused_groups(
     segs: &[QkvSegment],
     heads: usize,
     groups: usize,
+    own: Option<OwnPiece>,
     cos: &Tensor,
     sin: &Tensor,
     eps: f32,
-) -> CResult<Vec<Tensor>> {
+) -> CResult<Messages> {
     if groups == 0 || groups > heads {
         candle_core::bail!("mold qkv-prep: {heads} heads cannot make {groups} groups");
     }
-    let flat = fused::qkv_prep(segs, heads, groups, cos, sin, eps)?;
     let first = segs[0].qkv;
     let b = first.dim(0)?;
     let d = segs[0].q_scale.dims1()?;
     let len: usize = segs.iter().map(|s| s.qkv.dim(1)).sum::<CResult<usize>>()?;
+    let row = |j: usize| 3 * b * super::sequence::split(heads, j, groups).len() * d;
+    if let Some(o) = own {
+        if o.rank >= groups || o.before + len > o.total {
+            candle_core::bail!(
+                "mold qkv-prep: own piece {o:?} does not fit {len} tokens over {groups} ranks"
+            );
+        }
+    }
+    let layout = QkvLayout {
+        groups,
+        own: own.map(|o| (o.rank, o.before * row(o.rank))),
+        extra: own.map_or(0, |o| o.total * row(o.rank)),
+    };
+    let (flat, me) = fused::qkv_prep(segs, heads, layout, cos, sin, eps)?;
+    let recv = match (me, own) {
+        (Some(t), Some(o)) => {
+            let hs = super::sequence::split(heads, o.rank, groups).len();
+            Some(t.reshape((o.total, 3, b, hs, d))?)
+        }
+        _ => None,
+    };
     let mut off = 0;
-    (0..groups)
+    let send = (0..groups)
         .map(|j| {
             let hs = super::sequence::split(heads, j, groups).len();
-            let n = len * 3 * b * hs * d;
-            let piece = flat.narrow(0, off, n)?.reshape((len, 3, b, hs, d));
+            let n = len * row(j);
+            let piece = match (&recv, own) {
+                (Some(r), Some(o)) if o.rank == j => r.narrow(0, o.before, len)?,
+                _ => flat.narrow(0, off, n)?.reshape((len, 3, b, hs, d))?,
+            };
             off += n;
-            piece
+            Ok(piece)
         })
-        .collect()
+        .collect::<CResult<Vec<_>>>()?;
+    Ok(Messages { send, recv })
+}
+
+/// Tensors `(b, L, w_j)` put side by side along the last dimension, `(b, L, Σ w_j)`: the
+/// attention output's head groups after a sequence-parallel all-to-all. On CUDA, where
+/// every piece is contiguous and its rows a whole number of 16-byte units, one vectorised
+/// copy kernel per piece (candle's `cat` of the same reaches about 1 TB/s on an H200);
+/// elsewhere `Tensor::cat`.
+pub fn join_columns(pieces: &[Tensor]) -> CResult<Tensor> {
+    if let Some(t) = fused::join_columns(pieces)? {
+        return Ok(t);
+    }
+    Tensor::cat(pieces, 2)
 }
 
 #[cfg(not(feature = "cuda"))]
 mod fused {
+    pub fn join_columns(_: &[Tensor]) -> CResult<Option<Tensor>> {
+        Ok(None)
+    }
+
     pub fn qkv_prep(
         _: &[super::QkvSegment],
         _: usize,
-        _: usize,
+        _: super::QkvLayout,
         _: &Tensor,
         _: &Tensor,
         _: f32,
-    ) -> CResult<Tensor> {
+    ) -> CResult<(Tensor, Option<Tensor>)> {
         candle_core::bail!("fused kernels need a CUDA build")
     }
     use super::CResult;
@@ -711,6 +783,82 @@ mod fused {
         x.apply_op3_no_bwd(scale, shift, &LnModulate { eps })
     }
 
+    // ---- columns put side by side ---------------------------------------------------
+
+    pub fn join_columns(pieces: &[Tensor]) -> CResult<Option<Tensor>> {
+        let Some(first) = pieces.first() else {
+            return Ok(None);
+        };
+        let candle_core::Device::Cuda(dev) = first.device() else {
+            return Ok(None);
+        };
+        let (b, len, _) = first.dims3()?;
+        let size = first.dtype().size_in_bytes();
+        let fits = |t: &Tensor| {
+            t.is_contiguous()
+                && t.dtype() == first.dtype()
+                && t.device().same_device(first.device())
+                && (t.layout().start_offset() * size).is_multiple_of(16)
+                && t.dims3()
+                    .is_ok_and(|(tb, tl, w)| tb == b && tl == len && (w * size).is_multiple_of(16))
+        };
+        if pieces.len() < 2 || !pieces.iter().all(fits) {
+            return Ok(None);
+        }
+        let dev = dev.clone();
+        match first.dtype() {
+            DType::BF16 => join_columns_t::<bf16>(pieces, &dev).map(Some),
+            DType::F16 => join_columns_t::<f16>(pieces, &dev).map(Some),
+            DType::F32 => join_columns_t::<f32>(pieces, &dev).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    fn join_columns_t<T: CudaDType + DeviceRepr>(
+        pieces: &[Tensor],
+        dev: &CudaDevice,
+    ) -> CResult<Tensor> {
+        let (b, len, _) = pieces[0].dims3()?;
+        let size = std::mem::size_of::<T>();
+        let widths: Vec<usize> = pieces.iter().map(|t| t.dim(2)).collect::<CResult<_>>()?;
+        let total: usize = widths.iter().sum();
+        let y = out::<T>(dev, b * len * total)?;
+        let f = dev
+            .get_or_load_custom_fatbin("mold_join_columns", MODULE, FATBIN)?
+            .into_cuda_function();
+        let stream = dev.cuda_stream();
+        let rows = (b * len) as i64;
+        let ld = (total * size / 16) as i32;
+        let mut col = 0i32;
+        for (t, w) in pieces.iter().zip(&widths) {
+            let (st, l) = t.storage_and_layout();
+            let candle_core::Storage::Cuda(cs) = &*st else {
+                candle_core::bail!("mold join-columns: not a CUDA tensor");
+            };
+            let src = view::<T>(cs, l)?;
+            let w16 = (w * size / 16) as i32;
+            let n = rows as usize * w16 as usize;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(THREADS as usize) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut a = stream.launch_builder(&f);
+            a.arg(&src).arg(&y).arg(&rows).arg(&w16).arg(&ld).arg(&col);
+            // SAFETY: argument order and types match the kernel (which reads and writes
+            // 16-byte units); the piece holds rows × w16 units from its 16-byte aligned
+            // start, the output rows × ld.
+            unsafe { a.launch(cfg) }.w()?;
+            col += w16;
+        }
+        Ok(Tensor::from_storage(
+            candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(y, dev.clone())),
+            (b, len, total),
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
+    }
+
     // ---- q/k/v preparation ----------------------------------------------------------
 
     fn cuda_view<'a, T: CudaDType>(
@@ -726,11 +874,11 @@ mod fused {
     fn qkv_prep_t<T: CudaDType + DeviceRepr>(
         segs: &[super::QkvSegment],
         heads: usize,
-        groups: usize,
+        layout: super::QkvLayout,
         cos: &Tensor,
         sin: &Tensor,
         eps: f32,
-    ) -> CResult<Tensor> {
+    ) -> CResult<(Tensor, Option<Tensor>)> {
         let first = segs[0].qkv;
         let dev = match first.device() {
             candle_core::Device::Cuda(d) => d.clone(),
@@ -747,6 +895,11 @@ mod fused {
             );
         }
         let y = out::<T>(&dev, 3 * b * heads * len_tot * d)?;
+        // The receive buffer the own piece goes to, where asked.
+        let y_me = match layout.own {
+            Some(_) => Some(out::<T>(&dev, layout.extra.max(1))?),
+            None => None,
+        };
         let cs_batch: i64 = if cd0 == 1 {
             0
         } else {
@@ -759,12 +912,14 @@ mod fused {
             len_tot,
             cs_batch,
             eps,
-            groups: groups as i32,
+            groups: layout.groups as i32,
+            me: layout.own.map_or(-1, |o| o.0 as i32),
+            me_base: layout.own.map_or(0, |o| o.1 as i64),
         };
         // Tables in the activations' dtype as given, else in f32 (`_f32tab` kernels).
         if cos.dtype() == first.dtype() && sin.dtype() == first.dtype() {
             let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-            qkv_launch::<T, T>(segs, &shape, &cos, &sin, &y, &dev, "")?;
+            qkv_launch::<T, T>(segs, &shape, &cos, &sin, (&y, y_me.as_ref()), &dev, "")?;
         } else {
             let cos = cos.to_dtype(DType::F32)?.contiguous()?;
             let sin = sin.to_dtype(DType::F32)?.contiguous()?;
@@ -773,19 +928,23 @@ mod fused {
             } else {
                 "_f32tab"
             };
-            qkv_launch::<T, f32>(segs, &shape, &cos, &sin, &y, &dev, tab)?;
+            qkv_launch::<T, f32>(segs, &shape, &cos, &sin, (&y, y_me.as_ref()), &dev, tab)?;
         }
-        let shape: candle_core::Shape = if groups == 0 {
+        let shape: candle_core::Shape = if layout.groups == 0 {
             (3, b, heads, len_tot, d).into()
         } else {
             (3 * b * heads * len_tot * d,).into()
         };
-        Ok(Tensor::from_storage(
-            candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(y, dev)),
-            shape,
-            candle_core::op::BackpropOp::none(),
-            false,
-        ))
+        let wrap = |y: CudaSlice<T>, shape: candle_core::Shape| {
+            Tensor::from_storage(
+                candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(y, dev.clone())),
+                shape,
+                candle_core::op::BackpropOp::none(),
+                false,
+            )
+        };
+        let me = y_me.map(|y| wrap(y, (layout.extra,).into()));
+        Ok((wrap(y, shape), me))
     }
 
     struct QkvShape {
@@ -797,6 +956,10 @@ mod fused {
         eps: f32,
         /// 0: `(3, b, heads, L, d)`; else the all-to-all's pieces ([`super::qkv_prep_fused_groups`]).
         groups: i32,
+        /// The group written at element `me_base` of the second buffer instead of its
+        /// place (-1: none).
+        me: i32,
+        me_base: i64,
     }
 
     /// One launch per segment, tables of element type `C`.
@@ -805,7 +968,7 @@ mod fused {
         sh: &QkvShape,
         cos: &Tensor,
         sin: &Tensor,
-        y: &CudaSlice<T>,
+        (y, y_me): (&CudaSlice<T>, Option<&CudaSlice<T>>),
         dev: &CudaDevice,
         tab: &str,
     ) -> CResult<()> {
@@ -855,7 +1018,10 @@ mod fused {
                 .arg(&sh.cs_batch)
                 .arg(y)
                 .arg(&sh.eps)
-                .arg(&sh.groups);
+                .arg(&sh.groups)
+                .arg(&sh.me)
+                .arg(y_me.unwrap_or(y))
+                .arg(&sh.me_base);
             // SAFETY: argument order and types match the kernel.
             unsafe { a.launch(cfg) }.w()?;
             l_off += len;
@@ -866,15 +1032,15 @@ mod fused {
     pub fn qkv_prep(
         segs: &[super::QkvSegment],
         heads: usize,
-        groups: usize,
+        layout: super::QkvLayout,
         cos: &Tensor,
         sin: &Tensor,
         eps: f32,
-    ) -> CResult<Tensor> {
+    ) -> CResult<(Tensor, Option<Tensor>)> {
         match segs[0].qkv.dtype() {
-            DType::BF16 => qkv_prep_t::<bf16>(segs, heads, groups, cos, sin, eps),
-            DType::F16 => qkv_prep_t::<f16>(segs, heads, groups, cos, sin, eps),
-            DType::F32 => qkv_prep_t::<f32>(segs, heads, groups, cos, sin, eps),
+            DType::BF16 => qkv_prep_t::<bf16>(segs, heads, layout, cos, sin, eps),
+            DType::F16 => qkv_prep_t::<f16>(segs, heads, layout, cos, sin, eps),
+            DType::F32 => qkv_prep_t::<f32>(segs, heads, layout, cos, sin, eps),
             dt => candle_core::bail!("mold fused kernels: unsupported dtype {dt:?}"),
         }
     }

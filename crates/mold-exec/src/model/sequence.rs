@@ -26,8 +26,13 @@ pub enum Qkv {
     Heads(Tensor, Tensor, Tensor),
     /// The q/k/v all-to-all's messages, as [`messages`] lays them out (or the fused
     /// preparation writes them, `ops::qkv_prep_fused_groups`): message j `(L_r, 3, b,
-    /// heads_j, head_dim)`, heads `split(heads, j, n)` of q, k and v token-major.
-    Messages(Vec<Tensor>),
+    /// heads_j, head_dim)`, heads `split(heads, j, n)` of q, k and v token-major. `recv`,
+    /// where given, is the buffer the pieces are received into, `(L, 3, b, heads_r,
+    /// head_dim)`, the rank's own piece already in it (and message `rank` a view of it).
+    Messages {
+        send: Vec<Tensor>,
+        recv: Option<Tensor>,
+    },
 }
 
 impl Qkv {
@@ -37,7 +42,10 @@ impl Qkv {
         if n <= 1 {
             return Ok(Qkv::Heads(q, k, v));
         }
-        Ok(Qkv::Messages(messages(&q, &k, &v, n)?))
+        Ok(Qkv::Messages {
+            send: messages(&q, &k, &v, n)?,
+            recv: None,
+        })
     }
 }
 
@@ -53,14 +61,15 @@ impl Qkv {
 /// The messages are token-major, so the pieces every rank sends here, received one after
 /// another into one buffer (`Comm::all_to_all_cat`), are `(L, 3, b, heads_r, head_dim)`:
 /// attention reads q, k and v from it in place, with strides, and nothing is copied to
-/// put the pieces together. Only the output's pieces are joined by a copy.
+/// put the pieces together. The fused preparation writes the rank's own piece straight
+/// into that buffer. Only the output's pieces are joined by a copy.
 pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     let sp = ctx.sp;
     let (n, me) = (sp.world_size(), sp.rank());
-    let send = match qkv {
+    let (send, into) = match qkv {
         Qkv::Heads(q, k, v) if n == 1 => return local(&q, &k, &v, ctx),
-        Qkv::Heads(q, k, v) => messages(&q, &k, &v, n)?,
-        Qkv::Messages(m) => m,
+        Qkv::Heads(q, k, v) => (messages(&q, &k, &v, n)?, None),
+        Qkv::Messages { send, recv } => (send, recv),
     };
     if send.len() != n || lens.len() != n {
         candle_core::bail!(
@@ -78,8 +87,8 @@ pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     }
     // Every rank's tokens of this rank's heads come back, one after another.
     let shapes: Vec<Shape> = lens.iter().map(|&lj| (lj, 3, b, hs, d).into()).collect();
-    let all = sp.all_to_all_cat(&send, &shapes)?;
-    drop(send);
+    let all = sp.all_to_all_cat(&send, &shapes, into.as_ref())?;
+    drop((send, into));
     ctx.mark("all-to-all (q, k, v)", &all);
     // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
     let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
@@ -97,6 +106,21 @@ pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     let out = join_heads(&got)?;
     ctx.mark("all-to-all (output)", &out);
     Ok(out)
+}
+
+/// Where this rank's own q/k/v piece sits among the pieces it receives, for the fused
+/// preparation to write it there (`ops::qkv_prep_fused_groups`): after the tokens of the
+/// ranks before it, `lens` being every rank's count.
+pub fn own_piece(lens: &[usize], ctx: &Ctx) -> Result<crate::model::ops::OwnPiece> {
+    let (n, me) = (ctx.sp.world_size(), ctx.sp.rank());
+    if lens.len() != n {
+        candle_core::bail!("sequence parallel attention: {n} ranks, shares {lens:?}");
+    }
+    Ok(crate::model::ops::OwnPiece {
+        rank: me,
+        before: lens[..me].iter().sum(),
+        total: lens.iter().sum(),
+    })
 }
 
 /// The messages of the q/k/v all-to-all from q, k, v `(b, heads, L, d)`: message j
@@ -119,10 +143,10 @@ pub fn messages(q: &Tensor, k: &Tensor, v: &Tensor, n: usize) -> Result<Vec<Tens
 }
 
 /// The attention output's pieces received from every rank (`(b, L, hs_j · d)`) put
-/// together along the features, in rank order. The calibration times this layout copy
-/// as it runs here.
+/// together along the features, in rank order (one vectorised copy per piece on CUDA).
+/// The calibration times this copy as it runs here.
 pub(crate) fn join_heads(got: &[Tensor]) -> Result<Tensor> {
-    Tensor::cat(got, 2)
+    crate::model::ops::join_columns(got)
 }
 
 fn local(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> Result<Tensor> {
@@ -176,7 +200,10 @@ mod tests {
             Qkv::new(q.clone(), k.clone(), v.clone(), 1).unwrap(),
             Qkv::Heads(..)
         ));
-        assert!(matches!(Qkv::new(q, k, v, 2).unwrap(), Qkv::Messages(m) if m.len() == 2));
+        assert!(matches!(
+            Qkv::new(q, k, v, 2).unwrap(),
+            Qkv::Messages { send, recv: None } if send.len() == 2
+        ));
     }
 
     #[test]

@@ -336,12 +336,13 @@ impl NcclComm {
 }
 
 impl NcclComm {
-    /// [`Comm::all_to_all`], its pieces into one buffer of shape `cat` where given.
+    /// [`Comm::all_to_all`], its pieces into one buffer of shape `cat.0` where given (the
+    /// buffer `cat.1`, whose own piece is already written, where given).
     fn exchange(
         &self,
         send: &[Tensor],
         recv: &[Shape],
-        cat: Option<&Shape>,
+        cat: Option<(&Shape, Option<&Tensor>)>,
     ) -> Result<Vec<Tensor>> {
         super::check_all_to_all(self.rank, self.group.world(), send, recv)?;
         let ordinal = self.group.ordinals[self.rank];
@@ -409,9 +410,25 @@ impl Comm for NcclComm {
         self.exchange(send, recv, None)
     }
 
-    fn all_to_all_cat(&self, send: &[Tensor], recv: &[Shape]) -> Result<Tensor> {
+    fn all_to_all_cat(
+        &self,
+        send: &[Tensor],
+        recv: &[Shape],
+        into: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let shape = super::cat_shape(recv)?;
-        let mut got = self.exchange(send, recv, Some(&shape))?;
+        if let Some(t) = into {
+            if t.shape() != &shape || !t.is_contiguous() || t.dtype() != send[self.rank].dtype() {
+                return Err(CommError::Local(format!(
+                    "all_to_all_cat: a buffer {:?} {:?} for pieces of {shape:?} {:?}",
+                    t.shape(),
+                    t.dtype(),
+                    send[self.rank].dtype()
+                ))
+                .into());
+            }
+        }
+        let mut got = self.exchange(send, recv, Some((&shape, into)))?;
         got.pop()
             .ok_or_else(|| candle_core::Error::Msg("NCCL all-to-all: nothing received".into()))
     }

@@ -165,7 +165,8 @@ impl CustomOp1 for CollectiveOp<'_> {
 /// `recv` shapes: one NCCL group of a send and a receive per peer, on the device's
 /// stream (ordered after the kernels that made `send`, before those that read the
 /// result). With `cat` (the shape of the pieces one after another along dimension 0),
-/// every piece lands in one buffer, this rank's own copied in on the stream; else
+/// every piece lands in one buffer — the given one, whose own piece is already written,
+/// else a new one into which this rank's own piece is copied on the stream; else
 /// `send[rank]` is returned as is (contiguous).
 pub(super) fn all_to_all(
     comm: sys::ncclComm_t,
@@ -173,7 +174,7 @@ pub(super) fn all_to_all(
     tracker: &Tracker,
     send: &[candle_core::Tensor],
     recv: &[Shape],
-    cat: Option<&Shape>,
+    cat: Option<(&Shape, Option<&candle_core::Tensor>)>,
 ) -> Result<Vec<candle_core::Tensor>> {
     use half::{bf16, f16};
     use sys::ncclDataType_t as D;
@@ -193,7 +194,7 @@ type AllToAllArgs<'a> = (
     &'a Tracker,
     &'a [candle_core::Tensor],
     &'a [Shape],
-    Option<&'a Shape>,
+    Option<(&'a Shape, Option<&'a candle_core::Tensor>)>,
 );
 
 fn all_to_all_t<T>(
@@ -216,10 +217,25 @@ where
     }
     let mut outs: Vec<Option<CudaSlice<T>>> = Vec::with_capacity(recv.len());
     let mut whole: Option<CudaSlice<T>> = None;
+    // The caller's buffer: its device address (its own piece already written).
+    let given = match cat {
+        Some((_, Some(t))) => {
+            let (st, l) = t.storage_and_layout();
+            let Storage::Cuda(cs) = &*st else {
+                candle_core::bail!("NCCL all-to-all: the receive buffer is not on the GPU");
+            };
+            let v = cs.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            let (p, _g) = v.device_ptr(&stream);
+            Some((t.clone(), p))
+        }
+        _ => None,
+    };
     if cat.is_some() {
-        // SAFETY: every element is written, by a receive or the copy of this rank's own
-        // piece, before anyone reads it.
-        whole = Some(unsafe { dev.alloc::<T>(total.max(1)) }?);
+        if given.is_none() {
+            // SAFETY: every element is written, by a receive or the copy of this rank's
+            // own piece, before anyone reads it.
+            whole = Some(unsafe { dev.alloc::<T>(total.max(1)) }?);
+        }
     } else {
         for (j, s) in recv.iter().enumerate() {
             outs.push(if j == rank {
@@ -245,7 +261,7 @@ where
             .ok_or_else(|| candle_core::Error::Msg("NCCL all-to-all: not contiguous".into()))?;
         srcs.push(cs.as_cuda_slice::<T>()?.slice(a..b));
     }
-    if let Some(w) = whole.as_mut() {
+    if let (Some(w), None) = (whole.as_mut(), &given) {
         let own = offsets[rank]..offsets[rank] + recv[rank].elem_count();
         stream
             .memcpy_dtod(&srcs[rank], &mut w.slice_mut(own))
@@ -262,12 +278,23 @@ where
             }
             let (sp, _sg) = srcs[j].device_ptr(&stream);
             let mut view;
-            let (rp, _rg) = match (whole.as_mut(), outs.get_mut(j)) {
-                (Some(w), _) => {
-                    view = w.slice_mut(offsets[j]..offsets[j] + recv[j].elem_count());
-                    view.device_ptr_mut(&stream)
+            let (rp, _rg) = match (&given, whole.as_mut(), outs.get_mut(j)) {
+                (Some((_, base)), ..) => {
+                    let at = *base + (offsets[j] * std::mem::size_of::<T>()) as u64;
+                    // SAFETY (of the write through it): the caller's buffer holds the cat
+                    // shape, so piece j's range lies inside it; it was made for this
+                    // exchange and nothing reads it before the stream has run it.
+                    (at, None)
                 }
-                (None, Some(Some(o))) => o.device_ptr_mut(&stream),
+                (None, Some(w), _) => {
+                    view = w.slice_mut(offsets[j]..offsets[j] + recv[j].elem_count());
+                    let (p, g) = view.device_ptr_mut(&stream);
+                    (p, Some(g))
+                }
+                (None, None, Some(Some(o))) => {
+                    let (p, g) = o.device_ptr_mut(&stream);
+                    (p, Some(g))
+                }
                 _ => continue,
             };
             // SAFETY: the send buffer holds `srcs[j].len()` elements and the receive buffer
@@ -319,7 +346,10 @@ where
             false,
         )
     };
-    if let (Some(w), Some(shape)) = (whole, cat) {
+    if let Some((t, _)) = given {
+        return Ok(vec![t]);
+    }
+    if let (Some(w), Some((shape, _))) = (whole, cat) {
         return Ok(vec![wrap(w, shape.clone())]);
     }
     let mut got = Vec::with_capacity(recv.len());

@@ -197,8 +197,8 @@ fn strided(t: &Tensor) -> CResult<Tensor> {
     let st = t.stride();
     let aligned = st.len() == 4
         && st[3] == 1
-        && st[..3].iter().all(|s| s % 8 == 0)
-        && t.layout().start_offset() % 8 == 0;
+        && st[..3].iter().all(|s| s.is_multiple_of(8))
+        && t.layout().start_offset().is_multiple_of(8);
     if aligned {
         Ok(t.clone())
     } else {

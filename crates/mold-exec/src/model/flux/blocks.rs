@@ -92,7 +92,13 @@ fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> CResult<Tensor> {
 /// RMSNorm, RoPE, `(b, heads, L, head_dim)` layout, segments concatenated along L — or,
 /// under sequence parallelism, laid out as the all-to-all's messages ([`Qkv`]). On CUDA
 /// one fused kernel per segment; elsewhere candle's ops.
-fn prepare_qkv(segs: &[(&Tensor, &QkNorm)], heads: usize, pe: &Tensor, ctx: &Ctx) -> CResult<Qkv> {
+fn prepare_qkv(
+    segs: &[(&Tensor, &QkNorm)],
+    heads: usize,
+    pe: &Tensor,
+    lens: &[usize],
+    ctx: &Ctx,
+) -> CResult<Qkv> {
     let fsegs: Vec<ops::QkvSegment> = segs
         .iter()
         .map(|(x, n)| ops::QkvSegment {
@@ -107,9 +113,20 @@ fn prepare_qkv(segs: &[(&Tensor, &QkNorm)], heads: usize, pe: &Tensor, ctx: &Ctx
         let (cos, sin) = (pe.i(0)?, pe.i(1)?);
         let n = ctx.sp.world_size();
         if n > 1 {
-            let m = ops::qkv_prep_fused_groups(&fsegs, heads, n, &cos, &sin, EPS as f32)?;
-            ctx.mark("qk norm + rope + layout", &m[n - 1]);
-            return Ok(Qkv::Messages(m));
+            let m = ops::qkv_prep_fused_groups(
+                &fsegs,
+                heads,
+                n,
+                Some(sequence::own_piece(lens, ctx)?),
+                &cos,
+                &sin,
+                EPS as f32,
+            )?;
+            ctx.mark("qk norm + rope + layout", &m.send[n - 1]);
+            return Ok(Qkv::Messages {
+                send: m.send,
+                recv: m.recv,
+            });
         }
         let t = ops::qkv_prep_fused(&fsegs, heads, &cos, &sin, EPS as f32)?;
         ctx.mark("qk norm + rope + layout", &t);
@@ -401,6 +418,7 @@ impl DoubleBlock {
             &[(&txt_qkv, &self.txt.norm), (&img_qkv, &self.img.norm)],
             self.heads,
             pe,
+            lens,
             ctx,
         )?;
         drop((img_qkv, txt_qkv));
@@ -567,7 +585,7 @@ impl SingleBlock {
         drop(normed);
         ctx.meter.see_all(&[&x_qkv, &mlp]);
         ctx.mark("norm + qkv/mlp linear + gelu", &mlp);
-        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, ctx)?;
+        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, ctx)?;
         drop(x_qkv);
         let attn = attention(qkv, lens, ctx)?;
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.

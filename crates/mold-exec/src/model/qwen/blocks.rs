@@ -228,6 +228,7 @@ impl Block {
         txt_qkv: &Tensor,
         img_qkv: &Tensor,
         pe: &Tensor,
+        lens: &[usize],
         ctx: &Ctx,
     ) -> CResult<sequence::Qkv> {
         let segs = [(txt_qkv, &self.txt.norm), (img_qkv, &self.img.norm)];
@@ -245,9 +246,20 @@ impl Block {
             let sin = pe.narrow(0, 1, 1)?.contiguous()?;
             let n = ctx.sp.world_size();
             if n > 1 {
-                let m = ops::qkv_prep_fused_groups(&fsegs, self.heads, n, &cos, &sin, EPS as f32)?;
-                ctx.mark("qk norm + rope + layout", &m[n - 1]);
-                return Ok(sequence::Qkv::Messages(m));
+                let m = ops::qkv_prep_fused_groups(
+                    &fsegs,
+                    self.heads,
+                    n,
+                    Some(sequence::own_piece(lens, ctx)?),
+                    &cos,
+                    &sin,
+                    EPS as f32,
+                )?;
+                ctx.mark("qk norm + rope + layout", &m.send[n - 1]);
+                return Ok(sequence::Qkv::Messages {
+                    send: m.send,
+                    recv: m.recv,
+                });
             }
             let t = ops::qkv_prep_fused(&fsegs, self.heads, &cos, &sin, EPS as f32)?;
             ctx.mark("qk norm + rope + layout", &t);
@@ -323,7 +335,7 @@ impl Block {
         )?;
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
-        let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, ctx)?;
+        let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, lens, ctx)?;
         drop((img_qkv, txt_qkv));
         let attn = sequence::attention(qkv, lens, ctx)?;
         let tl = match split {
