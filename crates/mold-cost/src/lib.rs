@@ -23,9 +23,11 @@
 //!   plus `allgathers` (one per block with sharded modulation linears) of the per-sample
 //!   modulation outputs, priced as an all-reduce of the gathered bytes (what the
 //!   executor's all-gather is: a latency-bound collective of a few hundred KiB at most);
-//! - sequence parallel pays four all-to-alls per block (q, k, v in, the attention output
-//!   back), each moving `⌈tokens/sp⌉ · hidden/tp · (sp−1)/sp` elements per rank, priced
-//!   latency + bytes / bandwidth over the sequence-parallel group's link; and one
+//! - sequence parallel pays two all-to-alls per block (q, k and v in one message of three
+//!   head shards, the attention output back in one), a head shard being `⌈tokens/sp⌉ ·
+//!   hidden/tp` elements per rank of which `(sp−1)/sp` is sent, priced latency + bytes /
+//!   bandwidth over the sequence-parallel group's link (or the measured tables), plus the
+//!   output join's copy ([`alltoall_copy_shards`]); and one
 //!   all-gather of the hidden state where a run of parts on one sequence-parallel group
 //!   ends ([`Ctx::gather_s`]);
 //! - the blocks of one kind on one device group cost max(their compute, the copies of
@@ -116,7 +118,8 @@ pub struct BlockCost {
     /// Tensor-parallel collectives of the block over the group's link: its all-reduces
     /// and its modulation all-gather.
     pub allreduce_s: f64,
-    /// Sequence-parallel all-to-alls of the block (four: q, k, v in, output back).
+    /// Sequence-parallel all-to-alls of the block (two: q, k and v in, the output back),
+    /// with the output join's copy.
     pub alltoall_s: f64,
     /// Host→device copy of one device's share of the block's weights (pinned), the
     /// device otherwise idle.
@@ -284,8 +287,8 @@ impl<'a> Ctx<'a> {
         // 1/sp it keeps sent to the others.
         let shard =
             mold_models::product(&[self.batch, local, kind.hidden.div_ceil(tp as u64), act]);
-        // As the executor runs them: q, k and v stacked into one all-to-all, the output in
-        // another, with the layout copies around them on the rank's memory.
+        // As the executor runs them: q, k and v in one all-to-all, the output in another,
+        // and the output's join copied on the rank's memory.
         let alltoall_s = if sp > 1 {
             let transfers = self.slowest_op(&group.sp_groups(), dtype, |c, n, op| {
                 ALLTOALL_SHARDS

@@ -157,10 +157,10 @@ pub fn measure_ops(
         ));
     }
     let layout_copy_gbps = layout_copy_gbps(&dev, dtype, shapes, bench)
-        .map_err(|e| on(e, "the all-to-all's layout copies"))?;
+        .map_err(|e| on(e, "the all-to-all's output join"))?;
     if let Some(g) = layout_copy_gbps {
         progress(&format!(
-            "layout copies around a sequence-parallel all-to-all: {g:.1} GB/s"
+            "the output join after a sequence-parallel all-to-all: {g:.1} GB/s"
         ));
     }
     let mut htod_busy_ratio = None;

@@ -838,6 +838,9 @@ mod fused {
             let src = view::<T>(cs, l)?;
             let w16 = (w * size / 16) as i32;
             let n = rows as usize * w16 as usize;
+            if n == 0 {
+                continue;
+            }
             let cfg = LaunchConfig {
                 grid_dim: (n.div_ceil(THREADS as usize) as u32, 1, 1),
                 block_dim: (THREADS, 1, 1),

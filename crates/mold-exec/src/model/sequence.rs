@@ -61,8 +61,9 @@ impl Qkv {
 /// The messages are token-major, so the pieces every rank sends here, received one after
 /// another into one buffer (`Comm::all_to_all_cat`), are `(L, 3, b, heads_r, head_dim)`:
 /// attention reads q, k and v from it in place, with strides, and nothing is copied to
-/// put the pieces together. The fused preparation writes the rank's own piece straight
-/// into that buffer. Only the output's pieces are joined by a copy.
+/// put the pieces together. The fused preparation (CUDA, head size 64 or 128) writes the
+/// rank's own piece straight into that buffer, so there only the output's pieces are
+/// joined by a copy; the candle path makes the messages and the buffer by copies.
 pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     let sp = ctx.sp;
     let (n, me) = (sp.world_size(), sp.rank());

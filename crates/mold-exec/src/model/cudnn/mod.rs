@@ -75,7 +75,8 @@ pub fn version() -> Result<String, String> {
     ffi::api().map(|a| a.version_string())
 }
 
-/// `softmax(q kᵀ · scale) v` for contiguous `(b, h, L, d)` bf16/f16 CUDA tensors, returned as
+/// `softmax(q kᵀ · scale) v` for `(b, h, L, d)` bf16/f16 CUDA tensors (read in place where
+/// each row of `d` is contiguous and the other strides aligned, else copied), returned as
 /// `(b, L, h, d)`, with which graph ran (`"fused SDPA"` or `"composite SDPA"`); the reason
 /// when cuDNN cannot run it here.
 pub fn attention(
@@ -191,13 +192,13 @@ fn attention_with(
 }
 
 /// `t` `(b, h, L, d)` itself where cuDNN reads it in place (each row of `d` contiguous,
-/// the other strides and the start multiples of 8 elements: 16 bytes), else a
-/// contiguous copy.
+/// the other strides positive and, like the start, multiples of 8 elements: 16 bytes),
+/// else a contiguous copy.
 fn strided(t: &Tensor) -> CResult<Tensor> {
     let st = t.stride();
     let aligned = st.len() == 4
         && st[3] == 1
-        && st[..3].iter().all(|s| s.is_multiple_of(8))
+        && st[..3].iter().all(|s| *s > 0 && s.is_multiple_of(8))
         && t.layout().start_offset().is_multiple_of(8);
     if aligned {
         Ok(t.clone())
