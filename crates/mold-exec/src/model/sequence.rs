@@ -8,7 +8,7 @@
 //! rank's own counts, so nothing is padded and the result equals one rank's computation
 //! (up to the attention kernel's own rounding). Each rank needs at least one head.
 
-use super::Ctx;
+use super::{ops, Ctx};
 use candle_core::{IndexOp, Result, Shape, Tensor};
 use std::ops::Range;
 
@@ -109,18 +109,38 @@ pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     Ok(out)
 }
 
-/// Where this rank's own q/k/v piece sits among the pieces it receives, for the fused
-/// preparation to write it there (`ops::qkv_prep_fused_groups`): after the tokens of the
-/// ranks before it, `lens` being every rank's count.
-pub fn own_piece(lens: &[usize], ctx: &Ctx) -> Result<crate::model::ops::OwnPiece> {
+/// q, k, v for [`attention`] by the fused preparation (CUDA; the families' blocks check
+/// `ops::qkv_prep_supported` first), with the RoPE tables `(cos, sin)`: on one rank
+/// `(b, heads, L, d)`; under sequence parallelism written as the all-to-all's messages,
+/// this rank's own piece straight into the buffer the others' arrive in — after the
+/// tokens of the ranks before it, `lens` being every rank's count.
+pub fn prepare_fused(
+    segs: &[ops::QkvSegment],
+    heads: usize,
+    (cos, sin): (&Tensor, &Tensor),
+    eps: f32,
+    lens: &[usize],
+    ctx: &Ctx,
+) -> Result<Qkv> {
     let (n, me) = (ctx.sp.world_size(), ctx.sp.rank());
+    if n == 1 {
+        let t = ops::qkv_prep_fused(segs, heads, cos, sin, eps)?;
+        ctx.mark("qk norm + rope + layout", &t);
+        return Ok(Qkv::Heads(t.i(0)?, t.i(1)?, t.i(2)?));
+    }
     if lens.len() != n {
         candle_core::bail!("sequence parallel attention: {n} ranks, shares {lens:?}");
     }
-    Ok(crate::model::ops::OwnPiece {
+    let own = ops::OwnPiece {
         rank: me,
         before: lens[..me].iter().sum(),
         total: lens.iter().sum(),
+    };
+    let m = ops::qkv_prep_fused_groups(segs, heads, n, Some(own), cos, sin, eps)?;
+    ctx.mark("qk norm + rope + layout", &m.send[n - 1]);
+    Ok(Qkv::Messages {
+        send: m.send,
+        recv: m.recv,
     })
 }
 

@@ -111,26 +111,7 @@ fn prepare_qkv(
     if ctx.kernels.use_fused(supported, "q/k/v preparation")? {
         // The table in the activations' dtype, as the candle path below rotates with it.
         let (cos, sin) = (pe.i(0)?, pe.i(1)?);
-        let n = ctx.sp.world_size();
-        if n > 1 {
-            let m = ops::qkv_prep_fused_groups(
-                &fsegs,
-                heads,
-                n,
-                Some(sequence::own_piece(lens, ctx)?),
-                &cos,
-                &sin,
-                EPS as f32,
-            )?;
-            ctx.mark("qk norm + rope + layout", &m.send[n - 1]);
-            return Ok(Qkv::Messages {
-                send: m.send,
-                recv: m.recv,
-            });
-        }
-        let t = ops::qkv_prep_fused(&fsegs, heads, &cos, &sin, EPS as f32)?;
-        ctx.mark("qk norm + rope + layout", &t);
-        return Ok(Qkv::Heads(t.i(0)?, t.i(1)?, t.i(2)?));
+        return sequence::prepare_fused(&fsegs, heads, (&cos, &sin), EPS as f32, lens, ctx);
     }
     let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
     for (x, norm) in segs {

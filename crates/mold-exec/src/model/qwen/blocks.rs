@@ -244,26 +244,14 @@ impl Block {
         if ctx.kernels.use_fused(supported, "q/k/v preparation")? {
             let cos = pe.narrow(0, 0, 1)?.contiguous()?;
             let sin = pe.narrow(0, 1, 1)?.contiguous()?;
-            let n = ctx.sp.world_size();
-            if n > 1 {
-                let m = ops::qkv_prep_fused_groups(
-                    &fsegs,
-                    self.heads,
-                    n,
-                    Some(sequence::own_piece(lens, ctx)?),
-                    &cos,
-                    &sin,
-                    EPS as f32,
-                )?;
-                ctx.mark("qk norm + rope + layout", &m.send[n - 1]);
-                return Ok(sequence::Qkv::Messages {
-                    send: m.send,
-                    recv: m.recv,
-                });
-            }
-            let t = ops::qkv_prep_fused(&fsegs, self.heads, &cos, &sin, EPS as f32)?;
-            ctx.mark("qk norm + rope + layout", &t);
-            return Ok(sequence::Qkv::Heads(t.i(0)?, t.i(1)?, t.i(2)?));
+            return sequence::prepare_fused(
+                &fsegs,
+                self.heads,
+                (&cos, &sin),
+                EPS as f32,
+                lens,
+                ctx,
+            );
         }
         let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
         for (x, norm) in segs {
