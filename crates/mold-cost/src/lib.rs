@@ -26,7 +26,10 @@
 //! - sequence parallel pays two all-to-alls per block (q, k and v in one message of three
 //!   head shards, the attention output back in one), a head shard being `⌈tokens/sp⌉ ·
 //!   hidden/tp` elements per rank of which `(sp−1)/sp` is sent, priced latency + bytes /
-//!   bandwidth over the sequence-parallel group's link (or the measured tables), plus the
+//!   bandwidth over the sequence-parallel group's link (or the measured tables), less
+//!   what runs beside them where the group's GPUs share a peer domain on one node (the
+//!   executor's copy-engine all-to-alls): FLUX's single block hides each behind its MLP
+//!   product ([`ops::beside_all_to_alls`]), `max(0, all-to-all − product)`; plus the
 //!   output join's copy ([`alltoall_copy_shards`]); and one
 //!   all-gather of the hidden state where a run of parts on one sequence-parallel group
 //!   ends ([`Ctx::gather_s`]);
@@ -290,16 +293,44 @@ impl<'a> Ctx<'a> {
         // As the executor runs them: q, k and v in one all-to-all, the output in another,
         // and the output's join copied on the rank's memory.
         let alltoall_s = if sp > 1 {
-            let transfers = self.slowest_op(&group.sp_groups(), dtype, |c, n, op| {
-                ALLTOALL_SHARDS
-                    .iter()
-                    .map(|&k| {
-                        let bytes = k as f64 * shard as f64;
-                        let sent = bytes * (sp - 1) as f64 / sp as f64;
-                        op(CollectiveOp::AllToAll, bytes).unwrap_or_else(|| alltoall_s(c, sent, n))
-                    })
-                    .sum()
+            // What runs beside each all-to-all where the group's GPUs copy to each other
+            // directly (the copy engines: no SM taken from the products): the fastest
+            // rank's products, which it finishes first and then waits.
+            let beside = ops::beside_all_to_alls(kind, self.tokens, self.batch, tp, sp).map(|g| {
+                g.map(|g| {
+                    group
+                        .devices
+                        .iter()
+                        .map(|id| self.gemm_s(id, &g, dtype))
+                        .fold(f64::INFINITY, f64::min)
+                })
             });
+            let transfers = group
+                .sp_groups()
+                .iter()
+                .filter(|g| g.len() > 1)
+                .map(|g| {
+                    let n = g.len();
+                    let c = self.machine.group_link(g).collective;
+                    let direct =
+                        !self.machine.spans_nodes(g) && self.machine.domain_of(g).is_some();
+                    ALLTOALL_SHARDS
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &k)| {
+                            let bytes = k as f64 * shard as f64;
+                            let sent = bytes * (sp - 1) as f64 / sp as f64;
+                            let t = self
+                                .collective_from_tables(g, CollectiveOp::AllToAll, bytes, dtype)
+                                .unwrap_or_else(|| alltoall_s(&c, sent, n));
+                            match beside {
+                                Some(b) if direct => (t - b[i]).max(0.0),
+                                _ => t,
+                            }
+                        })
+                        .sum::<f64>()
+                })
+                .fold(0.0, f64::max);
             let copy_bytes = (alltoall_copy_shards(self.batch) * shard as f64) as u64;
             let copies = group
                 .devices
@@ -361,6 +392,22 @@ impl<'a> Ctx<'a> {
                 price(&self.machine.group_link(g).collective, g.len(), &measured)
             })
             .fold(0.0, f64::max)
+    }
+
+    /// Seconds of one product on device `id`: from its operation table where measured,
+    /// else at the device's rate (the slower of its FLOPs and reading its weights).
+    fn gemm_s(&self, id: &DeviceId, g: &ops::Gemm, dtype: DType) -> f64 {
+        if let Some(s) = self.op_tables(id, dtype).and_then(|t| ops::gemm_from(t, g)) {
+            return s;
+        }
+        let flops = 2.0 * g.m as f64 * g.n as f64 * g.k as f64;
+        self.device_time(
+            id,
+            flops,
+            g.n.saturating_mul(g.k)
+                .saturating_mul(dtype.activation_bytes()),
+            dtype,
+        )
     }
 
     /// Bytes the element-wise passes of one block move on one rank holding `local`

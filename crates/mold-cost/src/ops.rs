@@ -180,6 +180,47 @@ pub fn block_ops(
     })
 }
 
+/// The products the executor queues beside each of a block's two all-to-alls under
+/// sequence parallelism (`sp` > 1), in their order (q/k/v, output): FLUX's single-stream
+/// block runs its MLP in (`linear1`'s MLP rows, with GELU) while q, k and v move, and its
+/// MLP out (`linear2`'s MLP columns) while the attention output moves. `None` for a kind
+/// with nothing beside them (the double-stream block: everything after the q/k/v
+/// all-to-all reads attention) or without sequence parallelism.
+pub fn beside_all_to_alls(
+    kind: &BlockKind,
+    tokens: Tokens,
+    batch: u64,
+    tp: u32,
+    sp: u32,
+) -> Option<[Gemm; 2]> {
+    if sp <= 1 || layout(kind)? != Layout::Single {
+        return None;
+    }
+    let (tp, sp) = (tp.max(1) as u64, sp as u64);
+    let (h, ms) = (kind.hidden, kind.mlp_hidden.div_ceil(tp));
+    let m = (tokens.txt.div_ceil(sp) + tokens.img.div_ceil(sp)).saturating_mul(batch);
+    Some([
+        Gemm {
+            m,
+            n: ms,
+            k: h,
+            run: Run::BiasGelu,
+        },
+        Gemm {
+            m,
+            n: h,
+            k: ms,
+            run: Run::Partial,
+        },
+    ])
+}
+
+/// Seconds of one product from a table, `None` where it was never measured at its
+/// `(n, k)`.
+pub fn gemm_from(t: &OpTables, g: &Gemm) -> Option<f64> {
+    loglog(&t.gemm_curve(g.n, g.k), g.m as f64, false).map(|(s, _)| s)
+}
+
 /// The bytes of a block's element-wise kernels as the executor runs them with operation
 /// tables: [`Ctx::elementwise_bytes`] less the passes the measured products hold (the
 /// q/k/v bias, 6·hidden per token, and the MLP's bias and GELU, 2·mlp, run in their

@@ -208,8 +208,14 @@ fn a_block_is_the_sum_of_its_measured_operations() {
                 let shard = (local * kind.hidden * 2) as f64;
                 // The stacked q/k/v (3 shards) and the output (1) from the tables, the
                 // copy (2 shards, a batch of one) at the measured element-wise rate.
-                let want =
-                    (10e-6 + 3.0 * shard / 100e9) + (10e-6 + shard / 100e9) + 2.0 * shard / 1500e9;
+                // The single block's MLP products (from the tables) hide them where they
+                // can (the copy engines take no SM from them).
+                let [b0, b1] = crate::ops::beside_all_to_alls(kind, ctx.tokens, 1, group.tp, 2)
+                    .map(|g| g.map(|g| 2.0 * (g.m * g.n * g.k) as f64 / 400e12))
+                    .unwrap_or([0.0, 0.0]);
+                let want = (10e-6 + 3.0 * shard / 100e9 - b0).max(0.0)
+                    + (10e-6 + shard / 100e9 - b1).max(0.0)
+                    + 2.0 * shard / 1500e9;
                 assert!((bc.alltoall_s - want).abs() < 1e-12, "{}", bc.alltoall_s);
             }
         }
@@ -609,4 +615,91 @@ fn estimated_tables_are_named_as_an_estimate() {
         !estimated.contains("calibrated by operation"),
         "{estimated}"
     );
+}
+
+/// Under sequence parallelism FLUX's single block queues its MLP products beside its two
+/// all-to-alls (the copy engines take no SM from them), so on GPUs of one peer domain each
+/// all-to-all costs only what its product does not hide; staged through the host (no peer
+/// domain, no copy engines between the GPUs) it costs in full, and the double block, with
+/// nothing beside its all-to-alls, costs in full either way.
+#[test]
+fn the_single_block_s_all_to_alls_hide_behind_its_mlp_products_over_a_peer_domain() {
+    let model = mold_models::find("flux-dev").unwrap();
+    let peer = two();
+    let staged = Machine::from_yaml(
+        &TWO.replace(
+            "  peer:\n  - {devices: [cuda:0, cuda:1], kind: nvlink, gbps: 300, allreduce: {latency_us: 10, gbps: 200}}\n",
+            "",
+        ),
+        "unit",
+    )
+    .unwrap();
+    assert!(staged.links.peer.is_empty());
+    let w = model.default_workload.clone();
+    let sp = Group::sequence(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]);
+    let ids = [DeviceId::Cuda(0), DeviceId::Cuda(1)];
+    let mut singles = 0;
+    for kind in &model.transformer.kinds {
+        for m in [&peer, &staged] {
+            let ctx = Ctx::new(&model, m, &w);
+            let bc = ctx.block(kind, &sp, DType::Bf16);
+            let local = (ctx.tokens.img + ctx.tokens.txt).div_ceil(2);
+            let shard = (local * kind.hidden * 2) as f64;
+            let c = m.group_link(&ids).collective;
+            let t = [
+                crate::alltoall_s(&c, 3.0 * shard / 2.0, 2),
+                crate::alltoall_s(&c, shard / 2.0, 2),
+            ];
+            let copy = 2.0 * shard / 3000e9;
+            let beside = beside_all_to_alls(kind, ctx.tokens, 1, 1, 2);
+            let want = match (beside, m.links.peer.is_empty()) {
+                (Some(g), false) => {
+                    singles += 1;
+                    // At the device's rate: its FLOPs, or reading its weights.
+                    let b = g.map(|g| {
+                        (2.0 * (g.m * g.n * g.k) as f64 / 500e12)
+                            .max((g.n * g.k * 2) as f64 / 3000e9)
+                    });
+                    assert!(b[0] > 0.0 && b[1] > 0.0);
+                    (t[0] - b[0]).max(0.0) + (t[1] - b[1]).max(0.0) + copy
+                }
+                _ => t[0] + t[1] + copy,
+            };
+            assert!(
+                (bc.alltoall_s - want).abs() < 1e-12,
+                "{} peer {}: {} vs {want}",
+                kind.name,
+                !m.links.peer.is_empty(),
+                bc.alltoall_s
+            );
+        }
+    }
+    assert_eq!(singles, 1, "one single-stream kind in FLUX");
+    // What runs beside them: the MLP in (bias + GELU) and the MLP out (partial), over the
+    // rank's tokens; nothing for the double block, nor on one rank.
+    let single = model
+        .transformer
+        .kinds
+        .iter()
+        .find(|k| k.name == "single")
+        .unwrap();
+    let double = model
+        .transformer
+        .kinds
+        .iter()
+        .find(|k| k.name == "double")
+        .unwrap();
+    let tokens = model.tokens(&w);
+    let [a, b] = beside_all_to_alls(single, tokens, 1, 2, 2).unwrap();
+    let m = (tokens.txt + tokens.img).div_ceil(2);
+    assert_eq!(
+        (a.m, a.n, a.k, a.run),
+        (m, single.mlp_hidden / 2, single.hidden, Run::BiasGelu)
+    );
+    assert_eq!(
+        (b.m, b.n, b.k, b.run),
+        (m, single.hidden, single.mlp_hidden / 2, Run::Partial)
+    );
+    assert!(beside_all_to_alls(double, tokens, 1, 1, 2).is_none());
+    assert!(beside_all_to_alls(single, tokens, 1, 1, 1).is_none());
 }

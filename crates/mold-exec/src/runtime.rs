@@ -247,6 +247,17 @@ pub fn copies_directly(src: &Device, dst: &Device, peer_copies: bool) -> bool {
     }
 }
 
+/// Whether GPU `s` can write `d`'s memory (its stream-ordered pool included) with a peer
+/// copy: `cuDeviceCanAccessPeer`, checked once per pair, then enabled both ways — the
+/// check [`hand_off`] makes. The copy engines' all-to-alls (`comm::copy_engine`) ask it.
+#[cfg(feature = "cuda")]
+pub(crate) fn peer_access(
+    s: &candle_core::cuda::CudaDevice,
+    d: &candle_core::cuda::CudaDevice,
+) -> bool {
+    peer::access(s, d)
+}
+
 /// Moves a tensor to `dst`: the one way mold moves data between two GPUs. Between two GPUs
 /// that can access each other's memory (`cuDeviceCanAccessPeer`, checked once per pair,
 /// then `cuCtxEnablePeerAccess` and the memory pools' access), a peer copy

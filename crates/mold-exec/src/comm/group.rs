@@ -22,10 +22,20 @@ pub fn make_group(
 ) -> Vec<Box<dyn Comm>> {
     #[cfg(feature = "nccl")]
     if let Some(ordinals) = distinct_cuda_ordinals(devices) {
-        return super::nccl::local_group(&ordinals, opts.nccl_timeout, abort.cloned())
+        let comms = super::nccl::local_group(&ordinals, opts.nccl_timeout, abort.cloned())
             .into_iter()
-            .map(|c| c.with_overlap_chunks(opts.overlap_chunks))
-            .map(|c| Box::new(c) as Box<dyn Comm>)
+            .map(|c| Box::new(c.with_overlap_chunks(opts.overlap_chunks)) as Box<dyn Comm>);
+        if !opts.exchange_beside {
+            return comms.collect();
+        }
+        // All-to-alls by the copy engines, beside the compute (peer access checked at the
+        // first exchange; NCCL where it is missing).
+        let board =
+            super::copy_engine::Board::new(ordinals.len(), opts.nccl_timeout, opts.trace_exchanges);
+        return comms
+            .map(|c| {
+                Box::new(super::copy_engine::CopyEngineComm::new(c, board.clone())) as Box<dyn Comm>
+            })
             .collect();
     }
     let _ = (opts, abort);

@@ -18,6 +18,10 @@
 //! ([`CommError`]; [`root_cause`] picks the rank that failed first); settings come in
 //! as [`CommOptions`].
 
+#[cfg(feature = "cuda")]
+pub(crate) mod buffers;
+#[cfg(feature = "cuda")]
+mod copy_engine;
 mod error;
 mod group;
 mod handoff;
@@ -32,9 +36,9 @@ pub use error::{root_cause, AbortSignal, CommError};
 pub use group::{cross_process_group, make_group};
 pub use handoff::{decode_header, encode_header, HandOff};
 pub use options::{
-    timeout_secs, CommOptions, Secret, DEFAULT_DIST_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT,
-    DEFAULT_NCCL_TIMEOUT_S, DEFAULT_OVERLAP_CHUNKS, DEFAULT_PENDING_PER_ADDR, MAX_OVERLAP_CHUNKS,
-    MAX_TIMEOUT_S,
+    timeout_secs, CommOptions, Secret, DEFAULT_DIST_TIMEOUT_S, DEFAULT_EXCHANGE_BESIDE,
+    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_NCCL_TIMEOUT_S, DEFAULT_OVERLAP_CHUNKS,
+    DEFAULT_PENDING_PER_ADDR, MAX_OVERLAP_CHUNKS, MAX_TIMEOUT_S,
 };
 pub use tcp::TcpComm;
 pub use thread::ThreadComm;
@@ -133,6 +137,26 @@ pub trait Comm: Send + Sync {
         }
         Tensor::cat(&got, 0)
     }
+    /// [`Comm::all_to_all`] (`into: None`, the pieces apart) or [`Comm::all_to_all_cat`]
+    /// (`Some(into)`: one tensor, received into `into` where given) started now and
+    /// finished by [`Exchange::finish`], so that work queued between the two, which must
+    /// not read what arrives, may run while the pieces move (NCCL with
+    /// [`CommOptions::exchange_beside`]: on the rank's side stream). Every rank must start
+    /// and finish its exchanges in the same order, and start no other collective on this
+    /// group between the two. The provided implementation exchanges now and hands the
+    /// result back at `finish`.
+    fn all_to_all_start(
+        &self,
+        send: Vec<Tensor>,
+        recv: Vec<Shape>,
+        into: Option<Option<Tensor>>,
+    ) -> Result<Box<dyn Exchange + '_>> {
+        let got = match into {
+            None => self.all_to_all(&send, &recv)?,
+            Some(buf) => vec![self.all_to_all_cat(&send, &recv, buf.as_ref())?],
+        };
+        Ok(Box::new(Exchanged(got)))
+    }
     /// How many token chunks a row-parallel product is split into so that each chunk's
     /// sum over the group runs beside the next chunk's product ([`Comm::chunked_sum`]);
     /// 1: one sum after the whole product. The provided implementation says 1.
@@ -160,6 +184,22 @@ pub trait Comm: Send + Sync {
     /// default has nothing to check.
     fn check(&self) -> Result<()> {
         Ok(())
+    }
+}
+
+/// An all-to-all started by [`Comm::all_to_all_start`].
+pub trait Exchange {
+    /// What every rank sent here, ordered after the exchange on this rank's stream: the
+    /// pieces in rank order, or the one tensor they were received into.
+    fn finish(self: Box<Self>) -> Result<Vec<Tensor>>;
+}
+
+/// [`Comm::all_to_all_start`]'s provided implementation: exchanged when started.
+struct Exchanged(Vec<Tensor>);
+
+impl Exchange for Exchanged {
+    fn finish(self: Box<Self>) -> Result<Vec<Tensor>> {
+        Ok(self.0)
     }
 }
 

@@ -15,6 +15,8 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// 83.9 / 88.0 ms with 2 / 4 chunks, TP4 58.8 → 61.2 / 61.8): NCCL's kernels take SMs from
 /// the products they run beside (BENCHMARKS.md).
 pub const DEFAULT_OVERLAP_CHUNKS: usize = 1;
+/// Default of [`CommOptions::exchange_beside`] (`MOLD_SP_OVERLAP`).
+pub const DEFAULT_EXCHANGE_BESIDE: bool = true;
 /// The most chunks `MOLD_OVERLAP_CHUNKS` may ask for.
 pub const MAX_OVERLAP_CHUNKS: usize = 64;
 /// Default of [`CommOptions::pending_per_addr`].
@@ -79,6 +81,16 @@ pub struct CommOptions {
     /// overlap_chunks`]); 1 sums once after the whole product. `MOLD_OVERLAP_CHUNKS`,
     /// default [`DEFAULT_OVERLAP_CHUNKS`].
     pub overlap_chunks: usize,
+    /// A one-process group of GPUs with peer access runs its all-to-alls by the copy
+    /// engines on a stream of its own, beside the products the model queues while they
+    /// move (FLUX's single blocks: the MLP products under both of sequence parallelism's
+    /// all-to-alls; [`super::Comm::all_to_all_start`]), instead of NCCL's on the compute
+    /// stream. Off, or without peer access (`--no-peer` turns it off), NCCL's.
+    /// `MOLD_SP_OVERLAP=on|off`, default [`DEFAULT_EXCHANGE_BESIDE`].
+    pub exchange_beside: bool,
+    /// Times each copy-engine all-to-all with CUDA events and prints, per forward pass and
+    /// rank, where its time went (`MOLD_SP_TRACE=1`; for measuring, default off).
+    pub trace_exchanges: bool,
     /// Token-split tensor parallelism (Megatron's sequence parallelism inside a
     /// tensor-parallel group) in FLUX's and Qwen-Image's blocks: each rank keeps 1/N of the
     /// text and of the image tokens between products and runs the norms, modulation and
@@ -102,6 +114,8 @@ impl Default for CommOptions {
             pending_per_addr: DEFAULT_PENDING_PER_ADDR,
             secret: None,
             overlap_chunks: DEFAULT_OVERLAP_CHUNKS,
+            exchange_beside: DEFAULT_EXCHANGE_BESIDE,
+            trace_exchanges: false,
             token_split: false,
             warm_during_load: true,
         }
@@ -170,6 +184,31 @@ impl CommOptions {
                     return Err(ExecError::Launch(format!(
                         "MOLD_OVERLAP_CHUNKS={v:?}: give a whole number from 1 (no overlap) \
                          to {MAX_OVERLAP_CHUNKS}, or unset it (default {DEFAULT_OVERLAP_CHUNKS})"
+                    )))
+                }
+            };
+        }
+        if let Some(v) = get("MOLD_SP_OVERLAP") {
+            o.exchange_beside = match v.trim() {
+                "on" | "1" => true,
+                "off" | "0" => false,
+                _ => {
+                    return Err(ExecError::Launch(format!(
+                        "MOLD_SP_OVERLAP={v:?}: give on or off (sequence parallelism's \
+                         all-to-alls beside the products, or between them), or unset it \
+                         (default {})",
+                        if DEFAULT_EXCHANGE_BESIDE { "on" } else { "off" }
+                    )))
+                }
+            };
+        }
+        if let Some(v) = get("MOLD_SP_TRACE") {
+            o.trace_exchanges = match v.trim() {
+                "1" | "on" => true,
+                "0" | "off" => false,
+                _ => {
+                    return Err(ExecError::Launch(format!(
+                        "MOLD_SP_TRACE={v:?}: give 1 or 0, or unset it (default 0)"
                     )))
                 }
             };
@@ -262,6 +301,14 @@ mod tests {
                 "{m}"
             );
         }
+        for (v, on) in [("on", true), (" 1", true), ("off", false), ("0 ", false)] {
+            assert_eq!(from(&[("MOLD_SP_OVERLAP", v)]).unwrap().exchange_beside, on);
+        }
+        let m = msg(&[("MOLD_SP_OVERLAP", "yes")]);
+        assert!(
+            m.contains("MOLD_SP_OVERLAP=\"yes\"") && m.contains("on or off"),
+            "{m}"
+        );
         for (v, during) in [("during", true), (" after", false)] {
             assert_eq!(
                 from(&[("MOLD_COMM_WARM", v)]).unwrap().warm_during_load,

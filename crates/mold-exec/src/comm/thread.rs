@@ -287,6 +287,26 @@ mod tests {
                             .collect();
                         let recv: Vec<Shape> = (0..world).map(|j| (j + 1, 2).into()).collect();
                         let got = c.all_to_all_cat(&send, &recv, None).unwrap();
+                        // Started and finished apart: the same pieces, one buffer or apart.
+                        let started = c
+                            .all_to_all_start(send.clone(), recv.clone(), Some(None))
+                            .unwrap()
+                            .finish()
+                            .unwrap();
+                        assert_eq!(started.len(), 1);
+                        assert_eq!(
+                            started[0].to_vec2::<f32>().unwrap(),
+                            got.to_vec2::<f32>().unwrap()
+                        );
+                        let apart = c
+                            .all_to_all_start(send.clone(), recv.clone(), None)
+                            .unwrap()
+                            .finish()
+                            .unwrap();
+                        assert_eq!(
+                            Tensor::cat(&apart, 0).unwrap().to_vec2::<f32>().unwrap(),
+                            got.to_vec2::<f32>().unwrap()
+                        );
                         let bad: Vec<Shape> = (0..world).map(|j| (1, j + 1).into()).collect();
                         let err = c.all_to_all_cat(&send, &bad, None).unwrap_err().to_string();
                         (got.to_vec2::<f32>().unwrap(), err)

@@ -227,6 +227,9 @@ impl<M: Transformer> Executor<M> {
         let n = part.ranks.len();
         let abort = self.dist.as_ref().map(|d| d.mesh.abort_signal());
         let (tp_groups, sp_groups) = group_members(part.tp, part.sp);
+        // Without peer copies (`--no-peer`) the all-to-alls stay on NCCL too.
+        let mut opts = self.opts.comm.clone();
+        opts.exchange_beside &= self.opts.peer_copies;
         let mut tp_comms: Vec<Option<Box<dyn Comm>>> = (0..n).map(|_| None).collect();
         let mut sp_comms: Vec<Option<Box<dyn Comm>>> = (0..n).map(|_| None).collect();
         for (groups, comms) in [(tp_groups, &mut tp_comms), (sp_groups, &mut sp_comms)] {
@@ -235,7 +238,7 @@ impl<M: Transformer> Executor<M> {
                 let group = if members.len() == 1 {
                     vec![Box::new(LocalComm) as Box<dyn Comm>]
                 } else {
-                    crate::comm::make_group(&ids, &self.opts.comm, abort)
+                    crate::comm::make_group(&ids, &opts, abort)
                 };
                 for (i, c) in members.into_iter().zip(group) {
                     comms[i] = Some(c);

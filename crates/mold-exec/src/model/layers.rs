@@ -96,12 +96,30 @@ impl ColumnParallel {
         if at > n {
             candle_core::bail!("split at {at} of a {n}-feature linear");
         }
-        let (w1, b1) = (self.weight.narrow_rows(0, at)?, self.bias.narrow(0, 0, at)?);
-        let (w2, b2) = (
-            self.weight.narrow_rows(at, n - at)?,
-            self.bias.narrow(0, at, n - at)?,
+        Ok((
+            self.forward_rows(x, 0, at, false, k)?,
+            self.forward_rows(x, at, n - at, true, k)?,
+        ))
+    }
+    /// Output features `start..start + len` alone: `x Wᵀ + b` of those rows, through GELU
+    /// with `gelu` (bias and activation in the epilogue on CUDA).
+    pub fn forward_rows(
+        &self,
+        x: &Tensor,
+        start: usize,
+        len: usize,
+        gelu: bool,
+        k: Kernels,
+    ) -> candle_core::Result<Tensor> {
+        let n = self.weight.rows()?;
+        if start + len > n {
+            candle_core::bail!("features {start}..{} of a {n}-feature linear", start + len);
+        }
+        let (w, b) = (
+            self.weight.narrow_rows(start, len)?,
+            self.bias.narrow(0, start, len)?,
         );
-        Ok((w1.linear(x, &b1, false, k)?, w2.linear(x, &b2, true, k)?))
+        w.linear(x, &b, gelu, k)
     }
     /// `x Wᵀ + b` for a small per-sample input (`(b, in)`, e.g. the conditioning vector):
     /// on CUDA one cuBLASLt matmul with the bias in its epilogue, elsewhere candle's matmul
@@ -160,6 +178,30 @@ impl RowParallel {
             });
         }
         acc.ok_or_else(|| candle_core::Error::Msg("row-parallel linear without input".into()))
+    }
+    /// The partial product of input segment `i` alone, `x Wᵢᵀ`: [`Self::partial`] one
+    /// segment at a time, in any order, the others added by [`Self::add_segment`].
+    pub fn segment(&self, i: usize, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
+        self.weight_of(i)?.matmul(x, k)
+    }
+    /// `acc + x Wᵢᵀ`, accumulated in the product where the libraries run it (`acc`
+    /// consumed).
+    pub fn add_segment(
+        &self,
+        acc: Tensor,
+        i: usize,
+        x: &Tensor,
+        k: Kernels,
+    ) -> candle_core::Result<Tensor> {
+        self.weight_of(i)?.add_matmul(acc, x, k)
+    }
+    fn weight_of(&self, i: usize) -> candle_core::Result<&Mat> {
+        self.weights.get(i).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "row-parallel linear over {} input segments: no segment {i}",
+                self.weights.len()
+            ))
+        })
     }
     pub fn add_bias(&self, reduced: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
         bias_act(reduced, Some(&self.bias), false, k)

@@ -9,6 +9,7 @@
 //! (up to the attention kernel's own rounding). Each rank needs at least one head.
 
 use super::{ops, Ctx};
+use crate::comm::Exchange;
 use candle_core::{IndexOp, Result, Shape, Tensor};
 use std::ops::Range;
 
@@ -49,14 +50,54 @@ impl Qkv {
     }
 }
 
-/// Attention over the whole sequence for a rank that holds a slice of it.
+/// Attention over the whole sequence for a rank that holds a slice of it: [`start`],
+/// [`QkvInFlight::attend`] and [`OutInFlight::finish`] one after the other, with nothing
+/// queued between them.
+pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
+    start(qkv, lens, ctx)?.attend(ctx)?.finish(ctx)
+}
+
+/// The q/k/v all-to-all started ([`start`]); work queued before [`QkvInFlight::attend`]
+/// runs while it moves, on the GPU's compute stream beside the exchange where the group
+/// runs exchanges on a side stream (`Comm::all_to_all_start`).
+pub struct QkvInFlight<'a> {
+    state: QkvState<'a>,
+}
+
+enum QkvState<'a> {
+    /// One rank: nothing to exchange.
+    Local(Tensor, Tensor, Tensor),
+    Moving {
+        exchange: Box<dyn Exchange + 'a>,
+        lens: Vec<usize>,
+        /// The heads each rank's attention covers (message j's).
+        heads_each: Vec<usize>,
+        /// Batch and head size.
+        b: usize,
+        d: usize,
+    },
+}
+
+/// The attention output's all-to-all started ([`QkvInFlight::attend`]); work queued
+/// before [`OutInFlight::finish`] runs while it moves, as for [`QkvInFlight`].
+pub struct OutInFlight<'a> {
+    state: OutState<'a>,
+}
+
+enum OutState<'a> {
+    Done(Tensor),
+    Moving(Box<dyn Exchange + 'a>),
+}
+
+/// Starts attention over the whole sequence for a rank that holds a slice of it: the
+/// q/k/v all-to-all.
 ///
 /// `qkv` holds this rank's tokens (normed and rotated with their own positions) for
 /// every head of the rank's tensor-parallel shard; `lens[j]` is how many tokens rank j of
-/// `ctx.sp` holds. Returns `(b, L_r, heads · head_dim)` for this rank's tokens. The keys
-/// arrive in rank order, not in sequence order; attention does not depend on the order
-/// of the keys (each key comes with its value), and each query's output goes back to the
-/// rank that holds it.
+/// `ctx.sp` holds. [`OutInFlight::finish`] gives `(b, L_r, heads · head_dim)` for this
+/// rank's tokens. The keys arrive in rank order, not in sequence order; attention does
+/// not depend on the order of the keys (each key comes with its value), and each query's
+/// output goes back to the rank that holds it.
 ///
 /// The messages are token-major, so the pieces every rank sends here, received one after
 /// another into one buffer (`Comm::all_to_all_cat`), are `(L, 3, b, heads_r, head_dim)`:
@@ -64,11 +105,15 @@ impl Qkv {
 /// put the pieces together. The fused preparation (CUDA, head size 64 or 128) writes the
 /// rank's own piece straight into that buffer, so there only the output's pieces are
 /// joined by a copy; the candle path makes the messages and the buffer by copies.
-pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
+pub fn start<'a>(qkv: Qkv, lens: &[usize], ctx: &Ctx<'a>) -> Result<QkvInFlight<'a>> {
     let sp = ctx.sp;
     let (n, me) = (sp.world_size(), sp.rank());
     let (send, into) = match qkv {
-        Qkv::Heads(q, k, v) if n == 1 => return local(&q, &k, &v, ctx),
+        Qkv::Heads(q, k, v) if n == 1 => {
+            return Ok(QkvInFlight {
+                state: QkvState::Local(q, k, v),
+            })
+        }
         Qkv::Heads(q, k, v) => (messages(&q, &k, &v, n)?, None),
         Qkv::Messages { send, recv } => (send, recv),
     };
@@ -88,25 +133,77 @@ pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
     }
     // Every rank's tokens of this rank's heads come back, one after another.
     let shapes: Vec<Shape> = lens.iter().map(|&lj| (lj, 3, b, hs, d).into()).collect();
-    let all = sp.all_to_all_cat(&send, &shapes, into.as_ref())?;
-    drop((send, into));
-    ctx.mark("all-to-all (q, k, v)", &all);
-    // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
-    let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
-    let out = local(&part(0)?, &part(1)?, &part(2)?, ctx)?; // (b, L, hs·d)
-    drop(all);
-    // Each rank's tokens back to it; the head groups side by side, in rank order.
-    let mut send = Vec::with_capacity(n);
-    let mut off = 0;
-    for &lj in lens {
-        send.push(out.narrow(1, off, lj)?.contiguous()?);
-        off += lj;
+    let exchange = sp.all_to_all_start(send, shapes, Some(into))?;
+    Ok(QkvInFlight {
+        state: QkvState::Moving {
+            exchange,
+            lens: lens.to_vec(),
+            heads_each,
+            b,
+            d,
+        },
+    })
+}
+
+impl<'a> QkvInFlight<'a> {
+    /// Waits for q, k and v, runs attention over this rank's heads and starts sending
+    /// each rank its tokens back.
+    pub fn attend(self, ctx: &Ctx<'a>) -> Result<OutInFlight<'a>> {
+        let (exchange, lens, heads_each, b, d) = match self.state {
+            QkvState::Local(q, k, v) => {
+                return Ok(OutInFlight {
+                    state: OutState::Done(local(&q, &k, &v, ctx)?),
+                })
+            }
+            QkvState::Moving {
+                exchange,
+                lens,
+                heads_each,
+                b,
+                d,
+            } => (exchange, lens, heads_each, b, d),
+        };
+        let all = exchange
+            .finish()?
+            .pop()
+            .ok_or_else(|| candle_core::Error::Msg("all-to-all: nothing received".into()))?;
+        ctx.mark("all-to-all (q, k, v)", &all);
+        // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
+        let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
+        let out = local(&part(0)?, &part(1)?, &part(2)?, ctx)?; // (b, L, hs·d)
+        drop(all);
+        // Each rank's tokens back to it; the head groups side by side, in rank order.
+        let me = ctx.sp.rank();
+        let mut send = Vec::with_capacity(lens.len());
+        let mut off = 0;
+        for &lj in &lens {
+            send.push(out.narrow(1, off, lj)?.contiguous()?);
+            off += lj;
+        }
+        drop(out);
+        let shapes: Vec<Shape> = heads_each
+            .iter()
+            .map(|&h| (b, lens[me], h * d).into())
+            .collect();
+        let exchange = ctx.sp.all_to_all_start(send, shapes, None)?;
+        Ok(OutInFlight {
+            state: OutState::Moving(exchange),
+        })
     }
-    let shapes: Vec<Shape> = (0..n).map(|j| (b, l, heads_each[j] * d).into()).collect();
-    let got = sp.all_to_all(&send, &shapes)?;
-    let out = join_heads(&got)?;
-    ctx.mark("all-to-all (output)", &out);
-    Ok(out)
+}
+
+impl OutInFlight<'_> {
+    /// This rank's tokens of attention over every head, `(b, L_r, heads · head_dim)`.
+    pub fn finish(self, ctx: &Ctx) -> Result<Tensor> {
+        match self.state {
+            OutState::Done(t) => Ok(t),
+            OutState::Moving(exchange) => {
+                let out = join_heads(&exchange.finish()?)?;
+                ctx.mark("all-to-all (output)", &out);
+                Ok(out)
+            }
+        }
+    }
 }
 
 /// q, k, v for [`attention`] by the fused preparation (CUDA; the families' blocks check

@@ -46,7 +46,6 @@
 //! nor `Sync`; the raw handle from `cudarc::nccl::result` lets each abort happen exactly
 //! once, under the rank's lock. All-reduce benchmarks are in [`crate::calibrate`].
 
-mod buffers;
 mod group;
 mod op;
 mod overlap;

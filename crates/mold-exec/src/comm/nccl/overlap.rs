@@ -17,9 +17,9 @@
 //! chunk's offset (no concatenation); a larger batch sums each chunk into a buffer of its
 //! own and concatenates them at `finish`.
 
-use super::buffers::{address, uninit};
 use super::watchdog::CALL_ALL_REDUCE;
 use super::{cudarc, describe, lock, nccl, sys, ChunkedSum, NcclComm};
+use crate::comm::buffers::{address, uninit};
 use candle_core::{DType, Result, Shape, Tensor};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::Ordering;

@@ -4,9 +4,9 @@
 //! ([`NcclComm::finish`]), so the tensors may be read, freed or reused from any stream
 //! afterwards. Tensors travel as bytes (`ncclUint8`): nothing is reduced.
 
-use super::buffers::{address, uninit};
 use super::watchdog::CALL_ALL_TO_ALL;
 use super::{cudarc, describe, lock, nccl, sys, NcclComm};
+use crate::comm::buffers::{address, uninit};
 use candle_core::cuda::CudaDevice;
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use cudarc::driver::sys::CUdeviceptr;

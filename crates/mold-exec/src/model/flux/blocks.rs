@@ -558,6 +558,12 @@ impl SingleBlock {
         } else {
             normed
         };
+        if ctx.sp.world_size() > 1 && split.is_none() {
+            let reduced = self.mix_beside(normed, pe, lens, ctx)?;
+            let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
+            ctx.mark("bias + gate + residual", &out);
+            return Ok(out);
+        }
         // q, k, v with their bias; the MLP part with bias and GELU (in the matmuls'
         // epilogues on CUDA).
         let (x_qkv, mlp) = self
@@ -587,6 +593,50 @@ impl SingleBlock {
         let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
         ctx.mark("bias + gate + residual", &out);
         Ok(out)
+    }
+
+    /// Under sequence parallelism, from the normed input to the summed output product
+    /// (no bias): the MLP's products, which do not read attention, are queued while the
+    /// all-to-alls move — `linear1`'s MLP rows under the q/k/v exchange, `linear2`'s MLP
+    /// columns under the output's, the attention columns then accumulated into that sum
+    /// — so where the group exchanges on a side stream (NCCL, `MOLD_SP_OVERLAP`) the
+    /// exchanges run beside them. The same sums as [`Self::forward`]'s other path, added
+    /// in the other order.
+    fn mix_beside(
+        &self,
+        normed: Tensor,
+        pe: &Tensor,
+        lens: &[usize],
+        ctx: &Ctx,
+    ) -> CResult<Tensor> {
+        let kn = ctx.kernels;
+        let x_qkv = self
+            .linear1
+            .forward_rows(&normed, 0, 3 * self.h_local, false, kn)?;
+        ctx.meter.see(&x_qkv);
+        ctx.mark("norm + qkv linear", &x_qkv);
+        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, ctx)?;
+        drop(x_qkv);
+        let moving = sequence::start(qkv, lens, ctx)?;
+        let mlp = self
+            .linear1
+            .forward_rows(&normed, 3 * self.h_local, self.mlp_local, true, kn)?;
+        drop(normed);
+        ctx.meter.see(&mlp);
+        ctx.mark("mlp linear + gelu (beside all-to-all)", &mlp);
+        let out = moving.attend(ctx)?;
+        let acc = self.linear2.segment(1, &mlp, kn)?;
+        drop(mlp);
+        ctx.mark("mlp out linear (beside all-to-all)", &acc);
+        let attn = out.finish(ctx)?;
+        let partial = self.linear2.add_segment(acc, 0, &attn, kn)?;
+        drop(attn);
+        let len = partial.dim(1)?;
+        layers::row_parallel_sums(partial, &[len], "out linear", ctx, None, |p, _, s, n| {
+            p.narrow(1, s, n)
+        })?
+        .pop()
+        .ok_or_else(pair_err)
     }
 
     /// The block with `f` applied to each weight tensor, in a fixed order.

@@ -1,9 +1,9 @@
-//! The raw buffers NCCL calls read and write: a contiguous CUDA tensor's address and
-//! size, and new uninitialised tensors for a transfer to fill (hand-offs' receives in
-//! [`super::p2p`], chunked sums in [`super::overlap`]).
+//! The raw buffers transfers read and write: a contiguous CUDA tensor's address and
+//! size, and new uninitialised tensors for a transfer to fill (NCCL's hand-off receives
+//! and chunked sums, the copy engines' all-to-alls in [`super::copy_engine`]).
 
-use super::cudarc;
 use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc;
 use candle_core::cuda::CudaDevice;
 use candle_core::{CudaStorage, DType, Result, Shape, Storage, Tensor};
 use cudarc::driver::sys::CUdeviceptr;
@@ -13,14 +13,14 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 ///
 /// The pointer outlives the storage guard: the caller keeps `t` alive until the transfer
 /// that uses it has finished (it waits for it), and nothing writes `t` meanwhile.
-pub(super) fn address(t: &Tensor, stream: &CudaStream) -> Result<(CUdeviceptr, usize)> {
+pub(crate) fn address(t: &Tensor, stream: &CudaStream) -> Result<(CUdeviceptr, usize)> {
     let (st, l) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*st else {
-        candle_core::bail!("NCCL buffer: a tensor is not on a GPU");
+        candle_core::bail!("transfer buffer: a tensor is not on a GPU");
     };
     let (a, b) = l
         .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("NCCL buffer: not contiguous".into()))?;
+        .ok_or_else(|| candle_core::Error::Msg("transfer buffer: not contiguous".into()))?;
     macro_rules! at {
         ($ty:ty) => {{
             let v = cs.as_cuda_slice::<$ty>()?.slice(a..b);
@@ -36,13 +36,13 @@ pub(super) fn address(t: &Tensor, stream: &CudaStream) -> Result<(CUdeviceptr, u
         DType::U32 => at!(u32),
         DType::I64 => at!(i64),
         DType::U8 => at!(u8),
-        dt => candle_core::bail!("NCCL buffer: unsupported dtype {dt:?}"),
+        dt => candle_core::bail!("transfer buffer: unsupported dtype {dt:?}"),
     })
 }
 
 /// A new tensor of `shape` and `dtype` on `dev` (not initialised) and its address and
 /// size in bytes, for a transfer to fill.
-pub(super) fn uninit(
+pub(crate) fn uninit(
     dev: &CudaDevice,
     stream: &CudaStream,
     dtype: DType,
@@ -73,7 +73,7 @@ pub(super) fn uninit(
         DType::U32 => mk!(u32),
         DType::I64 => mk!(i64),
         DType::U8 => mk!(u8),
-        dt => candle_core::bail!("NCCL buffer: unsupported dtype {dt:?}"),
+        dt => candle_core::bail!("transfer buffer: unsupported dtype {dt:?}"),
     };
     let t = Tensor::from_storage(
         Storage::Cuda(storage),
