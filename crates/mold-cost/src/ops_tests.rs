@@ -618,7 +618,7 @@ fn estimated_tables_are_named_as_an_estimate() {
 }
 
 /// Under sequence parallelism FLUX's single block queues its MLP products beside its two
-/// all-to-alls (the copy engines take no SM from them), so on GPUs of one peer domain each
+/// all-to-alls (the copy engines take no SM from them), so on two GPUs of one peer domain each
 /// all-to-all costs only what its product does not hide; staged through the host (no peer
 /// domain, no copy engines between the GPUs) it costs in full, and the double block, with
 /// nothing beside its all-to-alls, costs in full either way.
@@ -702,4 +702,30 @@ fn the_single_block_s_all_to_alls_hide_behind_its_mlp_products_over_a_peer_domai
     );
     assert!(beside_all_to_alls(double, tokens, 1, 1, 2).is_none());
     assert!(beside_all_to_alls(single, tokens, 1, 1, 1).is_none());
+    // Four GPUs of one peer domain keep NCCL's all-to-all (the copy engines carry groups of
+    // two): the single block pays its all-to-alls in full.
+    let four = Machine::from_yaml(
+        &TWO.replace(
+            "- {id: cuda:1,",
+            "- {id: cuda:2, name: G, memory: 80GiB, budget: 80GiB, headroom: 1GiB, bf16_tflops: 500, mem_bandwidth_gbps: 3000}\n\
+             - {id: cuda:3, name: G, memory: 80GiB, budget: 80GiB, headroom: 1GiB, bf16_tflops: 500, mem_bandwidth_gbps: 3000}\n\
+             - {id: cuda:1,",
+        )
+        .replace("devices: [cuda:0, cuda:1]", "devices: [cuda:0, cuda:1, cuda:2, cuda:3]"),
+        "unit",
+    )
+    .unwrap();
+    let ids4: Vec<DeviceId> = (0..4).map(DeviceId::Cuda).collect();
+    let ctx = Ctx::new(&model, &four, &w);
+    let bc = ctx.block(single, &Group::sequence(ids4.clone()), DType::Bf16);
+    let shard = ((ctx.tokens.img + ctx.tokens.txt).div_ceil(4) * single.hidden * 2) as f64;
+    let c = four.group_link(&ids4).collective;
+    let want = crate::alltoall_s(&c, 3.0 * shard * 3.0 / 4.0, 4)
+        + crate::alltoall_s(&c, shard * 3.0 / 4.0, 4)
+        + 2.0 * shard / 3000e9;
+    assert!(
+        (bc.alltoall_s - want).abs() < 1e-12,
+        "{} vs {want}",
+        bc.alltoall_s
+    );
 }

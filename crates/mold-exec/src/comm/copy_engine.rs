@@ -1,5 +1,5 @@
-//! All-to-alls by the GPUs' copy engines, beside the compute: a sequence-parallel group
-//! whose ranks are threads of this process on GPUs with peer access sends each message
+//! All-to-alls by the GPUs' copy engines, beside the compute: a sequence-parallel group of
+//! two ([`GROUP`]) whose ranks are threads of this process on GPUs with peer access sends each message
 //! with one peer copy (`cuMemcpyPeerAsync`) straight into the receiving rank's buffer, on a
 //! stream of its own. Copy engines take no SMs, so the products the model queues while an
 //! exchange moves ([`Comm::all_to_all_start`]: a FLUX single block's MLP) run at full
@@ -34,6 +34,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// The group size the copy engines carry the all-to-alls of: two, as measured (2 × H200,
+/// BENCHMARKS.md). A rank of a larger group would queue its messages to the others one
+/// after another on one copy stream, which no GPU run has timed against NCCL's, so larger
+/// groups keep NCCL's all-to-all (`mold_cost` prices them so).
+pub(crate) const GROUP: usize = 2;
 
 /// What a group's ranks share: each round's posts.
 pub(crate) struct Board {

@@ -25,7 +25,7 @@ pub fn make_group(
         let comms = super::nccl::local_group(&ordinals, opts.nccl_timeout, abort.cloned())
             .into_iter()
             .map(|c| Box::new(c.with_overlap_chunks(opts.overlap_chunks)) as Box<dyn Comm>);
-        if !opts.exchange_beside {
+        if !opts.exchange_beside || ordinals.len() != super::copy_engine::GROUP {
             return comms.collect();
         }
         // All-to-alls by the copy engines, beside the compute (peer access checked at the

@@ -81,7 +81,7 @@ pub struct CommOptions {
     /// overlap_chunks`]); 1 sums once after the whole product. `MOLD_OVERLAP_CHUNKS`,
     /// default [`DEFAULT_OVERLAP_CHUNKS`].
     pub overlap_chunks: usize,
-    /// A one-process group of GPUs with peer access runs its all-to-alls by the copy
+    /// A one-process group of two GPUs with peer access runs its all-to-alls by the copy
     /// engines on a stream of its own, beside the products the model queues while they
     /// move (FLUX's single blocks: the MLP products under both of sequence parallelism's
     /// all-to-alls; [`super::Comm::all_to_all_start`]), instead of NCCL's on the compute
