@@ -25,14 +25,13 @@
 //! wait for each other through events.
 
 use super::buffers::{address, uninit};
-use super::{cat_shape, check_all_to_all, ChunkedSum, Comm, CommError, Exchange};
+use super::{board, cat_shape, check_all_to_all, ChunkedSum, Comm, CommError, Exchange};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda::cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
 use candle_core::cuda::CudaDevice;
 use candle_core::{Device, Result, Shape, Tensor};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The group size the copy engines carry the all-to-alls of: two, as measured (2 × H200,
@@ -41,14 +40,10 @@ use std::time::{Duration, Instant};
 /// groups keep NCCL's all-to-all (`mold_cost` prices them so).
 pub(crate) const GROUP: usize = 2;
 
-/// What a group's ranks share: each round's posts.
+/// What a group's ranks share: each round's posts and copies ([`board`](super::board)),
+/// and the exchanges' timings where traced.
 pub(crate) struct Board {
-    world: usize,
-    rounds: Mutex<HashMap<u64, Round>>,
-    changed: Condvar,
-    failed: AtomicBool,
-    /// The longest a rank waits for the others to post (the NCCL watchdog's limit).
-    limit: Option<Duration>,
+    meet: board::Board<Post, CudaEvent>,
     /// Each exchange's timing events, printed when the board is dropped
     /// ([`super::CommOptions::trace_exchanges`]).
     trace: Option<Mutex<Vec<Trace>>>,
@@ -78,46 +73,52 @@ impl Drop for Board {
             let _ = b.synchronize();
             a.elapsed_ms(b).map(f64::from).unwrap_or(f64::NAN)
         };
-        let mut sums: std::collections::BTreeMap<(usize, u64), [f64; 6]> = Default::default();
-        let n = t.iter().map(|x| x.k).max().map_or(0, |m| m + 1);
+        // Per rank, the exchanges by their place in a pair (a block's first, q/k/v, and
+        // second, its output) and by whether the work queued between start and finish
+        // outlasted the copies (something ran beside them) or not.
+        let mut sums: std::collections::BTreeMap<(usize, u64, bool), [f64; 7]> = Default::default();
         for x in &t {
             let (Some(fc), Some(fd)) = (&x.finish_called, &x.finish_done) else {
                 continue;
             };
-            // Exchanges in order: the first two of every block at the q/k/v and output;
-            // the double blocks' come first.
+            let (wait, copies, until_finish) = (
+                ms(&x.ready, &x.copy_start),
+                ms(&x.copy_start, &x.copy_end),
+                ms(&x.ready, fc),
+            );
             let e = sums
-                .entry((x.rank, x.k % 2 + 2 * u64::from(x.k >= n * 19 / 57)))
+                .entry((x.rank, x.k % 2, until_finish > copies))
                 .or_default();
-            e[0] += ms(&x.ready, &x.copy_start);
-            e[1] += ms(&x.copy_start, &x.copy_end);
-            e[2] += ms(&x.ready, fc);
+            e[0] += wait;
+            e[1] += copies;
+            e[2] += until_finish;
             e[3] += ms(fc, fd);
             e[4] += f64::from(u8::from(x.host_behind));
             e[5] += x.host_wait.as_secs_f64() * 1e3;
+            e[6] += 1.0;
         }
-        for ((rank, kind), v) in sums {
-            let what = [
-                "double q/k/v",
-                "double output",
-                "single q/k/v",
-                "single output",
-            ];
+        for ((rank, second, beside), v) in sums {
             eprintln!(
-                "exchange trace rank {rank} {}: ready->copy {:.2} ms, copies {:.2} ms, \
-                 ready->finish called {:.2} ms, finish wait {:.2} ms, host behind {} times, \
-                 host waited for posts {:.2} ms",
-                what[kind as usize], v[0], v[1], v[2], v[3], v[4], v[5]
+                "exchange trace rank {rank}, {} of {} exchanges ({} of a pair, {}): \
+                 ready->copy {:.2} ms, copies {:.2} ms, ready->finish called {:.2} ms, \
+                 finish wait {:.2} ms, host behind {} times, host waited for posts {:.2} ms",
+                v[6],
+                t.len(),
+                if second == 1 { "second" } else { "first" },
+                if beside {
+                    "work beside"
+                } else {
+                    "nothing beside"
+                },
+                v[0],
+                v[1],
+                v[2],
+                v[3],
+                v[4],
+                v[5]
             );
         }
     }
-}
-
-#[derive(Default)]
-struct Round {
-    posts: Vec<Option<Arc<Post>>>,
-    sent: Vec<Option<Arc<CudaEvent>>>,
-    finished: usize,
 }
 
 /// One rank's post for a round.
@@ -136,80 +137,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Board {
     pub(crate) fn new(world: usize, limit: Option<Duration>, trace: bool) -> Arc<Board> {
         Arc::new(Board {
-            world,
-            rounds: Mutex::new(HashMap::new()),
-            changed: Condvar::new(),
-            failed: AtomicBool::new(false),
-            limit,
+            meet: board::Board::new(world, limit),
             trace: trace.then(|| Mutex::new(Vec::new())),
         })
-    }
-
-    /// Waits until `done` holds for round `k`, then runs `take` on it (under the lock).
-    fn wait_for<T>(
-        &self,
-        rank: usize,
-        k: u64,
-        what: &str,
-        done: impl Fn(&Round) -> bool,
-        take: impl FnOnce(&mut Round) -> T,
-    ) -> Result<T> {
-        let start = Instant::now();
-        let mut rounds = lock(&self.rounds);
-        loop {
-            if self.failed.load(Ordering::SeqCst) {
-                return Err(CommError::PeerAborted {
-                    rank: format!("rank {rank}"),
-                    cause: "a rank of the sequence-parallel group failed".into(),
-                }
-                .into());
-            }
-            let round = rounds.entry(k).or_insert_with(|| Round::new(self.world));
-            if done(round) {
-                return Ok(take(round));
-            }
-            let waited = start.elapsed();
-            if let Some(limit) = self.limit {
-                if waited > limit {
-                    self.fail();
-                    return Err(CommError::Timeout {
-                        rank: format!("rank {rank}"),
-                        what: format!("waiting for the other ranks' {what}"),
-                        waited,
-                        why: "MOLD_NCCL_TIMEOUT_S; another rank stopped or is stuck".into(),
-                    }
-                    .into());
-                }
-            }
-            rounds = self
-                .changed
-                .wait_timeout(rounds, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-
-    /// Changes round `k` with `f` and wakes the ranks waiting on the board.
-    fn put(&self, k: u64, f: impl FnOnce(&mut Round)) {
-        let mut rounds = lock(&self.rounds);
-        f(rounds.entry(k).or_insert_with(|| Round::new(self.world)));
-        drop(rounds);
-        self.changed.notify_all();
-    }
-
-    fn fail(&self) {
-        self.failed.store(true, Ordering::SeqCst);
-        self.changed.notify_all();
-    }
-}
-
-impl Round {
-    fn new(world: usize) -> Round {
-        Round {
-            posts: (0..world).map(|_| None).collect(),
-            sent: (0..world).map(|_| None).collect(),
-            finished: 0,
-        }
     }
 }
 
@@ -263,7 +193,7 @@ impl CopyEngineComm {
         recv: Vec<Shape>,
         into: Option<Option<Tensor>>,
     ) -> Result<Box<dyn Exchange + '_>> {
-        let (rank, world) = (self.rank, self.board.world);
+        let (rank, world) = (self.rank, self.board.meet.world());
         check_all_to_all(rank, world, &send, &recv)?;
         let Device::Cuda(dev) = send[rank].device().clone() else {
             return self.on_inner(send, recv, into);
@@ -364,8 +294,10 @@ impl CopyEngineComm {
             ready,
             dst,
         });
-        self.board.put(k, |r| r.posts[rank] = Some(post.clone()));
-        let posts: Vec<Arc<Post>> = self.board.wait_for(
+        self.board
+            .meet
+            .put(k, |r| r.posts[rank] = Some(post.clone()));
+        let posts: Vec<Arc<Post>> = self.board.meet.wait_for(
             rank,
             k,
             "messages",
@@ -405,7 +337,7 @@ impl CopyEngineComm {
             let (to, room) = peer.dst[rank];
             let (from, bytes) = address(&send[j], &side)?;
             if bytes != room {
-                self.board.fail();
+                self.board.meet.fail();
                 return Err(CommError::Local(format!(
                     "all_to_all: rank {rank} sends rank {j} {bytes} bytes, which expects {room}"
                 ))
@@ -433,7 +365,9 @@ impl CopyEngineComm {
             .map_err(cuda_err("cuMemcpyPeerAsync"))?;
         }
         let sent = Arc::new(side.record_event(flags).map_err(cuda_err("an event"))?);
-        self.board.put(k, |r| r.sent[rank] = Some(sent.clone()));
+        self.board
+            .meet
+            .put(k, |r| r.sent[rank] = Some(sent.clone()));
         let trace = copy_start.map(|copy_start| Trace {
             rank,
             k,
@@ -467,15 +401,9 @@ impl CopyEngineComm {
         self.inner.all_to_all_start(send, recv, into)
     }
 
-    /// This rank is done with round `k`; the last rank forgets it.
+    /// This rank is done with round `k`.
     fn finished(&self, k: u64) {
-        let mut rounds = lock(&self.board.rounds);
-        if let Some(r) = rounds.get_mut(&k) {
-            r.finished += 1;
-            if r.finished == self.board.world {
-                rounds.remove(&k);
-            }
-        }
+        self.board.meet.finished(k);
     }
 }
 
@@ -501,7 +429,7 @@ impl InFlight<'_> {
         }
         self.joined = true;
         let c = self.comm;
-        let sent: Vec<Arc<CudaEvent>> = c.board.wait_for(
+        let sent: Vec<Arc<CudaEvent>> = c.board.meet.wait_for(
             c.rank,
             self.k,
             "copies",
@@ -592,7 +520,7 @@ impl Comm for CopyEngineComm {
         self.inner.chunked_sum(total)
     }
     fn abort(&self) {
-        self.board.fail();
+        self.board.meet.fail();
         self.inner.abort();
     }
     fn check(&self) -> Result<()> {

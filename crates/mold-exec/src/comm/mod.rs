@@ -18,6 +18,8 @@
 //! ([`CommError`]; [`root_cause`] picks the rank that failed first); settings come in
 //! as [`CommOptions`].
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod board;
 #[cfg(feature = "cuda")]
 pub(crate) mod buffers;
 #[cfg(feature = "cuda")]
