@@ -639,7 +639,9 @@ fn model_request(a: &Args, model: &str) -> Result<ModelCalibration> {
     }
     let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let comm = mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok())?;
+    let mut comm = mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok())?;
+    // Measured as `mold exec --no-peer` runs: the all-to-alls by NCCL, not by peer copies.
+    comm.exchange_beside &= !a.no_peer;
     Ok(ModelCalibration {
         model: model.into(),
         spec,

@@ -10,7 +10,9 @@
 //! host queued late (a thread scheduled late) is not timed as the others' wait — in a
 //! step the devices' queues are full of products and hide that. Timing each collective
 //! alone, the host waiting for it, priced the host's launch and wait into every
-//! collective.
+//! collective. A group of two GPUs with peer access times its all-to-all as `mold exec`
+//! runs it, by the copy engines (`comm/copy_engine.rs`): there each exchange also meets
+//! the other rank on the host, which the untimed lead collective lines up too.
 
 use super::bench::{list, OpBench};
 use super::loads::random;

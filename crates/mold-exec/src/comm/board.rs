@@ -2,7 +2,7 @@
 //! all-to-all (`copy_engine.rs`): round `k` holds each rank's post (its receive buffers and
 //! the event after which they may be written) and each rank's `sent` (the event after which
 //! its copies are done). A rank waits on the host until the others have put theirs, at most
-//! the limit, and stops at once when any rank fails the board. Rounds are forgotten once
+//! the limit, and stops as soon as any rank fails the board (taking what is already there). Rounds are forgotten once
 //! every rank has finished them. Nothing here touches a GPU.
 
 use super::CommError;
@@ -80,16 +80,18 @@ impl<P, S> Board<P, S> {
         let start = Instant::now();
         let mut rounds = lock(&self.rounds);
         loop {
+            // What is there is taken even after a failure: a rank whose peers' copies are
+            // all queued must still wait for them before it frees their destinations.
+            let round = rounds.entry(k).or_insert_with(|| Round::new(self.world));
+            if done(round) {
+                return Ok(take(round));
+            }
             if self.failed.load(Ordering::SeqCst) {
                 return Err(CommError::PeerAborted {
                     rank: format!("rank {rank}"),
                     cause: "a rank of the sequence-parallel group failed".into(),
                 }
                 .into());
-            }
-            let round = rounds.entry(k).or_insert_with(|| Round::new(self.world));
-            if done(round) {
-                return Ok(take(round));
             }
             let waited = start.elapsed();
             let mut step = Duration::from_millis(100);
@@ -212,6 +214,19 @@ mod tests {
             .wait_for(1, 0, "copies", |_| false, |_| ())
             .unwrap_err();
         assert!(CommError::is_peer_aborted(&e), "{e}");
+    }
+
+    /// A round every rank completed is still taken after the board failed (a rank must wait
+    /// for copies already queued into its buffers); an incomplete one is not.
+    #[test]
+    fn a_complete_round_is_taken_after_a_failure() {
+        let board = B::new(2, None);
+        board.put(3, |r| r.sent = vec![Some(Arc::new(1)), Some(Arc::new(2))]);
+        board.fail();
+        let all = |r: &Round<usize, usize>| r.sent.iter().all(Option::is_some);
+        let got = board.wait_for(0, 3, "copies", all, |r| r.sent.iter().flatten().count());
+        assert_eq!(got.unwrap(), 2);
+        assert!(board.wait_for(0, 4, "copies", all, |_| ()).is_err());
     }
 
     /// A rank that fails the board releases the ranks waiting on it at once.

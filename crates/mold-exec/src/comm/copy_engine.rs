@@ -44,6 +44,10 @@ pub(crate) const GROUP: usize = 2;
 /// and the exchanges' timings where traced.
 pub(crate) struct Board {
     meet: board::Board<Post, CudaEvent>,
+    /// Whether every pair of the group's GPUs copies directly: decided at the first
+    /// exchange from every rank's post, so every rank decides alike; where they do not, the
+    /// later exchanges go to NCCL without meeting.
+    direct: std::sync::OnceLock<bool>,
     /// Each exchange's timing events, printed when the board is dropped
     /// ([`super::CommOptions::trace_exchanges`]).
     trace: Option<Mutex<Vec<Trace>>>,
@@ -67,6 +71,15 @@ struct Trace {
 
 impl Drop for Board {
     fn drop(&mut self) {
+        if self.trace.is_none() {
+            return;
+        }
+        // Timing and dropping the events binds their GPUs' contexts: the thread's current
+        // one is put back after (`_restore` is dropped after `t`, declared after it).
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: a valid out pointer; a null result (no context) is handled below.
+        let _ = unsafe { sys::cuCtxGetCurrent(&mut current) };
+        let _restore = RestoreContext(current);
         let Some(t) = self.trace.take() else { return };
         let t = t.into_inner().unwrap_or_else(|e| e.into_inner());
         let ms = |a: &CudaEvent, b: &CudaEvent| {
@@ -121,6 +134,19 @@ impl Drop for Board {
     }
 }
 
+/// Makes `.0` the thread's current context again when dropped (where there was one).
+struct RestoreContext(sys::CUcontext);
+
+impl Drop for RestoreContext {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: the context was current on this thread when taken and the GPU's
+            // primary context stays alive while the process holds its devices.
+            let _ = unsafe { sys::cuCtxSetCurrent(self.0) };
+        }
+    }
+}
+
 /// One rank's post for a round.
 struct Post {
     device: CudaDevice,
@@ -128,6 +154,8 @@ struct Post {
     ready: Arc<CudaEvent>,
     /// Where rank j's piece lands (device address) and how many bytes it is.
     dst: Vec<(sys::CUdeviceptr, usize)>,
+    /// How many bytes the rank sends rank j.
+    sends: Vec<usize>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -138,6 +166,7 @@ impl Board {
     pub(crate) fn new(world: usize, limit: Option<Duration>, trace: bool) -> Arc<Board> {
         Arc::new(Board {
             meet: board::Board::new(world, limit),
+            direct: std::sync::OnceLock::new(),
             trace: trace.then(|| Mutex::new(Vec::new())),
         })
     }
@@ -199,6 +228,9 @@ impl CopyEngineComm {
             return self.on_inner(send, recv, into);
         };
         let k = self.next.fetch_add(1, Ordering::SeqCst);
+        if self.board.direct.get() == Some(&false) {
+            return self.on_inner(send, recv, into);
+        }
         let send: Vec<Tensor> = send.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
         if let Some(t) = send
             .iter()
@@ -293,6 +325,7 @@ impl CopyEngineComm {
             device: dev.clone(),
             ready,
             dst,
+            sends: send.iter().map(|t| t.elem_count() * size).collect(),
         });
         self.board
             .meet
@@ -308,17 +341,85 @@ impl CopyEngineComm {
         let host_behind = tracing && matches!(post.ready.try_is_complete(), Ok(true));
         // Every rank reads the same posts: the group goes by the copy engines only where
         // every pair has peer access (checked once per pair, the answer kept).
-        let direct = posts.iter().all(|a| {
-            posts.iter().all(|b| {
-                a.device.same_device(&b.device) || crate::runtime::peer_access(&a.device, &b.device)
+        let direct = *self.board.direct.get_or_init(|| {
+            posts.iter().all(|a| {
+                posts.iter().all(|b| {
+                    a.device.same_device(&b.device)
+                        || crate::runtime::peer_access(&a.device, &b.device)
+                })
             })
         });
-        if !direct {
-            self.finished(k);
+        // Every rank checks every pair's sizes before anyone copies, so all refuse alike.
+        let mismatch = (0..world)
+            .flat_map(|s| (0..world).map(move |j| (s, j)))
+            .find_map(|(s, j)| {
+                let sent = posts[s].sends.get(j).copied();
+                let room = posts[j].dst.get(s).map(|d| d.1);
+                (s != j && sent != room).then(|| {
+                    format!("all_to_all: rank {s} sends rank {j} {sent:?} bytes, which expects {room:?}")
+                })
+            });
+        if !direct || mismatch.is_some() {
+            // Nobody copies this round: the buffers are free to go.
             drop(got);
+            drop(posts);
+            self.finished(k);
+            // Dropping another GPU's event may have made its context current.
+            ctx.bind_to_thread().map_err(cuda_err("binding the GPU"))?;
+            if let Some(m) = mismatch {
+                return Err(CommError::Local(m).into());
+            }
             return self.on_inner(send, recv, into);
         }
-        let side = copy_stream(&ctx)?;
+        match self.copy(k, &ctx, &post, &posts, &send, tracing) {
+            Ok((side, sent, copy_start)) => {
+                let trace = copy_start.map(|copy_start| Trace {
+                    rank,
+                    k,
+                    ready: post.ready.clone(),
+                    copy_start,
+                    copy_end: sent,
+                    finish_called: None,
+                    finish_done: None,
+                    host_behind,
+                    host_wait,
+                });
+                Ok(Box::new(InFlight {
+                    comm: self,
+                    k,
+                    compute,
+                    side,
+                    got,
+                    keep: send,
+                    joined: false,
+                    trace,
+                }))
+            }
+            Err(e) => {
+                // Copies may be queued into these buffers, and from these messages: they are
+                // never freed (the group stops; the others are released by the board).
+                self.board.meet.fail();
+                std::mem::forget(got);
+                std::mem::forget(send);
+                Err(e)
+            }
+        }
+    }
+
+    /// Queues this rank's copies of round `k` on its copy stream, after every rank's
+    /// `ready`, and posts `sent`: the copy stream, `sent`, and the trace's first event.
+    fn copy(
+        &self,
+        k: u64,
+        ctx: &Arc<CudaContext>,
+        post: &Post,
+        posts: &[Arc<Post>],
+        send: &[Tensor],
+        tracing: bool,
+    ) -> Result<(Arc<CudaStream>, Arc<CudaEvent>, Option<CudaEvent>)> {
+        let rank = self.rank;
+        let flags = if tracing { TIMING } else { NO_TIMING };
+        let side = copy_stream(ctx)?;
         side.wait(&post.ready).map_err(cuda_err("ordering"))?;
         for (j, peer) in posts.iter().enumerate() {
             if j != rank {
@@ -337,7 +438,6 @@ impl CopyEngineComm {
             let (to, room) = peer.dst[rank];
             let (from, bytes) = address(&send[j], &side)?;
             if bytes != room {
-                self.board.meet.fail();
                 return Err(CommError::Local(format!(
                     "all_to_all: rank {rank} sends rank {j} {bytes} bytes, which expects {room}"
                 ))
@@ -368,27 +468,7 @@ impl CopyEngineComm {
         self.board
             .meet
             .put(k, |r| r.sent[rank] = Some(sent.clone()));
-        let trace = copy_start.map(|copy_start| Trace {
-            rank,
-            k,
-            ready: post.ready.clone(),
-            copy_start,
-            copy_end: sent,
-            finish_called: None,
-            finish_done: None,
-            host_behind,
-            host_wait,
-        });
-        Ok(Box::new(InFlight {
-            comm: self,
-            k,
-            compute,
-            side,
-            got,
-            keep: send,
-            joined: false,
-            trace,
-        }))
+        Ok((side, sent, copy_start))
     }
 
     /// The exchange by the inner communicator, now.
@@ -423,11 +503,11 @@ struct InFlight<'a> {
 
 impl InFlight<'_> {
     /// The compute stream waits for every rank's copies of this round.
+    /// Set `joined` only once the waits are queued.
     fn join(&mut self) -> Result<()> {
         if self.joined {
             return Ok(());
         }
-        self.joined = true;
         let c = self.comm;
         let sent: Vec<Arc<CudaEvent>> = c.board.meet.wait_for(
             c.rank,
@@ -442,14 +522,20 @@ impl InFlight<'_> {
         for ev in &sent {
             self.compute.wait(ev).map_err(cuda_err("ordering"))?;
         }
+        self.joined = true;
         if let Some(mut t) = self.trace.take() {
             t.finish_done = self.compute.record_event(TIMING).ok();
             if let Some(all) = &c.board.trace {
                 lock(all).push(t);
             }
         }
+        drop(sent);
         c.finished(self.k);
-        Ok(())
+        // Dropping the other GPU's events may have made its context current.
+        self.compute
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_err("binding the GPU"))
     }
 }
 
@@ -463,11 +549,14 @@ impl Exchange for InFlight<'_> {
 
 impl Drop for InFlight<'_> {
     /// Dropped without `finish` (an error in between): the messages and buffers are freed
-    /// only after the compute stream waited for the copies, where the others still post.
+    /// only after the compute stream waited for every rank's copies; where that cannot be
+    /// queued (the group failed before every rank posted its copies), they are never freed:
+    /// a peer's copy may still write into them.
     fn drop(&mut self) {
         if !self.joined && self.join().is_err() {
-            // The group failed: wait for this rank's copies, which read `keep`.
             let _ = self.side.synchronize();
+            std::mem::forget(std::mem::take(&mut self.got));
+            std::mem::forget(std::mem::take(&mut self.keep));
         }
     }
 }

@@ -142,8 +142,8 @@ pub trait Comm: Send + Sync {
     /// [`Comm::all_to_all`] (`into: None`, the pieces apart) or [`Comm::all_to_all_cat`]
     /// (`Some(into)`: one tensor, received into `into` where given) started now and
     /// finished by [`Exchange::finish`], so that work queued between the two, which must
-    /// not read what arrives, may run while the pieces move (NCCL with
-    /// [`CommOptions::exchange_beside`]: on the rank's side stream). Every rank must start
+    /// not read what arrives, may run while the pieces move (a group of two GPUs with
+    /// [`CommOptions::exchange_beside`]: by the copy engines, `copy_engine.rs`). Every rank must start
     /// and finish its exchanges in the same order, and start no other collective on this
     /// group between the two. The provided implementation exchanges now and hands the
     /// result back at `finish`.

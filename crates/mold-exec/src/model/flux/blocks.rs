@@ -599,9 +599,9 @@ impl SingleBlock {
     /// (no bias): the MLP's products, which do not read attention, are queued while the
     /// all-to-alls move — `linear1`'s MLP rows under the q/k/v exchange, `linear2`'s MLP
     /// columns under the output's, the attention columns then accumulated into that sum
-    /// — so where the group exchanges on a side stream (NCCL, `MOLD_SP_OVERLAP`) the
-    /// exchanges run beside them. The same sums as [`Self::forward`]'s other path, added
-    /// in the other order.
+    /// — so where the group exchanges by the copy engines (two GPUs, `MOLD_SP_OVERLAP`)
+    /// the exchanges run beside them. The same sums as [`Self::forward`]'s other path, the
+    /// MLP's part rounded to the activations' dtype before the attention's is added.
     fn mix_beside(
         &self,
         normed: Tensor,
