@@ -25,7 +25,9 @@
 //! wait for each other through events.
 
 use super::buffers::{address, uninit};
-use super::{board, cat_shape, check_all_to_all, ChunkedSum, Comm, CommError, Exchange};
+use super::{
+    board, cat_shape, check_all_to_all, check_cat_buffer, ChunkedSum, Comm, CommError, Exchange,
+};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda::cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
 use candle_core::cuda::CudaDevice;
@@ -253,18 +255,7 @@ impl CopyEngineComm {
                 let shape = cat_shape(&recv)?;
                 let whole = match buf {
                     Some(t) => {
-                        if t.shape() != &shape
-                            || !t.is_contiguous()
-                            || t.dtype() != dtype
-                            || !t.device().same_device(send[rank].device())
-                        {
-                            return Err(CommError::Local(format!(
-                                "all_to_all_cat: a buffer {:?} {:?} for pieces of {shape:?} {dtype:?}",
-                                t.shape(),
-                                t.dtype()
-                            ))
-                            .into());
-                        }
+                        check_cat_buffer(&send[rank], &shape, t)?;
                         t.clone()
                     }
                     None => {

@@ -284,6 +284,27 @@ impl Comm for LocalComm {
     }
 }
 
+/// The checks of [`Comm::all_to_all_cat`]'s `into`: a contiguous buffer of the pieces'
+/// `shape`, of the dtype and on the device of this rank's own piece `own` (the GPU
+/// backends receive into it).
+#[cfg(feature = "cuda")]
+pub(crate) fn check_cat_buffer(own: &Tensor, shape: &Shape, into: &Tensor) -> Result<()> {
+    if into.shape() != shape
+        || !into.is_contiguous()
+        || into.dtype() != own.dtype()
+        || !into.device().same_device(own.device())
+    {
+        return Err(CommError::Local(format!(
+            "all_to_all_cat: a buffer {:?} {:?} for pieces of {shape:?} {:?}",
+            into.shape(),
+            into.dtype(),
+            own.dtype()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
 /// The shape of [`Comm::all_to_all_cat`]'s result: `recv`'s shapes one after another
 /// along dimension 0. Fails unless they agree past it.
 pub(crate) fn cat_shape(recv: &[Shape]) -> Result<Shape> {

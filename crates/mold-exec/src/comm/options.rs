@@ -150,6 +150,19 @@ pub fn timeout_secs(var: &str, v: &str, zero: Option<&str>) -> Result<Option<Dur
         .map_err(|_| refuse())
 }
 
+/// An on/off variable `var` (its text `v`): `on` or `1`, `off` or `0`; anything else is
+/// refused in one line naming `var`, what it switches (`what`) and its default.
+fn switch(var: &str, v: &str, what: &str, default: bool) -> Result<bool> {
+    match v.trim() {
+        "on" | "1" => Ok(true),
+        "off" | "0" => Ok(false),
+        _ => Err(ExecError::Launch(format!(
+            "{var}={v:?}: give on or off{what}, or unset it (default {})",
+            if default { "on" } else { "off" }
+        ))),
+    }
+}
+
 impl CommOptions {
     /// Reads `MOLD_NCCL_TIMEOUT_S`, `MOLD_DIST_TIMEOUT_S` and `MOLD_DIST_SECRET` through
     /// `get` (the CLI passes `|k| std::env::var(k).ok()`); unset ones keep their defaults.
@@ -189,40 +202,18 @@ impl CommOptions {
             };
         }
         if let Some(v) = get("MOLD_SP_OVERLAP") {
-            o.exchange_beside = match v.trim() {
-                "on" | "1" => true,
-                "off" | "0" => false,
-                _ => {
-                    return Err(ExecError::Launch(format!(
-                        "MOLD_SP_OVERLAP={v:?}: give on or off (sequence parallelism's \
-                         all-to-alls beside the products, or between them), or unset it \
-                         (default {})",
-                        if DEFAULT_EXCHANGE_BESIDE { "on" } else { "off" }
-                    )))
-                }
-            };
+            o.exchange_beside = switch(
+                "MOLD_SP_OVERLAP",
+                &v,
+                " (sequence parallelism's all-to-alls beside the products, or between them)",
+                DEFAULT_EXCHANGE_BESIDE,
+            )?;
         }
         if let Some(v) = get("MOLD_SP_TRACE") {
-            o.trace_exchanges = match v.trim() {
-                "1" | "on" => true,
-                "0" | "off" => false,
-                _ => {
-                    return Err(ExecError::Launch(format!(
-                        "MOLD_SP_TRACE={v:?}: give 1 or 0, or unset it (default 0)"
-                    )))
-                }
-            };
+            o.trace_exchanges = switch("MOLD_SP_TRACE", &v, "", false)?;
         }
         if let Some(v) = get("MOLD_TP_TOKEN_SPLIT") {
-            o.token_split = match v.trim() {
-                "on" | "1" => true,
-                "off" | "0" => false,
-                _ => {
-                    return Err(ExecError::Launch(format!(
-                        "MOLD_TP_TOKEN_SPLIT={v:?}: give on or off, or unset it (default off)"
-                    )))
-                }
-            };
+            o.token_split = switch("MOLD_TP_TOKEN_SPLIT", &v, "", false)?;
         }
         if let Some(v) = get("MOLD_COMM_WARM") {
             o.warm_during_load = match v.trim() {
@@ -304,6 +295,14 @@ mod tests {
         for (v, on) in [("on", true), (" 1", true), ("off", false), ("0 ", false)] {
             assert_eq!(from(&[("MOLD_SP_OVERLAP", v)]).unwrap().exchange_beside, on);
         }
+        for (v, on) in [("1", true), ("on", true), ("0", false), (" off", false)] {
+            assert_eq!(from(&[("MOLD_SP_TRACE", v)]).unwrap().trace_exchanges, on);
+        }
+        let m = msg(&[("MOLD_SP_TRACE", "2")]);
+        assert!(
+            m.contains("MOLD_SP_TRACE=\"2\"") && m.contains("on or off"),
+            "{m}"
+        );
         let m = msg(&[("MOLD_SP_OVERLAP", "yes")]);
         assert!(
             m.contains("MOLD_SP_OVERLAP=\"yes\"") && m.contains("on or off"),

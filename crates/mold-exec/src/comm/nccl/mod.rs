@@ -417,19 +417,7 @@ impl Comm for NcclComm {
     ) -> Result<Tensor> {
         let shape = super::cat_shape(recv)?;
         if let Some(t) = into {
-            if t.shape() != &shape
-                || !t.is_contiguous()
-                || t.dtype() != send[self.rank].dtype()
-                || !t.device().same_device(send[self.rank].device())
-            {
-                return Err(CommError::Local(format!(
-                    "all_to_all_cat: a buffer {:?} {:?} for pieces of {shape:?} {:?}",
-                    t.shape(),
-                    t.dtype(),
-                    send[self.rank].dtype()
-                ))
-                .into());
-            }
+            super::check_cat_buffer(&send[self.rank], &shape, t)?;
         }
         let mut got = self.exchange(send, recv, Some((&shape, into)))?;
         got.pop()
