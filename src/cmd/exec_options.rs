@@ -72,7 +72,8 @@ fn one_line(m: &str) -> String {
 
 /// The executor's options: `--streaming` else `MOLD_STREAMING` (default pinned),
 /// `MOLD_KERNELS` (auto|fused|mold|cudnn|candle), `MOLD_PROFILE` (non-empty, not 0; `events`: GPU time by CUDA events), `MOLD_FAULT`
-/// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `MOLD_LOAD` (staged|host), `--deterministic` else
+/// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `MOLD_LOAD` (staged|host),
+/// `MOLD_MODULATION_AHEAD` (on|off), `--deterministic` else
 /// `MOLD_DETERMINISTIC` (non-empty, not 0), and the communication options. A malformed
 /// value is an error naming the variable.
 pub fn exec_options(
@@ -128,6 +129,19 @@ pub fn exec_options(
             }
         },
     };
+    let modulation_ahead = match env.get("MOLD_MODULATION_AHEAD") {
+        None => true,
+        Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "on" | "1" => true,
+            "off" | "0" => false,
+            _ => {
+                return Err(anyhow!(
+                    "MOLD_MODULATION_AHEAD={}: give on (the default: each block's modulation computed for a window of steps at once) or off (every step's alone)",
+                    one_line(&format!("{v:?}"))
+                ))
+            }
+        },
+    };
     Ok(ExecOptions {
         streaming,
         kernels,
@@ -141,6 +155,7 @@ pub fn exec_options(
         // the NCCL setting the flag makes, `common::no_peer_access`).
         peer_copies: true,
         staged_load,
+        modulation_ahead,
     })
 }
 
@@ -186,6 +201,11 @@ pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
             "load".into(),
             if o.staged_load { "staged" } else { "host" }.into(),
             src("MOLD_LOAD"),
+        ),
+        (
+            "modulation_ahead".into(),
+            if o.modulation_ahead { "on" } else { "off" }.into(),
+            src("MOLD_MODULATION_AHEAD"),
         ),
         (
             "deterministic".into(),
@@ -264,6 +284,17 @@ mod tests {
         assert!(o.staged_load);
         assert!(!opts(None, &[("MOLD_LOAD", " Host")]).unwrap().staged_load);
         assert!(opts(None, &[("MOLD_LOAD", "staged")]).unwrap().staged_load);
+        assert!(o.modulation_ahead);
+        assert!(
+            !opts(None, &[("MOLD_MODULATION_AHEAD", "off")])
+                .unwrap()
+                .modulation_ahead
+        );
+        assert!(
+            opts(None, &[("MOLD_MODULATION_AHEAD", " 1")])
+                .unwrap()
+                .modulation_ahead
+        );
         let o = opts(Some(Streaming::Pageable), &env).unwrap();
         assert_eq!(o.streaming, Streaming::Pageable);
         assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);
@@ -331,6 +362,8 @@ mod tests {
             ("MOLD_HOST_MEMORY", "1\nXB"),
             ("MOLD_LOAD", "fast"),
             ("MOLD_LOAD", "a\nb"),
+            ("MOLD_MODULATION_AHEAD", "yes"),
+            ("MOLD_MODULATION_AHEAD", "a\nb"),
             ("MOLD_STREAMING", "a\nb"),
             ("MOLD_KERNELS", "a\nb"),
             ("MOLD_FAULT", "a\nb"),

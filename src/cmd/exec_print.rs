@@ -221,6 +221,7 @@ pub fn say_bench<M: Benchable>(
             "weight_bytes": m.resident_weight_bytes,
             "stream_buffer_bytes": m.stream_buffer_bytes,
             "largest_activation_bytes": m.largest_activation_bytes,
+            "modulation_ahead_bytes": m.ahead_bytes,
             "predicted_peak_bytes": planned.map(|b| b.0),
         }));
         let p = planned.map(|b| b.human()).unwrap_or_else(|| "-".into());

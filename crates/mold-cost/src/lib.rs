@@ -226,6 +226,34 @@ impl<'a> Ctx<'a> {
             .unwrap_or_else(|| panic!("device {id} not in machine (validate the plan first)"))
     }
 
+    /// The windows (steps each) the executor computes the blocks' per-sample products in
+    /// ([`mold_models::modulation_windows`]), where the model's executor computes them
+    /// ahead; empty where every step computes its own.
+    pub fn modulation_windows(&self) -> Vec<u64> {
+        if self.model.transformer.modulation_ahead {
+            mold_models::modulation_windows(self.workload.steps)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Bytes a rank keeps between steps for the per-sample outputs computed ahead: every
+    /// block's full outputs (each rank of a tensor-parallel group gathers them) for the
+    /// largest window — counted for the whole model on every device, an upper bound
+    /// for a device holding some of the blocks.
+    pub fn modulation_ahead_bytes(&self, act: u64) -> u64 {
+        let rows = self.modulation_windows().into_iter().max().unwrap_or(0);
+        self.model
+            .transformer
+            .kinds
+            .iter()
+            .map(|k| {
+                (k.count as u64)
+                    .saturating_mul(k.per_sample_bytes(self.batch.saturating_mul(rows), act))
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
     /// Seconds for `flops` and `bytes` read on one device: the slower of compute and
     /// memory traffic.
     pub(crate) fn device_time(&self, id: &DeviceId, flops: f64, bytes: u64, dtype: DType) -> f64 {
@@ -257,6 +285,18 @@ impl<'a> Ctx<'a> {
                 + f.per_sample / tp as f64
                 + f.replicated);
         let elementwise = Self::elementwise_bytes(kind, local, self.batch, act);
+        // Per-sample weights computed ahead are read once a window, not once a step.
+        let windows = self.modulation_windows();
+        let weight_reads = if windows.is_empty() {
+            weight_bytes
+        } else {
+            let per_sample = dtype
+                .weight_bytes(kind.per_sample_params)
+                .div_ceil(tp as u64);
+            let saved = per_sample as f64
+                * (1.0 - windows.len() as f64 / windows.iter().sum::<u64>() as f64);
+            weight_bytes.saturating_sub(saved as u64)
+        };
         let heads = (kind.heads as u64).div_ceil(tp as u64 * sp as u64);
         let mut compute_s: f64 = 0.0;
         let mut unfused = false;
@@ -266,7 +306,7 @@ impl<'a> Ctx<'a> {
                 compute_s = compute_s.max(t.total_s());
                 continue;
             }
-            let mut t = self.device_time(id, flops, weight_bytes, dtype)
+            let mut t = self.device_time(id, flops, weight_reads, dtype)
                 + self.elementwise_time(id, elementwise);
             if let Some(d) = self.machine.device(id).filter(|d| !d.fused_attention) {
                 unfused = true;
@@ -278,14 +318,29 @@ impl<'a> Ctx<'a> {
             compute_s = compute_s.max(t);
         }
         let hidden_local = mold_models::product(&[self.batch, local, kind.hidden, act]);
-        let gathered = kind.per_sample_bytes(self.batch, act);
+        // The modulation's all-gather: once a step, or once a window over its steps' rows.
+        let gathers: Vec<(u64, f64)> = if windows.is_empty() {
+            vec![(kind.per_sample_bytes(self.batch, act), 1.0)]
+        } else {
+            let steps = windows.iter().sum::<u64>() as f64;
+            windows
+                .iter()
+                .map(|w| (kind.per_sample_bytes(self.batch * w, act), 1.0 / steps))
+                .collect()
+        };
         let allreduce_s = self.slowest_op(&group.tp_groups(), dtype, |c, n, op| {
             kind.allreduces as f64
                 * op(CollectiveOp::AllReduce, hidden_local as f64)
                     .unwrap_or_else(|| c.allreduce_s(hidden_local, n))
                 + kind.allgathers() as f64
-                    * op(CollectiveOp::AllGather, gathered as f64)
-                        .unwrap_or_else(|| c.allreduce_s(gathered, n))
+                    * gathers
+                        .iter()
+                        .map(|&(bytes, share)| {
+                            share
+                                * op(CollectiveOp::AllGather, bytes as f64)
+                                    .unwrap_or_else(|| c.allreduce_s(bytes, n))
+                        })
+                        .sum::<f64>()
         });
         // Each all-to-all: this rank's token shard of its head columns, all but the
         // 1/sp it keeps sent to the others.
@@ -367,6 +422,8 @@ impl<'a> Ctx<'a> {
             activation_bytes = activation_bytes
                 .saturating_add(mold_models::product(&[2, self.batch, heads, q, k, 4]));
         }
+        // Held between steps beside the block's own activations.
+        activation_bytes = activation_bytes.saturating_add(self.modulation_ahead_bytes(act));
         BlockCost {
             compute_s,
             allreduce_s,

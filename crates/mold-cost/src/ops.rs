@@ -60,6 +60,11 @@ pub struct BlockOps {
     pub batch: u64,
     /// Element-wise bytes read and written ([`Ctx::elementwise_bytes`]).
     pub elementwise_bytes: u64,
+    /// The windows (steps each) a request computes the per-sample products in, where the
+    /// executor computes them ahead ([`mold_models::modulation_windows`]): each
+    /// [`Run::PerSample`] product then runs once a window over `m ×` its steps' rows, and
+    /// a step costs the windows' sum over the steps. Empty: once a step.
+    pub ahead: Vec<u64>,
 }
 
 /// The block layouts mold executes, recognised from a kind's parameter counts: FLUX's
@@ -177,7 +182,37 @@ pub fn block_ops(
         },
         batch,
         elementwise_bytes: elementwise_bytes(kind, local, batch, act, tp),
+        ahead: Vec::new(),
     })
+}
+
+/// `ops` as the executor runs them over a request whose per-sample products are computed
+/// ahead in `windows` (steps each; none: every step its own): each per-sample product
+/// once per distinct window size, over that many steps' rows. What calibration times.
+pub fn as_run(ops: BlockOps, windows: &[u64]) -> BlockOps {
+    if windows.is_empty() {
+        return ops;
+    }
+    let mut sizes = windows.to_vec();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let gemms = ops
+        .gemms
+        .iter()
+        .flat_map(|g| {
+            let rows: Vec<u64> = if g.run == Run::PerSample {
+                sizes.iter().map(|w| g.m.saturating_mul(*w)).collect()
+            } else {
+                vec![g.m]
+            };
+            rows.into_iter().map(|m| Gemm { m, ..*g })
+        })
+        .collect();
+    BlockOps {
+        gemms,
+        ahead: windows.to_vec(),
+        ..ops
+    }
 }
 
 /// The products the executor queues beside each of a block's two all-to-alls under
@@ -344,16 +379,38 @@ pub fn time_from(t: &OpTables, ops: &BlockOps) -> Result<OpsTime, NotCovered> {
     let mut gemm_s = 0.0;
     for g in &ops.gemms {
         let curve = t.gemm_curve(g.n, g.k);
-        let (s, out) =
-            loglog(&curve, g.m as f64, false).ok_or(NotCovered::Gemm { n: g.n, k: g.k })?;
-        if out {
-            extrapolated.push(Extrapolated {
-                what: format!("gemm n={} k={}", g.n, g.k),
-                size: g.m,
-                measured: range(&curve),
-            });
-        }
-        gemm_s += s;
+        let mut price = |m: u64| -> Result<f64, NotCovered> {
+            let (lo, hi) = (curve.first(), curve.last());
+            let above = hi.is_some_and(|p| (m as f64) > p.0);
+            let below = lo.is_some_and(|p| (m as f64) < p.0);
+            let (s, out) = if g.run == Run::PerSample && (above || below) {
+                // A per-sample product reads its weights once for all its rows: outside
+                // the rows measured it stays bandwidth-bound (up to hundreds of rows on the
+                // GPUs mold prices), so the nearest rows measured give its time.
+                let p = if above { hi } else { lo };
+                (p.map_or(0.0, |p| p.1), true)
+            } else {
+                loglog(&curve, m as f64, false).ok_or(NotCovered::Gemm { n: g.n, k: g.k })?
+            };
+            if out {
+                extrapolated.push(Extrapolated {
+                    what: format!("gemm n={} k={}", g.n, g.k),
+                    size: m,
+                    measured: range(&curve),
+                });
+            }
+            Ok(s)
+        };
+        gemm_s += if g.run == Run::PerSample && !ops.ahead.is_empty() {
+            let steps: u64 = ops.ahead.iter().sum();
+            let mut sum = 0.0;
+            for w in &ops.ahead {
+                sum += price(g.m.saturating_mul(*w))?;
+            }
+            sum / steps.max(1) as f64
+        } else {
+            price(g.m)?
+        };
     }
     let a = ops.attention;
     let curve = t.attention_curve(a.heads, a.head_dim);
@@ -427,7 +484,13 @@ impl Ctx<'_> {
             dtype.activation_bytes(),
         )
         .ok_or(NotCovered::NoLayout)?;
-        time_from(t, &ops)
+        time_from(
+            t,
+            &BlockOps {
+                ahead: self.modulation_windows(),
+                ..ops
+            },
+        )
     }
 
     /// Seconds of `op` over the devices `group` for `bytes` per rank from the tables of
@@ -542,8 +605,15 @@ pub fn calibration_shapes(
             {
                 out.elementwise = (all.saturating_mul(batch), kind.hidden);
             }
+            // The per-sample products computed ahead run over a window's rows.
+            let windows = if model.transformer.modulation_ahead {
+                mold_models::modulation_windows(w.steps)
+            } else {
+                Vec::new()
+            };
             for &(tp, sp) in &req.layouts {
                 if let Some(ops) = block_ops(kind, tokens, batch, tp, sp, act) {
+                    let ops = as_run(ops, &windows);
                     out.gemm.extend(ops.gemms.iter().copied());
                     out.attention.push(ops.attention);
                     if !out.mixes.contains(&ops) {
@@ -563,6 +633,13 @@ pub fn calibration_shapes(
                             n,
                             kind.per_sample_bytes(batch, act),
                         ));
+                        for w in &windows {
+                            out.collectives.push((
+                                CollectiveOp::AllGather,
+                                n,
+                                kind.per_sample_bytes(batch.saturating_mul(*w), act),
+                            ));
+                        }
                     }
                     if sp == n {
                         for k in crate::ALLTOALL_SHARDS {
@@ -576,11 +653,17 @@ pub fn calibration_shapes(
         }
     }
     let base = &model.default_workload;
+    let windows = if model.transformer.modulation_ahead {
+        mold_models::modulation_windows(base.steps)
+    } else {
+        Vec::new()
+    };
     out.blocks = model
         .transformer
         .kinds
         .iter()
         .filter_map(|k| block_ops(k, model.tokens(base), base.batch as u64, 1, 1, act))
+        .map(|o| as_run(o, &windows))
         .collect();
     out.gemm.sort();
     // One point per (m, n, k): the table's key.

@@ -198,9 +198,16 @@ fn a_block_is_the_sum_of_its_measured_operations() {
             // Collectives from the tables: 10 µs + bytes at 100 GB/s.
             if group.tp == 2 {
                 let hidden = (ctx.tokens.img + ctx.tokens.txt) * kind.hidden * 2;
-                let gathered = kind.per_sample_bytes(1, 2);
-                let want = kind.allreduces as f64 * (10e-6 + hidden as f64 / 100e9)
-                    + (10e-6 + gathered as f64 / 100e9);
+                // The modulation's all-gather once a window of steps, over its rows
+                // (FLUX computes the modulation ahead: 16 + 12 steps of 28).
+                let windows = mold_models::modulation_windows(w.steps);
+                assert_eq!(windows, [16, 12]);
+                let gathers: f64 = windows
+                    .iter()
+                    .map(|r| 10e-6 + kind.per_sample_bytes(*r, 2) as f64 / 100e9)
+                    .sum::<f64>()
+                    / w.steps as f64;
+                let want = kind.allreduces as f64 * (10e-6 + hidden as f64 / 100e9) + gathers;
                 assert!((bc.allreduce_s - want).abs() < 1e-12, "{}", bc.allreduce_s);
             }
             if group.sp == 2 {

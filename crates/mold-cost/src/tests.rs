@@ -64,7 +64,10 @@ pub fn tiny_plan(parts: Vec<Part>) -> (Plan, ModelSpec) {
 }
 
 fn tiny_plan_on(parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
-    let (mut plan, model) = plan_on("flux-tiny", parts, m);
+    let (mut plan, mut model) = plan_on("flux-tiny", parts, m);
+    // The hand computations price every step's own modulation;
+    // `modulation_ahead_is_read_once_a_window` prices it computed ahead.
+    model.transformer.modulation_ahead = false;
     if let Some(t) = plan
         .components
         .iter_mut()
@@ -158,6 +161,63 @@ fn resident_chain_is_hand_computable() {
         .sum();
     assert_eq!(e.devices[0].weights, w + comps);
     assert_eq!(e.devices[1].peak, 0);
+}
+
+/// FLUX computes its blocks' modulation ahead, one window of steps at once
+/// (`mold_models::modulation_windows`): a step reads the per-sample weights once per
+/// window over the steps, gathers their outputs once a window under TP, and every device
+/// holds the window's outputs.
+#[test]
+fn modulation_ahead_is_read_once_a_window() {
+    let parts = || vec![part(&[("double", 0, 2), ("single", 0, 3)], &[0, 1], false)];
+    let m = machine();
+    let (plan, off) = tiny_plan(parts());
+    let mut on = off.clone();
+    on.transformer.modulation_ahead = true;
+    let mut w = plan.workload.clone();
+    // 20 steps: windows of 16 and 4.
+    w.steps = 20;
+    assert_eq!(mold_models::modulation_windows(20), [16, 4]);
+    let g = Group::tensor(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]);
+    let t = on.tokens(&w);
+    let collective = |bytes: u64| 10e-6 + 2.0 * 0.5 * bytes as f64 / 50e9;
+    for k in &on.transformer.kinds {
+        let a = Ctx::new(&on, &m, &w).block(k, &g, DType::F32);
+        let b = Ctx::new(&off, &m, &w).block(k, &g, DType::F32);
+        // Compute: FLOPs / 10 TFLOP/s against the weights read at 1000 GB/s, the
+        // per-sample half-weights read in 2 windows of 20 steps.
+        let f = (k.flop_parts(t).token_linear / 2.0
+            + k.flop_parts(t).attention / 2.0
+            + k.flop_parts(t).per_sample / 2.0
+            + k.flop_parts(t).replicated)
+            / 10e12;
+        let per_sample = (4 * k.per_sample_params / 2) as f64;
+        let reads = k.weight_bytes(DType::F32, 2) as f64 - per_sample * (1.0 - 2.0 / 20.0);
+        let ew = b.compute_s - (k.weight_bytes(DType::F32, 2) as f64 / 1000e9).max(f);
+        assert!(
+            (a.compute_s - ((reads / 1000e9).max(f) + ew)).abs() < 1e-15,
+            "{}: {} vs {}",
+            k.name,
+            a.compute_s,
+            (reads / 1000e9).max(f) + ew
+        );
+        // (Fewer bytes read: no slower, faster where the weights set the pace.)
+        assert!(a.compute_s <= b.compute_s, "{}", k.name);
+        // The all-gather of 16 then 4 steps' outputs, a twentieth each a step.
+        let out = k.per_sample_bytes(1, 4);
+        let gathers = (collective(16 * out) + collective(4 * out)) / 20.0;
+        let ar = k.allreduces as f64 * collective((t.img + t.txt) * k.hidden * 4);
+        assert!((a.allreduce_s - (ar + gathers)).abs() < 1e-15, "{}", k.name);
+        assert!((b.allreduce_s - (ar + collective(out))).abs() < 1e-15, "{}", k.name);
+        // Held: every block's outputs for 16 steps, f32.
+        let held: u64 = on
+            .transformer
+            .kinds
+            .iter()
+            .map(|k| k.count as u64 * 16 * k.per_sample_bytes(1, 4))
+            .sum();
+        assert_eq!(a.activation_bytes, b.activation_bytes + held, "{}", k.name);
+    }
 }
 
 #[test]

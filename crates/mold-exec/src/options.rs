@@ -38,6 +38,10 @@ pub struct ExecOptions {
     /// the mapped checkpoint (`true`, the default; [`crate::staging`]); `false` reads each
     /// slice on the host and uploads it from pageable memory (`MOLD_LOAD=host`).
     pub staged_load: bool,
+    /// Compute each block's modulation for a window of steps at once where the inputs
+    /// carry their request's schedule (`true`, the default; [`crate::model::modulation`]);
+    /// `false` computes every step's alone (`MOLD_MODULATION_AHEAD=off`).
+    pub modulation_ahead: bool,
 }
 
 impl Default for ExecOptions {
@@ -53,6 +57,7 @@ impl Default for ExecOptions {
             deterministic: false,
             peer_copies: true,
             staged_load: true,
+            modulation_ahead: true,
         }
     }
 }

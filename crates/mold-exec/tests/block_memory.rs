@@ -190,6 +190,8 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
         kernels: Kernels::Candle,
         token_split: false,
         profile: None,
+        ahead: None,
+        slot: 0,
     };
     let tokens = Tokens {
         img: img as u64,
@@ -215,7 +217,7 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
     let src = RandomWeights::new(Transformer::tensor_specs(&flux));
     let double = DoubleBlock::load(&src, &flux, 0, Shard::FULL).unwrap();
     let single = SingleBlock::load(&src, &flux, 0, Shard::FULL).unwrap();
-    let vec = random(&[1, h]);
+    let vec = mold_exec::model::modulation::Conditioning::now(random(&[1, h]));
     let ids = Tensor::zeros((1, img + txt, 3), DType::F32, &Device::Cpu).unwrap();
     let pe = mold_exec::model::flux::blocks::rope_table(
         &mold_exec::model::flux::blocks::positional_embedding(&ids, &flux.axes_dim, flux.theta)

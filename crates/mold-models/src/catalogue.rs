@@ -262,6 +262,7 @@ fn flux(id: &str, guidance: bool) -> ModelSpec {
             stem_checkpoint_bytes: None,
             checkpoint_dtype: None,
             default_dtype: DType::Bf16,
+            modulation_ahead: true,
         },
         latent: LatentSpec {
             channels: 16,
@@ -341,6 +342,7 @@ fn flux_tiny() -> ModelSpec {
             stem_checkpoint_bytes: None,
             checkpoint_dtype: None,
             default_dtype: DType::F32,
+            modulation_ahead: true,
         },
         latent: LatentSpec {
             channels: 16,
@@ -387,6 +389,7 @@ fn qwen_transformer(a: &crate::arch::QwenArch, dtype: DType) -> TransformerSpec 
         stem_checkpoint_bytes: None,
         checkpoint_dtype: None,
         default_dtype: dtype,
+        modulation_ahead: false,
     }
 }
 
@@ -519,6 +522,7 @@ fn sd35_large() -> ModelSpec {
             stem_checkpoint_bytes: None,
             checkpoint_dtype: None,
             default_dtype: DType::Bf16,
+            modulation_ahead: false,
         },
         latent: LatentSpec {
             channels: 16,
@@ -566,6 +570,7 @@ fn z_image_turbo() -> ModelSpec {
             stem_checkpoint_bytes: None,
             checkpoint_dtype: None,
             default_dtype: DType::Bf16,
+            modulation_ahead: false,
         },
         latent: LatentSpec {
             channels: 16,
@@ -611,6 +616,7 @@ fn ltx(id: &str, blocks: u32, h: u64, heads: u32, hd: u32) -> ModelSpec {
             stem_checkpoint_bytes: None,
             checkpoint_dtype: None,
             default_dtype: DType::Bf16,
+            modulation_ahead: false,
         },
         latent: LatentSpec {
             channels: 128,

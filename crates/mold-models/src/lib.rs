@@ -249,6 +249,22 @@ pub struct TransformerSpec {
     /// The dtype of the checkpoint those bytes come from ([`BlockKind::checkpoint_dtype`]).
     pub checkpoint_dtype: Option<DType>,
     pub default_dtype: DType,
+    /// The executor computes the blocks' per-sample (modulation) linears for a window of
+    /// up to [`MODULATION_AHEAD_STEPS`] steps at once and keeps the outputs between the
+    /// steps ([`modulation_windows`]); `false`: every step computes its own.
+    pub modulation_ahead: bool,
+}
+
+/// Steps whose per-sample (modulation) outputs one product computes ahead: a window.
+pub const MODULATION_AHEAD_STEPS: u32 = 16;
+
+/// The windows a request of `steps` steps computes its modulation in, each its number of
+/// steps (`16, 12` for 28 steps).
+pub fn modulation_windows(steps: u32) -> Vec<u64> {
+    let w = MODULATION_AHEAD_STEPS;
+    (0..steps.div_ceil(w))
+        .map(|i| (steps - i * w).min(w) as u64)
+        .collect()
 }
 
 impl TransformerSpec {

@@ -277,21 +277,24 @@ fn run_bench<M: Benchable>(
     on_step: &mut dyn FnMut(StepTime),
 ) -> Result<Tensor> {
     let BenchInputs { mut cond, uncond } = inputs;
+    let sched = sampling::linear_schedule(steps);
+    // Every step's time, so the model may compute what depends only on it ahead.
+    let times = &sched[..sched.len().saturating_sub(1)];
+    mold_exec::Inputs::set_schedule(&mut cond, times)?;
     // True CFG's combination (Qwen-Image's: the one model with true CFG).
     let scale = uncond.as_ref().map_or(1.0, |(_, s)| *s);
     let combine = |c: &Tensor, n: &Tensor| crate::qwen::sampling::combine(c, n, scale);
-    let guided = uncond.map(|(neg, _)| sampling::Guided {
-        neg,
-        combine: &combine,
-    });
-    sampling::denoise_passes(
-        passes,
-        &mut cond,
-        guided,
-        &sampling::linear_schedule(steps),
-        true,
-        on_step,
-    )?;
+    let guided = match uncond {
+        Some((mut neg, _)) => {
+            mold_exec::Inputs::set_schedule(&mut neg, times)?;
+            Some(sampling::Guided {
+                neg,
+                combine: &combine,
+            })
+        }
+        None => None,
+    };
+    sampling::denoise_passes(passes, &mut cond, guided, &sched, true, on_step)?;
     Ok(mold_exec::Inputs::latents(&cond).clone())
 }
 

@@ -53,6 +53,7 @@ fn toy_model(count: u32) -> ModelSpec {
             stem_checkpoint_bytes: None,
             checkpoint_dtype: None,
             default_dtype: DType::Bf16,
+            modulation_ahead: false,
         },
         latent: LatentSpec {
             channels: 16,

@@ -27,6 +27,7 @@ use crate::checkpoint::Checkpoint;
 use crate::comm::Comm;
 use crate::dist::{LocalDevices, Mesh};
 use crate::error::{ExecError, Result};
+use crate::model::modulation::ModulationCache;
 use crate::model::{ActivationMeter, BlockRef, Profiler, Shard, Transformer, Weights};
 use crate::options::ExecOptions;
 use crate::runtime::{self, CheckpointSource, DeviceMap, DeviceMemory, Held};
@@ -55,6 +56,9 @@ struct Rank<M: Transformer> {
     /// Phase times of each micro-batch index of [`Executor::forward_micro_batches`]
     /// (grown on first use), apart from [`Rank::profile`]'s single calls.
     mb_profiles: Mutex<Vec<Arc<Profiler>>>,
+    /// The blocks' modulation outputs computed ahead for a window of steps
+    /// ([`crate::model::modulation`]).
+    ahead: ModulationCache,
     resident_bytes: u64,
     /// `sync` streaming: the largest streamed block and the host bytes of all of them.
     sync_stream_bytes: u64,
@@ -697,6 +701,7 @@ impl<M: Transformer> Executor<M> {
                     meter: ActivationMeter::default(),
                     profile: Profiler::with_events(opts.profile_events),
                     mb_profiles: Mutex::default(),
+                    ahead: ModulationCache::default(),
                     resident_bytes,
                     sync_stream_bytes,
                     sync_host_bytes,
@@ -1010,6 +1015,7 @@ impl<M: Transformer> Executor<M> {
                             host_weight_bytes: 0,
                             host_pinned: false,
                             largest_activation_bytes: 0,
+                            ahead_bytes: 0,
                         });
                         out.len() - 1
                     }
@@ -1022,6 +1028,7 @@ impl<M: Transformer> Executor<M> {
                 }
                 m.host_weight_bytes += r.sync_host_bytes;
                 m.largest_activation_bytes = m.largest_activation_bytes.max(r.meter.largest());
+                m.ahead_bytes += r.ahead.bytes();
             }
         }
         for (i, (id, _)) in self.rings.iter().enumerate() {

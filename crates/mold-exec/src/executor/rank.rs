@@ -279,6 +279,8 @@ impl<M: Transformer> Executor<M> {
             kernels: self.opts.kernels,
             token_split: self.opts.comm.token_split,
             profile: self.opts.profiling.then_some(profile),
+            ahead: self.opts.modulation_ahead.then_some(&rank.ahead),
+            slot: 0,
         };
         // Start the clock here: the stem's first phase is not charged with whatever ran
         // on this thread since its last mark (the previous call, or waiting for a
@@ -335,7 +337,7 @@ impl<M: Transformer> Executor<M> {
             self.model.scatter_sequence(acts, &ctx)?
         };
         let ring_err = |e: ExecError| candle_core::Error::Msg(e.to_string());
-        for (step, held) in part.steps.iter().zip(&rank.blocks) {
+        for (slot, (step, held)) in part.steps.iter().zip(&rank.blocks).enumerate() {
             if let Some(f) = &self.opts.fault {
                 f.trigger(&rank.id, *step)?;
             }
@@ -350,7 +352,10 @@ impl<M: Transformer> Executor<M> {
             if let Some(p) = ctx.profile {
                 p.mark(Some("weight fetch (streamed)"), dev);
             }
-            acts = self.model.block(block.as_ref(), acts, &ctx)?;
+            // The block's position in the part keys its modulation outputs computed
+            // ahead (the rank's cache serves this part only).
+            let bctx = Ctx { slot, ..ctx };
+            acts = self.model.block(block.as_ref(), acts, &bctx)?;
             match held {
                 Held::Resident(_) => {}
                 // The buffer is refilled once this block's kernels are done.

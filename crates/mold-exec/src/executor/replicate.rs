@@ -259,6 +259,7 @@ impl<M: Transformer> Executor<M> {
             meter: ActivationMeter::default(),
             profile: Profiler::with_events(self.opts.profile_events),
             mb_profiles: Mutex::default(),
+            ahead: crate::model::modulation::ModulationCache::default(),
             resident_bytes: src.resident_bytes,
             sync_stream_bytes: 0,
             sync_host_bytes: 0,

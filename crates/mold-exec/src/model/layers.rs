@@ -370,6 +370,8 @@ mod tests {
                             kernels: crate::Kernels::Candle,
                             token_split: false,
                             profile: None,
+                            ahead: None,
+                            slot: 0,
                         };
                         let mut calls = Vec::new();
                         let sums =

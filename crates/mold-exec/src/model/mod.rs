@@ -19,7 +19,7 @@ pub mod gemm;
 pub mod group_norm;
 pub mod layers;
 pub mod mat;
-mod modulation;
+pub mod modulation;
 pub mod ops;
 pub mod plan_cache;
 pub mod qwen;
@@ -270,6 +270,11 @@ pub struct Ctx<'a> {
     pub token_split: bool,
     /// Phase timing, when profiling.
     pub profile: Option<&'a Profiler>,
+    /// The rank's modulation outputs computed ahead ([`modulation`]); `None` computes
+    /// each step's alone.
+    pub ahead: Option<&'a modulation::ModulationCache>,
+    /// The running block's position in the model (its key in [`Ctx::ahead`]).
+    pub slot: usize,
 }
 
 impl Ctx<'_> {

@@ -1,10 +1,23 @@
 //! adaLN modulation shared by the families: the per-sample (shift, scale, gate) triples a
-//! block's modulation linear produces, and putting a column-parallel modulation output
-//! back together across a tensor-parallel group.
+//! block's modulation linear produces, putting a column-parallel modulation output back
+//! together across a tensor-parallel group, and computing it ahead for several steps.
+//!
+//! **Ahead.** A denoising request knows every step's time from the start, and the
+//! conditioning vector depends on nothing else that changes between steps (the pooled
+//! text and the guidance are fixed), so a block's modulation linear can take the vectors
+//! of [`AHEAD_STEPS`] steps as one product: its weights (FLUX.1-dev: 6.4 GB over 57
+//! blocks, a bandwidth-bound matrix–vector product every step otherwise) are read once a
+//! window instead of once a step, and a tensor-parallel group gathers the window's slices
+//! once. The stem puts the window's vectors beside this step's ([`Conditioning::ahead`]);
+//! each rank keeps the blocks' outputs in its [`ModulationCache`], keyed by the request's
+//! window and the block's position, so every rank of a group misses and hits alike.
 
 use super::ops::{self, Kernels};
 use super::Ctx;
 use candle_core::{Tensor, D};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -76,4 +89,203 @@ pub(crate) fn mod_outs(full: &Tensor, n: usize) -> CResult<Vec<ModOut>> {
             gate: c[2].clone(),
         })
         .collect())
+}
+
+/// Steps whose modulation one product computes ahead (a window; the cost model prices the
+/// same, [`mold_models::MODULATION_AHEAD_STEPS`]). 16 steps of FLUX.1-dev's outputs are
+/// 34 MB a rank in bf16; the weights are read once per window.
+pub const AHEAD_STEPS: usize = mold_models::MODULATION_AHEAD_STEPS as usize;
+
+/// Requests (passes with their own conditioning) kept in a [`ModulationCache`] at once:
+/// true CFG alternates a conditional and an unconditional pass on the same ranks.
+const KEPT_REQUESTS: usize = 2;
+
+/// One window of one request's steps; `request` is unique in the process ([`next_request`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AheadKey {
+    pub request: u64,
+    pub window: u32,
+}
+
+/// A process-unique request number for [`AheadKey`].
+pub fn next_request() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Which window step `step` (from 0) of a request falls in, and its row there.
+pub fn window_of(step: usize) -> (u32, usize) {
+    ((step / AHEAD_STEPS) as u32, step % AHEAD_STEPS)
+}
+
+/// The conditioning vectors of every step of this step's window, `(n · b, hidden)` with
+/// step `i`'s `b` samples at rows `i·b ..`; this step is row block `row`.
+#[derive(Clone, Debug)]
+pub struct Ahead {
+    pub rows: Tensor,
+    pub row: usize,
+    pub key: AheadKey,
+}
+
+/// A step's conditioning vector `now`, `(b, hidden)`, and, when the request's schedule is
+/// known, its window's ([`Ahead`]; `now` is its row block).
+#[derive(Clone, Debug)]
+pub struct Conditioning {
+    pub now: Tensor,
+    pub ahead: Option<Ahead>,
+}
+
+impl Conditioning {
+    /// Only this step's vector.
+    pub fn now(now: Tensor) -> Self {
+        Conditioning { now, ahead: None }
+    }
+    /// With `f` applied to each tensor (hand-offs).
+    pub fn map(&self, f: &mut dyn FnMut(&Tensor) -> CResult<Tensor>) -> CResult<Self> {
+        Ok(Conditioning {
+            now: f(&self.now)?,
+            ahead: match &self.ahead {
+                Some(a) => Some(Ahead {
+                    rows: f(&a.rows)?,
+                    row: a.row,
+                    key: a.key,
+                }),
+                None => None,
+            },
+        })
+    }
+    /// The tensors for a wire: `now`, then (with a window) its rows and a `u32` tensor of
+    /// `[row, window, request low, request high]`.
+    pub fn to_wire(&self) -> CResult<Vec<Tensor>> {
+        let mut v = vec![self.now.clone()];
+        if let Some(a) = &self.ahead {
+            let row = u32::try_from(a.row)
+                .map_err(|_| candle_core::Error::Msg(format!("ahead row {}", a.row)))?;
+            let r = a.key.request;
+            let meta = [row, a.key.window, r as u32, (r >> 32) as u32];
+            v.push(a.rows.clone());
+            v.push(Tensor::new(&meta, &candle_core::Device::Cpu)?);
+        }
+        Ok(v)
+    }
+    /// The inverse of [`Conditioning::to_wire`] (one or three tensors).
+    pub fn from_wire(mut v: Vec<Tensor>) -> CResult<Self> {
+        let bad =
+            |n: usize| candle_core::Error::Msg(format!("conditioning on the wire: {n} tensors"));
+        match v.len() {
+            1 => Ok(Conditioning::now(v.remove(0))),
+            3 => {
+                let meta = v.pop().ok_or_else(|| bad(3))?.to_vec1::<u32>()?;
+                let rows = v.pop().ok_or_else(|| bad(3))?;
+                let now = v.pop().ok_or_else(|| bad(3))?;
+                let [row, window, lo, hi] = <[u32; 4]>::try_from(meta).map_err(|_| bad(3))?;
+                let b = now.dim(0)?;
+                if (row as usize + 1) * b > rows.dim(0)? {
+                    return Err(candle_core::Error::Msg(format!(
+                        "conditioning on the wire: row {row} outside {} rows",
+                        rows.dim(0)?
+                    )));
+                }
+                Ok(Conditioning {
+                    now,
+                    ahead: Some(Ahead {
+                        rows,
+                        row: row as usize,
+                        key: AheadKey {
+                            request: (lo as u64) | ((hi as u64) << 32),
+                            window,
+                        },
+                    }),
+                })
+            }
+            n => Err(bad(n)),
+        }
+    }
+}
+
+/// A rank's modulation outputs computed ahead, by (window, block position): the full
+/// outputs of each block's modulation linears for every step of the window.
+#[derive(Debug, Default)]
+pub struct ModulationCache {
+    inner: Mutex<CacheInner>,
+}
+
+#[derive(Debug, Default)]
+struct CacheInner {
+    /// The windows held, oldest first: one per request.
+    keys: VecDeque<AheadKey>,
+    entries: HashMap<(AheadKey, usize), Vec<Tensor>>,
+}
+
+impl ModulationCache {
+    /// The outputs of block `slot` for window `key`, computed by `f` on a miss. A new
+    /// window of a request drops the request's earlier one; past [`KEPT_REQUESTS`]
+    /// requests the oldest goes.
+    pub fn get_or(
+        &self,
+        key: AheadKey,
+        slot: usize,
+        f: impl FnOnce() -> CResult<Vec<Tensor>>,
+    ) -> CResult<Vec<Tensor>> {
+        if let Some(v) = self.lock().entries.get(&(key, slot)) {
+            return Ok(v.clone());
+        }
+        let v = f()?;
+        let mut g = self.lock();
+        if !g.keys.contains(&key) {
+            let stale: Vec<AheadKey> = g
+                .keys
+                .iter()
+                .copied()
+                .filter(|k| k.request == key.request)
+                .collect();
+            g.keys.retain(|k| k.request != key.request);
+            while g.keys.len() >= KEPT_REQUESTS {
+                if let Some(old) = g.keys.pop_front() {
+                    g.entries.retain(|(k, _), _| *k != old);
+                }
+            }
+            g.entries.retain(|(k, _), _| !stale.contains(k));
+            g.keys.push_back(key);
+        }
+        g.entries.insert((key, slot), v.clone());
+        Ok(v)
+    }
+    /// Bytes of the tensors held.
+    pub fn bytes(&self) -> u64 {
+        self.lock()
+            .entries
+            .values()
+            .flatten()
+            .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+    /// Drops everything held.
+    pub fn clear(&self) {
+        *self.lock() = CacheInner::default();
+    }
+    fn lock(&self) -> std::sync::MutexGuard<'_, CacheInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// This step's full modulation outputs, each `(b, out_i)`: `partials` maps SiLU'd
+/// conditioning rows to this rank's slices of each linear's output, and
+/// [`gather_modulation`] joins them. With a window ahead and the rank's cache in `ctx`,
+/// the window's outputs come from the cache (computed for all its steps on a miss) and
+/// this step's rows are taken; otherwise this step's alone are computed.
+pub(crate) fn modulations(
+    cond: &Conditioning,
+    ctx: &Ctx,
+    partials: &dyn Fn(&Tensor) -> CResult<Vec<Tensor>>,
+) -> CResult<Vec<Tensor>> {
+    let compute = |v: &Tensor| gather_modulation(&partials(&v.silu()?)?, ctx);
+    match (&cond.ahead, ctx.ahead) {
+        (Some(a), Some(cache)) => {
+            let all = cache.get_or(a.key, ctx.slot, || compute(&a.rows))?;
+            let b = cond.now.dim(0)?;
+            all.iter().map(|t| t.narrow(0, a.row * b, b)).collect()
+        }
+        _ => compute(&cond.now),
+    }
 }

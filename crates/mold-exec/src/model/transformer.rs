@@ -67,6 +67,12 @@ pub trait Inputs: Clone + Send + Sync {
     fn set_latents(&mut self, x: Tensor);
     /// Sets the time of the next call (1 = pure noise, 0 = clean), for every sample.
     fn set_time(&mut self, t: f64) -> CResult<()>;
+    /// Every time the request's steps will be given ([`Inputs::set_time`]), in order, so
+    /// that a model may compute what depends only on the time for several steps at once
+    /// ([`crate::model::modulation`]). The default ignores them.
+    fn set_schedule(&mut self, _times: &[f64]) -> CResult<()> {
+        Ok(())
+    }
     /// The inputs with `f` applied to each tensor (e.g. a hand-off to a rank's device).
     fn map(&self, f: &mut dyn FnMut(&Tensor) -> CResult<Tensor>) -> CResult<Self>;
 }

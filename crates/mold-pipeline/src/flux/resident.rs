@@ -666,6 +666,7 @@ impl Job {
                 .guidance
                 .map(|g| Tensor::full(g as f32, batch, cond_dev))
                 .transpose()?,
+            schedule: None,
         };
         for d in first {
             self.mem.add(
@@ -677,6 +678,8 @@ impl Job {
         if let Some(r) = &mut self.rec {
             io::record_inputs(r, &inputs, &sched)?;
         }
+        // Every step's time, so the blocks' modulation is computed ahead.
+        mold_exec::Inputs::set_schedule(&mut inputs, &sched[..sched.len().saturating_sub(1)])?;
         // One step at a time (the one loop, `sampling::denoise`, over one window), so the
         // cancel flag is seen between steps and `--save-io` keeps each step's input.
         let steps = req.steps;
@@ -710,7 +713,8 @@ impl Job {
             den.hold(&mut self.mem, true);
         }
         for m in den.exec.memory_report() {
-            self.mem.spike(&m.device, m.largest_activation_bytes);
+            self.mem
+                .spike(&m.device, m.largest_activation_bytes + m.ahead_bytes);
         }
         if !resident {
             den.hold(&mut self.mem, false);

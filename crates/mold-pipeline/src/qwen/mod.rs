@@ -637,7 +637,7 @@ pub fn generate_on(
     }
     for e in &execs {
         for m in e.memory_report() {
-            mem.spike(&m.device, m.largest_activation_bytes);
+            mem.spike(&m.device, m.largest_activation_bytes + m.ahead_bytes);
         }
     }
     for e in &execs {

@@ -310,7 +310,8 @@ impl<M: Benchable> BenchDone<M> {
                         device: m.device.clone(),
                         peak_bytes: m.resident_weight_bytes
                             + m.stream_buffer_bytes
-                            + m.largest_activation_bytes,
+                            + m.largest_activation_bytes
+                            + m.ahead_bytes,
                     })
                     .collect(),
             }),

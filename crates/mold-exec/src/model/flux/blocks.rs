@@ -21,7 +21,7 @@
 use super::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
 use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
-use crate::model::modulation::{gather_modulation, mod_outs};
+use crate::model::modulation::{mod_outs, modulations, Conditioning};
 use crate::model::ops;
 use crate::model::sequence::{self, Qkv};
 use crate::model::token_split::{whole, Side, TokenSplit};
@@ -357,19 +357,20 @@ impl DoubleBlock {
         &self,
         img: Tensor,
         txt: Tensor,
-        vec: &Tensor,
+        vec: &Conditioning,
         pe: &Tensor,
         lens: &[usize],
         split: Option<&TokenSplit>,
         ctx: &Ctx,
     ) -> CResult<(Tensor, Tensor)> {
         ctx.mark_start(&img);
-        let silu_vec = vec.silu()?;
-        let local = [
-            self.img.modulation.partial(&silu_vec, ctx.kernels)?,
-            self.txt.modulation.partial(&silu_vec, ctx.kernels)?,
-        ];
-        let full = gather_modulation(&local, ctx)?;
+        let k = ctx.kernels;
+        let full = modulations(vec, ctx, &|s| {
+            Ok(vec![
+                self.img.modulation.partial(s, k)?,
+                self.txt.modulation.partial(s, k)?,
+            ])
+        })?;
         let im = mod_outs(&full[0], 2)?;
         let tm = mod_outs(&full[1], 2)?;
         ctx.mark("modulation", &tm[1].gate);
@@ -538,15 +539,16 @@ impl SingleBlock {
     pub fn forward(
         &self,
         x: Tensor,
-        vec: &Tensor,
+        vec: &Conditioning,
         pe: &Tensor,
         lens: &[usize],
         split: Option<&TokenSplit>,
         ctx: &Ctx,
     ) -> CResult<Tensor> {
         ctx.mark_start(&x);
-        let local = self.modulation.partial(&vec.silu()?, ctx.kernels)?;
-        let m = mod_outs(&gather_modulation(&[local], ctx)?[0], 1)?;
+        let k = ctx.kernels;
+        let full = modulations(vec, ctx, &|s| Ok(vec![self.modulation.partial(s, k)?]))?;
+        let m = mod_outs(&full[0], 1)?;
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
         let normed = m[0].norm_scale_shift(&x, EPS as f32, kn)?;
@@ -728,6 +730,42 @@ impl Stem {
         y: &Tensor,
         guidance: Option<&Tensor>,
     ) -> CResult<StemOut> {
+        let vec = self.vector(timesteps, y, guidance, img.dtype())?;
+        self.tokens(img, img_ids, txt, txt_ids, vec)
+    }
+
+    /// The conditioning vectors `(n, hidden)` in `dtype`, one per row of `timesteps`
+    /// `(n,)`, `y` `(n, vec_in_dim)` and `guidance` `(n,)` (see [`Stem::forward`]).
+    pub fn vector(
+        &self,
+        timesteps: &Tensor,
+        y: &Tensor,
+        guidance: Option<&Tensor>,
+        dtype: DType,
+    ) -> CResult<Tensor> {
+        let mut vec =
+            self.time_in
+                .forward(&timestep_embedding(timesteps, TIME_EMBED_DIM, dtype)?)?;
+        if let Some(g_in) = &self.guidance_in {
+            let g = guidance.ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "this model is guidance distilled: pass a guidance strength (e.g. 3.5)".into(),
+                )
+            })?;
+            vec = (vec + g_in.forward(&timestep_embedding(g, TIME_EMBED_DIM, dtype)?)?)?;
+        }
+        vec + self.vector_in.forward(y)?
+    }
+
+    /// The stem's token embeddings and RoPE table beside the given conditioning `vec`.
+    pub fn tokens(
+        &self,
+        img: &Tensor,
+        img_ids: &Tensor,
+        txt: &Tensor,
+        txt_ids: &Tensor,
+        vec: Tensor,
+    ) -> CResult<StemOut> {
         let dtype = img.dtype();
         let key = (txt_ids.id(), img_ids.id(), img.device().location(), dtype);
         let pe = self.pe.get(key, || {
@@ -741,18 +779,6 @@ impl Stem {
         })?;
         let txt = self.txt_in.forward(txt)?;
         let img = self.img_in.forward(img)?;
-        let mut vec =
-            self.time_in
-                .forward(&timestep_embedding(timesteps, TIME_EMBED_DIM, dtype)?)?;
-        if let Some(g_in) = &self.guidance_in {
-            let g = guidance.ok_or_else(|| {
-                candle_core::Error::Msg(
-                    "this model is guidance distilled: pass a guidance strength (e.g. 3.5)".into(),
-                )
-            })?;
-            vec = (vec + g_in.forward(&timestep_embedding(g, TIME_EMBED_DIM, dtype)?)?)?;
-        }
-        let vec = (vec + self.vector_in.forward(y)?)?;
         Ok(StemOut { img, txt, vec, pe })
     }
 

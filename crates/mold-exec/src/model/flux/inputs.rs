@@ -8,6 +8,7 @@ use crate::random_weights::normals;
 use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::sync::Arc;
 
 /// Inputs of one transformer call (BFL / candle `Flux::forward` argument order).
 #[derive(Clone, Debug)]
@@ -26,6 +27,20 @@ pub struct FluxInputs {
     pub y: Tensor,
     /// `(b,)` distilled guidance; required by guidance-distilled models.
     pub guidance: Option<Tensor>,
+    /// The request's times, when the denoising loop gave them ([`Inputs::set_schedule`]):
+    /// the blocks' modulation is then computed for a window of steps at once
+    /// ([`crate::model::modulation`]).
+    pub schedule: Option<Schedule>,
+}
+
+/// Every time of a request's steps, in order, and which of them the inputs are at.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    pub times: Arc<[f64]>,
+    /// Process-unique ([`crate::model::modulation::next_request`]).
+    pub request: u64,
+    /// The step whose time `timesteps` holds; `None` for a time not in `times`.
+    pub step: Option<usize>,
 }
 
 impl Inputs for FluxInputs {
@@ -37,6 +52,17 @@ impl Inputs for FluxInputs {
     }
     fn set_time(&mut self, t: f64) -> candle_core::Result<()> {
         self.timesteps = self.timesteps.ones_like()?.affine(t, 0.0)?;
+        if let Some(s) = &mut self.schedule {
+            s.step = s.times.iter().position(|x| *x == t);
+        }
+        Ok(())
+    }
+    fn set_schedule(&mut self, times: &[f64]) -> candle_core::Result<()> {
+        self.schedule = Some(Schedule {
+            times: times.into(),
+            request: crate::model::modulation::next_request(),
+            step: None,
+        });
         Ok(())
     }
     fn map(
@@ -51,6 +77,7 @@ impl Inputs for FluxInputs {
             timesteps: f(&self.timesteps)?,
             y: f(&self.y)?,
             guidance: self.guidance.as_ref().map(&mut *f).transpose()?,
+            schedule: self.schedule.clone(),
         })
     }
 }
@@ -176,5 +203,6 @@ pub fn random_inputs(
         timesteps,
         y,
         guidance,
+        schedule: None,
     })
 }

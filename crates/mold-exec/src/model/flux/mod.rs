@@ -17,9 +17,10 @@ pub mod testdata;
 pub use crate::model::token_split::TokenSplit;
 pub use blocks::{DoubleBlock, FinalLayer, SingleBlock, Stem};
 pub use config::{FluxConfig, TIME_EMBED_DIM};
-pub use inputs::{random_inputs, FluxInputs};
+pub use inputs::{random_inputs, FluxInputs, Schedule};
 
 use super::layers::TensorMap;
+use super::modulation::{self, Ahead, AheadKey, Conditioning};
 use super::transformer::{Activations, BlockRef, Packable, TensorSpec, Transformer, Weights};
 use super::{sequence, Ctx, Shard, WeightSource};
 use crate::error::{ExecError, Result};
@@ -89,7 +90,8 @@ pub enum FluxActs {
     Double {
         img: Tensor,
         txt: Tensor,
-        vec: Tensor,
+        /// The conditioning vector, with its window's when computed ahead.
+        vec: Conditioning,
         pe: Tensor,
         seq: Option<SeqSlice>,
         /// Token-split tensor parallelism: `img` and `txt` are this rank's shares.
@@ -97,7 +99,7 @@ pub enum FluxActs {
     },
     Single {
         x: Tensor,
-        vec: Tensor,
+        vec: Conditioning,
         pe: Tensor,
         /// Text tokens at the front of `x` (this rank's, under sequence parallelism).
         txt_len: usize,
@@ -190,7 +192,7 @@ impl Activations for FluxActs {
             } => FluxActs::Double {
                 img: f(img)?,
                 txt: f(txt)?,
-                vec: f(vec)?,
+                vec: vec.map(f)?,
                 pe: f(pe)?,
                 seq: None,
                 split: None,
@@ -203,7 +205,7 @@ impl Activations for FluxActs {
                 ..
             } => FluxActs::Single {
                 x: f(x)?,
-                vec: f(vec)?,
+                vec: vec.map(f)?,
                 pe: f(pe)?,
                 txt_len: *txt_len,
                 seq: None,
@@ -212,12 +214,18 @@ impl Activations for FluxActs {
         })
     }
 
+    /// Tensors in order: the stream(s), `pe` (and the text length for single blocks),
+    /// then the conditioning ([`Conditioning::to_wire`]: one or three tensors).
     fn to_wire(&self) -> CResult<(u8, Vec<Tensor>)> {
         self.whole_sequence_only()?;
         Ok(match self {
             FluxActs::Double {
                 img, txt, vec, pe, ..
-            } => (0, vec![img.clone(), txt.clone(), vec.clone(), pe.clone()]),
+            } => {
+                let mut v = vec![img.clone(), txt.clone(), pe.clone()];
+                v.extend(vec.to_wire()?);
+                (0, v)
+            }
             FluxActs::Single {
                 x,
                 vec,
@@ -228,20 +236,27 @@ impl Activations for FluxActs {
                 let len = u32::try_from(*txt_len)
                     .map_err(|_| candle_core::Error::Msg(format!("txt_len {txt_len}")))?;
                 let tl = Tensor::new(&[len], &Device::Cpu)?;
-                (1, vec![x.clone(), vec.clone(), pe.clone(), tl])
+                let mut v = vec![x.clone(), pe.clone(), tl];
+                v.extend(vec.to_wire()?);
+                (1, v)
             }
         })
     }
 
-    fn from_wire(tag: u8, tensors: Vec<Tensor>) -> CResult<Self> {
+    fn from_wire(tag: u8, mut tensors: Vec<Tensor>) -> CResult<Self> {
         let n = tensors.len();
         let bad = || {
             candle_core::Error::Msg(format!(
                 "malformed FLUX activations: tag {tag}, {n} tensors"
             ))
         };
-        match (tag, <[Tensor; 4]>::try_from(tensors)) {
-            (0, Ok([img, txt, vec, pe])) => Ok(FluxActs::Double {
+        let head = match tag {
+            0 | 1 if n == 4 || n == 6 => 3,
+            _ => return Err(bad()),
+        };
+        let vec = Conditioning::from_wire(tensors.split_off(head))?;
+        match (tag, <[Tensor; 3]>::try_from(tensors)) {
+            (0, Ok([img, txt, pe])) => Ok(FluxActs::Double {
                 img,
                 txt,
                 vec,
@@ -249,7 +264,7 @@ impl Activations for FluxActs {
                 seq: None,
                 split: None,
             }),
-            (1, Ok([x, vec, pe, tl])) => {
+            (1, Ok([x, pe, tl])) => {
                 let tl = tl.to_vec1::<u32>().map_err(|_| bad())?;
                 let txt_len = *tl.first().ok_or_else(bad)? as usize;
                 if txt_len > x.dim(1)? {
@@ -356,20 +371,55 @@ impl Transformer for FluxConfig {
         // Positions, timesteps and guidance stay f32: the RoPE table and the sinusoidal
         // embeddings are computed in f32, then cast.
         let f32 = |t: &Tensor| t.to_device(dev)?.to_dtype(DType::F32);
-        let s = stem.forward(
+        let guidance = x.guidance.as_ref().map(f32).transpose()?;
+        let vec = match x.schedule.as_ref().and_then(|s| Some((s, s.step?))) {
+            Some((s, step)) => {
+                // The vectors of this step's window, step-major (`b` rows a step), from
+                // the window's times and the fixed pooled text and guidance.
+                let b = x.y.dim(0)?;
+                let (window, row) = modulation::window_of(step);
+                let first = window as usize * modulation::AHEAD_STEPS;
+                let last = (first + modulation::AHEAD_STEPS).min(s.times.len());
+                let n = last - first;
+                let ts: Vec<f32> = s.times[first..last]
+                    .iter()
+                    .flat_map(|t| std::iter::repeat_n(*t as f32, b))
+                    .collect();
+                let ts = Tensor::from_vec(ts, n * b, dev)?;
+                let y = mv(&x.y)?.repeat((n, 1))?;
+                let g = guidance.as_ref().map(|g| g.repeat(n)).transpose()?;
+                let rows = stem.vector(&ts, &y, g.as_ref(), dtype)?;
+                Conditioning {
+                    now: rows.narrow(0, row * b, b)?,
+                    ahead: Some(Ahead {
+                        rows,
+                        row,
+                        key: AheadKey {
+                            request: s.request,
+                            window,
+                        },
+                    }),
+                }
+            }
+            None => Conditioning::now(stem.vector(
+                &f32(&x.timesteps)?,
+                &mv(&x.y)?,
+                guidance.as_ref(),
+                dtype,
+            )?),
+        };
+        let s = stem.tokens(
             &mv(&x.img)?,
             &f32(&x.img_ids)?,
             &mv(&x.txt)?,
             &f32(&x.txt_ids)?,
-            &f32(&x.timesteps)?,
-            &mv(&x.y)?,
-            x.guidance.as_ref().map(f32).transpose()?.as_ref(),
+            vec.now.clone(),
         )?;
         ctx.mark("stem", &s.img);
         Ok(FluxActs::Double {
             img: s.img,
             txt: s.txt,
-            vec: s.vec,
+            vec,
             pe: s.pe,
             seq: None,
             split: None,
@@ -663,7 +713,7 @@ impl Transformer for FluxConfig {
             } => (x.i((.., txt_len..))?, vec),
         };
         ctx.mark_start(&img);
-        let out = f.forward(&img, &vec)?;
+        let out = f.forward(&img, &vec.now)?;
         ctx.mark("final layer", &out);
         ctx.meter.see(&out);
         Ok(out)
@@ -688,7 +738,7 @@ mod tests {
         };
         let whole = FluxActs::Single {
             x: t(6),
-            vec: t(1),
+            vec: Conditioning::now(t(1)),
             pe: t(6),
             txt_len: 2,
             seq: None,
@@ -696,7 +746,7 @@ mod tests {
         };
         let shared = FluxActs::Single {
             x: t(3),
-            vec: t(1),
+            vec: Conditioning::now(t(1)),
             pe: t(6),
             txt_len: 2,
             seq: None,
@@ -711,7 +761,7 @@ mod tests {
         let sliced = FluxActs::Double {
             img: t(2),
             txt: t(1),
-            vec: t(1),
+            vec: Conditioning::now(t(1)),
             pe: t(3),
             seq: Some(seq),
             split: None,

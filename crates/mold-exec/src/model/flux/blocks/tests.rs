@@ -3,6 +3,7 @@ use super::*;
 use crate::checkpoint::Checkpoint;
 use crate::comm::{Comm, LocalComm, ThreadComm};
 use crate::model::flux::testdata::write_testdata;
+use crate::model::modulation::gather_modulation;
 use crate::model::ops::Kernels;
 use crate::model::ActivationMeter;
 use crate::runtime::{CheckpointSource, ShapeSource};
@@ -43,6 +44,8 @@ fn ctx<'a>(comm: &'a dyn Comm, meter: &'a ActivationMeter) -> Ctx<'a> {
         kernels: Kernels::Candle,
         token_split: false,
         profile: None,
+        ahead: None,
+        slot: 0,
     }
 }
 
