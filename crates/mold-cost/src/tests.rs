@@ -208,7 +208,11 @@ fn modulation_ahead_is_read_once_a_window() {
         let gathers = (collective(16 * out) + collective(4 * out)) / 20.0;
         let ar = k.allreduces as f64 * collective((t.img + t.txt) * k.hidden * 4);
         assert!((a.allreduce_s - (ar + gathers)).abs() < 1e-15, "{}", k.name);
-        assert!((b.allreduce_s - (ar + collective(out))).abs() < 1e-15, "{}", k.name);
+        assert!(
+            (b.allreduce_s - (ar + collective(out))).abs() < 1e-15,
+            "{}",
+            k.name
+        );
         // Held: every block's outputs for 16 steps, f32.
         let held: u64 = on
             .transformer

@@ -58,9 +58,15 @@ pub(super) struct RankSlot {
 }
 
 impl RankSlot {
-    /// Aborts the communicator (once); stops its kernels and frees its resources.
+    /// Aborts the communicator (once); stops its kernels and frees its resources. The
+    /// pending collectives' events are destroyed only after the abort: destroying an event
+    /// waits for the CUDA driver's lock, which another thread of the process may hold
+    /// while it waits for the GPU — e.g. a rank loading a kernel on first use (lazy module
+    /// loading) behind this communicator's kernel, which waits for a peer that failed —
+    /// so only the abort, which ends that kernel, can let it go (seen on 4 × H200: a rank
+    /// whose peer panicked hung in cuBLAS's first product of a shape, the watchdog in
+    /// `cuEventDestroy`).
     pub(super) fn abort(&mut self) {
-        self.pending.clear();
         if let Some(c) = self.comm.take() {
             if let Some(ctx) = &self.ctx {
                 let _ = ctx.bind_to_thread();
@@ -75,6 +81,7 @@ impl RankSlot {
                 None => abort(),
             }
         }
+        self.pending.clear();
     }
 }
 

@@ -106,18 +106,20 @@ impl Group {
         if !self.is_failed() {
             for s in &self.slots {
                 // A rank inside a call watches itself.
-                let Ok(mut slot) = s.try_lock() else { continue };
+                let Ok(slot) = s.try_lock() else { continue };
                 let Some(comm) = slot.comm.as_ref().map(|c| c.0) else {
                     continue;
                 };
-                while let Some((e, _)) = slot.pending.front() {
-                    if !matches!(e.try_is_complete(), Ok(true)) {
-                        break;
-                    }
-                    slot.pending.pop_front();
-                }
+                // The oldest collective still running. Finished ones are left for the rank
+                // to drop ([`Comm::check`]): destroying an event here could wait for the
+                // driver's lock behind a rank that waits for this group's kernels, and
+                // only this thread can abort them (see `RankSlot::abort`).
+                let oldest = slot
+                    .pending
+                    .iter()
+                    .find(|(e, _)| !matches!(e.try_is_complete(), Ok(true)));
                 let where_ = self.here(slot.rank);
-                if let Some((_, t)) = slot.pending.front() {
+                if let Some((_, t)) = oldest {
                     if t.elapsed() > limit {
                         let e = CommError::Timeout {
                             rank: where_,
