@@ -173,7 +173,9 @@ fn a_profiled_transformer_run_measures_each_part() {
     let d = tempdir("report-bench");
     let w = d.join("w");
     mold_ok(&["testdata", "flux-tiny", w.to_str().unwrap()]);
-    let p = plan(&d, "tp2", &["--tp", "2"]);
+    // Two parts (the double blocks on one device, the single blocks SP2 × TP2), one with
+    // collectives.
+    let p = plan(&d, "sp2", &["--sp", "2"]);
     let run = d.join("bench.json");
     let args = [
         "exec",
