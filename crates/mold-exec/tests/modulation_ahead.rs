@@ -179,3 +179,32 @@ fn off_and_times_outside_the_schedule_compute_each_step_alone() {
     on.forward(&x).unwrap();
     assert_eq!(ahead_bytes(&on), 0);
 }
+
+/// FP8 plans (the modulation linear held in e4m3, its input scaled per row): ahead gives
+/// each step's own output within bf16's rounding, grown by FP8's steps, on one device and
+/// under TP2, and holds the window's bf16 outputs.
+#[test]
+fn fp8_plans_compute_the_modulation_ahead_too() {
+    const ALL: [&str; 2] = ["double 0..2", "single 0..3"];
+    let cfg = FluxConfig::flux_tiny();
+    let ckpt = tiny_checkpoint(8);
+    for (name, p, ranks) in [
+        ("one device", part(&["emu:0"], &ALL, false), 1),
+        ("TP2", part(&["emu:0", "emu:1"], &ALL, false), 2),
+    ] {
+        let fp8 = plan_with(vec![p], mold_plan::DType::Fp8);
+        let exec = Executor::new(&cfg, &fp8, &ckpt).unwrap();
+        let alone = run(&exec, 8, false);
+        let ahead = run(&exec, 8, true);
+        for (i, (a, b)) in ahead.iter().zip(&alone).enumerate() {
+            let err = max_relative_error(a, b).unwrap();
+            assert!(err < 2e-2, "{name}, step {i}: {err:e}");
+        }
+        // bf16 outputs: half the f32 window's bytes.
+        assert_eq!(
+            ahead_bytes(&exec),
+            ranks * window_bytes(STEPS - AHEAD_STEPS) / 2,
+            "{name}"
+        );
+    }
+}
