@@ -325,7 +325,10 @@ impl<'a> Ctx<'a> {
             let steps = windows.iter().sum::<u64>() as f64;
             windows
                 .iter()
-                .map(|w| (kind.per_sample_bytes(self.batch * w, act), 1.0 / steps))
+                .map(|w| {
+                    let rows = self.batch.saturating_mul(*w);
+                    (kind.per_sample_bytes(rows, act), 1.0 / steps)
+                })
                 .collect()
         };
         let allreduce_s = self.slowest_op(&group.tp_groups(), dtype, |c, n, op| {

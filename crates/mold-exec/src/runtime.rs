@@ -713,7 +713,7 @@ pub struct DeviceMemory {
     /// The largest single activation tensor the model code recorded on this device
     /// (attention weights are usually the largest).
     pub largest_activation_bytes: u64,
-    /// The blocks' modulation outputs computed ahead for a window of steps, held between
-    /// steps ([`crate::model::modulation::ModulationCache`]).
+    /// The most bytes of the blocks' modulation outputs computed ahead for a window of
+    /// steps held at once, between steps ([`crate::model::modulation::ModulationCache`]).
     pub ahead_bytes: u64,
 }

@@ -96,11 +96,20 @@ fn ahead_equals_each_step_alone_on_every_layout() {
             let err = max_relative_error(a, b).unwrap();
             assert!(err <= TOL, "{name}, step {i}: {err:e}");
         }
-        // Each rank holds the last window only (4 steps), not the first one too.
+        // Each rank held one window at a time (the first, 16 steps, at most) and
+        // computed it once per block: two windows, five blocks.
         assert_eq!(
             ahead_bytes(&exec),
-            ranks * window_bytes(STEPS - AHEAD_STEPS),
+            ranks * window_bytes(AHEAD_STEPS),
             "{name}"
+        );
+        assert_eq!(exec.modulation_ahead_misses(), ranks * 2 * 5, "{name}");
+        exec.release_modulation_ahead();
+        run(&exec, 3, true);
+        assert_eq!(
+            exec.modulation_ahead_misses(),
+            ranks * 4 * 5,
+            "{name}: released"
         );
     }
 }
@@ -135,19 +144,9 @@ fn two_requests_alternating_each_get_their_own() {
             "b, step {i}"
         );
     }
-    assert_eq!(
-        ahead_bytes(&exec),
-        2 * 2 * window_bytes(STEPS - AHEAD_STEPS)
-    );
-    // A third request drops the oldest.
-    let mut c = tiny_inputs(5);
-    c.set_schedule(&times()).unwrap();
-    c.set_time(times()[0]).unwrap();
-    exec.forward(&c).unwrap();
-    assert_eq!(
-        ahead_bytes(&exec),
-        2 * (window_bytes(STEPS - AHEAD_STEPS) + window_bytes(AHEAD_STEPS))
-    );
+    // Both requests' windows at once on each of the two ranks, each computed once.
+    assert_eq!(ahead_bytes(&exec), 2 * 2 * window_bytes(AHEAD_STEPS));
+    assert_eq!(exec.modulation_ahead_misses(), 2 * 2 * 2 * 5);
 }
 
 /// `MOLD_MODULATION_AHEAD=off` (`ExecOptions::modulation_ahead`): nothing is held, the
@@ -173,11 +172,12 @@ fn off_and_times_outside_the_schedule_compute_each_step_alone() {
     for (x, y) in a.iter().zip(&b) {
         assert!(max_relative_error(x, y).unwrap() <= TOL);
     }
+    assert_eq!(off.modulation_ahead_misses(), 0);
     let mut x = tiny_inputs(6);
     x.set_schedule(&times()).unwrap();
     x.set_time(0.123).unwrap();
     on.forward(&x).unwrap();
-    assert_eq!(ahead_bytes(&on), 0);
+    assert_eq!((ahead_bytes(&on), on.modulation_ahead_misses()), (0, 0));
 }
 
 /// FP8 plans (the modulation linear held in e4m3, its input scaled per row): ahead gives
@@ -203,7 +203,7 @@ fn fp8_plans_compute_the_modulation_ahead_too() {
         // bf16 outputs: half the f32 window's bytes.
         assert_eq!(
             ahead_bytes(&exec),
-            ranks * window_bytes(STEPS - AHEAD_STEPS) / 2,
+            ranks * window_bytes(AHEAD_STEPS) / 2,
             "{name}"
         );
     }

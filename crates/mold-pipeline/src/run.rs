@@ -294,8 +294,22 @@ fn run_bench<M: Benchable>(
         }
         None => None,
     };
-    sampling::denoise_passes(passes, &mut cond, guided, &sched, true, on_step)?;
+    let r = sampling::denoise_passes(passes, &mut cond, guided, &sched, true, on_step);
+    // The request's windows are done with (and after a failure no rank keeps one).
+    release_modulation_ahead(passes);
+    r?;
     Ok(mold_exec::Inputs::latents(&cond).clone())
+}
+
+/// Drops the modulation outputs every executor of `passes` computed ahead.
+fn release_modulation_ahead<M: Benchable>(passes: &Passes<M>) {
+    match passes {
+        Passes::Serial(e) | Passes::Pipelined(e) => e.release_modulation_ahead(),
+        Passes::Parallel { cond, uncond } => {
+            cond.release_modulation_ahead();
+            uncond.release_modulation_ahead();
+        }
+    }
 }
 
 /// The benchmark's random inputs at the plan's workload: the conditional pass's at the

@@ -878,6 +878,37 @@ impl<M: Transformer> Executor<M> {
     /// inputs were made on, so the thread that produced them synchronizes its device
     /// first (`mold_pipeline::sampling::denoise` does).
     pub fn forward(&self, inputs: &M::Inputs) -> Result<Tensor> {
+        let r = self.forward_once(inputs);
+        if r.is_err() {
+            // A failed call may have left some ranks with a window the others lack:
+            // every rank starts again from nothing, so they miss (and gather) together.
+            self.release_modulation_ahead();
+        }
+        r
+    }
+
+    /// Drops every rank's modulation outputs computed ahead
+    /// ([`crate::model::modulation`]): after a request's last step (the pipeline does),
+    /// or after a failure. The next scheduled call computes its window again.
+    pub fn release_modulation_ahead(&self) {
+        for part in &self.parts {
+            for r in &part.ranks {
+                r.ahead.clear();
+            }
+        }
+    }
+
+    /// Misses of the ranks' modulation caches so far: each is one product (and, under
+    /// tensor parallelism, one all-gather) for a window of steps.
+    pub fn modulation_ahead_misses(&self) -> u64 {
+        self.parts
+            .iter()
+            .flat_map(|p| &p.ranks)
+            .map(|r| r.ahead.misses())
+            .sum()
+    }
+
+    fn forward_once(&self, inputs: &M::Inputs) -> Result<Tensor> {
         self.model.check_inputs(inputs)?;
         // Start the first copies of every streaming device now: they overlap the stem
         // and whatever runs before each device's first streamed block.
@@ -1028,7 +1059,7 @@ impl<M: Transformer> Executor<M> {
                 }
                 m.host_weight_bytes += r.sync_host_bytes;
                 m.largest_activation_bytes = m.largest_activation_bytes.max(r.meter.largest());
-                m.ahead_bytes += r.ahead.bytes();
+                m.ahead_bytes += r.ahead.peak_bytes();
             }
         }
         for (i, (id, _)) in self.rings.iter().enumerate() {

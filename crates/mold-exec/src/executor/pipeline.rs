@@ -134,6 +134,14 @@ impl<M: Transformer> Executor<M> {
     /// run in turn on one thread. In a multi-process run the micro-batches go through
     /// [`Executor::forward`] one after another (exact, without overlap).
     pub fn forward_micro_batches(&self, batches: &[&M::Inputs]) -> Result<Vec<Tensor>> {
+        let r = self.micro_batches_once(batches);
+        if r.is_err() {
+            self.release_modulation_ahead();
+        }
+        r
+    }
+
+    fn micro_batches_once(&self, batches: &[&M::Inputs]) -> Result<Vec<Tensor>> {
         for b in batches {
             self.model.check_inputs(b)?;
         }

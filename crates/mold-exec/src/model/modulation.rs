@@ -208,6 +208,9 @@ impl Conditioning {
 #[derive(Debug, Default)]
 pub struct ModulationCache {
     inner: Mutex<CacheInner>,
+    misses: AtomicU64,
+    /// The most bytes held at once.
+    peak: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -230,6 +233,7 @@ impl ModulationCache {
         if let Some(v) = self.lock().entries.get(&(key, slot)) {
             return Ok(v.clone());
         }
+        self.misses.fetch_add(1, Ordering::Relaxed);
         let v = f()?;
         let mut g = self.lock();
         if !g.keys.contains(&key) {
@@ -249,16 +253,21 @@ impl ModulationCache {
             g.keys.push_back(key);
         }
         g.entries.insert((key, slot), v.clone());
+        let held = held_bytes(&g);
+        self.peak.fetch_max(held, Ordering::Relaxed);
         Ok(v)
     }
-    /// Bytes of the tensors held.
+    /// The most bytes held at once so far.
+    pub fn peak_bytes(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+    /// Bytes of the tensors held now.
     pub fn bytes(&self) -> u64 {
-        self.lock()
-            .entries
-            .values()
-            .flatten()
-            .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
-            .sum()
+        held_bytes(&self.lock())
+    }
+    /// Windows computed so far (misses), each one product over the window's rows.
+    pub fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
     }
     /// Drops everything held.
     pub fn clear(&self) {
@@ -267,6 +276,14 @@ impl ModulationCache {
     fn lock(&self) -> std::sync::MutexGuard<'_, CacheInner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+fn held_bytes(g: &CacheInner) -> u64 {
+    g.entries
+        .values()
+        .flatten()
+        .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+        .sum()
 }
 
 /// This step's full modulation outputs, each `(b, out_i)`: `partials` maps SiLU'd
@@ -287,5 +304,89 @@ pub(crate) fn modulations(
             all.iter().map(|t| t.narrow(0, a.row * b, b)).collect()
         }
         _ => compute(&cond.now),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn t(rows: usize) -> CResult<Vec<Tensor>> {
+        Ok(vec![Tensor::zeros((rows, 4), DType::F32, &Device::Cpu)?])
+    }
+
+    /// One window a request, two requests: a request's next window replaces its last, a
+    /// third request drops the oldest, and a hit computes nothing.
+    #[test]
+    fn the_cache_keeps_one_window_of_two_requests() {
+        let c = ModulationCache::default();
+        let key = |request, window| AheadKey { request, window };
+        let per = 16 * 4 * 4;
+        for slot in 0..3 {
+            c.get_or(key(1, 0), slot, || t(16)).unwrap();
+        }
+        assert_eq!((c.bytes(), c.misses()), (3 * per, 3));
+        c.get_or(key(1, 0), 1, || panic!("a hit computes nothing"))
+            .unwrap();
+        // The request's second window replaces its first.
+        c.get_or(key(1, 1), 0, || t(16)).unwrap();
+        assert_eq!(c.bytes(), per);
+        // Another request is kept beside it; a third drops the oldest.
+        c.get_or(key(2, 0), 0, || t(16)).unwrap();
+        assert_eq!(c.bytes(), 2 * per);
+        c.get_or(key(3, 0), 0, || t(16)).unwrap();
+        assert_eq!(c.bytes(), 2 * per);
+        c.get_or(key(2, 0), 0, || panic!("request 2 is kept"))
+            .unwrap();
+        assert_eq!(c.misses(), 6);
+        c.get_or(key(1, 1), 0, || t(16)).unwrap();
+        assert_eq!(c.misses(), 7, "request 1 was dropped");
+        assert_eq!(c.peak_bytes(), 3 * per);
+        c.clear();
+        assert_eq!(c.bytes(), 0);
+    }
+
+    /// A conditioning crosses a process boundary whole: this step's vector, the window's
+    /// rows, the row and the key (a request number above 32 bits included).
+    #[test]
+    fn conditioning_round_trips_the_wire() {
+        let now = Tensor::arange(0f32, 6., &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3))
+            .unwrap();
+        let rows = Tensor::arange(0f32, 18., &Device::Cpu)
+            .unwrap()
+            .reshape((6, 3))
+            .unwrap();
+        let c = Conditioning {
+            now: now.clone(),
+            ahead: Some(Ahead {
+                rows: rows.clone(),
+                row: 2,
+                key: AheadKey {
+                    request: (7 << 32) | 5,
+                    window: 3,
+                },
+            }),
+        };
+        let back = Conditioning::from_wire(c.to_wire().unwrap()).unwrap();
+        let a = back.ahead.unwrap();
+        assert_eq!((a.row, a.key), (2, c.ahead.as_ref().unwrap().key));
+        assert_eq!(
+            a.rows.to_vec2::<f32>().unwrap(),
+            rows.to_vec2::<f32>().unwrap()
+        );
+        assert_eq!(
+            back.now.to_vec2::<f32>().unwrap(),
+            now.to_vec2::<f32>().unwrap()
+        );
+        let plain = Conditioning::from_wire(Conditioning::now(now.clone()).to_wire().unwrap());
+        assert!(plain.unwrap().ahead.is_none());
+        // A row outside the rows, or a count of tensors no conditioning has, is refused.
+        let mut bad = c.to_wire().unwrap();
+        bad[2] = Tensor::new(&[3u32, 3, 5, 7], &Device::Cpu).unwrap();
+        assert!(Conditioning::from_wire(bad).is_err());
+        assert!(Conditioning::from_wire(vec![now.clone(), now]).is_err());
     }
 }

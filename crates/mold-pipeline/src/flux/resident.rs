@@ -716,6 +716,8 @@ impl Job {
             self.mem
                 .spike(&m.device, m.largest_activation_bytes + m.ahead_bytes);
         }
+        // The request's windows are done with: their memory goes back before the decode.
+        den.exec.release_modulation_ahead();
         if !resident {
             den.hold(&mut self.mem, false);
         }

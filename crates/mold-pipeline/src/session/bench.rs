@@ -108,7 +108,7 @@ fn run_settings(
     steps: u32,
     o: &BenchOptions,
     opts: &ExecOptions,
-) -> [(&'static str, String); 7] {
+) -> [(&'static str, String); 8] {
     [
         ("plan", text_fingerprint(plan_text)),
         ("steps", steps.to_string()),
@@ -119,6 +119,8 @@ fn run_settings(
         // would wait in one NCCL call while its peer waits in another.
         ("token split", opts.comm.token_split.to_string()),
         ("overlap chunks", opts.comm.overlap_chunks.to_string()),
+        // One window's all-gather against one a step.
+        ("modulation ahead", opts.modulation_ahead.to_string()),
     ]
 }
 
@@ -392,8 +394,14 @@ mod tests {
         split.comm.token_split = true;
         let mut chunks = base.clone();
         chunks.comm.overlap_chunks = 4;
+        let mut alone = base.clone();
+        alone.modulation_ahead = false;
         let of = |e: &ExecOptions| run_settings("plan", 2, &o, e);
-        for (other, key) in [(&split, "token split"), (&chunks, "overlap chunks")] {
+        for (other, key) in [
+            (&split, "token split"),
+            (&chunks, "overlap chunks"),
+            (&alone, "modulation ahead"),
+        ] {
             let differ: Vec<&str> = of(&base)
                 .iter()
                 .zip(of(other).iter())

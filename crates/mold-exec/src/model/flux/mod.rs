@@ -372,7 +372,9 @@ impl Transformer for FluxConfig {
         // embeddings are computed in f32, then cast.
         let f32 = |t: &Tensor| t.to_device(dev)?.to_dtype(DType::F32);
         let guidance = x.guidance.as_ref().map(f32).transpose()?;
-        let vec = match x.schedule.as_ref().and_then(|s| Some((s, s.step?))) {
+        // The window's vectors only where the rank keeps the blocks' outputs.
+        let ahead = x.schedule.as_ref().filter(|_| ctx.ahead.is_some());
+        let vec = match ahead.and_then(|s| Some((s, s.step?))) {
             Some((s, step)) => {
                 // The vectors of this step's window, step-major (`b` rows a step), from
                 // the window's times and the fixed pooled text and guidance.
@@ -723,6 +725,61 @@ impl Transformer for FluxConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Activations cross a process boundary with their conditioning's window (six
+    /// tensors) or without it (four), in either block kind.
+    #[test]
+    fn activations_cross_the_wire_with_their_window() {
+        let t = |n: usize| Tensor::ones((1, n, 4), DType::F32, &Device::Cpu).unwrap();
+        let v = |n: usize| Tensor::ones((n, 4), DType::F32, &Device::Cpu).unwrap();
+        let ahead = Conditioning {
+            now: v(1),
+            ahead: Some(Ahead {
+                rows: v(3),
+                row: 1,
+                key: AheadKey {
+                    request: 9,
+                    window: 2,
+                },
+            }),
+        };
+        for vec in [ahead, Conditioning::now(v(1))] {
+            let with = vec.ahead.is_some();
+            let acts = [
+                FluxActs::Double {
+                    img: t(4),
+                    txt: t(2),
+                    vec: vec.clone(),
+                    pe: t(6),
+                    seq: None,
+                    split: None,
+                },
+                FluxActs::Single {
+                    x: t(6),
+                    vec,
+                    pe: t(6),
+                    txt_len: 2,
+                    seq: None,
+                    split: None,
+                },
+            ];
+            for a in acts {
+                let (tag, wire) = a.to_wire().unwrap();
+                assert_eq!(wire.len(), if with { 6 } else { 4 });
+                let back = FluxActs::from_wire(tag, wire).unwrap();
+                let (FluxActs::Double { vec, .. } | FluxActs::Single { vec, .. }) = back;
+                match vec.ahead {
+                    Some(a) => {
+                        assert!(with);
+                        assert_eq!((a.row, a.key.request, a.key.window), (1, 9, 2));
+                        assert_eq!(a.rows.dims(), [3, 4]);
+                    }
+                    None => assert!(!with),
+                }
+            }
+        }
+        assert!(FluxActs::from_wire(0, vec![t(1); 5]).is_err());
+    }
 
     /// A rank's slice of the sequence never leaves its part: moving, sending or feeding it
     /// to the final layer is refused; the whole sequence passes.
