@@ -230,11 +230,9 @@ impl<'a> Ctx<'a> {
     /// ([`mold_models::modulation_windows`]), where the model's executor computes them
     /// ahead; empty where every step computes its own.
     pub fn modulation_windows(&self) -> Vec<u64> {
-        if self.model.transformer.modulation_ahead {
-            mold_models::modulation_windows(self.workload.steps)
-        } else {
-            Vec::new()
-        }
+        self.model
+            .transformer
+            .modulation_windows(self.workload.steps)
     }
 
     /// Bytes a rank keeps between steps for the per-sample outputs computed ahead: every

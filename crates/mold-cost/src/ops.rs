@@ -188,7 +188,8 @@ pub fn block_ops(
 
 /// `ops` as the executor runs them over a request whose per-sample products are computed
 /// ahead in `windows` (steps each; none: every step its own): each per-sample product
-/// once per distinct window size, over that many steps' rows. What calibration times.
+/// once per distinct window size, over that many steps' rows. What calibration times; its
+/// products hold their actual rows, so `ahead` (which multiplies them) stays empty.
 pub fn as_run(ops: BlockOps, windows: &[u64]) -> BlockOps {
     if windows.is_empty() {
         return ops;
@@ -208,11 +209,7 @@ pub fn as_run(ops: BlockOps, windows: &[u64]) -> BlockOps {
             rows.into_iter().map(|m| Gemm { m, ..*g })
         })
         .collect();
-    BlockOps {
-        gemms,
-        ahead: windows.to_vec(),
-        ..ops
-    }
+    BlockOps { gemms, ..ops }
 }
 
 /// The products the executor queues beside each of a block's two all-to-alls under
@@ -606,11 +603,7 @@ pub fn calibration_shapes(
                 out.elementwise = (all.saturating_mul(batch), kind.hidden);
             }
             // The per-sample products computed ahead run over a window's rows.
-            let windows = if model.transformer.modulation_ahead {
-                mold_models::modulation_windows(w.steps)
-            } else {
-                Vec::new()
-            };
+            let windows = model.transformer.modulation_windows(w.steps);
             for &(tp, sp) in &req.layouts {
                 if let Some(ops) = block_ops(kind, tokens, batch, tp, sp, act) {
                     let ops = as_run(ops, &windows);
@@ -653,11 +646,7 @@ pub fn calibration_shapes(
         }
     }
     let base = &model.default_workload;
-    let windows = if model.transformer.modulation_ahead {
-        mold_models::modulation_windows(base.steps)
-    } else {
-        Vec::new()
-    };
+    let windows = model.transformer.modulation_windows(base.steps);
     out.blocks = model
         .transformer
         .kinds

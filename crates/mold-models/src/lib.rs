@@ -271,6 +271,16 @@ impl TransformerSpec {
     pub fn kind(&self, name: &str) -> Option<(usize, &BlockKind)> {
         self.kinds.iter().enumerate().find(|(_, k)| k.name == name)
     }
+    /// The windows (steps each) a request of `steps` steps computes the blocks'
+    /// per-sample products in where the executor computes them ahead
+    /// ([`modulation_windows`]); empty where every step computes its own.
+    pub fn modulation_windows(&self, steps: u32) -> Vec<u64> {
+        if self.modulation_ahead {
+            modulation_windows(steps)
+        } else {
+            Vec::new()
+        }
+    }
     pub fn total_blocks(&self) -> u32 {
         self.kinds.iter().map(|k| k.count).sum()
     }

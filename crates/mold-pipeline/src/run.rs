@@ -278,15 +278,13 @@ fn run_bench<M: Benchable>(
 ) -> Result<Tensor> {
     let BenchInputs { mut cond, uncond } = inputs;
     let sched = sampling::linear_schedule(steps);
-    // Every step's time, so the model may compute what depends only on it ahead.
-    let times = &sched[..sched.len().saturating_sub(1)];
-    mold_exec::Inputs::set_schedule(&mut cond, times)?;
+    sampling::set_schedule(&mut cond, &sched)?;
     // True CFG's combination (Qwen-Image's: the one model with true CFG).
     let scale = uncond.as_ref().map_or(1.0, |(_, s)| *s);
     let combine = |c: &Tensor, n: &Tensor| crate::qwen::sampling::combine(c, n, scale);
     let guided = match uncond {
         Some((mut neg, _)) => {
-            mold_exec::Inputs::set_schedule(&mut neg, times)?;
+            sampling::set_schedule(&mut neg, &sched)?;
             Some(sampling::Guided {
                 neg,
                 combine: &combine,

@@ -185,6 +185,13 @@ pub fn predict<M: Transformer>(
     }
 }
 
+/// Gives `inputs` the times of every step of `sched` (all but its last entry), so the
+/// model may compute what depends only on the time ahead ([`mold_exec::Inputs::set_schedule`]).
+pub fn set_schedule<I: mold_exec::Inputs>(inputs: &mut I, sched: &[f64]) -> Result<()> {
+    inputs.set_schedule(&sched[..sched.len().saturating_sub(1)])?;
+    Ok(())
+}
+
 /// True CFG's unconditional pass for [`denoise_passes`]: its inputs (each step gives
 /// them the conditional inputs' latents and time) and how a step's two predictions
 /// combine into one (conditional, unconditional → velocity).
@@ -281,6 +288,20 @@ mod tests {
         assert_eq!(nearest_valid(999), 992);
         assert_eq!(nearest_valid(1001), 1008);
         assert_eq!(nearest_valid(995), 992);
+    }
+
+    /// The inputs get every step's time (not the schedule's final 0), so the step each
+    /// later time names is found.
+    #[test]
+    fn the_schedule_s_step_times_reach_the_inputs() {
+        let cfg = mold_exec::FluxConfig::flux_tiny();
+        let mut x = mold_exec::random_inputs(&cfg, 32, 32, 2, 1, 1).unwrap();
+        let sched = crate::flux::sampling::schedule(4, 4, false);
+        set_schedule(&mut x, &sched).unwrap();
+        let s = x.schedule.clone().unwrap();
+        assert_eq!(&s.times[..], &sched[..4]);
+        mold_exec::Inputs::set_time(&mut x, sched[2]).unwrap();
+        assert_eq!(x.schedule.unwrap().step, Some(2));
     }
 
     #[test]

@@ -16,7 +16,8 @@ use crate::model::token_split::TokenSplit;
 use candle_core::{Device, Module, Tensor};
 use std::ops::Range;
 
-fn bytes(t: &Tensor) -> u64 {
+/// Bytes of `t`'s values.
+pub(crate) fn bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 

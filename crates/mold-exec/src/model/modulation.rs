@@ -279,11 +279,7 @@ impl ModulationCache {
 }
 
 fn held_bytes(g: &CacheInner) -> u64 {
-    g.entries
-        .values()
-        .flatten()
-        .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
-        .sum()
+    g.entries.values().flatten().map(super::layers::bytes).sum()
 }
 
 /// This step's full modulation outputs, each `(b, out_i)`: `partials` maps SiLU'd

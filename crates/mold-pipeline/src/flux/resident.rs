@@ -679,7 +679,7 @@ impl Job {
             io::record_inputs(r, &inputs, &sched)?;
         }
         // Every step's time, so the blocks' modulation is computed ahead.
-        mold_exec::Inputs::set_schedule(&mut inputs, &sched[..sched.len().saturating_sub(1)])?;
+        sampling::set_schedule(&mut inputs, &sched)?;
         // One step at a time (the one loop, `sampling::denoise`, over one window), so the
         // cancel flag is seen between steps and `--save-io` keeps each step's input.
         let steps = req.steps;
