@@ -27,10 +27,9 @@
 //!   head shards, the attention output back in one), a head shard being `⌈tokens/sp⌉ ·
 //!   hidden/tp` elements per rank of which `(sp−1)/sp` is sent, priced latency + bytes /
 //!   bandwidth over the sequence-parallel group's link (or the measured tables), less
-//!   what runs beside them where the group is two GPUs of one peer domain on one node
-//!   (the executor's copy-engine all-to-alls, [`COPY_ENGINE_GROUP`]): FLUX's single block
-//!   hides each behind its MLP
-//!   product ([`ops::beside_all_to_alls`]), `max(0, all-to-all − product)`; plus the
+//!   what runs beside them where the group is two GPUs of one peer domain on one node (the
+//!   executor's copy-engine all-to-alls, [`copies_beside`]): FLUX's single block hides each
+//!   behind its MLP product ([`ops::beside_all_to_alls`]), `max(0, all-to-all − product)`; plus the
 //!   output join's copy ([`alltoall_copy_shards`]); and one
 //!   all-gather of the hidden state where a run of parts on one sequence-parallel group
 //!   ends ([`Ctx::gather_s`]);
@@ -369,10 +368,7 @@ impl<'a> Ctx<'a> {
                 .map(|g| {
                     let n = g.len();
                     let c = self.machine.group_link(g).collective;
-                    let direct = n == COPY_ENGINE_GROUP
-                        && g.iter().all(|d| matches!(d, DeviceId::Cuda(_)))
-                        && !self.machine.spans_nodes(g)
-                        && self.machine.domain_of(g).is_some();
+                    let direct = copies_beside(self.machine, g);
                     ALLTOALL_SHARDS
                         .iter()
                         .enumerate()
@@ -808,12 +804,17 @@ pub struct ComponentEstimate {
 /// (3), and the attention output back (1).
 pub const ALLTOALL_SHARDS: [u32; 2] = [3, 1];
 
-/// The sequence-parallel group size whose all-to-alls the executor runs by the copy
-/// engines, beside the compute, where its GPUs (`cuda:N`; emulated devices have none)
-/// share a peer domain on one node (mold-exec's
-/// `comm::copy_engine::GROUP`): two, as measured. Larger groups keep NCCL's all-to-all
-/// between the products and are priced so.
-pub const COPY_ENGINE_GROUP: usize = 2;
+/// Whether the executor runs the all-to-alls of sequence-parallel group `g` by the copy
+/// engines, beside the compute (mold-exec's `comm/copy_engine.rs`): two GPUs (`cuda:N`;
+/// emulated devices have none) of one peer domain on one node. Larger groups keep NCCL's
+/// all-to-all between the products by default (on 4 × H200 the copy engines did not beat
+/// it, BENCHMARKS.md) and are priced so.
+pub fn copies_beside(machine: &Machine, g: &[DeviceId]) -> bool {
+    g.len() == 2
+        && g.iter().all(|d| matches!(d, DeviceId::Cuda(_)))
+        && !machine.spans_nodes(g)
+        && machine.domain_of(g).is_some()
+}
 
 /// Memory traffic of the all-to-alls' copies, in shards, for a batch of `batch`. The q/k/v
 /// preparation writes the messages in place, the rank's own piece straight into the buffer

@@ -725,6 +725,8 @@ fn the_single_block_s_all_to_alls_hide_behind_its_mlp_products_over_a_peer_domai
     let ids4: Vec<DeviceId> = (0..4).map(DeviceId::Cuda).collect();
     let ctx = Ctx::new(&model, &four, &w);
     let bc = ctx.block(single, &Group::sequence(ids4.clone()), DType::Bf16);
+    assert!(!crate::copies_beside(&four, &ids4));
+    assert!(crate::copies_beside(&peer, &ids));
     let shard = ((ctx.tokens.img + ctx.tokens.txt).div_ceil(4) * single.hidden * 2) as f64;
     let c = four.group_link(&ids4).collective;
     let want = crate::alltoall_s(&c, 3.0 * shard * 3.0 / 4.0, 4)

@@ -8,7 +8,7 @@
 use super::CommError;
 use candle_core::Result;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -29,11 +29,16 @@ impl<P, S> Round<P, S> {
     }
 }
 
+/// The longest a rank spins for the others before it sleeps ([`Board::wait_for`]).
+const SPIN: Duration = Duration::from_millis(2);
+
 /// What a group's ranks share.
 pub(crate) struct Board<P, S> {
     world: usize,
     rounds: Mutex<HashMap<u64, Round<P, S>>>,
     changed: Condvar,
+    /// Counts the board's changes, so a waiting rank can spin on it without the lock.
+    version: AtomicU64,
     failed: AtomicBool,
     /// The longest a rank waits for the others (the NCCL watchdog's limit; `None`: no limit).
     limit: Option<Duration>,
@@ -49,6 +54,7 @@ impl<P, S> Board<P, S> {
             world,
             rounds: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
+            version: AtomicU64::new(0),
             failed: AtomicBool::new(false),
             limit,
         }
@@ -62,11 +68,15 @@ impl<P, S> Board<P, S> {
     pub(crate) fn put(&self, k: u64, f: impl FnOnce(&mut Round<P, S>)) {
         let mut rounds = lock(&self.rounds);
         f(rounds.entry(k).or_insert_with(|| Round::new(self.world)));
+        self.version.fetch_add(1, Ordering::SeqCst);
         drop(rounds);
         self.changed.notify_all();
     }
 
     /// Waits until `done` holds for round `k`, then runs `take` on it (under the lock).
+    /// A rank first spins on the board's changes for up to [`SPIN`] (the ranks of a step
+    /// meet at every exchange, and a thread put to sleep wakes tens of microseconds after
+    /// it is notified), then sleeps until notified.
     /// `what` names what rank `rank` waits for, in the timeout's message. Fails at once
     /// where the board has failed, and fails the board where the limit runs out.
     pub(crate) fn wait_for<T>(
@@ -79,6 +89,7 @@ impl<P, S> Board<P, S> {
     ) -> Result<T> {
         let start = Instant::now();
         let mut rounds = lock(&self.rounds);
+        let mut spun = Duration::ZERO;
         loop {
             // What is there is taken even after a failure: a rank whose peers' copies are
             // all queued must still wait for them before it frees their destinations.
@@ -108,6 +119,20 @@ impl<P, S> Board<P, S> {
                     .into());
                 }
                 step = step.min(limit - waited + Duration::from_millis(1));
+            }
+            if spun < SPIN {
+                let seen = self.version.load(Ordering::SeqCst);
+                drop(rounds);
+                let t = Instant::now();
+                while self.version.load(Ordering::SeqCst) == seen
+                    && !self.failed.load(Ordering::SeqCst)
+                    && t.elapsed() < SPIN - spun
+                {
+                    std::hint::spin_loop();
+                }
+                spun += t.elapsed();
+                rounds = lock(&self.rounds);
+                continue;
             }
             rounds = self
                 .changed

@@ -1,21 +1,22 @@
 //! All-to-alls by the GPUs' copy engines, beside the compute: a sequence-parallel group of
-//! two ([`GROUP`]) whose ranks are threads of this process on GPUs with peer access sends each message
-//! with one peer copy (`cuMemcpyPeerAsync`) straight into the receiving rank's buffer, on a
-//! stream of its own. Copy engines take no SMs, so the products the model queues while an
-//! exchange moves ([`Comm::all_to_all_start`]: a FLUX single block's MLP) run at full
-//! speed beside it; NCCL's all-to-all kernels run on SMs, and beside a product neither
-//! gets the GPU (a FLUX.1-dev SP2 step on 2 × H200 lost 0.8 ms with NCCL's all-to-alls
-//! on a side stream, BENCHMARKS.md). Everything else goes to the group's NCCL
-//! communicator.
+//! two (of more where [`super::CommOptions::large_group_copies`] asks) whose ranks are
+//! threads of this process on GPUs with peer access sends each message with one peer copy
+//! (`cuMemcpyPeerAsync`) straight into the receiving rank's buffer, on a stream of its own
+//! (or one per receiver). Copy
+//! engines take no SMs, so the products the model queues while an exchange moves
+//! ([`Comm::all_to_all_start`]: a FLUX single block's MLP) run at full speed beside it;
+//! NCCL's all-to-all kernels run on SMs, and beside a product neither gets the GPU (a
+//! FLUX.1-dev SP2 step on 2 × H200 lost 0.8 ms with NCCL's all-to-alls on a side stream,
+//! BENCHMARKS.md). Everything else goes to the group's NCCL communicator.
 //!
 //! One exchange, round `k` (every rank runs its exchanges in the same order):
 //! 1. **post**: each rank makes its receive buffers on its compute stream, records an
 //!    event there (`ready`: its messages written, its buffers made) and posts where each
 //!    rank's piece must land in them;
 //! 2. **copy**: once every rank has posted, each rank's copy stream waits for its own
-//!    `ready` and the receiver's (whose buffer may reuse memory freed earlier in the
-//!    receiver's stream order), copies each message into the receiver's buffer and records
-//!    `sent`;
+//!    `ready` and every receiver's (whose buffer may reuse memory freed earlier in the
+//!    receiver's stream order), copies each message into its receiver's buffer (one copy
+//!    stream per receiver where there are several, joined back) and records `sent`;
 //! 3. **finish**: the compute stream waits for every rank's `sent` (what arrived here is
 //!    complete, and this rank's messages were read), then the messages may be freed.
 //!
@@ -36,12 +37,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// The group size the copy engines carry the all-to-alls of: two, as measured (2 × H200,
-/// BENCHMARKS.md). A rank of a larger group would queue its messages to the others one
-/// after another on one copy stream, which no GPU run has timed against NCCL's, so larger
-/// groups keep NCCL's all-to-all (`mold_cost` prices them so).
-pub(crate) const GROUP: usize = 2;
-
 /// What a group's ranks share: each round's posts and copies ([`board`](super::board)),
 /// and the exchanges' timings where traced.
 pub(crate) struct Board {
@@ -53,6 +48,8 @@ pub(crate) struct Board {
     /// Each exchange's timing events, printed when the board is dropped
     /// ([`super::CommOptions::trace_exchanges`]).
     trace: Option<Mutex<Vec<Trace>>>,
+    /// Each receiver's copy on a copy stream of its own (groups of more than two).
+    per_peer: bool,
 }
 
 /// One rank's exchange, timed (CUDA events with timing): `ready` on the compute stream,
@@ -165,26 +162,37 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Board {
-    pub(crate) fn new(world: usize, limit: Option<Duration>, trace: bool) -> Arc<Board> {
+    pub(crate) fn new(
+        world: usize,
+        limit: Option<Duration>,
+        trace: bool,
+        per_peer: bool,
+    ) -> Arc<Board> {
         Arc::new(Board {
             meet: board::Board::new(world, limit),
             direct: std::sync::OnceLock::new(),
             trace: trace.then(|| Mutex::new(Vec::new())),
+            per_peer,
         })
     }
 }
 
-/// A rank's copy stream, one per GPU, made on first use.
-fn copy_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
-    static STREAMS: Mutex<Vec<(usize, Arc<CudaStream>)>> = Mutex::new(Vec::new());
+/// A rank's copy stream `slot` (0: the one every exchange joins on; 1.. one per receiver
+/// where a group's copies go on streams of their own), one per GPU and slot, made on
+/// first use.
+fn copy_stream(ctx: &Arc<CudaContext>, slot: usize) -> Result<Arc<CudaStream>> {
+    /// (GPU ordinal, slot) and its stream.
+    type Streams = Vec<((usize, usize), Arc<CudaStream>)>;
+    static STREAMS: Mutex<Streams> = Mutex::new(Vec::new());
+    let key = (ctx.ordinal(), slot);
     let mut streams = lock(&STREAMS);
-    if let Some((_, s)) = streams.iter().find(|(o, _)| *o == ctx.ordinal()) {
+    if let Some((_, s)) = streams.iter().find(|(o, _)| *o == key) {
         return Ok(s.clone());
     }
     let s = ctx
         .new_stream()
         .map_err(|e| CommError::Local(format!("cannot make a copy stream: {e:?}")))?;
-    streams.push((ctx.ordinal(), s.clone()));
+    streams.push((key, s.clone()));
     Ok(s)
 }
 
@@ -410,7 +418,7 @@ impl CopyEngineComm {
     ) -> Result<(Arc<CudaStream>, Arc<CudaEvent>, Option<CudaEvent>)> {
         let rank = self.rank;
         let flags = if tracing { TIMING } else { NO_TIMING };
-        let side = copy_stream(ctx)?;
+        let side = copy_stream(ctx, 0)?;
         side.wait(&post.ready).map_err(cuda_err("ordering"))?;
         for (j, peer) in posts.iter().enumerate() {
             if j != rank {
@@ -422,12 +430,29 @@ impl CopyEngineComm {
         } else {
             None
         };
+        // Groups of more than two: each receiver's copy on a stream of its own, started
+        // once every rank is ready and joined back on `side`.
+        let apart = self.board.per_peer && posts.len() > 2;
+        let go = if apart {
+            Some(side.record_event(NO_TIMING).map_err(cuda_err("an event"))?)
+        } else {
+            None
+        };
+        let mut ends = Vec::new();
         for (j, peer) in posts.iter().enumerate() {
             if j == rank {
                 continue;
             }
+            let stream = match &go {
+                Some(go) => {
+                    let s = copy_stream(ctx, 1 + j - usize::from(j > rank))?;
+                    s.wait(go).map_err(cuda_err("ordering"))?;
+                    s
+                }
+                None => side.clone(),
+            };
             let (to, room) = peer.dst[rank];
-            let (from, bytes) = address(&send[j], &side)?;
+            let (from, bytes) = address(&send[j], &stream)?;
             if bytes != room {
                 return Err(CommError::Local(format!(
                     "all_to_all: rank {rank} sends rank {j} {bytes} bytes, which expects {room}"
@@ -440,9 +465,10 @@ impl CopyEngineComm {
             let peer_ctx = peer.device.cuda_stream().context().clone();
             ctx.bind_to_thread().map_err(cuda_err("binding the GPU"))?;
             // SAFETY: `from` holds `bytes` of this rank's message to rank j (contiguous, kept
-            // until this rank's compute stream waited for the copy) and `to` is rank j's
-            // buffer for it, `bytes` long, made before its `ready` event, which the copy
-            // stream waited for; rank j reads it only after waiting for `sent`.
+            // until this rank's compute stream waited for the copy: `stream` is joined back
+            // on `side` before `sent`) and `to` is rank j's buffer for it, `bytes` long,
+            // made before its `ready` event, which the copy stream waited for (directly,
+            // or through `go`); rank j reads it only after waiting for `sent`.
             unsafe {
                 result::memcpy_peer_async(
                     peer_ctx.cu_ctx(),
@@ -450,10 +476,20 @@ impl CopyEngineComm {
                     ctx.cu_ctx(),
                     from,
                     bytes,
-                    side.cu_stream(),
+                    stream.cu_stream(),
                 )
             }
             .map_err(cuda_err("cuMemcpyPeerAsync"))?;
+            if go.is_some() {
+                ends.push(
+                    stream
+                        .record_event(NO_TIMING)
+                        .map_err(cuda_err("an event"))?,
+                );
+            }
+        }
+        for end in &ends {
+            side.wait(end).map_err(cuda_err("ordering"))?;
         }
         let sent = Arc::new(side.record_event(flags).map_err(cuda_err("an event"))?);
         self.board

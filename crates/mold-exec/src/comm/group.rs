@@ -25,13 +25,23 @@ pub fn make_group(
         let comms = super::nccl::local_group(&ordinals, opts.nccl_timeout, abort.cloned())
             .into_iter()
             .map(|c| Box::new(c.with_overlap_chunks(opts.overlap_chunks)) as Box<dyn Comm>);
-        if !opts.exchange_beside || ordinals.len() != super::copy_engine::GROUP {
+        let per_peer = match opts.large_group_copies {
+            _ if ordinals.len() == 2 => false,
+            super::LargeGroupCopies::Off => return comms.collect(),
+            super::LargeGroupCopies::OneStream => false,
+            super::LargeGroupCopies::PerPeer => true,
+        };
+        if !opts.exchange_beside {
             return comms.collect();
         }
         // All-to-alls by the copy engines, beside the compute (peer access checked at the
         // first exchange; NCCL where it is missing).
-        let board =
-            super::copy_engine::Board::new(ordinals.len(), opts.nccl_timeout, opts.trace_exchanges);
+        let board = super::copy_engine::Board::new(
+            ordinals.len(),
+            opts.nccl_timeout,
+            opts.trace_exchanges,
+            per_peer,
+        );
         return comms
             .map(|c| {
                 Box::new(super::copy_engine::CopyEngineComm::new(c, board.clone())) as Box<dyn Comm>

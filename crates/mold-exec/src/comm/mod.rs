@@ -38,9 +38,9 @@ pub use error::{root_cause, AbortSignal, CommError};
 pub use group::{cross_process_group, make_group};
 pub use handoff::{decode_header, encode_header, HandOff};
 pub use options::{
-    timeout_secs, CommOptions, Secret, DEFAULT_DIST_TIMEOUT_S, DEFAULT_EXCHANGE_BESIDE,
-    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_NCCL_TIMEOUT_S, DEFAULT_OVERLAP_CHUNKS,
-    DEFAULT_PENDING_PER_ADDR, MAX_OVERLAP_CHUNKS, MAX_TIMEOUT_S,
+    timeout_secs, CommOptions, LargeGroupCopies, Secret, DEFAULT_DIST_TIMEOUT_S,
+    DEFAULT_EXCHANGE_BESIDE, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_NCCL_TIMEOUT_S,
+    DEFAULT_OVERLAP_CHUNKS, DEFAULT_PENDING_PER_ADDR, MAX_OVERLAP_CHUNKS, MAX_TIMEOUT_S,
 };
 pub use tcp::TcpComm;
 pub use thread::ThreadComm;
@@ -142,7 +142,7 @@ pub trait Comm: Send + Sync {
     /// [`Comm::all_to_all`] (`into: None`, the pieces apart) or [`Comm::all_to_all_cat`]
     /// (`Some(into)`: one tensor, received into `into` where given) started now and
     /// finished by [`Exchange::finish`], so that work queued between the two, which must
-    /// not read what arrives, may run while the pieces move (a group of two GPUs with
+    /// not read what arrives, may run while the pieces move (a one-process group of two GPUs with
     /// [`CommOptions::exchange_beside`]: by the copy engines, `copy_engine.rs`). Every rank must start
     /// and finish its exchanges in the same order, and start no other collective on this
     /// group between the two. The provided implementation exchanges now and hands the

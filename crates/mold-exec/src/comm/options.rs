@@ -24,6 +24,20 @@ pub const DEFAULT_PENDING_PER_ADDR: usize = 16;
 /// The longest any of the `MOLD_*_TIMEOUT_S` variables may ask for: a week, in seconds.
 pub const MAX_TIMEOUT_S: f64 = 7.0 * 24.0 * 3600.0;
 
+/// How a one-process group of more than two GPUs with peer access runs sequence
+/// parallelism's all-to-alls ([`CommOptions::large_group_copies`]). On 4 × H200 (FLUX.1-dev
+/// SP4, 2026-11-28, BENCHMARKS.md) the copy engines did not beat NCCL: 43.3–49.2 ms a step
+/// on one copy stream and 47.8–55.4 ms on one per peer, against 44.3–44.8 ms by NCCL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LargeGroupCopies {
+    /// NCCL's all-to-all, between the products (the default).
+    Off,
+    /// The copy engines, each rank's messages one after another on one copy stream.
+    OneStream,
+    /// The copy engines, each receiver's message on a copy stream of its own.
+    PerPeer,
+}
+
 /// The shared secret of a multi-process run (`MOLD_DIST_SECRET`). Its `Debug` prints
 /// `<redacted>`, so options can be logged; only [`Secret::expose`] gives the text.
 #[derive(Clone, PartialEq, Eq)]
@@ -81,8 +95,9 @@ pub struct CommOptions {
     /// overlap_chunks`]); 1 sums once after the whole product. `MOLD_OVERLAP_CHUNKS`,
     /// default [`DEFAULT_OVERLAP_CHUNKS`].
     pub overlap_chunks: usize,
-    /// A one-process group of two GPUs with peer access runs its all-to-alls by the copy
-    /// engines on a stream of its own, beside the products the model queues while they
+    /// A one-process group of two GPUs with peer access (of more, see
+    /// [`CommOptions::large_group_copies`]) runs its all-to-alls by the copy engines on a
+    /// stream of its own, beside the products the model queues while they
     /// move (FLUX's single blocks: the MLP products under both of sequence parallelism's
     /// all-to-alls; [`super::Comm::all_to_all_start`]), instead of NCCL's on the compute
     /// stream. Off, or without peer access (`--no-peer` turns it off), NCCL's.
@@ -91,6 +106,10 @@ pub struct CommOptions {
     /// Times each copy-engine all-to-all with CUDA events and prints, per forward pass and
     /// rank, where its time went (`MOLD_SP_TRACE=1`; for measuring, default off).
     pub trace_exchanges: bool,
+    /// Whether groups of more than two run their all-to-alls by the copy engines too
+    /// (with [`CommOptions::exchange_beside`]), and on how many copy streams.
+    /// `MOLD_SP_COPY_LARGE=off|one|per-peer`, default off.
+    pub large_group_copies: LargeGroupCopies,
     /// Token-split tensor parallelism (Megatron's sequence parallelism inside a
     /// tensor-parallel group) in FLUX's and Qwen-Image's blocks: each rank keeps 1/N of the
     /// text and of the image tokens between products and runs the norms, modulation and
@@ -116,6 +135,7 @@ impl Default for CommOptions {
             overlap_chunks: DEFAULT_OVERLAP_CHUNKS,
             exchange_beside: DEFAULT_EXCHANGE_BESIDE,
             trace_exchanges: false,
+            large_group_copies: LargeGroupCopies::Off,
             token_split: false,
             warm_during_load: true,
         }
@@ -212,6 +232,20 @@ impl CommOptions {
         if let Some(v) = get("MOLD_SP_TRACE") {
             o.trace_exchanges = switch("MOLD_SP_TRACE", &v, "", false)?;
         }
+        if let Some(v) = get("MOLD_SP_COPY_LARGE") {
+            o.large_group_copies = match v.trim() {
+                "off" => LargeGroupCopies::Off,
+                "one" => LargeGroupCopies::OneStream,
+                "per-peer" => LargeGroupCopies::PerPeer,
+                _ => {
+                    return Err(ExecError::Launch(format!(
+                        "MOLD_SP_COPY_LARGE={v:?}: give off, one or per-peer (groups of more \
+                         than two GPUs exchange by NCCL, or by the copy engines on one copy \
+                         stream, or on one per peer), or unset it (default off)"
+                    )))
+                }
+            };
+        }
         if let Some(v) = get("MOLD_TP_TOKEN_SPLIT") {
             o.token_split = switch("MOLD_TP_TOKEN_SPLIT", &v, "", false)?;
         }
@@ -301,6 +335,19 @@ mod tests {
         let m = msg(&[("MOLD_SP_TRACE", "2")]);
         assert!(
             m.contains("MOLD_SP_TRACE=\"2\"") && m.contains("on or off"),
+            "{m}"
+        );
+        for (v, s) in [
+            ("off", LargeGroupCopies::Off),
+            (" one", LargeGroupCopies::OneStream),
+            ("per-peer", LargeGroupCopies::PerPeer),
+        ] {
+            let got = from(&[("MOLD_SP_COPY_LARGE", v)]).unwrap();
+            assert_eq!(got.large_group_copies, s);
+        }
+        let m = msg(&[("MOLD_SP_COPY_LARGE", "two")]);
+        assert!(
+            m.contains("MOLD_SP_COPY_LARGE=\"two\"") && m.contains("off, one or per-peer"),
             "{m}"
         );
         let m = msg(&[("MOLD_SP_OVERLAP", "yes")]);
