@@ -614,6 +614,25 @@ impl WeightSource for StagedSource<'_> {
         cols: Option<&[Range<usize>]>,
     ) -> Result<Mat> {
         if self.host.fp8 {
+            // A product's whole rows as the checkpoint stores them (bf16 or f16) go to the
+            // GPU through the staging buffers and are quantized there (the host path reads,
+            // quantizes and uploads them on the host: FLUX.1-dev's FP8 load 10.3 s against
+            // 5.2 s so, 1.2 s in bf16, on an H200; BENCHMARKS.md). A product loaded as
+            // column pieces (row-parallel: a TP rank's share, FLUX's single-block output
+            // projection's [attention, MLP] pieces) and checkpoints stored otherwise keep
+            // the host path: the columns would be cut from the quantized rows on the GPU,
+            // which the build's candle cannot copy in FP8 (no `ucopy_f8e4m3` kernel).
+            #[cfg(feature = "cuda")]
+            if cols.is_none() && matches!(self.host.dtype, DType::BF16 | DType::F16) {
+                if let Some(sel) = self.host.ckpt.stored_slice(name, rows, None)? {
+                    let matrix = sel.shape.len() == 2 && sel.shape.iter().all(|&d| d > 0);
+                    if matches!(sel.dtype, DType::BF16 | DType::F16) && matrix {
+                        let t = self.stager.upload(&sel.pieces, sel.dtype, &sel.shape)?;
+                        let t = t.to_dtype(self.host.dtype)?;
+                        return Ok(Mat::Fp8(Fp8Weight::quantize_on_gpu(&t)?));
+                    }
+                }
+            }
             return self.host.load_product(name, rows, cols);
         }
         Ok(Mat::Dense(self.load(name, rows, cols)?))

@@ -305,14 +305,14 @@ impl Product {
     }
 }
 
-/// The input quantized per token: e4m3 values `(m, k)` and `m` scales.
-fn quantize(
+/// The input quantized per token: e4m3 values `(m, k)` (as bytes `Q`) and `m` scales.
+fn quantize<Q: DeviceRepr>(
     dev: &CudaDevice,
     x: &CudaStorage,
     xl: &Layout,
     m: usize,
     k: usize,
-) -> CResult<(CudaSlice<u8>, CudaSlice<f32>)> {
+) -> CResult<(CudaSlice<Q>, CudaSlice<f32>)> {
     let dt = x.dtype();
     let f = dev
         .get_or_load_custom_fatbin(
@@ -321,8 +321,9 @@ fn quantize(
             FATBIN,
         )?
         .into_cuda_function();
-    // SAFETY: the kernel writes every element.
-    let mut q = unsafe { dev.alloc::<u8>(m * k)? };
+    // SAFETY: the kernel writes every element (`Q` is one byte: u8 or e4m3).
+    debug_assert_eq!(std::mem::size_of::<Q>(), 1);
+    let mut q = unsafe { dev.alloc::<Q>(m * k)? };
     let mut s = unsafe { dev.alloc::<f32>(m)? };
     let cfg = LaunchConfig {
         grid_dim: (m as u32, 1, 1),
@@ -364,7 +365,7 @@ unsafe fn run(
     beta: f32,
 ) -> CResult<()> {
     let (n, k) = w.dims2()?;
-    let (x8, sx) = quantize(dev, x, xl, m, k)?;
+    let (x8, sx) = quantize::<u8>(dev, x, xl, m, k)?;
     let (qs, ql) = w.q.storage_and_layout();
     let (ss, sl) = w.scale.storage_and_layout();
     let bs = bias.map(|b| b.storage_and_layout());
@@ -613,6 +614,40 @@ impl InplaceOp1 for Accumulate {
             dt => candle_core::bail!("mold-fp8-accumulate: unsupported dtype {dt:?}"),
         }
     }
+}
+
+/// An `(n, k)` bf16/f16 weight on a GPU quantized per output feature (row) there, by the
+/// kernel that quantizes a product's input per token: the same values and scales as
+/// [`Fp8Weight::quantize`] on the host (`scripts/gpu-suite` compares the two loads' outputs).
+pub(crate) fn quantize_weight(w: &Tensor) -> CResult<Fp8Weight> {
+    let (n, k) = w.dims2()?;
+    let w = w.contiguous()?;
+    let (st, l) = w.storage_and_layout();
+    let Storage::Cuda(cs) = &*st else {
+        candle_core::bail!("FP8 quantization on the GPU: the weight is not on a GPU");
+    };
+    suffix(cs.dtype())?;
+    if n == 0 || k == 0 {
+        candle_core::bail!("FP8 quantization on the GPU: an empty ({n}, {k}) weight");
+    }
+    let dev = cs.device.clone();
+    let (q, s) = quantize::<float8::F8E4M3>(&dev, cs, l, n, k)?;
+    drop(st);
+    let wrap = |storage: CudaStorage, shape: Shape| {
+        Tensor::from_storage(
+            Storage::Cuda(storage),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    };
+    Fp8Weight::from_parts(
+        wrap(
+            CudaStorage::wrap_cuda_slice(q, dev.clone()),
+            Shape::from((n, k)),
+        ),
+        wrap(CudaStorage::wrap_cuda_slice(s, dev), Shape::from(n)),
+    )
 }
 
 /// `q · scale[row]` in `dtype` (bf16/f16), one kernel.

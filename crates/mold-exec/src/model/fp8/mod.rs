@@ -204,6 +204,13 @@ impl Fp8Weight {
         })
     }
 
+    /// Quantizes an `(n, k)` bf16 or f16 weight held by a GPU on that GPU, per output
+    /// feature, to the same values and scales as [`Fp8Weight::quantize`].
+    #[cfg(feature = "cuda")]
+    pub fn quantize_on_gpu(w: &Tensor) -> CResult<Fp8Weight> {
+        cuda::quantize_weight(w)
+    }
+
     /// From e4m3 values and per-row scales (checked: `q` `(n, k)` F8E4M3, `scale` `(n)` F32).
     pub fn from_parts(q: Tensor, scale: Tensor) -> CResult<Fp8Weight> {
         let (n, _) = q.dims2()?;
