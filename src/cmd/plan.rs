@@ -123,7 +123,8 @@ pub struct Args {
     pub constraints: Option<PathBuf>,
     /// Where to write the plan. A file there is replaced only if it is a plan mold wrote
     /// and nobody edited since (its first line's `mold-sha256:` stamp still matches);
-    /// anything else needs --force.
+    /// anything else needs --force. `-` writes it to standard output (the summary then
+    /// goes to standard error).
     #[arg(short, long, default_value = "plan.yaml")]
     pub out: PathBuf,
     /// Replace the file at -o whatever it is: a hand-edited plan, any other file (a
@@ -580,7 +581,13 @@ pub fn run(a: Args) -> Result<i32> {
         force: a.force,
     };
     let stamp = mold_files::Stamp::HashComment;
-    dest.check(mold_files::Mine::Stamped(stamp))?;
+    let to_stdout = a.out.as_os_str() == "-";
+    if to_stdout && a.json {
+        bail!("-o -: the plan goes to standard output, where --json writes too: give -o a file, or drop --json");
+    }
+    if !to_stdout {
+        dest.check(mold_files::Mine::Stamped(stamp))?;
+    }
     let (req, profile_line, machine_name) = request(&a)?;
     // Everything --tune needs is checked before the planner runs.
     let tuning = if a.tune {
@@ -607,6 +614,18 @@ pub fn run(a: Args) -> Result<i32> {
             yaml += &super::tune::plan_comment(rows, *steps, *rounds);
         }
         record = rows;
+    }
+    if to_stdout {
+        let bytes = mold_files::stamp(stamp, yaml.as_bytes())
+            .ok_or_else(|| anyhow::anyhow!("the plan has no line for its stamp"))?;
+        std::io::Write::write_all(&mut std::io::stdout().lock(), &bytes)?;
+        eprintln!("{profile_line}");
+        eprint!("{}", mold_planner::report::summary(&outcome));
+        if let Some(rows) = &record {
+            eprintln!("\nmeasured on this box (--tune), the kept placement written (the table of families above is the planner's own search, priced):");
+            eprint!("{}", mold_planner::tune::table(rows, "  "));
+        }
+        return Ok(0);
     }
     dest.write_stamped(stamp, yaml.as_bytes())?;
     if a.json {

@@ -360,3 +360,35 @@ fn shard_names_outside_the_index_s_folder_are_refused_naming_the_index() {
         assert!(e.contains("\"../../secret.safetensors\""), "{e}");
     }
 }
+
+/// `plan -o -` writes the plan to standard output, stamped as a file would be (so `mold
+/// sim` takes it as saved), and the summary to standard error; no file named `-` appears.
+/// With `--json`, which writes to standard output too, it is refused in one line.
+#[test]
+fn plan_to_standard_output() {
+    let stray = root().join("-");
+    let _ = std::fs::remove_file(&stray);
+    let (out, err) = mold_ok(&plan_args("-", &[]));
+    assert!(!stray.exists(), "a file named - was written");
+    assert!(
+        out.starts_with("# written by mold") && out.contains(mold_files::MARK),
+        "{out}"
+    );
+    assert!(
+        out.contains("version:") && out.contains("flux-tiny"),
+        "{out}"
+    );
+    assert!(!out.contains("plan written to") && !err.contains("plan written to"));
+    assert!(err.contains("flux-tiny"), "{err}");
+    let d = tempdir("files-stdout");
+    let saved = d.join("plan.yaml");
+    std::fs::write(&saved, &out).unwrap();
+    mold_ok(&["sim", saved.to_str().unwrap()]);
+    let e = mold_fails(&plan_args("-", &["--json"]));
+    let e = e.trim_end();
+    assert!(
+        !e.contains('\n') && e.contains("-o -") && e.contains("--json"),
+        "{e}"
+    );
+    assert!(!stray.exists());
+}
