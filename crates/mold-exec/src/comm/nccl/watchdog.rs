@@ -148,62 +148,127 @@ impl Group {
     }
 }
 
-/// Starts the monitor of a new group (with the watchdog on).
+/// Starts the monitor of a new group (with the watchdog on), and its deadline.
 pub(super) fn watch(g: &Arc<Group>) {
     if let Some(limit) = g.limit {
         let weak = Arc::downgrade(g);
         let _ = std::thread::Builder::new()
             .name("nccl-monitor".into())
             .spawn(move || monitor(weak, limit));
+        let weak = Arc::downgrade(g);
+        let _ = std::thread::Builder::new()
+            .name("nccl-deadline".into())
+            .spawn(move || deadline(weak, limit));
     }
 }
 
-/// Watches a group for what the ranks cannot time out themselves, and ends the process
-/// (with a report naming the ranks) rather than let it hang:
-/// - a rank inside an NCCL host call (e.g. `ncclAllReduce` blocked in connection setup,
-///   or `ncclCommAbort`) for longer than `limit`;
-/// - a failed group whose ranks have not all let go of it `limit` after the failure (a
-///   rank stuck outside NCCL keeps the executor waiting for it).
-///
-/// Stops when the group is dropped.
+/// Watches a group for what the ranks cannot time out themselves ([`Group::watch_pending`]:
+/// collectives pending past the limit, NCCL's asynchronous errors, the run's failure
+/// signal), and aborts a failed group's communicators. Its CUDA and NCCL calls (an event's
+/// query, an abort) can wait for the driver behind a rank that waits for its GPU; what
+/// must happen even then is [`deadline`]'s. Stops when the group is dropped.
 fn monitor(group: Weak<Group>, limit: Duration) {
-    let limit_ms = limit.as_millis() as u64;
     loop {
         std::thread::sleep(Duration::from_millis(100).min(limit));
         let Some(g) = group.upgrade() else { return };
         g.watch_pending(limit);
-        let t = &g.tracker;
-        let now = t.now();
-        let stuck_in_call = (0..g.world()).find(|&r| {
-            let since = t.busy_since[r].load(Ordering::SeqCst);
-            since != 0 && now.saturating_sub(since) > limit_ms
-        });
-        let failed_at = t.failed_at.load(Ordering::SeqCst);
-        let stuck_after_failure = failed_at != 0 && now.saturating_sub(failed_at) > limit_ms;
-        if stuck_in_call.is_none() && !stuck_after_failure {
-            continue;
+    }
+}
+
+/// Ends the process (with a report naming the ranks) rather than let it hang, from the
+/// group's counters alone — no CUDA or NCCL call, so nothing here waits for the driver:
+/// - a rank inside an NCCL host call (e.g. `ncclAllReduce` blocked in connection setup,
+///   or `ncclCommAbort`) for longer than `limit`;
+/// - a failed group whose ranks have not all let go of it `limit` after the failure (a
+///   rank stuck outside NCCL keeps the executor waiting for it, or the monitor waits for
+///   the driver behind it).
+///
+/// Stops when the group is dropped.
+fn deadline(group: Weak<Group>, limit: Duration) {
+    loop {
+        std::thread::sleep(Duration::from_millis(100).min(limit));
+        let Some(g) = group.upgrade() else { return };
+        if let Some(what) = overdue(&g.tracker, &g.ordinals, limit, || {
+            (describe_ranks(&g.ordinals), g.failure_text())
+        }) {
+            eprintln!(
+                "error: {what}; ending the process instead of hanging.\n{}\n\
+                 (NCCL_DEBUG=INFO shows NCCL's side; MOLD_NCCL_TIMEOUT_S sets the limit)",
+                g.tracker.dump(&g.ordinals)
+            );
+            std::process::abort();
         }
-        let what = match stuck_in_call {
-            Some(r) => format!(
-                "NCCL rank {r} (cuda:{}) has been inside {} for more than {:.0} s \
-                 (MOLD_NCCL_TIMEOUT_S)",
-                g.ordinals[r],
-                CALLS[t.busy_call[r].load(Ordering::SeqCst)],
-                limit.as_secs_f64()
-            ),
-            None => format!(
-                "the NCCL group ({}) failed ({}) and its ranks have not stopped \
-                 {:.0} s later",
-                describe_ranks(&g.ordinals),
-                g.failure_text(),
-                limit.as_secs_f64()
-            ),
-        };
-        eprintln!(
-            "error: {what}; ending the process instead of hanging.\n{}\n\
-             (NCCL_DEBUG=INFO shows NCCL's side; MOLD_NCCL_TIMEOUT_S sets the limit)",
-            t.dump(&g.ordinals)
+    }
+}
+
+/// Why a group must end its process now, if it must: a rank inside an NCCL call for more
+/// than `limit`, or a failure older than `limit` (`failure()`: the group's ranks and its
+/// failure, for the message).
+fn overdue(
+    t: &Tracker,
+    ordinals: &[usize],
+    limit: Duration,
+    failure: impl FnOnce() -> (String, String),
+) -> Option<String> {
+    let limit_ms = limit.as_millis() as u64;
+    let now = t.now();
+    let stuck_in_call = (0..t.busy_since.len()).find(|&r| {
+        let since = t.busy_since[r].load(Ordering::SeqCst);
+        since != 0 && now.saturating_sub(since) > limit_ms
+    });
+    if let Some(r) = stuck_in_call {
+        return Some(format!(
+            "NCCL rank {r} (cuda:{}) has been inside {} for more than {:.0} s \
+             (MOLD_NCCL_TIMEOUT_S)",
+            ordinals.get(r).copied().unwrap_or(usize::MAX),
+            CALLS[t.busy_call[r].load(Ordering::SeqCst)],
+            limit.as_secs_f64()
+        ));
+    }
+    let failed_at = t.failed_at.load(Ordering::SeqCst);
+    if failed_at != 0 && now.saturating_sub(failed_at) > limit_ms {
+        let (ranks, why) = failure();
+        return Some(format!(
+            "the NCCL group ({ranks}) failed ({why}) and its ranks have not stopped {:.0} s later",
+            limit.as_secs_f64()
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The deadline's reasons come from the counters alone: nothing while every rank is
+    /// outside NCCL and the group is healthy, or within the limit; a rank inside a call
+    /// past the limit; a failure older than the limit.
+    #[test]
+    fn a_group_is_overdue_past_the_limit_only() {
+        let t = Tracker::new(2);
+        let limit = Duration::from_millis(50);
+        let none = || -> (String, String) { unreachable!() };
+        assert_eq!(overdue(&t, &[0, 1], limit, none), None);
+        t.busy_call[1].store(CALL_ALL_REDUCE, Ordering::SeqCst);
+        t.busy_since[1].store(t.now(), Ordering::SeqCst);
+        assert_eq!(overdue(&t, &[0, 1], limit, none), None);
+        std::thread::sleep(Duration::from_millis(80));
+        let m = overdue(&t, &[0, 1], limit, none).unwrap();
+        assert!(
+            m.contains("rank 1 (cuda:1)") && m.contains("ncclAllReduce"),
+            "{m}"
         );
-        std::process::abort();
+        t.busy_since[1].store(0, Ordering::SeqCst);
+        t.failed_at.store(t.now(), Ordering::SeqCst);
+        assert_eq!(overdue(&t, &[0, 1], limit, none), None);
+        std::thread::sleep(Duration::from_millis(80));
+        let m = overdue(&t, &[0, 1], limit, || {
+            ("cuda:0, cuda:1".into(), "rank 1 failed".into())
+        })
+        .unwrap();
+        assert!(
+            m.contains("cuda:0, cuda:1") && m.contains("rank 1 failed"),
+            "{m}"
+        );
     }
 }
