@@ -155,10 +155,10 @@ pub(super) fn watch(g: &Arc<Group>) {
         let _ = std::thread::Builder::new()
             .name("nccl-monitor".into())
             .spawn(move || monitor(weak, limit));
-        let weak = Arc::downgrade(g);
+        let (weak, tracker, ordinals) = (Arc::downgrade(g), g.tracker.clone(), g.ordinals.clone());
         let _ = std::thread::Builder::new()
             .name("nccl-deadline".into())
-            .spawn(move || deadline(weak, limit));
+            .spawn(move || deadline(weak, tracker, ordinals, limit));
     }
 }
 
@@ -184,17 +184,27 @@ fn monitor(group: Weak<Group>, limit: Duration) {
 ///   the driver behind it).
 ///
 /// Stops when the group is dropped.
-fn deadline(group: Weak<Group>, limit: Duration) {
+///
+/// It holds the group's counters, not the group: were it to hold the last reference when
+/// the ranks let go, the group's teardown (its communicators' abort) would run here.
+fn deadline(group: Weak<Group>, tracker: Arc<Tracker>, ordinals: Vec<usize>, limit: Duration) {
     loop {
         std::thread::sleep(Duration::from_millis(100).min(limit));
+        if group.strong_count() == 0 {
+            return;
+        }
+        let placeholder = || (String::new(), String::new());
+        if overdue(&tracker, &ordinals, limit, placeholder).is_none() {
+            continue;
+        }
+        // Held until the process ends here, so the group is never dropped on this thread.
         let Some(g) = group.upgrade() else { return };
-        if let Some(what) = overdue(&g.tracker, &g.ordinals, limit, || {
-            (describe_ranks(&g.ordinals), g.failure_text())
-        }) {
+        let failure = || (describe_ranks(&g.ordinals), g.failure_text());
+        if let Some(what) = overdue(&tracker, &ordinals, limit, failure) {
             eprintln!(
                 "error: {what}; ending the process instead of hanging.\n{}\n\
                  (NCCL_DEBUG=INFO shows NCCL's side; MOLD_NCCL_TIMEOUT_S sets the limit)",
-                g.tracker.dump(&g.ordinals)
+                tracker.dump(&ordinals)
             );
             std::process::abort();
         }
