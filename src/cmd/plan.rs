@@ -7,6 +7,7 @@ use mold_plan::{ByteSize, CfgMode, DType, DeviceId, MemoryPhases};
 use mold_planner::{
     parse_cap, parse_pin, CfgChoice, ConstraintsFile, Objective, Request, SpChoice, TpChoice,
 };
+use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -618,16 +619,10 @@ pub fn run(a: Args) -> Result<i32> {
     if to_stdout {
         let bytes = mold_files::stamp(stamp, yaml.as_bytes())
             .ok_or_else(|| anyhow::anyhow!("the plan has no line for its stamp"))?;
-        std::io::Write::write_all(&mut std::io::stdout().lock(), &bytes)?;
-        eprintln!("{profile_line}");
-        eprint!("{}", mold_planner::report::summary(&outcome));
-        if let Some(rows) = &record {
-            eprintln!("\nmeasured on this box (--tune), the kept placement written (the table of families above is the planner's own search, priced):");
-            eprint!("{}", mold_planner::tune::table(rows, "  "));
-        }
-        return Ok(0);
+        std::io::stdout().lock().write_all(&bytes)?;
+    } else {
+        dest.write_stamped(stamp, yaml.as_bytes())?;
     }
-    dest.write_stamped(stamp, yaml.as_bytes())?;
     if a.json {
         let mut v = serde_json::json!({
             "machine_profile": machine_name,
@@ -638,14 +633,22 @@ pub fn run(a: Args) -> Result<i32> {
             v["tune"] = serde_json::to_value(rows)?;
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(0);
+    }
+    // The summary goes where the plan does not.
+    let mut w: Box<dyn Write> = if to_stdout {
+        Box::new(std::io::stderr().lock())
     } else {
-        println!("{profile_line}");
-        print!("{}", mold_planner::report::summary(&outcome));
-        if let Some(rows) = &record {
-            println!("\nmeasured on this box (--tune), the kept placement written (the table of families above is the planner's own search, priced):");
-            print!("{}", mold_planner::tune::table(rows, "  "));
-        }
-        println!("\nplan written to {}", a.out.display());
+        Box::new(std::io::stdout().lock())
+    };
+    writeln!(w, "{profile_line}")?;
+    write!(w, "{}", mold_planner::report::summary(&outcome))?;
+    if let Some(rows) = &record {
+        writeln!(w, "\nmeasured on this box (--tune), the kept placement written (the table of families above is the planner's own search, priced):")?;
+        write!(w, "{}", mold_planner::tune::table(rows, "  "))?;
+    }
+    if !to_stdout {
+        writeln!(w, "\nplan written to {}", a.out.display())?;
     }
     Ok(0)
 }

@@ -615,9 +615,9 @@ impl WeightSource for StagedSource<'_> {
     ) -> Result<Mat> {
         if self.host.fp8 {
             // A product's whole rows as the checkpoint stores them (bf16 or f16) go to the
-            // GPU through the staging buffers and are quantized there (the host path reads,
-            // quantizes and uploads them on the host: FLUX.1-dev's FP8 load 10.3 s against
-            // 5.2 s so, 1.2 s in bf16, on an H200; BENCHMARKS.md). A product loaded as
+            // GPU through the staging buffers and are quantized there, instead of being
+            // read, quantized and uploaded on the host (FLUX.1-dev's FP8 load on an H200:
+            // 5.2 s so, 10.3 s on the host, 1.2 s in bf16; BENCHMARKS.md). A product loaded as
             // column pieces (row-parallel: a TP rank's share, FLUX's single-block output
             // projection's [attention, MLP] pieces) and checkpoints stored otherwise keep
             // the host path: the columns would be cut from the quantized rows on the GPU,

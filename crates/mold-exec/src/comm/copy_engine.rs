@@ -2,9 +2,9 @@
 //! two (of more where [`super::CommOptions::large_group_copies`] asks) whose ranks are
 //! threads of this process on GPUs with peer access sends each message with one peer copy
 //! (`cuMemcpyPeerAsync`) straight into the receiving rank's buffer, on a stream of its own
-//! (or one per receiver). Copy
-//! engines take no SMs, so the products the model queues while an exchange moves
-//! ([`Comm::all_to_all_start`]: a FLUX single block's MLP) run at full speed beside it;
+//! (or one per receiver). Copy engines take no SMs, so the products the model queues while
+//! an exchange moves ([`Comm::all_to_all_start`]: a FLUX single block's MLP) run at full
+//! speed beside it;
 //! NCCL's all-to-all kernels run on SMs, and beside a product neither gets the GPU (a
 //! FLUX.1-dev SP2 step on 2 × H200 lost 0.8 ms with NCCL's all-to-alls on a side stream,
 //! BENCHMARKS.md). Everything else goes to the group's NCCL communicator.

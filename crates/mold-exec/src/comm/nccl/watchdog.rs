@@ -193,14 +193,12 @@ fn deadline(group: Weak<Group>, tracker: Arc<Tracker>, ordinals: Vec<usize>, lim
         if group.strong_count() == 0 {
             return;
         }
-        let placeholder = || (String::new(), String::new());
-        if overdue(&tracker, &ordinals, limit, placeholder).is_none() {
+        if overdue(&tracker, &ordinals, limit, String::new).is_none() {
             continue;
         }
         // Held until the process ends here, so the group is never dropped on this thread.
         let Some(g) = group.upgrade() else { return };
-        let failure = || (describe_ranks(&g.ordinals), g.failure_text());
-        if let Some(what) = overdue(&tracker, &ordinals, limit, failure) {
+        if let Some(what) = overdue(&tracker, &ordinals, limit, || g.failure_text()) {
             eprintln!(
                 "error: {what}; ending the process instead of hanging.\n{}\n\
                  (NCCL_DEBUG=INFO shows NCCL's side; MOLD_NCCL_TIMEOUT_S sets the limit)",
@@ -212,13 +210,13 @@ fn deadline(group: Weak<Group>, tracker: Arc<Tracker>, ordinals: Vec<usize>, lim
 }
 
 /// Why a group must end its process now, if it must: a rank inside an NCCL call for more
-/// than `limit`, or a failure older than `limit` (`failure()`: the group's ranks and its
-/// failure, for the message).
+/// than `limit`, or a failure older than `limit` (`failure()`: what failed, for the
+/// message).
 fn overdue(
     t: &Tracker,
     ordinals: &[usize],
     limit: Duration,
-    failure: impl FnOnce() -> (String, String),
+    failure: impl FnOnce() -> String,
 ) -> Option<String> {
     let limit_ms = limit.as_millis() as u64;
     let now = t.now();
@@ -237,9 +235,10 @@ fn overdue(
     }
     let failed_at = t.failed_at.load(Ordering::SeqCst);
     if failed_at != 0 && now.saturating_sub(failed_at) > limit_ms {
-        let (ranks, why) = failure();
         return Some(format!(
-            "the NCCL group ({ranks}) failed ({why}) and its ranks have not stopped {:.0} s later",
+            "the NCCL group ({}) failed ({}) and its ranks have not stopped {:.0} s later",
+            describe_ranks(ordinals),
+            failure(),
             limit.as_secs_f64()
         ));
     }
@@ -257,7 +256,7 @@ mod tests {
     fn a_group_is_overdue_past_the_limit_only() {
         let t = Tracker::new(2);
         let limit = Duration::from_millis(50);
-        let none = || -> (String, String) { unreachable!() };
+        let none = || -> String { unreachable!() };
         assert_eq!(overdue(&t, &[0, 1], limit, none), None);
         t.busy_call[1].store(CALL_ALL_REDUCE, Ordering::SeqCst);
         t.busy_since[1].store(t.now(), Ordering::SeqCst);
@@ -272,13 +271,8 @@ mod tests {
         t.failed_at.store(t.now(), Ordering::SeqCst);
         assert_eq!(overdue(&t, &[0, 1], limit, none), None);
         std::thread::sleep(Duration::from_millis(80));
-        let m = overdue(&t, &[0, 1], limit, || {
-            ("cuda:0, cuda:1".into(), "rank 1 failed".into())
-        })
-        .unwrap();
-        assert!(
-            m.contains("cuda:0, cuda:1") && m.contains("rank 1 failed"),
-            "{m}"
-        );
+        let m = overdue(&t, &[0, 1], limit, || "rank 1 failed".into()).unwrap();
+        let ranks = describe_ranks(&[0, 1]);
+        assert!(m.contains(&ranks) && m.contains("rank 1 failed"), "{m}");
     }
 }
