@@ -311,10 +311,74 @@ pub fn hand_off_ordered(
     hand_off(t, dst, peer_copies)
 }
 
+/// A point in the work one thread has queued for a tensor's device, which a thread of
+/// another device can wait for ([`pull`]): on a GPU an event recorded on the recording
+/// thread's stream; nothing on the host, where work is done when queued.
+#[derive(Clone, Default)]
+pub struct Ready {
+    #[cfg(feature = "cuda")]
+    event: Option<std::sync::Arc<candle_core::cuda::cudarc::driver::CudaEvent>>,
+}
+
+/// The point after everything this thread has queued so far on `t`'s device.
+pub fn ready(t: &Tensor) -> candle_core::Result<Ready> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = t.device() {
+        use candle_core::cuda::WrapErr;
+        let e = d.cuda_stream().record_event(None).w()?;
+        return Ok(Ready {
+            event: Some(std::sync::Arc::new(e)),
+        });
+    }
+    let _ = t;
+    Ok(Ready::default())
+}
+
+/// `t` (contiguous, queued by another thread up to `ready`) copied to `dst` by this thread:
+/// between two GPUs with peer access a peer copy on this thread's stream of `dst`, after
+/// `ready` on the GPU (the host does not wait); else the host waits for `ready` and the copy
+/// goes through host memory as [`hand_off`]'s. The sender keeps `t` (and does not write
+/// it) until this thread's work on `dst` is done: nothing here orders the sender's later
+/// work after the copy.
+pub fn pull(
+    t: &Tensor,
+    ready: &Ready,
+    dst: &Device,
+    peer_copies: bool,
+) -> candle_core::Result<Tensor> {
+    if t.device().same_device(dst) {
+        return Ok(t.clone());
+    }
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(s), Device::Cuda(d)) = (t.device(), dst) {
+        if !t.is_contiguous() {
+            candle_core::bail!("pull: the sender's tensor is not contiguous");
+        }
+        // Two devices of one GPU (separate candle devices, e.g. a test of several bands on
+        // one GPU) copy within it.
+        let one_gpu = peer::ctx(s).ordinal() == peer::ctx(d).ordinal();
+        if one_gpu || (peer_copies && peer::access(s, d)) {
+            return peer::pull(t, ready.event.as_deref(), d);
+        }
+        if !peer_copies {
+            peer::staged(s, d);
+        }
+        if let Some(e) = &ready.event {
+            use candle_core::cuda::WrapErr;
+            e.synchronize().w()?;
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (ready, peer_copies);
+    t.to_device(dst)
+}
+
 #[cfg(feature = "cuda")]
 mod peer {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::{result, sys, CudaContext, DevicePtr, DevicePtrMut};
+    use candle_core::cuda::cudarc::driver::{
+        result, sys, CudaContext, CudaEvent, DevicePtr, DevicePtrMut,
+    };
     use candle_core::cuda::{CudaDType, CudaDevice};
     use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor};
     use std::sync::Mutex;
@@ -397,12 +461,23 @@ mod peer {
             .map_err(|e| format!("cuMemPoolSetAccess: {e:?}"))
     }
 
+    /// How a peer copy is ordered after the work that wrote its source.
+    #[derive(Clone, Copy)]
+    enum Order<'e> {
+        /// The host waits for this thread's stream of the source's GPU.
+        HostWaits,
+        /// The destination's stream waits on the GPU for this thread's work on the source's
+        /// GPU so far (an event), and the source's stream for the copy.
+        Joined,
+        /// The destination's stream waits on the GPU for an event another thread recorded
+        /// (nothing when `None`); the source's stream is not touched.
+        After(Option<&'e CudaEvent>),
+    }
+
     /// The copy as a candle op on the source tensor, returning storage on `dst`.
     struct PeerCopy<'a> {
         dst: &'a CudaDevice,
-        /// The destination's stream waits for the source's work on the GPU (an event), the
-        /// host not at all; else the host waits for the source's stream.
-        ordered: bool,
+        order: Order<'a>,
     }
 
     impl PeerCopy<'_> {
@@ -421,10 +496,11 @@ mod peer {
             // The source was written from this thread's stream of its GPU: the copy, on the
             // destination's stream, comes after that work — through an event the destination
             // waits for on the GPU, or with the host waiting.
-            if self.ordered {
-                dst_stream.join(&src_stream)
-            } else {
-                src_stream.synchronize()
+            match self.order {
+                Order::Joined => dst_stream.join(&src_stream),
+                Order::HostWaits => src_stream.synchronize(),
+                Order::After(Some(e)) => dst_stream.wait(e),
+                Order::After(None) => Ok(()),
             }
             .map_err(|e| candle_core::Error::Msg(format!("peer copy: {e:?}")))?;
             let src = s.as_cuda_slice::<T>()?.slice(start..end);
@@ -463,7 +539,7 @@ mod peer {
             // stream free: its callers keep the source until the receiving work is done (the
             // executor's parts, the ranks' weights), and a wait there would hold the sending
             // GPU until the receiver's queued work ends.
-            if self.ordered {
+            if matches!(self.order, Order::Joined) {
                 src_stream
                     .join(&dst_stream)
                     .map_err(|e| candle_core::Error::Msg(format!("peer copy: {e:?}")))?;
@@ -504,7 +580,7 @@ mod peer {
         let c = t.contiguous()?;
         let out = c.apply_op1_no_bwd(&PeerCopy {
             dst: d,
-            ordered: false,
+            order: Order::HostWaits,
         })?;
         if !t.is_contiguous() {
             // `c` is a copy made here: dropped on return, its memory goes back to the source's
@@ -521,7 +597,19 @@ mod peer {
     pub(super) fn copy_ordered(t: &Tensor, d: &CudaDevice) -> candle_core::Result<Tensor> {
         t.contiguous()?.apply_op1_no_bwd(&PeerCopy {
             dst: d,
-            ordered: true,
+            order: Order::Joined,
+        })
+    }
+
+    /// `t` (contiguous) copied to `d` on this thread's stream there after `ready`.
+    pub(super) fn pull(
+        t: &Tensor,
+        ready: Option<&CudaEvent>,
+        d: &CudaDevice,
+    ) -> candle_core::Result<Tensor> {
+        t.apply_op1_no_bwd(&PeerCopy {
+            dst: d,
+            order: Order::After(ready),
         })
     }
 }

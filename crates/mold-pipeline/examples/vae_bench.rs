@@ -3,15 +3,19 @@
 //!
 //! vae_bench --ae ae.safetensors --latent z.safetensors [--kernels auto|candle|...]
 //!           [--tune] [--no-subpixel] [--dtype bf16|f16|f32] [--iters N] [--out image.safetensors] [--profile]
-//!           [--keep-pool] [--devices N]
+//!           [--keep-pool] [--devices N] [--same-gpu] [--host-profile]
 //!
-//! `--devices N` decodes in N row bands on cuda:0..N-1 (peer copies between them) and, with
+//! `--devices N` decodes in N row bands on cuda:0..N-1 (peer copies between them; with
+//! `--same-gpu` all on cuda:0, each band its own candle device and host thread) and, with
 //! `--keep-pool`, prints each device's memory in use after the decodes: with freed memory kept
 //! in the pool, the most the decode held at once plus the CUDA context.
 //! The latent file holds `z` `(1, 16, h, w)` (before the autoencoder's scale and shift, as
 //! the sampler hands it over). Prints the first decode's time (plans built, engines tuned),
 //! the median of `N` more, the decoder's note, and with `--profile` one more decode with the
 //! device synchronised after every operation (its split; the sum exceeds a plain decode).
+//! `--host-profile` times one more decode's host side without synchronising: how long the
+//! host takes to queue each layer (every band's share of it) and the whole decode, beside
+//! the decode's time once the devices are done.
 //! `--keep-pool` (built with mold-pipeline's `cuda` feature) keeps freed device memory in
 //! the CUDA pool candle allocates from (release threshold: unlimited) instead of returning
 //! it to the driver at every synchronisation, as PyTorch's caching allocator does.
@@ -33,8 +37,10 @@ struct Args {
     iters: usize,
     out: Option<PathBuf>,
     profile: bool,
+    host_profile: bool,
     keep_pool: bool,
     devices: usize,
+    same_gpu: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -48,8 +54,10 @@ fn parse() -> Result<Args, String> {
         iters: 10,
         out: None,
         profile: false,
+        host_profile: false,
         keep_pool: false,
         devices: 1,
+        same_gpu: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -71,7 +79,9 @@ fn parse() -> Result<Args, String> {
             "--iters" => a.iters = val()?.parse().map_err(|e| format!("--iters: {e}"))?,
             "--out" => a.out = Some(val()?.into()),
             "--profile" => a.profile = true,
+            "--host-profile" => a.host_profile = true,
             "--keep-pool" => a.keep_pool = true,
+            "--same-gpu" => a.same_gpu = true,
             "--devices" => {
                 a.devices = val()?.parse().map_err(|e| format!("--devices: {e}"))?;
                 if a.devices == 0 {
@@ -90,7 +100,7 @@ fn parse() -> Result<Args, String> {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = parse().map_err(|e| format!("vae_bench: {e}"))?;
     let devs: Vec<Device> = (0..a.devices)
-        .map(Device::cuda_if_available)
+        .map(|i| Device::cuda_if_available(if a.same_gpu { 0 } else { i }))
         .collect::<candle_core::Result<_>>()?;
     let dev = devs[0].clone();
     if a.keep_pool {
@@ -151,6 +161,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "cuda:{i} memory in use after the decodes: {:.2} GiB",
                 in_use(d)? as f64 / (1u64 << 30) as f64
             );
+        }
+    }
+    if a.host_profile {
+        let mut rows: Vec<(String, f64)> = Vec::new();
+        sync_all()?;
+        let t = Instant::now();
+        let mut last = t;
+        let mut mark = |label: String, _: &Tensor| {
+            let now = Instant::now();
+            rows.push((label, (now - last).as_secs_f64()));
+            last = now;
+        };
+        vae.decode_marked(&z, Some(&mut mark))?;
+        let queued = t.elapsed().as_secs_f64();
+        sync_all()?;
+        let done = t.elapsed().as_secs_f64();
+        println!(
+            "host profile ({} band(s), not synchronised): queued in {:.2} ms, done in {:.2} ms, {} layers",
+            devs.len(),
+            queued * 1e3,
+            done * 1e3,
+            rows.len()
+        );
+        if let Some(st) = vae.last_stats() {
+            println!(
+                "  the slowest band's thread queued its decode in {:.2} ms",
+                st.queued_us as f64 / 1e3
+            );
+        }
+        let mut by_kind: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+        for (label, s) in &rows {
+            let kind: String = label.split(' ').next().unwrap_or("").to_string();
+            let e = by_kind.entry(kind).or_default();
+            e.0 += s;
+            e.1 += 1;
+        }
+        let mut kinds: Vec<_> = by_kind.into_iter().collect();
+        kinds.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
+        for (kind, (s, n)) in kinds {
+            println!("  host {:>8.3} ms  {kind} ({n})", s * 1e3);
         }
     }
     if a.profile {

@@ -24,6 +24,7 @@ pub mod flux;
 pub mod image;
 pub mod io;
 pub mod layout;
+pub mod nhwc;
 pub mod qwen;
 pub mod report;
 pub mod run;

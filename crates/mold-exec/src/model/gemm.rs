@@ -120,15 +120,16 @@ mod cuda {
 
     type CResult<T> = candle_core::Result<T>;
 
-    /// One cuBLASLt handle (and its workspace) per device and stream. The map's lock only
+    /// One cuBLASLt handle (and its workspace) per device and stream (per thread on a
+    /// per-thread stream: [`Cells::for_stream`]). The map's lock only
     /// finds the key's cell: handles are created outside it, so the ranks of a multi-GPU plan
     /// create theirs at once rather than one after another.
     fn handle(dev: &candle_core::CudaDevice) -> CResult<Arc<Mutex<CudaBlasLT>>> {
         // A failure (e.g. no memory for the workspace) is tried again on the next call.
         static H: Cells<(usize, usize), CudaBlasLT> = Cells::new();
         let stream = dev.cuda_stream();
-        let key = (stream.context().ordinal(), stream.cu_stream() as usize);
-        H.get_or_make(key, || {
+        let (device, raw) = (stream.context().ordinal(), stream.cu_stream() as usize);
+        H.for_stream(device, raw, || {
             CudaBlasLT::new(stream.clone())
                 .map_err(|e| candle_core::Error::Msg(format!("cuBLASLt: {e:?}")))
         })

@@ -412,10 +412,7 @@ impl Vae {
             }
             Imp::Nhwc(decoders, _) => {
                 let mut stats = DecodeStats::default();
-                let peer = self.peer_copies;
-                let mover =
-                    move |t: &Tensor, d: &Device| mold_exec::runtime::hand_off_ordered(t, d, peer);
-                let bands = Bands::new(&self.devices, &mover, decoders[0].kernels());
+                let bands = Bands::new(&self.devices, self.peer_copies, decoders[0].kernels());
                 let refs: Vec<&NhwcDecoder> = decoders.iter().collect();
                 let y = NhwcDecoder::forward_bands(&refs, &z, &bands, &mut stats, marks)?;
                 *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
@@ -423,6 +420,12 @@ impl Vae {
             }
         };
         Ok(y.to_dtype(DType::F32)?)
+    }
+
+    /// What the channels-last decoder's last decode ran (`None` before one, or with
+    /// candle-transformers' decoder).
+    pub fn last_stats(&self) -> Option<crate::flux::vae_nhwc::DecodeStats> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// One line for the run's report: which decoder ran (for the channels-last one, the

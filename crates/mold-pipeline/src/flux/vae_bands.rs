@@ -1,56 +1,36 @@
-//! The decoder's image split into row bands, one per device ([`crate::flux::vae_nhwc`] runs
-//! every layer band by band). Exact, not approximate: what crosses between bands is what
-//! the whole image's decode would read there.
+//! The decoder's image split into row bands, one per device, each band decoded by its own
+//! host thread ([`crate::flux::vae_nhwc`] runs one band's layers through a [`Band`]).
+//! Exact, not approximate: what crosses between bands is what the whole image's decode
+//! would read there.
 //!
-//! - a 3×3 convolution reads one row beyond its band on either side: [`Bands::halo`] copies
+//! - a 3×3 convolution reads one row beyond its band on either side: [`Band::halo`] copies
 //!   the neighbours' edge rows in before it (the image's own edges stay zero-padded);
 //! - a group norm's statistics are the whole image's: each band's (count, mean, squared
 //!   deviations) per group are copied to every band's device and merged there (Chan's
 //!   formula, f64; on CUDA one small kernel), so every band is normalised with the same
-//!   coefficients ([`Bands::norm`]);
+//!   coefficients ([`Band::norm`]);
 //! - the mid attention reads every pixel: each band gathers the normalised input of all
-//!   bands ([`Bands::gather`]) for its keys and values and keeps its own rows' queries.
+//!   bands ([`Band::gather`]) for its keys and values and keeps its own rows' queries.
 //!
-//! One thread queues every band's work, layer by layer. A tensor moves between devices
-//! through the [`Mover`] the caller gives: on GPUs, peer copies ordered by events (the
-//! receiving stream waits for the sender's on the GPU), so the host queues the whole decode
-//! without waiting for a GPU; through host memory where a pair has no peer access.
+//! **Threads.** Band 0 runs on the calling thread, every other band on a thread of its
+//! own, each queuing only its own device's work: one thread queuing every band's ~180
+//! operations in turn kept each GPU waiting for the host (four bands of a 1024² image took
+//! longer than one GPU's whole decode). The bands meet at each exchange on a [`Board`]:
+//! each posts what the others need (contiguous, with a [`Ready`] point recorded on its own
+//! stream) and each copies what it needs onto its own device itself, after the sender's
+//! point on the GPU ([`mold_exec::runtime::pull`]) — the hosts wait only for each other's
+//! posts, never for a GPU. What a band posted stays on the board until the decode ends and
+//! every band's stream is done, so no copy reads memory its sender has freed.
 
 use crate::error::{PipelineError, Result};
+pub use crate::nhwc::Halo;
 use candle_core::{Device, Tensor};
 use mold_exec::model::group_norm::{
     group_norm_apply_nhwc, group_norm_coefficients_nhwc, group_stats_nhwc,
 };
+use mold_exec::runtime::{pull, ready, Ready};
 use mold_exec::Kernels;
-
-/// Moves a tensor to a band's device.
-pub type Mover<'a> = &'a (dyn Fn(&Tensor, &Device) -> candle_core::Result<Tensor> + Sync);
-
-/// A band's activation with the neighbours' rows around it: `top` rows above its own and
-/// `bottom` below (0 at the image's edges, and everywhere with one band).
-pub struct Halo {
-    pub t: Tensor,
-    pub top: usize,
-    pub bottom: usize,
-}
-
-impl Halo {
-    /// A band without neighbours' rows.
-    pub fn bare(t: Tensor) -> Halo {
-        Halo {
-            t,
-            top: 0,
-            bottom: 0,
-        }
-    }
-}
-
-/// The devices of a banded decode, in band order (band 0 holds the image's top rows).
-pub struct Bands<'a> {
-    devices: &'a [Device],
-    mover: Mover<'a>,
-    kernels: Kernels,
-}
+use std::sync::{Condvar, Mutex};
 
 /// The rows `[start, end)` of `k` bands over `rows` rows: as even as can be, the first bands
 /// one row longer where `k` does not divide `rows`.
@@ -67,73 +47,172 @@ pub fn band_rows(rows: usize, k: usize) -> Vec<(usize, usize)> {
     out
 }
 
-impl<'a> Bands<'a> {
-    pub fn new(devices: &'a [Device], mover: Mover<'a>, kernels: Kernels) -> Bands<'a> {
-        Bands {
-            devices,
-            mover,
-            kernels,
+/// The devices of a banded decode, in band order (band 0 holds the image's top rows).
+pub struct Bands<'a> {
+    devices: &'a [Device],
+    peer_copies: bool,
+    kernels: Kernels,
+}
+
+/// What one band posted at one exchange: its tensors, done at `ready`.
+#[derive(Clone)]
+struct Post {
+    tensors: Vec<Tensor>,
+    ready: Ready,
+}
+
+/// Every band's posts, exchange by exchange, kept until the decode ends.
+struct Board {
+    k: usize,
+    state: Mutex<BoardState>,
+    posted: Condvar,
+}
+
+#[derive(Default)]
+struct BoardState {
+    /// `rounds[i][b]`: band `b`'s post at exchange `i`.
+    rounds: Vec<Vec<Option<Post>>>,
+    /// Why the decode stopped: a band failed, and the others leave at their next exchange.
+    failed: Option<String>,
+}
+
+impl Board {
+    fn new(k: usize) -> Board {
+        Board {
+            k,
+            state: Mutex::new(BoardState::default()),
+            posted: Condvar::new(),
         }
     }
 
-    pub fn len(&self) -> usize {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BoardState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Band `b`'s post at exchange `round`; every band's once all have posted.
+    fn exchange(&self, round: usize, b: usize, post: Post) -> Result<Vec<Post>> {
+        let mut g = self.lock();
+        while g.rounds.len() <= round {
+            g.rounds.push(vec![None; self.k]);
+        }
+        g.rounds[round][b] = Some(post);
+        self.posted.notify_all();
+        loop {
+            if let Some(why) = &g.failed {
+                return Err(component(format!("band {b} stopped: {why}")));
+            }
+            if g.rounds[round].iter().all(Option::is_some) {
+                return Ok(g.rounds[round].iter().flatten().cloned().collect());
+            }
+            g = self.posted.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Stops every band at its next exchange (the first reason is kept).
+    fn fail(&self, why: String) {
+        let mut g = self.lock();
+        g.failed.get_or_insert(why);
+        self.posted.notify_all();
+    }
+}
+
+/// Marks the board failed when a band's thread unwinds (a panic) without having said why.
+struct FailOnUnwind<'a>(&'a Board, usize);
+
+impl Drop for FailOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.fail(format!("band {} panicked", self.1));
+        }
+    }
+}
+
+fn component(message: String) -> PipelineError {
+    PipelineError::Component {
+        component: "vae".into(),
+        message,
+    }
+}
+
+/// A band's neighbours' edge rows on its device: the last row of the band above and the
+/// first row of the band below, `None` at the image's edges.
+type Edges = (Option<Tensor>, Option<Tensor>);
+
+/// One band of a decode, as its thread sees the others: its exchanges.
+pub struct Band<'a> {
+    b: usize,
+    devices: &'a [Device],
+    peer_copies: bool,
+    kernels: Kernels,
+    board: &'a Board,
+    /// This band's exchanges so far (every band meets the others in the same order).
+    round: std::cell::Cell<usize>,
+}
+
+impl Band<'_> {
+    /// This band's position (0: the image's top rows).
+    pub fn index(&self) -> usize {
+        self.b
+    }
+
+    fn len(&self) -> usize {
         self.devices.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
+    fn device(&self) -> &Device {
+        &self.devices[self.b]
     }
 
-    fn to(&self, t: &Tensor, b: usize) -> Result<Tensor> {
-        if t.device().same_device(&self.devices[b]) {
-            return Ok(t.clone());
-        }
-        Ok((self.mover)(&t.contiguous()?, &self.devices[b])?)
-    }
-
-    /// `x` `(n, h, w, c)` on any device, cut into the bands' rows, each on its device.
-    pub fn split(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let rows = x.dim(1)?;
-        if rows < self.len() {
-            return Err(PipelineError::Component {
-                component: "vae".into(),
-                message: format!(
-                    "{rows} latent rows cannot be split into {} bands: decode on fewer devices",
-                    self.len()
-                ),
-            });
-        }
-        band_rows(rows, self.len())
+    /// Posts `tensors` (made contiguous here) and returns every band's posts.
+    fn exchange(&self, tensors: Vec<Tensor>) -> Result<Vec<Post>> {
+        let tensors = tensors
             .into_iter()
-            .enumerate()
-            .map(|(b, (s, e))| self.to(&x.narrow(1, s, e - s)?, b))
-            .collect()
+            .map(|t| t.contiguous())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let at = match tensors.first() {
+            Some(t) => ready(t)?,
+            None => Ready::default(),
+        };
+        let round = self.round.get();
+        self.round.set(round + 1);
+        self.board
+            .exchange(round, self.b, Post { tensors, ready: at })
     }
 
-    /// Each band's neighbours' edge rows on its device: (the last row of the band above, the
-    /// first row of the band below), `None` at the image's edges.
-    fn edges(&self, xs: &[Tensor]) -> Result<Vec<(Option<Tensor>, Option<Tensor>)>> {
-        let k = xs.len();
-        (0..k)
-            .map(|b| {
-                let above = match b {
-                    0 => None,
-                    _ => {
-                        let r = &xs[b - 1];
-                        Some(self.to(&r.narrow(1, r.dim(1)? - 1, 1)?, b)?)
-                    }
-                };
-                let below = match b + 1 < k {
-                    true => Some(self.to(&xs[b + 1].narrow(1, 0, 1)?, b)?),
-                    false => None,
-                };
-                Ok((above, below))
-            })
-            .collect()
+    /// Tensor `i` of `post`, copied onto this band's device.
+    fn take(&self, post: &Post, i: usize) -> Result<Tensor> {
+        Ok(pull(
+            &post.tensors[i],
+            &post.ready,
+            self.device(),
+            self.peer_copies,
+        )?)
+    }
+
+    /// Posts this band's edge rows (first, last) after `extra` and returns, with every
+    /// band's posts, this band's neighbours' edge rows: (the last row of the band above, the
+    /// first row of the band below), `None` at the image's edges. The edge rows sit at
+    /// positions `extra.len()` and `extra.len() + 1` of each post.
+    fn edges_with(&self, x: &Tensor, extra: Vec<Tensor>) -> Result<(Vec<Post>, Edges)> {
+        let at = extra.len();
+        let rows = x.dim(1)?;
+        let mut post = extra;
+        post.push(x.narrow(1, 0, 1)?);
+        post.push(x.narrow(1, rows - 1, 1)?);
+        let posts = self.exchange(post)?;
+        let above = match self.b {
+            0 => None,
+            b => Some(self.take(&posts[b - 1], at + 1)?),
+        };
+        let below = match self.b + 1 < self.len() {
+            true => Some(self.take(&posts[self.b + 1], at)?),
+            false => None,
+        };
+        Ok((posts, (above, below)))
     }
 
     /// `x` between the edge rows `e`.
-    fn surround(x: &Tensor, e: (Option<Tensor>, Option<Tensor>)) -> Result<Halo> {
+    fn surround(x: &Tensor, e: Edges) -> Result<Halo> {
         let (above, below) = e;
         let (top, bottom) = (usize::from(above.is_some()), usize::from(below.is_some()));
         if top + bottom == 0 {
@@ -151,95 +230,223 @@ impl<'a> Bands<'a> {
         })
     }
 
-    /// Each band with its neighbours' edge rows around it (one row each side).
-    ///
-    /// Every copy of an exchange is queued before any band's work on what it copied: a copy
-    /// orders the two devices' streams (each waits for the other's work queued so far), so
-    /// a band's work queued between two copies would hold up every band after it.
-    pub fn halo(&self, xs: &[Tensor]) -> Result<Vec<Halo>> {
-        if xs.len() == 1 {
-            return Ok(vec![Halo::bare(xs[0].clone())]);
+    /// This band with its neighbours' edge rows around it (one row each side).
+    pub fn halo(&self, x: &Tensor) -> Result<Halo> {
+        if self.len() == 1 {
+            return Ok(Halo::bare(x.clone()));
         }
-        let edges = self.edges(xs)?;
-        xs.iter()
-            .zip(edges)
-            .map(|(x, e)| Self::surround(x, e))
-            .collect()
+        let (_, e) = self.edges_with(x, Vec::new())?;
+        Self::surround(x, e)
     }
 
-    /// The group norm of the whole image, band by band: every band's statistics gathered on
-    /// every band's device and merged there, then each band (with its neighbours' edge rows
-    /// when `halo`) normalised with them. `params[b]` is the norm's `(gamma, beta)` on band
-    /// `b`'s device; `single` runs the one-band case (the fused norm of
-    /// [`mold_exec::model::group_norm::group_norm_nhwc`]). As in [`Bands::halo`], every copy
-    /// is queued before any band's norm.
+    /// The group norm of the whole image on this band: every band's statistics copied here
+    /// and merged, then this band (with its neighbours' edge rows when `halo`, which travel
+    /// in the same exchange) normalised with them. `(gamma, beta)` are on this band's
+    /// device; `single` runs the one-band case (the fused norm of
+    /// [`mold_exec::model::group_norm::group_norm_nhwc`]).
     #[allow(clippy::too_many_arguments)]
     pub fn norm(
         &self,
-        xs: &[Tensor],
-        params: &[(&Tensor, &Tensor)],
+        x: &Tensor,
+        (gamma, beta): (&Tensor, &Tensor),
         groups: usize,
         eps: f32,
         silu: bool,
         halo: bool,
         single: impl FnOnce(&Tensor) -> Result<Tensor>,
-    ) -> Result<Vec<Halo>> {
-        if xs.len() == 1 {
-            return Ok(vec![Halo::bare(single(&xs[0])?)]);
+    ) -> Result<Halo> {
+        if self.len() == 1 {
+            return Ok(Halo::bare(single(x)?));
         }
-        let stats: Vec<Tensor> = xs
-            .iter()
-            .map(|x| group_stats_nhwc(x, groups, self.kernels))
-            .collect::<candle_core::Result<_>>()?;
-        // The copies: every band's statistics to every band, the edge rows.
-        let gathered: Vec<Vec<Tensor>> = (0..xs.len())
-            .map(|b| stats.iter().map(|s| self.to(s, b)).collect())
-            .collect::<Result<_>>()?;
-        let edges = if halo {
-            self.edges(xs)?
+        let stats = group_stats_nhwc(x, groups, self.kernels)?;
+        let (posts, e) = if halo {
+            self.edges_with(x, vec![stats])?
         } else {
-            vec![(None, None); xs.len()]
+            (self.exchange(vec![stats])?, (None, None))
         };
-        // Then each band's work.
-        xs.iter()
-            .zip(edges)
-            .zip(gathered)
-            .zip(params)
-            .map(|(((x, e), all), (gamma, beta))| {
-                let all = Tensor::stack(&all, 0)?;
-                let ab = group_norm_coefficients_nhwc(&all, gamma, beta, eps, self.kernels)?;
-                let h = Self::surround(x, e)?;
-                Ok(Halo {
-                    t: group_norm_apply_nhwc(&h.t, &ab, silu, self.kernels)?,
-                    top: h.top,
-                    bottom: h.bottom,
-                })
-            })
-            .collect()
-    }
-
-    /// The whole image on every band's device: band `b` gets every other band's rows (all
-    /// copies queued before the joins, as in [`Bands::halo`]).
-    pub fn gather(&self, xs: &[Tensor]) -> Result<Vec<Tensor>> {
-        if xs.len() == 1 {
-            return Ok(vec![xs[0].clone()]);
-        }
-        let copies: Vec<Vec<Tensor>> = (0..xs.len())
-            .map(|b| xs.iter().map(|x| self.to(x, b)).collect())
-            .collect::<Result<_>>()?;
-        copies
+        let all = posts
             .iter()
-            .map(|parts| Ok(Tensor::cat(parts, 1)?))
-            .collect()
+            .map(|p| self.take(p, 0))
+            .collect::<Result<Vec<_>>>()?;
+        let all = Tensor::stack(&all, 0)?;
+        let ab = group_norm_coefficients_nhwc(&all, gamma, beta, eps, self.kernels)?;
+        let h = Self::surround(x, e)?;
+        Ok(Halo {
+            t: group_norm_apply_nhwc(&h.t, &ab, silu, self.kernels)?,
+            top: h.top,
+            bottom: h.bottom,
+        })
     }
 
-    /// The bands joined along `dim` on the first band's device.
-    pub fn join(&self, ys: &[Tensor], dim: usize) -> Result<Tensor> {
-        if ys.len() == 1 {
-            return Ok(ys[0].clone());
+    /// The whole image (every band's `x`, joined along the rows) on this band's device.
+    pub fn gather(&self, x: &Tensor) -> Result<Tensor> {
+        if self.len() == 1 {
+            return Ok(x.clone());
         }
-        let parts: Vec<Tensor> = ys.iter().map(|y| self.to(y, 0)).collect::<Result<_>>()?;
-        Ok(Tensor::cat(&parts, dim)?)
+        let posts = self.exchange(vec![x.clone()])?;
+        let parts = posts
+            .iter()
+            .enumerate()
+            .map(|(b, p)| match b == self.b {
+                true => Ok(x.clone()),
+                false => self.take(p, 0),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, 1)?)
+    }
+
+    /// Every band's `y` joined along `dim` on band 0's device (`Some` there, `None` on the
+    /// other bands).
+    pub fn join(&self, y: &Tensor, dim: usize) -> Result<Option<Tensor>> {
+        if self.len() == 1 {
+            return Ok(Some(y.clone()));
+        }
+        let posts = self.exchange(vec![y.clone()])?;
+        if self.b != 0 {
+            return Ok(None);
+        }
+        let parts = posts
+            .iter()
+            .enumerate()
+            .map(|(b, p)| match b {
+                0 => Ok(y.clone()),
+                _ => self.take(p, 0),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Tensor::cat(&parts, dim)?))
+    }
+}
+
+/// What one band's decode returns to [`Bands::run`]: the joined image on band 0, nothing
+/// elsewhere; and the band's own account (for example what ran).
+pub type BandOut<S> = (Option<Tensor>, S);
+
+impl<'a> Bands<'a> {
+    /// `peer_copies`: rows move by peer copies where a pair of GPUs allows it, else through
+    /// host memory ([`mold_exec::runtime::pull`]).
+    pub fn new(devices: &'a [Device], peer_copies: bool, kernels: Kernels) -> Bands<'a> {
+        Bands {
+            devices,
+            peer_copies,
+            kernels,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// `x` `(n, h, w, c)` (on band 0's device, queued by this thread) cut into the bands'
+    /// rows, each band's rows run by `f` on its device and thread — band 0's on this thread
+    /// with `first` (band 0's extra argument, e.g. a profiler's marks) — and the image band
+    /// 0's `f` joins returned with every band's account. With several bands, returns once
+    /// every band's work is done on its device; one band runs on this thread as `f` queues
+    /// it.
+    pub fn run<S: Send, A>(
+        &self,
+        x: &Tensor,
+        first: A,
+        f: impl Fn(&Band, Tensor, Option<A>) -> Result<BandOut<S>> + Sync,
+    ) -> Result<(Tensor, Vec<S>)> {
+        let k = self.len();
+        let rows = x.dim(1)?;
+        if k == 0 || rows < k {
+            return Err(component(format!(
+                "{rows} latent rows cannot be split into {k} bands: decode on fewer devices"
+            )));
+        }
+        if k == 1 {
+            // The one-device decode: on this thread, nothing to wait for.
+            let me = Band {
+                b: 0,
+                devices: self.devices,
+                peer_copies: self.peer_copies,
+                kernels: self.kernels,
+                board: &Board::new(1),
+                round: std::cell::Cell::new(0),
+            };
+            let (y, s) = f(&me, x.clone(), Some(first))?;
+            let y = y.ok_or_else(|| component("band 0 joined no image".into()))?;
+            return Ok((y, vec![s]));
+        }
+        let parts = band_rows(rows, k)
+            .into_iter()
+            .map(|(s, e)| Ok(x.narrow(1, s, e - s)?.contiguous()?))
+            .collect::<Result<Vec<Tensor>>>()?;
+        let at = ready(&parts[k - 1])?;
+        let board = Board::new(k);
+        let band = |b: usize| Band {
+            b,
+            devices: self.devices,
+            peer_copies: self.peer_copies,
+            kernels: self.kernels,
+            board: &board,
+            round: std::cell::Cell::new(0),
+        };
+        // A band's thread: its rows onto its device, its decode, then its stream drained
+        // (so that what it posted or read is no longer in use when the board drops).
+        let one = |b: usize, a: Option<A>| -> Result<BandOut<S>> {
+            let _unwind = FailOnUnwind(&board, b);
+            let me = band(b);
+            let out = pull(&parts[b], &at, me.device(), self.peer_copies)
+                .map_err(PipelineError::from)
+                .and_then(|xb| f(&me, xb, a));
+            if let Err(e) = &out {
+                board.fail(e.to_string());
+            }
+            let drained = me.device().synchronize();
+            let out = out?;
+            drained?;
+            Ok(out)
+        };
+        let (first_out, rest) = std::thread::scope(|scope| {
+            let handles: Vec<_> = (1..k)
+                .map(|b| {
+                    let one = &one;
+                    std::thread::Builder::new()
+                        .name(format!("vae-band-{b}"))
+                        .spawn_scoped(scope, move || one(b, None))
+                })
+                .collect();
+            let first_out = one(0, Some(first));
+            let rest: Vec<Result<BandOut<S>>> = handles
+                .into_iter()
+                .enumerate()
+                .map(|(i, h)| match h {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|_| Err(component(format!("band {} panicked", i + 1)))),
+                    Err(e) => Err(component(format!("band {}: no thread: {e}", i + 1))),
+                })
+                .collect();
+            (first_out, rest)
+        });
+        // The first failure in band order, a band's own reason before the others' "stopped".
+        let mut accounts = Vec::with_capacity(k);
+        let mut image = None;
+        let mut errors = Vec::new();
+        for out in std::iter::once(first_out).chain(rest) {
+            match out {
+                Ok((y, s)) => {
+                    image = image.or(y);
+                    accounts.push(s);
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        if !errors.is_empty() {
+            let own = errors
+                .iter()
+                .position(|e| !e.to_string().contains(" stopped: "))
+                .unwrap_or(0);
+            return Err(errors.swap_remove(own));
+        }
+        let image = image.ok_or_else(|| component("band 0 joined no image".into()))?;
+        Ok((image, accounts))
     }
 }
 
@@ -264,38 +471,79 @@ mod tests {
         }
     }
 
+    fn rows(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// Each band, on its own thread, gets its rows, its neighbours' edge rows, the whole
+    /// image, and band 0 the joined image.
     #[test]
     fn halo_rows_come_from_the_neighbours() {
         let devs = vec![Device::Cpu; 3];
-        let mv = |t: &Tensor, d: &Device| t.to_device(d);
-        let bands = Bands::new(&devs, &mv, Kernels::Auto);
+        let bands = Bands::new(&devs, true, Kernels::Auto);
         let x = Tensor::arange(0f32, 7.0, &Device::Cpu)
             .unwrap()
             .reshape((1, 7, 1, 1))
             .unwrap();
-        let xs = bands.split(&x).unwrap();
-        let rows = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert_eq!(
-            xs.iter().map(rows).collect::<Vec<_>>(),
-            [vec![0., 1., 2.], vec![3., 4.], vec![5., 6.]]
-        );
-        let h = bands.halo(&xs).unwrap();
-        assert_eq!(rows(&h[0].t), [0., 1., 2., 3.]);
-        assert_eq!((h[0].top, h[0].bottom), (0, 1));
-        assert_eq!(rows(&h[1].t), [2., 3., 4., 5.]);
-        assert_eq!((h[1].top, h[1].bottom), (1, 1));
-        assert_eq!(rows(&h[2].t), [4., 5., 6.]);
-        assert_eq!((h[2].top, h[2].bottom), (1, 0));
-        for g in bands.gather(&xs).unwrap() {
-            assert_eq!(rows(&g), rows(&x));
-        }
-        assert_eq!(rows(&bands.join(&xs, 1).unwrap()), rows(&x));
+        let want_own = [vec![0., 1., 2.], vec![3., 4.], vec![5., 6.]];
+        let want_halo = [
+            (vec![0., 1., 2., 3.], (0, 1)),
+            (vec![2., 3., 4., 5.], (1, 1)),
+            (vec![4., 5., 6.], (1, 0)),
+        ];
+        let (joined, seen) = bands
+            .run(&x, (), |band, xb, _| {
+                let b = band.index();
+                assert_eq!(rows(&xb), want_own[b]);
+                let h = band.halo(&xb)?;
+                assert_eq!((rows(&h.t), (h.top, h.bottom)), want_halo[b]);
+                assert_eq!(rows(&band.gather(&xb)?), rows(&x));
+                Ok((band.join(&xb, 1)?, b))
+            })
+            .unwrap();
+        assert_eq!(rows(&joined), rows(&x));
+        assert_eq!(seen, [0, 1, 2]);
         // More bands than rows is refused in words.
         let e = bands
-            .split(&x.narrow(1, 0, 2).unwrap())
+            .run(&x.narrow(1, 0, 2).unwrap(), (), |_, _, _| Ok((None, ())))
             .err()
             .unwrap()
             .to_string();
         assert!(e.contains("cannot be split into 3 bands"), "{e}");
+    }
+
+    /// A band that fails stops the others at their next exchange (none waits forever), and
+    /// its own reason is the one returned; a panicking band likewise.
+    #[test]
+    fn a_failing_band_stops_the_others() {
+        let devs = vec![Device::Cpu; 4];
+        let bands = Bands::new(&devs, true, Kernels::Auto);
+        let x = Tensor::zeros((1, 8, 2, 1), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let e = bands
+            .run(&x, (), |band, xb, _| {
+                if band.index() == 2 {
+                    return Err(component("band two's own trouble".into()));
+                }
+                for _ in 0..3 {
+                    band.halo(&xb)?;
+                }
+                Ok((band.join(&xb, 1)?, ()))
+            })
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("band two's own trouble"), "{e}");
+        let e = bands
+            .run(&x, (), |band, xb, _| {
+                if band.index() == 1 {
+                    panic!("band one panics");
+                }
+                band.halo(&xb)?;
+                Ok((band.join(&xb, 1)?, ()))
+            })
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("panicked"), "{e}");
     }
 }

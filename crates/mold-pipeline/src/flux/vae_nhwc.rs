@@ -1,192 +1,31 @@
 //! FLUX's autoencoder decoder run channels-last: the structure and weights of
 //! candle-transformers' `flux::autoencoder::Decoder` (BFL's names: `decoder.conv_in`,
 //! `decoder.mid.{block_1,attn_1,block_2}`, `decoder.up.{i}.block.{j}`,
-//! `decoder.up.{i}.upsample`, `decoder.norm_out`, `decoder.conv_out`), with activations held
-//! as `(n, h, w, c)` so that every 3×3 convolution runs through cuDNN's NHWC engines.
+//! `decoder.up.{i}.upsample`, `decoder.norm_out`, `decoder.conv_out`), on the channels-last
+//! layers of [`crate::nhwc`] (cuDNN's NHWC convolutions with the bias and each resnet
+//! block's residual in the convolution's graph, up-sampling as phase convolutions, the
+//! mid attention as products and mold's softmax), with GroupNorm + SiLU as one mold kernel
+//! pass after a two-level statistics reduction ([`mold_exec::model::group_norm`]).
 //!
-//! - convolutions: [`mold_exec::model::conv::conv2d_nhwc`], filters converted to KRSC once
-//!   at load; each bias, and each resnet block's residual, added in the convolution's graph;
-//! - GroupNorm + SiLU: one mold kernel pass after a two-level statistics reduction
-//!   ([`mold_exec::model::group_norm`]);
-//! - nearest 2× up-sampling and the 3×3 convolution after it: by default as four 2×2
-//!   convolutions over the low-resolution input, one per output phase (row and column
-//!   parity), whose filters sum the 3×3 taps that land on the same input pixel — 4/9 of the
-//!   multiply-adds — interleaved into the output; else (`subpixel` off) one mold kernel
-//!   up-samples and the 3×3 convolution runs at full resolution;
-//! - the mid attention (one head of 512 channels, beyond cuDNN's fused attention): its
-//!   1×1 q/k/v/projection convolutions as matrix products (cuBLASLt with the bias in the
-//!   epilogue), `softmax(q kᵀ / √c) v` as candle's matmuls and mold's softmax kernel (a
-//!   16384-element row per block, read and written once).
+//! On several devices the image decodes in row bands, each band on a thread of its own
+//! ([`crate::flux::vae_bands`]): every layer below runs on one band, meeting the others
+//! through its [`Band`] where the whole image's values are needed.
 //!
 //! On the CPU (tests) the same code runs candle's convolutions on NCHW views and the group
 //! norm as candle ops: the structure is tested against candle-transformers' decoder.
 
 use crate::error::{PipelineError, Result};
 use crate::flux::vae::AeConfig;
-use crate::flux::vae_bands::{Bands, Halo};
-use candle_core::{DType, Device, Tensor};
+use crate::flux::vae_bands::{Band, Bands};
+use crate::nhwc::{attend, load_err, mark, Conv, Halo, Linear, Upsample};
+pub use crate::nhwc::{DecodeStats, Marks, NhwcOptions};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
-use mold_exec::model::conv::{conv2d_nhwc, ConvGeom, ConvOptions, Fusion, Ran};
-use mold_exec::model::gemm;
-use mold_exec::model::group_norm::{group_norm_nhwc, interleave2x_nhwc, upsample2x_nhwc};
-use mold_exec::model::softmax::softmax_last_dim;
+use mold_exec::model::conv::ConvOptions;
+use mold_exec::model::group_norm::group_norm_nhwc;
 
 const GROUPS: usize = 32;
 const EPS: f32 = 1e-6;
-
-/// What ran in one decode: convolutions per implementation, how much of their epilogue
-/// cuDNN fused, and why cuDNN was passed over (distinct reasons).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DecodeStats {
-    pub cudnn: u64,
-    /// cuDNN calls whose whole epilogue (bias, and residual where there is one) was fused.
-    pub fully_fused: u64,
-    pub candle: u64,
-    pub refusals: Vec<String>,
-}
-
-impl DecodeStats {
-    fn see(&mut self, ran: Ran, wanted: Fusion) {
-        match ran {
-            Ran::Cudnn(f) => {
-                self.cudnn += 1;
-                if f == wanted {
-                    self.fully_fused += 1;
-                }
-            }
-            Ran::Candle(why) => {
-                self.candle += 1;
-                if let Some(w) = why {
-                    if !self.refusals.contains(&w) && self.refusals.len() < 8 {
-                        self.refusals.push(w);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Called after each operation with its label and output (a profiler waits for the device
-/// there); `None` runs without marks.
-pub type Marks<'a> = Option<&'a mut dyn FnMut(String, &Tensor)>;
-
-fn mark(m: &mut Marks, label: impl FnOnce() -> String, t: &Tensor) {
-    if let Some(f) = m.as_mut() {
-        f(label(), t);
-    }
-}
-
-fn load_err(what: &str, e: candle_core::Error) -> PipelineError {
-    PipelineError::Component {
-        component: "vae".into(),
-        message: format!("cannot load {what}: {e}"),
-    }
-}
-
-/// A convolution: KRSC filters, bias, geometry.
-struct Conv {
-    w: Tensor,
-    b: Tensor,
-    geom: ConvGeom,
-    size: usize,
-}
-
-impl Conv {
-    /// `cin → cout` with a `size`×`size` filter (padding `size / 2`), the output channels
-    /// padded with zero filters to `cout_padded`.
-    fn load(
-        vb: &VarBuilder,
-        cin: usize,
-        cout: usize,
-        size: usize,
-        cout_padded: usize,
-    ) -> Result<Conv> {
-        let w = vb
-            .get((cout, cin, size, size), "weight")
-            .map_err(|e| load_err(&vb.prefix(), e))?;
-        let b = vb
-            .get(cout, "bias")
-            .map_err(|e| load_err(&vb.prefix(), e))?;
-        let mut w = w.permute((0, 2, 3, 1))?.contiguous()?;
-        let mut b = b;
-        if cout_padded > cout {
-            w = w.pad_with_zeros(0, 0, cout_padded - cout)?;
-            b = b.pad_with_zeros(0, 0, cout_padded - cout)?;
-        }
-        Ok(Conv {
-            w,
-            b,
-            geom: ConvGeom::new(size / 2, 1),
-            size,
-        })
-    }
-
-    fn forward(
-        &self,
-        x: &Tensor,
-        residual: Option<&Tensor>,
-        opts: ConvOptions,
-        stats: &mut DecodeStats,
-    ) -> Result<Tensor> {
-        let (y, ran) = conv2d_nhwc(x, &self.w, Some(&self.b), residual, self.geom, opts)?;
-        let wanted = if residual.is_some() {
-            Fusion::BiasResidual
-        } else {
-            Fusion::Bias
-        };
-        stats.see(ran, wanted);
-        Ok(y)
-    }
-
-    /// [`Conv::forward`] on a band with its neighbours' rows: the rows the filter reads beyond
-    /// the band come from the halo, zeros only at the image's own edges.
-    fn forward_halo(
-        &self,
-        h: &Halo,
-        residual: Option<&Tensor>,
-        opts: ConvOptions,
-        stats: &mut DecodeStats,
-    ) -> Result<Tensor> {
-        let (need_above, need_below) = (self.geom.pad_pre[0], self.geom.pad_post[0]);
-        let own = h.t.dim(1)? - h.top - h.bottom;
-        let (above, below) = (h.top.min(need_above), h.bottom.min(need_below));
-        let x = if (above, below) == (h.top, h.bottom) {
-            h.t.clone()
-        } else {
-            let x = h.t.narrow(1, h.top - above, above + own + below)?;
-            if x.is_contiguous() {
-                x
-            } else {
-                x.contiguous()?
-            }
-        };
-        let geom = ConvGeom {
-            pad_pre: [need_above - above, self.geom.pad_pre[1]],
-            pad_post: [need_below - below, self.geom.pad_post[1]],
-            stride: self.geom.stride,
-        };
-        let (y, ran) = conv2d_nhwc(&x, &self.w, Some(&self.b), residual, geom, opts)?;
-        let wanted = if residual.is_some() {
-            Fusion::BiasResidual
-        } else {
-            Fusion::Bias
-        };
-        stats.see(ran, wanted);
-        Ok(y)
-    }
-
-    fn label(&self, x: &Tensor) -> String {
-        let d = x.dims();
-        format!(
-            "conv{0}x{0} {1}x{2} {3}->{4}",
-            self.size,
-            d[1],
-            d[2],
-            d[3],
-            self.w.dim(0).unwrap_or(0)
-        )
-    }
-}
 
 struct Norm {
     gamma: Tensor,
@@ -213,19 +52,18 @@ impl Norm {
         )?)
     }
 
-    /// The whole image's norm over the bands `xs` (`norms[b]` on band `b`'s device), each
-    /// band with its neighbours' edge rows when `halo`.
-    fn forward_bands(
-        norms: &[&Norm],
-        xs: &[Tensor],
-        bands: &Bands,
+    /// The whole image's norm on `band`'s rows `x` (this norm's weights on its device), with
+    /// its neighbours' edge rows when `halo`.
+    fn forward_band(
+        &self,
+        x: &Tensor,
+        band: &Band,
         silu: bool,
         halo: bool,
         opts: ConvOptions,
-    ) -> Result<Vec<Halo>> {
-        let params: Vec<(&Tensor, &Tensor)> = norms.iter().map(|n| (&n.gamma, &n.beta)).collect();
-        bands.norm(xs, &params, GROUPS, EPS, silu, halo, |x| {
-            norms[0].forward(x, silu, opts)
+    ) -> Result<Halo> {
+        band.norm(x, (&self.gamma, &self.beta), GROUPS, EPS, silu, halo, |x| {
+            self.forward(x, silu, opts)
         })
     }
 }
@@ -258,69 +96,35 @@ impl ResBlock {
         })
     }
 
-    /// `blocks[b]` runs band `b` (`xs[b]`, on its device).
-    fn forward_bands(
-        blocks: &[&ResBlock],
-        xs: Vec<Tensor>,
-        bands: &Bands,
+    /// This block on `band`'s rows `x` (its weights on the band's device).
+    fn forward_band(
+        &self,
+        x: Tensor,
+        band: &Band,
         opts: ConvOptions,
         stats: &mut DecodeStats,
         m: &mut Marks,
-    ) -> Result<Vec<Tensor>> {
-        let norms1: Vec<&Norm> = blocks.iter().map(|r| &r.norm1).collect();
-        let h = Norm::forward_bands(&norms1, &xs, bands, true, true, opts)?;
-        mark(m, || gn_label(&xs[0]), &h[0].t);
-        let label = blocks[0].conv1.label(&h[0].t);
-        let mut h1 = Vec::with_capacity(xs.len());
-        for (r, hb) in blocks.iter().zip(&h) {
-            h1.push(r.conv1.forward_halo(hb, None, opts, stats)?);
-        }
+    ) -> Result<Tensor> {
+        let h = self.norm1.forward_band(&x, band, true, true, opts)?;
+        mark(m, || gn_label(&x), &h.t);
+        let label = self.conv1.label(&h.t);
+        let h1 = self.conv1.forward_halo(&h, None, opts, stats)?;
         drop(h);
-        mark(m, || label, &h1[0]);
-        let norms2: Vec<&Norm> = blocks.iter().map(|r| &r.norm2).collect();
-        let h2 = Norm::forward_bands(&norms2, &h1, bands, true, true, opts)?;
-        mark(m, || gn_label(&h1[0]), &h2[0].t);
+        mark(m, || label, &h1);
+        let h2 = self.norm2.forward_band(&h1, band, true, true, opts)?;
+        mark(m, || gn_label(&h1), &h2.t);
         drop(h1);
-        let mut ys = Vec::with_capacity(xs.len());
-        for (b, ((r, x), hb)) in blocks.iter().zip(&xs).zip(&h2).enumerate() {
-            let short = match &r.nin_shortcut {
-                Some(c) => {
-                    let s = c.forward(x, None, opts, stats)?;
-                    if b == 0 {
-                        mark(m, || c.label(x), &s);
-                    }
-                    s
-                }
-                None => x.clone(),
-            };
-            ys.push(r.conv2.forward_halo(hb, Some(&short), opts, stats)?);
-        }
-        mark(m, || blocks[0].conv2.label(&h2[0].t), &ys[0]);
-        Ok(ys)
-    }
-}
-
-/// A 1×1 convolution as a linear layer over the pixels.
-struct Linear {
-    lin: candle_nn::Linear,
-    b: Tensor,
-}
-
-impl Linear {
-    fn load(vb: &VarBuilder, c: usize) -> Result<Linear> {
-        let w = vb
-            .get((c, c, 1, 1), "weight")
-            .map_err(|e| load_err(&vb.prefix(), e))?
-            .reshape((c, c))?;
-        let b = vb.get(c, "bias").map_err(|e| load_err(&vb.prefix(), e))?;
-        Ok(Linear {
-            lin: candle_nn::Linear::new(w, None),
-            b,
-        })
-    }
-
-    fn forward(&self, x: &Tensor, opts: ConvOptions) -> Result<Tensor> {
-        Ok(gemm::linear(x, &self.lin, &self.b, false, opts.kernels)?)
+        let short = match &self.nin_shortcut {
+            Some(c) => {
+                let s = c.forward(&x, None, opts, stats)?;
+                mark(m, || c.label(&x), &s);
+                s
+            }
+            None => x,
+        };
+        let y = self.conv2.forward_halo(&h2, Some(&short), opts, stats)?;
+        mark(m, || self.conv2.label(&h2.t), &y);
+        Ok(y)
     }
 }
 
@@ -344,181 +148,35 @@ impl Attn {
         })
     }
 
-    /// `attns[b]` runs band `b`: its rows' queries against every pixel's keys and values.
-    fn forward_bands(
-        attns: &[&Attn],
-        xs: Vec<Tensor>,
-        bands: &Bands,
+    /// This attention on `band`'s rows `x`: its rows' queries against every pixel's keys
+    /// and values.
+    fn forward_band(
+        &self,
+        x: Tensor,
+        band: &Band,
         opts: ConvOptions,
         m: &mut Marks,
-    ) -> Result<Vec<Tensor>> {
-        let norms: Vec<&Norm> = attns.iter().map(|a| &a.norm).collect();
-        let hn: Vec<Tensor> = Norm::forward_bands(&norms, &xs, bands, false, false, opts)?
-            .into_iter()
-            .map(|h| h.t)
-            .collect();
-        mark(m, || gn_label(&xs[0]), &hn[0]);
-        let whole = bands.gather(&hn)?;
-        let mut ys = Vec::with_capacity(xs.len());
-        // Marks (which wait for a device) only for the first band: the others run on.
-        let mut none: Marks = None;
-        for (b, (((a, x), hb), all)) in attns.iter().zip(&xs).zip(hn).zip(whole).enumerate() {
-            let m: &mut Marks = if b == 0 { &mut *m } else { &mut none };
-            let (n, h, w, c) = x.dims4()?;
-            let rows = all.dim(1)?;
-            let hb = hb.reshape((n, h * w, c))?;
-            let all = all.reshape((n, rows * w, c))?;
-            // The scale on q (n·h·w·c elements) rather than on the scores.
-            let q = (a.q.forward(&hb, opts)? * (1.0 / (c as f64).sqrt()))?;
-            drop(hb);
-            let k = a.k.forward(&all, opts)?;
-            let v = a.v.forward(&all, opts)?;
-            drop(all);
-            mark(m, || "attention q/k/v".into(), &v);
-            let o = attend(&q, &k, &v, opts)?;
-            drop((q, k, v));
-            mark(m, || format!("attention softmax(qk)v {}", h * w), &o);
-            let y = (a.proj_out.forward(&o, opts)? + x.reshape((n, h * w, c))?)?;
-            mark(m, || "attention proj".into(), &y);
-            ys.push(y.reshape((n, h, w, c))?);
-        }
-        Ok(ys)
-    }
-}
-
-/// Score elements one attention product may hold: 2^28 (512 MiB in bf16), the whole of a
-/// 1024² image's; larger images run their queries in slices of as many rows.
-const MAX_SCORES: usize = 1 << 28;
-
-/// `softmax(q kᵀ) v` over `(n, l, c)`, the queries in slices so that no score matrix holds
-/// more than [`MAX_SCORES`] elements (a 2048² image's would hold 2^32).
-fn attend(q: &Tensor, k: &Tensor, v: &Tensor, opts: ConvOptions) -> Result<Tensor> {
-    attend_within(q, k, v, opts, MAX_SCORES)
-}
-
-fn attend_within(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    opts: ConvOptions,
-    max_scores: usize,
-) -> Result<Tensor> {
-    let (n, lq, _) = q.dims3()?;
-    let lk = k.dim(1)?;
-    let rows = (max_scores / (n * lk).max(1)).max(1);
-    let one = |q: &Tensor| -> Result<Tensor> {
-        let p = softmax_last_dim(&q.matmul(&k.t()?)?, opts.kernels)?;
-        Ok(p.matmul(v)?)
-    };
-    if rows >= lq {
-        return one(q);
-    }
-    let mut out = Vec::with_capacity(lq.div_ceil(rows));
-    let mut s = 0;
-    while s < lq {
-        let len = rows.min(lq - s);
-        out.push(one(&q.narrow(1, s, len)?)?);
-        s += len;
-    }
-    Ok(Tensor::cat(&out, 1)?)
-}
-
-/// Nearest 2× up-sampling followed by a 3×3 convolution (padding 1).
-enum Upsample {
-    /// Up-sample, then convolve at full resolution.
-    Plain(Conv),
-    /// The four output phases `(a, b)` (row, column parity) as 2×2 convolutions of the
-    /// low-resolution input: `phases[2a + b]`.
-    Subpixel(Box<[Conv; 4]>),
-}
-
-impl Upsample {
-    fn load(vb: &VarBuilder, c: usize, subpixel: bool) -> Result<Upsample> {
-        let conv = Conv::load(vb, c, c, 3, c)?;
-        if !subpixel {
-            return Ok(Upsample::Plain(conv));
-        }
-        // Output row 2i + a reads up-sampled rows 2i + a - 1 ..= 2i + a + 1, which are input
-        // rows (i - 1, i, i) for a = 0 and (i, i, i + 1) for a = 1: two taps, the 3×3
-        // filter's rows summed where they meet the same input row; likewise for columns.
-        let w = conv.w.to_dtype(DType::F32)?; // (k, 3, 3, c)
-        let fold = |w: &Tensor, dim: usize, a: usize| -> Result<Tensor> {
-            let t = |i| w.narrow(dim, i, 1);
-            Ok(if a == 0 {
-                Tensor::cat(&[t(0)?, (t(1)? + t(2)?)?], dim)?
-            } else {
-                Tensor::cat(&[(t(0)? + t(1)?)?, t(2)?], dim)?
-            })
-        };
-        let dtype = conv.w.dtype();
-        let mut phases = Vec::with_capacity(4);
-        for a in 0..2 {
-            let wa = fold(&w, 1, a)?;
-            for b in 0..2 {
-                let wab = fold(&wa, 2, b)?.to_dtype(dtype)?.contiguous()?;
-                phases.push(Conv {
-                    w: wab,
-                    b: conv.b.clone(),
-                    geom: ConvGeom {
-                        pad_pre: [1 - a, 1 - b],
-                        pad_post: [a, b],
-                        stride: [1, 1],
-                    },
-                    size: 2,
-                });
-            }
-        }
-        let phases: [Conv; 4] = phases
-            .try_into()
-            .unwrap_or_else(|_| unreachable!("four phases"));
-        Ok(Upsample::Subpixel(Box::new(phases)))
-    }
-
-    /// `ups[b]` runs band `b`, with its neighbours' edge rows.
-    fn forward_bands(
-        ups: &[&Upsample],
-        xs: Vec<Tensor>,
-        bands: &Bands,
-        opts: ConvOptions,
-        stats: &mut DecodeStats,
-        m: &mut Marks,
-    ) -> Result<Vec<Tensor>> {
-        let hs = bands.halo(&xs)?;
-        drop(xs);
-        let mut ys = Vec::with_capacity(hs.len());
-        let mut none: Marks = None;
-        for (b, (up, h)) in ups.iter().zip(hs).enumerate() {
-            let m: &mut Marks = if b == 0 { &mut *m } else { &mut none };
-            ys.push(match up {
-                Upsample::Plain(c) => {
-                    let u = upsample2x_nhwc(&h.t, opts.kernels)?;
-                    mark(m, || format!("upsample {:?}", u.dims()), &u);
-                    let label = c.label(&u);
-                    let u = Halo {
-                        t: u,
-                        top: 2 * h.top,
-                        bottom: 2 * h.bottom,
-                    };
-                    let y = c.forward_halo(&u, None, opts, stats)?;
-                    mark(m, || label, &y);
-                    y
-                }
-                Upsample::Subpixel(phases) => {
-                    let mut p = Vec::with_capacity(4);
-                    for c in phases.iter() {
-                        let label = c.label(&h.t);
-                        let y = c.forward_halo(&h, None, opts, stats)?;
-                        mark(m, || format!("{label} (phase)"), &y);
-                        p.push(y);
-                    }
-                    let y = interleave2x_nhwc([&p[0], &p[1], &p[2], &p[3]], opts.kernels)?;
-                    drop(p);
-                    mark(m, || format!("interleave {:?}", y.dims()), &y);
-                    y
-                }
-            });
-        }
-        Ok(ys)
+    ) -> Result<Tensor> {
+        let hb = self.norm.forward_band(&x, band, false, false, opts)?.t;
+        mark(m, || gn_label(&x), &hb);
+        let all = band.gather(&hb)?;
+        let (n, h, w, c) = x.dims4()?;
+        let rows = all.dim(1)?;
+        let hb = hb.reshape((n, h * w, c))?;
+        let all = all.reshape((n, rows * w, c))?;
+        // The scale on q (n·h·w·c elements) rather than on the scores.
+        let q = (self.q.forward(&hb, opts)? * (1.0 / (c as f64).sqrt()))?;
+        drop(hb);
+        let k = self.k.forward(&all, opts)?;
+        let v = self.v.forward(&all, opts)?;
+        drop(all);
+        mark(m, || "attention q/k/v".into(), &v);
+        let o = attend(&q, &k, &v, opts)?;
+        drop((q, k, v));
+        mark(m, || format!("attention softmax(qk)v {}", h * w), &o);
+        let y = (self.proj_out.forward(&o, opts)? + x.reshape((n, h * w, c))?)?;
+        mark(m, || "attention proj".into(), &y);
+        Ok(y.reshape((n, h, w, c))?)
     }
 }
 
@@ -527,14 +185,6 @@ impl Upsample {
 struct Level {
     blocks: Vec<ResBlock>,
     upsample: Option<Upsample>,
-}
-
-/// How the channels-last decoder runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NhwcOptions {
-    pub conv: ConvOptions,
-    /// Up-sampling + 3×3 convolution as four 2×2 phase convolutions ([`Upsample`]).
-    pub subpixel: bool,
 }
 
 /// The decoder, channels-last.
@@ -575,9 +225,14 @@ impl NhwcDecoder {
                 block_in = block_out;
             }
             let upsample = if i != 0 {
-                Some(Upsample::load(
-                    &vl.pp("upsample").pp("conv"),
-                    block_in,
+                Some(Upsample::new(
+                    Conv::load(
+                        &vl.pp("upsample").pp("conv"),
+                        block_in,
+                        block_in,
+                        3,
+                        block_in,
+                    )?,
                     opts.subpixel,
                 )?)
             } else {
@@ -616,15 +271,15 @@ impl NhwcDecoder {
     /// in the weights' dtype; `stats` counts what ran, `m` is called after each operation.
     pub fn forward(&self, z: &Tensor, stats: &mut DecodeStats, m: Marks) -> Result<Tensor> {
         let devices = [z.device().clone()];
-        let mover = |t: &Tensor, d: &Device| t.to_device(d);
-        let bands = Bands::new(&devices, &mover, self.opts.kernels);
+        let bands = Bands::new(&devices, true, self.opts.kernels);
         Self::forward_bands(&[self], z, &bands, stats, m)
     }
 
     /// [`NhwcDecoder::forward`] in row bands, one per device of `bands`, `decoders[b]` holding
-    /// the weights on band `b`'s device ([`crate::flux::vae_bands`]); the image is joined on the
-    /// first band's device. One band runs exactly the one-device decode; `m` sees the first
-    /// band's operations.
+    /// the weights on band `b`'s device, each band on a thread of its own
+    /// ([`crate::flux::vae_bands`]); the image is joined on the first band's device. One band
+    /// runs exactly the one-device decode, on this thread; `m` sees the first band's
+    /// operations. `stats` adds up every band's.
     pub fn forward_bands(
         decoders: &[&NhwcDecoder],
         z: &Tensor,
@@ -638,65 +293,73 @@ impl NhwcDecoder {
                 message: format!("{} decoders for {} bands", decoders.len(), bands.len()),
             });
         }
-        let d0 = decoders[0];
-        let opts = d0.opts;
         let x = z.permute((0, 2, 3, 1))?.contiguous()?;
         mark(&mut m, || "to NHWC".into(), &x);
-        let xs = bands.split(&x)?;
-        drop(x);
-        let label = d0.conv_in.label(&xs[0]);
-        let mut hs = Vec::with_capacity(xs.len());
-        for (d, h) in decoders.iter().zip(bands.halo(&xs)?) {
-            hs.push(d.conv_in.forward_halo(&h, None, opts, stats)?);
-        }
-        mark(&mut m, || label, &hs[0]);
-        drop(xs);
-        let each = |f: &dyn Fn(&NhwcDecoder) -> &ResBlock| -> Vec<&ResBlock> {
-            decoders.iter().map(|d| f(d)).collect()
-        };
-        hs = ResBlock::forward_bands(&each(&|d| &d.mid_block_1), hs, bands, opts, stats, &mut m)?;
-        let attns: Vec<&Attn> = decoders.iter().map(|d| &d.mid_attn_1).collect();
-        hs = Attn::forward_bands(&attns, hs, bands, opts, &mut m)?;
-        hs = ResBlock::forward_bands(&each(&|d| &d.mid_block_2), hs, bands, opts, stats, &mut m)?;
-        for (li, level) in d0.up.iter().enumerate() {
-            for bi in 0..level.blocks.len() {
-                let blocks = each(&|d| &d.up[li].blocks[bi]);
-                hs = ResBlock::forward_bands(&blocks, hs, bands, opts, stats, &mut m)?;
+        let (y, accounts) = bands.run(&x, m, |band, xb, marks| {
+            let mut m: Marks = marks.flatten();
+            let mut st = DecodeStats::default();
+            let t = std::time::Instant::now();
+            let y = decoders[band.index()].forward_band(band, xb, &mut st, &mut m)?;
+            st.queued_us = t.elapsed().as_micros() as u64;
+            if let Some(y) = &y {
+                mark(&mut m, || "to NCHW".into(), y);
             }
-            if level.upsample.is_some() {
-                let ups: Vec<&Upsample> = decoders
-                    .iter()
-                    .filter_map(|d| d.up[li].upsample.as_ref())
-                    .collect();
-                hs = Upsample::forward_bands(&ups, hs, bands, opts, stats, &mut m)?;
-            }
+            Ok((y, st))
+        })?;
+        for s in accounts {
+            stats.add(s);
         }
-        let norms: Vec<&Norm> = decoders.iter().map(|d| &d.norm_out).collect();
-        let hn = Norm::forward_bands(&norms, &hs, bands, true, true, opts)?;
-        mark(&mut m, || gn_label(&hs[0]), &hn[0].t);
-        drop(hs);
-        let label = d0.conv_out.label(&hn[0].t);
-        let mut ys = Vec::with_capacity(hn.len());
-        for (d, h) in decoders.iter().zip(&hn) {
-            let y = d.conv_out.forward_halo(h, None, opts, stats)?;
-            ys.push(
-                y.narrow(3, 0, d.out_ch)?
-                    .permute((0, 3, 1, 2))?
-                    .contiguous()?,
-            );
-        }
-        drop(hn);
-        mark(&mut m, || label, &ys[0]);
-        let y = bands.join(&ys, 2)?;
-        mark(&mut m, || "to NCHW".into(), &y);
         Ok(y)
+    }
+
+    /// One band's decode: `x` its latent rows `(n, h, w, z)` on its device; the joined
+    /// image on band 0, `None` on the others.
+    fn forward_band(
+        &self,
+        band: &Band,
+        x: Tensor,
+        stats: &mut DecodeStats,
+        m: &mut Marks,
+    ) -> Result<Option<Tensor>> {
+        let opts = self.opts;
+        let label = self.conv_in.label(&x);
+        let hx = band.halo(&x)?;
+        drop(x);
+        let mut h = self.conv_in.forward_halo(&hx, None, opts, stats)?;
+        drop(hx);
+        mark(m, || label, &h);
+        h = self.mid_block_1.forward_band(h, band, opts, stats, m)?;
+        h = self.mid_attn_1.forward_band(h, band, opts, m)?;
+        h = self.mid_block_2.forward_band(h, band, opts, stats, m)?;
+        for level in &self.up {
+            for block in &level.blocks {
+                h = block.forward_band(h, band, opts, stats, m)?;
+            }
+            if let Some(up) = &level.upsample {
+                let hx = band.halo(&h)?;
+                drop(h);
+                h = up.forward(&hx, opts, stats, m)?;
+            }
+        }
+        let hn = self.norm_out.forward_band(&h, band, true, true, opts)?;
+        mark(m, || gn_label(&h), &hn.t);
+        drop(h);
+        let label = self.conv_out.label(&hn.t);
+        let y = self.conv_out.forward_halo(&hn, None, opts, stats)?;
+        drop(hn);
+        let y = y
+            .narrow(3, 0, self.out_ch)?
+            .permute((0, 3, 1, 2))?
+            .contiguous()?;
+        mark(m, || label, &y);
+        band.join(&y, 2)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Module};
+    use candle_core::{DType, Device, Module};
     use candle_nn::VarMap;
     use mold_exec::Kernels;
 
@@ -810,8 +473,7 @@ mod tests {
                     .collect();
                 let refs: Vec<&NhwcDecoder> = decoders.iter().collect();
                 let devices = vec![Device::Cpu; k];
-                let mover = |t: &Tensor, d: &Device| t.to_device(d);
-                let bands = Bands::new(&devices, &mover, Kernels::Auto);
+                let bands = Bands::new(&devices, true, Kernels::Auto);
                 let mut sk = DecodeStats::default();
                 let got = NhwcDecoder::forward_bands(&refs, &z, &bands, &mut sk, None).unwrap();
                 assert_eq!(got.dims(), want.dims());
@@ -820,25 +482,6 @@ mod tests {
                 // Every band ran every convolution.
                 assert_eq!(sk.candle, k as u64 * s1.candle);
             }
-        }
-    }
-
-    /// Attention over many pixels in query slices equals it in one product.
-    #[test]
-    fn sliced_attention_equals_one_product() {
-        let dev = Device::Cpu;
-        let q = Tensor::randn(0f32, 1f32, (2, 37, 8), &dev).unwrap();
-        let k = Tensor::randn(0f32, 1f32, (2, 37, 8), &dev).unwrap();
-        let v = Tensor::randn(0f32, 1f32, (2, 37, 8), &dev).unwrap();
-        let opts = ConvOptions {
-            kernels: Kernels::Auto,
-            tune: false,
-        };
-        let whole = attend_within(&q, &k, &v, opts, usize::MAX).unwrap();
-        for max in [1, 74, 75, 600] {
-            let sliced = attend_within(&q, &k, &v, opts, max).unwrap();
-            let e = max_rel(&sliced, &whole);
-            assert!(e <= 1e-6, "max {max}: {e}");
         }
     }
 

@@ -67,8 +67,8 @@ impl Drop for Handle {
 fn handle(dev: &CudaDevice) -> CResult<Arc<Mutex<Handle>>> {
     static H: Cells<(usize, usize), Handle> = Cells::new();
     let stream = dev.cuda_stream();
-    let key = (stream.context().ordinal(), stream.cu_stream() as usize);
-    H.get_or_make(key, || {
+    let (device, raw) = (stream.context().ordinal(), stream.cu_stream() as usize);
+    H.for_stream(device, raw, || {
         stream
             .context()
             .bind_to_thread()
