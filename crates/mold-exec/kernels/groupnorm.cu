@@ -1,5 +1,6 @@
-// GroupNorm (+ SiLU) over channels-last activations, nearest 2x up-sampling and the
-// interleaving of four output phases into a 2x image, for the FLUX autoencoder's decoder (mold-exec, `cuda` feature; launched from
+// GroupNorm (+ SiLU) and RMS norm (+ SiLU) over channels-last activations, nearest 2x
+// up-sampling and the interleaving of four output phases into a 2x image, for the FLUX and
+// Qwen-Image autoencoders' decoders (mold-exec, `cuda` feature; launched from
 // src/model/group_norm.rs).
 //
 // x is (n, hw, c) contiguous: every pixel's c channels side by side. The statistics of
@@ -294,6 +295,54 @@ __device__ void interleave2x(const T *p00, const T *p01, const T *p10, const T *
     }
 }
 
+// RMS norm over each pixel's channels (Qwen-Image's VAE: x / ||x||_2 * sqrt(c) * gamma, which
+// is x / rms(x) * gamma), SiLU when asked: a warp per pixel, each lane one or two 8-channel
+// vectors (c % 8 == 0, c <= 512), the sum of squares in f32, one rounding per output.
+template <typename T>
+__device__ void rms_rows(const T *x, const T *gamma, T *y, long long rows, int c, float eps,
+                         int silu) {
+    const int lane = threadIdx.x & 31;
+    const int c8 = c >> 3;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows;
+         r += warps) {
+        const uint4 *xr = reinterpret_cast<const uint4 *>(x + r * c);
+        Vec8<T> v[2];
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int i = lane + 32 * k;
+            if (i < c8) {
+                v[k].raw = xr[i];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float f = tof<T>(v[k].v[j]);
+                    ss += f * f;
+                }
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = rsqrtf(ss / (float)c + eps);
+        uint4 *yr = reinterpret_cast<uint4 *>(y + r * c);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int i = lane + 32 * k;
+            if (i < c8) {
+                Vec8<T> g, out;
+                g.raw = reinterpret_cast<const uint4 *>(gamma)[i];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    float f = tof<T>(v[k].v[j]) * inv * tof<T>(g.v[j]);
+                    if (silu) f = f / (1.f + __expf(-f));
+                    out.v[j] = fromf<T>(f);
+                }
+                yr[i] = out.raw;
+            }
+        }
+    }
+}
+
 } // namespace mold_gn
 
 #define MOLD_GN_ALL(SUFFIX, T)                                                                 \
@@ -328,6 +377,10 @@ __device__ void interleave2x(const T *p00, const T *p01, const T *p10, const T *
         const T *p00, const T *p01, const T *p10, const T *p11, T *y, long long vecs, int c,   \
         int h, int w) {                                                                        \
         mold_gn::interleave2x<T>(p00, p01, p10, p11, y, vecs, c, h, w);                        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) mold_rms_rows_##SUFFIX(                  \
+        const T *x, const T *gamma, T *y, long long rows, int c, float eps, int silu) {        \
+        mold_gn::rms_rows<T>(x, gamma, y, rows, c, eps, silu);                                 \
     }
 
 MOLD_GN_ALL(bf16, __nv_bfloat16)

@@ -211,6 +211,17 @@ fn keep_freed_memory(cd: &candle_core::CudaDevice) -> std::result::Result<(), St
     .map_err(|e| format!("its memory pool's release threshold: {e:?}"))
 }
 
+/// [`keep_freed_memory`] on a device opened elsewhere (benchmarks, tools): freed memory
+/// stays in the CUDA pool as in the devices mold opens. Nothing on the host.
+pub fn keep_freed_memory_of(dev: &Device) -> std::result::Result<(), String> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cd) = dev {
+        return keep_freed_memory(cd);
+    }
+    let _ = dev;
+    Ok(())
+}
+
 #[cfg(not(feature = "cuda"))]
 fn cuda_device(_n: u32, id: &DeviceId, _own_stream: bool) -> Result<Device> {
     Err(ExecError::NoCuda {

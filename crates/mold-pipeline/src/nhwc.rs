@@ -18,12 +18,46 @@
 //! On the CPU (tests) the same code runs candle's convolutions on NCHW views.
 
 use crate::error::{PipelineError, Result};
+use candle_core::Device;
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
-use mold_exec::model::conv::{conv2d_nhwc, ConvGeom, ConvOptions, Fusion, Ran};
+use mold_exec::model::conv::{conv2d_nhwc, cudnn_version, ConvGeom, ConvOptions, Fusion, Ran};
 use mold_exec::model::gemm;
 use mold_exec::model::group_norm::{interleave2x_nhwc, upsample2x_nhwc};
 use mold_exec::model::softmax::softmax_last_dim;
+use mold_exec::Kernels;
+
+/// Whether the channels-last decoder runs for `dtype` on `dev` under `kernels`: cuDNN's
+/// version, else why not (an error where `MOLD_KERNELS=cudnn|fused` requires it).
+pub(crate) fn channels_last(
+    dev: &Device,
+    dtype: DType,
+    kernels: Kernels,
+) -> Result<std::result::Result<String, String>> {
+    let why = if matches!(kernels, Kernels::Candle | Kernels::Mold) {
+        format!("MOLD_KERNELS={}", format!("{kernels:?}").to_lowercase())
+    } else if !dev.is_cuda() {
+        "not a CUDA device".into()
+    } else if !matches!(dtype, DType::BF16 | DType::F16) {
+        format!("dtype {dtype:?}, not bf16/f16")
+    } else {
+        match cudnn_version() {
+            Ok(v) => return Ok(Ok(v)),
+            Err(e) if matches!(kernels, Kernels::Cudnn | Kernels::Fused) => {
+                return Err(PipelineError::Component {
+                    component: "vae".into(),
+                    message: format!(
+                        "MOLD_KERNELS={}: the decoder's convolutions need cuDNN: {e}; unset \
+                         MOLD_KERNELS to fall back to candle's decoder",
+                        format!("{kernels:?}").to_lowercase()
+                    ),
+                })
+            }
+            Err(e) => e,
+        }
+    };
+    Ok(Err(why))
+}
 
 /// An activation with the neighbours' rows around it: `top` rows above its own and `bottom`
 /// below (0 at the image's edges, and everywhere for a whole image).
@@ -268,6 +302,43 @@ pub(crate) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, opts: ConvOptions) -> R
     attend_within(q, k, v, opts, MAX_SCORES)
 }
 
+/// Score of a padded key: its weight after the softmax is 0 (`exp(-30000)`), and the
+/// value is exact in bf16 and f16.
+const MASKED: f64 = -30000.0;
+
+/// `q`, `k` and `v` with the keys padded to a multiple of 8 (mold's softmax takes rows of
+/// whole 16-byte vectors; Qwen-Image's 1328² latent has 166² = 27 556 pixels): the padded
+/// keys and values are zero, and one more channel (padded to 8) holds 1 in every query
+/// and [`MASKED`] in each padded key, so their scores are [`MASKED`] and the real ones
+/// unchanged.
+fn pad_keys(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let (n, lq, c) = q.dims3()?;
+    let lk = k.dim(1)?;
+    let (lk8, extra) = (lk.next_multiple_of(8), (c + 1).next_multiple_of(8) - c);
+    let (dt, dev) = (q.dtype(), q.device());
+    let pad_rows = |t: &Tensor| -> Result<Tensor> {
+        let z = Tensor::zeros((n, lk8 - lk, c), dt, dev)?;
+        Ok(Tensor::cat(&[t, &z], 1)?)
+    };
+    let ones = Tensor::ones((n, lq, 1), dt, dev)?;
+    let q = Tensor::cat(&[q, &ones, &Tensor::zeros((n, lq, extra - 1), dt, dev)?], 2)?;
+    let mask: Vec<f32> = (0..lk8)
+        .map(|i| if i < lk { 0.0 } else { MASKED as f32 })
+        .collect();
+    let mask = Tensor::from_vec(mask, (1, lk8, 1), dev)?
+        .to_dtype(dt)?
+        .broadcast_as((n, lk8, 1))?;
+    let k = Tensor::cat(
+        &[
+            &pad_rows(k)?,
+            &mask,
+            &Tensor::zeros((n, lk8, extra - 1), dt, dev)?,
+        ],
+        2,
+    )?;
+    Ok((q, k, pad_rows(v)?))
+}
+
 pub(crate) fn attend_within(
     q: &Tensor,
     k: &Tensor,
@@ -275,6 +346,10 @@ pub(crate) fn attend_within(
     opts: ConvOptions,
     max_scores: usize,
 ) -> Result<Tensor> {
+    if !k.dim(1)?.is_multiple_of(8) {
+        let (q, k, v) = pad_keys(q, k, v)?;
+        return attend_within(&q, &k, &v, opts, max_scores);
+    }
     let (n, lq, _) = q.dims3()?;
     let lk = k.dim(1)?;
     let rows = (max_scores / (n * lk).max(1)).max(1);
@@ -394,6 +469,19 @@ pub struct NhwcOptions {
     pub subpixel: bool,
 }
 
+impl Default for NhwcOptions {
+    /// Default kernels, cuDNN's heuristic engines, up-sampling as phase convolutions.
+    fn default() -> Self {
+        NhwcOptions {
+            conv: ConvOptions {
+                kernels: Kernels::Auto,
+                tune: false,
+            },
+            subpixel: true,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -418,6 +506,16 @@ mod tests {
             tune: false,
         };
         let whole = attend_within(&q, &k, &v, opts, usize::MAX).unwrap();
+        // 37 keys are padded to 40 and masked: the plain product is the same.
+        let plain = candle_nn::ops::softmax_last_dim(&q.matmul(&k.t().unwrap()).unwrap())
+            .unwrap()
+            .matmul(&v)
+            .unwrap();
+        assert!(
+            max_rel(&whole, &plain) <= 1e-6,
+            "{}",
+            max_rel(&whole, &plain)
+        );
         for max in [1, 74, 75, 600] {
             let sliced = attend_within(&q, &k, &v, opts, max).unwrap();
             let e = max_rel(&sliced, &whole);

@@ -1,11 +1,13 @@
-//! GroupNorm (optionally followed by SiLU), nearest 2× up-sampling and the interleaving of
-//! four phase images into one of twice the size, over channels-last `(n, h, w, c)`
-//! activations: the FLUX autoencoder decoder's passes between its convolutions.
+//! GroupNorm and RMS norm over the channels (each optionally followed by SiLU), nearest 2×
+//! up-sampling and the interleaving of four phase images into one of twice the size, over
+//! channels-last `(n, h, w, c)` activations: the FLUX and Qwen-Image autoencoder decoders'
+//! passes between their convolutions.
 //!
 //! On CUDA, for bf16/f16 with `c` a multiple of 8 and `c / 8` dividing 256, mold's kernels
 //! (`kernels/groupnorm.cu`) run them: a group's statistics in f32 through a two-level
 //! reduction (Chan's merge of count, mean and squared deviations), then one pass that
-//! normalises, scales, shifts, applies SiLU and rounds once. Elsewhere — CPU, f32, other
+//! normalises, scales, shifts, applies SiLU and rounds once; the RMS norm as a warp per
+//! pixel (`c` ≤ 512). Elsewhere — CPU, f32, other
 //! channel counts, `MOLD_KERNELS=candle` — the same maths runs as candle ops (the reference
 //! the kernels are tested against).
 
@@ -256,6 +258,44 @@ pub fn group_norm_apply_nhwc(x: &Tensor, ab: &Tensor, silu: bool, k: Kernels) ->
     y.to_dtype(x.dtype())
 }
 
+/// `x / rms(x) · gamma` over the last dimension of `x` (`c` channels; `eps` added to the
+/// mean square), then SiLU where `silu`: Qwen-Image's VAE norm (`x / ‖x‖₂ · √c · γ`). One
+/// pass on CUDA (bf16/f16, `c` a multiple of 8 up to 512, `gamma` `(c)` in `x`'s dtype),
+/// else candle's row norm and SiLU.
+pub fn rms_norm_channels(
+    x: &Tensor,
+    gamma: &Tensor,
+    eps: f32,
+    silu: bool,
+    k: Kernels,
+) -> CResult<Tensor> {
+    let c = x.dim(candle_core::D::Minus1)?;
+    if gamma.dims() != [c] {
+        candle_core::bail!("rms norm: gamma is {:?}, expected [{c}]", gamma.dims());
+    }
+    let aligned = |t: &Tensor| {
+        t.is_contiguous()
+            && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
+    };
+    let supported = cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F16)
+        && gamma.dtype() == x.dtype()
+        && aligned(x)
+        && aligned(gamma)
+        && c.is_multiple_of(8)
+        && c <= 512;
+    if k.use_fused(supported, "channel RMS norm")? {
+        return cuda::rms_channels(x, gamma, eps, silu);
+    }
+    let y = candle_nn::ops::rms_norm(x, gamma, eps)?;
+    if silu {
+        candle_nn::ops::silu(&y)
+    } else {
+        Ok(y)
+    }
+}
+
 /// Nearest-neighbour 2× up-sampling of `x` `(n, h, w, c)` to `(n, 2h, 2w, c)`.
 pub fn upsample2x_nhwc(x: &Tensor, k: Kernels) -> CResult<Tensor> {
     let (n, h, w, c) = x.dims4()?;
@@ -322,6 +362,9 @@ mod cuda {
     }
     pub fn upsample2x(_: &Tensor) -> CResult<Tensor> {
         candle_core::bail!("mold's up-sampling kernel needs a CUDA build")
+    }
+    pub fn rms_channels(_: &Tensor, _: &Tensor, _: f32, _: bool) -> CResult<Tensor> {
+        candle_core::bail!("mold's RMS norm kernel needs a CUDA build")
     }
     pub fn interleave2x(_: [&Tensor; 4]) -> CResult<Tensor> {
         candle_core::bail!("mold's interleaving kernel needs a CUDA build")
@@ -780,6 +823,84 @@ mod cuda {
 
     pub fn upsample2x(x: &Tensor) -> CResult<Tensor> {
         x.apply_op1_no_bwd(&Upsample2x)
+    }
+
+    struct RmsChannels {
+        eps: f32,
+        silu: bool,
+    }
+
+    impl RmsChannels {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            g: &CudaStorage,
+            gl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            let dev = &x.device;
+            let c = *xl.shape().dims().last().unwrap_or(&1);
+            let rows = xl.shape().elem_count() / c.max(1);
+            // SAFETY: every output element is written.
+            let y = unsafe { dev.alloc::<T>(rows * c)? };
+            let xv = view::<T>(x, xl)?;
+            let gv = view::<T>(g, gl)?;
+            let f = func(dev, "mold_rms_rows", x.dtype())?;
+            let (rows64, c32, silu) = (rows as i64, c as i32, i32::from(self.silu));
+            let stream = dev.cuda_stream();
+            let mut a = stream.launch_builder(&f);
+            a.arg(&xv)
+                .arg(&gv)
+                .arg(&y)
+                .arg(&rows64)
+                .arg(&c32)
+                .arg(&self.eps)
+                .arg(&silu);
+            // A warp per row: 8 rows a block of 256 threads.
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(8).clamp(1, MAX_GRID) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument order and types match the kernel.
+            unsafe { a.launch(cfg) }.w()?;
+            Ok((
+                CudaStorage::wrap_cuda_slice(y, dev.clone()),
+                xl.shape().clone(),
+            ))
+        }
+    }
+
+    impl CustomOp2 for RmsChannels {
+        fn name(&self) -> &'static str {
+            "mold-rms-channels"
+        }
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<(CpuStorage, Shape)> {
+            candle_core::bail!("mold's RMS norm kernel runs on CUDA only")
+        }
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            g: &CudaStorage,
+            gl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            match x.dtype() {
+                DType::BF16 => self.run::<bf16>(x, xl, g, gl),
+                DType::F16 => self.run::<f16>(x, xl, g, gl),
+                dt => candle_core::bail!("mold RMS norm: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    pub fn rms_channels(x: &Tensor, gamma: &Tensor, eps: f32, silu: bool) -> CResult<Tensor> {
+        x.apply_op2_no_bwd(gamma, &RmsChannels { eps, silu })
     }
 
     fn storage_view<'a, T: CudaDType>(

@@ -7,10 +7,11 @@ use crate::error::{PipelineError, Result};
 use crate::flux::vae_bands::Bands;
 use crate::flux::vae_nhwc::{DecodeStats, NhwcDecoder, NhwcOptions};
 use crate::layout::WeightsLayout;
+use crate::nhwc::channels_last;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::flux::autoencoder::{Config, Decoder};
-use mold_exec::model::conv::{cudnn_version, ConvOptions};
+use mold_exec::model::conv::ConvOptions;
 use mold_exec::weights_copy::WeightsFrom;
 use mold_exec::Kernels;
 use serde::{Deserialize, Serialize};
@@ -152,38 +153,6 @@ pub struct Vae {
     pub weight_bytes: u64,
     /// What the last decode ran (the channels-last decoder).
     last: Mutex<Option<DecodeStats>>,
-}
-
-/// Whether the channels-last decoder runs for `dtype` on `dev` under `kernels`: cuDNN's
-/// version, else why not (an error where `MOLD_KERNELS=cudnn|fused` requires it).
-fn channels_last(
-    dev: &Device,
-    dtype: DType,
-    kernels: Kernels,
-) -> Result<std::result::Result<String, String>> {
-    let why = if matches!(kernels, Kernels::Candle | Kernels::Mold) {
-        format!("MOLD_KERNELS={}", format!("{kernels:?}").to_lowercase())
-    } else if !dev.is_cuda() {
-        "not a CUDA device".into()
-    } else if !matches!(dtype, DType::BF16 | DType::F16) {
-        format!("dtype {dtype:?}, not bf16/f16")
-    } else {
-        match cudnn_version() {
-            Ok(v) => return Ok(Ok(v)),
-            Err(e) if matches!(kernels, Kernels::Cudnn | Kernels::Fused) => {
-                return Err(PipelineError::Component {
-                    component: "vae".into(),
-                    message: format!(
-                        "MOLD_KERNELS={}: the decoder's convolutions need cuDNN: {e}; unset \
-                         MOLD_KERNELS to fall back to candle's decoder",
-                        format!("{kernels:?}").to_lowercase()
-                    ),
-                })
-            }
-            Err(e) => e,
-        }
-    };
-    Ok(Err(why))
 }
 
 /// The implementation `opts` and the device allow, built from `vb`: an error where

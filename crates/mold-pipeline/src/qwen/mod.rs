@@ -30,6 +30,7 @@ pub mod sampling;
 pub mod testdata;
 pub mod text;
 pub mod vae;
+pub mod vae_nhwc;
 
 use self::sampling::{Guidance, SchedulerConfig};
 use self::text::{QwenText, QwenTextConfig, QwenTextFiles};
@@ -669,7 +670,14 @@ pub fn generate_on(
         devices: id.to_string(),
     });
     let t = Instant::now();
-    let vae = QwenVae::load(&prep.layout.vae, dtype, &dev)?;
+    let vae_opts = crate::nhwc::NhwcOptions {
+        conv: mold_exec::model::conv::ConvOptions {
+            kernels: opts.kernels,
+            tune: false,
+        },
+        subpixel: true,
+    };
+    let vae = QwenVae::load_with(&prep.layout.vae, dtype, &dev, vae_opts)?;
     sync(&dev)?;
     times.load_s += t.elapsed().as_secs_f64();
     on(&Progress::Loaded {
@@ -701,6 +709,7 @@ pub fn generate_on(
         r.metadata = metadata(&plan.model.id, q).into_iter().collect();
         r.write(path)?;
     }
+    on(&Progress::Note(vae.note()));
     on(&Progress::Decoded {
         devices: id.to_string(),
         seconds: times.decode_s,

@@ -10,11 +10,14 @@
 //! attention in the middle block, nearest 2× up-sampling), and clamped to [-1, 1].
 
 use crate::error::{PipelineError, Result};
+use crate::nhwc::{channels_last, DecodeStats, Marks, NhwcOptions};
+use crate::qwen::vae_nhwc::QwenNhwcDecoder;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Conv2d, Conv2dConfig, VarBuilder};
 use mold_exec::TensorSpec;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// `vae/config.json` (the fields the decoder reads; diffusers' defaults are Qwen-Image's).
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -151,7 +154,7 @@ impl QwenVaeConfig {
     }
 
     /// The decoder's widths: the top one, then each level's from the bottom up.
-    fn dims(&self) -> Vec<usize> {
+    pub(crate) fn dims(&self) -> Vec<usize> {
         let top = self.base_dim * self.dim_mult[self.dim_mult.len() - 1];
         std::iter::once(top)
             .chain(self.dim_mult.iter().rev().map(|m| self.base_dim * m))
@@ -298,7 +301,7 @@ pub struct QwenVaeFiles {
 }
 
 /// A convolution of the checkpoint as the 2-D one a single frame sees.
-fn conv(
+pub(crate) fn conv(
     vb: &VarBuilder,
     o: usize,
     i: usize,
@@ -449,110 +452,63 @@ struct UpBlock {
     up: Option<Conv2d>,
 }
 
-/// The decoder, ready to run on its device.
-pub struct QwenVae {
-    cfg: QwenVaeConfig,
+/// The channels-first decoder on candle's operations (where cuDNN's channels-last one
+/// does not run: the CPU, f32, `MOLD_KERNELS=candle|mold`).
+pub(crate) struct NchwDecoder {
     post_quant: Conv2d,
     conv_in: Conv2d,
     mid: (ResBlock, Attention, ResBlock),
     ups: Vec<UpBlock>,
     norm_out: ChannelRms,
     conv_out: Conv2d,
-    mean: Tensor,
-    std: Tensor,
-    dtype: DType,
-    device: Device,
-    pub weight_bytes: u64,
 }
 
-impl QwenVae {
-    pub fn load(files: &QwenVaeFiles, dtype: DType, dev: &Device) -> Result<QwenVae> {
-        let cfg = QwenVaeConfig::read(&files.config)?;
-        let weight_bytes = crate::text::weight_bytes(&files.weights, dtype, |n| {
-            n.starts_with("decoder.") || n.starts_with("post_quant_conv.")
-        })?;
-        // SAFETY: mapped read-only; the files must not change while loading.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, dev)? };
+impl NchwDecoder {
+    pub(crate) fn load(cfg: &QwenVaeConfig, vb: &VarBuilder) -> candle_core::Result<NchwDecoder> {
         let d = cfg.dims();
         let levels = cfg.dim_mult.len();
         let z = cfg.z_dim;
-        let load = || -> candle_core::Result<_> {
-            let post_quant = conv(&vb.pp("post_quant_conv"), z, z, 1, true)?;
-            let vd = vb.pp("decoder");
-            let conv_in = conv(&vd.pp("conv_in"), d[0], z, 3, true)?;
-            let m = vd.pp("mid_block");
-            let mid = (
-                ResBlock::load(&m.pp("resnets.0"), d[0], d[0])?,
-                Attention::load(&m.pp("attentions.0"), d[0])?,
-                ResBlock::load(&m.pp("resnets.1"), d[0], d[0])?,
-            );
-            let mut ups = Vec::new();
-            for i in 0..levels {
-                let u = vd.pp(format!("up_blocks.{i}"));
-                let b = d[i + 1];
-                let mut a = if i > 0 { d[i] / 2 } else { d[i] };
-                let mut resnets = Vec::new();
-                for j in 0..=cfg.num_res_blocks {
-                    resnets.push(ResBlock::load(&u.pp(format!("resnets.{j}")), a, b)?);
-                    a = b;
-                }
-                let up = if i != levels - 1 {
-                    Some(conv(&u.pp("upsamplers.0.resample.1"), b / 2, b, 3, false)?)
-                } else {
-                    None
-                };
-                ups.push(UpBlock { resnets, up });
+        let post_quant = conv(&vb.pp("post_quant_conv"), z, z, 1, true)?;
+        let vd = vb.pp("decoder");
+        let conv_in = conv(&vd.pp("conv_in"), d[0], z, 3, true)?;
+        let m = vd.pp("mid_block");
+        let mid = (
+            ResBlock::load(&m.pp("resnets.0"), d[0], d[0])?,
+            Attention::load(&m.pp("attentions.0"), d[0])?,
+            ResBlock::load(&m.pp("resnets.1"), d[0], d[0])?,
+        );
+        let mut ups = Vec::new();
+        for i in 0..levels {
+            let u = vd.pp(format!("up_blocks.{i}"));
+            let b = d[i + 1];
+            let mut a = if i > 0 { d[i] / 2 } else { d[i] };
+            let mut resnets = Vec::new();
+            for j in 0..=cfg.num_res_blocks {
+                resnets.push(ResBlock::load(&u.pp(format!("resnets.{j}")), a, b)?);
+                a = b;
             }
-            let norm_out = ChannelRms::load(&vd.pp("norm_out"), d[levels], false)?;
-            let conv_out = conv(&vd.pp("conv_out"), 3, d[levels], 3, true)?;
-            Ok((post_quant, conv_in, mid, ups, norm_out, conv_out))
-        };
-        let (post_quant, conv_in, mid, ups, norm_out, conv_out) =
-            load().map_err(|e| PipelineError::Component {
-                component: "vae".into(),
-                message: format!(
-                    "cannot load the decoder from {}: {e} (its config is {})",
-                    files
-                        .weights
-                        .iter()
-                        .map(|f| f.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    files.config.display()
-                ),
-            })?;
-        let stat = |v: &[f64]| -> candle_core::Result<Tensor> {
-            let v: Vec<f32> = v.iter().map(|x| *x as f32).collect();
-            Tensor::from_vec(v, (1, z, 1, 1), dev)
-        };
-        Ok(QwenVae {
-            mean: stat(&cfg.latents_mean)?,
-            std: stat(&cfg.latents_std)?,
-            cfg,
+            let up = if i != levels - 1 {
+                Some(conv(&u.pp("upsamplers.0.resample.1"), b / 2, b, 3, false)?)
+            } else {
+                None
+            };
+            ups.push(UpBlock { resnets, up });
+        }
+        let norm_out = ChannelRms::load(&vd.pp("norm_out"), d[levels], false)?;
+        let conv_out = conv(&vd.pp("conv_out"), 3, d[levels], 3, true)?;
+        Ok(NchwDecoder {
             post_quant,
             conv_in,
             mid,
             ups,
             norm_out,
             conv_out,
-            dtype,
-            device: dev.clone(),
-            weight_bytes,
         })
     }
 
-    pub fn config(&self) -> &QwenVaeConfig {
-        &self.cfg
-    }
-
-    /// Normalized latents `(b, z, h, w)` (any device, any float dtype) → images
-    /// `(b, 3, 8h, 8w)` in [-1, 1], f32 on the VAE's device.
-    pub fn decode(&self, latents: &Tensor) -> Result<Tensor> {
-        let z = mold_exec::runtime::hand_off_ordered(latents, &self.device, true)?
-            .to_dtype(DType::F32)?;
-        let z = z.broadcast_mul(&self.std)?.broadcast_add(&self.mean)?;
-        let z = z.to_dtype(self.dtype)?;
-        let x = self.post_quant.forward(&z)?;
+    /// Un-normalized latents `(b, z, h, w)` → images `(b, 3, 8h, 8w)`, not clamped.
+    pub(crate) fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
+        let x = self.post_quant.forward(z)?;
         let mut x = self.conv_in.forward(&x)?;
         x = self.mid.0.forward(&x)?;
         x = self.mid.1.forward(&x)?;
@@ -567,8 +523,150 @@ impl QwenVae {
             }
         }
         let x = candle_nn::ops::silu(&self.norm_out.forward(&x)?)?;
-        let x = self.conv_out.forward(&x)?;
+        self.conv_out.forward(&x)
+    }
+}
+
+enum Imp {
+    /// Channels-first on candle's operations; why the channels-last decoder is not used.
+    Nchw(Box<NchwDecoder>, String),
+    /// Channels-last through cuDNN ([`crate::qwen::vae_nhwc`]), and cuDNN's version.
+    Nhwc(Box<QwenNhwcDecoder>, String),
+}
+
+/// The decoder, ready to run on its device.
+pub struct QwenVae {
+    cfg: QwenVaeConfig,
+    imp: Imp,
+    mean: Tensor,
+    std: Tensor,
+    dtype: DType,
+    device: Device,
+    pub weight_bytes: u64,
+    /// What the channels-last decoder's last decode ran.
+    last: Mutex<Option<DecodeStats>>,
+}
+
+impl QwenVae {
+    /// Loads the decoder in `dtype` with the default options ([`QwenVae::load_with`]).
+    pub fn load(files: &QwenVaeFiles, dtype: DType, dev: &Device) -> Result<QwenVae> {
+        Self::load_with(files, dtype, dev, NhwcOptions::default())
+    }
+
+    /// Loads the decoder in `dtype`: channels-last through cuDNN where `opts.conv.kernels`,
+    /// the device and the dtype allow it ([`crate::nhwc::channels_last`]), else on candle's
+    /// operations.
+    pub fn load_with(
+        files: &QwenVaeFiles,
+        dtype: DType,
+        dev: &Device,
+        opts: NhwcOptions,
+    ) -> Result<QwenVae> {
+        let cfg = QwenVaeConfig::read(&files.config)?;
+        let weight_bytes = crate::text::weight_bytes(&files.weights, dtype, |n| {
+            n.starts_with("decoder.") || n.starts_with("post_quant_conv.")
+        })?;
+        // SAFETY: mapped read-only; the files must not change while loading.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, dev)? };
+        let fail = |e: String| PipelineError::Component {
+            component: "vae".into(),
+            message: format!(
+                "cannot load the decoder from {}: {e} (its config is {})",
+                files
+                    .weights
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                files.config.display()
+            ),
+        };
+        let imp = match channels_last(dev, dtype, opts.conv.kernels)? {
+            Ok(version) => QwenNhwcDecoder::new(&cfg, &vb, opts)
+                .map(|d| Imp::Nhwc(Box::new(d), version))
+                .map_err(|e| fail(e.to_string()))?,
+            Err(why) => NchwDecoder::load(&cfg, &vb)
+                .map(|d| Imp::Nchw(Box::new(d), why))
+                .map_err(|e| fail(e.to_string()))?,
+        };
+        let z = cfg.z_dim;
+        let stat = |v: &[f64]| -> candle_core::Result<Tensor> {
+            let v: Vec<f32> = v.iter().map(|x| *x as f32).collect();
+            Tensor::from_vec(v, (1, z, 1, 1), dev)
+        };
+        Ok(QwenVae {
+            mean: stat(&cfg.latents_mean)?,
+            std: stat(&cfg.latents_std)?,
+            cfg,
+            imp,
+            dtype,
+            device: dev.clone(),
+            weight_bytes,
+            last: Mutex::new(None),
+        })
+    }
+
+    pub fn config(&self) -> &QwenVaeConfig {
+        &self.cfg
+    }
+
+    /// Normalized latents `(b, z, h, w)` (any device, any float dtype) → images
+    /// `(b, 3, 8h, 8w)` in [-1, 1], f32 on the VAE's device.
+    pub fn decode(&self, latents: &Tensor) -> Result<Tensor> {
+        self.decode_marked(latents, None)
+    }
+
+    /// [`QwenVae::decode`], calling `marks` after each operation of the channels-last
+    /// decoder (for a per-operation profile; the channels-first one calls it once).
+    pub fn decode_marked(&self, latents: &Tensor, mut marks: Marks) -> Result<Tensor> {
+        let z = mold_exec::runtime::hand_off_ordered(latents, &self.device, true)?
+            .to_dtype(DType::F32)?;
+        let z = z.broadcast_mul(&self.std)?.broadcast_add(&self.mean)?;
+        let z = z.to_dtype(self.dtype)?;
+        let x = match &self.imp {
+            Imp::Nchw(d, _) => {
+                let x = d.forward(&z)?;
+                if let Some(m) = marks.as_mut() {
+                    m("channels-first decoder".into(), &x);
+                }
+                x
+            }
+            Imp::Nhwc(d, _) => {
+                let mut stats = DecodeStats::default();
+                let x = d.forward(&z, &mut stats, marks)?;
+                *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+                x
+            }
+        };
         Ok(x.to_dtype(DType::F32)?.clamp(-1f32, 1f32)?)
+    }
+
+    /// One line for the run's report: which decoder ran (for the channels-last one, the
+    /// last decode's convolutions per implementation), or why the channels-last one did not.
+    pub fn note(&self) -> String {
+        match &self.imp {
+            Imp::Nchw(_, why) => {
+                format!("vae: candle's channels-first decoder (channels-last not used: {why})")
+            }
+            Imp::Nhwc(_, version) => {
+                let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(s) = last.as_ref() else {
+                    return format!("vae: channels-last decoder, cuDNN {version} (not run yet)");
+                };
+                let mut line = format!(
+                    "vae: cudnn {version} conv ({} calls, {} with the bias/residual fused)",
+                    s.cudnn, s.fully_fused
+                );
+                if s.candle > 0 {
+                    line += &format!(
+                        "; candle conv ({} calls: {})",
+                        s.candle,
+                        s.refusals.join("; ")
+                    );
+                }
+                line
+            }
+        }
     }
 }
 
