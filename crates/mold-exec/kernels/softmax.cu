@@ -1,12 +1,14 @@
-// Softmax over the last dimension of contiguous rows, one block of 256 threads per row, for
-// rows of up to 32768 elements (the FLUX autoencoder's mid attention: 16384 x 16384 scores
-// at 1024x1024; launched from src/model/softmax.rs).
+// Softmax over the last dimension of contiguous rows, one block of 256 threads per row (the
+// autoencoders' mid attention: 16384 x 16384 scores for FLUX at 1024x1024; launched from
+// src/model/softmax.rs). Rows of up to 32768 elements are held in registers; longer ones are
+// walked twice (softmax_row_long).
 //
 // The row is read once into registers (VPT 8-element vectors per thread), its maximum and
 // the sum of exponentials reduced across the block in f32, and the normalised values written
 // once, rounded once. (candle's softmax gives a row one warp and reads and writes it twice.)
 //
-// Requirements (checked by the caller): ncols % 8 == 0, ncols <= 256 * 8 * VPT.
+// Requirements (checked by the caller): ncols % 8 == 0, and ncols <= 256 * 8 * VPT for the
+// register-held kernels.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -102,6 +104,39 @@ template <typename T, int VPT> __device__ void softmax_row(const T *x, T *y, int
     }
 }
 
+// Rows too long for registers (FLUX's 2048² decode: 65536 scores a row): each thread walks
+// its vectors keeping a running maximum and a sum of exponentials rescaled to it, the block
+// merges them, and a second walk writes exp(x - max) / sum. Reads the row twice.
+template <typename T> __device__ void softmax_row_long(const T *x, T *y, int ncols) {
+    __shared__ float sh[WARPS];
+    const long long row = blockIdx.x;
+    const T *xr = x + row * (long long)ncols;
+    T *yr = y + row * (long long)ncols;
+    float m = -FLT_MAX, s = 0.f;
+    for (int c = threadIdx.x * 8; c < ncols; c += THREADS * 8) {
+        Vec8<T> a;
+        a.raw = *reinterpret_cast<const uint4 *>(xr + c);
+        float lm = m;
+#pragma unroll
+        for (int i = 0; i < 8; i++) lm = fmaxf(lm, tof<T>(a.v[i]));
+        s *= __expf(m - lm);
+#pragma unroll
+        for (int i = 0; i < 8; i++) s += __expf(tof<T>(a.v[i]) - lm);
+        m = lm;
+    }
+    const float mx = block_reduce<0>(m, sh);
+    // A thread that saw nothing holds (-FLT_MAX, 0): its share rescales to 0.
+    s *= __expf(m - mx);
+    const float inv = 1.f / block_reduce<1>(s, sh);
+    for (int c = threadIdx.x * 8; c < ncols; c += THREADS * 8) {
+        Vec8<T> a, o;
+        a.raw = *reinterpret_cast<const uint4 *>(xr + c);
+#pragma unroll
+        for (int i = 0; i < 8; i++) o.v[i] = fromf<T>(__expf(tof<T>(a.v[i]) - mx) * inv);
+        *reinterpret_cast<uint4 *>(yr + c) = o.raw;
+    }
+}
+
 } // namespace mold_sm
 
 #define MOLD_SOFTMAX(SUFFIX, T, VPT)                                                           \
@@ -110,6 +145,10 @@ template <typename T, int VPT> __device__ void softmax_row(const T *x, T *y, int
         mold_sm::softmax_row<T, VPT>(x, y, ncols);                                             \
     }
 #define MOLD_SOFTMAX_ALL(SUFFIX, T)                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        mold_softmax_long_##SUFFIX(const T *x, T *y, int ncols) {                              \
+        mold_sm::softmax_row_long<T>(x, y, ncols);                                             \
+    }                                                                                          \
     MOLD_SOFTMAX(SUFFIX, T, 1)                                                                 \
     MOLD_SOFTMAX(SUFFIX, T, 2)                                                                 \
     MOLD_SOFTMAX(SUFFIX, T, 4)                                                                 \

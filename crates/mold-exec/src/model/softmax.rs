@@ -1,16 +1,14 @@
 //! Softmax over the last dimension of long rows (the FLUX autoencoder's mid attention: one
 //! head of 512 channels over all 16384 pixels of a 1024² image, beyond cuDNN's fused
-//! attention). On CUDA, for contiguous bf16/f16 rows of a multiple of 8 up to 32768
-//! elements, mold's kernel (`kernels/softmax.cu`: a row per block, read and written once);
-//! elsewhere candle's `softmax_last_dim`.
+//! attention). On CUDA, for contiguous bf16/f16 rows of a multiple of 8, mold's kernel
+//! (`kernels/softmax.cu`: a row per block, read and written once up to 32768 elements —
+//! 256 threads × 8 elements × 16 vectors in registers — and read twice beyond); elsewhere
+//! candle's `softmax_last_dim`.
 
 use super::ops::Kernels;
 use candle_core::{DType, Tensor, D};
 
 type CResult<T> = candle_core::Result<T>;
-
-/// The longest row mold's kernel takes (256 threads × 8 elements × 16 vectors).
-const MAX_COLS: usize = 256 * 8 * 16;
 
 /// `softmax(x)` over the last dimension.
 pub fn softmax_last_dim(x: &Tensor, k: Kernels) -> CResult<Tensor> {
@@ -22,7 +20,7 @@ pub fn softmax_last_dim(x: &Tensor, k: Kernels) -> CResult<Tensor> {
         && (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16)
         && n.is_multiple_of(8)
         && n > 0
-        && n <= MAX_COLS;
+        && n <= i32::MAX as usize;
     if k.use_fused(supported, "softmax")? {
         return cuda::softmax(x);
     }
@@ -62,20 +60,16 @@ mod cuda {
             let dev = &x.device;
             let n = xl.shape().dim(D::Minus1)?;
             let rows = xl.shape().elem_count() / n;
-            let vpt = [1, 2, 4, 8, 16]
-                .into_iter()
-                .find(|v| 256 * 8 * v >= n)
-                .unwrap_or(16);
             let suffix = match x.dtype() {
                 DType::BF16 => "bf16",
                 _ => "f16",
             };
+            let name = match [1, 2, 4, 8, 16].into_iter().find(|v| 256 * 8 * v >= n) {
+                Some(vpt) => format!("mold_softmax_v{vpt}_{suffix}"),
+                None => format!("mold_softmax_long_{suffix}"),
+            };
             let f = dev
-                .get_or_load_custom_fatbin(
-                    &format!("mold_softmax_v{vpt}_{suffix}"),
-                    MODULE,
-                    FATBIN,
-                )?
+                .get_or_load_custom_fatbin(&name, MODULE, FATBIN)?
                 .into_cuda_function();
             // SAFETY: every element of every row is written.
             let y = unsafe { dev.alloc::<T>(rows * n)? };
