@@ -217,6 +217,27 @@ fn qwen_tiny_pipeline_writes_a_deterministic_png() {
     assert!(a != c && !se.contains("(negative)"), "{se}");
 }
 
+/// A bf16 VAE planned on emulated devices decodes (in f32 on the host: candle's CPU
+/// products have no bf16) instead of failing after the denoising, and says which decoder
+/// ran and why not the channels-last one.
+#[test]
+fn a_bf16_vae_on_the_host_decodes() {
+    let d = tempdir("qwen-bf16-vae");
+    let w = d.join("w");
+    mold_ok(&["testdata", "qwen-image-tiny-pipeline", w.to_str().unwrap()]);
+    let p = plan(&d, "bf16vae", &["--tp", "off", "--dtype", "vae=bf16"]);
+    let text = std::fs::read_to_string(&p).unwrap();
+    assert!(text.contains("dtype: bf16"), "{text}");
+    let (png, so, se) = generate(&p, &w, &d.join("bf16vae.png"), &["--cfg", "1"]);
+    assert!(so.contains("wrote") && !png.is_empty(), "{so}");
+    assert!(
+        se.contains(
+            "vae: candle's channels-first decoder (channels-last not used: not a CUDA device)"
+        ),
+        "{se}"
+    );
+}
+
 #[test]
 fn qwen_pipeline_refusals_name_the_problem() {
     let d = tempdir("qwen-pipeline-refuse");

@@ -553,15 +553,18 @@ impl QwenVae {
         Self::load_with(files, dtype, dev, NhwcOptions::default())
     }
 
-    /// Loads the decoder in `dtype`: channels-last through cuDNN where `opts.conv.kernels`,
-    /// the device and the dtype allow it ([`crate::nhwc::channels_last`]), else on candle's
-    /// operations.
+    /// Loads the decoder in `dtype` (f32 for bf16 on the host): channels-last through cuDNN
+    /// where `opts.conv.kernels`, the device and the dtype allow it
+    /// ([`crate::nhwc::channels_last`]), else on candle's operations.
     pub fn load_with(
         files: &QwenVaeFiles,
         dtype: DType,
         dev: &Device,
         opts: NhwcOptions,
     ) -> Result<QwenVae> {
+        // Candle's CPU matrix products have no bf16: on the host a bf16 decoder computes in
+        // f32 (else it would fail at decode, after denoising).
+        let dtype = crate::on_device_dtype(dtype, dev);
         let cfg = QwenVaeConfig::read(&files.config)?;
         let weight_bytes = crate::text::weight_bytes(&files.weights, dtype, |n| {
             n.starts_with("decoder.") || n.starts_with("post_quant_conv.")
