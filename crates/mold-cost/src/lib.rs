@@ -716,8 +716,7 @@ impl<'a> Ctx<'a> {
     ///   is priced), the slowest band setting the pace;
     /// - each of the decoder's `band_exchanges` (its group norms) gathers every band's
     ///   statistics on every band's device and copies two edge rows: `k + 1` small copies
-    ///   on the slowest link between the bands, and [`BAND_EXCHANGE_HOST_S`] per band (one
-    ///   thread queues every band's work);
+    ///   on the slowest link between the bands, and [`BAND_EXCHANGE_HOST_S`] per band;
     /// - the mid attention gathers the whole latent's normalised input on every device.
     ///
     /// A decoder without `band_exchanges` decodes on one device: the first of `on`.
@@ -774,12 +773,13 @@ impl<'a> Ctx<'a> {
 }
 
 /// What one band adds to each exchange of a decode in row bands ([`Ctx::decode_bands_s`]):
-/// queueing its statistics' copies, merge and norm from the one thread that drives every
-/// band, and waiting for the other bands there. Fitted on 4 × H100 (NVLink) to the 2-band
-/// decode of a 1024² image (25.32 ms against 11.69 ms for the one-GPU decode of half the
-/// image, 30 exchanges); it predicts the 4-band 1024² decode within 1 % (32.9 against
+/// queueing its statistics' copies, merge and norm, and waiting for the other bands there.
+/// Fitted on 4 × H100 (NVLink) to the 2-band decode of a 1024² image (25.32 ms against
+/// 11.69 ms for the one-GPU decode of half the image, 30 exchanges) when one host thread
+/// queued every band's work; it predicts the 4-band 1024² decode within 1 % (32.9 against
 /// 33.15 ms) and prices 2048² 25 % (2 bands) and 46 % (4 bands) short: BENCHMARKS.md, "FLUX
-/// VAE decode in row bands".
+/// VAE decode in row bands". Each band has had a thread of its own since commit 634dd9d,
+/// not yet measured across GPUs: the price stands until it is.
 pub const BAND_EXCHANGE_HOST_S: f64 = 0.224e-3;
 
 /// A pipeline component's time from measured runs ([`Ctx::component_estimate`]).
