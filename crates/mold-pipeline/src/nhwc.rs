@@ -28,7 +28,10 @@ use mold_exec::model::softmax::softmax_last_dim;
 use mold_exec::Kernels;
 
 /// Whether the channels-last decoder runs for `dtype` on `dev` under `kernels`: cuDNN's
-/// version, else why not (an error where `MOLD_KERNELS=cudnn|fused` requires it).
+/// version, else why not (an error where `MOLD_KERNELS=cudnn|fused` requires it). In f32 it
+/// runs candle's convolutions (cuDNN's NHWC engines take bf16/f16), in row bands where a
+/// large image needs them ([`mold_exec::model::conv::conv2d_nchw`]): candle-transformers'
+/// FLUX decoder would unfold a 2048² image's convolutions past what candle launches right.
 pub(crate) fn channels_last(
     dev: &Device,
     dtype: DType,
@@ -38,8 +41,8 @@ pub(crate) fn channels_last(
         format!("MOLD_KERNELS={}", format!("{kernels:?}").to_lowercase())
     } else if !dev.is_cuda() {
         "not a CUDA device".into()
-    } else if !matches!(dtype, DType::BF16 | DType::F16) {
-        format!("dtype {dtype:?}, not bf16/f16")
+    } else if !matches!(dtype, DType::BF16 | DType::F16 | DType::F32) {
+        format!("dtype {dtype:?}, not bf16/f16/f32")
     } else {
         match cudnn_version() {
             Ok(v) => return Ok(Ok(v)),

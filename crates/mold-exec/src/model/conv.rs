@@ -154,6 +154,81 @@ fn cudnn(
     Ok(Err("a build without CUDA".into()))
 }
 
+/// The most elements candle's CUDA convolution may unfold its input into at once. candle
+/// unfolds the input of a convolution (im2col) into an `(h_out · w_out, c · r · s)` buffer
+/// and sizes the kernel launch from that count cast to `u32`: past 2^32 elements the launch
+/// covers part of the buffer and the output is wrong (Qwen-Image's 2048² decode: the
+/// up-sampler's 192-channel 3×3 convolution at full resolution unfolds into 7.2·10^9).
+pub const UNFOLD_LIMIT: usize = 1 << 31;
+
+/// candle's `conv2d` of `x` `(n, c, h, w)` with `kernel` `(k, c, r, s)`, zero padding `pad`
+/// on every side, stride 1; on CUDA, where the unfolded input would pass [`UNFOLD_LIMIT`]
+/// elements, in bands of output rows, each band reading its rows and the filter's reach
+/// beyond them (zeros past the image's edges), the bands joined.
+pub fn conv2d_nchw(x: &Tensor, kernel: &Tensor, pad: usize) -> CResult<Tensor> {
+    let (n, c, h, wd) = x.dims4()?;
+    let (_, _, r, s) = kernel.dims4()?;
+    let (h_out, w_out) = match (
+        (h + 2 * pad).checked_sub(r - 1),
+        (wd + 2 * pad).checked_sub(s - 1),
+    ) {
+        (Some(a), Some(b)) if r > 0 && s > 0 && a > 0 && b > 0 => (a, b),
+        _ => candle_core::bail!("conv2d: a {r}x{s} filter does not fit a {h}x{wd} input"),
+    };
+    let per_row = n * w_out * c * r * s;
+    if !x.device().is_cuda() || h_out * per_row <= UNFOLD_LIMIT {
+        return x.conv2d(kernel, pad, 1, 1, 1);
+    }
+    conv2d_nchw_bands(
+        x,
+        kernel,
+        pad,
+        (UNFOLD_LIMIT / per_row.max(1)).max(1),
+        h_out,
+    )
+}
+
+/// [`conv2d_nchw`] in bands of `rows` output rows.
+fn conv2d_nchw_bands(
+    x: &Tensor,
+    kernel: &Tensor,
+    pad: usize,
+    rows: usize,
+    h_out: usize,
+) -> CResult<Tensor> {
+    let (n, c, h, wd) = x.dims4()?;
+    let r = kernel.dim(2)?;
+    let mut out = Vec::with_capacity(h_out.div_ceil(rows));
+    let mut a = 0;
+    while a < h_out {
+        let b = (a + rows).min(h_out);
+        // Output rows a..b read padded input rows a..b + r - 1, input rows a - pad ..
+        let (lo, hi) = (
+            a as isize - pad as isize,
+            (b + r - 1) as isize - pad as isize,
+        );
+        let (from, to) = (lo.max(0) as usize, (hi.min(h as isize)).max(0) as usize);
+        let (above, below) = ((-lo).max(0) as usize, (hi - h as isize).max(0) as usize);
+        let mut band = x.narrow(2, from, to - from)?;
+        if above + below > 0 {
+            let zeros = |k: usize| Tensor::zeros((n, c, k, wd), x.dtype(), x.device());
+            let mut parts = Vec::with_capacity(3);
+            if above > 0 {
+                parts.push(zeros(above)?);
+            }
+            parts.push(band);
+            if below > 0 {
+                parts.push(zeros(below)?);
+            }
+            band = Tensor::cat(&parts, 2)?;
+        }
+        let band = band.pad_with_zeros(3, pad, pad)?.contiguous()?;
+        out.push(band.conv2d(kernel, 0, 1, 1, 1)?);
+        a = b;
+    }
+    Tensor::cat(&out, 2)
+}
+
 /// [`conv2d_nhwc`] through candle's `conv2d` on the NCHW views (the reference).
 pub fn conv2d_nhwc_candle(
     x: &Tensor,
@@ -186,11 +261,13 @@ pub fn conv2d_nhwc_candle(
         0
     };
     let kernel = w.permute((0, 3, 1, 2))?.contiguous()?;
-    let y = xc
-        .contiguous()?
-        .conv2d(&kernel, pad, geom.stride[0], 1, 1)?
-        .permute((0, 2, 3, 1))?
-        .contiguous()?;
+    let xc = xc.contiguous()?;
+    let y = if geom.stride[0] == 1 {
+        conv2d_nchw(&xc, &kernel, pad)?
+    } else {
+        xc.conv2d(&kernel, pad, geom.stride[0], 1, 1)?
+    };
+    let y = y.permute((0, 2, 3, 1))?.contiguous()?;
     let y = match bias {
         Some(b) => y.broadcast_add(b)?,
         None => y,
@@ -205,6 +282,34 @@ pub fn conv2d_nhwc_candle(
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// A convolution in bands of output rows (with the filter's reach read from the
+    /// neighbouring rows, zeros past the edges) equals it whole, for 1×1 and 3×3 filters,
+    /// with and without padding, bands of one row to more than the image.
+    #[test]
+    fn a_convolution_in_row_bands_equals_it_whole() {
+        let x = rand(&[2, 3, 7, 5], 1);
+        for (r, pad) in [(3, 1), (3, 0), (1, 0), (5, 2)] {
+            let k = rand(&[4, 3, r, r], 2);
+            let whole = x.conv2d(&k, pad, 1, 1, 1).unwrap();
+            let h_out = whole.dim(2).unwrap();
+            for rows in [1, 2, 3, h_out, h_out + 4] {
+                let got = conv2d_nchw_bands(&x, &k, pad, rows, h_out).unwrap();
+                assert_eq!(got.dims(), whole.dims());
+                let d = (got - &whole)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(d <= 1e-5, "{r}x{r} pad {pad}, {rows} rows a band: {d}");
+            }
+        }
+        // On the host the whole convolution runs, and a filter that does not fit is refused.
+        assert!(conv2d_nchw(&x, &rand(&[4, 3, 9, 9], 3), 0).is_err());
+    }
 
     fn rand(shape: &[usize], seed: u64) -> Tensor {
         let n: usize = shape.iter().product();

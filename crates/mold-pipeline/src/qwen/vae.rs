@@ -12,8 +12,9 @@
 use crate::error::{PipelineError, Result};
 use crate::nhwc::{channels_last, DecodeStats, Marks, NhwcOptions};
 use crate::qwen::vae_nhwc::QwenNhwcDecoder;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Conv2d, Conv2dConfig, VarBuilder};
+use mold_exec::model::conv::conv2d_nchw;
 use mold_exec::TensorSpec;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -330,6 +331,19 @@ pub(crate) fn conv(
     ))
 }
 
+/// `c`'s convolution through [`conv2d_nchw`]: on CUDA a large image's in bands of rows, where
+/// candle's whole convolution would unfold its input past [`UNFOLD_LIMIT`] elements and come
+/// out wrong (seen at 2048²).
+///
+/// [`UNFOLD_LIMIT`]: mold_exec::model::conv::UNFOLD_LIMIT
+fn fwd(c: &Conv2d, x: &Tensor) -> candle_core::Result<Tensor> {
+    let y = conv2d_nchw(x, c.weight(), c.config().padding)?;
+    match c.bias() {
+        Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?),
+        None => Ok(y),
+    }
+}
+
 /// diffusers' `QwenImageRMS_norm`: `x / ‖x‖₂ · √c · γ` over the channels (dim 1),
 /// normalized in f32.
 struct ChannelRms {
@@ -384,13 +398,13 @@ impl ResBlock {
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let h = match &self.shortcut {
-            Some(s) => s.forward(x)?,
+            Some(s) => fwd(s, x)?,
             None => x.clone(),
         };
         let y = candle_nn::ops::silu(&self.norm1.forward(x)?)?;
-        let y = self.conv1.forward(&y)?;
+        let y = fwd(&self.conv1, &y)?;
         let y = candle_nn::ops::silu(&self.norm2.forward(&y)?)?;
-        self.conv2.forward(&y)? + h
+        fwd(&self.conv2, &y)? + h
     }
 }
 
@@ -417,9 +431,7 @@ impl Attention {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, c, h, w) = x.dims4()?;
         let n = h * w;
-        let qkv = self
-            .qkv
-            .forward(&self.norm.forward(x)?)?
+        let qkv = fwd(&self.qkv, &self.norm.forward(x)?)?
             .reshape((b, 3 * c, n))?
             .transpose(1, 2)?
             .to_dtype(DType::F32)?;
@@ -442,7 +454,7 @@ impl Attention {
             .transpose(1, 2)?
             .reshape((b, c, h, w))?
             .to_dtype(x.dtype())?;
-        self.proj.forward(&o)? + x
+        fwd(&self.proj, &o)? + x
     }
 }
 
@@ -508,8 +520,8 @@ impl NchwDecoder {
 
     /// Un-normalized latents `(b, z, h, w)` → images `(b, 3, 8h, 8w)`, not clamped.
     pub(crate) fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
-        let x = self.post_quant.forward(z)?;
-        let mut x = self.conv_in.forward(&x)?;
+        let x = fwd(&self.post_quant, z)?;
+        let mut x = fwd(&self.conv_in, &x)?;
         x = self.mid.0.forward(&x)?;
         x = self.mid.1.forward(&x)?;
         x = self.mid.2.forward(&x)?;
@@ -519,11 +531,11 @@ impl NchwDecoder {
             }
             if let Some(c) = &u.up {
                 let (_, _, h, w) = x.dims4()?;
-                x = c.forward(&x.upsample_nearest2d(2 * h, 2 * w)?)?;
+                x = fwd(c, &x.upsample_nearest2d(2 * h, 2 * w)?)?;
             }
         }
         let x = candle_nn::ops::silu(&self.norm_out.forward(&x)?)?;
-        self.conv_out.forward(&x)
+        fwd(&self.conv_out, &x)
     }
 }
 
