@@ -15,10 +15,12 @@ Needs diffusers (the wheels in .whl: benches/parity/README.md).
   Images are `image` (1, 3, 8S, 8S), clamped to [-1, 1] as diffusers' decode clamps them;
   benches/vae/vae_torch.py compare compares them.
 """
-import argparse, json, os, statistics, time
+import argparse, json, os, time
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from vae_torch import timed  # this folder's: median of CUDA-event timings after warm-up
 
 
 def make(a):
@@ -42,22 +44,6 @@ def latents(vae, z, dtype):
     mean = torch.tensor(c.latents_mean).view(1, -1, 1, 1).to(z)
     std = torch.tensor(c.latents_std).view(1, -1, 1, 1).to(z)
     return (z * std + mean).to(dtype)[:, :, None]
-
-
-def timed(fn, x, iters):
-    with torch.inference_mode():
-        for _ in range(3):
-            y = fn(x)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn(x)
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-    return y, statistics.median(ts), min(ts)
 
 
 def run(a):

@@ -14,12 +14,14 @@
 //! before the channels-last one). Freed device memory stays in CUDA's pool (its release
 //! threshold unlimited, as `mold` sets it on the GPUs it opens).
 
+#[path = "common/mod.rs"]
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use mold_exec::model::conv::ConvOptions;
 use mold_exec::Kernels;
 use mold_pipeline::nhwc::NhwcOptions;
 use mold_pipeline::qwen::vae::{QwenVae, QwenVaeFiles};
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -144,23 +146,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "profile (synchronised after each operation): {:.2} ms",
             t.elapsed().as_secs_f64() * 1e3
         );
-        let mut by_kind: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-        for (label, s) in &rows {
-            let kind: String = label.split(' ').next().unwrap_or("").to_string();
-            let e = by_kind.entry(kind).or_default();
-            e.0 += s;
-            e.1 += 1;
-        }
-        let mut kinds: Vec<_> = by_kind.into_iter().collect();
-        kinds.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
-        for (kind, (s, n)) in kinds {
-            println!("  total {:>8.3} ms  {kind} ({n})", s * 1e3);
-        }
+        common::print_by_kind(&rows, "total");
     }
     if let Some(out) = &a.out {
-        let img = img.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-        candle_core::safetensors::save(&[("image".to_string(), img)].into_iter().collect(), out)?;
-        println!("wrote {}", out.display());
+        common::save_image(&img, out)?;
     }
     Ok(())
 }

@@ -20,10 +20,12 @@
 //! the CUDA pool candle allocates from (release threshold: unlimited) instead of returning
 //! it to the driver at every synchronisation, as PyTorch's caching allocator does.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use mold_exec::Kernels;
 use mold_pipeline::flux::vae::{AeConfig, Vae, VaeOptions};
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -190,18 +192,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 st.queued_us as f64 / 1e3
             );
         }
-        let mut by_kind: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-        for (label, s) in &rows {
-            let kind: String = label.split(' ').next().unwrap_or("").to_string();
-            let e = by_kind.entry(kind).or_default();
-            e.0 += s;
-            e.1 += 1;
-        }
-        let mut kinds: Vec<_> = by_kind.into_iter().collect();
-        kinds.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
-        for (kind, (s, n)) in kinds {
-            println!("  host {:>8.3} ms  {kind} ({n})", s * 1e3);
-        }
+        common::print_by_kind(&rows, "host");
     }
     if a.profile {
         let mut rows: Vec<(String, f64)> = Vec::new();
@@ -217,28 +208,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         vae.decode_marked(&z, Some(&mut mark))?;
         dev.synchronize()?;
         let total = t.elapsed().as_secs_f64();
-        let mut by_kind: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         println!(
             "profile (synchronised after each operation): {:.2} ms",
             total * 1e3
         );
         for (label, s) in &rows {
             println!("  {:>8.3} ms  {label}", s * 1e3);
-            let kind: String = label.split(' ').next().unwrap_or("").to_string();
-            let e = by_kind.entry(kind).or_default();
-            e.0 += s;
-            e.1 += 1;
         }
-        let mut kinds: Vec<_> = by_kind.into_iter().collect();
-        kinds.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
-        for (kind, (s, n)) in kinds {
-            println!("  total {:>8.3} ms  {kind} ({n})", s * 1e3);
-        }
+        common::print_by_kind(&rows, "total");
     }
     if let Some(out) = &a.out {
-        let img = img.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-        candle_core::safetensors::save(&[("image".to_string(), img)].into_iter().collect(), out)?;
-        println!("wrote {}", out.display());
+        common::save_image(&img, out)?;
     }
     Ok(())
 }

@@ -109,6 +109,23 @@ impl DecodeStats {
         }
     }
 
+    /// One line for a run's report of a channels-last decode through cuDNN `version`: its
+    /// convolutions per implementation, `extra` after cuDNN's (e.g. the norm's kernel).
+    pub fn describe(&self, version: &str, extra: &str) -> String {
+        let mut line = format!(
+            "vae: cudnn {version} conv ({} calls, {} with the bias/residual fused){extra}",
+            self.cudnn, self.fully_fused
+        );
+        if self.candle > 0 {
+            line += &format!(
+                "; candle conv ({} calls: {})",
+                self.candle,
+                self.refusals.join("; ")
+            );
+        }
+        line
+    }
+
     pub(crate) fn see(&mut self, ran: Ran, wanted: Fusion) {
         match ran {
             Ran::Cudnn(f) => {
@@ -198,7 +215,19 @@ impl Conv {
         opts: ConvOptions,
         stats: &mut DecodeStats,
     ) -> Result<Tensor> {
-        let (y, ran) = conv2d_nhwc(x, &self.w, Some(&self.b), residual, self.geom, opts)?;
+        self.run(x, residual, self.geom, opts, stats)
+    }
+
+    /// The convolution with geometry `geom`, counted in `stats`.
+    fn run(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        geom: ConvGeom,
+        opts: ConvOptions,
+        stats: &mut DecodeStats,
+    ) -> Result<Tensor> {
+        let (y, ran) = conv2d_nhwc(x, &self.w, Some(&self.b), residual, geom, opts)?;
         let wanted = if residual.is_some() {
             Fusion::BiasResidual
         } else {
@@ -235,14 +264,7 @@ impl Conv {
             pad_post: [need_below - below, self.geom.pad_post[1]],
             stride: self.geom.stride,
         };
-        let (y, ran) = conv2d_nhwc(&x, &self.w, Some(&self.b), residual, geom, opts)?;
-        let wanted = if residual.is_some() {
-            Fusion::BiasResidual
-        } else {
-            Fusion::Bias
-        };
-        stats.see(ran, wanted);
-        Ok(y)
+        self.run(&x, residual, geom, opts, stats)
     }
 
     pub(crate) fn label(&self, x: &Tensor) -> String {

@@ -409,21 +409,11 @@ impl Vae {
                 let Some(s) = last.as_ref() else {
                     return format!("vae: channels-last decoder, cuDNN {version} (not run yet)");
                 };
-                let mut line = format!(
-                    "vae: cudnn {version} conv ({} calls, {} with the bias/residual fused), mold group norm",
-                    s.cudnn, s.fully_fused
-                );
-                if self.devices.len() > 1 {
-                    line += &format!(", in {} row bands (one a device)", self.devices.len());
-                }
-                if s.candle > 0 {
-                    line += &format!(
-                        "; candle conv ({} calls: {})",
-                        s.candle,
-                        s.refusals.join("; ")
-                    );
-                }
-                line
+                let bands = match self.devices.len() {
+                    1 => String::new(),
+                    k => format!(", in {k} row bands (one a device)"),
+                };
+                s.describe(version, &format!(", mold group norm{bands}"))
             }
         }
     }

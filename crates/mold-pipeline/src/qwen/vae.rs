@@ -668,18 +668,7 @@ impl QwenVae {
                 let Some(s) = last.as_ref() else {
                     return format!("vae: channels-last decoder, cuDNN {version} (not run yet)");
                 };
-                let mut line = format!(
-                    "vae: cudnn {version} conv ({} calls, {} with the bias/residual fused)",
-                    s.cudnn, s.fully_fused
-                );
-                if s.candle > 0 {
-                    line += &format!(
-                        "; candle conv ({} calls: {})",
-                        s.candle,
-                        s.refusals.join("; ")
-                    );
-                }
-                line
+                s.describe(version, ", mold RMS norm")
             }
         }
     }
