@@ -18,8 +18,7 @@
 //! On the CPU (tests) the same code runs candle's convolutions on NCHW views.
 
 use crate::error::{PipelineError, Result};
-use candle_core::Device;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use mold_exec::model::conv::{conv2d_nhwc, cudnn_version, ConvGeom, ConvOptions, Fusion, Ran};
 use mold_exec::model::gemm;

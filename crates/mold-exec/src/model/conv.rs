@@ -168,12 +168,13 @@ pub const UNFOLD_LIMIT: usize = 1 << 31;
 pub fn conv2d_nchw(x: &Tensor, kernel: &Tensor, pad: usize) -> CResult<Tensor> {
     let (n, c, h, wd) = x.dims4()?;
     let (_, _, r, s) = kernel.dims4()?;
-    let (h_out, w_out) = match (
-        (h + 2 * pad).checked_sub(r - 1),
-        (wd + 2 * pad).checked_sub(s - 1),
-    ) {
-        (Some(a), Some(b)) if r > 0 && s > 0 && a > 0 && b > 0 => (a, b),
-        _ => candle_core::bail!("conv2d: a {r}x{s} filter does not fit a {h}x{wd} input"),
+    let out = |len: usize, k: usize| {
+        (len + 2 * pad + 1)
+            .checked_sub(k)
+            .filter(|&o| k > 0 && o > 0)
+    };
+    let (Some(h_out), Some(w_out)) = (out(h, r), out(wd, s)) else {
+        candle_core::bail!("conv2d: a {r}x{s} filter does not fit a {h}x{wd} input");
     };
     let per_row = n * w_out * c * r * s;
     if !x.device().is_cuda() || h_out * per_row <= UNFOLD_LIMIT {
@@ -307,8 +308,13 @@ mod tests {
                 assert!(d <= 1e-5, "{r}x{r} pad {pad}, {rows} rows a band: {d}");
             }
         }
-        // On the host the whole convolution runs, and a filter that does not fit is refused.
+        // On the host the whole convolution runs, and a filter that does not fit, or an
+        // empty one, is refused.
         assert!(conv2d_nchw(&x, &rand(&[4, 3, 9, 9], 3), 0).is_err());
+        let empty = Tensor::zeros((4, 3, 0, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(conv2d_nchw(&x, &empty, 1).is_err());
+        let y = conv2d_nchw(&x, &rand(&[4, 3, 3, 3], 4), 1).unwrap();
+        assert_eq!(y.dims(), [2, 4, 7, 5]);
     }
 
     fn rand(shape: &[usize], seed: u64) -> Tensor {

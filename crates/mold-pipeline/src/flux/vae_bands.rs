@@ -13,14 +13,17 @@
 //!   bands ([`Band::gather`]) for its keys and values and keeps its own rows' queries.
 //!
 //! **Threads.** Band 0 runs on the calling thread, every other band on a thread of its
-//! own, each queuing only its own device's work: one thread queuing every band's ~180
-//! operations in turn kept each GPU waiting for the host (four bands of a 1024² image took
-//! longer than one GPU's whole decode). The bands meet at each exchange on a [`Board`]:
+//! own, each queuing only its own device's work. (Before, one thread queued every band's
+//! ~180 operations in turn, each exchange joining both devices' streams, and four bands of a
+//! 1024² image took longer than one GPU's whole decode; the threaded decode is not yet
+//! measured across GPUs: BENCHMARKS.md.) The bands meet at each exchange on a [`Board`]:
 //! each posts what the others need (contiguous, with a [`Ready`] point recorded on its own
 //! stream) and each copies what it needs onto its own device itself, after the sender's
 //! point on the GPU ([`mold_exec::runtime::pull`]) — the hosts wait only for each other's
 //! posts, never for a GPU. What a band posted stays on the board until the decode ends and
-//! every band's stream is done, so no copy reads memory its sender has freed.
+//! every band's stream is done, so no copy reads memory its sender has freed; a post owns
+//! its memory (an edge row is copied out of its activation, which would otherwise be kept
+//! whole to the end).
 
 use crate::error::{PipelineError, Result};
 pub use crate::nhwc::Halo;
@@ -72,8 +75,8 @@ struct Board {
 struct BoardState {
     /// `rounds[i][b]`: band `b`'s post at exchange `i`.
     rounds: Vec<Vec<Option<Post>>>,
-    /// Why the decode stopped: a band failed, and the others leave at their next exchange.
-    failed: Option<String>,
+    /// The band that failed first, and why: the others leave at their next exchange.
+    failed: Option<(usize, String)>,
 }
 
 impl Board {
@@ -98,8 +101,10 @@ impl Board {
         g.rounds[round][b] = Some(post);
         self.posted.notify_all();
         loop {
-            if let Some(why) = &g.failed {
-                return Err(component(format!("band {b} stopped: {why}")));
+            if let Some((f, why)) = &g.failed {
+                return Err(component(format!(
+                    "band {b} stopped: band {f} failed: {why}"
+                )));
             }
             if g.rounds[round].iter().all(Option::is_some) {
                 return Ok(g.rounds[round].iter().flatten().cloned().collect());
@@ -108,11 +113,16 @@ impl Board {
         }
     }
 
-    /// Stops every band at its next exchange (the first reason is kept).
-    fn fail(&self, why: String) {
+    /// Band `b` failed: every band stops at its next exchange (the first failure is kept).
+    fn fail(&self, b: usize, why: String) {
         let mut g = self.lock();
-        g.failed.get_or_insert(why);
+        g.failed.get_or_insert((b, why));
         self.posted.notify_all();
+    }
+
+    /// The band that failed first.
+    fn first_failed(&self) -> Option<usize> {
+        self.lock().failed.as_ref().map(|f| f.0)
     }
 }
 
@@ -122,7 +132,7 @@ struct FailOnUnwind<'a>(&'a Board, usize);
 impl Drop for FailOnUnwind<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.0.fail(format!("band {} panicked", self.1));
+            self.0.fail(self.1, "panicked".into());
         }
     }
 }
@@ -197,8 +207,9 @@ impl Band<'_> {
         let at = extra.len();
         let rows = x.dim(1)?;
         let mut post = extra;
-        post.push(x.narrow(1, 0, 1)?);
-        post.push(x.narrow(1, rows - 1, 1)?);
+        // Copies: a view would keep the whole activation on the board to the end.
+        post.push(x.narrow(1, 0, 1)?.force_contiguous()?);
+        post.push(x.narrow(1, rows - 1, 1)?.force_contiguous()?);
         let posts = self.exchange(post)?;
         let above = match self.b {
             0 => None,
@@ -396,7 +407,7 @@ impl<'a> Bands<'a> {
                 .map_err(PipelineError::from)
                 .and_then(|xb| f(&me, xb, a));
             if let Err(e) = &out {
-                board.fail(e.to_string());
+                board.fail(b, e.to_string());
             }
             let drained = me.device().synchronize();
             let out = out?;
@@ -407,9 +418,14 @@ impl<'a> Bands<'a> {
             let handles: Vec<_> = (1..k)
                 .map(|b| {
                     let one = &one;
-                    std::thread::Builder::new()
+                    let h = std::thread::Builder::new()
                         .name(format!("vae-band-{b}"))
-                        .spawn_scoped(scope, move || one(b, None))
+                        .spawn_scoped(scope, move || one(b, None));
+                    if let Err(e) = &h {
+                        // No thread will post for this band: the others must not wait.
+                        board.fail(b, format!("no thread: {e}"));
+                    }
+                    h
                 })
                 .collect();
             let first_out = one(0, Some(first));
@@ -425,25 +441,24 @@ impl<'a> Bands<'a> {
                 .collect();
             (first_out, rest)
         });
-        // The first failure in band order, a band's own reason before the others' "stopped".
+        // The error of the band that failed first (the others only stopped for it).
+        let mut outs: Vec<Result<BandOut<S>>> = std::iter::once(first_out).chain(rest).collect();
+        if outs.iter().any(|o| o.is_err()) {
+            let first = board
+                .first_failed()
+                .filter(|&b| outs[b].is_err())
+                .or_else(|| outs.iter().position(|o| o.is_err()))
+                .unwrap_or(0);
+            return match outs.swap_remove(first) {
+                Err(e) => Err(e),
+                Ok(_) => Err(component("a band failed".into())),
+            };
+        }
         let mut accounts = Vec::with_capacity(k);
         let mut image = None;
-        let mut errors = Vec::new();
-        for out in std::iter::once(first_out).chain(rest) {
-            match out {
-                Ok((y, s)) => {
-                    image = image.or(y);
-                    accounts.push(s);
-                }
-                Err(e) => errors.push(e),
-            }
-        }
-        if !errors.is_empty() {
-            let own = errors
-                .iter()
-                .position(|e| !e.to_string().contains(" stopped: "))
-                .unwrap_or(0);
-            return Err(errors.swap_remove(own));
+        for (y, s) in outs.into_iter().flatten() {
+            image = image.or(y);
+            accounts.push(s);
         }
         let image = image.ok_or_else(|| component("band 0 joined no image".into()))?;
         Ok((image, accounts))

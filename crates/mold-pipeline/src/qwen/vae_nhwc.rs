@@ -59,12 +59,24 @@ fn norm_label(x: &Tensor) -> String {
 /// A convolution of the checkpoint (a causal 3-D one as the frame sees it, else 2-D) as a
 /// channels-last [`Conv`].
 fn conv(vb: &VarBuilder, o: usize, i: usize, k: usize, causal3d: bool) -> Result<Conv> {
+    conv_padded(vb, o, i, k, causal3d, o)
+}
+
+/// [`conv`] with its output channels padded with zero filters to `o_padded`.
+fn conv_padded(
+    vb: &VarBuilder,
+    o: usize,
+    i: usize,
+    k: usize,
+    causal3d: bool,
+    o_padded: usize,
+) -> Result<Conv> {
     let c = causal_conv(vb, o, i, k, causal3d).map_err(|e| load_err(&vb.prefix(), e))?;
     let b = c
         .bias()
         .cloned()
         .ok_or_else(|| load_err(&vb.prefix(), candle_core::Error::Msg("no bias".into())))?;
-    Conv::from_oihw(c.weight(), b, o)
+    Conv::from_oihw(c.weight(), b, o_padded)
 }
 
 struct ResBlock {
@@ -203,15 +215,6 @@ impl QwenNhwcDecoder {
             levels.push(Level { resnets, up });
         }
         let last = d[n_levels];
-        // Output channels padded to 8 (16 bytes of bf16): cuDNN's engines want aligned rows.
-        let out = causal_conv(&vd.pp("conv_out"), 3, last, 3, true)
-            .map_err(|e| load_err(&vd.pp("conv_out").prefix(), e))?;
-        let out_b = out.bias().cloned().ok_or_else(|| {
-            load_err(
-                &vd.pp("conv_out").prefix(),
-                candle_core::Error::Msg("no bias".into()),
-            )
-        })?;
         Ok(QwenNhwcDecoder {
             post_quant: conv(&vb.pp("post_quant_conv"), z, z, 1, true)?,
             conv_in: conv(&vd.pp("conv_in"), d[0], z, 3, true)?,
@@ -222,7 +225,8 @@ impl QwenNhwcDecoder {
             ),
             levels,
             norm_out: Rms::load(&vd.pp("norm_out"), last, false)?,
-            conv_out: Conv::from_oihw(out.weight(), out_b, 8)?,
+            // Output channels padded to 8 (16 bytes of bf16): cuDNN's engines want aligned rows.
+            conv_out: conv_padded(&vd.pp("conv_out"), 3, last, 3, true, 8)?,
             opts: opts.conv,
         })
     }
