@@ -150,12 +150,35 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
         }                                                                                      \
     }
 
+// y[r, c] = act(x[r, c]) * x[r, n + c]: a gated feed-forward's two halves (one product's
+// output, row stride ldx ≥ 2n) in one pass (act 0: SiLU, 1: tanh-GELU), y (rows, n)
+#define MOLD_EW_GATED(NAME, T, ACT)                                                            \
+    extern "C" __global__ void NAME(const T *x, T *y, int n, long long ldx) {                  \
+        const int c = 2 * (blockIdx.y * blockDim.x + threadIdx.x);                             \
+        if (c >= n) return;                                                                    \
+        const long long r = blockIdx.x;                                                        \
+        float2 a = mold_ew::load2<T>(x + r * ldx + c);                                         \
+        const float2 g = mold_ew::load2<T>(x + r * ldx + n + c);                               \
+        if (ACT) {                                                                             \
+            a.x = mold_ew::gelu_tanh(a.x);                                                     \
+            a.y = mold_ew::gelu_tanh(a.y);                                                     \
+        } else {                                                                               \
+            a.x = a.x / (1.f + __expf(-a.x));                                                  \
+            a.y = a.y / (1.f + __expf(-a.y));                                                  \
+        }                                                                                      \
+        a.x *= g.x;                                                                            \
+        a.y *= g.y;                                                                            \
+        mold_ew::store2<T>(y + r * n + c, a);                                                  \
+    }
+
 #define MOLD_EW_ALL(SUFFIX, T)                                                                 \
     MOLD_EW_BIAS(mold_bias_add_##SUFFIX, T, 0)                                                 \
     MOLD_EW_BIAS(mold_bias_gelu_##SUFFIX, T, 1)                                                \
     MOLD_EW_MODULATE(mold_modulate_##SUFFIX, T)                                                \
     MOLD_EW_GATE(mold_gate_residual_##SUFFIX, T)                                              \
-    MOLD_EW_LN_MODULATE(mold_ln_modulate_##SUFFIX, T)
+    MOLD_EW_LN_MODULATE(mold_ln_modulate_##SUFFIX, T)                                          \
+    MOLD_EW_GATED(mold_gated_silu_##SUFFIX, T, 0)                                              \
+    MOLD_EW_GATED(mold_gated_gelu_##SUFFIX, T, 1)
 
 MOLD_EW_ALL(bf16, __nv_bfloat16)
 MOLD_EW_ALL(f16, __half)

@@ -89,7 +89,13 @@ fn text_encoder_matches_transformers() {
     let dir = tmpdir("qwen-ref-text");
     write_tiny_pipeline(&dir, 0).unwrap();
     let layout = QwenLayout::locate(&dir).unwrap();
-    let enc = QwenText::load(&layout.text, DType::F32, &Device::Cpu).unwrap();
+    let enc = QwenText::load(
+        &layout.text,
+        DType::F32,
+        &Device::Cpu,
+        mold_exec::Kernels::Auto,
+    )
+    .unwrap();
     let c = enc
         .encode("a red fox in the snow")
         .unwrap()

@@ -109,7 +109,9 @@ pub fn attention_with(
 
 /// `softmax(q kᵀ · scale + bias) v` in cuDNN's fused attention where `kernels` allow
 /// libraries and cuDNN takes it: `q`, `k`, `v` `(b, h, L, d)` bf16/f16 on a GPU, `bias`
-/// `(h, Lq, Lk)` of q's dtype (T5's relative-position bias); the output `(b, Lq, h·d)`.
+/// `(h, Lq, row)` of q's dtype (T5's relative-position bias) or `(1, Lq, row)` shared by
+/// the heads (a causal mask), of which each row's first `Lk` are read (`row` ≥ `Lk`: rows
+/// padded to 16 bytes); the output `(b, Lq, h·d)`.
 /// `None` where it does not run here (a CPU build or tensor, another dtype, cuDNN absent or
 /// refusing the shape: the reason is kept for the run's report): the caller computes it.
 pub fn biased_attention(

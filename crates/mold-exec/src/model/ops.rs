@@ -50,7 +50,7 @@ impl Kernels {
     /// Whether NVIDIA's libraries may run fused work: attention through cuDNN, bias and
     /// GELU in cuBLASLt's matmul epilogue. `mold` and `candle` keep to mold's own kernels
     /// (the state before them, for comparisons in one run).
-    pub(crate) fn uses_libraries(self) -> bool {
+    pub fn uses_libraries(self) -> bool {
         matches!(self, Kernels::Auto | Kernels::Fused | Kernels::Cudnn)
     }
 
@@ -113,6 +113,41 @@ pub fn bias_act(x: &Tensor, bias: Option<&Tensor>, gelu: bool, k: Kernels) -> CR
     } else {
         Ok(y)
     }
+}
+
+/// The activation of a gated feed-forward's first half.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// SiLU (Qwen2's and LLaMA's SwiGLU).
+    Silu,
+    /// tanh-GELU (T5 v1.1's gated-gelu).
+    GeluTanh,
+}
+
+/// `act(x[…, :n]) · x[…, n:]` for `x` `(…, 2n)`: a gated feed-forward's two halves, as one
+/// product computes them side by side, in one pass where mold's kernel runs (CUDA, rows
+/// with unit column stride, `n` even), else candle's ops on the two halves.
+pub fn gated(x: &Tensor, act: Gate, k: Kernels) -> CResult<Tensor> {
+    let two = x.dim(D::Minus1)?;
+    if two % 2 != 0 {
+        candle_core::bail!("gated: the last dimension {two} is not two halves");
+    }
+    let n = two / 2;
+    let lead = &x.dims()[..x.rank() - 1];
+    let rows: usize = lead.iter().product();
+    let x3 = x.reshape((1, rows, two))?;
+    let supported = rows_ok(&x3) && n.is_multiple_of(2) && x.layout().start_offset().is_multiple_of(2);
+    if k.use_fused(supported, "gated activation")? {
+        let mut shape = lead.to_vec();
+        shape.push(n);
+        return fused::gated(&x3, act)?.reshape(shape);
+    }
+    let a = x.narrow(D::Minus1, 0, n)?;
+    let a = match act {
+        Gate::Silu => candle_nn::ops::silu(&a)?,
+        Gate::GeluTanh => a.gelu()?,
+    };
+    a.mul(&x.narrow(D::Minus1, n, n)?)
 }
 
 /// `x * (1 + scale) + shift`, `scale` and `shift` `(b, 1, n)`.
@@ -366,6 +401,9 @@ mod fused {
     pub fn ln_modulate(_: &Tensor, _: &Tensor, _: &Tensor, _: f32) -> CResult<Tensor> {
         candle_core::bail!("fused kernels need a CUDA build")
     }
+    pub fn gated(_: &Tensor, _: super::Gate) -> CResult<Tensor> {
+        candle_core::bail!("fused kernels need a CUDA build")
+    }
 }
 
 /// mold's element-wise kernels as a fat binary (its architectures are every kernel's).
@@ -554,6 +592,66 @@ mod fused {
             Some(b) => x.apply_op2_no_bwd(b, &op),
             None => x.apply_op1_no_bwd(&op),
         }
+    }
+
+    // ---- gated activation -----------------------------------------------------------
+
+    struct Gated {
+        act: super::Gate,
+    }
+
+    impl Gated {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            let dev = &x.device;
+            let (r, two, ld) = rows(xl)?;
+            let n = two / 2;
+            let name = match self.act {
+                super::Gate::Silu => "mold_gated_silu",
+                super::Gate::GeluTanh => "mold_gated_gelu",
+            };
+            let f = func(dev, name, x.dtype())?;
+            let y = out::<T>(dev, r * n)?;
+            let xv = view::<T>(x, xl)?;
+            let n32 = n as i32;
+            let stream = dev.cuda_stream();
+            let mut a = stream.launch_builder(&f);
+            a.arg(&xv).arg(&y).arg(&n32).arg(&ld);
+            // SAFETY: argument order and types match the kernel.
+            unsafe { a.launch(config(r, n)) }.w()?;
+            let (b, len, _) = xl.shape().dims3()?;
+            Ok((
+                CudaStorage::wrap_cuda_slice(y, dev.clone()),
+                Shape::from((b, len, n)),
+            ))
+        }
+    }
+
+    impl CustomOp1 for Gated {
+        fn name(&self) -> &'static str {
+            "mold-gated"
+        }
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
+            cpu_refused()
+        }
+        fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> CResult<(CudaStorage, Shape)> {
+            by_dtype!(x.dtype(), run_gated, self, x, xl)
+        }
+    }
+
+    fn run_gated<T: CudaDType + DeviceRepr>(
+        g: &Gated,
+        x: &CudaStorage,
+        xl: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        g.run::<T>(x, xl)
+    }
+
+    pub fn gated(x: &Tensor, act: super::Gate) -> CResult<Tensor> {
+        x.apply_op1_no_bwd(&Gated { act })
     }
 
     // ---- modulation -----------------------------------------------------------------
@@ -1056,6 +1154,24 @@ mod tests {
 
     fn t(shape: &[usize]) -> Tensor {
         Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn gated_is_the_activated_first_half_times_the_second() {
+        let x = t(&[3, 5, 8]);
+        let (a, b) = (x.narrow(2, 0, 4).unwrap(), x.narrow(2, 4, 4).unwrap());
+        for (g, act) in [
+            (Gate::Silu, candle_nn::ops::silu(&a).unwrap()),
+            (Gate::GeluTanh, a.gelu().unwrap()),
+        ] {
+            let want = act.mul(&b).unwrap();
+            let got = gated(&x, g, Kernels::Auto).unwrap();
+            assert_eq!(got.dims(), [3, 5, 4]);
+            let d = (got - want).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{g:?}");
+        }
+        let e = gated(&t(&[2, 3]), Gate::Silu, Kernels::Auto).unwrap_err();
+        assert!(e.to_string().contains("not two halves"), "{e}");
     }
 
     #[test]

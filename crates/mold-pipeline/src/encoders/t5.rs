@@ -1,10 +1,11 @@
 //! T5's encoder (v1.1 and v1.0: gated GELU/SiLU or plain ReLU/GELU feed-forward, relative
 //! position bias) on mold's layers: the one-pass RMS norm, q/k/v as one product and the two
-//! gated inputs as one product (weights concatenated at load), each residual accumulated
-//! into the hidden state inside the output product (cuBLASLt, beta = 1), the position bias
-//! built once per length and kept on the device. Attention adds the bias to the unscaled
-//! scores before the softmax: on GPUs in one cuDNN fused-attention kernel where cuDNN takes
-//! it, else (and on the CPU) as the product–softmax–product composition.
+//! gated inputs as one product (weights concatenated at load) activated and multiplied in
+//! one pass, each residual accumulated into the hidden state inside the output product
+//! (cuBLASLt, beta = 1), the position bias built once per length and kept on the device.
+//! Attention adds the bias to the unscaled scores before the softmax: on GPUs in one cuDNN
+//! fused-attention kernel where cuDNN takes it, else (and on the CPU) as the
+//! product–softmax–product composition.
 //!
 //! Weight names are Hugging Face's (`shared.weight`, `encoder.block.{i}.layer.0.
 //! SelfAttention.{q,k,v,o}.weight`, …); the reference is candle-transformers' `t5`, which
@@ -13,6 +14,7 @@
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{Activation, VarBuilder};
 use candle_transformers::models::t5::Config;
+use mold_exec::model::ops::{self, Gate};
 use mold_exec::model::{attention, gemm};
 use mold_exec::Kernels;
 
@@ -161,11 +163,22 @@ impl T5Encoder {
             let h = candle_nn::ops::rms_norm(&x, &blk.ln_ff, eps)?;
             let u = gemm::matmul(&h, &blk.wi)?;
             let act = self.cfg.feed_forward_proj.activation;
-            let a = if self.cfg.feed_forward_proj.gated {
-                let ff = self.cfg.d_ff;
-                activate(&u.narrow(D::Minus1, 0, ff)?, act)?.mul(&u.narrow(D::Minus1, ff, ff)?)?
-            } else {
-                activate(&u, act)?
+            let gate = match act {
+                Activation::NewGelu | Activation::GeluPytorchTanh => Some(Gate::GeluTanh),
+                Activation::Silu => Some(Gate::Silu),
+                _ => None,
+            };
+            let a = match (self.cfg.feed_forward_proj.gated, gate) {
+                (true, Some(g)) => ops::gated(&u, g, k)?,
+                (true, None) => {
+                    let ff = self.cfg.d_ff;
+                    activate(&u.narrow(D::Minus1, 0, ff)?, act)?.mul(&u.narrow(
+                        D::Minus1,
+                        ff,
+                        ff,
+                    )?)?
+                }
+                (false, _) => activate(&u, act)?,
             };
             drop(u);
             x = self.clamp(gemm::add_matmul(x, &a, &blk.wo, k)?)?;

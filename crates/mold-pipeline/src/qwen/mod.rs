@@ -26,6 +26,7 @@
 //!   scheduler/    scheduler_config.json (optional: the published values otherwise)
 //! ```
 
+pub mod lm;
 pub mod sampling;
 pub mod testdata;
 pub mod text;
@@ -503,7 +504,7 @@ pub fn generate_on(
         devices: id.to_string(),
     });
     let t = Instant::now();
-    let enc = QwenText::load(&prep.layout.text, dtype, &dev)?;
+    let enc = QwenText::load(&prep.layout.text, dtype, &dev, opts.kernels)?;
     sync(&dev)?;
     times.load_s += t.elapsed().as_secs_f64();
     on(&Progress::Loaded {

@@ -6,10 +6,12 @@
 //!   causal mask; the output is the last hidden state (after the final norm) less its
 //!   first [`DROP_TOKENS`] positions (the system prompt and `<|im_start|>user\n`), at most
 //!   [`MAX_SEQUENCE`] tokens: `(1, L, hidden)`.
+//! - The model runs on mold's layers ([`super::lm::QwenLm`]: fused products and cuDNN's
+//!   attention on GPUs); `MOLD_KERNELS=candle` runs [`CandleLm`] instead, the reference
+//!   of candle's ops.
 //! - Text-only positions are the same on Qwen2.5-VL's three rotary sections (time,
 //!   height, width), so its multimodal rotary embedding is the ordinary one over
 //!   `0..L`; the tables are computed in f32 (positions past 256 are not exact in bf16).
-//!   Attention is computed in f32.
 //! - The tokenizer is the repository's `tokenizer.json`, else its `vocab.json` and
 //!   `merges.txt` (the published `tokenizer/` folder, a slow `Qwen2Tokenizer`) with the
 //!   added tokens of `tokenizer_config.json` (or `added_tokens.json`), built as
@@ -17,10 +19,12 @@
 //! - Weights: `model.*` (Qwen2.5-VL as first published) or `model.language_model.*`
 //!   (transformers ≥ 4.52); the vision tower and the LM head are not read.
 
+use super::lm::QwenLm;
 use crate::error::{PipelineError, Result};
 use crate::text::read_bpe_files;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, RmsNorm, VarBuilder};
+use mold_exec::Kernels;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use tokenizers::{Tokenizer, TruncationParams};
@@ -315,7 +319,7 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     Ok(tok)
 }
 
-/// One decoder layer's weights.
+/// One decoder layer's weights, as the reference holds them.
 struct Layer {
     q: Linear,
     k: Linear,
@@ -328,119 +332,49 @@ struct Layer {
     norm2: RmsNorm,
 }
 
-/// Qwen2.5-VL's language model with its tokenizer, on one device.
-pub struct QwenText {
-    cfg: QwenTextConfig,
+/// The language model of candle's ops, one product per weight, attention in f32: the
+/// reference [`super::lm::QwenLm`] is tested against (`MOLD_KERNELS=candle`).
+pub struct CandleLm {
     embed: candle_nn::Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    tok: Tokenizer,
-    tok_path: PathBuf,
+    cfg: QwenTextConfig,
     device: Device,
     dtype: DType,
-    pub weight_bytes: u64,
 }
 
-impl QwenText {
-    /// The config, then the tokenizer, then the weights (names checked from the headers
-    /// first).
-    pub fn load(files: &QwenTextFiles, dtype: DType, dev: &Device) -> Result<QwenText> {
-        let cfg = QwenTextConfig::read(&files.config)?;
-        let tok = load_tokenizer(&files.tokenizer)?;
-        let prefix = lm_prefix(&files.weights, &cfg)?;
-        let layers_prefix = format!("{prefix}.");
-        let weight_bytes = crate::text::weight_bytes(&files.weights, dtype, |n| {
-            n.starts_with(&layers_prefix) && !n.starts_with("model.visual")
-        })?;
-        // SAFETY: the files are mapped read-only and must not change while loading.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, dev)? };
-        let vb = vb.pp(prefix);
-        let load = || -> candle_core::Result<(candle_nn::Embedding, Vec<Layer>, RmsNorm)> {
-            let (h, kv) = (cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim());
-            let embed = candle_nn::embedding(cfg.vocab_size, h, vb.pp("embed_tokens"))?;
-            let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-            for i in 0..cfg.num_hidden_layers {
-                let l = vb.pp("layers").pp(i);
-                let a = l.pp("self_attn");
-                let m = l.pp("mlp");
-                let eps = cfg.rms_norm_eps;
-                layers.push(Layer {
-                    q: candle_nn::linear(h, h, a.pp("q_proj"))?,
-                    k: candle_nn::linear(h, kv, a.pp("k_proj"))?,
-                    v: candle_nn::linear(h, kv, a.pp("v_proj"))?,
-                    o: candle_nn::linear_no_bias(h, h, a.pp("o_proj"))?,
-                    gate: candle_nn::linear_no_bias(h, cfg.intermediate_size, m.pp("gate_proj"))?,
-                    up: candle_nn::linear_no_bias(h, cfg.intermediate_size, m.pp("up_proj"))?,
-                    down: candle_nn::linear_no_bias(cfg.intermediate_size, h, m.pp("down_proj"))?,
-                    norm1: candle_nn::rms_norm(h, eps, l.pp("input_layernorm"))?,
-                    norm2: candle_nn::rms_norm(h, eps, l.pp("post_attention_layernorm"))?,
-                });
-            }
-            let norm = candle_nn::rms_norm(h, cfg.rms_norm_eps, vb.pp("norm"))?;
-            Ok((embed, layers, norm))
-        };
-        let (embed, layers, norm) = load().map_err(|e| PipelineError::Component {
-            component: "qwen2.5-vl".into(),
-            message: format!(
-                "cannot load the language model from {}: {e}",
-                files
-                    .weights
-                    .iter()
-                    .map(|f| f.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        })?;
-        Ok(QwenText {
-            cfg,
+impl CandleLm {
+    /// Loads the model from `vb` (rooted where `embed_tokens`, `layers` and `norm` live).
+    pub fn new(vb: VarBuilder, cfg: &QwenTextConfig) -> candle_core::Result<CandleLm> {
+        let (h, kv) = (cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim());
+        let embed = candle_nn::embedding(cfg.vocab_size, h, vb.pp("embed_tokens"))?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let l = vb.pp("layers").pp(i);
+            let a = l.pp("self_attn");
+            let m = l.pp("mlp");
+            let eps = cfg.rms_norm_eps;
+            layers.push(Layer {
+                q: candle_nn::linear(h, h, a.pp("q_proj"))?,
+                k: candle_nn::linear(h, kv, a.pp("k_proj"))?,
+                v: candle_nn::linear(h, kv, a.pp("v_proj"))?,
+                o: candle_nn::linear_no_bias(h, h, a.pp("o_proj"))?,
+                gate: candle_nn::linear_no_bias(h, cfg.intermediate_size, m.pp("gate_proj"))?,
+                up: candle_nn::linear_no_bias(h, cfg.intermediate_size, m.pp("up_proj"))?,
+                down: candle_nn::linear_no_bias(cfg.intermediate_size, h, m.pp("down_proj"))?,
+                norm1: candle_nn::rms_norm(h, eps, l.pp("input_layernorm"))?,
+                norm2: candle_nn::rms_norm(h, eps, l.pp("post_attention_layernorm"))?,
+            });
+        }
+        let norm = candle_nn::rms_norm(h, cfg.rms_norm_eps, vb.pp("norm"))?;
+        Ok(CandleLm {
             embed,
             layers,
             norm,
-            tok,
-            tok_path: files.tokenizer.clone(),
-            device: dev.clone(),
-            dtype,
-            weight_bytes,
+            cfg: cfg.clone(),
+            device: vb.device().clone(),
+            dtype: vb.dtype(),
         })
-    }
-
-    pub fn config(&self) -> &QwenTextConfig {
-        &self.cfg
-    }
-
-    /// The token ids of `prompt` in the template.
-    pub fn token_ids(&self, prompt: &str) -> Result<Vec<u32>> {
-        let text = PROMPT_TEMPLATE.replace("{}", prompt);
-        let ids = crate::text::tokenize(&self.tok, &self.tok_path, &text)?;
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
-            return Err(PipelineError::Tokenizer {
-                path: self.tok_path.display().to_string(),
-                message: format!(
-                    "token id {bad} is past the model's vocabulary ({}): use the tokenizer that goes with this text encoder",
-                    self.cfg.vocab_size
-                ),
-            });
-        }
-        Ok(ids)
-    }
-
-    /// The conditioning for `prompt`: `(1, L, hidden)` in the model's dtype on its device,
-    /// `L` ≤ [`MAX_SEQUENCE`].
-    pub fn encode(&self, prompt: &str) -> Result<Tensor> {
-        let ids = self.token_ids(prompt)?;
-        let hidden = self.forward(&ids)?;
-        let n = hidden.dim(1)?;
-        let keep = n
-            .checked_sub(DROP_TOKENS)
-            .filter(|k| *k > 0)
-            .ok_or_else(|| PipelineError::Tokenizer {
-                path: self.tok_path.display().to_string(),
-                message: format!(
-                    "the prompt in its template is {n} tokens, not more than the {DROP_TOKENS} the pipeline drops: this is not Qwen-Image's tokenizer"
-                ),
-            })?
-            .min(MAX_SEQUENCE);
-        Ok(hidden.narrow(1, DROP_TOKENS, keep)?.contiguous()?)
     }
 
     /// The last hidden state (after the final norm) of `ids`: `(1, len, hidden)`.
@@ -501,8 +435,121 @@ impl QwenText {
     }
 }
 
+/// The language model a run uses.
+enum Net {
+    Mold(QwenLm),
+    Candle(CandleLm),
+}
+
+/// Qwen2.5-VL's language model with its tokenizer, on one device.
+pub struct QwenText {
+    cfg: QwenTextConfig,
+    net: Net,
+    tok: Tokenizer,
+    tok_path: PathBuf,
+    pub weight_bytes: u64,
+}
+
+impl QwenText {
+    /// The config, then the tokenizer, then the weights (names checked from the headers
+    /// first), on mold's layers or, with `kernels` `candle`, candle's ([`CandleLm`]).
+    pub fn load(
+        files: &QwenTextFiles,
+        dtype: DType,
+        dev: &Device,
+        kernels: Kernels,
+    ) -> Result<QwenText> {
+        let cfg = QwenTextConfig::read(&files.config)?;
+        let tok = load_tokenizer(&files.tokenizer)?;
+        let prefix = lm_prefix(&files.weights, &cfg)?;
+        let layers_prefix = format!("{prefix}.");
+        let weight_bytes = crate::text::weight_bytes(&files.weights, dtype, |n| {
+            n.starts_with(&layers_prefix) && !n.starts_with("model.visual")
+        })?;
+        // SAFETY: the files are mapped read-only and must not change while loading.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, dev)? };
+        let vb = vb.pp(prefix);
+        let net = if kernels == Kernels::Candle {
+            CandleLm::new(vb, &cfg).map(Net::Candle)
+        } else {
+            QwenLm::new(vb, &cfg, kernels).map(Net::Mold)
+        };
+        let net = net.map_err(|e| PipelineError::Component {
+            component: "qwen2.5-vl".into(),
+            message: format!(
+                "cannot load the language model from {}: {e}",
+                files
+                    .weights
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        })?;
+        Ok(QwenText {
+            cfg,
+            net,
+            tok,
+            tok_path: files.tokenizer.clone(),
+            weight_bytes,
+        })
+    }
+
+    pub fn config(&self) -> &QwenTextConfig {
+        &self.cfg
+    }
+
+    /// The token ids of `prompt` in the template.
+    pub fn token_ids(&self, prompt: &str) -> Result<Vec<u32>> {
+        let text = PROMPT_TEMPLATE.replace("{}", prompt);
+        let ids = crate::text::tokenize(&self.tok, &self.tok_path, &text)?;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
+            return Err(PipelineError::Tokenizer {
+                path: self.tok_path.display().to_string(),
+                message: format!(
+                    "token id {bad} is past the model's vocabulary ({}): use the tokenizer that goes with this text encoder",
+                    self.cfg.vocab_size
+                ),
+            });
+        }
+        Ok(ids)
+    }
+
+    /// The conditioning for `prompt`: `(1, L, hidden)` in the model's dtype on its device,
+    /// `L` ≤ [`MAX_SEQUENCE`].
+    pub fn encode(&self, prompt: &str) -> Result<Tensor> {
+        let ids = self.token_ids(prompt)?;
+        let hidden = self.forward(&ids)?;
+        let n = hidden.dim(1)?;
+        let keep = n
+            .checked_sub(DROP_TOKENS)
+            .filter(|k| *k > 0)
+            .ok_or_else(|| PipelineError::Tokenizer {
+                path: self.tok_path.display().to_string(),
+                message: format!(
+                    "the prompt in its template is {n} tokens, not more than the {DROP_TOKENS} the pipeline drops: this is not Qwen-Image's tokenizer"
+                ),
+            })?
+            .min(MAX_SEQUENCE);
+        Ok(hidden.narrow(1, DROP_TOKENS, keep)?.contiguous()?)
+    }
+
+    /// The last hidden state (after the final norm) of `ids`: `(1, len, hidden)`.
+    pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
+        match &self.net {
+            Net::Mold(m) => Ok(m.forward(ids)?),
+            Net::Candle(c) => c.forward(ids),
+        }
+    }
+}
+
 /// Rotary tables `(n, head_dim / 2)` for positions `0..n`, f32 (HF's `inv_freq` in f32).
-fn rope_tables(n: usize, hd: usize, theta: f64, dev: &Device) -> Result<(Tensor, Tensor)> {
+pub(crate) fn rope_tables(
+    n: usize,
+    hd: usize,
+    theta: f64,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
     let inv: Vec<f32> = (0..hd)
         .step_by(2)
         .map(|i| 1.0 / (theta as f32).powf(i as f32 / hd as f32))
@@ -522,10 +569,13 @@ mod tests {
     use crate::qwen::testdata::{write_tokenizer, TextSize};
 
     fn tiny_files(name: &str) -> (QwenTextFiles, TextSize) {
+        tiny_files_of(name, TextSize::tiny(32))
+    }
+
+    fn tiny_files_of(name: &str, size: TextSize) -> (QwenTextFiles, TextSize) {
         let dir =
             std::env::temp_dir().join(format!("mold-qwen-text-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let size = TextSize::tiny(32);
         let te = dir.join("text_encoder");
         std::fs::create_dir_all(&te).unwrap();
         let w = te.join("model.safetensors");
@@ -543,53 +593,66 @@ mod tests {
         )
     }
 
-    /// The language model equals candle-transformers' Qwen2 (the same decoder: Qwen2.5-VL's
-    /// rotary sections coincide on text) on the same weights and tokens, with grouped
-    /// key/value heads; the conditioning is the hidden states less the template's first
-    /// 34 tokens.
+    /// The language model, on mold's layers and as the candle reference, equals
+    /// candle-transformers' Qwen2 (the same decoder: Qwen2.5-VL's rotary sections coincide
+    /// on text) on the same weights and tokens, with grouped key/value heads (two query
+    /// heads each) and without (one), over the prompt's tokens and shorter runs of them;
+    /// the conditioning is the hidden states less the template's first 34 tokens.
     #[test]
     fn matches_candle_qwen2_and_drops_the_template_prefix() {
-        let (files, size) = tiny_files("parity");
-        let dev = Device::Cpu;
-        let enc = QwenText::load(&files, DType::F32, &dev).unwrap();
-        let ids = enc.token_ids("a red fox in the snow").unwrap();
-        let ours = enc.forward(&ids).unwrap();
-        let cfg = candle_transformers::models::qwen2::Config {
-            vocab_size: size.vocab,
-            hidden_size: size.hidden,
-            intermediate_size: size.intermediate,
-            num_hidden_layers: size.layers,
-            num_attention_heads: size.heads,
-            num_key_value_heads: size.kv_heads,
-            max_position_embeddings: 4096,
-            sliding_window: 32768,
-            max_window_layers: size.layers,
-            tie_word_embeddings: false,
-            rope_theta: 1_000_000.0,
-            rms_norm_eps: 1e-6,
-            use_sliding_window: false,
-            hidden_act: candle_nn::Activation::Silu,
-        };
-        let vb = unsafe {
-            VarBuilder::from_mmaped_safetensors(&files.weights, DType::F32, &dev).unwrap()
-        };
-        let mut reference = candle_transformers::models::qwen2::Model::new(&cfg, vb).unwrap();
-        let t = Tensor::new(ids.as_slice(), &dev)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let theirs = reference.forward(&t, 0, None).unwrap();
-        let err = mold_exec::max_relative_error(&ours, &theirs).unwrap();
-        assert!(err < 1e-5, "max relative error {err}");
-        let c = enc.encode("a red fox in the snow").unwrap();
-        assert_eq!(c.dims(), [1, ids.len() - DROP_TOKENS, size.hidden]);
-        let tail = ours
-            .narrow(1, DROP_TOKENS, ids.len() - DROP_TOKENS)
-            .unwrap();
-        assert_eq!(
-            mold_exec::digest(&c).unwrap(),
-            mold_exec::digest(&tail).unwrap()
-        );
+        let mut alike = TextSize::tiny(32);
+        alike.kv_heads = alike.heads;
+        for (name, size) in [("grouped", TextSize::tiny(32)), ("alike", alike)] {
+            let (files, size) = tiny_files_of(name, size);
+            let dev = Device::Cpu;
+            let cfg = candle_transformers::models::qwen2::Config {
+                vocab_size: size.vocab,
+                hidden_size: size.hidden,
+                intermediate_size: size.intermediate,
+                num_hidden_layers: size.layers,
+                num_attention_heads: size.heads,
+                num_key_value_heads: size.kv_heads,
+                max_position_embeddings: 4096,
+                sliding_window: 32768,
+                max_window_layers: size.layers,
+                tie_word_embeddings: false,
+                rope_theta: 1_000_000.0,
+                rms_norm_eps: 1e-6,
+                use_sliding_window: false,
+                hidden_act: candle_nn::Activation::Silu,
+            };
+            let vb = unsafe {
+                VarBuilder::from_mmaped_safetensors(&files.weights, DType::F32, &dev).unwrap()
+            };
+            let mut reference = candle_transformers::models::qwen2::Model::new(&cfg, vb).unwrap();
+            for kernels in [Kernels::Auto, Kernels::Candle] {
+                let enc = QwenText::load(&files, DType::F32, &dev, kernels).unwrap();
+                assert_eq!(
+                    matches!(enc.net, Net::Candle(_)),
+                    kernels == Kernels::Candle
+                );
+                let ids = enc.token_ids("a red fox in the snow").unwrap();
+                for n in [1, 5, ids.len()] {
+                    let ids = &ids[..n];
+                    let ours = enc.forward(ids).unwrap();
+                    let t = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
+                    reference.clear_kv_cache();
+                    let theirs = reference.forward(&t, 0, None).unwrap();
+                    let err = mold_exec::max_relative_error(&ours, &theirs).unwrap();
+                    assert!(err < 1e-5, "{name} {kernels:?} {n} tokens: {err}");
+                }
+                let c = enc.encode("a red fox in the snow").unwrap();
+                assert_eq!(c.dims(), [1, ids.len() - DROP_TOKENS, size.hidden]);
+                let ours = enc.forward(&ids).unwrap();
+                let tail = ours
+                    .narrow(1, DROP_TOKENS, ids.len() - DROP_TOKENS)
+                    .unwrap();
+                assert_eq!(
+                    mold_exec::digest(&c).unwrap(),
+                    mold_exec::digest(&tail).unwrap()
+                );
+            }
+        }
     }
 
     /// The template's special tokens are single ids, and the prompt survives the

@@ -136,9 +136,18 @@ pub struct Key {
     pub q_strides: [i64; 4],
     pub k_strides: [i64; 4],
     pub v_strides: [i64; 4],
-    /// An additive bias of the scaled scores, `(1, h, Lq, Lk)` contiguous (shared by the
-    /// batch): T5's relative-position bias. Only the composite graph takes one.
-    pub bias: bool,
+    /// An additive bias of the scaled scores, shared by the batch: T5's relative-position
+    /// bias, a causal mask. Only the composite graph takes one.
+    pub bias: Option<BiasShape>,
+}
+
+/// How a bias is laid out: `(1, heads, Lq, row)` contiguous, `heads` 1 (shared by every
+/// head) or the attention's, of which each row's first `Lk` are read (`row` ≥ `Lk`: a row
+/// padded to keep rows 16-byte aligned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BiasShape {
+    pub heads: i64,
+    pub row: i64,
 }
 
 impl Key {
@@ -305,18 +314,17 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
         false,
     )?);
     let mut ops = Vec::new();
-    let bias = if key.bias {
-        Some(g.push(tensor(
+    let bias = match key.bias {
+        Some(BiasShape { heads, row }) => Some(g.push(tensor(
             api,
             UID_BIAS,
-            [1, h, lq, lk],
-            [h * lq * lk, lq * lk, lk, 1],
+            [1, heads, lq, lk],
+            [heads * lq * row, lq * row, row, 1],
             dt,
             false,
             false,
-        )?))
-    } else {
-        None
+        )?)),
+        None => None,
     };
     match form {
         Form::Unified if bias.is_some() => {

@@ -88,9 +88,12 @@ pub fn attention(
     attention_with(q, k, v, None, (1.0 / (d as f64).sqrt()) as f32)
 }
 
-/// `softmax(q kᵀ · scale + bias) v`, as [`attention`] with an additive bias `(h, Lq, Lk)`
-/// (or `(1, h, Lq, Lk)`) of q's dtype shared by the batch and the scale given: T5's
-/// attention (relative-position bias, no scaling) in one fused kernel.
+/// `softmax(q kᵀ · scale + bias) v`, as [`attention`] with an additive bias of q's dtype
+/// shared by the batch and the scale given: `(h, Lq, row)` or `(1, Lq, row)` (shared by
+/// the heads), or the same with a leading 1, contiguous, of which each row's first `Lk`
+/// are read (`row` ≥ `Lk`: rows may be padded to keep them 16-byte aligned). T5's
+/// attention (relative-position bias, no scaling) and causal attention (a mask) in one
+/// fused kernel.
 pub fn attention_biased(
     q: &Tensor,
     k: &Tensor,
@@ -100,7 +103,16 @@ pub fn attention_biased(
 ) -> CResult<Result<(Tensor, &'static str), String>> {
     let (_, h, lq, _) = q.dims4()?;
     let lk = k.dim(2)?;
-    let bias = bias.reshape((1, h, lq, lk))?.contiguous()?;
+    let dims = bias.dims();
+    let (heads, rows, row) = match dims {
+        [a, b, c] | [1, a, b, c] => (*a, *b, *c),
+        _ => candle_core::bail!("cudnn-attention: the bias is {dims:?}, not (h, Lq, Lk)"),
+    };
+    if !(heads == 1 || heads == h) || rows != lq || row < lk {
+        candle_core::bail!(
+            "cudnn-attention: the bias is {dims:?} for {h} heads, {lq} queries and {lk} keys"
+        );
+    }
     if bias.dtype() != q.dtype() {
         return Ok(Err(format!(
             "bias dtype {:?} is not q's {:?}",
@@ -108,14 +120,19 @@ pub fn attention_biased(
             q.dtype()
         )));
     }
-    attention_with(q, k, v, Some(&bias), scale)
+    let bias = bias.reshape((1, heads, lq, row))?.contiguous()?;
+    let shape = graph::BiasShape {
+        heads: heads as i64,
+        row: row as i64,
+    };
+    attention_with(q, k, v, Some((&bias, shape)), scale)
 }
 
 fn attention_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    bias: Option<&Tensor>,
+    bias: Option<(&Tensor, graph::BiasShape)>,
     scale: f32,
 ) -> CResult<Result<(Tensor, &'static str), String>> {
     let (b, h, lq, d) = q.dims4()?;
@@ -139,7 +156,7 @@ fn attention_with(
         q_strides: strides4(&q)?,
         k_strides: strides4(&k)?,
         v_strides: strides4(&v)?,
-        bias: bias.is_some(),
+        bias: bias.map(|(_, s)| s),
     };
     let candle_core::Device::Cuda(dev) = q.device() else {
         return Ok(Err("not a CUDA tensor".into()));
@@ -185,7 +202,7 @@ fn attention_with(
         strides: [key.q_strides, key.k_strides, key.v_strides],
         plan,
         state: st,
-        bias: bias.cloned(),
+        bias: bias.map(|(t, _)| t.clone()),
     };
     let out = q.apply_op3_no_bwd(&k, &v, &op)?;
     Ok(Ok((out, form)))
@@ -221,7 +238,7 @@ struct CudnnAttn {
     strides: [[i64; 4]; 3],
     plan: Arc<graph::Plan>,
     state: Arc<Mutex<DeviceState>>,
-    /// `(1, h, Lq, Lk)`, contiguous, q's dtype, on q's device.
+    /// `(1, h or 1, Lq, row)`, contiguous, q's dtype, on q's device.
     bias: Option<Tensor>,
 }
 
