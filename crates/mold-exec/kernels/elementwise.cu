@@ -332,6 +332,53 @@ MOLD_QKV_PREP_ALL(f16, __half, 64)
 MOLD_QKV_PREP(mold_qkv_prep_f32_d128, float, float, 128)
 MOLD_QKV_PREP(mold_qkv_prep_f32_d64, float, float, 64)
 
+// Grouped-query q/k/v preparation (Qwen2's attention): from the fused projection `qkv` (row =
+// token, [q | k | v] heads·D, kv·D and kv·D wide, row stride `ld`), q and k rotated by the
+// rotate-half RoPE (f32 tables cos/sin (len, D/2)), and k and v repeated to the query heads
+// (head h reads key/value head h / (heads / kv)), written as out = (3, len, heads, D).
+// Launch: grid (len, heads, 3), block D/2; thread i handles the pair (i, i + D/2).
+namespace mold_ew {
+template <typename T> __device__ __forceinline__ T fromf(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 fromf<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half fromf<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ float fromf<float>(float v) { return v; }
+
+template <typename T>
+__device__ __forceinline__ void qkv_rope_gqa(const T *qkv, long long ld, int len, int heads,
+                                             int kv, int d, const float *cos_t,
+                                             const float *sin_t, T *out) {
+    const int half = d / 2;
+    const int i = threadIdx.x;
+    if (i >= half) return;
+    const long long t = blockIdx.x;
+    const int h = blockIdx.y, which = blockIdx.z;
+    const int g = h / (heads / kv);
+    const int src_head = which == 0 ? h : (which == 1 ? heads + g : heads + kv + g);
+    const T *src = qkv + t * ld + static_cast<long long>(src_head) * d;
+    float x1 = tof<T>(src[i]), x2 = tof<T>(src[i + half]);
+    if (which < 2) {
+        const float c = cos_t[t * half + i], s = sin_t[t * half + i];
+        const float y1 = x1 * c - x2 * s;
+        x2 = x2 * c + x1 * s;
+        x1 = y1;
+    }
+    T *dst = out + ((static_cast<long long>(which) * len + t) * heads + h) * d;
+    dst[i] = fromf<T>(x1);
+    dst[i + half] = fromf<T>(x2);
+}
+} // namespace mold_ew
+
+#define MOLD_QKV_ROPE_GQA(NAME, T)                                                             \
+    extern "C" __global__ void NAME(const T *qkv, long long ld, int len, int heads, int kv,    \
+                                    int d, const float *cos_t, const float *sin_t, T *out) {   \
+        mold_ew::qkv_rope_gqa<T>(qkv, ld, len, heads, kv, d, cos_t, sin_t, out);               \
+    }
+MOLD_QKV_ROPE_GQA(mold_qkv_rope_gqa_bf16, __nv_bfloat16)
+MOLD_QKV_ROPE_GQA(mold_qkv_rope_gqa_f16, __half)
+MOLD_QKV_ROPE_GQA(mold_qkv_rope_gqa_f32, float)
+
 // Pieces put side by side along the last dimension (the attention output's head groups after
 // a sequence-parallel all-to-all): piece (rows, w) into out (rows, ld) at column col, every
 // width counted in 16-byte units, one thread per unit. Type-blind.

@@ -14,7 +14,8 @@
 //! reads them back. `--tiny`: a tiny model on the CPU in f32 (the harness's own check).
 //! `--parts` (a GPU): also one layer's pieces timed alone at each (padded) length — the products,
 //! the causal attention with its mask as a bias, the same attention unmasked (cuDNN's
-//! fused SDPA), the element-wise passes — on random inputs.
+//! fused SDPA), the element-wise passes (mold's kernels and candle's ops, with their
+//! difference) — on random inputs.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -220,8 +221,8 @@ fn parts(
         .flat_map(|i| (0..row).map(move |j| if j > i { -3.0e38 } else { 0.0 }))
         .collect();
     let mask = Tensor::from_vec(mask, (1, n, row), dev)?.to_dtype(dtype)?;
-    let cos = r(&[n, d / 2])?;
-    let sin = r(&[n, d / 2])?;
+    let cos = Tensor::randn(0f32, 1.0, (n, d / 2), dev)?;
+    let sin = Tensor::randn(0f32, 1.0, (n, d / 2), dev)?;
     let qkv = gemm::linear(&x, &qkv_lin, &bqkv, false, Kernels::Auto)?;
     let meter = mold_exec::model::ActivationMeter::default();
     let scale = 1.0 / (d as f32).sqrt();
@@ -245,18 +246,12 @@ fn parts(
     time("attention_unmasked", &mut || {
         attention::attention_with(Kernels::Auto, &q, &k, &v, &meter)
     })?;
-    time("rope_qk", &mut || {
-        let qk = qkv
-            .narrow(1, 0, (heads + kvh) * d)?
-            .reshape((1, n, heads + kvh, d))?
-            .contiguous()?;
-        candle_nn::rotary_emb::rope_thd(&qk, &cos, &sin)
+    let g = ops::GroupedHeads { heads, kv: kvh, d };
+    time("qkv_prep_candle", &mut || {
+        ops::qkv_rope_gqa(&qkv, g, &cos, &sin, Kernels::Candle)
     })?;
-    time("kv_repeat", &mut || {
-        let kk = qkv.narrow(1, h, kv)?.reshape((1, n, kvh, d))?;
-        kk.unsqueeze(3)?
-            .expand((1, n, kvh, heads / kvh, d))?
-            .reshape((1, n, heads, d))
+    time("qkv_prep_fused", &mut || {
+        ops::qkv_rope_gqa(&qkv, g, &cos, &sin, Kernels::Auto)
     })?;
     time("silu_mul_candle", &mut || {
         candle_nn::ops::silu(&gu.narrow(1, 0, m)?)?.mul(&gu.narrow(1, m, m)?)
@@ -271,6 +266,9 @@ fn parts(
         let slow = ops::gated(&gu, g, Kernels::Candle)?;
         out.insert(format!("gated_{name}_vs_candle"), rel(&fast, &slow)?.into());
     }
+    let fast = ops::qkv_rope_gqa(&qkv, g, &cos, &sin, Kernels::Auto)?;
+    let slow = ops::qkv_rope_gqa(&qkv, g, &cos, &sin, Kernels::Candle)?;
+    out.insert("qkv_prep_vs_candle".into(), rel(&fast, &slow)?.into());
     println!("{}", serde_json::Value::Object(out));
     Ok(())
 }

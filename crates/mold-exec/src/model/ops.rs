@@ -9,7 +9,7 @@
 //! [`Kernels`] chooses ([`crate::ExecOptions::kernels`]; `MOLD_KERNELS=auto|fused|mold|cudnn|candle` at the CLI); attention
 //! follows the same switch ([`super::attention`]).
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -136,7 +136,8 @@ pub fn gated(x: &Tensor, act: Gate, k: Kernels) -> CResult<Tensor> {
     let lead = &x.dims()[..x.rank() - 1];
     let rows: usize = lead.iter().product();
     let x3 = x.reshape((1, rows, two))?;
-    let supported = rows_ok(&x3) && n.is_multiple_of(2) && x.layout().start_offset().is_multiple_of(2);
+    let supported =
+        rows_ok(&x3) && n.is_multiple_of(2) && x.layout().start_offset().is_multiple_of(2);
     if k.use_fused(supported, "gated activation")? {
         let mut shape = lead.to_vec();
         shape.push(n);
@@ -148,6 +149,72 @@ pub fn gated(x: &Tensor, act: Gate, k: Kernels) -> CResult<Tensor> {
         Gate::GeluTanh => a.gelu()?,
     };
     a.mul(&x.narrow(D::Minus1, n, n)?)
+}
+
+/// The shape of a grouped-query attention: `heads` query heads, `kv` key/value heads (each
+/// read by `heads / kv` query heads), head size `d`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupedHeads {
+    pub heads: usize,
+    pub kv: usize,
+    pub d: usize,
+}
+
+/// q, k and v for a grouped-query attention from the fused projection `qkv` `(L, ≥ (heads +
+/// 2 kv) · d)` (q | k | v): q and k rotated by the rotate-half rotary embedding (`cos`,
+/// `sin` `(L, d / 2)`, f32), k and v repeated to the query heads (head `h` reads key/value
+/// head `h / (heads / kv)`), as `(3, L, heads, d)`. One pass of mold's kernel where it runs
+/// (CUDA, `qkv` rows with unit column stride), else candle's rotary embedding and copies.
+pub fn qkv_rope_gqa(
+    qkv: &Tensor,
+    g: GroupedHeads,
+    cos: &Tensor,
+    sin: &Tensor,
+    k: Kernels,
+) -> CResult<Tensor> {
+    let GroupedHeads { heads, kv, d } = g;
+    let (n, w) = qkv.dims2()?;
+    if kv == 0 || !heads.is_multiple_of(kv) || !d.is_multiple_of(2) || w < (heads + 2 * kv) * d {
+        candle_core::bail!(
+            "qkv_rope_gqa: {heads} heads, {kv} key/value heads of size {d} do not fit rows of {w}"
+        );
+    }
+    if cos.dims() != [n, d / 2] || sin.dims() != [n, d / 2] {
+        candle_core::bail!(
+            "qkv_rope_gqa: tables {:?} and {:?} for {n} tokens of head size {d}",
+            cos.dims(),
+            sin.dims()
+        );
+    }
+    let supported = cfg!(feature = "cuda")
+        && qkv.device().is_cuda()
+        && qkv.stride()[1] == 1
+        && d / 2 <= 1024
+        && [cos, sin]
+            .iter()
+            .all(|t| t.dtype() == DType::F32 && t.is_contiguous());
+    if k.use_fused(supported, "grouped q/k/v preparation")? {
+        return fused::qkv_rope_gqa(qkv, g, cos, sin);
+    }
+    let (cos, sin) = (cos.to_dtype(qkv.dtype())?, sin.to_dtype(qkv.dtype())?);
+    let qk = qkv
+        .narrow(1, 0, (heads + kv) * d)?
+        .reshape((1, n, heads + kv, d))?
+        .contiguous()?;
+    let qk = candle_nn::rotary_emb::rope_thd(&qk, &cos, &sin)?;
+    let rep = heads / kv;
+    let grouped = |t: Tensor| -> CResult<Tensor> {
+        t.unsqueeze(3)?
+            .expand((1, n, kv, rep, d))?
+            .reshape((1, n, heads, d))
+    };
+    let q = qk.narrow(2, 0, heads)?;
+    let kk = grouped(qk.narrow(2, heads, kv)?)?;
+    let v = grouped(
+        qkv.narrow(1, (heads + kv) * d, kv * d)?
+            .reshape((1, n, kv, d))?,
+    )?;
+    Tensor::cat(&[q, kk, v], 0)
 }
 
 /// `x * (1 + scale) + shift`, `scale` and `shift` `(b, 1, n)`.
@@ -404,6 +471,14 @@ mod fused {
     pub fn gated(_: &Tensor, _: super::Gate) -> CResult<Tensor> {
         candle_core::bail!("fused kernels need a CUDA build")
     }
+    pub fn qkv_rope_gqa(
+        _: &Tensor,
+        _: super::GroupedHeads,
+        _: &Tensor,
+        _: &Tensor,
+    ) -> CResult<Tensor> {
+        candle_core::bail!("fused kernels need a CUDA build")
+    }
 }
 
 /// mold's element-wise kernels as a fat binary (its architectures are every kernel's).
@@ -652,6 +727,92 @@ mod fused {
 
     pub fn gated(x: &Tensor, act: super::Gate) -> CResult<Tensor> {
         x.apply_op1_no_bwd(&Gated { act })
+    }
+
+    // ---- grouped q/k/v preparation -----------------------------------------------------
+
+    struct QkvRopeGqa {
+        g: super::GroupedHeads,
+    }
+
+    fn run_qkv_rope_gqa<T: CudaDType + DeviceRepr>(
+        op: &QkvRopeGqa,
+        x: &CudaStorage,
+        xl: &Layout,
+        c: &CudaStorage,
+        cl: &Layout,
+        s: &CudaStorage,
+        sl: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let super::GroupedHeads { heads, kv, d } = op.g;
+        let dev = &x.device;
+        let (n, _) = xl.shape().dims2()?;
+        let ld = xl.stride()[0] as i64;
+        let f = func(dev, "mold_qkv_rope_gqa", x.dtype())?;
+        let y = out::<T>(dev, 3 * n * heads * d)?;
+        let xv = view::<T>(x, xl)?;
+        let cv = view::<f32>(c, cl)?;
+        let sv = view::<f32>(s, sl)?;
+        let (n32, h32, kv32, d32) = (n as i32, heads as i32, kv as i32, d as i32);
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(&xv)
+            .arg(&ld)
+            .arg(&n32)
+            .arg(&h32)
+            .arg(&kv32)
+            .arg(&d32)
+            .arg(&cv)
+            .arg(&sv)
+            .arg(&y);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, heads as u32, 3),
+            block_dim: ((d / 2) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument order and types match the kernel; the grid covers the output.
+        unsafe { a.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            Shape::from((3, n, heads, d)),
+        ))
+    }
+
+    impl CustomOp3 for QkvRopeGqa {
+        fn name(&self) -> &'static str {
+            "mold-qkv-rope-gqa"
+        }
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> CResult<(CpuStorage, Shape)> {
+            cpu_refused()
+        }
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            c: &CudaStorage,
+            cl: &Layout,
+            s: &CudaStorage,
+            sl: &Layout,
+        ) -> CResult<(CudaStorage, Shape)> {
+            by_dtype!(x.dtype(), run_qkv_rope_gqa, self, x, xl, c, cl, s, sl)
+        }
+    }
+
+    pub fn qkv_rope_gqa(
+        qkv: &Tensor,
+        g: super::GroupedHeads,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> CResult<Tensor> {
+        qkv.apply_op3_no_bwd(cos, sin, &QkvRopeGqa { g })
     }
 
     // ---- modulation -----------------------------------------------------------------

@@ -1,13 +1,13 @@
 //! Qwen2.5-VL's language model (Qwen-Image's text encoder) on mold's layers: candle's
 //! one-pass RMS norm; q, k and v as one product with their biases in cuBLASLt's epilogue
-//! (weights and biases concatenated at load); the rotary embedding of q and k in one pass
-//! over the product's rows; each residual accumulated into the hidden state inside the
-//! output product (cuBLASLt, beta = 1); gate and up as one product, SiLU and the gate's
-//! product in one pass over it. Attention runs in one
-//! cuDNN fused-attention kernel with the causal mask as a bias shared by the heads (kept
-//! per length, rows padded to 16 bytes), the grouped key/value heads repeated to the
-//! query heads; where cuDNN does not run it (CPU, f32, `MOLD_KERNELS=mold|candle`, a
-//! refusal) the product–mask–softmax–product composition in f32.
+//! (weights and biases concatenated at load); q and k rotated and k and v repeated to the
+//! query heads in one pass over the product's rows (`ops::qkv_rope_gqa`); each residual
+//! accumulated into the hidden state inside the output product (cuBLASLt, beta = 1); gate
+//! and up as one product, SiLU and the gate's product in one pass over it. Attention runs
+//! in one cuDNN fused-attention kernel with the causal mask as a bias shared by the heads
+//! (kept per length, rows padded to 16 bytes); where cuDNN does not run it (CPU, f32,
+//! `MOLD_KERNELS=mold|candle`, a refusal) the product–mask–softmax–product composition in
+//! f32.
 //!
 //! A run's tokens are padded at the end to a multiple of [`PAD_TOKENS`]: exact under the
 //! causal mask (no token attends to a later one, and every other step is per token), and
@@ -20,7 +20,7 @@
 use super::text::{rope_tables, QwenTextConfig};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use mold_exec::model::ops::{self, Gate};
+use mold_exec::model::ops::{self, Gate, GroupedHeads};
 use mold_exec::model::{attention, gemm};
 use mold_exec::Kernels;
 use std::sync::Mutex;
@@ -43,7 +43,7 @@ struct Layer {
     down: Tensor,
 }
 
-/// What a length needs: the rotary tables `(L, head_dim / 2)` in the model's dtype and,
+/// What a length needs: the rotary tables `(L, head_dim / 2)` in f32 and,
 /// where the fused attention may run, the causal mask `(1, L, row)` in the model's dtype
 /// (0 on and below the diagonal, the dtype's lowest value above; `row` = L rounded up to 8).
 #[derive(Clone)]
@@ -166,29 +166,12 @@ impl QwenLm {
             self.cfg.num_key_value_heads,
             self.cfg.head_dim(),
         );
-        // q and k rotated in one pass, as (1, L, heads + kv heads, d).
-        let qk = qkv
-            .narrow(1, 0, (heads + kvh) * d)?
-            .reshape((1, n, heads + kvh, d))?
-            .contiguous()?;
-        let qk = candle_nn::rotary_emb::rope_thd(&qk, &t.cos, &t.sin)?;
-        let v = qkv
-            .narrow(1, (heads + kvh) * d, kvh * d)?
-            .reshape((1, n, kvh, d))?;
-        let rep = heads / kvh;
-        // Query head j reads key/value head j / rep.
-        let grouped = |t: Tensor| -> CResult<Tensor> {
-            if rep == 1 {
-                return Ok(t);
-            }
-            t.unsqueeze(3)?
-                .expand((1, n, kvh, rep, d))?
-                .reshape((1, n, heads, d))
-        };
-        // (1, heads, L, d) views of the (1, L, heads, d) rows.
-        let q = qk.narrow(2, 0, heads)?.transpose(1, 2)?;
-        let kk = grouped(qk.narrow(2, heads, kvh)?)?.transpose(1, 2)?;
-        let v = grouped(v)?.transpose(1, 2)?;
+        // q and k rotated, k and v repeated to the query heads: (3, L, heads, d), one pass.
+        let g = GroupedHeads { heads, kv: kvh, d };
+        let qkv = ops::qkv_rope_gqa(qkv, g, &t.cos, &t.sin, self.kernels)?;
+        // (1, heads, L, d) views of the (L, heads, d) rows.
+        let part = |i: usize| -> CResult<Tensor> { qkv.get(i)?.unsqueeze(0)?.transpose(1, 2) };
+        let (q, kk, v) = (part(0)?, part(1)?, part(2)?);
         let scale = 1.0 / (d as f64).sqrt();
         if let Some(mask) = &t.mask {
             if let Some(o) =
@@ -220,7 +203,6 @@ impl QwenLm {
         }
         let (cos, sin) = rope_tables(n, self.cfg.head_dim(), self.cfg.rope_theta, &self.device)
             .map_err(candle_core::Error::wrap)?;
-        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let probe = Tensor::zeros((1, 1, 1, self.cfg.head_dim()), self.dtype, &self.device)?;
         let mask = if attention::fused_supported(&probe) && self.kernels.uses_libraries() {
             Some(causal_mask(n, self.dtype, &self.device)?)
