@@ -38,8 +38,8 @@ pub struct Args {
     pub calibrate: bool,
     /// With --calibrate: measure this model's operations through mold's own layers — its
     /// blocks' matrix products (full, tensor- and sequence-parallel shapes), attention
-    /// over heads x sequence, the element-wise kernels, the collectives; for FLUX also its
-    /// text encoders and VAE decoder (at half, the same and twice the default side), warm,
+    /// over heads x sequence, the element-wise kernels, the collectives; for FLUX and
+    /// Qwen-Image also their text encoders and VAE decoder (at half, the same and twice the default side), warm,
     /// and what their first run adds in a fresh process (child processes of this binary,
     /// as a one-shot `mold exec` meets it) — into the profile's `ops` tables, which the
     /// cost model then prices blocks, encode and decode from. Without --save the tables

@@ -22,7 +22,7 @@ use candle_nn::VarBuilder;
 use mold_exec::Kernels;
 use mold_pipeline::qwen::lm::{QwenLm, PAD_TOKENS};
 use mold_pipeline::qwen::testdata::TextSize;
-use mold_pipeline::qwen::text::{CandleLm, QwenTextConfig};
+use mold_pipeline::qwen::text::CandleLm;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -102,17 +102,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         layers: if args.tiny { base.layers } else { args.layers },
         ..base
     };
-    let cfg = QwenTextConfig {
-        vocab_size: size.vocab,
-        hidden_size: size.hidden,
-        intermediate_size: size.intermediate,
-        num_hidden_layers: size.layers,
-        num_attention_heads: size.heads,
-        num_key_value_heads: size.kv_heads,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1_000_000.0,
-        hidden_act: "silu".into(),
-    };
+    let cfg = size.text_config();
     // Random weights (as transformers initialises: normal, std 0.02; norms at 1 plus a
     // little noise, so that each channel differs), f32 on the GPU.
     let mut f32s: HashMap<String, Tensor> = HashMap::new();

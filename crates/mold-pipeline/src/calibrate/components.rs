@@ -1,5 +1,5 @@
-//! The text encoders and the VAE decoder of a FLUX pipeline timed on one device, for the
-//! cost model's tables (`mold devices --calibrate --model M`): each built at its real
+//! The text encoders and the VAE decoder of a FLUX or Qwen-Image pipeline timed on one
+//! device, for the cost model's tables (`mold devices --calibrate --model M`): each built at its real
 //! size from zero weights (the time of dense kernels does not depend on the values),
 //! run `warmup` times, then timed `iters` times, synchronised; the median is kept. The
 //! encoders run at the model's prompt lengths, the decoder at each requested image size.
@@ -14,6 +14,10 @@ use crate::error::{PipelineError, Result};
 use crate::flux::testdata::{clip_l_config, t5_xxl_config, tiny_clip_config, tiny_t5_config};
 use crate::flux::text;
 use crate::flux::vae::{AeConfig, VaeOptions};
+use crate::qwen::lm::QwenLm;
+use crate::qwen::testdata::TextSize;
+use crate::qwen::text::{CandleLm, QwenTextConfig};
+use crate::qwen::vae::{QwenVae, QwenVaeConfig};
 use crate::{component_dtype, on_device_dtype};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -25,6 +29,9 @@ use mold_models::ModelSpec;
 use serde::{Deserialize, Serialize};
 use std::rc::Rc;
 use std::time::Instant;
+
+/// Qwen-Image's text encoder, as the catalogue names it.
+const QWEN_TEXT: &str = "qwen2.5-vl";
 
 /// How many runs: untimed first, then timed.
 #[derive(Clone, Copy, Debug)]
@@ -42,8 +49,9 @@ impl Default for ComponentBench {
     }
 }
 
-/// `model`'s T5, CLIP and VAE decoder (each in its catalogue dtype) timed on `dev`; the
-/// decoder once per `(width, height)` of `sizes`. FLUX models only.
+/// `model`'s text encoders (FLUX: T5 and CLIP; Qwen-Image: Qwen2.5-VL's language model) and
+/// VAE decoder (each in its catalogue dtype) timed on `dev`; the decoder once per `(width,
+/// height)` of `sizes`. FLUX and Qwen-Image models only.
 pub fn time_components(
     model: &str,
     dev: &Device,
@@ -54,7 +62,7 @@ pub fn time_components(
 ) -> Result<Vec<ComponentPoint>> {
     let c = Components::of(model)?;
     let mut points = Vec::new();
-    for name in ["t5", "clip"] {
+    for &name in c.encoders() {
         let mut b = c.encoder(name, dev, vae.kernels)?;
         progress(&b.label);
         let seconds = median(dev, bench, &mut b.run)?;
@@ -81,12 +89,18 @@ pub fn time_components(
     Ok(points)
 }
 
+/// Whether [`time_components`] and [`first_use`] time `model`'s components (FLUX and
+/// Qwen-Image models).
+pub fn components_timed(model: &str) -> bool {
+    FluxConfig::by_name(model).is_some() || matches!(model, "qwen-image" | "qwen-image-tiny")
+}
+
 /// One component's first run in a process beside its warm runs after it ([`first_use`]);
 /// what the fresh process `mold devices --calibrate --model M` spawns prints, as JSON.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FirstUseRun {
-    /// `t5`, `clip`, `vae`.
+    /// `t5`, `clip`, `qwen2.5-vl`, `vae`.
     pub component: String,
     /// As [`ComponentPoint::size`]: prompt tokens, or the image's pixels.
     pub size: u64,
@@ -109,8 +123,8 @@ impl FirstUseRun {
     }
 }
 
-/// `model`'s text encoders (in [`crate::flux::resident::ENCODERS`]' order, the one `generate`
-/// runs them in), then its VAE decoder at `size`, each built from zero weights as
+/// `model`'s text encoders (in the order its pipeline runs them: for FLUX
+/// [`crate::flux::resident::ENCODERS`]'), then its VAE decoder at `size`, each built from zero weights as
 /// [`time_components`] builds it and run once cold (timed alone, synchronised), then
 /// `bench.iters` times warm (their median; `bench.warmup` is not used: the cold run is
 /// the warm-up). Each is dropped before the next is built, as in a one-shot run. Run it
@@ -142,7 +156,7 @@ pub fn first_use(
         });
         Ok(())
     };
-    for name in crate::flux::resident::ENCODERS {
+    for &name in c.encoders() {
         time(c.encoder(name, dev, vae.kernels)?, progress)?;
     }
     // A size the device cannot decode (its memory) leaves the decoder out, not the
@@ -173,13 +187,24 @@ pub fn record_first_use(points: &mut [ComponentPoint], runs: &[FirstUseRun]) {
     }
 }
 
-/// A FLUX model's text encoders and VAE decoder as calibration builds them.
+/// A model's text encoders and VAE decoder as calibration builds them.
 struct Components {
     model: String,
     spec: ModelSpec,
-    t5: t5::Config,
-    clip: ClipTextConfig,
-    ae: AeConfig,
+    parts: Parts,
+}
+
+/// The configurations of a family's components.
+enum Parts {
+    Flux {
+        t5: t5::Config,
+        clip: ClipTextConfig,
+        ae: AeConfig,
+    },
+    Qwen {
+        text: QwenTextConfig,
+        vae: QwenVaeConfig,
+    },
 }
 
 /// A component built from zero weights on a device, with its input: each call of `run`
@@ -205,12 +230,15 @@ impl Built {
     }
 }
 
+/// Decodes a latent `(1, z, h / 8, w / 8)`.
+type Decode = dyn Fn(&Tensor) -> Result<Tensor>;
+
 /// The decoder, built once for every size.
 struct Vae {
     planned: mold_plan::DType,
     dt: DType,
     z_channels: usize,
-    decoder: Rc<crate::flux::vae::Vae>,
+    decode: Rc<Decode>,
 }
 
 impl Vae {
@@ -225,50 +253,67 @@ impl Vae {
             self.dt,
             dev,
         )?;
-        let decoder = Rc::clone(&self.decoder);
+        let decode = Rc::clone(&self.decode);
         Ok(Built {
             component: "vae",
             planned: self.planned,
             size: w as u64 * h as u64,
             label: self.label((w, h)),
-            run: Box::new(move || {
-                decoder
-                    .decode(&z)
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))
-            }),
+            run: Box::new(move || decode(&z).map_err(|e| candle_core::Error::Msg(e.to_string()))),
         })
     }
 }
 
 impl Components {
-    /// FLUX models only.
+    /// FLUX and Qwen-Image models only.
     fn of(model: &str) -> Result<Components> {
         let bad = |m: String| PipelineError::Plan(m);
-        let flux = FluxConfig::by_name(model).ok_or_else(|| {
-            bad(format!(
-                "model `{model}`: its text encoders and VAE are timed for FLUX models (flux-dev, flux-schnell, flux-tiny)"
-            ))
-        })?;
         let spec = mold_models::find(model).map_err(|e| bad(e.to_string()))?;
-        let (t5_json, clip_json, ae) = if model == "flux-tiny" {
-            (
-                tiny_t5_config(&flux),
-                tiny_clip_config(&flux),
-                AeConfig::tiny(),
-            )
+        let parts = if let Some(flux) = FluxConfig::by_name(model) {
+            let (t5_json, clip_json, ae) = if model == "flux-tiny" {
+                (
+                    tiny_t5_config(&flux),
+                    tiny_clip_config(&flux),
+                    AeConfig::tiny(),
+                )
+            } else {
+                (t5_xxl_config(), clip_l_config(), AeConfig::flux())
+            };
+            let t5 = serde_json::from_value(t5_json)
+                .map_err(|e| bad(format!("the T5 config of `{model}`: {e}")))?;
+            let clip = text::clip_config_from(clip_json, std::path::Path::new("clip_l_config()"))?;
+            Parts::Flux { t5, clip, ae }
         } else {
-            (t5_xxl_config(), clip_l_config(), AeConfig::flux())
+            let (size, vae) = match model {
+                "qwen-image" => (TextSize::QWEN25_VL_7B, QwenVaeConfig::qwen_image()),
+                "qwen-image-tiny" => (
+                    TextSize::tiny(mold_exec::QwenConfig::qwen_image_tiny().joint_attention_dim),
+                    QwenVaeConfig::tiny(),
+                ),
+                _ => {
+                    return Err(bad(format!(
+                        "model `{model}`: its text encoders and VAE are timed for FLUX and Qwen-Image models (flux-dev, flux-schnell, flux-tiny, qwen-image, qwen-image-tiny)"
+                    )))
+                }
+            };
+            Parts::Qwen {
+                text: size.text_config(),
+                vae,
+            }
         };
-        let t5 = serde_json::from_value(t5_json)
-            .map_err(|e| bad(format!("the T5 config of `{model}`: {e}")))?;
-        let clip = text::clip_config_from(clip_json, std::path::Path::new("clip_l_config()"))?;
         Ok(Components {
             model: model.to_string(),
             spec,
-            t5,
-            clip,
-            ae,
+            parts,
         })
+    }
+
+    /// The text encoders, in the order the pipeline runs them.
+    fn encoders(&self) -> &'static [&'static str] {
+        match self.parts {
+            Parts::Flux { .. } => &crate::flux::resident::ENCODERS,
+            Parts::Qwen { .. } => &[QWEN_TEXT],
+        }
     }
 
     /// The dtype a plan gives the component, and the one it computes in on `dev`
@@ -286,29 +331,45 @@ impl Components {
         Ok((planned, on_device_dtype(dt, dev)))
     }
 
-    /// A text encoder (`t5`, `clip`) over its prompt: T5 at the model's prompt length,
-    /// CLIP at its fixed positions; the network `mold exec` runs for `kernels`.
+    /// A text encoder (`t5`, `clip`, `qwen2.5-vl`) over its prompt: T5 and Qwen2.5-VL at the
+    /// model's prompt length, CLIP at its fixed positions; the network `mold exec` runs for
+    /// `kernels`.
     fn encoder(&self, name: &str, dev: &Device, kernels: mold_exec::Kernels) -> Result<Built> {
         let (planned, dt) = self.dtypes(name, dev)?;
         let vb = VarBuilder::zeros(dt, dev);
         type Run = Box<dyn FnMut() -> candle_core::Result<Tensor>>;
-        let (component, tokens, run): (&'static str, usize, Run) = match name {
-            "t5" => {
-                let tokens = self.spec.text_tokens as usize;
-                let mut m = crate::flux::text::T5Net::new(vb, &self.t5, kernels)?;
+        let tokens = self.spec.text_tokens as usize;
+        let (component, tokens, run): (&'static str, usize, Run) = match (&self.parts, name) {
+            (Parts::Flux { t5, .. }, "t5") => {
+                let mut m = crate::flux::text::T5Net::new(vb, t5, kernels)?;
                 let ids = Tensor::zeros((1, tokens), DType::U32, dev)?;
                 ("t5", tokens, Box::new(move || m.forward(&ids)))
             }
-            "clip" => {
-                let len = self.clip.max_position_embeddings;
-                let mut m =
-                    crate::flux::text::ClipNet::new(vb.pp("text_model"), &self.clip, kernels)?;
+            (Parts::Flux { clip, .. }, "clip") => {
+                let len = clip.max_position_embeddings;
+                let mut m = crate::flux::text::ClipNet::new(vb.pp("text_model"), clip, kernels)?;
                 let ids = Tensor::zeros((1, len), DType::U32, dev)?;
                 ("clip", len, Box::new(move || m.forward(&ids)))
             }
-            other => {
+            (Parts::Qwen { text, .. }, QWEN_TEXT) => {
+                let ids = vec![0u32; tokens];
+                let run: Run = if kernels == mold_exec::Kernels::Candle {
+                    let m = CandleLm::new(vb, text)?;
+                    Box::new(move || {
+                        m.forward(&ids)
+                            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+                    })
+                } else {
+                    let m = QwenLm::new(vb, text, kernels)?;
+                    Box::new(move || m.forward(&ids))
+                };
+                (QWEN_TEXT, tokens, run)
+            }
+            (_, other) => {
                 return Err(PipelineError::Plan(format!(
-                    "`{other}` is not a text encoder calibration times (t5, clip)"
+                    "`{other}` is not a text encoder of `{}` (its encoders: {})",
+                    self.model,
+                    self.encoders().join(", ")
                 )))
             }
         };
@@ -322,22 +383,32 @@ impl Components {
     }
 
     /// The decoder `mold exec` would run (`opts`: the channels-last one on CUDA where
-    /// cuDNN loads, else candle-transformers'), from zero weights.
+    /// cuDNN loads, else candle's), from zero weights.
     fn decoder(&self, dev: &Device, opts: VaeOptions) -> Result<Vae> {
         let (planned, dt) = self.dtypes("vae", dev)?;
-        let decoder = crate::flux::vae::Vae::from_varbuilder(
-            VarBuilder::zeros(dt, dev),
-            self.ae.clone(),
-            dt,
-            dev,
-            opts,
-            0,
-        )?;
+        let vb = VarBuilder::zeros(dt, dev);
+        let (z_channels, decode): (usize, Rc<Decode>) = match &self.parts {
+            Parts::Flux { ae, .. } => {
+                let d = crate::flux::vae::Vae::from_varbuilder(vb, ae.clone(), dt, dev, opts, 0)?;
+                (ae.z_channels, Rc::new(move |z: &Tensor| d.decode(z)))
+            }
+            Parts::Qwen { vae, .. } => {
+                let nhwc = crate::nhwc::NhwcOptions {
+                    conv: mold_exec::model::conv::ConvOptions {
+                        kernels: opts.kernels,
+                        tune: false,
+                    },
+                    subpixel: true,
+                };
+                let d = QwenVae::from_varbuilder(vae.clone(), vb, dt, dev, nhwc, 0)?;
+                (vae.z_dim, Rc::new(move |z: &Tensor| d.decode(z)))
+            }
+        };
         Ok(Vae {
             planned,
             dt,
-            z_channels: self.ae.z_channels,
-            decoder: Rc::new(decoder),
+            z_channels,
+            decode,
         })
     }
 }
@@ -380,7 +451,7 @@ mod tests {
         assert!(p.iter().all(|p| p.seconds.is_finite() && p.seconds > 0.0));
         assert_eq!(seen.len(), 5, "{seen:?}");
         let e = time_components(
-            "qwen-image",
+            "sd3.5-large",
             &Device::Cpu,
             &[(64, 64)],
             &ComponentBench::default(),
@@ -389,7 +460,37 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("FLUX models"), "{e}");
+        assert!(e.contains("FLUX and Qwen-Image models"), "{e}");
+        assert!(!components_timed("sd3.5-large") && components_timed("qwen-image"));
+    }
+
+    /// Qwen-Image's language model at the prompt length and its decoder at each size, on
+    /// mold's layers and as the candle reference.
+    #[test]
+    fn qwen_image_tiny_components_are_timed() {
+        for kernels in [mold_exec::Kernels::Auto, mold_exec::Kernels::Candle] {
+            let p = time_components(
+                "qwen-image-tiny",
+                &Device::Cpu,
+                &[(32, 32), (64, 48)],
+                &ComponentBench {
+                    warmup: 0,
+                    iters: 1,
+                },
+                VaeOptions::with_kernels(kernels),
+                &mut |_| {},
+            )
+            .unwrap();
+            let names: Vec<(&str, u64)> =
+                p.iter().map(|p| (p.component.as_str(), p.size)).collect();
+            let tokens = mold_models::find("qwen-image-tiny").unwrap().text_tokens as u64;
+            assert_eq!(
+                names,
+                [("qwen2.5-vl", tokens), ("vae", 1024), ("vae", 64 * 48)],
+                "{kernels:?}"
+            );
+            assert!(p.iter().all(|p| p.seconds.is_finite() && p.seconds > 0.0));
+        }
     }
 
     /// Each component once cold and warm in the exec's order (encoders, then the
@@ -428,7 +529,7 @@ mod tests {
         let back: Vec<FirstUseRun> = serde_json::from_str(&json).unwrap();
         assert_eq!(back, runs);
         let e = first_use(
-            "qwen-image",
+            "sd3.5-large",
             &Device::Cpu,
             (64, 64),
             &ComponentBench::default(),
@@ -437,7 +538,21 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("FLUX models"), "{e}");
+        assert!(e.contains("FLUX and Qwen-Image models"), "{e}");
+        let runs = first_use(
+            "qwen-image-tiny",
+            &Device::Cpu,
+            (32, 32),
+            &ComponentBench {
+                warmup: 0,
+                iters: 1,
+            },
+            VaeOptions::default(),
+            &mut |_| {},
+        )
+        .unwrap();
+        let names: Vec<&str> = runs.iter().map(|r| r.component.as_str()).collect();
+        assert_eq!(names, ["qwen2.5-vl", "vae"]);
     }
 
     #[test]

@@ -6,9 +6,9 @@
 //!   and peer copies, NCCL all-reduce — applied to the profile.
 //! - A model's operation tables (`--model M`), one per kind of device of the profile's
 //!   first node ([`device_kinds`]): its blocks' operations and collectives
-//!   ([`mold_exec::calibrate::measure_ops`], timed as [`op_timing`] picks), for FLUX also
-//!   its text encoders and VAE decoder ([`time_components`]) and their first run in fresh
-//!   processes ([`first_use`], through [`Host::first_use`]), and on GPUs the CUDA
+//!   ([`mold_exec::calibrate::measure_ops`], timed as [`op_timing`] picks), for FLUX and
+//!   Qwen-Image also its text encoders and VAE decoder ([`time_components`]) and their
+//!   first run in fresh processes ([`first_use`], through [`Host::first_use`]), and on GPUs the CUDA
 //!   libraries' device memory in fresh processes ([`Host::footprint`]); each table added
 //!   to the profile with a note of how it was measured ([`add_tables`]).
 //!
@@ -18,7 +18,9 @@
 mod components;
 mod model;
 
-pub use components::{first_use, record_first_use, time_components, ComponentBench, FirstUseRun};
+pub use components::{
+    components_timed, first_use, record_first_use, time_components, ComponentBench, FirstUseRun,
+};
 pub use model::{add_tables, check_model, device_kinds, op_timing, ModelCalibration};
 
 use crate::error::PipelineError;

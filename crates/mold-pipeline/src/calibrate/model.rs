@@ -1,7 +1,7 @@
 //! A model's operation tables measured kind of device by kind of device, and added to
 //! the profile (`mold devices --calibrate --model M`): what is measured in which order.
 
-use super::components::{record_first_use, time_components, FirstUseRun};
+use super::components::{components_timed, record_first_use, time_components, FirstUseRun};
 use super::{CalibrateError, Host};
 use mold_exec::calibrate::{measure_ops, OpBench, OpTarget, Timing};
 use mold_exec::comm::CommOptions;
@@ -190,7 +190,7 @@ fn measure_kind(
         &bench,
         &mut |s| host.say(&format!("calibrating: {s}")),
     )?;
-    if mold_exec::FluxConfig::by_name(model).is_some() {
+    if components_timed(model) {
         // The text encoders, and the VAE at half, the same and twice the default side.
         let (w, h) = (spec.default_workload.width, spec.default_workload.height);
         let mut sizes = vec![(w / 2, h / 2), (w, h), (w * 2, h * 2)];
@@ -488,6 +488,48 @@ mod tests {
             .said
             .iter()
             .all(|s| s.starts_with("calibrating: ") || s.starts_with("operation tables: ")));
+    }
+
+    /// qwen-image-tiny: its language model and decoder measured into the table, and the cost
+    /// model then prices its encode (both prompts of true CFG) and decode from them.
+    #[test]
+    fn qwen_image_encode_and_decode_are_priced_from_their_runs() {
+        let mut m = profile("cpu-emu-4");
+        m.devices.truncate(1);
+        m.links.peer.clear();
+        let mut host = Fake::default();
+        let spec = mold_models::find("qwen-image-tiny").unwrap();
+        let done = calibrate(
+            &mut m,
+            Calibration {
+                devices: None,
+                model: Some(ModelCalibration {
+                    model: "qwen-image-tiny".into(),
+                    spec: spec.clone(),
+                    ..tiny(None)
+                }),
+                date: "2030-01-02".into(),
+                mold_version: "9.9.9".into(),
+            },
+            &mut host,
+        )
+        .unwrap();
+        let t = &done.tables[0].0;
+        let point = |c: &str| t.components.iter().find(|p| p.component == c).unwrap();
+        let text = point("qwen2.5-vl");
+        assert_eq!(text.size, spec.text_tokens as u64);
+        let w = spec.default_workload.clone();
+        let ctx = mold_cost::Ctx::new(&spec, &m, &w);
+        let on = m.devices[0].id.clone();
+        let c = spec.component("qwen2.5-vl").unwrap();
+        let e = ctx.component_estimate(c, &on, c.default_dtype).unwrap();
+        let prompts = w.effective_batch() as f64;
+        assert!(prompts >= 2.0, "true CFG encodes two prompts: {prompts}");
+        assert!((e.seconds - text.seconds * prompts).abs() < 1e-12, "{e:?}");
+        let vae = spec.component("vae").unwrap();
+        assert!(ctx
+            .component_estimate(vae, &on, vae.default_dtype)
+            .is_some());
     }
 
     /// What cannot be calibrated is refused before anything is measured.

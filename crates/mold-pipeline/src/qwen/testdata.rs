@@ -60,6 +60,22 @@ impl TextSize {
         self.hidden / self.heads
     }
 
+    /// The language model's configuration at this size (Qwen2.5-VL's published values
+    /// elsewhere: SiLU, RMS norm epsilon 1e-6, rotary base 10⁶).
+    pub fn text_config(&self) -> crate::qwen::text::QwenTextConfig {
+        crate::qwen::text::QwenTextConfig {
+            vocab_size: self.vocab,
+            hidden_size: self.hidden,
+            intermediate_size: self.intermediate,
+            num_hidden_layers: self.layers,
+            num_attention_heads: self.heads,
+            num_key_value_heads: self.kv_heads,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            hidden_act: "silu".into(),
+        }
+    }
+
     /// The checkpoint's language-model tensors (`model.*` and `lm_head.weight`).
     pub fn tensor_specs(&self) -> Vec<TensorSpec> {
         let (h, kv, m) = (
