@@ -6,6 +6,8 @@
 //   division (explicit, whatever --use_fast_math says), round to nearest even, saturated
 //   at ±448, NaN kept.
 //   Launch: grid (rows), block 256.
+// quantize_cols: as quantize_rows with the whole row's scale, writing only columns
+//   c0 .. c0 + len, at column out_col of a (rows, kout) output. Launch: grid (rows), block 256.
 // dequantize_rows: out = q * scale[row] in bf16/f16 (the weight-only path on GPUs without
 //   FP8 products). Launch: grid (rows, ceil(k / 256)), block 256.
 
@@ -27,14 +29,13 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
+// Row `blockIdx.x`'s factor 448 / amax over its k values (1 for a zero or non-finite row),
+// its scale amax / 448 written to scale[row]; every thread of the block gets the factor.
 template <typename T>
-__device__ void quantize_rows(const T *__restrict__ x, __nv_fp8_storage_t *__restrict__ q,
-                              float *__restrict__ scale, int k) {
+__device__ float row_factor(const T *__restrict__ xr, float *__restrict__ scale, int k) {
     __shared__ float part[THREADS / 32];
     __shared__ float inv_s;
     const int64_t row = blockIdx.x;
-    const T *xr = x + row * (int64_t)k;
-    __nv_fp8_storage_t *qr = q + row * (int64_t)k;
     float m = 0.0f;
     for (int i = threadIdx.x; i < k; i += THREADS) m = fmaxf(m, fabsf(to_f(xr[i])));
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
@@ -49,10 +50,35 @@ __device__ void quantize_rows(const T *__restrict__ x, __nv_fp8_storage_t *__res
         scale[row] = ok ? __fdiv_rn(a, E4M3_MAX) : 1.0f;
     }
     __syncthreads();
-    const float inv = inv_s;
+    return inv_s;
+}
+
+template <typename T>
+__device__ void quantize_rows(const T *__restrict__ x, __nv_fp8_storage_t *__restrict__ q,
+                              float *__restrict__ scale, int k) {
+    const int64_t row = blockIdx.x;
+    const T *xr = x + row * (int64_t)k;
+    __nv_fp8_storage_t *qr = q + row * (int64_t)k;
+    const float inv = row_factor(xr, scale, k);
     for (int i = threadIdx.x; i < k; i += THREADS) {
         // Saturated at ±448 by the conversion; a NaN stays NaN (as on the CPU).
         qr[i] = __nv_cvt_float_to_fp8(__fmul_rn(to_f(xr[i]), inv), __NV_SATFINITE, __NV_E4M3);
+    }
+}
+
+// Columns c0 .. c0 + len of each row, scaled by the whole row's factor, written at column
+// out_col of q (rows, kout): a row-parallel piece of a weight quantized as the whole row is.
+template <typename T>
+__device__ void quantize_cols(const T *__restrict__ x, __nv_fp8_storage_t *__restrict__ q,
+                              float *__restrict__ scale, int k, int c0, int len, int out_col,
+                              int kout) {
+    const int64_t row = blockIdx.x;
+    const T *xr = x + row * (int64_t)k;
+    __nv_fp8_storage_t *qr = q + row * (int64_t)kout + out_col;
+    const float inv = row_factor(xr, scale, k);
+    for (int i = threadIdx.x; i < len; i += THREADS) {
+        qr[i] = __nv_cvt_float_to_fp8(__fmul_rn(to_f(xr[c0 + i]), inv), __NV_SATFINITE,
+                                      __NV_E4M3);
     }
 }
 
@@ -73,6 +99,11 @@ __device__ void dequantize_rows(const __nv_fp8_storage_t *__restrict__ q,
     extern "C" __global__ void mold_fp8_quantize_rows_##SUFFIX(                               \
         const T *x, __nv_fp8_storage_t *q, float *scale, int k) {                             \
         mold_fp8::quantize_rows<T>(x, q, scale, k);                                           \
+    }                                                                                          \
+    extern "C" __global__ void mold_fp8_quantize_cols_##SUFFIX(                               \
+        const T *x, __nv_fp8_storage_t *q, float *scale, int k, int c0, int len, int out_col,  \
+        int kout) {                                                                            \
+        mold_fp8::quantize_cols<T>(x, q, scale, k, c0, len, out_col, kout);                    \
     }                                                                                          \
     extern "C" __global__ void mold_fp8_dequantize_rows_##SUFFIX(                             \
         const __nv_fp8_storage_t *q, const float *scale, T *out, int k) {                     \

@@ -718,17 +718,20 @@ impl WeightSource for StagedSource<'_> {
             // read, quantized and uploaded on the host (FLUX.1-dev's FP8 load on an H200:
             // 5.2 s so, 10.3 s on the host, 1.2 s in bf16; BENCHMARKS.md). A product loaded as
             // column pieces (row-parallel: a TP rank's share, FLUX's single-block output
-            // projection's [attention, MLP] pieces) and checkpoints stored otherwise keep
-            // the host path: the columns would be cut from the quantized rows on the GPU,
-            // which the build's candle cannot copy in FP8 (no `ucopy_f8e4m3` kernel).
+            // projection's [attention, MLP] pieces) uploads the whole rows too (a row's
+            // scale needs every column) and quantizes only its columns, with the rows'
+            // scales. Checkpoints stored otherwise keep the host path.
             #[cfg(feature = "cuda")]
-            if cols.is_none() && matches!(self.host.dtype, DType::BF16 | DType::F16) {
+            if matches!(self.host.dtype, DType::BF16 | DType::F16) {
                 if let Some(sel) = self.host.ckpt.stored_slice(name, rows, None)? {
                     let matrix = sel.shape.len() == 2 && sel.shape.iter().all(|&d| d > 0);
                     if matches!(sel.dtype, DType::BF16 | DType::F16) && matrix {
                         let t = self.stager.upload(&sel.pieces, sel.dtype, &sel.shape)?;
                         let t = t.to_dtype(self.host.dtype)?;
-                        return Ok(Mat::Fp8(Fp8Weight::quantize_on_gpu(&t)?));
+                        return Ok(Mat::Fp8(match cols {
+                            None => Fp8Weight::quantize_on_gpu(&t)?,
+                            Some(cs) => Fp8Weight::quantize_cols_on_gpu(&t, cs)?,
+                        }));
                     }
                 }
             }

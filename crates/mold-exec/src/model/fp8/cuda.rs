@@ -18,6 +18,7 @@ use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp1, Layout, Shape, Storage, Tensor, D};
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
 type CResult<T> = candle_core::Result<T>;
@@ -645,6 +646,91 @@ pub(crate) fn quantize_weight(w: &Tensor) -> CResult<Fp8Weight> {
         wrap(
             CudaStorage::wrap_cuda_slice(q, dev.clone()),
             Shape::from((n, k)),
+        ),
+        wrap(CudaStorage::wrap_cuda_slice(s, dev), Shape::from(n)),
+    )
+}
+
+/// The columns `cols` of an `(n, k)` bf16/f16 weight on a GPU (pieces side by side, in
+/// order), quantized there with each whole row's scale: what [`quantize_weight`] then a cut
+/// of those columns would give (a row-parallel share of a product), without copying FP8
+/// columns (candle's build has no FP8 strided copy). One kernel launch per piece.
+pub(crate) fn quantize_weight_cols(w: &Tensor, cols: &[Range<usize>]) -> CResult<Fp8Weight> {
+    let (n, k) = w.dims2()?;
+    let kout: usize = cols.iter().map(|c| c.len()).sum();
+    if n == 0 || k == 0 || kout == 0 || cols.iter().any(|c| c.start >= c.end || c.end > k) {
+        candle_core::bail!("FP8 quantization on the GPU: columns {cols:?} of an ({n}, {k}) weight");
+    }
+    if k > i32::MAX as usize {
+        candle_core::bail!("FP8 quantization on the GPU: rows of {k} values");
+    }
+    let w = w.contiguous()?;
+    let (st, l) = w.storage_and_layout();
+    let Storage::Cuda(cs) = &*st else {
+        candle_core::bail!("FP8 quantization on the GPU: the weight is not on a GPU");
+    };
+    let dt = cs.dtype();
+    let dev = cs.device.clone();
+    let f = dev
+        .get_or_load_custom_fatbin(
+            &format!("mold_fp8_quantize_cols_{}", suffix(dt)?),
+            MODULE,
+            FATBIN,
+        )?
+        .into_cuda_function();
+    // SAFETY: the pieces together write every column of every row.
+    let mut q = unsafe { dev.alloc::<float8::F8E4M3>(n * kout)? };
+    let mut s = unsafe { dev.alloc::<f32>(n)? };
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    let (mut xb, mut xh) = (None, None);
+    match dt {
+        DType::BF16 => xb = Some(cs.as_cuda_slice::<half::bf16>()?.slice(l.start_offset()..)),
+        _ => xh = Some(cs.as_cuda_slice::<half::f16>()?.slice(l.start_offset()..)),
+    }
+    let mut out_col = 0usize;
+    for c in cols {
+        let (kk, c0, len, oc, ko) = (
+            k as i32,
+            c.start as i32,
+            c.len() as i32,
+            out_col as i32,
+            kout as i32,
+        );
+        let mut b = stream.launch_builder(&f);
+        match (&xb, &xh) {
+            (Some(v), _) => b.arg(v),
+            (_, Some(v)) => b.arg(v),
+            _ => candle_core::bail!("FP8 quantization on the GPU: no input view"),
+        };
+        b.arg(&mut q)
+            .arg(&mut s)
+            .arg(&kk)
+            .arg(&c0)
+            .arg(&len)
+            .arg(&oc)
+            .arg(&ko);
+        // SAFETY: the arguments match the kernel's signature; sizes as allocated.
+        unsafe { b.launch(cfg) }.map_err(|e| err("quantize kernel", e))?;
+        out_col += c.len();
+    }
+    drop(st);
+    let wrap = |storage: CudaStorage, shape: Shape| {
+        Tensor::from_storage(
+            Storage::Cuda(storage),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    };
+    Fp8Weight::from_parts(
+        wrap(
+            CudaStorage::wrap_cuda_slice(q, dev.clone()),
+            Shape::from((n, kout)),
         ),
         wrap(CudaStorage::wrap_cuda_slice(s, dev), Shape::from(n)),
     )

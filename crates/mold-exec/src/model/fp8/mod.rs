@@ -211,6 +211,14 @@ impl Fp8Weight {
         cuda::quantize_weight(w)
     }
 
+    /// The columns `cols` (pieces side by side, in order) of an `(n, k)` bf16 or f16 weight
+    /// held by a GPU, quantized on that GPU with each whole row's scale: the same values and
+    /// scales as [`Fp8Weight::quantize`] of the whole rows, then those columns.
+    #[cfg(feature = "cuda")]
+    pub fn quantize_cols_on_gpu(w: &Tensor, cols: &[std::ops::Range<usize>]) -> CResult<Fp8Weight> {
+        cuda::quantize_weight_cols(w, cols)
+    }
+
     /// From e4m3 values and per-row scales (checked: `q` `(n, k)` F8E4M3, `scale` `(n)` F32).
     pub fn from_parts(q: Tensor, scale: Tensor) -> CResult<Fp8Weight> {
         let (n, _) = q.dims2()?;
