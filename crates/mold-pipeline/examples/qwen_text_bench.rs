@@ -71,6 +71,9 @@ fn parse() -> Result<Args, String> {
             _ => return Err(format!("unknown argument {k} (see the file's header)")),
         }
     }
+    if a.tiny && a.parts {
+        return Err("--parts times cuDNN's and mold's kernels: a GPU, not --tiny".into());
+    }
     if a.tokens.is_empty() || a.tokens.contains(&0) || a.layers == 0 {
         return Err("--tokens needs positive counts and --layers a positive number".into());
     }

@@ -125,23 +125,26 @@ pub enum Gate {
 }
 
 /// `act(x[…, :n]) · x[…, n:]` for `x` `(…, 2n)`: a gated feed-forward's two halves, as one
-/// product computes them side by side, in one pass where mold's kernel runs (CUDA, rows
-/// with unit column stride, `n` even), else candle's ops on the two halves.
+/// product computes them side by side, in one pass where mold's kernel runs (CUDA bf16, f16
+/// or f32, contiguous, `n` even), else candle's ops on the two halves.
 pub fn gated(x: &Tensor, act: Gate, k: Kernels) -> CResult<Tensor> {
     let two = x.dim(D::Minus1)?;
     if two % 2 != 0 {
         candle_core::bail!("gated: the last dimension {two} is not two halves");
     }
     let n = two / 2;
-    let lead = &x.dims()[..x.rank() - 1];
-    let rows: usize = lead.iter().product();
-    let x3 = x.reshape((1, rows, two))?;
-    let supported =
-        rows_ok(&x3) && n.is_multiple_of(2) && x.layout().start_offset().is_multiple_of(2);
+    let supported = cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32)
+        && x.is_contiguous()
+        && n.is_multiple_of(2)
+        && x.layout().start_offset().is_multiple_of(2);
     if k.use_fused(supported, "gated activation")? {
+        let lead = &x.dims()[..x.rank() - 1];
+        let rows: usize = lead.iter().product();
         let mut shape = lead.to_vec();
         shape.push(n);
-        return fused::gated(&x3, act)?.reshape(shape);
+        return fused::gated(&x.reshape((1, rows, two))?, act)?.reshape(shape);
     }
     let a = x.narrow(D::Minus1, 0, n)?;
     let a = match act {
@@ -188,8 +191,10 @@ pub fn qkv_rope_gqa(
     }
     let supported = cfg!(feature = "cuda")
         && qkv.device().is_cuda()
+        && matches!(qkv.dtype(), DType::BF16 | DType::F16 | DType::F32)
         && qkv.stride()[1] == 1
         && d / 2 <= 1024
+        && heads <= 65_535
         && [cos, sin]
             .iter()
             .all(|t| t.dtype() == DType::F32 && t.is_contiguous());

@@ -268,6 +268,11 @@ impl Components {
     /// FLUX and Qwen-Image models only.
     fn of(model: &str) -> Result<Components> {
         let bad = |m: String| PipelineError::Plan(m);
+        if !components_timed(model) {
+            return Err(bad(format!(
+                "model `{model}`: its text encoders and VAE are timed for FLUX and Qwen-Image models (flux-dev, flux-schnell, flux-tiny, qwen-image, qwen-image-tiny)"
+            )));
+        }
         let spec = mold_models::find(model).map_err(|e| bad(e.to_string()))?;
         let parts = if let Some(flux) = FluxConfig::by_name(model) {
             let (t5_json, clip_json, ae) = if model == "flux-tiny" {
@@ -400,7 +405,8 @@ impl Components {
                     },
                     subpixel: true,
                 };
-                let d = QwenVae::from_varbuilder(vae.clone(), vb, dt, dev, nhwc, 0)?;
+                let d =
+                    QwenVae::from_varbuilder(vae.clone(), vb, dt, dev, nhwc, 0, "zero weights")?;
                 (vae.z_dim, Rc::new(move |z: &Tensor| d.decode(z)))
             }
         };

@@ -30,6 +30,9 @@ type CResult<T> = candle_core::Result<T>;
 /// Runs are padded to a multiple of this many tokens.
 pub const PAD_TOKENS: usize = 64;
 
+/// How many lengths' tables are kept.
+const KEPT_LENGTHS: usize = 4;
+
 struct Layer {
     ln_attn: Tensor,
     /// `(hidden + 2 · kv, hidden)`: q, k, v stacked (weight only; the bias apart).
@@ -63,8 +66,9 @@ pub struct QwenLm {
     dtype: DType,
     device: Device,
     kernels: Kernels,
-    /// The tables of the last length run.
-    tables: Mutex<Option<Tables>>,
+    /// The tables of the last [`KEPT_LENGTHS`] lengths run (a prompt and its negative
+    /// prompt are usually of two lengths), the newest last.
+    tables: Mutex<Vec<Tables>>,
 }
 
 impl QwenLm {
@@ -123,7 +127,7 @@ impl QwenLm {
             dtype: vb.dtype(),
             device: vb.device().clone(),
             kernels,
-            tables: Mutex::new(None),
+            tables: Mutex::new(Vec::new()),
         })
     }
 
@@ -195,10 +199,10 @@ impl QwenLm {
             .to_dtype(self.dtype)
     }
 
-    /// The tables of length `n`, kept for the next call of the same length.
+    /// The tables of length `n`, kept for later calls of the same length.
     fn tables(&self, n: usize) -> CResult<Tables> {
         let mut kept = self.tables.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = kept.as_ref().filter(|t| t.len == n) {
+        if let Some(t) = kept.iter().find(|t| t.len == n) {
             return Ok(t.clone());
         }
         let (cos, sin) = rope_tables(n, self.cfg.head_dim(), self.cfg.rope_theta, &self.device)
@@ -215,7 +219,10 @@ impl QwenLm {
             sin,
             mask,
         };
-        *kept = Some(t.clone());
+        if kept.len() == KEPT_LENGTHS {
+            kept.remove(0);
+        }
+        kept.push(t.clone());
         Ok(t)
     }
 }

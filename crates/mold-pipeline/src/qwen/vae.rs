@@ -583,27 +583,23 @@ impl QwenVae {
         })?;
         // SAFETY: mapped read-only; the files must not change while loading.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, dev)? };
-        Self::from_varbuilder(cfg, vb, dtype, dev, opts, weight_bytes).map_err(|e| match e {
-            PipelineError::Component { message, .. } => PipelineError::Component {
-                component: "vae".into(),
-                message: format!(
-                    "cannot load the decoder from {}: {message} (its config is {})",
-                    files
-                        .weights
-                        .iter()
-                        .map(|f| f.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    files.config.display()
-                ),
-            },
-            e => e,
-        })
+        let source = format!(
+            "{} (its config is {})",
+            files
+                .weights
+                .iter()
+                .map(|f| f.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            files.config.display()
+        );
+        Self::from_varbuilder(cfg, vb, dtype, dev, opts, weight_bytes, &source)
     }
 
     /// The decoder of `cfg` from `vb` (rooted where `decoder.` and `post_quant_conv.` live)
     /// in `dtype` on `dev`, as [`QwenVae::load_with`] builds it (`weight_bytes`: what it
-    /// holds, for the run's accounting).
+    /// holds, for the run's accounting; `source`: where the weights come from, for a load
+    /// failure's message).
     pub fn from_varbuilder(
         cfg: QwenVaeConfig,
         vb: VarBuilder,
@@ -611,11 +607,12 @@ impl QwenVae {
         dev: &Device,
         opts: NhwcOptions,
         weight_bytes: u64,
+        source: &str,
     ) -> Result<QwenVae> {
         let dtype = crate::on_device_dtype(dtype, dev);
         let fail = |e: String| PipelineError::Component {
             component: "vae".into(),
-            message: e,
+            message: format!("cannot load the decoder from {source}: {e}"),
         };
         let imp = match channels_last(dev, dtype, opts.conv.kernels)? {
             Ok(version) => QwenNhwcDecoder::new(&cfg, &vb, opts)
