@@ -716,7 +716,7 @@ impl WeightSource for StagedSource<'_> {
             // A product's whole rows as the checkpoint stores them (bf16 or f16) go to the
             // GPU through the staging buffers and are quantized there, instead of being
             // read, quantized and uploaded on the host (FLUX.1-dev's FP8 load on an H200:
-            // 5.2 s so, 10.3 s on the host, 1.2 s in bf16; BENCHMARKS.md). A product loaded as
+            // 1.15 s so, 13.4 s on the host, 1.2 s in bf16; BENCHMARKS.md). A product loaded as
             // column pieces (row-parallel: a TP rank's share, FLUX's single-block output
             // projection's [attention, MLP] pieces) uploads the whole rows too (a row's
             // scale needs every column) and quantizes only its columns, with the rows'
