@@ -4,7 +4,7 @@
 //! benches/encoders/torch_qwen_text.py, transformers' model of the same size, in one call).
 //!
 //! qwen_text_bench [--tokens 64,256,1058] [--iters N] [--layers N] [--dtype bf16|f16]
-//!                 [--plans DIR] [--tiny] [--parts]
+//!                 [--plans DIR] [--tiny] [--parts] [--check TOL]
 //!
 //! For each token count: the first run of the process at that length (plans built), the
 //! median of `N` warm runs, for mold's layers and the reference; and both outputs against
@@ -15,7 +15,9 @@
 //! `--parts` (a GPU): also one layer's pieces timed alone at each (padded) length — the products,
 //! the causal attention with its mask as a bias, the same attention unmasked (cuDNN's
 //! fused SDPA), the element-wise passes (mold's kernels and candle's ops, with their
-//! difference) — on random inputs.
+//! difference) — on random inputs. `--check TOL`: exit 1 where mold's output is further
+//! than `TOL` from the f32 reference, or (with `--parts`) a kernel further than 1e-2 from
+//! candle's ops (`scripts/gpu-suite` runs it so when the binary is carried).
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -34,6 +36,7 @@ struct Args {
     tiny: bool,
     plans: Option<std::path::PathBuf>,
     parts: bool,
+    check: Option<f64>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -45,6 +48,7 @@ fn parse() -> Result<Args, String> {
         tiny: false,
         plans: None,
         parts: false,
+        check: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -67,6 +71,7 @@ fn parse() -> Result<Args, String> {
             }
             "--tiny" => a.tiny = true,
             "--parts" => a.parts = true,
+            "--check" => a.check = Some(val()?.parse().map_err(|e| format!("--check: {e}"))?),
             "--plans" => a.plans = Some(val()?.into()),
             _ => return Err(format!("unknown argument {k} (see the file's header)")),
         }
@@ -136,6 +141,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         serde_json::json!({"layers": size.layers, "dtype": format!("{dtype:?}"),
             "mold_build_s": load_s})
     );
+    let mut failed: Vec<String> = Vec::new();
     for &n in &args.tokens {
         let ids: Vec<u32> = (0..n as u32)
             .map(|i| (i * 7919 + 13) % size.vocab as u32)
@@ -162,15 +168,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             row.insert(format!("{name}_ms"), (warm * 1e3).into());
             row.insert(format!("{name}_vs_f32"), rel(&out, &want)?.into());
         }
+        if let Some(tol) = args.check {
+            let e = row["mold_vs_f32"].as_f64().unwrap_or(f64::INFINITY);
+            if e.is_nan() || e > tol {
+                failed.push(format!(
+                    "{n} tokens: mold against f32 {e:.3e} (tolerance {tol:.1e})"
+                ));
+            }
+        }
         println!("{}", serde_json::Value::Object(row));
         if args.parts {
-            parts(
-                &size,
-                n.div_ceil(PAD_TOKENS) * PAD_TOKENS,
-                dtype,
-                &dev,
-                args.iters,
-            )?;
+            let n_run = n.div_ceil(PAD_TOKENS) * PAD_TOKENS;
+            let p = parts(&size, n_run, dtype, &dev, args.iters)?;
+            if args.check.is_some() {
+                for (k, v) in p.iter().filter(|(k, _)| k.ends_with("_vs_candle")) {
+                    let e = v.as_f64().unwrap_or(f64::INFINITY);
+                    if e.is_nan() || e > 1e-2 {
+                        failed.push(format!("{n} tokens: {k} {e:.3e} (tolerance 1e-2)"));
+                    }
+                }
+            }
         }
     }
     let r = mold_exec::model::attention::report();
@@ -178,17 +195,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{}",
         serde_json::json!({"attention": r.calls, "cudnn_refusals": r.cudnn_refusals})
     );
+    if !failed.is_empty() {
+        eprintln!("check failed: {}", failed.join("; "));
+        std::process::exit(1);
+    }
     Ok(())
 }
 
-/// One layer's pieces at `n` tokens, each timed alone (median of `iters`), one JSON line.
+/// One layer's pieces at `n` tokens, each timed alone (median of `iters`), one JSON line;
+/// the line's fields returned.
 fn parts(
     size: &TextSize,
     n: usize,
     dtype: DType,
     dev: &Device,
     iters: usize,
-) -> candle_core::Result<()> {
+) -> candle_core::Result<serde_json::Map<String, serde_json::Value>> {
     use mold_exec::model::{attention, gemm, ops};
     let (h, heads, kvh) = (size.hidden, size.heads, size.kv_heads);
     let d = h / heads;
@@ -262,6 +284,6 @@ fn parts(
     let fast = ops::qkv_rope_gqa(&qkv, g, &cos, &sin, Kernels::Auto)?;
     let slow = ops::qkv_rope_gqa(&qkv, g, &cos, &sin, Kernels::Candle)?;
     out.insert("qkv_prep_vs_candle".into(), rel(&fast, &slow)?.into());
-    println!("{}", serde_json::Value::Object(out));
-    Ok(())
+    println!("{}", serde_json::Value::Object(out.clone()));
+    Ok(out)
 }
