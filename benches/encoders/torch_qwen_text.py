@@ -11,26 +11,11 @@ events around each forward.
 """
 import argparse
 import json
-import statistics
 
 import torch
 from transformers import Qwen2Config, Qwen2Model
 
-
-def timed(fn, ids, warm=5, n=20):
-    with torch.inference_mode():
-        for _ in range(warm):
-            fn(ids)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(n):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(ids)
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-    return statistics.median(ts), min(ts)
+from torch_encoders import timed  # this folder's: CUDA events, median and min after warm-ups
 
 
 def main():

@@ -127,34 +127,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let vae = Vae::load_bands_file(&a.ae, AeConfig::flux(), a.dtype, &devs, opts)?;
     sync_all()?;
     println!("load: {:.3} s", t.elapsed().as_secs_f64());
-    let z = candle_core::safetensors::load(&a.latent, &dev)?
-        .remove("z")
-        .ok_or_else(|| format!("{}: no tensor `z`", a.latent.display()))?;
-    let decode = |z: &Tensor| -> Result<(Tensor, f64), Box<dyn std::error::Error>> {
-        sync_all()?;
-        let t = Instant::now();
-        let y = vae.decode(z)?;
-        sync_all()?;
-        Ok((y, t.elapsed().as_secs_f64()))
-    };
-    let (img, first) = decode(&z)?;
-    println!("first decode: {:.1} ms", first * 1e3);
-    let mut times = Vec::with_capacity(a.iters);
-    for _ in 0..a.iters.max(1) {
-        times.push(decode(&z)?.1);
-    }
-    times.sort_by(f64::total_cmp);
-    println!(
-        "decode {:?} {}: median {:.2} ms, min {:.2} ms over {} (kernels {:?}, tune {}, subpixel {})",
-        z.dims(),
-        format!("{:?}", a.dtype).to_lowercase(),
-        times[times.len() / 2] * 1e3,
-        times[0] * 1e3,
-        times.len(),
-        a.kernels,
-        a.tune,
-        a.subpixel
-    );
+    let z = common::load_latent(&a.latent, &dev)?;
+    let (img, times) = common::time_decodes(&z, a.iters, &sync_all, &|z| Ok(vae.decode(z)?))?;
+    common::print_decodes(&z, a.dtype, &times, a.kernels, a.tune, a.subpixel);
     println!("{}", vae.note());
     println!("{}", mold_exec::model::plan_cache::counts());
     if a.keep_pool {

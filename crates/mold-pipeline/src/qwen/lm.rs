@@ -145,11 +145,13 @@ impl QwenLm {
         let k = self.kernels;
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
+        // The composition's f32 mask, built once a run where the fused attention does not run.
+        let mut mask32 = None;
         for l in &self.layers {
             let h = candle_nn::ops::rms_norm(&x, &l.ln_attn, eps)?;
             let qkv = gemm::linear(&h, &l.qkv, &l.qkv_bias, false, k)?;
             drop(h);
-            let a = self.attend(&qkv, &t)?;
+            let a = self.attend(&qkv, &t, &mut mask32)?;
             drop(qkv);
             x = gemm::add_matmul(x, &a, &l.o, k)?;
             let h = candle_nn::ops::rms_norm(&x, &l.ln_mlp, eps)?;
@@ -162,8 +164,9 @@ impl QwenLm {
         candle_nn::ops::rms_norm(&x.narrow(0, 0, n)?, &self.norm, eps)?.unsqueeze(0)
     }
 
-    /// Causal self-attention of `qkv` `(L, hidden + 2 · kv)`: `(L, hidden)`.
-    fn attend(&self, qkv: &Tensor, t: &Tables) -> CResult<Tensor> {
+    /// Causal self-attention of `qkv` `(L, hidden + 2 · kv)`: `(L, hidden)`; `mask32`, the
+    /// composition's mask once built.
+    fn attend(&self, qkv: &Tensor, t: &Tables, mask32: &mut Option<Tensor>) -> CResult<Tensor> {
         let n = t.len;
         let (heads, kvh, d) = (
             self.cfg.num_attention_heads,
@@ -187,11 +190,16 @@ impl QwenLm {
         // The composition, in f32, with the causal mask added to the scaled scores.
         let f = |t: Tensor| t.to_dtype(DType::F32)?.contiguous();
         let (q, kk, v) = (f(q)?, f(kk)?, f(v)?);
-        let mask: Vec<f32> = (0..n)
-            .flat_map(|i| (0..n).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
-            .collect();
-        let mask = Tensor::from_vec(mask, (1, 1, n, n), &self.device)?;
-        let att = (q.matmul(&kk.t()?)? * scale)?.broadcast_add(&mask)?;
+        let mask = match mask32 {
+            Some(m) => m,
+            None => {
+                let m: Vec<f32> = (0..n)
+                    .flat_map(|i| (0..n).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+                    .collect();
+                mask32.insert(Tensor::from_vec(m, (1, 1, n, n), &self.device)?)
+            }
+        };
+        let att = (q.matmul(&kk.t()?)? * scale)?.broadcast_add(mask)?;
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         att.matmul(&v)?
             .transpose(1, 2)?

@@ -617,43 +617,17 @@ impl InplaceOp1 for Accumulate {
     }
 }
 
-/// An `(n, k)` bf16/f16 weight on a GPU quantized per output feature (row) there, by the
-/// kernel that quantizes a product's input per token: the same values and scales as
-/// [`Fp8Weight::quantize`] on the host (`scripts/gpu-suite` compares the two loads' outputs).
+/// An `(n, k)` bf16/f16 weight on a GPU quantized per output feature (row) there: the same
+/// values and scales as [`Fp8Weight::quantize`] on the host (`scripts/gpu-suite` compares
+/// the two loads' outputs). [`quantize_weight_cols`] over every column.
 pub(crate) fn quantize_weight(w: &Tensor) -> CResult<Fp8Weight> {
-    let (n, k) = w.dims2()?;
-    let w = w.contiguous()?;
-    let (st, l) = w.storage_and_layout();
-    let Storage::Cuda(cs) = &*st else {
-        candle_core::bail!("FP8 quantization on the GPU: the weight is not on a GPU");
-    };
-    suffix(cs.dtype())?;
-    if n == 0 || k == 0 {
-        candle_core::bail!("FP8 quantization on the GPU: an empty ({n}, {k}) weight");
-    }
-    let dev = cs.device.clone();
-    let (q, s) = quantize::<float8::F8E4M3>(&dev, cs, l, n, k)?;
-    drop(st);
-    let wrap = |storage: CudaStorage, shape: Shape| {
-        Tensor::from_storage(
-            Storage::Cuda(storage),
-            shape,
-            candle_core::op::BackpropOp::none(),
-            false,
-        )
-    };
-    Fp8Weight::from_parts(
-        wrap(
-            CudaStorage::wrap_cuda_slice(q, dev.clone()),
-            Shape::from((n, k)),
-        ),
-        wrap(CudaStorage::wrap_cuda_slice(s, dev), Shape::from(n)),
-    )
+    let (_, k) = w.dims2()?;
+    quantize_weight_cols(w, std::slice::from_ref(&(0..k)))
 }
 
 /// The columns `cols` of an `(n, k)` bf16/f16 weight on a GPU (pieces side by side, in
-/// order), quantized there with each whole row's scale: what [`quantize_weight`] then a cut
-/// of those columns would give (a row-parallel share of a product), without copying FP8
+/// order), quantized there with each whole row's scale: what quantizing the whole rows then
+/// cutting those columns would give (a row-parallel share of a product), without copying FP8
 /// columns (candle's build has no FP8 strided copy). One kernel launch per piece.
 pub(crate) fn quantize_weight_cols(w: &Tensor, cols: &[Range<usize>]) -> CResult<Fp8Weight> {
     let (n, k) = w.dims2()?;
