@@ -421,6 +421,11 @@ impl<'a> Ctx<'a> {
         }
         // Held between steps beside the block's own activations.
         activation_bytes = activation_bytes.saturating_add(self.modulation_ahead_bytes(act));
+        // FP8 weights quantized on a GPU at load hold up to a window of bf16 rows there
+        // beside the weights loaded so far: no less than that at the block's worst.
+        if dtype == DType::Fp8 && group.devices.iter().any(|d| matches!(d, DeviceId::Cuda(_))) {
+            activation_bytes = activation_bytes.max(load::FP8_STAGING_WINDOW_BYTES);
+        }
         BlockCost {
             compute_s,
             allreduce_s,

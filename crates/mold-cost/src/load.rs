@@ -27,6 +27,15 @@ use serde::Serialize;
 /// H100 machine read 19–38 GB/s (BENCHMARKS.md, loading).
 pub const DEFAULT_HOST_READ_GBPS: f64 = 10.0;
 
+/// The most bytes of bf16 (or f16) rows a GPU holds at once while its FP8 weights are
+/// quantized at load (`mold-exec`'s `staging.rs`, `Stager::window`): each product's rows are
+/// staged as stored and quantized there, and a product waits for room in this window, so
+/// the several reading threads add at most this much to what is resident (a product larger
+/// than the window is quantized alone; every product of the catalogue's transformers fits,
+/// `mold-exec` tests it). The cost model charges it as the least activation of a resident FP8
+/// block on a GPU ([`crate::Ctx::block`]).
+pub const FP8_STAGING_WINDOW_BYTES: u64 = 256 << 20;
+
 /// A one-shot request's loading, by what loads.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct LoadTime {

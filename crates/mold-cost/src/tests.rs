@@ -841,3 +841,36 @@ fn a_vae_in_row_bands_is_priced_and_held_per_band() {
     let e = validate(&p, &model, &m).unwrap_err().to_string();
     assert!(e.contains("runs whole on one device"), "{e}");
 }
+
+/// A block held in FP8 on a GPU charges at least the window of bf16 rows its load quantizes
+/// there (`crate::load::FP8_STAGING_WINDOW_BYTES`), above flux-tiny's own few-kB activations; the
+/// same block in bf16, or in FP8 on emulated devices (read on the host), does not.
+#[test]
+fn fp8_blocks_on_gpus_hold_the_quantizing_window() {
+    let (plan, model) = tiny_plan(vec![]);
+    let m = machine();
+    let emulated = Machine::from_yaml(&MACHINE.replace("cuda:", "emu:"), "emu").unwrap();
+    let w = plan.workload.clone();
+    let gpu = Group::tensor(vec![DeviceId::Cuda(0)]);
+    let emu = Group::tensor(vec![DeviceId::Emu(0)]);
+    for k in &model.transformer.kinds {
+        let ctx = Ctx::new(&model, &m, &w);
+        let on_emu = Ctx::new(&model, &emulated, &w);
+        let bf16 = ctx.block(k, &gpu, DType::Bf16).activation_bytes;
+        assert!(
+            bf16 < crate::load::FP8_STAGING_WINDOW_BYTES,
+            "{}: {bf16}",
+            k.name
+        );
+        assert_eq!(
+            ctx.block(k, &gpu, DType::Fp8).activation_bytes,
+            crate::load::FP8_STAGING_WINDOW_BYTES,
+            "{}",
+            k.name
+        );
+        assert!(
+            on_emu.block(k, &emu, DType::Fp8).activation_bytes
+                < crate::load::FP8_STAGING_WINDOW_BYTES
+        );
+    }
+}

@@ -726,12 +726,18 @@ impl WeightSource for StagedSource<'_> {
                 if let Some(sel) = self.host.ckpt.stored_slice(name, rows, None)? {
                     let matrix = sel.shape.len() == 2 && sel.shape.iter().all(|&d| d > 0);
                     if matches!(sel.dtype, DType::BF16 | DType::F16) && matrix {
-                        let t = self.stager.upload(&sel.pieces, sel.dtype, &sel.shape)?;
-                        let t = t.to_dtype(self.host.dtype)?;
-                        return Ok(Mat::Fp8(match cols {
-                            None => Fp8Weight::quantize_on_gpu(&t)?,
-                            Some(cs) => Fp8Weight::quantize_cols_on_gpu(&t, cs)?,
-                        }));
+                        // The reading threads' rows on the device at once are bounded by
+                        // the stager's quantizing window (the planner charges it).
+                        let bytes = (sel.shape.iter().product::<usize>()
+                            * sel.dtype.size_in_bytes()) as u64;
+                        return self.stager.quantizing(bytes, || {
+                            let t = self.stager.upload(&sel.pieces, sel.dtype, &sel.shape)?;
+                            let t = t.to_dtype(self.host.dtype)?;
+                            Ok(Mat::Fp8(match cols {
+                                None => Fp8Weight::quantize_on_gpu(&t)?,
+                                Some(cs) => Fp8Weight::quantize_cols_on_gpu(&t, cs)?,
+                            }))
+                        });
                     }
                 }
             }

@@ -101,6 +101,56 @@ pub fn var_builder(
     ))
 }
 
+/// At most `limit` bytes admitted at once, across threads: a request waits until what is
+/// held leaves room for it; one larger than `limit` is admitted when nothing else is held, so
+/// every request is admitted in time. A GPU's FP8 weights quantized at load go through one
+/// ([`Stager::quantizing`]), which bounds the bf16 rows the reading threads hold there at
+/// once by `mold_cost::load::FP8_STAGING_WINDOW_BYTES`, the figure the planner charges.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct ByteWindow {
+    limit: u64,
+    held: std::sync::Mutex<u64>,
+    left: std::sync::Condvar,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl ByteWindow {
+    pub(crate) fn new(limit: u64) -> ByteWindow {
+        ByteWindow {
+            limit,
+            held: std::sync::Mutex::new(0),
+            left: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Waits for room for `bytes`; they are held until the slot is dropped.
+    pub(crate) fn enter(&self, bytes: u64) -> WindowSlot<'_> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        while *held > 0 && held.saturating_add(bytes) > self.limit {
+            held = self.left.wait(held).unwrap_or_else(|p| p.into_inner());
+        }
+        *held = held.saturating_add(bytes);
+        WindowSlot {
+            window: self,
+            bytes,
+        }
+    }
+}
+
+/// Bytes held in a [`ByteWindow`] until dropped.
+pub(crate) struct WindowSlot<'a> {
+    window: &'a ByteWindow,
+    bytes: u64,
+}
+
+impl Drop for WindowSlot<'_> {
+    fn drop(&mut self) {
+        let mut held = self.window.held.lock().unwrap_or_else(|p| p.into_inner());
+        *held = held.saturating_sub(self.bytes);
+        self.window.left.notify_all();
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 /// Uploads through page-locked buffers: CUDA builds only.
 pub enum Stager {}
@@ -149,6 +199,8 @@ mod gpu {
         copy: Arc<CudaStream>,
         free: Mutex<Vec<Buf>>,
         returned: Condvar,
+        /// The bf16 rows held on the device until quantized to FP8 ([`Stager::quantizing`]).
+        quantize: super::ByteWindow,
     }
 
     fn dev_err(device: &Device, what: &str, e: impl std::fmt::Display) -> ExecError {
@@ -198,6 +250,7 @@ mod gpu {
                 copy,
                 free: Mutex::new(bufs),
                 returned: Condvar::new(),
+                quantize: super::ByteWindow::new(mold_cost::load::FP8_STAGING_WINDOW_BYTES),
             }))
         }
 
@@ -246,6 +299,19 @@ mod gpu {
             })();
             self.give(b);
             r
+        }
+
+        /// `f` (which stages `bytes` of rows and quantizes them on the device) once the
+        /// device's quantizing window has room for them; the calling thread's stream is
+        /// drained before the window is left, so the rows `f` dropped are free memory by
+        /// then, not a free still queued.
+        pub fn quantizing<T>(&self, bytes: u64, f: impl FnOnce() -> Result<T>) -> Result<T> {
+            let _slot = self.quantize.enter(bytes);
+            let out = f()?;
+            self.device
+                .synchronize()
+                .map_err(|e| dev_err(&self.device, "quantizing a weight", e))?;
+            Ok(out)
         }
 
         /// A tensor of `shape` in `dtype` on the device holding the concatenation of
@@ -391,6 +457,66 @@ mod gpu {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Threads entering a window together never hold more than its limit at once, save one
+    /// request larger than the limit, held alone; every request gets in.
+    #[test]
+    fn a_window_bounds_what_threads_hold_at_once() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let w = ByteWindow::new(100);
+        let (now, most, done) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+        let sizes = [40u64, 30, 60, 100, 10, 250, 50, 20, 90, 5, 70, 30];
+        std::thread::scope(|s| {
+            for round in 0..4 {
+                for (i, &b) in sizes.iter().enumerate() {
+                    let (w, now, most, done) = (&w, &now, &most, &done);
+                    s.spawn(move || {
+                        let _slot = w.enter(b);
+                        let held = now.fetch_add(b, Ordering::SeqCst) + b;
+                        most.fetch_max(held, Ordering::SeqCst);
+                        if b > 100 {
+                            assert_eq!(held, b, "an oversized request is held alone");
+                        }
+                        std::thread::sleep(std::time::Duration::from_micros(
+                            (200 * ((i + round) % 5)) as u64,
+                        ));
+                        now.fetch_sub(b, Ordering::SeqCst);
+                        done.fetch_add(1, Ordering::SeqCst);
+                    });
+                }
+            }
+        });
+        assert_eq!(done.load(Ordering::SeqCst), 4 * sizes.len() as u64);
+        assert!(
+            most.load(Ordering::SeqCst) <= 250,
+            "{}",
+            most.load(Ordering::SeqCst)
+        );
+        // Without the window the twelve requests of a round (755 bytes) overlap.
+        assert_eq!(*w.held.lock().unwrap(), 0);
+    }
+
+    /// Every product weight of the transformers mold runs fits the FP8 quantizing window in
+    /// bf16, so the planner's charge for it (`FP8_STAGING_WINDOW_BYTES`) bounds the rows a
+    /// GPU holds at load.
+    #[test]
+    fn every_product_fits_the_fp8_quantizing_window() {
+        use crate::model::{flux::FluxConfig, qwen::QwenConfig};
+        let specs = [
+            FluxConfig::flux_dev().tensor_specs(),
+            FluxConfig::flux_schnell().tensor_specs(),
+            QwenConfig::qwen_image().tensor_specs(),
+        ];
+        let mut largest = 0u64;
+        for t in specs.iter().flatten().filter(|t| t.shape.len() == 2) {
+            largest = largest.max(2 * t.shape.iter().product::<usize>() as u64);
+        }
+        assert!(largest > 100 << 20, "{largest}");
+        assert!(
+            largest <= mold_cost::load::FP8_STAGING_WINDOW_BYTES,
+            "{largest}"
+        );
+    }
 
     proptest! {
         /// Any chunking of the concatenation gathers exactly its bytes.

@@ -124,9 +124,11 @@ impl ColumnParallel {
     }
     /// `x Wᵀ + b` for a small per-sample input (`(b, in)`, e.g. the conditioning vector):
     /// on CUDA one cuBLASLt matmul with the bias in its epilogue, elsewhere candle's matmul
-    /// and broadcast add, as a replicated [`Linear`] computes these rows.
+    /// and broadcast add, as a replicated [`Linear`] computes these rows. An FP8 weight is
+    /// widened and the input not quantized ([`Mat::linear_vec`]): the modulation it gives
+    /// scales every token.
     pub fn forward_vec(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
-        self.weight.linear(x, &self.bias, false, k)
+        self.weight.linear_vec(x, &self.bias, k)
     }
     pub fn map_tensors(&self, f: &mut TensorMap) -> candle_core::Result<Self> {
         Ok(ColumnParallel {

@@ -80,6 +80,15 @@ impl Mat {
         }
     }
 
+    /// `x Wᵀ + b` for a conditioning vector: an FP8 weight widened, its input kept in its
+    /// own precision ([`fp8::linear_weight_only`]).
+    pub fn linear_vec(&self, x: &Tensor, b: &Tensor, k: Kernels) -> CResult<Tensor> {
+        match self {
+            Mat::Dense(w) => gemm::linear(x, &candle_nn::Linear::new(w.clone(), None), b, false, k),
+            Mat::Fp8(w) => fp8::linear_weight_only(x, w, b, k),
+        }
+    }
+
     /// `x Wᵀ`.
     pub fn matmul(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
         match self {

@@ -12,7 +12,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{result as lt, sys};
 use candle_core::cuda::cudarc::driver::DeviceRepr;
 use candle_core::cuda::cudarc::driver::{
-    CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp1, Layout, Shape, Storage, Tensor, D};
@@ -26,6 +26,8 @@ type CResult<T> = candle_core::Result<T>;
 const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8.fatbin"));
 const MODULE: &str = "mold_fp8";
 const THREADS: u32 = 256;
+/// The longest row `mold_fp8_quantize_rows_vec` takes: 8 pieces of 8 values a thread.
+const VEC_MAX_K: usize = 8 * 8 * THREADS as usize;
 /// cuBLASLt's workspace (NVIDIA recommends 32 MiB on Hopper).
 const WORKSPACE: usize = 32 << 20;
 
@@ -53,6 +55,8 @@ fn lt_type(dt: DType) -> CResult<sys::cudaDataType> {
 struct Handle {
     h: sys::cublasLtHandle_t,
     ws: CudaSlice<u8>,
+    /// Each product's descriptors and algorithm, made on its first run here.
+    prepared: HashMap<ShapeKey, (Product, sys::cublasLtMatmulAlgo_t)>,
 }
 
 // SAFETY: a cuBLASLt handle may be used from any thread, one call at a time (the mutex).
@@ -77,7 +81,11 @@ fn handle(dev: &CudaDevice) -> CResult<Arc<Mutex<Handle>>> {
         let h = lt::create_handle().map_err(|e| err("cuBLASLt handle", e))?;
         // SAFETY: a workspace is scratch memory; cuBLASLt writes before it reads.
         match unsafe { stream.alloc::<u8>(WORKSPACE) } {
-            Ok(ws) => Ok(Handle { h, ws }),
+            Ok(ws) => Ok(Handle {
+                h,
+                ws,
+                prepared: HashMap::new(),
+            }),
             Err(e) => {
                 // SAFETY: just created, not shared.
                 let _ = unsafe { lt::destroy_handle(h) };
@@ -286,24 +294,13 @@ impl Product {
         }
         Ok(p)
     }
+}
 
-    /// The heuristic's first algorithm for this product with the handle's workspace.
-    unsafe fn algo(&self, h: &Handle) -> CResult<sys::cublasLtMatmulAlgo_t> {
-        let pref = lt::create_matmul_pref().map_err(|e| err("matmul preference", e))?;
-        let size = WORKSPACE;
-        let r = lt::set_matmul_pref_attribute(
-            pref,
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &size as *const usize as *const c_void,
-            std::mem::size_of::<usize>(),
-        )
-        .and_then(|_| {
-            lt::get_matmul_algo_heuristic(h.h, self.desc, self.a, self.b, self.c, self.c, pref)
-        });
-        let _ = lt::destroy_matmul_pref(pref);
-        r.map(|r| r.algo)
-            .map_err(|e| err("no cuBLASLt algorithm", e))
-    }
+/// `MOLD_FP8_QUANTIZE=plain`: every input quantized by the plain kernel (for measuring, and
+/// for the GPU suite's check that both kernels give the same bits).
+fn plain_quantize() -> bool {
+    static PLAIN: OnceLock<bool> = OnceLock::new();
+    *PLAIN.get_or_init(|| std::env::var("MOLD_FP8_QUANTIZE").is_ok_and(|v| v == "plain"))
 }
 
 /// The input quantized per token: e4m3 values `(m, k)` (as bytes `Q`) and `m` scales.
@@ -315,12 +312,19 @@ fn quantize<Q: DeviceRepr>(
     k: usize,
 ) -> CResult<(CudaSlice<Q>, CudaSlice<f32>)> {
     let dt = x.dtype();
+    // Rows of whole 16-byte pieces, 16-byte aligned, that a block's registers hold: read
+    // once, 16 bytes at a time (the same values and scales as the plain kernel).
+    let vec = k % 8 == 0
+        && k <= VEC_MAX_K
+        && (xl.start_offset() * dt.size_in_bytes()) % 16 == 0
+        && !plain_quantize();
+    let name = if vec {
+        "mold_fp8_quantize_rows_vec"
+    } else {
+        "mold_fp8_quantize_rows"
+    };
     let f = dev
-        .get_or_load_custom_fatbin(
-            &format!("mold_fp8_quantize_rows_{}", suffix(dt)?),
-            MODULE,
-            FATBIN,
-        )?
+        .get_or_load_custom_fatbin(&format!("{name}_{}", suffix(dt)?), MODULE, FATBIN)?
         .into_cuda_function();
     // SAFETY: the kernel writes every element (`Q` is one byte: u8 or e4m3).
     debug_assert_eq!(std::mem::size_of::<Q>(), 1);
@@ -392,21 +396,18 @@ unsafe fn run(
             .insert((ord, m, n, k, bias.is_some(), gelu), why.clone());
         candle_core::Error::Msg(why)
     };
-    let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu).map_err(refuse)?;
     let (wq_p, _g1) = wq.device_ptr(&stream);
     let (ws_p, _g2) = wsc.device_ptr(&stream);
     let (x8_p, _g3) = x8.device_ptr(&stream);
     let (sx_p, _g4) = sx.device_ptr(&stream);
-    use sys::cublasLtMatmulDescAttributes_t as A;
-    set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws_p).map_err(refuse)?;
-    set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx_p).map_err(refuse)?;
     let (bias_b, bias_h);
     let mut _g5 = None;
+    let mut bias_p = None;
     if let Some((bstore, bl)) = &bs {
         let Storage::Cuda(bstore) = &**bstore else {
             candle_core::bail!("FP8 products: the bias is not on the GPU");
         };
-        let bp = match out_dt {
+        bias_p = Some(match out_dt {
             DType::BF16 => {
                 bias_b = bstore
                     .as_cuda_slice::<half::bf16>()?
@@ -423,45 +424,40 @@ unsafe fn run(
                 _g5 = Some(g);
                 p
             }
-        };
-        set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp).map_err(refuse)?;
+        });
     }
     let h = handle(dev)?;
     let mut h = h.lock().unwrap_or_else(|p| p.into_inner());
-    // cuBLASLt's heuristic answers the same for the same product: asked once per device,
-    // shape, dtype and epilogue (a step runs a few hundred products of a dozen shapes).
-    type AlgoKey = (usize, usize, usize, usize, bool, bool, bool);
-    static ALGOS: OnceLock<Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>> = OnceLock::new();
-    let key: AlgoKey = (
-        stream.context().ordinal(),
-        m,
-        n,
-        k,
-        out_dt == DType::BF16,
-        bias.is_some(),
-        gelu,
-    );
-    let cached = ALGOS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&key)
-        .copied();
-    let found = match cached {
-        Some(a) => Ok(a),
-        None => p.algo(&h).inspect(|a| {
-            ALGOS
-                .get_or_init(Default::default)
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(key, *a);
-        }),
+    let Handle {
+        h: lt_handle,
+        ws,
+        prepared,
+    } = &mut *h;
+    let lt_handle = *lt_handle;
+    // This call's operands; cuBLASLt answers a heuristic query for outer-vector scales only
+    // with the scale pointers set.
+    let point = |p: &Product| -> CResult<()> {
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws_p)?;
+        set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx_p)?;
+        if let Some(bp) = bias_p {
+            set_desc(p.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp)?;
+        }
+        Ok(())
     };
-    let algo = found.map_err(refuse)?;
+    // Each product's descriptors and algorithm are made once per handle (a step runs a few
+    // hundred products of a dozen shapes), not once per product.
+    let pk: ShapeKey = (m, n, k, out_dt == DType::BF16, bias.is_some(), gelu);
+    if !prepared.contains_key(&pk) {
+        let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu).map_err(refuse)?;
+        point(&p).map_err(refuse)?;
+        let algo = choose(lt_handle, &p, pk, &stream).map_err(refuse)?;
+        prepared.insert(pk, (p, algo));
+    }
+    let (p, algo) = &prepared[&pk];
+    point(p).map_err(refuse)?;
     let alpha = 1f32;
-    let lt_handle = h.h;
-    let (ws_ptr, _g6) = h.ws.device_ptr_mut(&stream);
-    let ws_ptr = ws_ptr as *mut c_void;
+    let (ws_ptr, _g6) = ws.device_ptr_mut(&stream);
     lt::matmul(
         lt_handle,
         p.desc,
@@ -475,12 +471,50 @@ unsafe fn run(
         p.c,
         out as *mut c_void,
         p.c,
-        &algo,
-        ws_ptr,
+        algo,
+        ws_ptr as *mut c_void,
         WORKSPACE,
         stream.cu_stream() as sys::cudaStream_t,
     )
     .map_err(|e| err("cuBLASLt matmul", e))
+}
+
+/// A product's shape and epilogue on one device: m, n, k, bf16 output, bias, GELU.
+type ShapeKey = (usize, usize, usize, bool, bool, bool);
+
+/// The algorithm for product `pk` on `stream`'s device: cuBLASLt's heuristic, asked once per
+/// device and shape in a process. (For these products — FP8 with outer-vector scales —
+/// cuBLASLt 13.0 on an H200 offers a single candidate for FLUX.1-dev's shapes: timing up to
+/// eight of them on first use chose no other; BENCHMARKS.md.)
+unsafe fn choose(
+    h: sys::cublasLtHandle_t,
+    p: &Product,
+    pk: ShapeKey,
+    stream: &Arc<CudaStream>,
+) -> CResult<sys::cublasLtMatmulAlgo_t> {
+    type Key = (usize, ShapeKey);
+    static ALGOS: OnceLock<Mutex<HashMap<Key, sys::cublasLtMatmulAlgo_t>>> = OnceLock::new();
+    let key = (stream.context().ordinal(), pk);
+    let algos = ALGOS.get_or_init(Default::default);
+    if let Some(a) = algos.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return Ok(*a);
+    }
+    let pref = lt::create_matmul_pref().map_err(|e| err("matmul preference", e))?;
+    let size = WORKSPACE;
+    let r = lt::set_matmul_pref_attribute(
+        pref,
+        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+        &size as *const usize as *const c_void,
+        std::mem::size_of::<usize>(),
+    )
+    .and_then(|_| lt::get_matmul_algo_heuristic(h, p.desc, p.a, p.b, p.c, p.c, pref));
+    let _ = lt::destroy_matmul_pref(pref);
+    let algo = r.map_err(|e| err("no cuBLASLt algorithm", e))?.algo;
+    algos
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(key, algo);
+    Ok(algo)
 }
 
 /// `act(x Wᵀ + b)` through an FP8 product ([`products_apply`] checked by the caller).

@@ -383,6 +383,25 @@ pub fn linear(
     linear_reference(x, w, b, gelu)
 }
 
+/// `x Wᵀ + b` with the FP8 weight widened to `x`'s dtype and `x` itself not quantized:
+/// for products whose input precision reaches every token, the conditioning vector's
+/// (the modulation's shift, scale and gate), where the issue asks for bf16 and an FP8
+/// product would save nothing (a few rows, run once per window of steps). On CUDA the
+/// weight is widened by a kernel and multiplied by cuBLASLt, the bias in its epilogue;
+/// elsewhere an f32 product of the dequantized weight, rounded once to `x`'s dtype.
+pub fn linear_weight_only(x: &Tensor, w: &Fp8Weight, b: &Tensor, k: Kernels) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16) {
+        let dense = candle_nn::Linear::new(w.dequantize(x.dtype())?, None);
+        return super::gemm::linear(x, &dense, b, false, k);
+    }
+    let _ = k;
+    let wd = w.dequantize(DType::F32)?.to_device(x.device())?;
+    super::gemm::matmul(&x.to_dtype(DType::F32)?, &wd)?
+        .broadcast_add(&b.to_dtype(DType::F32)?)?
+        .to_dtype(x.dtype())
+}
+
 /// `acc + x Wᵀ` with an FP8 weight: accumulated in the product on CUDA (beta = 1, `acc`
 /// consumed; it must not share storage), else a product and an add.
 pub fn add_linear(acc: Tensor, x: &Tensor, w: &Fp8Weight, k: Kernels) -> CResult<Tensor> {

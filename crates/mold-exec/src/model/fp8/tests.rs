@@ -168,6 +168,40 @@ fn the_emulated_product_is_the_product_of_the_dequantized_operands() {
     assert!(err > 0.0 && err < 0.1, "{err}");
 }
 
+/// A conditioning vector's product (the modulation: `Mat::linear_vec`) widens the FP8 weight
+/// and keeps its input as given: an f32 product of the input and the dequantized weight,
+/// not the product of the input quantized per token that every other FP8 product is.
+#[test]
+fn the_modulation_keeps_its_input_unquantized() {
+    let x = Tensor::randn(0f32, 1.0, (4, 64), &Device::Cpu).unwrap();
+    let w = Tensor::randn(0f32, 0.2, (48, 64), &Device::Cpu).unwrap();
+    let b = Tensor::randn(0f32, 0.1, 48, &Device::Cpu).unwrap();
+    let mat = Mat::Fp8(Fp8Weight::quantize(&w).unwrap());
+    let got = mat.linear_vec(&x, &b, Kernels::Auto).unwrap();
+    let wd = Fp8Weight::quantize(&w)
+        .unwrap()
+        .dequantize(DType::F32)
+        .unwrap();
+    let want = x
+        .matmul(&wd.t().unwrap())
+        .unwrap()
+        .broadcast_add(&b)
+        .unwrap();
+    assert_eq!(bits(&got), bits(&want));
+    let quantized = mat.linear(&x, &b, false, Kernels::Auto).unwrap();
+    assert_ne!(bits(&got), bits(&quantized));
+    // A dense weight's conditioning product is its plain product.
+    let dense = Mat::Dense(w.clone())
+        .linear_vec(&x, &b, Kernels::Auto)
+        .unwrap();
+    let plain = x
+        .matmul(&w.t().unwrap())
+        .unwrap()
+        .broadcast_add(&b)
+        .unwrap();
+    assert!(crate::max_relative_error(&dense, &plain).unwrap() < 1e-6);
+}
+
 struct Tiny {
     ckpt: Checkpoint,
     _dir: tempdir::Dir,
