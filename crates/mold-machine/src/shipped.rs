@@ -353,9 +353,8 @@ mod tests {
         assert!(m.adopt_tables(&profiles()).is_empty());
     }
 
-    /// A two-GPU H200 box adopts the bf16 tables measured on four H200s (not the H100's
-    /// scaled), with their layout-copy rate and their collectives over two; FP8, measured
-    /// on H100 only, comes scaled from there.
+    /// A two-GPU H200 box adopts the bf16 and FP8 tables measured on H200s (not the
+    /// H100's scaled), with their layout-copy rate and their collectives over two.
     #[test]
     fn an_h200_box_adopts_the_measured_h200_tables() {
         let src = profiles()
@@ -372,17 +371,16 @@ mod tests {
         assert_eq!(added[0].from, "4x-h200-measured");
         assert!(added[0].scaled.is_none() && added[0].collectives);
         assert_eq!(added[1].table, "flux-dev fp8 on NVIDIA H200");
-        assert!(added[1].scaled.is_some());
-        // FP8's products scaled from the H100; its element-wise kernels and layout copies,
-        // bf16 in both, at this GPU's measured rates.
+        assert_eq!(added[1].from, "4x-h200-measured");
+        assert!(added[1].scaled.is_none());
+        // Both measured, none estimated.
         let fp8 = m
             .op_tables("flux-dev", mold_plan::DType::Fp8, "NVIDIA H200")
             .unwrap();
         let bf16 = m
             .op_tables("flux-dev", mold_plan::DType::Bf16, "NVIDIA H200")
             .unwrap();
-        assert_eq!(fp8.elementwise_gbps, bf16.elementwise_gbps);
-        assert_eq!(fp8.layout_copy_gbps, bf16.layout_copy_gbps);
+        assert!(fp8.estimated.is_none());
         assert!(bf16.estimated.is_none());
         assert!(bf16.layout_copy_gbps.is_some_and(|g| g > 0.0));
         assert!(bf16.collectives.all_reduce.iter().all(|p| p.devices == 2));

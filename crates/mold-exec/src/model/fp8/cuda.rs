@@ -483,9 +483,9 @@ unsafe fn run(
 type ShapeKey = (usize, usize, usize, bool, bool, bool);
 
 /// The algorithm for product `pk` on `stream`'s device: cuBLASLt's heuristic, asked once per
-/// device and shape in a process. (For these products — FP8 with outer-vector scales —
-/// cuBLASLt 13.0 on an H200 offers a single candidate for FLUX.1-dev's shapes: timing up to
-/// eight of them on first use chose no other; BENCHMARKS.md.)
+/// device and shape in a process. (For these products — FP8 with outer-vector scales — the
+/// heuristic offered one candidate for each of FLUX.1-dev's shapes on an H200: a build that
+/// timed up to eight on first use found none to compare; BENCHMARKS.md.)
 unsafe fn choose(
     h: sys::cublasLtHandle_t,
     p: &Product,
