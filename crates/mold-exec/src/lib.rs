@@ -38,6 +38,7 @@
 //! dtypes from the safetensors headers) and [`check_plan`] (block ranges, coverage,
 //! tensor-parallel degrees).
 
+pub mod block_errors;
 pub mod calibrate;
 pub mod checkpoint;
 pub mod comm;
