@@ -336,8 +336,13 @@ mod tests {
     fn a_box_of_the_same_gpus_adopts_their_tables() {
         let mut m = two_h100(LinkKind::Nvlink);
         let added = m.adopt_tables(&profiles());
-        // flux-dev in bf16 and in FP8.
-        assert_eq!(added.len(), 2, "{added:?}");
+        // flux-dev in bf16 and in FP8, measured on H100s; qwen-image's, measured on H200s
+        // only, scaled from there.
+        assert_eq!(added.len(), 4, "{added:?}");
+        assert!(added[..2].iter().all(|a| a.scaled.is_none()));
+        assert!(added[2..]
+            .iter()
+            .all(|a| a.from == "4x-h200-measured" && a.scaled.is_some()));
         assert!(m
             .op_tables("flux-dev", mold_plan::DType::Fp8, "NVIDIA H100 80GB HBM3")
             .is_some());
@@ -367,7 +372,11 @@ mod tests {
         m.devices.truncate(2);
         m.links.peer[0].devices.truncate(2);
         let added = m.adopt_tables(&profiles());
-        assert_eq!(added.len(), 2, "{added:?}");
+        // flux-dev and qwen-image, bf16 and FP8, all measured on H200s.
+        assert_eq!(added.len(), 4, "{added:?}");
+        assert!(added
+            .iter()
+            .all(|a| a.from == "4x-h200-measured" && a.scaled.is_none()));
         assert_eq!(added[0].from, "4x-h200-measured");
         assert!(added[0].scaled.is_none() && added[0].collectives);
         assert_eq!(added[1].table, "flux-dev fp8 on NVIDIA H200");
@@ -418,7 +427,12 @@ mod tests {
                 d.compute_capability = cc.map(String::from);
             }
             let added = m.adopt_tables(&profiles());
-            assert_eq!(added.len(), 1, "{cc:?}: {added:?}");
+            // flux-dev's and qwen-image's bf16 tables.
+            assert_eq!(added.len(), 2, "{cc:?}: {added:?}");
+            assert!(
+                added.iter().all(|a| a.table.contains(" bf16 ")),
+                "{added:?}"
+            );
             assert!(m
                 .op_tables("flux-dev", mold_plan::DType::Fp8, "NVIDIA A100-SXM4-80GB")
                 .is_none());
@@ -455,8 +469,8 @@ mod tests {
             d.compute_capability = Some("8.9".into());
         }
         let added = m.adopt_tables(&profiles());
-        // bf16 and FP8: an L40S multiplies FP8 in tensor cores.
-        assert_eq!(added.len(), 2, "{added:?}");
+        // bf16 and FP8 of both models: an L40S multiplies FP8 in tensor cores.
+        assert_eq!(added.len(), 4, "{added:?}");
         assert!(
             added[0].describe().contains("scaled by spec sheet"),
             "{}",

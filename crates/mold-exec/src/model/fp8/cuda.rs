@@ -314,9 +314,9 @@ fn quantize<Q: DeviceRepr>(
     let dt = x.dtype();
     // Rows of whole 16-byte pieces, 16-byte aligned, that a block's registers hold: read
     // once, 16 bytes at a time (the same values and scales as the plain kernel).
-    let vec = k % 8 == 0
+    let vec = k.is_multiple_of(8)
         && k <= VEC_MAX_K
-        && (xl.start_offset() * dt.size_in_bytes()) % 16 == 0
+        && (xl.start_offset() * dt.size_in_bytes()).is_multiple_of(16)
         && !plain_quantize();
     let name = if vec {
         "mold_fp8_quantize_rows_vec"
@@ -448,11 +448,11 @@ unsafe fn run(
     // Each product's descriptors and algorithm are made once per handle (a step runs a few
     // hundred products of a dozen shapes), not once per product.
     let pk: ShapeKey = (m, n, k, out_dt == DType::BF16, bias.is_some(), gelu);
-    if !prepared.contains_key(&pk) {
+    if let std::collections::hash_map::Entry::Vacant(e) = prepared.entry(pk) {
         let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu).map_err(refuse)?;
         point(&p).map_err(refuse)?;
         let algo = choose(lt_handle, &p, pk, &stream).map_err(refuse)?;
-        prepared.insert(pk, (p, algo));
+        e.insert((p, algo));
     }
     let (p, algo) = &prepared[&pk];
     point(p).map_err(refuse)?;
