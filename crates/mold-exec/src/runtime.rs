@@ -727,9 +727,15 @@ impl WeightSource for StagedSource<'_> {
                     let matrix = sel.shape.len() == 2 && sel.shape.iter().all(|&d| d > 0);
                     if matches!(sel.dtype, DType::BF16 | DType::F16) && matrix {
                         // The reading threads' rows on the device at once are bounded by
-                        // the stager's quantizing window (the planner charges it).
-                        let bytes = (sel.shape.iter().product::<usize>()
-                            * sel.dtype.size_in_bytes()) as u64;
+                        // the stager's quantizing window (the planner charges it); rows
+                        // cast to the compute dtype are held twice until quantized.
+                        let n = sel.shape.iter().product::<usize>();
+                        let cast = if sel.dtype == self.host.dtype {
+                            0
+                        } else {
+                            n * self.host.dtype.size_in_bytes()
+                        };
+                        let bytes = (n * sel.dtype.size_in_bytes() + cast) as u64;
                         return self.stager.quantizing(bytes, || {
                             let t = self.stager.upload(&sel.pieces, sel.dtype, &sel.shape)?;
                             let t = t.to_dtype(self.host.dtype)?;

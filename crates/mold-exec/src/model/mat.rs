@@ -84,7 +84,7 @@ impl Mat {
     /// own precision ([`fp8::linear_weight_only`]).
     pub fn linear_vec(&self, x: &Tensor, b: &Tensor, k: Kernels) -> CResult<Tensor> {
         match self {
-            Mat::Dense(w) => gemm::linear(x, &candle_nn::Linear::new(w.clone(), None), b, false, k),
+            Mat::Dense(_) => self.linear(x, b, false, k),
             Mat::Fp8(w) => fp8::linear_weight_only(x, w, b, k),
         }
     }
