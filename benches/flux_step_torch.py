@@ -219,12 +219,16 @@ def fp8_rows(t):
     return (t.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
 
 
+FAST_ACCUM = False  # --fast-accum
+
+
 def fp8_linear(x, w8, ws, b):
     """x W^T + b through torch._scaled_mm with per-token input scales and per-output-feature
     weight scales (rowwise scaling, f32 accumulation, bf16 out)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x8, xs = fp8_rows(x.reshape(-1, k))
-    y = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws.t(), bias=b, out_dtype=x.dtype)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws.t(), bias=b, out_dtype=x.dtype,
+                         use_fast_accum=FAST_ACCUM)
     return y.reshape(*lead, w8.shape[0])
 
 
@@ -590,10 +594,14 @@ def main():
                     help="FP8 products (torch._scaled_mm, rowwise scales: per token and per "
                          "output feature) for every block's linear layers, as mold's FP8 plans; "
                          "--check then compares with the dense bf16 model")
+    ap.add_argument("--fast-accum", action="store_true",
+                    help="with --fp8: _scaled_mm's fast accumulation (use_fast_accum=True), as "
+                         "mold's FP8 products run by default")
     ap.add_argument("--check", action="store_true",
                     help="after timing, compare one output with the unsharded eager model's "
                          "on rank 0 (max abs / max relative error in the JSON line)")
     args = ap.parse_args()
+    globals()["FAST_ACCUM"] = args.fast_accum
     if args.tiny:
         globals().update(HIDDEN=96, HEADS=6, HEAD_DIM=16, MLP_HIDDEN=384, DEPTH_DOUBLE=3,
                          DEPTH_SINGLE=4, IN_CHANNELS=8, CONTEXT_DIM=32, VEC_DIM=24,
@@ -732,6 +740,7 @@ def main():
             "sdpa": args.sdpa,
             "compiled": args.compile,
             "fp8": args.fp8,
+            "fast_accum": args.fast_accum,
             "compile": compile_how(args.compile_comm) if args.compile else None,
             "compile_stats": compile_stats,
             "build_s": round(build_s, 2),

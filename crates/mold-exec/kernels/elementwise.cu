@@ -11,6 +11,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace mold_ew {
@@ -118,6 +119,35 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 }
 } // namespace mold_ew
 
+// The row's mean and 1 / sqrt(variance + eps), the row staged in shared memory as f32.
+namespace mold_ew {
+template <typename T>
+__device__ __forceinline__ float2 ln_row_stats(const T *__restrict__ xr, float *row, float *red,
+                                               int n, float eps) {
+    float s = 0.f;
+    for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {
+        const float2 v = load2<T>(xr + c);
+        row[c] = v.x;
+        row[c + 1] = v.y;
+        s += v.x + v.y;
+    }
+    const float mean = block_sum(s, red) / n;
+    float q = 0.f;
+    for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {
+        const float d0 = row[c] - mean, d1 = row[c + 1] - mean;
+        q += d0 * d0 + d1 * d1;
+    }
+    return make_float2(mean, rsqrtf(block_sum(q, red) / n + eps));
+}
+
+// Columns c, c + 1 of a staged row, normalised and modulated (f32).
+__device__ __forceinline__ float2 ln_modulated(const float *row, int c, float2 st, float2 sc,
+                                               float2 sh) {
+    return make_float2((row[c] - st.x) * st.y * (1.f + sc.x) + sh.x,
+                       (row[c + 1] - st.x) * st.y * (1.f + sc.y) + sh.y);
+}
+} // namespace mold_ew
+
 #define MOLD_EW_LN_MODULATE(NAME, T)                                                           \
     extern "C" __global__ void NAME(const T *x, const T *scale, const T *shift, T *y, int n,    \
                                     long long ldx, int len, long long sscale,                  \
@@ -126,27 +156,69 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
         __shared__ float red[32];                                                              \
         const long long r = blockIdx.x;                                                        \
         const long long bt = r / len;                                                          \
-        const T *xr = x + r * ldx;                                                             \
-        float s = 0.f;                                                                         \
-        for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {                            \
-            const float2 v = mold_ew::load2<T>(xr + c);                                        \
-            row[c] = v.x;                                                                      \
-            row[c + 1] = v.y;                                                                  \
-            s += v.x + v.y;                                                                    \
-        }                                                                                      \
-        const float mean = mold_ew::block_sum(s, red) / n;                                     \
-        float q = 0.f;                                                                         \
-        for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {                            \
-            const float d0 = row[c] - mean, d1 = row[c + 1] - mean;                            \
-            q += d0 * d0 + d1 * d1;                                                            \
-        }                                                                                      \
-        const float rstd = rsqrtf(mold_ew::block_sum(q, red) / n + eps);                       \
+        const float2 st = mold_ew::ln_row_stats<T>(x + r * ldx, row, red, n, eps);             \
         for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {                            \
             const float2 sc = mold_ew::load2<T>(scale + bt * sscale + c);                      \
             const float2 sh = mold_ew::load2<T>(shift + bt * sshift + c);                      \
-            mold_ew::store2<T>(y + r * n + c,                                                  \
-                               make_float2((row[c] - mean) * rstd * (1.f + sc.x) + sh.x,       \
-                                           (row[c + 1] - mean) * rstd * (1.f + sc.y) + sh.y)); \
+            mold_ew::store2<T>(y + r * n + c, mold_ew::ln_modulated(row, c, st, sc, sh));      \
+        }                                                                                      \
+    }
+
+// ln_modulate with its output quantized per row to e4m3 for an FP8 product, in the same
+// pass: each value rounded to T first (what ln_modulate writes), then the row scaled by
+// 448 / amax and rounded to e4m3 as kernels/fp8.cu's quantize_rows does — the same bits
+// and scales as ln_modulate followed by quantize_rows. q (rows, n) bytes, qscale[r] =
+// amax / 448 (1 for a zero or non-finite row). Launch: as ln_modulate.
+namespace mold_ew {
+__device__ __forceinline__ float block_max(float v, float *red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads(); // red may still be read from the previous call
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    const int warps = blockDim.x / 32;
+    for (int i = 0; i < warps; ++i) t = fmaxf(t, red[i]);
+    return t;
+}
+template <typename T> __device__ __forceinline__ float2 round2(float2 v);
+template <> __device__ __forceinline__ float2 round2<__nv_bfloat16>(float2 v) {
+    return __bfloat1622float2(__float22bfloat162_rn(v));
+}
+template <> __device__ __forceinline__ float2 round2<__half>(float2 v) {
+    return __half22float2(__float22half2_rn(v));
+}
+} // namespace mold_ew
+
+#define MOLD_EW_LN_MODULATE_FP8(NAME, T)                                                       \
+    extern "C" __global__ void NAME(const T *x, const T *scale, const T *shift,                \
+                                    __nv_fp8_storage_t *q, float *qscale, int n,               \
+                                    long long ldx, int len, long long sscale,                  \
+                                    long long sshift, float eps) {                             \
+        extern __shared__ float row[];                                                         \
+        __shared__ float red[32];                                                              \
+        const long long r = blockIdx.x;                                                        \
+        const long long bt = r / len;                                                          \
+        const float2 st = mold_ew::ln_row_stats<T>(x + r * ldx, row, red, n, eps);             \
+        float m = 0.f;                                                                         \
+        for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {                            \
+            const float2 sc = mold_ew::load2<T>(scale + bt * sscale + c);                      \
+            const float2 sh = mold_ew::load2<T>(shift + bt * sshift + c);                      \
+            const float2 v = mold_ew::round2<T>(mold_ew::ln_modulated(row, c, st, sc, sh));    \
+            row[c] = v.x;                                                                      \
+            row[c + 1] = v.y;                                                                  \
+            m = fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y)));                                       \
+        }                                                                                      \
+        const float a = mold_ew::block_max(m, red);                                            \
+        const bool ok = a > 0.0f && isfinite(a);                                               \
+        const float inv = ok ? __fdiv_rn(448.0f, a) : 1.0f;                                    \
+        if (threadIdx.x == 0) qscale[r] = ok ? __fdiv_rn(a, 448.0f) : 1.0f;                    \
+        __nv_fp8_storage_t *qr = q + r * n;                                                    \
+        for (int c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {                            \
+            qr[c] = __nv_cvt_float_to_fp8(__fmul_rn(row[c], inv), __NV_SATFINITE, __NV_E4M3); \
+            qr[c + 1] =                                                                        \
+                __nv_cvt_float_to_fp8(__fmul_rn(row[c + 1], inv), __NV_SATFINITE, __NV_E4M3); \
         }                                                                                      \
     }
 
@@ -183,6 +255,8 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 MOLD_EW_ALL(bf16, __nv_bfloat16)
 MOLD_EW_ALL(f16, __half)
 MOLD_EW_ALL(f32, float)
+MOLD_EW_LN_MODULATE_FP8(mold_ln_modulate_fp8_bf16, __nv_bfloat16)
+MOLD_EW_LN_MODULATE_FP8(mold_ln_modulate_fp8_f16, __half)
 
 // q/k/v preparation for attention, one warp per (token, head): reads the row segments of
 // q, k and v of the fused projection `qkv` (row = token, [q | k | v] each heads × D wide,

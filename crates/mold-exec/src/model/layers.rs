@@ -7,7 +7,7 @@
 //!   produce partial sums that are all-reduced, and the bias is added once, after the
 //!   reduce.
 
-use super::mat::Mat;
+use super::mat::{Input, Mat};
 use super::ops::{bias_act, Kernels};
 use super::Ctx;
 use super::WeightSource;
@@ -83,6 +83,31 @@ impl ColumnParallel {
     pub fn forward_gelu(&self, x: &Tensor, k: Kernels) -> candle_core::Result<Tensor> {
         self.weight.linear(x, &self.bias, true, k)
     }
+    /// [`Self::forward`] (`gelu`: [`Self::forward_gelu`]) of an input that may be quantized
+    /// ahead ([`Mat::linear_in`]).
+    pub fn forward_in(&self, x: &Input, gelu: bool, k: Kernels) -> candle_core::Result<Tensor> {
+        self.weight.linear_in(x, &self.bias, gelu, k)
+    }
+    /// The weight and the bias.
+    pub fn parts(&self) -> (&Mat, &Tensor) {
+        (&self.weight, &self.bias)
+    }
+    /// Whether [`Self::forward_split_gelu_in`]'s two products at `at` take an input like
+    /// `x` quantized ahead by the norm before them ([`Mat::takes_rows`]).
+    pub fn split_takes_rows(&self, x: &Tensor, at: usize, k: Kernels) -> bool {
+        let Ok(n) = self.weight.rows() else {
+            return false;
+        };
+        at < n
+            && [(0, at, false), (at, n - at, true)]
+                .iter()
+                .all(|&(s, len, g)| {
+                    match (self.weight.narrow_rows(s, len), self.bias.narrow(0, s, len)) {
+                        (Ok(w), Ok(b)) => w.takes_rows(x, &[(Some(&b), g)], k),
+                        _ => false,
+                    }
+                })
+    }
     /// The first `at` output features as `x Wᵀ + b`, the rest as `gelu(x Wᵀ + b)`: two
     /// matmuls over row slices of the weight, each with its bias (and GELU) — in its
     /// epilogue on CUDA. Not one matmul sliced after: its first slice would keep the
@@ -93,13 +118,23 @@ impl ColumnParallel {
         at: usize,
         k: Kernels,
     ) -> candle_core::Result<(Tensor, Tensor)> {
+        self.forward_split_gelu_in(&Input::Dense(x.clone()), at, k)
+    }
+    /// [`Self::forward_split_gelu`] of an input that may be quantized ahead: both products
+    /// take the same quantized input (one quantizing pass for the two).
+    pub fn forward_split_gelu_in(
+        &self,
+        x: &Input,
+        at: usize,
+        k: Kernels,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let n = self.weight.rows()?;
         if at > n {
             candle_core::bail!("split at {at} of a {n}-feature linear");
         }
         Ok((
-            self.forward_rows(x, 0, at, false, k)?,
-            self.forward_rows(x, at, n - at, true, k)?,
+            self.forward_rows_in(x, 0, at, false, k)?,
+            self.forward_rows_in(x, at, n - at, true, k)?,
         ))
     }
     /// Output features `start..start + len` alone: `x Wᵀ + b` of those rows, through GELU
@@ -107,6 +142,16 @@ impl ColumnParallel {
     pub fn forward_rows(
         &self,
         x: &Tensor,
+        start: usize,
+        len: usize,
+        gelu: bool,
+        k: Kernels,
+    ) -> candle_core::Result<Tensor> {
+        self.forward_rows_in(&Input::Dense(x.clone()), start, len, gelu, k)
+    }
+    fn forward_rows_in(
+        &self,
+        x: &Input,
         start: usize,
         len: usize,
         gelu: bool,
@@ -120,7 +165,7 @@ impl ColumnParallel {
             self.weight.narrow_rows(start, len)?,
             self.bias.narrow(0, start, len)?,
         );
-        w.linear(x, &b, gelu, k)
+        w.linear_in(x, &b, gelu, k)
     }
     /// `x Wᵀ + b` for a small per-sample input (`(b, in)`, e.g. the conditioning vector):
     /// on CUDA one cuBLASLt matmul with the bias in its epilogue, elsewhere candle's matmul

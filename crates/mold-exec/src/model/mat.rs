@@ -2,13 +2,21 @@
 //! feature ([`super::fp8`]). Column- and row-parallel layers hold these; each product
 //! dispatches on the kind.
 
-use super::fp8::{self, Fp8Weight};
+use super::fp8::{self, Fp8Rows, Fp8Weight};
 use super::gemm;
 use super::layers::TensorMap;
 use super::ops::Kernels;
 use candle_core::Tensor;
 
 type CResult<T> = candle_core::Result<T>;
+
+/// A product's input: as computed, or quantized per token ahead for FP8 products (by the
+/// norm before them, [`super::ops::ln_modulate_fp8`]).
+#[derive(Clone, Debug)]
+pub enum Input {
+    Dense(Tensor),
+    Fp8(Fp8Rows),
+}
 
 #[derive(Clone, Debug)]
 pub enum Mat {
@@ -77,6 +85,25 @@ impl Mat {
         match self {
             Mat::Dense(w) => gemm::linear(x, &candle_nn::Linear::new(w.clone(), None), b, gelu, k),
             Mat::Fp8(w) => fp8::linear(x, w, Some(b), gelu, k),
+        }
+    }
+
+    /// [`Mat::linear`] of an [`Input`]: an input quantized ahead goes to the FP8 product
+    /// as it is ([`fp8::linear_rows`]; widened back for a dense weight).
+    pub fn linear_in(&self, x: &Input, b: &Tensor, gelu: bool, k: Kernels) -> CResult<Tensor> {
+        match (self, x) {
+            (_, Input::Dense(x)) => self.linear(x, b, gelu, k),
+            (Mat::Fp8(w), Input::Fp8(x)) => fp8::linear_rows(x, w, Some(b), gelu, k),
+            (Mat::Dense(_), Input::Fp8(x)) => self.linear(&x.dequantize()?, b, gelu, k),
+        }
+    }
+
+    /// Whether the products `(bias, gelu)` of this weight take an input like `x` quantized
+    /// ahead ([`fp8::takes_rows`]; never for a dense weight).
+    pub fn takes_rows(&self, x: &Tensor, products: &[(Option<&Tensor>, bool)], k: Kernels) -> bool {
+        match self {
+            Mat::Dense(_) => false,
+            Mat::Fp8(w) => fp8::takes_rows(x, w, products, k),
         }
     }
 

@@ -12,6 +12,7 @@
 //! each rank keeps the blocks' outputs in its [`ModulationCache`], keyed by the request's
 //! window and the block's position, so every rank of a group misses and hits alike.
 
+use super::mat::Input;
 use super::ops::{self, Kernels};
 use super::Ctx;
 use candle_core::{Tensor, D};
@@ -33,6 +34,24 @@ impl ModOut {
     /// pass on CUDA.
     pub(crate) fn norm_scale_shift(&self, x: &Tensor, eps: f32, k: Kernels) -> CResult<Tensor> {
         ops::ln_modulate(x, &self.scale, &self.shift, eps, k)
+    }
+    /// [`Self::norm_scale_shift`] as the input of products that take an input quantized
+    /// ahead (`fp8`: as [`crate::model::mat::Mat::takes_rows`] answers for them): then
+    /// quantized per token in the same pass ([`ops::ln_modulate_fp8`]) where the kernel
+    /// runs, else as computed.
+    pub(crate) fn norm_scale_shift_for(
+        &self,
+        x: &Tensor,
+        eps: f32,
+        fp8: bool,
+        k: Kernels,
+    ) -> CResult<Input> {
+        if fp8 {
+            if let Some(q) = ops::ln_modulate_fp8(x, &self.scale, &self.shift, eps, k)? {
+                return Ok(Input::Fp8(q));
+            }
+        }
+        Ok(Input::Dense(self.norm_scale_shift(x, eps, k)?))
     }
     /// `res + gate * (x + bias)`: a row-parallel layer's bias, after its all-reduce, added
     /// in the gated residual's pass.

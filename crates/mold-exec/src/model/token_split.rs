@@ -11,6 +11,8 @@
 //! rank side by side ([`TokenSplit::gather_single`]): the tokens rank by rank, padding
 //! left out, attended with the rotation table laid out alike (FLUX's `shared_pe`).
 
+use crate::model::mat::{Input, Mat};
+use crate::model::modulation::ModOut;
 use crate::model::Ctx;
 use candle_core::Tensor;
 use std::ops::Range;
@@ -212,6 +214,36 @@ pub(crate) fn whole(
             s.gather_stream(&share, n, ctx)
         }
         None => Ok(share),
+    }
+}
+
+/// `layer_norm(x) * (1 + scale) + shift` of this rank's share `x` of stream `side` as the
+/// input of the column-parallel product `w`, `b` (`gelu`: through GELU): gathered whole
+/// where the tokens are split ([`whole`]); else quantized per token in the norm's pass where
+/// it is an FP8 product that takes that ([`ModOut::norm_scale_shift_for`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn whole_input(
+    split: Option<&TokenSplit>,
+    m: &ModOut,
+    x: &Tensor,
+    eps: f32,
+    (w, b): (&Mat, &Tensor),
+    gelu: bool,
+    side: Side,
+    ctx: &Ctx,
+) -> CResult<Input> {
+    let k = ctx.kernels;
+    match split {
+        Some(_) => Ok(Input::Dense(whole(
+            split,
+            m.norm_scale_shift(x, eps, k)?,
+            side,
+            ctx,
+        )?)),
+        None => {
+            let fp8 = w.takes_rows(x, &[(Some(b), gelu)], k);
+            m.norm_scale_shift_for(x, eps, fp8, k)
+        }
     }
 }
 

@@ -21,10 +21,11 @@
 use super::config::{FluxConfig, TIME_EMBED_DIM};
 use crate::error::Result;
 use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
+use crate::model::mat::Input;
 use crate::model::modulation::{mod_outs, modulations, Conditioning};
 use crate::model::ops;
 use crate::model::sequence::{self, Qkv};
-use crate::model::token_split::{whole, Side, TokenSplit};
+use crate::model::token_split::{whole_input, Side, TokenSplit};
 use crate::model::{Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
@@ -376,24 +377,13 @@ impl DoubleBlock {
         ctx.mark("modulation", &tm[1].gate);
         let kn = ctx.kernels;
         let eps = EPS as f32;
-        let img_qkv = self.img.qkv.forward(
-            &whole(
-                split,
-                im[0].norm_scale_shift(&img, eps, kn)?,
-                Side::Img,
-                ctx,
-            )?,
-            kn,
-        )?;
-        let txt_qkv = self.txt.qkv.forward(
-            &whole(
-                split,
-                tm[0].norm_scale_shift(&txt, eps, kn)?,
-                Side::Txt,
-                ctx,
-            )?,
-            kn,
-        )?;
+        let (iq, tq) = (&self.img.qkv, &self.txt.qkv);
+        let img_in = whole_input(split, &im[0], &img, eps, iq.parts(), false, Side::Img, ctx)?;
+        let img_qkv = iq.forward_in(&img_in, false, kn)?;
+        drop(img_in);
+        let txt_in = whole_input(split, &tm[0], &txt, eps, tq.parts(), false, Side::Txt, ctx)?;
+        let txt_qkv = tq.forward_in(&txt_in, false, kn)?;
+        drop(txt_in);
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let qkv = prepare_qkv(
@@ -430,24 +420,31 @@ impl DoubleBlock {
         drop((img, txt, img_proj, txt_proj));
         ctx.mark("bias + gate + residual", &txt_mid);
 
-        let img_h = self.img.mlp0.forward_gelu(
-            &whole(
-                split,
-                im[1].norm_scale_shift(&img_mid, eps, kn)?,
-                Side::Img,
-                ctx,
-            )?,
-            kn,
+        let (im0, tm0) = (&self.img.mlp0, &self.txt.mlp0);
+        let img_in = whole_input(
+            split,
+            &im[1],
+            &img_mid,
+            eps,
+            im0.parts(),
+            true,
+            Side::Img,
+            ctx,
         )?;
-        let txt_h = self.txt.mlp0.forward_gelu(
-            &whole(
-                split,
-                tm[1].norm_scale_shift(&txt_mid, eps, kn)?,
-                Side::Txt,
-                ctx,
-            )?,
-            kn,
+        let img_h = im0.forward_in(&img_in, true, kn)?;
+        drop(img_in);
+        let txt_in = whole_input(
+            split,
+            &tm[1],
+            &txt_mid,
+            eps,
+            tm0.parts(),
+            true,
+            Side::Txt,
+            ctx,
         )?;
+        let txt_h = tm0.forward_in(&txt_in, true, kn)?;
+        drop(txt_in);
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
@@ -551,26 +548,35 @@ impl SingleBlock {
         let m = mod_outs(&full[0], 1)?;
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
-        let normed = m[0].norm_scale_shift(&x, EPS as f32, kn)?;
-        let normed = if let Some(sp) = split {
-            ctx.mark("norm", &normed);
-            let all = sp.gather_single(&normed, ctx)?;
-            ctx.mark("all-gather (tokens)", &all);
-            all
+        let eps = EPS as f32;
+        let normed = if split.is_none() && ctx.sp.world_size() <= 1 {
+            // One GPU or plain tensor parallelism: the norm quantizes for linear1's two FP8
+            // products where they take it.
+            let fp8 = self.linear1.split_takes_rows(&x, 3 * self.h_local, kn);
+            m[0].norm_scale_shift_for(&x, eps, fp8, kn)?
         } else {
-            normed
+            let normed = m[0].norm_scale_shift(&x, eps, kn)?;
+            let normed = if let Some(sp) = split {
+                ctx.mark("norm", &normed);
+                let all = sp.gather_single(&normed, ctx)?;
+                ctx.mark("all-gather (tokens)", &all);
+                all
+            } else {
+                normed
+            };
+            if ctx.sp.world_size() > 1 && split.is_none() {
+                let reduced = self.mix_beside(normed, pe, lens, ctx)?;
+                let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
+                ctx.mark("bias + gate + residual", &out);
+                return Ok(out);
+            }
+            Input::Dense(normed)
         };
-        if ctx.sp.world_size() > 1 && split.is_none() {
-            let reduced = self.mix_beside(normed, pe, lens, ctx)?;
-            let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
-            ctx.mark("bias + gate + residual", &out);
-            return Ok(out);
-        }
         // q, k, v with their bias; the MLP part with bias and GELU (in the matmuls'
         // epilogues on CUDA).
         let (x_qkv, mlp) = self
             .linear1
-            .forward_split_gelu(&normed, 3 * self.h_local, kn)?;
+            .forward_split_gelu_in(&normed, 3 * self.h_local, kn)?;
         drop(normed);
         ctx.meter.see_all(&[&x_qkv, &mlp]);
         ctx.mark("norm + qkv/mlp linear + gelu", &mlp);

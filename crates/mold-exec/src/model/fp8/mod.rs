@@ -292,6 +292,116 @@ impl Fp8Weight {
     }
 }
 
+/// An activation `(…, k)` quantized per token (row) where it was computed, for the FP8
+/// products it feeds: `rows` holds its e4m3 values `(m, k)` and one f32 scale per token, as
+/// a product's own quantizing pass would have written them. The LayerNorm + modulation
+/// kernel writes it ([`super::ops::ln_modulate_fp8`]): each product after a norm then skips
+/// its quantizing pass, and the two products of FLUX's single-block `linear1` share one.
+#[derive(Clone, Debug)]
+pub struct Fp8Rows {
+    rows: Fp8Weight,
+    dims: Vec<usize>,
+    dtype: DType,
+}
+
+impl Fp8Rows {
+    /// From e4m3 values `(m, k)`, `m` scales, the activation's shape (`m · k` values, `k`
+    /// last) and its dtype (the dtype its products return).
+    pub fn new(q: Tensor, scale: Tensor, dims: &[usize], dtype: DType) -> CResult<Fp8Rows> {
+        let rows = Fp8Weight::from_parts(q, scale)?;
+        let (m, k) = rows.dims2()?;
+        if dims.last() != Some(&k) || dims.iter().product::<usize>() != m * k {
+            candle_core::bail!("FP8 rows ({m}, {k}) of an activation shaped {dims:?}");
+        }
+        Ok(Fp8Rows {
+            rows,
+            dims: dims.to_vec(),
+            dtype,
+        })
+    }
+
+    /// The e4m3 values `(m, k)` and the per-token scales `(m)`.
+    pub fn rows(&self) -> &Fp8Weight {
+        &self.rows
+    }
+
+    /// The activation's shape.
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    /// `q · scale[token]` in the activation's dtype and shape.
+    pub fn dequantize(&self) -> CResult<Tensor> {
+        self.rows
+            .dequantize(self.dtype)?
+            .reshape(self.dims.as_slice())
+    }
+}
+
+/// `MOLD_FP8_FUSE=off`: every product quantizes its own input (for measuring, and for the GPU
+/// suite's check that an input quantized ahead gives the same bits).
+#[cfg(feature = "cuda")]
+fn fuse_off() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("MOLD_FP8_FUSE").is_ok_and(|v| v == "off"))
+}
+
+/// Whether the products `(b, gelu)` of `w` on an input like `x` (same shape, dtype and
+/// device) run as FP8 products that take an input quantized ahead ([`linear_rows`]):
+/// CUDA, mold's kernels, a GPU and shapes cuBLASLt takes.
+pub fn takes_rows(
+    x: &Tensor,
+    w: &Fp8Weight,
+    products: &[(Option<&Tensor>, bool)],
+    k: Kernels,
+) -> bool {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && k.uses_libraries() && !fuse_off() {
+        return products.iter().all(|&(b, gelu)| {
+            cuda::products_apply(x, w, b, gelu).is_ok()
+                || (gelu && cuda::products_apply(x, w, b, false).is_ok())
+        });
+    }
+    let _ = (x, w, products, k);
+    false
+}
+
+/// `act(x Wᵀ + b)` for an input quantized ahead: one FP8 product on CUDA (the GELU in mold's
+/// pass after where cuBLASLt has no GELU epilogue for it); where no FP8 product runs, the
+/// input widened back and [`linear`]'s paths.
+pub fn linear_rows(
+    x: &Fp8Rows,
+    w: &Fp8Weight,
+    b: Option<&Tensor>,
+    gelu: bool,
+    k: Kernels,
+) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.rows.q.device().is_cuda() && k.uses_libraries() {
+        for epilogue_gelu in [gelu, false] {
+            if cuda::rows_apply(x, w, b, epilogue_gelu).is_ok() {
+                match cuda::linear_rows(x, w, b, epilogue_gelu) {
+                    Ok(y) => {
+                        PRODUCTS.fetch_add(1, Ordering::Relaxed);
+                        return if gelu && !epilogue_gelu {
+                            super::ops::bias_act(&y, None, true, k)
+                        } else {
+                            Ok(y)
+                        };
+                    }
+                    // Not a refusal cuBLASLt's first answer recorded: a failure.
+                    Err(e) if cuda::rows_apply(x, w, b, epilogue_gelu).is_ok() => return Err(e),
+                    Err(_) => {}
+                }
+            }
+            if !gelu {
+                break;
+            }
+        }
+    }
+    linear(&x.dequantize()?, w, b, gelu, k)
+}
+
 /// `x` quantized to e4m3 per row (last dimension) and widened back to f32: what an FP8
 /// product sees of its input (the CPU emulation of kernels/fp8.cu).
 pub fn fake_quantize_rows(x: &Tensor) -> CResult<Tensor> {

@@ -168,6 +168,50 @@ fn the_emulated_product_is_the_product_of_the_dequantized_operands() {
     assert!(err > 0.0 && err < 0.1, "{err}");
 }
 
+/// An input quantized ahead (`Fp8Rows`, as the norm's kernel writes it on a GPU) is the
+/// product of its quantized values: here, where no FP8 matmul runs, widened back and taken
+/// through the emulated product — the same product as of the activation it came from.
+#[test]
+fn an_input_quantized_ahead_is_the_same_product() {
+    let x = Tensor::randn(0f32, 1.0, (2, 3, 32), &Device::Cpu).unwrap();
+    let w = Tensor::randn(0f32, 0.2, (16, 32), &Device::Cpu).unwrap();
+    let b = Tensor::randn(0f32, 0.1, 16, &Device::Cpu).unwrap();
+    let q = Fp8Weight::quantize(&w).unwrap();
+    let xr = Fp8Weight::quantize(&x.reshape((6, 32)).unwrap()).unwrap();
+    let rows = Fp8Rows::new(
+        xr.values().clone(),
+        xr.scales().clone(),
+        &[2, 3, 32],
+        DType::F32,
+    )
+    .unwrap();
+    assert_eq!(rows.dims(), &[2, 3, 32]);
+    assert_eq!(
+        bits(&rows.dequantize().unwrap()),
+        bits(&fake_quantize_rows(&x).unwrap())
+    );
+    let got = linear_rows(&rows, &q, Some(&b), true, Kernels::Auto).unwrap();
+    let want = linear(&x, &q, Some(&b), true, Kernels::Auto).unwrap();
+    assert_eq!(got.dims(), &[2, 3, 16]);
+    let err = crate::max_relative_error(&got, &want).unwrap();
+    assert!(err < 1e-6, "{err}");
+    // Rows that are not the activation's are refused.
+    let bad = Fp8Rows::new(
+        xr.values().clone(),
+        xr.scales().clone(),
+        &[2, 2, 32],
+        DType::F32,
+    );
+    assert!(bad.is_err());
+    // No GPU here: the norm keeps its output in the compute dtype.
+    let (sc, sh) = (
+        Tensor::zeros((2, 1, 32), DType::F32, &Device::Cpu).unwrap(),
+        Tensor::zeros((2, 1, 32), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let fused = crate::model::ops::ln_modulate_fp8(&x, &sc, &sh, 1e-6, Kernels::Auto).unwrap();
+    assert!(fused.is_none());
+}
+
 /// A conditioning vector's product (the modulation: `Mat::linear_vec`) widens the FP8 weight
 /// and keeps its input as given: an f32 product of the input and the dequantized weight,
 /// not the product of the input quantized per token that every other FP8 product is.

@@ -18,11 +18,11 @@
 use super::config::{QwenConfig, TIME_EMBED_DIM};
 use crate::error::Result;
 use crate::model::layers::{self, vector_bytes, ColumnParallel, Linear, RowParallel, TensorMap};
-use crate::model::mat::Mat;
+use crate::model::mat::{Input, Mat};
 use crate::model::modulation::{gather_modulation, mod_outs};
 use crate::model::ops::{self, Kernels};
 use crate::model::sequence;
-use crate::model::token_split::{whole, Side, TokenSplit};
+use crate::model::token_split::{whole_input, Side, TokenSplit};
 use crate::model::{Ctx, Shard, WeightSource};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 
@@ -114,8 +114,12 @@ impl Qkv {
     /// `x Wᵀ + b`, the bias in the matmul's epilogue on CUDA ([`Mat::linear`]), as the
     /// cost model's `Run::Bias` product measures it (a separate bias pass read and wrote
     /// the 3·hidden outputs once more per token).
-    fn forward(&self, x: &Tensor, k: Kernels) -> CResult<Tensor> {
-        self.weight.linear(x, &self.bias, false, k)
+    /// The input may be quantized ahead for an FP8 weight ([`Mat::linear_in`]).
+    fn forward_in(&self, x: &Input, k: Kernels) -> CResult<Tensor> {
+        self.weight.linear_in(x, &self.bias, false, k)
+    }
+    fn parts(&self) -> (&Mat, &Tensor) {
+        (&self.weight, &self.bias)
     }
     fn map_tensors(&self, f: &mut TensorMap) -> CResult<Self> {
         Ok(Qkv {
@@ -313,14 +317,13 @@ impl Block {
         ctx.mark("modulation", &tm2.gate);
         let kn = ctx.kernels;
         let eps = EPS as f32;
-        let img_qkv = self.img.qkv.forward(
-            &whole(split, im1.norm_scale_shift(&img, eps, kn)?, Side::Img, ctx)?,
-            kn,
-        )?;
-        let txt_qkv = self.txt.qkv.forward(
-            &whole(split, tm1.norm_scale_shift(&txt, eps, kn)?, Side::Txt, ctx)?,
-            kn,
-        )?;
+        let (iq, tq) = (&self.img.qkv, &self.txt.qkv);
+        let img_in = whole_input(split, im1, &img, eps, iq.parts(), false, Side::Img, ctx)?;
+        let img_qkv = iq.forward_in(&img_in, kn)?;
+        drop(img_in);
+        let txt_in = whole_input(split, tm1, &txt, eps, tq.parts(), false, Side::Txt, ctx)?;
+        let txt_qkv = tq.forward_in(&txt_in, kn)?;
+        drop(txt_in);
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
         let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, lens, ctx)?;
@@ -356,24 +359,13 @@ impl Block {
         ctx.mark("bias + gate + residual", &txt_mid);
 
         // One all-reduce for both streams' MLPs.
-        let img_h = self.img.mlp_in.forward_gelu(
-            &whole(
-                split,
-                im2.norm_scale_shift(&img_mid, eps, kn)?,
-                Side::Img,
-                ctx,
-            )?,
-            kn,
-        )?;
-        let txt_h = self.txt.mlp_in.forward_gelu(
-            &whole(
-                split,
-                tm2.norm_scale_shift(&txt_mid, eps, kn)?,
-                Side::Txt,
-                ctx,
-            )?,
-            kn,
-        )?;
+        let (im0, tm0) = (&self.img.mlp_in, &self.txt.mlp_in);
+        let img_in = whole_input(split, im2, &img_mid, eps, im0.parts(), true, Side::Img, ctx)?;
+        let img_h = im0.forward_in(&img_in, true, kn)?;
+        drop(img_in);
+        let txt_in = whole_input(split, tm2, &txt_mid, eps, tm0.parts(), true, Side::Txt, ctx)?;
+        let txt_h = tm0.forward_in(&txt_in, true, kn)?;
+        drop(txt_in);
         ctx.meter.see(&img_h);
         ctx.mark("norm + mlp in + gelu", &txt_h);
         let (tl, il) = (txt_h.dim(1)?, img_h.dim(1)?);
