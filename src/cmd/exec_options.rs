@@ -2,7 +2,7 @@
 //! The libraries below get a [`mold_exec::ExecOptions`] and read no environment.
 
 use anyhow::{anyhow, Result};
-use mold_exec::{ExecOptions, Fault, Kernels, Streaming};
+use mold_exec::{ExecOptions, Fault, Fp8Options, Kernels, Streaming};
 use std::collections::BTreeMap;
 
 /// A snapshot of the `MOLD_*` environment and the launchers' variables (torchrun's,
@@ -73,7 +73,7 @@ fn one_line(m: &str) -> String {
 /// The executor's options: `--streaming` else `MOLD_STREAMING` (default pinned),
 /// `MOLD_KERNELS` (auto|fused|mold|cudnn|candle), `MOLD_PROFILE` (non-empty, not 0; `events`: GPU time by CUDA events), `MOLD_FAULT`
 /// (DEVICE@BLOCK[:KIND]), `MOLD_HOST_MEMORY` (a size), `MOLD_LOAD` (staged|host),
-/// `MOLD_MODULATION_AHEAD` (on|off), `--deterministic` else
+/// `MOLD_MODULATION_AHEAD` (on|off), `MOLD_FP8_*` ([`Fp8Options::from_vars`]), `--deterministic` else
 /// `MOLD_DETERMINISTIC` (non-empty, not 0), and the communication options. A malformed
 /// value is an error naming the variable.
 pub fn exec_options(
@@ -142,6 +142,7 @@ pub fn exec_options(
             }
         },
     };
+    let fp8 = Fp8Options::from_vars(|k| env.get(k)).map_err(|m| anyhow!("{}", one_line(&m)))?;
     Ok(ExecOptions {
         streaming,
         kernels,
@@ -156,6 +157,7 @@ pub fn exec_options(
         peer_copies: true,
         staged_load,
         modulation_ahead,
+        fp8,
     })
 }
 
@@ -206,6 +208,26 @@ pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
             "modulation_ahead".into(),
             if o.modulation_ahead { "on" } else { "off" }.into(),
             src("MOLD_MODULATION_AHEAD"),
+        ),
+        (
+            "fp8_fuse".into(),
+            if o.fp8.quantize_in_norm { "on" } else { "off" }.into(),
+            src("MOLD_FP8_FUSE"),
+        ),
+        (
+            "fp8_fast_accum".into(),
+            if o.fp8.fast_accumulation { "on" } else { "off" }.into(),
+            src("MOLD_FP8_FAST_ACCUM"),
+        ),
+        (
+            "fp8_quantize".into(),
+            if o.fp8.plain_quantize {
+                "plain"
+            } else {
+                "pieces"
+            }
+            .into(),
+            src("MOLD_FP8_QUANTIZE"),
         ),
         (
             "deterministic".into(),
@@ -295,6 +317,19 @@ mod tests {
                 .unwrap()
                 .modulation_ahead
         );
+        assert_eq!(o.fp8, Fp8Options::default());
+        assert!(o.fp8.quantize_in_norm && o.fp8.fast_accumulation && !o.fp8.plain_quantize);
+        let f = opts(
+            None,
+            &[
+                ("MOLD_FP8_FUSE", "off"),
+                ("MOLD_FP8_FAST_ACCUM", " 0"),
+                ("MOLD_FP8_QUANTIZE", "Plain"),
+            ],
+        )
+        .unwrap()
+        .fp8;
+        assert!(!f.quantize_in_norm && !f.fast_accumulation && f.plain_quantize);
         let o = opts(Some(Streaming::Pageable), &env).unwrap();
         assert_eq!(o.streaming, Streaming::Pageable);
         assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);
@@ -364,6 +399,9 @@ mod tests {
             ("MOLD_LOAD", "a\nb"),
             ("MOLD_MODULATION_AHEAD", "yes"),
             ("MOLD_MODULATION_AHEAD", "a\nb"),
+            ("MOLD_FP8_FUSE", "false"),
+            ("MOLD_FP8_FAST_ACCUM", "fast"),
+            ("MOLD_FP8_QUANTIZE", "a\nb"),
             ("MOLD_STREAMING", "a\nb"),
             ("MOLD_KERNELS", "a\nb"),
             ("MOLD_FAULT", "a\nb"),

@@ -8,7 +8,8 @@
 //!     --weights` takes them (`mold testdata MODEL W`). Defaults: 1024x1024 (Qwen-Image
 //!     1328x1328), 512 text tokens, seed 1. On the first CUDA GPU where there is one.
 //!
-//! Prints one line per block (`kind index own carried`) and `output E`.
+//! Prints one line per block (`kind index own carried`) and `output E`. The FP8 products run
+//! as `mold exec` runs them, `MOLD_FP8_*` included ([`mold_exec::Fp8Options::from_vars`]).
 use candle_core::{DType, Device};
 use mold_exec::block_errors::{fp8_block_errors, BlockErrors};
 use mold_exec::{Checkpoint, Kernels, QwenConfig};
@@ -48,6 +49,7 @@ fn run() -> Result<(), String> {
         })
     };
     let (txt, seed) = (num(1, 512)? as usize, num(2, 1)?);
+    mold_exec::model::fp8::configure(mold_exec::Fp8Options::from_vars(|k| std::env::var(k).ok())?);
     let dev = Device::cuda_if_available(0).map_err(|e| e.to_string())?;
     let ckpt = Checkpoint::open(std::path::Path::new(weights)).map_err(|e| e.to_string())?;
     let dtype = if dev.is_cuda() {

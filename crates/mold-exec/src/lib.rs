@@ -66,7 +66,7 @@ pub use model::flux::{random_inputs, FluxConfig, FluxInputs};
 pub use model::ops::Kernels;
 pub use model::qwen::{QwenConfig, QwenInputs};
 pub use model::{BlockRef, Inputs, TensorSpec, Transformer};
-pub use options::ExecOptions;
+pub use options::{ExecOptions, Fp8Options};
 pub use random_weights::write_safetensors;
 pub use runtime::DeviceMemory;
 pub use streaming::Streaming;

@@ -42,6 +42,76 @@ pub struct ExecOptions {
     /// carry their request's schedule (`true`, the default; [`crate::model::modulation`]);
     /// `false` computes every step's alone (`MOLD_MODULATION_AHEAD=off`).
     pub modulation_ahead: bool,
+    /// How FP8 products run ([`crate::model::fp8`]).
+    pub fp8: Fp8Options,
+}
+
+/// How a process's FP8 products run on GPUs with FP8 tensor cores. The executor applies
+/// them to the process ([`crate::model::fp8::configure`]): the products run deep in the
+/// model code, and every executor of a process resolves them alike from one environment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Options {
+    /// The norm before a block's q/k/v and MLP-in products writes their input quantized
+    /// per token (`true`, the default); `false`: each product quantizes its own input
+    /// (`MOLD_FP8_FUSE=off`). The same bits either way.
+    pub quantize_in_norm: bool,
+    /// cuBLASLt's fast accumulation: partial sums not promoted to f32 every few k-steps
+    /// (`true`, the default, as torchao's and vLLM's inference products);
+    /// `MOLD_FP8_FAST_ACCUM=off`.
+    pub fast_accumulation: bool,
+    /// Quantize inputs with the plain kernel, which reads a row twice, instead of the one
+    /// that reads it once in 16-byte pieces (`MOLD_FP8_QUANTIZE=plain`; the same bits).
+    pub plain_quantize: bool,
+}
+
+impl Fp8Options {
+    /// Reads `MOLD_FP8_FUSE` (on|off), `MOLD_FP8_FAST_ACCUM` (on|off) and `MOLD_FP8_QUANTIZE`
+    /// (pieces|plain) through `get` (the CLI passes its environment); unset ones keep their
+    /// defaults. A bad value is refused in one line naming the variable.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Fp8Options, String> {
+        let d = Fp8Options::default();
+        let pick = |k: &str, on: &str, off: &str, default: bool, what: &str| match get(k) {
+            None => Ok(default),
+            Some(v) => match v.trim().to_ascii_lowercase() {
+                t if t == on || (on == "on" && t == "1") => Ok(true),
+                t if t == off || (off == "off" && t == "0") => Ok(false),
+                _ => Err(format!("{k}={v:?}: {what}")),
+            },
+        };
+        Ok(Fp8Options {
+            quantize_in_norm: pick(
+                "MOLD_FP8_FUSE",
+                "on",
+                "off",
+                d.quantize_in_norm,
+                "give on (the default: the norm before a block's products quantizes their input) or off (each product quantizes its own)",
+            )?,
+            fast_accumulation: pick(
+                "MOLD_FP8_FAST_ACCUM",
+                "on",
+                "off",
+                d.fast_accumulation,
+                "give on (the default: cuBLASLt's fast accumulation) or off (partial sums promoted to f32)",
+            )?,
+            plain_quantize: pick(
+                "MOLD_FP8_QUANTIZE",
+                "plain",
+                "pieces",
+                d.plain_quantize,
+                "give pieces (the default: each row read once in 16-byte pieces) or plain",
+            )?,
+        })
+    }
+}
+
+impl Default for Fp8Options {
+    fn default() -> Self {
+        Fp8Options {
+            quantize_in_norm: true,
+            fast_accumulation: true,
+            plain_quantize: false,
+        }
+    }
 }
 
 impl Default for ExecOptions {
@@ -58,6 +128,7 @@ impl Default for ExecOptions {
             peer_copies: true,
             staged_load: true,
             modulation_ahead: true,
+            fp8: Fp8Options::default(),
         }
     }
 }

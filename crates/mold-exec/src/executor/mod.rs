@@ -440,6 +440,7 @@ impl<M: Transformer> Executor<M> {
         opts: ExecOptions,
         dist: Option<DistRt>,
     ) -> Result<Self> {
+        crate::model::fp8::configure(opts.fp8);
         if let Some(pi) = specs
             .iter()
             .position(|s| fp8 && s.residency != Residency::Resident)

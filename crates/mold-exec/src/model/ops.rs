@@ -310,10 +310,12 @@ pub fn ln_modulate_fp8(
     fused::ln_modulate_fp8(x, scale, shift, eps).map(Some)
 }
 
-/// The widest row [`ln_modulate`]'s kernel stages in shared memory (as f32). A version
-/// holding the row, its scale and shift in registers (all loads issued before the first
-/// reduction) measured 2.3 ms a step slower on an H200 (128.6 against 126.3 ms, one call).
-const LN_SHARED_MAX: usize = 48 * 1024;
+/// The widest row [`ln_modulate`]'s kernel stages in shared memory (as f32): a block's 48 KiB
+/// (static and dynamic together, without opting into more) less the kernels' static
+/// reduction buffer. A version holding the row, its scale and shift in registers (all loads
+/// issued before the first reduction) measured 2.3 ms a step slower on an H200 (128.6
+/// against 126.3 ms, one call).
+const LN_SHARED_MAX: usize = 48 * 1024 - 256;
 
 /// One sequence segment for [`qkv_prep_fused`]: the fused projection `(b, len, ≥ 3·heads·d)`
 /// (q | k | v first) and the q/k RMSNorm scales `(d)`.

@@ -243,8 +243,9 @@ unsafe fn set_desc<T>(
 }
 
 impl Product {
-    /// `out (n × m) = act(scale_w · scale_x · Wᵀx + bias) + beta · out`; scale and bias
-    /// pointers are set by [`Product::run`].
+    /// `out (n × m) = act(scale_w · scale_x · Wᵀx + bias) + beta · out`, with cuBLASLt's
+    /// fast accumulation where `fast_accum`; scale and bias pointers are set by [`run`].
+    #[allow(clippy::too_many_arguments)]
     unsafe fn new(
         m: usize,
         n: usize,
@@ -252,6 +253,7 @@ impl Product {
         out: DType,
         bias: bool,
         gelu: bool,
+        fast_accum: bool,
     ) -> CResult<Product> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         let desc = lt::create_matmul_desc(
@@ -289,7 +291,7 @@ impl Product {
             (true, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
         };
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
-        if fast_accumulation() {
+        if fast_accum {
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
         }
         if bias {
@@ -297,22 +299,6 @@ impl Product {
         }
         Ok(p)
     }
-}
-
-/// cuBLASLt's fast accumulation for FP8 products: the tensor cores' partial sums are not
-/// promoted to f32 registers every few k-steps. On by default, as the inference FP8 paths of
-/// torchao and vLLM run their products; `MOLD_FP8_FAST_ACCUM=0` turns it off. FLUX.1-dev on
-/// one H200: 90.3 → 84.4 ms a step, its output against bf16 5.38e-2 → 5.09e-2 (BENCHMARKS.md).
-fn fast_accumulation() -> bool {
-    static FAST: OnceLock<bool> = OnceLock::new();
-    *FAST.get_or_init(|| std::env::var("MOLD_FP8_FAST_ACCUM").map_or(true, |v| v != "0"))
-}
-
-/// `MOLD_FP8_QUANTIZE=plain`: every input quantized by the plain kernel (for measuring, and
-/// for the GPU suite's check that both kernels give the same bits).
-fn plain_quantize() -> bool {
-    static PLAIN: OnceLock<bool> = OnceLock::new();
-    *PLAIN.get_or_init(|| std::env::var("MOLD_FP8_QUANTIZE").is_ok_and(|v| v == "plain"))
 }
 
 /// The input quantized per token: e4m3 values `(m, k)` (as bytes `Q`) and `m` scales.
@@ -329,7 +315,7 @@ fn quantize<Q: DeviceRepr>(
     let vec = k.is_multiple_of(8)
         && k <= VEC_MAX_K
         && (xl.start_offset() * dt.size_in_bytes()).is_multiple_of(16)
-        && !plain_quantize();
+        && !super::options().plain_quantize;
     let name = if vec {
         "mold_fp8_quantize_rows_vec"
     } else {
@@ -369,11 +355,12 @@ fn quantize<Q: DeviceRepr>(
 
 type DevPtr = candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
 
-/// A product's input: as computed (quantized per token here, first), or quantized ahead.
+/// A product's input: as computed (quantized per token here, first), or quantized ahead:
+/// its e4m3 values (the storage the custom op was given, not locked again) and its scales.
 #[derive(Clone, Copy)]
 enum Input<'a> {
     Dense(&'a CudaStorage, &'a Layout),
-    Rows(&'a Fp8Rows),
+    Rows(&'a CudaStorage, &'a Layout, &'a Tensor),
 }
 
 /// Runs the product into `out` (`n × m`, column-major).
@@ -393,7 +380,7 @@ unsafe fn run(
     let stream = dev.cuda_stream();
     // The input's e4m3 values and per-token scales, and what keeps them alive.
     let quantized;
-    let (rq, rs, rqv, rsv);
+    let (rs, rqv, rsv);
     let ((x8_p, _g3), (sx_p, _g4)) = match x {
         Input::Dense(x, xl) => {
             quantized = quantize::<u8>(dev, x, xl, m, k)?;
@@ -402,15 +389,14 @@ unsafe fn run(
                 quantized.1.device_ptr(&stream),
             )
         }
-        Input::Rows(r) => {
-            rq = r.rows.q.storage_and_layout();
-            rs = r.rows.scale.storage_and_layout();
-            let (Storage::Cuda(qs), Storage::Cuda(ss)) = (&*rq.0, &*rs.0) else {
-                candle_core::bail!("FP8 products: a quantized input is not on the GPU");
+        Input::Rows(qs, ql, scale) => {
+            rs = scale.storage_and_layout();
+            let Storage::Cuda(ss) = &*rs.0 else {
+                candle_core::bail!("FP8 products: a quantized input's scales are not on the GPU");
             };
             rqv = qs
                 .as_cuda_slice::<float8::F8E4M3>()?
-                .slice(rq.1.start_offset()..);
+                .slice(ql.start_offset()..);
             rsv = ss.as_cuda_slice::<f32>()?.slice(rs.1.start_offset()..);
             (rqv.device_ptr(&stream), rsv.device_ptr(&stream))
         }
@@ -488,9 +474,10 @@ unsafe fn run(
     };
     // Each product's descriptors and algorithm are made once per handle (a step runs a few
     // hundred products of a dozen shapes), not once per product.
-    let pk: ShapeKey = (m, n, k, out_dt == DType::BF16, bias.is_some(), gelu);
+    let fast = super::options().fast_accumulation;
+    let pk: ShapeKey = (m, n, k, out_dt == DType::BF16, bias.is_some(), gelu, fast);
     if let std::collections::hash_map::Entry::Vacant(e) = prepared.entry(pk) {
-        let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu).map_err(refuse)?;
+        let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu, fast).map_err(refuse)?;
         point(&p).map_err(refuse)?;
         let algo = choose(lt_handle, &p, pk, &stream).map_err(refuse)?;
         e.insert((p, algo));
@@ -520,8 +507,9 @@ unsafe fn run(
     .map_err(|e| err("cuBLASLt matmul", e))
 }
 
-/// A product's shape and epilogue on one device: m, n, k, bf16 output, bias, GELU.
-type ShapeKey = (usize, usize, usize, bool, bool, bool);
+/// A product's shape and epilogue on one device: m, n, k, bf16 output, bias, GELU, fast
+/// accumulation.
+type ShapeKey = (usize, usize, usize, bool, bool, bool, bool);
 
 /// The algorithm for product `pk` on `stream`'s device: cuBLASLt's heuristic, asked once per
 /// device and shape in a process. (For these products — FP8 with outer-vector scales — the
@@ -638,7 +626,10 @@ pub(crate) fn rows_apply(
     let candle_core::Device::Cuda(d) = x.rows.q.device() else {
         return Err("not on a GPU".into());
     };
-    if kx != kw || kx % 16 != 0 || n % 16 != 0 || m == 0 {
+    if !matches!(x.dtype, DType::BF16 | DType::F16) {
+        return Err(format!("{:?} activations", x.dtype));
+    }
+    if kx != kw || kx % 16 != 0 || n % 16 != 0 || m == 0 || n == 0 {
         return Err(format!(
             "a ({n}, {kw}) weight on {kx} input features: FP8 products need them equal and multiples of 16"
         ));
@@ -649,7 +640,10 @@ pub(crate) fn rows_apply(
     if !w.q.is_contiguous() || !w.scale.is_contiguous() {
         return Err("a non-contiguous operand".into());
     }
-    if !w.q.device().same_device(x.rows.q.device()) {
+    if !w.q.device().same_device(x.rows.q.device())
+        || !w.scale.device().same_device(x.rows.q.device())
+        || !x.rows.scale.device().same_device(x.rows.q.device())
+    {
         return Err("the weight is on another device than its input".into());
     }
     if !b.is_none_or(|b| b.dtype() == x.dtype && b.dims() == [n] && b.is_contiguous()) {
@@ -688,15 +682,19 @@ impl CustomOp1 for LinearRows {
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
         candle_core::bail!("mold-fp8-linear-rows runs on CUDA only")
     }
-    fn cuda_fwd(&self, q: &CudaStorage, _: &Layout) -> CResult<(CudaStorage, Shape)> {
-        let (m, _) = self.x.rows.dims2()?;
+    fn cuda_fwd(&self, q: &CudaStorage, ql: &Layout) -> CResult<(CudaStorage, Shape)> {
+        let (m, k) = self.x.rows.dims2()?;
+        if ql.dims() != [m, k] || !ql.is_contiguous() {
+            candle_core::bail!("mold-fp8-linear-rows: operands do not agree");
+        }
         let n = self.w.dims2()?.0;
         let dev = q.device.clone();
         let mut shape = self.x.dims.clone();
         if let Some(l) = shape.last_mut() {
             *l = n;
         }
-        let (w, b, x) = (&self.w, self.b.as_ref(), Input::Rows(&self.x));
+        let x = Input::Rows(q, ql, &self.x.rows.scale);
+        let (w, b) = (&self.w, self.b.as_ref());
         let storage = match self.x.dtype {
             DType::BF16 => product_new::<half::bf16>(&dev, x, m, w, b, self.gelu)?,
             DType::F16 => product_new::<half::f16>(&dev, x, m, w, b, self.gelu)?,

@@ -30,10 +30,11 @@
 pub(crate) mod cuda;
 
 use super::ops::Kernels;
+pub use crate::options::Fp8Options;
 use candle_core::{DType, Device, Tensor, D};
 use float8::F8E4M3;
 use rayon::prelude::*;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 type CResult<T> = candle_core::Result<T>;
@@ -338,12 +339,25 @@ impl Fp8Rows {
     }
 }
 
-/// `MOLD_FP8_FUSE=off`: every product quantizes its own input (for measuring, and for the GPU
-/// suite's check that an input quantized ahead gives the same bits).
-#[cfg(feature = "cuda")]
-fn fuse_off() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("MOLD_FP8_FUSE").is_ok_and(|v| v == "off"))
+static QUANTIZE_IN_NORM: AtomicBool = AtomicBool::new(true);
+static FAST_ACCUMULATION: AtomicBool = AtomicBool::new(true);
+static PLAIN_QUANTIZE: AtomicBool = AtomicBool::new(false);
+
+/// Sets how this process's FP8 products run (the executor applies its
+/// [`crate::options::Fp8Options`]; until then, their defaults).
+pub fn configure(o: Fp8Options) {
+    QUANTIZE_IN_NORM.store(o.quantize_in_norm, Ordering::Relaxed);
+    FAST_ACCUMULATION.store(o.fast_accumulation, Ordering::Relaxed);
+    PLAIN_QUANTIZE.store(o.plain_quantize, Ordering::Relaxed);
+}
+
+/// How this process's FP8 products run now ([`configure`]).
+pub fn options() -> Fp8Options {
+    Fp8Options {
+        quantize_in_norm: QUANTIZE_IN_NORM.load(Ordering::Relaxed),
+        fast_accumulation: FAST_ACCUMULATION.load(Ordering::Relaxed),
+        plain_quantize: PLAIN_QUANTIZE.load(Ordering::Relaxed),
+    }
 }
 
 /// Whether the products `(b, gelu)` of `w` on an input like `x` (same shape, dtype and
@@ -356,7 +370,7 @@ pub fn takes_rows(
     k: Kernels,
 ) -> bool {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && k.uses_libraries() && !fuse_off() {
+    if x.device().is_cuda() && k.uses_libraries() && options().quantize_in_norm {
         return products.iter().all(|&(b, gelu)| {
             cuda::products_apply(x, w, b, gelu).is_ok()
                 || (gelu && cuda::products_apply(x, w, b, false).is_ok())
@@ -368,7 +382,10 @@ pub fn takes_rows(
 
 /// `act(x Wᵀ + b)` for an input quantized ahead: one FP8 product on CUDA (the GELU in mold's
 /// pass after where cuBLASLt has no GELU epilogue for it); where no FP8 product runs, the
-/// input widened back and [`linear`]'s paths.
+/// input widened back and [`linear`]'s paths. That fallback is not bit for bit what the
+/// unquantized input would give (a weight-only product then multiplies the widened e4m3
+/// values, not the bf16 ones): it is taken only where cuBLASLt refuses a shape on its first
+/// product, which [`takes_rows`] answers from then on.
 pub fn linear_rows(
     x: &Fp8Rows,
     w: &Fp8Weight,
