@@ -278,6 +278,11 @@ fn not_as_the_box_runs(a: &Args, get: impl Fn(&str) -> Option<String>) -> Option
     if get("MOLD_KERNELS").is_some_and(|v| !matches!(v.trim(), "" | "auto")) {
         return Some("MOLD_KERNELS is not auto, so the operations ran other kernels".into());
     }
+    if mold_exec::Fp8Options::from_vars(&get).is_ok_and(|o| o != mold_exec::Fp8Options::default()) {
+        return Some(
+            "a MOLD_FP8_* variable is not its default, so FP8 products ran otherwise".into(),
+        );
+    }
     if a.timing.as_deref().is_some_and(|t| t != "mixed") {
         return Some("--timing is not mixed, the way operations are timed for the tables".into());
     }
@@ -640,6 +645,11 @@ fn model_request(a: &Args, model: &str) -> Result<ModelCalibration> {
     let kernels = mold_exec::Kernels::parse(&std::env::var("MOLD_KERNELS").unwrap_or_default())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut comm = mold_exec::comm::CommOptions::from_vars(|k| std::env::var(k).ok())?;
+    // FP8 products measured as `mold exec` runs them here.
+    mold_exec::model::fp8::configure(
+        mold_exec::Fp8Options::from_vars(|k| std::env::var(k).ok())
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
     // Measured as `mold exec --no-peer` runs: the all-to-alls by NCCL, not by peer copies.
     comm.exchange_beside &= !a.no_peer;
     Ok(ModelCalibration {
@@ -888,7 +898,7 @@ mod tests {
         assert_eq!(
             not_as_the_box_runs(
                 &args(&["--timing", "mixed"]),
-                env(&[("MOLD_KERNELS", "auto")])
+                env(&[("MOLD_KERNELS", "auto"), ("MOLD_FP8_FUSE", "on")])
             ),
             None
         );
@@ -901,6 +911,7 @@ mod tests {
             ),
             (&[][..], &[("NCCL_ALGO", "Tree")][..], "NCCL_ALGO"),
             (&[][..], &[("MOLD_KERNELS", "candle")][..], "MOLD_KERNELS"),
+            (&[][..], &[("MOLD_FP8_FAST_ACCUM", "off")][..], "MOLD_FP8_*"),
             (&["--timing", "alone"][..], &[][..], "--timing"),
         ] {
             let vars: &'static [(&'static str, &'static str)] =
