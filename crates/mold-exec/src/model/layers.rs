@@ -138,18 +138,9 @@ impl ColumnParallel {
         ))
     }
     /// Output features `start..start + len` alone: `x Wᵀ + b` of those rows, through GELU
-    /// with `gelu` (bias and activation in the epilogue on CUDA).
-    pub fn forward_rows(
-        &self,
-        x: &Tensor,
-        start: usize,
-        len: usize,
-        gelu: bool,
-        k: Kernels,
-    ) -> candle_core::Result<Tensor> {
-        self.forward_rows_in(&Input::Dense(x.clone()), start, len, gelu, k)
-    }
-    fn forward_rows_in(
+    /// with `gelu` (bias and activation in the epilogue on CUDA); the input may be quantized
+    /// ahead ([`Mat::linear_in`]).
+    pub fn forward_rows_in(
         &self,
         x: &Input,
         start: usize,

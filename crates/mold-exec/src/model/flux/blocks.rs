@@ -549,29 +549,27 @@ impl SingleBlock {
         ctx.mark("modulation", &m[0].gate);
         let kn = ctx.kernels;
         let eps = EPS as f32;
-        let normed = if split.is_none() && ctx.sp.world_size() <= 1 {
-            // One GPU or plain tensor parallelism: the norm quantizes for linear1's two FP8
-            // products where they take it.
-            let fp8 = self.linear1.split_takes_rows(&x, 3 * self.h_local, kn);
-            m[0].norm_scale_shift_for(&x, eps, fp8, kn)?
-        } else {
-            let normed = m[0].norm_scale_shift(&x, eps, kn)?;
-            let normed = if let Some(sp) = split {
+        let normed = match split {
+            // The norm quantizes for linear1's FP8 products where they take it: once for
+            // both (and for both of sequence parallelism's pieces).
+            None => {
+                let fp8 = self.linear1.split_takes_rows(&x, 3 * self.h_local, kn);
+                m[0].norm_scale_shift_for(&x, eps, fp8, kn)?
+            }
+            Some(sp) => {
+                let normed = m[0].norm_scale_shift(&x, eps, kn)?;
                 ctx.mark("norm", &normed);
                 let all = sp.gather_single(&normed, ctx)?;
                 ctx.mark("all-gather (tokens)", &all);
-                all
-            } else {
-                normed
-            };
-            if ctx.sp.world_size() > 1 && split.is_none() {
-                let reduced = self.mix_beside(normed, pe, lens, ctx)?;
-                let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
-                ctx.mark("bias + gate + residual", &out);
-                return Ok(out);
+                Input::Dense(all)
             }
-            Input::Dense(normed)
         };
+        if ctx.sp.world_size() > 1 && split.is_none() {
+            let reduced = self.mix_beside(normed, pe, lens, ctx)?;
+            let out = m[0].gate_bias_residual(&x, &reduced, self.linear2.bias(), kn)?;
+            ctx.mark("bias + gate + residual", &out);
+            return Ok(out);
+        }
         // q, k, v with their bias; the MLP part with bias and GELU (in the matmuls'
         // epilogues on CUDA).
         let (x_qkv, mlp) = self
@@ -610,25 +608,19 @@ impl SingleBlock {
     /// — so where the group exchanges by the copy engines (two GPUs, `MOLD_SP_OVERLAP`)
     /// the exchanges run beside them. The same sums as [`Self::forward`]'s other path, the
     /// MLP's part rounded to the activations' dtype before the attention's is added.
-    fn mix_beside(
-        &self,
-        normed: Tensor,
-        pe: &Tensor,
-        lens: &[usize],
-        ctx: &Ctx,
-    ) -> CResult<Tensor> {
+    fn mix_beside(&self, normed: Input, pe: &Tensor, lens: &[usize], ctx: &Ctx) -> CResult<Tensor> {
         let kn = ctx.kernels;
         let x_qkv = self
             .linear1
-            .forward_rows(&normed, 0, 3 * self.h_local, false, kn)?;
+            .forward_rows_in(&normed, 0, 3 * self.h_local, false, kn)?;
         ctx.meter.see(&x_qkv);
         ctx.mark("norm + qkv linear", &x_qkv);
         let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, ctx)?;
         drop(x_qkv);
         let moving = sequence::start(qkv, lens, ctx)?;
-        let mlp = self
-            .linear1
-            .forward_rows(&normed, 3 * self.h_local, self.mlp_local, true, kn)?;
+        let mlp =
+            self.linear1
+                .forward_rows_in(&normed, 3 * self.h_local, self.mlp_local, true, kn)?;
         drop(normed);
         ctx.meter.see(&mlp);
         ctx.mark("mlp linear + gelu (beside all-to-all)", &mlp);
