@@ -112,16 +112,8 @@ impl ColumnParallel {
     /// matmuls over row slices of the weight, each with its bias (and GELU) — in its
     /// epilogue on CUDA. Not one matmul sliced after: its first slice would keep the
     /// whole output alive as long as it lives, the MLP part's bytes twice over.
-    pub fn forward_split_gelu(
-        &self,
-        x: &Tensor,
-        at: usize,
-        k: Kernels,
-    ) -> candle_core::Result<(Tensor, Tensor)> {
-        self.forward_split_gelu_in(&Input::Dense(x.clone()), at, k)
-    }
-    /// [`Self::forward_split_gelu`] of an input that may be quantized ahead: both products
-    /// take the same quantized input (one quantizing pass for the two).
+    /// The input may be quantized ahead: both products then take it as it is (one quantizing
+    /// pass for the two).
     pub fn forward_split_gelu_in(
         &self,
         x: &Input,
