@@ -230,6 +230,11 @@ pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
             src("MOLD_FP8_QUANTIZE"),
         ),
         (
+            "fp8_attention".into(),
+            if o.fp8.attention { "on" } else { "off" }.into(),
+            src("MOLD_FP8_ATTENTION"),
+        ),
+        (
             "deterministic".into(),
             o.deterministic.to_string(),
             src("MOLD_DETERMINISTIC"),
@@ -325,11 +330,13 @@ mod tests {
                 ("MOLD_FP8_FUSE", "off"),
                 ("MOLD_FP8_FAST_ACCUM", " 0"),
                 ("MOLD_FP8_QUANTIZE", "Plain"),
+                ("MOLD_FP8_ATTENTION", "ON"),
             ],
         )
         .unwrap()
         .fp8;
-        assert!(!f.quantize_in_norm && !f.fast_accumulation && f.plain_quantize);
+        assert!(!f.quantize_in_norm && !f.fast_accumulation && f.plain_quantize && f.attention);
+        assert!(!opts(None, &[]).unwrap().fp8.attention);
         let o = opts(Some(Streaming::Pageable), &env).unwrap();
         assert_eq!(o.streaming, Streaming::Pageable);
         assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);
@@ -402,6 +409,7 @@ mod tests {
             ("MOLD_FP8_FUSE", "false"),
             ("MOLD_FP8_FAST_ACCUM", "fast"),
             ("MOLD_FP8_QUANTIZE", "a\nb"),
+            ("MOLD_FP8_ATTENTION", "fp8"),
             ("MOLD_STREAMING", "a\nb"),
             ("MOLD_KERNELS", "a\nb"),
             ("MOLD_FAULT", "a\nb"),

@@ -87,5 +87,10 @@ fn run() -> Result<(), String> {
         );
     }
     println!("output {:.3e}", e.output);
+    let a = mold_exec::attention_report();
+    println!(
+        "# attention {:?}; cuDNN not used: {:?}",
+        a.calls, a.cudnn_refusals
+    );
     Ok(())
 }

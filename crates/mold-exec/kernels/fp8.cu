@@ -14,6 +14,18 @@
 //   c0 .. c0 + len, at column out_col of a (rows, kout) output. Launch: grid (rows), block 256.
 // dequantize_rows: out = q * scale[row] in bf16/f16 (the weight-only path on GPUs without
 //   FP8 products). Launch: grid (rows, ceil(k / 256)), block 256.
+// amax3 / quantize3: three tensors (attention's q, k and v) of n values each (n a multiple
+//   of 8, 16-byte aligned) quantized to e4m3 with one scale per tensor, for cuDNN's FP8
+//   attention. amax3: block (x, y) writes the largest magnitude of its share of tensor y to
+//   partial[y * P + x] (P = gridDim.x). quantize3: every block takes tensor y's amax over
+//   the P partials, scales by 448 / amax (1 for a zero or non-finite tensor) and writes its
+//   share as e4m3 at q3 + y * n; block (0, y) writes the descale amax / 448 to scales[4 * y], block (0, 0)
+//   also the probabilities' descale 1 / 448 and scale 448 at scales[12] and scales[16], and
+//   block (0, 2) v's factor 448 / amax at scales[20]: the attention output's scale, as its
+//   values are averages of v's (one value per 16 bytes: cuDNN's scalar tensors are 16-byte
+//   aligned). Launch: grid (P or any, 3), block 256.
+// dequantize_tensor: out = q * scale[0] in bf16/f16, n values (a multiple of 8, 16-byte
+//   aligned), 8 at a time. Launch: grid (any), block 256.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -145,6 +157,108 @@ __device__ void dequantize_rows(const __nv_fp8_storage_t *__restrict__ q,
     out[row * (int64_t)k + i] = from_f<T>(__fmul_rn(v, scale[row]));
 }
 
+// Tensor blockIdx.y of (x0, x1, x2).
+template <typename T>
+__device__ __forceinline__ const T *pick3(const T *x0, const T *x1, const T *x2) {
+    return blockIdx.y == 0 ? x0 : (blockIdx.y == 1 ? x1 : x2);
+}
+
+// The largest of the block's threads' `m`, in every thread.
+__device__ float block_max(float m) {
+    __shared__ float part[THREADS / 32];
+    __shared__ float all;
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float a = 0.0f;
+        for (int w = 0; w < THREADS / 32; ++w) a = fmaxf(a, part[w]);
+        all = a;
+    }
+    __syncthreads();
+    return all;
+}
+
+template <typename T>
+__device__ void amax3(const T *__restrict__ x0, const T *__restrict__ x1,
+                      const T *__restrict__ x2, int64_t n, float *__restrict__ partial) {
+    const uint4 *x = reinterpret_cast<const uint4 *>(pick3(x0, x1, x2));
+    const int64_t pieces = n / 8;
+    float m = 0.0f;
+    for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < pieces;
+         i += (int64_t)gridDim.x * THREADS) {
+        const uint4 v = x[i];
+        const T *e = reinterpret_cast<const T *>(&v);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) m = fmaxf(m, fabsf(to_f(e[t])));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0) partial[blockIdx.y * gridDim.x + blockIdx.x] = m;
+}
+
+template <typename T>
+__device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
+                          const T *__restrict__ x2, int64_t n, const float *__restrict__ partial,
+                          int parts, __nv_fp8_storage_t *__restrict__ q3,
+                          float *__restrict__ scales) {
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < parts; i += THREADS) m = fmaxf(m, partial[blockIdx.y * parts + i]);
+    const float a = block_max(m);
+    const bool ok = a > 0.0f && isfinite(a);
+    const float inv = ok ? __fdiv_rn(E4M3_MAX, a) : 1.0f;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        scales[4 * blockIdx.y] = ok ? __fdiv_rn(a, E4M3_MAX) : 1.0f;
+        // v's factor is the attention output's scale too: |o| <= amax(v).
+        if (blockIdx.y == 2) scales[20] = inv;
+        if (blockIdx.y == 0) {
+            scales[12] = __fdiv_rn(1.0f, E4M3_MAX);
+            scales[16] = E4M3_MAX;
+        }
+    }
+    const uint4 *x = reinterpret_cast<const uint4 *>(pick3(x0, x1, x2));
+    uint2 *q = reinterpret_cast<uint2 *>(q3 + blockIdx.y * n);
+    const int64_t pieces = n / 8;
+    for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < pieces;
+         i += (int64_t)gridDim.x * THREADS) {
+        const uint4 v = x[i];
+        const T *e = reinterpret_cast<const T *>(&v);
+        union {
+            uint2 u;
+            __nv_fp8_storage_t b[8];
+        } out;
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+            out.b[t] = __nv_cvt_float_to_fp8(__fmul_rn(to_f(e[t]), inv), __NV_SATFINITE, __NV_E4M3);
+        q[i] = out.u;
+    }
+}
+
+template <typename T>
+__device__ void dequantize_tensor(const __nv_fp8_storage_t *__restrict__ q, int64_t n,
+                                  const float *__restrict__ scale, T *__restrict__ out) {
+    const float s = scale[0];
+    const uint2 *qv = reinterpret_cast<const uint2 *>(q);
+    uint4 *ov = reinterpret_cast<uint4 *>(out);
+    for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < n / 8;
+         i += (int64_t)gridDim.x * THREADS) {
+        union {
+            uint2 u;
+            __nv_fp8_storage_t b[8];
+        } in;
+        in.u = qv[i];
+        union {
+            uint4 u;
+            T v[8];
+        } o;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            __half_raw h = __nv_cvt_fp8_to_halfraw(in.b[t], __NV_E4M3);
+            o.v[t] = from_f<T>(__fmul_rn(__half2float(__half(h)), s));
+        }
+        ov[i] = o.u;
+    }
+}
+
 } // namespace mold_fp8
 
 #define MOLD_FP8(T, SUFFIX)                                                                    \
@@ -164,6 +278,19 @@ __device__ void dequantize_rows(const __nv_fp8_storage_t *__restrict__ q,
     extern "C" __global__ void mold_fp8_dequantize_rows_##SUFFIX(                             \
         const __nv_fp8_storage_t *q, const float *scale, T *out, int k) {                     \
         mold_fp8::dequantize_rows<T>(q, scale, out, k);                                       \
+    }                                                                                          \
+    extern "C" __global__ void mold_fp8_amax3_##SUFFIX(const T *x0, const T *x1, const T *x2,  \
+                                                      int64_t n, float *partial) {             \
+        mold_fp8::amax3<T>(x0, x1, x2, n, partial);                                           \
+    }                                                                                          \
+    extern "C" __global__ void mold_fp8_quantize3_##SUFFIX(                                   \
+        const T *x0, const T *x1, const T *x2, int64_t n, const float *partial, int parts,     \
+        __nv_fp8_storage_t *q3, float *scales) {                                               \
+        mold_fp8::quantize3<T>(x0, x1, x2, n, partial, parts, q3, scales);                    \
+    }                                                                                          \
+    extern "C" __global__ void mold_fp8_dequantize_tensor_##SUFFIX(                           \
+        const __nv_fp8_storage_t *q, int64_t n, const float *scale, T *out) {                  \
+        mold_fp8::dequantize_tensor<T>(q, n, scale, out);                                     \
     }
 
 MOLD_FP8(__nv_bfloat16, bf16)

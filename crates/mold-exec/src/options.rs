@@ -62,11 +62,16 @@ pub struct Fp8Options {
     /// Quantize inputs with the plain kernel, which reads a row twice, instead of the one
     /// that reads it once in 16-byte pieces (`MOLD_FP8_QUANTIZE=plain`; the same bits).
     pub plain_quantize: bool,
+    /// Attention in FP8 in blocks whose products are FP8 (`MOLD_FP8_ATTENTION=on`; off by
+    /// default): q, k and v quantized to e4m3 with one scale each, the probabilities in e4m3,
+    /// cuDNN's FP8 flash attention (Hopper and later), the output in the activations' dtype.
+    /// Where cuDNN cannot run it, attention stays bf16 (the run's report says why).
+    pub attention: bool,
 }
 
 impl Fp8Options {
-    /// Reads `MOLD_FP8_FUSE` (on|off), `MOLD_FP8_FAST_ACCUM` (on|off) and `MOLD_FP8_QUANTIZE`
-    /// (pieces|plain) through `get` (the CLI passes its environment); unset ones keep their
+    /// Reads `MOLD_FP8_FUSE` (on|off), `MOLD_FP8_FAST_ACCUM` (on|off), `MOLD_FP8_QUANTIZE`
+    /// (pieces|plain) and `MOLD_FP8_ATTENTION` (on|off) through `get` (the CLI passes its environment); unset ones keep their
     /// defaults. A bad value is refused in one line naming the variable.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Fp8Options, String> {
         let d = Fp8Options::default();
@@ -100,6 +105,13 @@ impl Fp8Options {
                 d.plain_quantize,
                 "give pieces (the default: each row read once in 16-byte pieces) or plain",
             )?,
+            attention: pick(
+                "MOLD_FP8_ATTENTION",
+                "on",
+                "off",
+                d.attention,
+                "give off (the default: attention in the activations' dtype) or on (FP8 attention in FP8 blocks)",
+            )?,
         })
     }
 }
@@ -110,6 +122,7 @@ impl Default for Fp8Options {
             quantize_in_norm: true,
             fast_accumulation: true,
             plain_quantize: false,
+            attention: false,
         }
     }
 }

@@ -22,6 +22,7 @@ fn an_executor_applies_its_fp8_options() {
         quantize_in_norm: false,
         fast_accumulation: false,
         plain_quantize: true,
+        attention: true,
     };
     let opts = ExecOptions {
         fp8: off,

@@ -187,6 +187,140 @@ fn cudnn_attention(
     Ok(Err("a CPU build".into()))
 }
 
+/// Attention with q, k, v and the probabilities in FP8 (`MOLD_FP8_ATTENTION=on`, FP8
+/// blocks): on CUDA, where cuDNN's FP8 flash attention takes the shape (Hopper and later,
+/// bf16/f16, head size 64 or 128; `kernels` allowing libraries), q, k and v are quantized to
+/// e4m3 with one scale each (the largest magnitude of each tensor maps to 448; two passes
+/// over them, no copy to the host) and cuDNN runs it; its output, e4m3 on Hopper (with v's
+/// scale: each output value is an average of v's), is widened to q's dtype. Where cuDNN
+/// cannot, attention runs as [`attention_with`] would (the reason kept in [`report`]).
+/// Elsewhere (CPU, f32, other head sizes) [`fp8_attention_reference`] emulates its
+/// precision.
+pub fn fp8_attention(
+    kernels: Kernels,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    meter: &ActivationMeter,
+) -> CResult<Tensor> {
+    let supported = fused_supported(q);
+    if supported && kernels.uses_libraries() {
+        match cudnn_fp8_attention(q, k, v)? {
+            Ok((out, backend)) => {
+                meter.see(&out);
+                note(&backend, None);
+                return out.flatten_from(2);
+            }
+            Err(why) => {
+                refused(format!("FP8 attention: {why}"));
+                return attention_with(kernels, q, k, v, meter);
+            }
+        }
+    }
+    if supported {
+        refused(format!(
+            "FP8 attention: needs cuDNN (MOLD_KERNELS={kernels:?} runs attention without it)"
+        ));
+        return attention_with(kernels, q, k, v, meter);
+    }
+    note("emulated FP8", None);
+    fp8_attention_reference(q, k, v, meter)
+}
+
+/// Keeps a reason cuDNN did not run a call, without counting a call.
+fn refused(why: String) {
+    let mut r = REPORT.lock().unwrap_or_else(|p| p.into_inner());
+    let r = r.get_or_insert_with(Default::default);
+    if !r.cudnn_refusals.contains(&why) && r.cudnn_refusals.len() < 8 {
+        r.cudnn_refusals.push(why);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cudnn_fp8_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> CResult<Result<(Tensor, String), String>> {
+    let version = match super::cudnn::version() {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(e)),
+    };
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (qkv, scales) = super::fp8::cuda::quantize_qkv(&q, &k, &v)?;
+    match super::cudnn::attention_fp8(&qkv, &scales, q.dtype())? {
+        // The e4m3 output widened with v's descale.
+        Ok(o) => Ok(Ok((
+            super::fp8::cuda::dequantize_tensor(&o, &scales, 8, q.dtype())?,
+            format!("cudnn {version} (FP8 SDPA)"),
+        ))),
+        Err(why) => Ok(Err(why)),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cudnn_fp8_attention(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+) -> CResult<Result<(Tensor, String), String>> {
+    Ok(Err("a CPU build".into()))
+}
+
+/// FP8 attention's precision emulated (in f32 on the host, materialising the `L × L`
+/// scores; for tests and the CPU): q, k and v each rounded to e4m3 with one scale per
+/// tensor and widened back, exact scores and softmax, the probabilities rounded to e4m3
+/// at scale 448 (their largest possible value, 1, maps to 448) and widened back, the
+/// product with v rounded to e4m3 with v's scale (as Hopper's kernels write it) and widened
+/// back, then to q's dtype. What cuDNN's kernel rounds, not its bits: it
+/// rounds each tile's probabilities before the softmax is normalised.
+pub fn fp8_attention_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    meter: &ActivationMeter,
+) -> CResult<Tensor> {
+    use super::fp8::{fake_quantize_tensor, round_e4m3, E4M3_MAX};
+    let dtype = q.dtype();
+    let (q, k, v) = (
+        fake_quantize_tensor(q)?,
+        fake_quantize_tensor(k)?,
+        fake_quantize_tensor(v)?,
+    );
+    let dim = q.dim(D::Minus1)?;
+    let scale = 1.0 / (dim as f64).sqrt();
+    let (b, h, lq, _) = q.dims4()?;
+    let q = q.flatten_to(1)?;
+    let k = k.flatten_to(1)?;
+    let v = v.flatten_to(1)?;
+    let weights = (q.matmul(&k.t()?)? * scale)?;
+    meter.see(&weights);
+    let p = candle_nn::ops::softmax_last_dim(&weights)?;
+    let dims = p.dims().to_vec();
+    let p8: Vec<f32> = p
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|x| round_e4m3(x * E4M3_MAX).to_f32() / E4M3_MAX)
+        .collect();
+    let p8 = Tensor::from_vec(p8, dims, p.device())?;
+    let out = p8.matmul(&v)?; // (b·h, Lq, d)
+    let v_amax = v.abs()?.max_all()?.to_scalar::<f32>()?;
+    let (inv, s) = super::fp8::row_scale(v_amax);
+    let odims = out.dims().to_vec();
+    let o8: Vec<f32> = out
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|x| round_e4m3(x * inv).to_f32() * s)
+        .collect();
+    let out = Tensor::from_vec(o8, odims, p.device())?;
+    out.reshape((b, h, lq, dim))?
+        .transpose(1, 2)?
+        .flatten_from(2)?
+        .to_dtype(dtype)
+}
+
 /// The composition of candle ops (materialises the `L × L` scores).
 pub fn unfused_attention(
     q: &Tensor,
@@ -391,6 +525,60 @@ mod tests {
             assert!((got[4 + c] - want[c]).abs() < 1e-5, "{got:?} vs {want:?}");
         }
         assert_eq!(meter.largest(), 2 * 5 * 7 * 4);
+    }
+
+    /// FP8 attention's emulation rounds q, k, v and the probabilities to e4m3: close to the
+    /// exact attention (FP8's few percent) but not equal to it; and it is what
+    /// [`fp8_attention`] runs where cuDNN does not (CPU, f32), counted in the report.
+    #[test]
+    fn fp8_attention_is_attention_within_fp8_s_rounding() {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1., (2, 3, 33, 16), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1., (2, 3, 33, 16), &dev).unwrap();
+        let v = (Tensor::randn(0f32, 1., (2, 3, 33, 16), &dev).unwrap() * 5.0).unwrap();
+        let meter = ActivationMeter::default();
+        let exact = unfused_attention(&q, &k, &v, &meter).unwrap();
+        let emulated = fp8_attention_reference(&q, &k, &v, &meter).unwrap();
+        assert_eq!(emulated.dims(), exact.dims());
+        let err = crate::verify::max_relative_error(&emulated, &exact).unwrap();
+        // e4m3 keeps 3 bits of mantissa: each operand within 6.25 %, the output's error
+        // a few percent of its largest value.
+        assert!(
+            err > 1e-3 && err < 8e-2,
+            "FP8 attention against exact: {err}"
+        );
+        let before = report().calls.get("emulated FP8").copied().unwrap_or(0);
+        let ran = fp8_attention(Kernels::Auto, &q, &k, &v, &meter).unwrap();
+        assert_eq!(
+            crate::verify::max_relative_error(&ran, &emulated).unwrap(),
+            0.0
+        );
+        assert!(report().calls["emulated FP8"] > before);
+    }
+
+    /// One scale for a whole tensor: every value rounds to the e4m3 step of its own
+    /// magnitude, the largest exactly to ±448 · scale.
+    #[test]
+    fn a_tensor_quantizes_with_one_scale() {
+        let x = Tensor::new(&[[3.0f32, -0.1, 1e-3], [0.37, 2.9, -3.5]], &Device::Cpu).unwrap();
+        let got: Vec<Vec<f32>> = crate::model::fp8::fake_quantize_tensor(&x)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let s = 3.5f32 / 448.0;
+        assert_eq!(got[1][2], -3.5);
+        for (g, want) in got
+            .iter()
+            .flatten()
+            .zip([3.0f32, -0.1, 1e-3, 0.37, 2.9, -3.5])
+        {
+            let step = crate::model::fp8::round_e4m3(want / s).to_f32() * s;
+            assert_eq!(*g, step);
+            assert!(
+                (g - want).abs() <= want.abs() / 16.0 + s / 512.0,
+                "{g} vs {want}"
+            );
+        }
     }
 
     #[test]

@@ -70,6 +70,10 @@ pub struct ColumnParallel {
 }
 
 impl ColumnParallel {
+    /// Whether the weight is held in FP8 (the block's products run in FP8).
+    pub fn is_fp8(&self) -> bool {
+        self.weight.is_fp8()
+    }
     pub fn load(src: &dyn WeightSource, prefix: &str, rows: &[Range<usize>]) -> Result<Self> {
         let w = src.load_product(&format!("{prefix}.weight"), Some(rows), None)?;
         let b = src.load(&format!("{prefix}.bias"), Some(rows), None)?;

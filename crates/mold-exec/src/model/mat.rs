@@ -25,6 +25,10 @@ pub enum Mat {
 }
 
 impl Mat {
+    /// Whether the weight is held in FP8.
+    pub fn is_fp8(&self) -> bool {
+        matches!(self, Mat::Fp8(_))
+    }
     /// Output features.
     pub fn rows(&self) -> CResult<usize> {
         match self {

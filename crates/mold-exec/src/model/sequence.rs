@@ -53,8 +53,21 @@ impl Qkv {
 /// Attention over the whole sequence for a rank that holds a slice of it: [`start`],
 /// [`QkvInFlight::attend`] and [`OutInFlight::finish`] one after the other, with nothing
 /// queued between them.
-pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
-    start(qkv, lens, ctx)?.attend(ctx)?.finish(ctx)
+/// `fp8`: attention in FP8 where the process allows it ([`Precision`]).
+pub fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> Result<Tensor> {
+    start(qkv, lens, fp8, ctx)?.attend(ctx)?.finish(ctx)
+}
+
+/// The precision a block's attention runs in: FP8 where the block's products are FP8 and
+/// the process's FP8 options ask for FP8 attention (`MOLD_FP8_ATTENTION=on`,
+/// [`crate::model::attention::fp8_attention`]); the activations' dtype otherwise.
+pub struct Precision;
+
+impl Precision {
+    /// Whether a block whose products are FP8 (`fp8_block`) runs its attention in FP8.
+    pub fn fp8(fp8_block: bool) -> bool {
+        fp8_block && crate::model::fp8::options().attention
+    }
 }
 
 /// The q/k/v all-to-all started ([`start`]); work queued before [`QkvInFlight::attend`]
@@ -62,6 +75,8 @@ pub fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> Result<Tensor> {
 /// runs exchanges on a side stream (`Comm::all_to_all_start`).
 pub struct QkvInFlight<'a> {
     state: QkvState<'a>,
+    /// Attention in FP8 ([`Precision::fp8`]).
+    fp8: bool,
 }
 
 enum QkvState<'a> {
@@ -105,13 +120,14 @@ enum OutState<'a> {
 /// put the pieces together. The fused preparation (CUDA, head size 64 or 128) writes the
 /// rank's own piece straight into that buffer, so there only the output's pieces are
 /// joined by a copy; the candle path makes the messages and the buffer by copies.
-pub fn start<'a>(qkv: Qkv, lens: &[usize], ctx: &Ctx<'a>) -> Result<QkvInFlight<'a>> {
+pub fn start<'a>(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx<'a>) -> Result<QkvInFlight<'a>> {
     let sp = ctx.sp;
     let (n, me) = (sp.world_size(), sp.rank());
     let (send, into) = match qkv {
         Qkv::Heads(q, k, v) if n == 1 => {
             return Ok(QkvInFlight {
                 state: QkvState::Local(q, k, v),
+                fp8,
             })
         }
         Qkv::Heads(q, k, v) => (messages(&q, &k, &v, n)?, None),
@@ -135,6 +151,7 @@ pub fn start<'a>(qkv: Qkv, lens: &[usize], ctx: &Ctx<'a>) -> Result<QkvInFlight<
     let shapes: Vec<Shape> = lens.iter().map(|&lj| (lj, 3, b, hs, d).into()).collect();
     let exchange = sp.all_to_all_start(send, shapes, Some(into))?;
     Ok(QkvInFlight {
+        fp8,
         state: QkvState::Moving {
             exchange,
             lens: lens.to_vec(),
@@ -149,10 +166,11 @@ impl<'a> QkvInFlight<'a> {
     /// Waits for q, k and v, runs attention over this rank's heads and starts sending
     /// each rank its tokens back.
     pub fn attend(self, ctx: &Ctx<'a>) -> Result<OutInFlight<'a>> {
+        let fp8 = self.fp8;
         let (exchange, lens, heads_each, b, d) = match self.state {
             QkvState::Local(q, k, v) => {
                 return Ok(OutInFlight {
-                    state: OutState::Done(local(&q, &k, &v, ctx)?),
+                    state: OutState::Done(local(&q, &k, &v, fp8, ctx)?),
                 })
             }
             QkvState::Moving {
@@ -170,7 +188,7 @@ impl<'a> QkvInFlight<'a> {
         ctx.mark("all-to-all (q, k, v)", &all);
         // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
         let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
-        let out = local(&part(0)?, &part(1)?, &part(2)?, ctx)?; // (b, L, hs·d)
+        let out = local(&part(0)?, &part(1)?, &part(2)?, fp8, ctx)?; // (b, L, hs·d)
         drop(all);
         // Each rank's tokens back to it; the head groups side by side, in rank order.
         let me = ctx.sp.rank();
@@ -267,8 +285,13 @@ pub(crate) fn join_heads(got: &[Tensor]) -> Result<Tensor> {
     crate::model::ops::join_columns(got)
 }
 
-fn local(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-    let out = crate::model::attention::attention_with(ctx.kernels, q, k, v, ctx.meter)?;
+fn local(q: &Tensor, k: &Tensor, v: &Tensor, fp8: bool, ctx: &Ctx) -> Result<Tensor> {
+    use crate::model::attention::{attention_with, fp8_attention};
+    let out = if fp8 {
+        fp8_attention(ctx.kernels, q, k, v, ctx.meter)?
+    } else {
+        attention_with(ctx.kernels, q, k, v, ctx.meter)?
+    };
     ctx.mark("attention", &out);
     Ok(out)
 }

@@ -110,6 +110,7 @@ pub const ATTR_OPERATION_SDPA_FWD_SCALEDESC: i32 = 2805;
 pub const DATA_FLOAT: i32 = 0;
 pub const DATA_HALF: i32 = 2;
 pub const DATA_BFLOAT16: i32 = 9;
+pub const DATA_FP8_E4M3: i32 = 12;
 
 // cudnnBackendBehaviorNote_t
 pub const BEHAVIOR_NOTE_RUNTIME_COMPILATION: i32 = 0;
@@ -132,6 +133,7 @@ pub const CROSS_CORRELATION: i32 = 1;
 // cudnnReduceTensorOp_t
 pub const REDUCE_ADD: i32 = 0;
 pub const REDUCE_MAX: i32 = 3;
+pub const REDUCE_AMAX: i32 = 4;
 
 type FnCreateDesc = unsafe extern "C" fn(i32, *mut Desc) -> Status;
 type FnDesc = unsafe extern "C" fn(Desc) -> Status;

@@ -122,6 +122,17 @@ pub const UID_V: i64 = 3;
 pub const UID_O: i64 = 4;
 pub const UID_SCALE: i64 = 5;
 pub const UID_BIAS: i64 = 6;
+// FP8 attention's scales (device scalars; the output's scale by value) and its outputs
+// besides O: the probabilities' and the output's largest magnitudes, the softmax statistics.
+pub const UID_DESCALE_Q: i64 = 7;
+pub const UID_DESCALE_K: i64 = 8;
+pub const UID_DESCALE_V: i64 = 9;
+pub const UID_DESCALE_S: i64 = 10;
+pub const UID_SCALE_S: i64 = 11;
+pub const UID_SCALE_O: i64 = 12;
+pub const UID_AMAX_S: i64 = 13;
+pub const UID_AMAX_O: i64 = 14;
+pub const UID_STATS: i64 = 15;
 
 /// What a plan is for: shapes and element strides of q, k, v (`b, h, L, d`) and of the
 /// output, which is written as `(b, L, h, d)` (strides `[L·h·d, d, h·d, 1]`).
@@ -139,6 +150,8 @@ pub struct Key {
     /// An additive bias of the scaled scores, shared by the batch: T5's relative-position
     /// bias, a causal mask. Only the composite graph takes one.
     pub bias: Option<BiasShape>,
+    /// q, k and v in e4m3 with a scale each, the output in `dtype` ([`Form::Fp8`]).
+    pub fp8: bool,
 }
 
 /// How a bias is laid out: `(1, heads, Lq, row)` contiguous, `heads` 1 (shared by every
@@ -163,6 +176,19 @@ pub enum Form {
     Unified,
     /// Matmul, scale, softmax (max, sub, exp, sum, div; log-sum-exp statistics), matmul.
     Composite,
+    /// The composite in FP8, as cudnn-frontend builds its FP8 attention: e4m3 q, k and v
+    /// descaled after the first matmul, the probabilities scaled into e4m3 for the second,
+    /// which is descaled into the output; the largest magnitudes of the probabilities and
+    /// the output, and the softmax statistics, written beside it (Hopper and later).
+    Fp8,
+    /// [`Form::Fp8`] with the softmax statistics virtual (cudnn-frontend's inference form).
+    Fp8Inference,
+}
+
+impl Form {
+    fn fp8(self) -> bool {
+        matches!(self, Form::Fp8 | Form::Fp8Inference)
+    }
 }
 
 /// A finalised execution plan, with what it was built from kept alive.
@@ -277,12 +303,17 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
     let mut g = Builder::new(api);
     let (b, h, lq, lk, d) = (key.b, key.h, key.lq, key.lk, key.d);
     let dt = key.dtype;
+    // q, k and v's type: the output's, or e4m3.
+    let inp = if key.fp8 { ffi::DATA_FP8_E4M3 } else { dt };
+    if key.fp8 != form.fp8() {
+        return Err(format!("the {form:?} graph is not for this attention"));
+    }
     let q = g.push(tensor(
         api,
         UID_Q,
         [b, h, lq, d],
         key.q_strides,
-        dt,
+        inp,
         false,
         false,
     )?);
@@ -295,12 +326,13 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
         false,
         true,
     )?);
+    // FP8 attention writes e4m3 on Hopper (its kernels take an FP8 output only there).
     let o = g.push(tensor(
         api,
         UID_O,
         [b, h, lq, d],
         key.o_strides(),
-        dt,
+        inp,
         false,
         false,
     )?);
@@ -309,7 +341,7 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
         UID_V,
         [b, h, lk, d],
         key.v_strides,
-        dt,
+        inp,
         false,
         false,
     )?);
@@ -391,6 +423,88 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
             let p = g.virt(sdims, sstr, dt)?;
             ops.push(g.pointwise(ffi::POINTWISE_DIV, exp, Some(sum), p)?);
             ops.push(g.matmul(p, v, o)?);
+        }
+        Form::Fp8 | Form::Fp8Inference => {
+            if bias.is_some() {
+                return Err("FP8 attention is built without a bias here".into());
+            }
+            let ks = key.k_strides;
+            let kt = g.push(tensor(
+                api,
+                UID_K,
+                [b, h, d, lk],
+                [ks[0], ks[1], ks[3], ks[2]],
+                inp,
+                false,
+                false,
+            )?);
+            let f = ffi::DATA_FLOAT;
+            let mut scalar = |uid: i64, by_value: bool| -> R<usize> {
+                Ok(g.push(tensor(
+                    api,
+                    uid,
+                    [1, 1, 1, 1],
+                    [1, 1, 1, 1],
+                    f,
+                    false,
+                    by_value,
+                )?))
+            };
+            let dq = scalar(UID_DESCALE_Q, false)?;
+            let dk = scalar(UID_DESCALE_K, false)?;
+            let dv = scalar(UID_DESCALE_V, false)?;
+            let ds = scalar(UID_DESCALE_S, false)?;
+            let ss = scalar(UID_SCALE_S, false)?;
+            let so = scalar(UID_SCALE_O, false)?;
+            let amax_s = scalar(UID_AMAX_S, false)?;
+            let amax_o = scalar(UID_AMAX_O, false)?;
+            let sdims = [b, h, lq, lk];
+            let sstr = [h * lq * lk, lq * lk, lk, 1];
+            let rdims = [b, h, lq, 1];
+            let rstr = [h * lq, lq, 1, 1];
+            let stats = if form == Form::Fp8 {
+                g.push(tensor(api, UID_STATS, rdims, rstr, f, false, false)?)
+            } else {
+                g.virt(rdims, rstr, f)?
+            };
+            let s0 = g.virt(sdims, sstr, f)?;
+            ops.push(g.matmul(q, kt, s0)?);
+            // Scaled, then q's and k's descales: cudnn-frontend's order.
+            let mut s = s0;
+            for by in [scale, dq, dk] {
+                let y = g.virt(sdims, sstr, f)?;
+                ops.push(g.pointwise(ffi::POINTWISE_MUL, s, Some(by), y)?);
+                s = y;
+            }
+            let max = g.virt(rdims, rstr, f)?;
+            ops.push(g.reduction(ffi::REDUCE_MAX, s, max)?);
+            let sub = g.virt(sdims, sstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_SUB, s, Some(max), sub)?);
+            let exp = g.virt(sdims, sstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_EXP, sub, None, exp)?);
+            let sum = g.virt(rdims, rstr, f)?;
+            ops.push(g.reduction(ffi::REDUCE_ADD, exp, sum)?);
+            let log = g.virt(rdims, rstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_LOG, sum, None, log)?);
+            ops.push(g.pointwise(ffi::POINTWISE_ADD, max, Some(log), stats)?);
+            let p = g.virt(sdims, sstr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_DIV, exp, Some(sum), p)?);
+            ops.push(g.reduction(ffi::REDUCE_AMAX, p, amax_s)?);
+            // The probabilities scaled into e4m3: the second matmul's A operand.
+            let p8 = g.virt(sdims, sstr, inp)?;
+            ops.push(g.pointwise(ffi::POINTWISE_MUL, p, Some(ss), p8)?);
+            // The second product and its scalings compact in (b, h, L, d), as cudnn-frontend
+            // infers virtual tensors; only the output is written token-major.
+            let odims = [b, h, lq, d];
+            let ostr = [h * lq * d, lq * d, d, 1];
+            let o1 = g.virt(odims, ostr, f)?;
+            ops.push(g.matmul(p8, v, o1)?);
+            let o2 = g.virt(odims, ostr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_MUL, o1, Some(ds), o2)?);
+            let o3 = g.virt(odims, ostr, f)?;
+            ops.push(g.pointwise(ffi::POINTWISE_MUL, o2, Some(dv), o3)?);
+            ops.push(g.pointwise(ffi::POINTWISE_MUL, o3, Some(so), o)?);
+            ops.push(g.reduction(ffi::REDUCE_AMAX, o3, amax_o)?);
         }
     }
     let keep = plan_cache::settings().dir.as_ref().map(|d| {
@@ -698,6 +812,75 @@ pub fn execute(
         &data,
         workspace,
         "execute attention",
+    )
+}
+
+/// Where an FP8 attention's tensors are besides q, k, v, the output and the workspace.
+pub struct Fp8Buffers {
+    /// [`crate::model::fp8`]'s q/k/v scales: q's, k's and v's descales, the probabilities'
+    /// descale and scale, the output's scale, one f32 every 16 bytes from here.
+    pub scales: u64,
+    /// Two f32 16 bytes apart: the probabilities' and the output's largest magnitudes.
+    pub amax: u64,
+    /// `(b, h, Lq)` f32: the softmax statistics.
+    pub stats: u64,
+}
+
+/// Runs an FP8 plan ([`Form::Fp8`]): `ptrs` q, k, v and the output (all e4m3).
+pub fn execute_fp8(
+    api: &'static Api,
+    handle: Handle,
+    plan: &Plan,
+    ptrs: [u64; 4],
+    workspace: u64,
+    scale: &f32,
+    bufs: &Fp8Buffers,
+) -> R<()> {
+    let mut uids = vec![
+        UID_Q,
+        UID_K,
+        UID_V,
+        UID_O,
+        UID_SCALE,
+        UID_DESCALE_Q,
+        UID_DESCALE_K,
+        UID_DESCALE_V,
+        UID_DESCALE_S,
+        UID_SCALE_S,
+        UID_SCALE_O,
+        UID_AMAX_S,
+        UID_AMAX_O,
+        UID_STATS,
+    ];
+    let at = |p: u64| p as *mut c_void;
+    let mut data = vec![
+        at(ptrs[0]),
+        at(ptrs[1]),
+        at(ptrs[2]),
+        at(ptrs[3]),
+        (scale as *const f32) as *mut c_void,
+        at(bufs.scales),
+        at(bufs.scales + 16),
+        at(bufs.scales + 32),
+        at(bufs.scales + 48),
+        at(bufs.scales + 64),
+        at(bufs.scales + 80),
+        at(bufs.amax),
+        at(bufs.amax + 16),
+        at(bufs.stats),
+    ];
+    if plan.form == Form::Fp8Inference {
+        uids.pop();
+        data.pop();
+    }
+    run(
+        api,
+        handle,
+        &plan.plan,
+        &uids,
+        &data,
+        workspace,
+        "execute FP8 attention",
     )
 }
 

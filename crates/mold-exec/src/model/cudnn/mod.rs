@@ -157,16 +157,42 @@ fn attention_with(
         k_strides: strides4(&k)?,
         v_strides: strides4(&v)?,
         bias: bias.map(|(_, s)| s),
+        fp8: false,
     };
     let candle_core::Device::Cuda(dev) = q.device() else {
         return Ok(Err("not a CUDA tensor".into()));
     };
-    let stream = dev.cuda_stream();
-    let ordinal = stream.context().ordinal();
-    let st = match state(ordinal, stream.context()) {
-        Ok(s) => s,
+    let (st, plan) = match plan_for(dev, &key, &[graph::Form::Unified, graph::Form::Composite]) {
+        Ok(p) => p,
         Err(e) => return Ok(Err(e)),
     };
+    let form = match plan.form {
+        graph::Form::Unified => "fused SDPA",
+        graph::Form::Composite => "composite SDPA",
+        graph::Form::Fp8 | graph::Form::Fp8Inference => "FP8 SDPA",
+    };
+    let op = CudnnAttn {
+        scale,
+        strides: [key.q_strides, key.k_strides, key.v_strides],
+        plan,
+        state: st,
+        bias: bias.map(|(t, _)| t.clone()),
+    };
+    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+    Ok(Ok((out, form)))
+}
+
+/// The device's cuDNN state and its plan for `key`: kept from an earlier call, or built
+/// from the first of `forms` an engine takes (the reasons of every refusal otherwise; a
+/// refusal is kept too, so a shape is tried once per process).
+fn plan_for(
+    dev: &candle_core::cuda::CudaDevice,
+    key: &graph::Key,
+    forms: &[graph::Form],
+) -> Result<(Arc<Mutex<DeviceState>>, Arc<graph::Plan>), String> {
+    let stream = dev.cuda_stream();
+    let ordinal = stream.context().ordinal();
+    let st = state(ordinal, stream.context())?;
     let plan = {
         let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
         let handle = s.handle;
@@ -180,32 +206,174 @@ fn attention_with(
                 .map_err(|e| format!("cuda:{ordinal}: {e}"))?;
             let api = ffi::api()?;
             let mut errors = Vec::new();
-            for form in [graph::Form::Unified, graph::Form::Composite] {
-                match graph::build(api, handle, &key, form, &gpu) {
+            for &form in forms {
+                match graph::build(api, handle, key, form, &gpu) {
                     Ok(p) => return Ok(Arc::new(p)),
                     Err(e) => errors.push(e),
                 }
             }
             Err(errors.join("; "))
         });
-        match entry {
-            Ok(p) => p.clone(),
-            Err(e) => return Ok(Err(e.clone())),
-        }
+        entry.clone()?
     };
-    let form = match plan.form {
-        graph::Form::Unified => "fused SDPA",
-        graph::Form::Composite => "composite SDPA",
+    Ok((st, plan))
+}
+
+/// `softmax(q kᵀ / √d) v` in FP8 ([`graph::Form::Fp8`]): `qkv` the e4m3 values of q, k and v
+/// `(3, b, h, L, d)` contiguous and `scales` their scales as
+/// [`crate::model::fp8`]'s `quantize_qkv` writes them; the output `(b, L, h, d)` in e4m3
+/// scaled by v's factor (`scales[20]`; its descale is v's, `scales[8]`) — Hopper's FP8
+/// attention kernels write FP8 only. `out` (bf16 or f16) is the dtype it will be widened to,
+/// part of the plan's key. The reason when cuDNN cannot run it here (before Hopper, or no
+/// engine).
+pub fn attention_fp8(qkv: &Tensor, scales: &Tensor, out: DType) -> CResult<Result<Tensor, String>> {
+    let (three, b, h, l, d) = qkv.dims5()?;
+    if three != 3 || !qkv.is_contiguous() || qkv.dtype() != DType::F8E4M3 {
+        candle_core::bail!(
+            "cudnn-attention: FP8 q, k, v are {:?} {:?}",
+            qkv.dims(),
+            qkv.dtype()
+        );
+    }
+    let dtype = match out {
+        DType::BF16 => ffi::DATA_BFLOAT16,
+        DType::F16 => ffi::DATA_HALF,
+        dt => return Ok(Err(format!("output dtype {dt:?}"))),
     };
-    let op = CudnnAttn {
-        scale,
-        strides: [key.q_strides, key.k_strides, key.v_strides],
+    let candle_core::Device::Cuda(dev) = qkv.device() else {
+        return Ok(Err("not a CUDA tensor".into()));
+    };
+    if dev
+        .cuda_stream()
+        .context()
+        .compute_capability()
+        .unwrap_or((0, 0))
+        .0
+        < 9
+    {
+        return Ok(Err("FP8 attention needs Hopper (sm_90) or later".into()));
+    }
+    let (b, h, l, d) = (b as i64, h as i64, l as i64, d as i64);
+    let st4 = [h * l * d, l * d, d, 1];
+    let key = graph::Key {
+        dtype,
+        b,
+        h,
+        lq: l,
+        lk: l,
+        d,
+        q_strides: st4,
+        k_strides: st4,
+        v_strides: st4,
+        bias: None,
+        fp8: true,
+    };
+    let (state, plan) = match plan_for(dev, &key, &[graph::Form::Fp8, graph::Form::Fp8Inference]) {
+        Ok(p) => p,
+        Err(e) => return Ok(Err(e)),
+    };
+    let op = CudnnAttnFp8 {
+        scale: (1.0 / (d as f64).sqrt()) as f32,
         plan,
-        state: st,
-        bias: bias.map(|(t, _)| t.clone()),
+        state,
     };
-    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
-    Ok(Ok((out, form)))
+    Ok(Ok(qkv.apply_op2_no_bwd(scales, &op)?))
+}
+
+struct CudnnAttnFp8 {
+    scale: f32,
+    plan: Arc<graph::Plan>,
+    state: Arc<Mutex<DeviceState>>,
+}
+
+impl candle_core::CustomOp2 for CudnnAttnFp8 {
+    fn name(&self) -> &'static str {
+        "cudnn-attention-fp8"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        candle_core::bail!("cudnn-attention-fp8 runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        qkv: &CudaStorage,
+        ql: &Layout,
+        scales: &CudaStorage,
+        sl: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let (_, b, h, l, d) = ql.shape().dims5()?;
+        let n = b * h * l * d;
+        if !ql.is_contiguous() || !sl.is_contiguous() || sl.shape().elem_count() < 21 {
+            candle_core::bail!(
+                "cudnn-attention-fp8: q/k/v or scales not as quantize_qkv writes them"
+            );
+        }
+        let dev = &qkv.device;
+        let stream = dev.cuda_stream();
+        let values = qkv
+            .as_cuda_slice::<float8::F8E4M3>()?
+            .slice(ql.start_offset()..);
+        let sc = scales.as_cuda_slice::<f32>()?.slice(sl.start_offset()..);
+        // SAFETY: the plan writes every output element, both amax values and the statistics.
+        let out = unsafe { dev.alloc::<float8::F8E4M3>(n)? };
+        let amax = unsafe { dev.alloc::<f32>(8)? };
+        let stats = unsafe { dev.alloc::<f32>(b * h * l)? };
+        let ws = dev.alloc_zeros::<u8>(self.plan.workspace.max(1))?;
+        {
+            let (pqkv, _g) = values.device_ptr(&stream);
+            let (ps, _gs) = sc.device_ptr(&stream);
+            let (po, _go) = out.device_ptr(&stream);
+            let (pa, _ga) = amax.device_ptr(&stream);
+            let (pst, _gst) = stats.device_ptr(&stream);
+            let (pw, _gw) = ws.device_ptr(&stream);
+            let nb = n as u64;
+            let ptrs = [pqkv, pqkv + nb, pqkv + 2 * nb, po];
+            for (what, p) in [
+                ("q/k/v", pqkv),
+                ("v", pqkv + 2 * nb),
+                ("output", po),
+                ("scales", ps),
+            ] {
+                if p % 16 != 0 {
+                    candle_core::bail!("cudnn-attention-fp8: {what} is not 16-byte aligned");
+                }
+            }
+            let api = ffi::api().map_err(candle_core::Error::msg)?;
+            let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            stream.context().bind_to_thread().w()?;
+            // SAFETY: the handle is this device's, the stream is the one candle queues on.
+            let st = unsafe { (api.set_stream)(s.handle, stream.cu_stream().cast()) };
+            if st != ffi::STATUS_SUCCESS {
+                candle_core::bail!("{}", api.error("cudnnSetStream", st));
+            }
+            graph::execute_fp8(
+                api,
+                s.handle,
+                &self.plan,
+                ptrs,
+                if self.plan.workspace > 0 { pw } else { 0 },
+                &self.scale,
+                &graph::Fp8Buffers {
+                    scales: ps,
+                    amax: pa,
+                    stats: pst,
+                },
+            )
+            .map_err(candle_core::Error::msg)?;
+        }
+        drop((ws, amax, stats));
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((b, l, h, d)),
+        ))
+    }
 }
 
 /// `t` `(b, h, L, d)` itself where cuDNN reads it in place (each row of `d` contiguous,

@@ -84,8 +84,8 @@ pub fn rope_table(pe: &Tensor) -> CResult<Tensor> {
 /// Attention over this rank's heads, q, k and v already normed and rotated
 /// ([`prepare_qkv`]); returns `(b, L, heads * head_dim)`. Under sequence parallelism `L`
 /// is this rank's tokens and `lens` every rank's count ([`sequence::attention`]).
-fn attention(qkv: Qkv, lens: &[usize], ctx: &Ctx) -> CResult<Tensor> {
-    sequence::attention(qkv, lens, ctx)
+fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> CResult<Tensor> {
+    sequence::attention(qkv, lens, sequence::Precision::fp8(fp8), ctx)
 }
 
 /// q, k, v for attention from the fused projections of the sequence segments in order
@@ -394,7 +394,7 @@ impl DoubleBlock {
             ctx,
         )?;
         drop((img_qkv, txt_qkv));
-        let attn = attention(qkv, lens, ctx)?;
+        let attn = attention(qkv, lens, iq.is_fp8(), ctx)?;
         let tl = match split {
             Some(s) => s.txt,
             None => txt.dim(1)?,
@@ -580,7 +580,7 @@ impl SingleBlock {
         ctx.mark("norm + qkv/mlp linear + gelu", &mlp);
         let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, ctx)?;
         drop(x_qkv);
-        let attn = attention(qkv, lens, ctx)?;
+        let attn = attention(qkv, lens, self.linear1.is_fp8(), ctx)?;
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
         let len = attn.dim(1)?;
         let reduced = layers::row_parallel_sums(
@@ -617,7 +617,8 @@ impl SingleBlock {
         ctx.mark("norm + qkv linear", &x_qkv);
         let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, ctx)?;
         drop(x_qkv);
-        let moving = sequence::start(qkv, lens, ctx)?;
+        let fp8 = sequence::Precision::fp8(self.linear1.is_fp8());
+        let moving = sequence::start(qkv, lens, fp8, ctx)?;
         let mlp =
             self.linear1
                 .forward_rows_in(&normed, 3 * self.h_local, self.mlp_local, true, kn)?;

@@ -956,3 +956,185 @@ fn launch<T: CudaDType + DeviceRepr>(
     unsafe { b.launch(cfg) }.map_err(|e| err("dequantize kernel", e))?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
+
+/// Blocks of the per-tensor amax pass: their partial maxima are what every block of the
+/// quantizing pass reads (a few hundred floats), enough to fill the GPU.
+const AMAX_BLOCKS: u32 = 264;
+
+/// q, k and v (each `(b, h, L, d)` bf16/f16, contiguous, on one GPU) quantized to e4m3 with
+/// one scale per tensor for cuDNN's FP8 attention: the values `(3, b, h, L, d)` and
+/// [`QKV_SCALES`] f32 scales, one every 16 bytes — q's, k's and v's descales (amax / 448),
+/// then the probabilities' descale 1 / 448 and scale 448 — written on the GPU (no copy to or
+/// from the host). Two passes: each tensor's amax, then its values.
+pub(crate) fn quantize_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Tensor)> {
+    use candle_core::op::BackpropOp;
+    let dims = q.dims().to_vec();
+    let n = q.elem_count();
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.dims() != dims.as_slice() || t.dtype() != q.dtype() {
+            candle_core::bail!(
+                "FP8 attention: {name} is {:?} {:?}, q {dims:?} {:?}",
+                t.dims(),
+                t.dtype(),
+                q.dtype()
+            );
+        }
+    }
+    if !n.is_multiple_of(8) || n >= i64::MAX as usize {
+        candle_core::bail!("FP8 attention: {n} values a tensor, not a multiple of 8");
+    }
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (Storage::Cuda(qs), Storage::Cuda(ks), Storage::Cuda(vs)) = (&*qs, &*ks, &*vs) else {
+        candle_core::bail!("FP8 attention: q, k and v are not on the GPU");
+    };
+    for (name, l) in [("q", ql), ("k", kl), ("v", vl)] {
+        if !l.is_contiguous() || !(l.start_offset() * 2).is_multiple_of(16) {
+            candle_core::bail!("FP8 attention: {name} is not contiguous and 16-byte aligned");
+        }
+    }
+    let dev = qs.device.clone();
+    let dt = qs.dtype();
+    let load = |name: &str| -> CResult<_> {
+        Ok(dev
+            .get_or_load_custom_fatbin(&format!("{name}_{}", suffix(dt)?), MODULE, FATBIN)?
+            .into_cuda_function())
+    };
+    let (fa, fq) = (load("mold_fp8_amax3")?, load("mold_fp8_quantize3")?);
+    let parts = AMAX_BLOCKS as i32;
+    // SAFETY: amax3 writes every partial, quantize3 every value and the five scales it
+    // returns (the padding between them is never read).
+    let mut partial = unsafe { dev.alloc::<f32>(3 * AMAX_BLOCKS as usize)? };
+    let mut values = unsafe { dev.alloc::<float8::F8E4M3>(3 * n)? };
+    let mut scales = dev.alloc_zeros::<f32>(QKV_SCALES)?;
+    let stream = dev.cuda_stream();
+    let n64 = n as i64;
+    let grid = |x: u32| LaunchConfig {
+        grid_dim: (x, 3, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let pieces = (n / 8).div_ceil(THREADS as usize).clamp(1, 4 * 132 * 4) as u32;
+    macro_rules! run {
+        ($t:ty) => {{
+            let x0 = qs.as_cuda_slice::<$t>()?.slice(ql.start_offset()..);
+            let x1 = ks.as_cuda_slice::<$t>()?.slice(kl.start_offset()..);
+            let x2 = vs.as_cuda_slice::<$t>()?.slice(vl.start_offset()..);
+            let mut a = stream.launch_builder(&fa);
+            a.arg(&x0).arg(&x1).arg(&x2).arg(&n64).arg(&mut partial);
+            // SAFETY: the arguments match the kernel; each tensor holds n values.
+            unsafe { a.launch(grid(AMAX_BLOCKS)) }.map_err(|e| err("amax kernel", e))?;
+            let mut b = stream.launch_builder(&fq);
+            b.arg(&x0)
+                .arg(&x1)
+                .arg(&x2)
+                .arg(&n64)
+                .arg(&partial)
+                .arg(&parts)
+                .arg(&mut values)
+                .arg(&mut scales);
+            // SAFETY: as above; `values` holds the three tensors' 3n values.
+            unsafe { b.launch(grid(pieces)) }.map_err(|e| err("quantize kernel", e))?;
+        }};
+    }
+    match dt {
+        DType::BF16 => run!(half::bf16),
+        DType::F16 => run!(half::f16),
+        dt => candle_core::bail!("FP8 attention: unsupported dtype {dt:?}"),
+    }
+    let wrap = |st: CudaStorage, shape: Shape| {
+        Tensor::from_storage(Storage::Cuda(st), shape, BackpropOp::none(), false)
+    };
+    let mut shape = vec![3];
+    shape.extend_from_slice(&dims);
+    Ok((
+        wrap(
+            CudaStorage::wrap_cuda_slice(values, dev.clone()),
+            Shape::from(shape),
+        ),
+        wrap(
+            CudaStorage::wrap_cuda_slice(scales, dev.clone()),
+            Shape::from(QKV_SCALES),
+        ),
+    ))
+}
+
+/// The f32 scales [`quantize_qkv`] writes: six values, one every 16 bytes — q's, k's and
+/// v's descales, the probabilities' descale and scale, and the attention output's scale
+/// (v's factor 448 / amax: the output's values are averages of v's, so its descale is v's).
+pub(crate) const QKV_SCALES: usize = 24;
+
+/// `q · scales[at]` in `dtype` (bf16/f16): an e4m3 tensor (values a multiple of 8, 16-byte
+/// aligned, contiguous, on the GPU) widened with a scale the GPU holds — FP8 attention's
+/// output with v's descale ([`quantize_qkv`]'s `scales[8]`).
+pub(crate) fn dequantize_tensor(
+    q: &Tensor,
+    scales: &Tensor,
+    at: usize,
+    dtype: DType,
+) -> CResult<Tensor> {
+    use candle_core::op::BackpropOp;
+    let n = q.elem_count();
+    if q.dtype() != DType::F8E4M3 || !n.is_multiple_of(8) || at >= scales.elem_count() {
+        candle_core::bail!(
+            "FP8 dequantize: {:?} {:?}, scale {at} of {}",
+            q.dims(),
+            q.dtype(),
+            scales.elem_count()
+        );
+    }
+    let (qs, ql) = q.storage_and_layout();
+    let (ss, sl) = scales.storage_and_layout();
+    let (Storage::Cuda(qs), Storage::Cuda(ss)) = (&*qs, &*ss) else {
+        candle_core::bail!("FP8 dequantize: not on the GPU");
+    };
+    if !ql.is_contiguous() || !ql.start_offset().is_multiple_of(16) || !sl.is_contiguous() {
+        candle_core::bail!("FP8 dequantize: the values are not contiguous and 16-byte aligned");
+    }
+    let dev = qs.device.clone();
+    let f = dev
+        .get_or_load_custom_fatbin(
+            &format!("mold_fp8_dequantize_tensor_{}", suffix(dtype)?),
+            MODULE,
+            FATBIN,
+        )?
+        .into_cuda_function();
+    let qv = qs
+        .as_cuda_slice::<float8::F8E4M3>()?
+        .slice(ql.start_offset()..);
+    let sv = ss.as_cuda_slice::<f32>()?.slice(sl.start_offset() + at..);
+    let stream = dev.cuda_stream();
+    let n64 = n as i64;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            (n / 8).div_ceil(THREADS as usize).clamp(1, 4 * 132 * 4) as u32,
+            1,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    macro_rules! run {
+        ($t:ty) => {{
+            // SAFETY: the kernel writes every value.
+            let mut out = unsafe { dev.alloc::<$t>(n)? };
+            let mut b = stream.launch_builder(&f);
+            b.arg(&qv).arg(&n64).arg(&sv).arg(&mut out);
+            // SAFETY: the arguments match the kernel; n values each side.
+            unsafe { b.launch(cfg) }.map_err(|e| err("dequantize kernel", e))?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let st = match dtype {
+        DType::BF16 => run!(half::bf16),
+        DType::F16 => run!(half::f16),
+        dt => candle_core::bail!("FP8 dequantize: unsupported dtype {dt:?}"),
+    };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(st),
+        q.shape().clone(),
+        BackpropOp::none(),
+        false,
+    ))
+}

@@ -342,6 +342,7 @@ impl Fp8Rows {
 static QUANTIZE_IN_NORM: AtomicBool = AtomicBool::new(true);
 static FAST_ACCUMULATION: AtomicBool = AtomicBool::new(true);
 static PLAIN_QUANTIZE: AtomicBool = AtomicBool::new(false);
+static ATTENTION: AtomicBool = AtomicBool::new(false);
 
 /// Sets how this process's FP8 products run (the executor applies its
 /// [`crate::options::Fp8Options`]; until then, their defaults).
@@ -349,6 +350,7 @@ pub fn configure(o: Fp8Options) {
     QUANTIZE_IN_NORM.store(o.quantize_in_norm, Ordering::Relaxed);
     FAST_ACCUMULATION.store(o.fast_accumulation, Ordering::Relaxed);
     PLAIN_QUANTIZE.store(o.plain_quantize, Ordering::Relaxed);
+    ATTENTION.store(o.attention, Ordering::Relaxed);
 }
 
 /// How this process's FP8 products run now ([`configure`]).
@@ -357,6 +359,7 @@ pub fn options() -> Fp8Options {
         quantize_in_norm: QUANTIZE_IN_NORM.load(Ordering::Relaxed),
         fast_accumulation: FAST_ACCUMULATION.load(Ordering::Relaxed),
         plain_quantize: PLAIN_QUANTIZE.load(Ordering::Relaxed),
+        attention: ATTENTION.load(Ordering::Relaxed),
     }
 }
 
@@ -433,6 +436,24 @@ pub fn fake_quantize_rows(x: &Tensor) -> CResult<Tensor> {
         .par_chunks(k.max(1))
         .zip(s.par_iter())
         .flat_map_iter(|(row, sc)| row.iter().map(move |v| v.to_f32() * sc))
+        .collect();
+    Tensor::from_vec(out, x.dims(), &Device::Cpu)?.to_device(x.device())
+}
+
+/// `x` rounded to e4m3 with one scale for the whole tensor (its largest magnitude maps to
+/// 448) and widened back, in f32 on the host, returned in f32 on `x`'s device: what FP8
+/// attention sees of q, k and v (the CPU emulation of kernels/fp8.cu's `quantize3`).
+pub fn fake_quantize_tensor(x: &Tensor) -> CResult<Tensor> {
+    let data = x
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let amax = data.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (inv, s) = row_scale(amax);
+    let out: Vec<f32> = data
+        .par_iter()
+        .map(|v| round_e4m3(v * inv).to_f32() * s)
         .collect();
     Tensor::from_vec(out, x.dims(), &Device::Cpu)?.to_device(x.device())
 }

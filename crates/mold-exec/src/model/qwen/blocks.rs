@@ -328,7 +328,8 @@ impl Block {
         ctx.mark("norm + qkv linear", &txt_qkv);
         let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, lens, ctx)?;
         drop((img_qkv, txt_qkv));
-        let attn = sequence::attention(qkv, lens, ctx)?;
+        let fp8 = sequence::Precision::fp8(iq.weight.is_fp8());
+        let attn = sequence::attention(qkv, lens, fp8, ctx)?;
         let tl = match split {
             Some(s) => s.txt,
             None => txt.dim(1)?,
