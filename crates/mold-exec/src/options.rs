@@ -62,10 +62,11 @@ pub struct Fp8Options {
     /// Quantize inputs with the plain kernel, which reads a row twice, instead of the one
     /// that reads it once in 16-byte pieces (`MOLD_FP8_QUANTIZE=plain`; the same bits).
     pub plain_quantize: bool,
-    /// Attention in FP8 in blocks whose products are FP8 (`MOLD_FP8_ATTENTION=on`; off by
-    /// default): q, k and v quantized to e4m3 with one scale each, the probabilities in e4m3,
-    /// cuDNN's FP8 flash attention (Hopper and later), the output in the activations' dtype.
-    /// Where cuDNN cannot run it, attention stays bf16 (the run's report says why).
+    /// Attention in FP8 in blocks whose weights are held in FP8 (`MOLD_FP8_ATTENTION=on`; off
+    /// by default): q, k and v quantized to e4m3 with one scale each, the probabilities in
+    /// e4m3, cuDNN's FP8 flash attention (Hopper and later), the output widened to the
+    /// activations' dtype. Where cuDNN cannot run it, attention runs in the activations'
+    /// dtype (the run's report says why); on the CPU its precision is emulated.
     pub attention: bool,
 }
 

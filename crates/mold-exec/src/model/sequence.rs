@@ -58,13 +58,13 @@ pub fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> Result<Tenso
     start(qkv, lens, fp8, ctx)?.attend(ctx)?.finish(ctx)
 }
 
-/// The precision a block's attention runs in: FP8 where the block's products are FP8 and
+/// The precision a block's attention runs in: FP8 where the block's weights are FP8 and
 /// the process's FP8 options ask for FP8 attention (`MOLD_FP8_ATTENTION=on`,
 /// [`crate::model::attention::fp8_attention`]); the activations' dtype otherwise.
 pub struct Precision;
 
 impl Precision {
-    /// Whether a block whose products are FP8 (`fp8_block`) runs its attention in FP8.
+    /// Whether a block whose weights are held in FP8 (`fp8_block`) runs its attention in FP8.
     pub fn fp8(fp8_block: bool) -> bool {
         fp8_block && crate::model::fp8::options().attention
     }

@@ -122,7 +122,7 @@ pub const UID_V: i64 = 3;
 pub const UID_O: i64 = 4;
 pub const UID_SCALE: i64 = 5;
 pub const UID_BIAS: i64 = 6;
-// FP8 attention's scales (device scalars; the output's scale by value) and its outputs
+// FP8 attention's scales (device scalars) and its outputs
 // besides O: the probabilities' and the output's largest magnitudes, the softmax statistics.
 pub const UID_DESCALE_Q: i64 = 7;
 pub const UID_DESCALE_K: i64 = 8;
@@ -508,11 +508,10 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
         }
     }
     let keep = plan_cache::settings().dir.as_ref().map(|d| {
-        PlanStore::new(d).path(
-            &api.version_string(),
-            gpu,
-            &format!("sdpa {form:?} {key:?}"),
-        )
+        // Plans without FP8 keep the names they had before the key had `fp8` (kept plans
+        // stay valid across the change).
+        let name = format!("sdpa {form:?} {key:?}").replace(", fp8: false }", " }");
+        PlanStore::new(d).path(&api.version_string(), gpu, &name)
     });
     let mut f = finalise(api, handle, g, &ops, 1, keep)
         .map_err(|e| format!("no cuDNN engine runs this attention ({form:?} graph): {e}"))?;

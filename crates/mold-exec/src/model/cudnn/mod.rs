@@ -219,39 +219,28 @@ fn plan_for(
     Ok((st, plan))
 }
 
-/// `softmax(q kᵀ / √d) v` in FP8 ([`graph::Form::Fp8`]): `qkv` the e4m3 values of q, k and v
-/// `(3, b, h, L, d)` contiguous and `scales` their scales as
-/// [`crate::model::fp8`]'s `quantize_qkv` writes them; the output `(b, L, h, d)` in e4m3
-/// scaled by v's factor (`scales[20]`; its descale is v's, `scales[8]`) — Hopper's FP8
-/// attention kernels write FP8 only. `out` (bf16 or f16) is the dtype it will be widened to,
-/// part of the plan's key. The reason when cuDNN cannot run it here (before Hopper, or no
-/// engine).
-pub fn attention_fp8(qkv: &Tensor, scales: &Tensor, out: DType) -> CResult<Result<Tensor, String>> {
-    let (three, b, h, l, d) = qkv.dims5()?;
-    if three != 3 || !qkv.is_contiguous() || qkv.dtype() != DType::F8E4M3 {
-        candle_core::bail!(
-            "cudnn-attention: FP8 q, k, v are {:?} {:?}",
-            qkv.dims(),
-            qkv.dtype()
-        );
-    }
-    let dtype = match out {
+/// cuDNN's FP8 attention for self-attention over `q` `(b, h, L, d)` (bf16/f16, on a GPU):
+/// the plan, found (or built, or refused) before anything is quantized. The reason when
+/// cuDNN cannot run it here (before Hopper, another dtype, or no engine).
+pub fn fp8_attention_plan(q: &Tensor) -> CResult<Result<Fp8Attention, String>> {
+    let (b, h, l, d) = q.dims4()?;
+    let dtype = match q.dtype() {
         DType::BF16 => ffi::DATA_BFLOAT16,
         DType::F16 => ffi::DATA_HALF,
-        dt => return Ok(Err(format!("output dtype {dt:?}"))),
+        dt => return Ok(Err(format!("dtype {dt:?}"))),
     };
-    let candle_core::Device::Cuda(dev) = qkv.device() else {
+    let candle_core::Device::Cuda(dev) = q.device() else {
         return Ok(Err("not a CUDA tensor".into()));
     };
-    if dev
+    let (major, minor) = dev
         .cuda_stream()
         .context()
         .compute_capability()
-        .unwrap_or((0, 0))
-        .0
-        < 9
-    {
-        return Ok(Err("FP8 attention needs Hopper (sm_90) or later".into()));
+        .unwrap_or((0, 0));
+    if major < 9 {
+        return Ok(Err(format!(
+            "FP8 attention needs Hopper (sm_90) or later, this GPU is sm_{major}{minor}"
+        )));
     }
     let (b, h, l, d) = (b as i64, h as i64, l as i64, d as i64);
     let st4 = [h * l * d, l * d, d, 1];
@@ -268,16 +257,44 @@ pub fn attention_fp8(qkv: &Tensor, scales: &Tensor, out: DType) -> CResult<Resul
         bias: None,
         fp8: true,
     };
-    let (state, plan) = match plan_for(dev, &key, &[graph::Form::Fp8, graph::Form::Fp8Inference]) {
-        Ok(p) => p,
-        Err(e) => return Ok(Err(e)),
-    };
-    let op = CudnnAttnFp8 {
-        scale: (1.0 / (d as f64).sqrt()) as f32,
-        plan,
-        state,
-    };
-    Ok(Ok(qkv.apply_op2_no_bwd(scales, &op)?))
+    Ok(
+        match plan_for(dev, &key, &[graph::Form::Fp8, graph::Form::Fp8Inference]) {
+            Ok((state, plan)) => Ok(Fp8Attention {
+                dims: [b as usize, h as usize, l as usize, d as usize],
+                op: CudnnAttnFp8 {
+                    scale: (1.0 / (d as f64).sqrt()) as f32,
+                    plan,
+                    state,
+                },
+            }),
+            Err(e) => Err(e),
+        },
+    )
+}
+
+/// A plan of cuDNN's FP8 attention for one shape ([`fp8_attention_plan`]).
+pub struct Fp8Attention {
+    dims: [usize; 4],
+    op: CudnnAttnFp8,
+}
+
+impl Fp8Attention {
+    /// `softmax(q kᵀ / √d) v` ([`graph::Form::Fp8`]): `qkv` the e4m3 values of q, k and v
+    /// `(3, b, h, L, d)` contiguous and `scales` their scales as [`crate::model::fp8`]'s
+    /// `quantize_qkv` writes them; the output `(b, L, h, d)` in e4m3 scaled by v's factor
+    /// (`scales[20]`; its descale is v's, `scales[8]`) — Hopper's FP8 attention kernels write
+    /// FP8 only.
+    pub fn run(&self, qkv: &Tensor, scales: &Tensor) -> CResult<Tensor> {
+        let [b, h, l, d] = self.dims;
+        if qkv.dims() != [3, b, h, l, d] || !qkv.is_contiguous() || qkv.dtype() != DType::F8E4M3 {
+            candle_core::bail!(
+                "cudnn-attention: FP8 q, k, v are {:?} {:?}, the plan's (3, {b}, {h}, {l}, {d}) e4m3",
+                qkv.dims(),
+                qkv.dtype()
+            );
+        }
+        qkv.apply_op2_no_bwd(scales, &self.op)
+    }
 }
 
 struct CudnnAttnFp8 {
@@ -336,7 +353,8 @@ impl candle_core::CustomOp2 for CudnnAttnFp8 {
             let nb = n as u64;
             let ptrs = [pqkv, pqkv + nb, pqkv + 2 * nb, po];
             for (what, p) in [
-                ("q/k/v", pqkv),
+                ("q", pqkv),
+                ("k", pqkv + nb),
                 ("v", pqkv + 2 * nb),
                 ("output", po),
                 ("scales", ps),

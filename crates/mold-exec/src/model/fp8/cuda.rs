@@ -1003,8 +1003,8 @@ pub(crate) fn quantize_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tenso
     };
     let (fa, fq) = (load("mold_fp8_amax3")?, load("mold_fp8_quantize3")?);
     let parts = AMAX_BLOCKS as i32;
-    // SAFETY: amax3 writes every partial, quantize3 every value and the five scales it
-    // returns (the padding between them is never read).
+    // SAFETY: amax3 writes every partial, quantize3 every value and the six scales it
+    // returns (the padding between them is zeroed, never read).
     let mut partial = unsafe { dev.alloc::<f32>(3 * AMAX_BLOCKS as usize)? };
     let mut values = unsafe { dev.alloc::<float8::F8E4M3>(3 * n)? };
     let mut scales = dev.alloc_zeros::<f32>(QKV_SCALES)?;
