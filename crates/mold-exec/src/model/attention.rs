@@ -30,15 +30,23 @@ pub struct AttentionReport {
 
 static REPORT: Mutex<Option<AttentionReport>> = Mutex::new(None);
 
-fn note(backend: &str, refusal: Option<String>) {
+/// Counts a call of `backend` (none for `None`) and keeps a distinct reason cuDNN passed
+/// it over.
+fn note_with(backend: Option<&str>, refusal: Option<String>) {
     let mut r = REPORT.lock().unwrap_or_else(|p| p.into_inner());
     let r = r.get_or_insert_with(Default::default);
-    *r.calls.entry(backend.to_string()).or_default() += 1;
+    if let Some(backend) = backend {
+        *r.calls.entry(backend.to_string()).or_default() += 1;
+    }
     if let Some(why) = refusal {
         if !r.cudnn_refusals.contains(&why) && r.cudnn_refusals.len() < 8 {
             r.cudnn_refusals.push(why);
         }
     }
+}
+
+fn note(backend: &str, refusal: Option<String>) {
+    note_with(Some(backend), refusal)
 }
 
 /// Which attention implementations ran in this process so far.
@@ -235,11 +243,7 @@ pub fn fp8_attention(
 
 /// Keeps a reason cuDNN did not run a call, without counting a call.
 fn refused(why: String) {
-    let mut r = REPORT.lock().unwrap_or_else(|p| p.into_inner());
-    let r = r.get_or_insert_with(Default::default);
-    if !r.cudnn_refusals.contains(&why) && r.cudnn_refusals.len() < 8 {
-        r.cudnn_refusals.push(why);
-    }
+    note_with(None, Some(why))
 }
 
 #[cfg(feature = "cuda")]
@@ -271,7 +275,7 @@ fn cudnn_fp8_attention(
     let o = plan.run(&qkv, &scales)?;
     // The e4m3 output widened with v's descale.
     Ok(Ok((
-        super::fp8::cuda::dequantize_tensor(&o, &scales, 8, q.dtype())?,
+        super::fp8::cuda::dequantize_tensor(&o, &scales, super::fp8::cuda::V_DESCALE, q.dtype())?,
         format!("cudnn {version} (FP8 SDPA)"),
     )))
 }

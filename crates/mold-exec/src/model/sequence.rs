@@ -53,21 +53,16 @@ impl Qkv {
 /// Attention over the whole sequence for a rank that holds a slice of it: [`start`],
 /// [`QkvInFlight::attend`] and [`OutInFlight::finish`] one after the other, with nothing
 /// queued between them.
-/// `fp8`: attention in FP8 where the process allows it ([`Precision`]).
+/// `fp8`: attention in FP8 ([`fp8_attention`]).
 pub fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> Result<Tensor> {
     start(qkv, lens, fp8, ctx)?.attend(ctx)?.finish(ctx)
 }
 
-/// The precision a block's attention runs in: FP8 where the block's weights are FP8 and
-/// the process's FP8 options ask for FP8 attention (`MOLD_FP8_ATTENTION=on`,
-/// [`crate::model::attention::fp8_attention`]); the activations' dtype otherwise.
-pub struct Precision;
-
-impl Precision {
-    /// Whether a block whose weights are held in FP8 (`fp8_block`) runs its attention in FP8.
-    pub fn fp8(fp8_block: bool) -> bool {
-        fp8_block && crate::model::fp8::options().attention
-    }
+/// Whether a block whose weights are held in FP8 (`fp8_block`) runs its attention in FP8:
+/// where the process's FP8 options ask for it (`MOLD_FP8_ATTENTION=on`,
+/// [`crate::model::attention::fp8_attention`]); otherwise in the activations' dtype.
+pub fn fp8_attention(fp8_block: bool) -> bool {
+    fp8_block && crate::model::fp8::options().attention
 }
 
 /// The q/k/v all-to-all started ([`start`]); work queued before [`QkvInFlight::attend`]
@@ -75,7 +70,7 @@ impl Precision {
 /// runs exchanges on a side stream (`Comm::all_to_all_start`).
 pub struct QkvInFlight<'a> {
     state: QkvState<'a>,
-    /// Attention in FP8 ([`Precision::fp8`]).
+    /// Attention in FP8 ([`fp8_attention`]).
     fp8: bool,
 }
 

@@ -150,8 +150,6 @@ pub struct Key {
     /// An additive bias of the scaled scores, shared by the batch: T5's relative-position
     /// bias, a causal mask. Only the composite graph takes one.
     pub bias: Option<BiasShape>,
-    /// q, k and v in e4m3 with a scale each, the output in `dtype` ([`Form::Fp8`]).
-    pub fp8: bool,
 }
 
 /// How a bias is laid out: `(1, heads, Lq, row)` contiguous, `heads` 1 (shared by every
@@ -179,16 +177,9 @@ pub enum Form {
     /// The composite in FP8, as cudnn-frontend builds its FP8 attention: e4m3 q, k and v
     /// descaled after the first matmul, the probabilities scaled into e4m3 for the second,
     /// which is descaled into the output; the largest magnitudes of the probabilities and
-    /// the output, and the softmax statistics, written beside it (Hopper and later).
+    /// the output, and the softmax statistics, written beside it (Hopper and later). Its
+    /// key's dtype is e4m3: q, k, v and the output (Hopper's FP8 kernels write FP8 only).
     Fp8,
-    /// [`Form::Fp8`] with the softmax statistics virtual (cudnn-frontend's inference form).
-    Fp8Inference,
-}
-
-impl Form {
-    fn fp8(self) -> bool {
-        matches!(self, Form::Fp8 | Form::Fp8Inference)
-    }
 }
 
 /// A finalised execution plan, with what it was built from kept alive.
@@ -278,6 +269,41 @@ impl Builder {
         Ok(self.push(op))
     }
 
+    /// The softmax of the scores `s` over its last dimension as cudnn-frontend composes it
+    /// for flash attention — max, subtract, exp, sum, the log-sum-exp statistics (into
+    /// `stats`, else a virtual tensor), divide — its ops appended to `ops`; returns the
+    /// probabilities, virtual, of dtype `p_dtype`. `[dims, strides]` of the scores and of a
+    /// row's reductions.
+    fn softmax(
+        &mut self,
+        ops: &mut Vec<usize>,
+        s: usize,
+        [sdims, sstr]: [[i64; 4]; 2],
+        [rdims, rstr]: [[i64; 4]; 2],
+        stats: Option<usize>,
+        p_dtype: i32,
+    ) -> R<usize> {
+        let f = ffi::DATA_FLOAT;
+        let max = self.virt(rdims, rstr, f)?;
+        ops.push(self.reduction(ffi::REDUCE_MAX, s, max)?);
+        let sub = self.virt(sdims, sstr, f)?;
+        ops.push(self.pointwise(ffi::POINTWISE_SUB, s, Some(max), sub)?);
+        let exp = self.virt(sdims, sstr, f)?;
+        ops.push(self.pointwise(ffi::POINTWISE_EXP, sub, None, exp)?);
+        let sum = self.virt(rdims, rstr, f)?;
+        ops.push(self.reduction(ffi::REDUCE_ADD, exp, sum)?);
+        let log = self.virt(rdims, rstr, f)?;
+        ops.push(self.pointwise(ffi::POINTWISE_LOG, sum, None, log)?);
+        let stats = match stats {
+            Some(t) => t,
+            None => self.virt(rdims, rstr, f)?,
+        };
+        ops.push(self.pointwise(ffi::POINTWISE_ADD, max, Some(log), stats)?);
+        let p = self.virt(sdims, sstr, p_dtype)?;
+        ops.push(self.pointwise(ffi::POINTWISE_DIV, exp, Some(sum), p)?);
+        Ok(p)
+    }
+
     fn matmul(&mut self, a: usize, b: usize, c: usize) -> R<usize> {
         let m = D::new(self.api, ffi::MATMUL_DESCRIPTOR)?;
         m.enum32(
@@ -303,9 +329,7 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
     let mut g = Builder::new(api);
     let (b, h, lq, lk, d) = (key.b, key.h, key.lq, key.lk, key.d);
     let dt = key.dtype;
-    // q, k and v's type: the output's, or e4m3.
-    let inp = if key.fp8 { ffi::DATA_FP8_E4M3 } else { dt };
-    if key.fp8 != form.fp8() {
+    if (dt == ffi::DATA_FP8_E4M3) != (form == Form::Fp8) {
         return Err(format!("the {form:?} graph is not for this attention"));
     }
     let q = g.push(tensor(
@@ -313,7 +337,7 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
         UID_Q,
         [b, h, lq, d],
         key.q_strides,
-        inp,
+        dt,
         false,
         false,
     )?);
@@ -326,13 +350,12 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
         false,
         true,
     )?);
-    // FP8 attention writes e4m3 on Hopper (its kernels take an FP8 output only there).
     let o = g.push(tensor(
         api,
         UID_O,
         [b, h, lq, d],
         key.o_strides(),
-        inp,
+        dt,
         false,
         false,
     )?);
@@ -341,7 +364,7 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
         UID_V,
         [b, h, lk, d],
         key.v_strides,
-        inp,
+        dt,
         false,
         false,
     )?);
@@ -407,24 +430,11 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
                 ops.push(g.pointwise(ffi::POINTWISE_ADD, scaled, Some(bias), biased)?);
                 scaled = biased;
             }
-            let max = g.virt(rdims, rstr, f)?;
-            ops.push(g.reduction(ffi::REDUCE_MAX, scaled, max)?);
-            let sub = g.virt(sdims, sstr, f)?;
-            ops.push(g.pointwise(ffi::POINTWISE_SUB, scaled, Some(max), sub)?);
-            let exp = g.virt(sdims, sstr, f)?;
-            ops.push(g.pointwise(ffi::POINTWISE_EXP, sub, None, exp)?);
-            let sum = g.virt(rdims, rstr, f)?;
-            ops.push(g.reduction(ffi::REDUCE_ADD, exp, sum)?);
-            let log = g.virt(rdims, rstr, f)?;
-            ops.push(g.pointwise(ffi::POINTWISE_LOG, sum, None, log)?);
-            let stats = g.virt(rdims, rstr, f)?;
-            ops.push(g.pointwise(ffi::POINTWISE_ADD, max, Some(log), stats)?);
             // The probabilities in the input type: the second matmul's A operand.
-            let p = g.virt(sdims, sstr, dt)?;
-            ops.push(g.pointwise(ffi::POINTWISE_DIV, exp, Some(sum), p)?);
+            let p = g.softmax(&mut ops, scaled, [sdims, sstr], [rdims, rstr], None, dt)?;
             ops.push(g.matmul(p, v, o)?);
         }
-        Form::Fp8 | Form::Fp8Inference => {
+        Form::Fp8 => {
             if bias.is_some() {
                 return Err("FP8 attention is built without a bias here".into());
             }
@@ -434,7 +444,7 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
                 UID_K,
                 [b, h, d, lk],
                 [ks[0], ks[1], ks[3], ks[2]],
-                inp,
+                dt,
                 false,
                 false,
             )?);
@@ -462,11 +472,7 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
             let sstr = [h * lq * lk, lq * lk, lk, 1];
             let rdims = [b, h, lq, 1];
             let rstr = [h * lq, lq, 1, 1];
-            let stats = if form == Form::Fp8 {
-                g.push(tensor(api, UID_STATS, rdims, rstr, f, false, false)?)
-            } else {
-                g.virt(rdims, rstr, f)?
-            };
+            let stats = g.push(tensor(api, UID_STATS, rdims, rstr, f, false, false)?);
             let s0 = g.virt(sdims, sstr, f)?;
             ops.push(g.matmul(q, kt, s0)?);
             // Scaled, then q's and k's descales: cudnn-frontend's order.
@@ -476,22 +482,10 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
                 ops.push(g.pointwise(ffi::POINTWISE_MUL, s, Some(by), y)?);
                 s = y;
             }
-            let max = g.virt(rdims, rstr, f)?;
-            ops.push(g.reduction(ffi::REDUCE_MAX, s, max)?);
-            let sub = g.virt(sdims, sstr, f)?;
-            ops.push(g.pointwise(ffi::POINTWISE_SUB, s, Some(max), sub)?);
-            let exp = g.virt(sdims, sstr, f)?;
-            ops.push(g.pointwise(ffi::POINTWISE_EXP, sub, None, exp)?);
-            let sum = g.virt(rdims, rstr, f)?;
-            ops.push(g.reduction(ffi::REDUCE_ADD, exp, sum)?);
-            let log = g.virt(rdims, rstr, f)?;
-            ops.push(g.pointwise(ffi::POINTWISE_LOG, sum, None, log)?);
-            ops.push(g.pointwise(ffi::POINTWISE_ADD, max, Some(log), stats)?);
-            let p = g.virt(sdims, sstr, f)?;
-            ops.push(g.pointwise(ffi::POINTWISE_DIV, exp, Some(sum), p)?);
+            let p = g.softmax(&mut ops, s, [sdims, sstr], [rdims, rstr], Some(stats), f)?;
             ops.push(g.reduction(ffi::REDUCE_AMAX, p, amax_s)?);
             // The probabilities scaled into e4m3: the second matmul's A operand.
-            let p8 = g.virt(sdims, sstr, inp)?;
+            let p8 = g.virt(sdims, sstr, dt)?;
             ops.push(g.pointwise(ffi::POINTWISE_MUL, p, Some(ss), p8)?);
             // The second product and its scalings compact in (b, h, L, d), as cudnn-frontend
             // infers virtual tensors; only the output is written token-major.
@@ -508,10 +502,11 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
         }
     }
     let keep = plan_cache::settings().dir.as_ref().map(|d| {
-        // Plans without FP8 keep the names they had before the key had `fp8` (kept plans
-        // stay valid across the change).
-        let name = format!("sdpa {form:?} {key:?}").replace(", fp8: false }", " }");
-        PlanStore::new(d).path(&api.version_string(), gpu, &name)
+        PlanStore::new(d).path(
+            &api.version_string(),
+            gpu,
+            &format!("sdpa {form:?} {key:?}"),
+        )
     });
     let mut f = finalise(api, handle, g, &ops, 1, keep)
         .map_err(|e| format!("no cuDNN engine runs this attention ({form:?} graph): {e}"))?;
@@ -835,7 +830,7 @@ pub fn execute_fp8(
     scale: &f32,
     bufs: &Fp8Buffers,
 ) -> R<()> {
-    let mut uids = vec![
+    let uids = [
         UID_Q,
         UID_K,
         UID_V,
@@ -852,7 +847,7 @@ pub fn execute_fp8(
         UID_STATS,
     ];
     let at = |p: u64| p as *mut c_void;
-    let mut data = vec![
+    let data = [
         at(ptrs[0]),
         at(ptrs[1]),
         at(ptrs[2]),
@@ -868,10 +863,6 @@ pub fn execute_fp8(
         at(bufs.amax + 16),
         at(bufs.stats),
     ];
-    if plan.form == Form::Fp8Inference {
-        uids.pop();
-        data.pop();
-    }
     run(
         api,
         handle,

@@ -70,6 +70,23 @@ fn create_state(
     })
 }
 
+/// cuDNN's entry points and the device's state, locked, its handle queueing on `stream`
+/// (candle's) with the stream's context current on this thread: what running a plan needs.
+fn on_stream<'a>(
+    state: &'a Mutex<DeviceState>,
+    stream: &candle_core::cuda::cudarc::driver::CudaStream,
+) -> CResult<(&'static ffi::Api, std::sync::MutexGuard<'a, DeviceState>)> {
+    let api = ffi::api().map_err(candle_core::Error::msg)?;
+    let s = state.lock().unwrap_or_else(|p| p.into_inner());
+    stream.context().bind_to_thread().w()?;
+    // SAFETY: the handle is this device's, the stream is the one candle queues on.
+    let st = unsafe { (api.set_stream)(s.handle, stream.cu_stream().cast()) };
+    if st != ffi::STATUS_SUCCESS {
+        candle_core::bail!("{}", api.error("cudnnSetStream", st));
+    }
+    Ok((api, s))
+}
+
 /// cuDNN's version, or why it cannot be used on this machine.
 pub fn version() -> Result<String, String> {
     ffi::api().map(|a| a.version_string())
@@ -157,7 +174,6 @@ fn attention_with(
         k_strides: strides4(&k)?,
         v_strides: strides4(&v)?,
         bias: bias.map(|(_, s)| s),
-        fp8: false,
     };
     let candle_core::Device::Cuda(dev) = q.device() else {
         return Ok(Err("not a CUDA tensor".into()));
@@ -169,7 +185,7 @@ fn attention_with(
     let form = match plan.form {
         graph::Form::Unified => "fused SDPA",
         graph::Form::Composite => "composite SDPA",
-        graph::Form::Fp8 | graph::Form::Fp8Inference => "FP8 SDPA",
+        graph::Form::Fp8 => "FP8 SDPA",
     };
     let op = CudnnAttn {
         scale,
@@ -224,11 +240,9 @@ fn plan_for(
 /// cuDNN cannot run it here (before Hopper, another dtype, or no engine).
 pub fn fp8_attention_plan(q: &Tensor) -> CResult<Result<Fp8Attention, String>> {
     let (b, h, l, d) = q.dims4()?;
-    let dtype = match q.dtype() {
-        DType::BF16 => ffi::DATA_BFLOAT16,
-        DType::F16 => ffi::DATA_HALF,
-        dt => return Ok(Err(format!("dtype {dt:?}"))),
-    };
+    if !matches!(q.dtype(), DType::BF16 | DType::F16) {
+        return Ok(Err(format!("dtype {:?}", q.dtype())));
+    }
     let candle_core::Device::Cuda(dev) = q.device() else {
         return Ok(Err("not a CUDA tensor".into()));
     };
@@ -245,7 +259,7 @@ pub fn fp8_attention_plan(q: &Tensor) -> CResult<Result<Fp8Attention, String>> {
     let (b, h, l, d) = (b as i64, h as i64, l as i64, d as i64);
     let st4 = [h * l * d, l * d, d, 1];
     let key = graph::Key {
-        dtype,
+        dtype: ffi::DATA_FP8_E4M3,
         b,
         h,
         lq: l,
@@ -255,21 +269,18 @@ pub fn fp8_attention_plan(q: &Tensor) -> CResult<Result<Fp8Attention, String>> {
         k_strides: st4,
         v_strides: st4,
         bias: None,
-        fp8: true,
     };
-    Ok(
-        match plan_for(dev, &key, &[graph::Form::Fp8, graph::Form::Fp8Inference]) {
-            Ok((state, plan)) => Ok(Fp8Attention {
-                dims: [b as usize, h as usize, l as usize, d as usize],
-                op: CudnnAttnFp8 {
-                    scale: (1.0 / (d as f64).sqrt()) as f32,
-                    plan,
-                    state,
-                },
-            }),
-            Err(e) => Err(e),
-        },
-    )
+    Ok(match plan_for(dev, &key, &[graph::Form::Fp8]) {
+        Ok((state, plan)) => Ok(Fp8Attention {
+            dims: [b as usize, h as usize, l as usize, d as usize],
+            op: CudnnAttnFp8 {
+                scale: (1.0 / (d as f64).sqrt()) as f32,
+                plan,
+                state,
+            },
+        }),
+        Err(e) => Err(e),
+    })
 }
 
 /// A plan of cuDNN's FP8 attention for one shape ([`fp8_attention_plan`]).
@@ -363,14 +374,7 @@ impl candle_core::CustomOp2 for CudnnAttnFp8 {
                     candle_core::bail!("cudnn-attention-fp8: {what} is not 16-byte aligned");
                 }
             }
-            let api = ffi::api().map_err(candle_core::Error::msg)?;
-            let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            stream.context().bind_to_thread().w()?;
-            // SAFETY: the handle is this device's, the stream is the one candle queues on.
-            let st = unsafe { (api.set_stream)(s.handle, stream.cu_stream().cast()) };
-            if st != ffi::STATUS_SUCCESS {
-                candle_core::bail!("{}", api.error("cudnnSetStream", st));
-            }
+            let (api, s) = on_stream(&self.state, &stream)?;
             graph::execute_fp8(
                 api,
                 s.handle,
@@ -502,14 +506,7 @@ impl CudnnAttn {
                     candle_core::bail!("cudnn-attention: {n} is not 16-byte aligned");
                 }
             }
-            let api = ffi::api().map_err(candle_core::Error::msg)?;
-            let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            stream.context().bind_to_thread().w()?;
-            // SAFETY: the handle is this device's, the stream is the one candle queues on.
-            let st = unsafe { (api.set_stream)(s.handle, stream.cu_stream().cast()) };
-            if st != ffi::STATUS_SUCCESS {
-                candle_core::bail!("{}", api.error("cudnnSetStream", st));
-            }
+            let (api, s) = on_stream(&self.state, &stream)?;
             let bias_ptr = match &self.bias {
                 Some(t) => {
                     let (bs, bl) = t.storage_and_layout();
@@ -717,14 +714,7 @@ fn run_conv<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver:
                 candle_core::bail!("conv2d_nhwc: {name} is not 16-byte aligned");
             }
         }
-        let api = ffi::api().map_err(candle_core::Error::msg)?;
-        let s = st.lock().unwrap_or_else(|p| p.into_inner());
-        stream.context().bind_to_thread().w()?;
-        // SAFETY: the handle is this device's, the stream is the one candle queues on.
-        let status = unsafe { (api.set_stream)(s.handle, stream.cu_stream().cast()) };
-        if status != ffi::STATUS_SUCCESS {
-            candle_core::bail!("{}", api.error("cudnnSetStream", status));
-        }
+        let (api, s) = on_stream(st, &stream)?;
         let exec = |i: usize| {
             let (d, need) = plan.candidate(i);
             conv::execute(

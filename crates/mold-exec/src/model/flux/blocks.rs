@@ -85,7 +85,7 @@ pub fn rope_table(pe: &Tensor) -> CResult<Tensor> {
 /// ([`prepare_qkv`]); returns `(b, L, heads * head_dim)`. Under sequence parallelism `L`
 /// is this rank's tokens and `lens` every rank's count ([`sequence::attention`]).
 fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> CResult<Tensor> {
-    sequence::attention(qkv, lens, sequence::Precision::fp8(fp8), ctx)
+    sequence::attention(qkv, lens, sequence::fp8_attention(fp8), ctx)
 }
 
 /// q, k, v for attention from the fused projections of the sequence segments in order
@@ -617,7 +617,7 @@ impl SingleBlock {
         ctx.mark("norm + qkv linear", &x_qkv);
         let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, ctx)?;
         drop(x_qkv);
-        let fp8 = sequence::Precision::fp8(self.linear1.is_fp8());
+        let fp8 = sequence::fp8_attention(self.linear1.is_fp8());
         let moving = sequence::start(qkv, lens, fp8, ctx)?;
         let mlp =
             self.linear1

@@ -1064,10 +1064,12 @@ pub(crate) fn quantize_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tenso
 /// v's descales, the probabilities' descale and scale, and the attention output's scale
 /// (v's factor 448 / amax: the output's values are averages of v's, so its descale is v's).
 pub(crate) const QKV_SCALES: usize = 24;
+/// Where v's descale is among [`quantize_qkv`]'s scales: the attention output's too.
+pub(crate) const V_DESCALE: usize = 8;
 
 /// `q · scales[at]` in `dtype` (bf16/f16): an e4m3 tensor (values a multiple of 8, 16-byte
 /// aligned, contiguous, on the GPU) widened with a scale the GPU holds — FP8 attention's
-/// output with v's descale ([`quantize_qkv`]'s `scales[8]`).
+/// output with v's descale ([`quantize_qkv`]'s `scales[V_DESCALE]`).
 pub(crate) fn dequantize_tensor(
     q: &Tensor,
     scales: &Tensor,

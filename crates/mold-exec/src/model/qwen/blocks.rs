@@ -328,7 +328,7 @@ impl Block {
         ctx.mark("norm + qkv linear", &txt_qkv);
         let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, lens, ctx)?;
         drop((img_qkv, txt_qkv));
-        let fp8 = sequence::Precision::fp8(iq.weight.is_fp8());
+        let fp8 = sequence::fp8_attention(iq.weight.is_fp8());
         let attn = sequence::attention(qkv, lens, fp8, ctx)?;
         let tl = match split {
             Some(s) => s.txt,
