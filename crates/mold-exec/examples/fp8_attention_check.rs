@@ -10,9 +10,16 @@
 //! 4608: mild 7.09e-2 / 6.58e-2 against the emulation's 6.61e-2 / 6.45e-2; peaked 1.40e-1 /
 //! 1.69e-1 against 1.55e-1 / 1.83e-1.
 //!
+//! Then, at each length, q, k and v written by the fused q/k/v preparation with their largest
+//! magnitudes taken in the same pass ([`mold_exec::model::ops::qkv_prep_fused_amax`]): the
+//! maxima must equal the written tensors' own, and FP8 attention given them must give the same
+//! bits as FP8 attention taking them in a pass of its own.
+//!
 //!   fp8_attention_check [--lengths 1000,4608] [--heads 8] [--tol 2]
+use candle_core::IndexOp;
 use candle_core::{DType, Device, Tensor};
 use mold_exec::model::attention::{fp8_attention, fp8_attention_reference, unfused_attention};
+use mold_exec::model::ops::{qkv_prep_fused_amax, QkvSegment};
 use mold_exec::model::ActivationMeter;
 use mold_exec::verify::max_relative_error;
 use mold_exec::Kernels;
@@ -98,6 +105,7 @@ fn run() -> Result<bool, String> {
             &on_gpu(&q)?,
             &on_gpu(&k)?,
             &on_gpu(&v)?,
+            None,
             &meter,
         )
         .map_err(e)?
@@ -129,5 +137,90 @@ fn run() -> Result<bool, String> {
             println!("  cuDNN not used: {:?}", after.cudnn_refusals);
         }
     }
+    for &l in &lengths {
+        ok &= maxima_in_preparation(&gpu, l, heads, &meter)?;
+    }
     Ok(ok)
+}
+
+/// q, k, v of `l` tokens from the fused preparation with their maxima taken as written: the
+/// maxima against the tensors', FP8 attention given them against FP8 attention alone.
+fn maxima_in_preparation(
+    gpu: &Device,
+    l: usize,
+    heads: usize,
+    meter: &ActivationMeter,
+) -> Result<bool, String> {
+    let e = |e: candle_core::Error| e.to_string();
+    let d = 128;
+    let on = |v: Vec<f32>, shape: &[usize], scale: f32| -> Result<Tensor, String> {
+        (Tensor::from_vec(v, shape, &Device::Cpu).map_err(e)? * scale as f64)
+            .map_err(e)?
+            .to_dtype(DType::BF16)
+            .map_err(e)?
+            .to_device(gpu)
+            .map_err(e)
+    };
+    // v's columns scaled up so that the three maxima differ.
+    let qkv = on(values(l * 3 * heads * d, 11), &[1, l, 3 * heads * d], 3.0)?;
+    let qs = on(values(d, 12), &[d], 1.5)?;
+    let ks = on(values(d, 13), &[d], 0.7)?;
+    let ang: Vec<f32> = values(l * d / 2, 14).iter().map(|a| a * 3.1).collect();
+    let cos = on(ang.iter().map(|a| a.cos()).collect(), &[1, l, d / 2], 1.0)?;
+    let sin = on(ang.iter().map(|a| a.sin()).collect(), &[1, l, d / 2], 1.0)?;
+    let seg = [QkvSegment {
+        qkv: &qkv,
+        q_scale: &qs,
+        k_scale: &ks,
+    }];
+    let (t, amax) = qkv_prep_fused_amax(&seg, heads, &cos, &sin, 1e-6).map_err(e)?;
+    let got: Vec<f32> = amax
+        .max(1)
+        .map_err(e)?
+        .to_device(&Device::Cpu)
+        .map_err(e)?
+        .to_vec1()
+        .map_err(e)?;
+    let mut same = true;
+    for (i, g) in got.iter().enumerate() {
+        let want = t
+            .i(i)
+            .map_err(e)?
+            .to_dtype(DType::F32)
+            .map_err(e)?
+            .abs()
+            .map_err(e)?
+            .max_all()
+            .map_err(e)?
+            .to_scalar::<f32>()
+            .map_err(e)?;
+        same &= *g == want;
+        if *g != want {
+            println!("  tensor {i}: maxima from the preparation {g}, the tensor's {want}");
+        }
+    }
+    let (q, k, v) = (t.i(0).map_err(e)?, t.i(1).map_err(e)?, t.i(2).map_err(e)?);
+    let alone = fp8_attention(Kernels::Auto, &q, &k, &v, None, meter).map_err(e)?;
+    let given = fp8_attention(Kernels::Auto, &q, &k, &v, Some(&amax), meter).map_err(e)?;
+    let bits = |t: &Tensor| -> Result<Vec<u16>, String> {
+        Ok(t.flatten_all()
+            .map_err(e)?
+            .to_device(&Device::Cpu)
+            .map_err(e)?
+            .to_vec1::<half::bf16>()
+            .map_err(e)?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect())
+    };
+    let equal = bits(&alone)? == bits(&given)?;
+    let pass = same && equal;
+    println!(
+        "L {l}, {heads} heads: maxima taken by the q/k/v preparation {:?} {} the tensors'; FP8 attention given them {} | {}",
+        got,
+        if same { "=" } else { "!=" },
+        if equal { "= alone, bit for bit" } else { "differs from alone" },
+        if pass { "ok" } else { "FAIL" }
+    );
+    Ok(pass)
 }

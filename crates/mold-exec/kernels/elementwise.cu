@@ -267,6 +267,11 @@ MOLD_EW_LN_MODULATE_FP8(mold_ln_modulate_fp8_f16, __half)
 // messages of a sequence-parallel all-to-all (groups >= 1, see below; group `me`, if >= 0,
 // at element `me_base` of out_me instead of its place in out). All loads of a warp (q, k, v, the tables, the scales)
 // are issued before any arithmetic, so each warp keeps several requests in flight.
+// With `amax` (else null): the largest magnitude of the q, k and v values written (as
+// stored, in T; NaN skipped, as fp8.cu's amax3 does), for FP8 attention's per-tensor scales
+// without a pass of their own: each block's maxima are folded by atomicMax (non-negative
+// floats order as their bits) into amax[which * QKV_AMAX_SLOTS + blockIdx.x % QKV_AMAX_SLOTS],
+// which the caller zeroes; fp8.cu's quantize3 reads them as its partial maxima.
 // Launch: grid (ceil(len * heads / 4), B), block 128.
 namespace mold_ew {
 template <typename T> __device__ __forceinline__ float tof(T v);
@@ -276,12 +281,48 @@ template <> __device__ __forceinline__ float tof<__nv_bfloat16>(__nv_bfloat16 v)
 template <> __device__ __forceinline__ float tof<__half>(__half v) { return __half2float(v); }
 template <> __device__ __forceinline__ float tof<float>(float v) { return v; }
 
+// v as T stores it (round to nearest even, as store2), back in f32.
+template <typename T> __device__ __forceinline__ float as_stored(float v);
+template <> __device__ __forceinline__ float as_stored<__nv_bfloat16>(float v) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+template <> __device__ __forceinline__ float as_stored<__half>(float v) {
+    return __half2float(__float2half_rn(v));
+}
+template <> __device__ __forceinline__ float as_stored<float>(float v) { return v; }
+
+constexpr int QKV_AMAX_SLOTS = 32;
+
+// The block's (4 warps') largest magnitudes m[0..3] folded into amax (see qkv_prep). Every
+// thread of the block calls it.
+template <typename T> __device__ __forceinline__ void qkv_amax(float m[3], float *amax) {
+    __shared__ float part[4][3];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int w = 0; w < 3; ++w) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m[w] = fmaxf(m[w], __shfl_xor_sync(0xffffffff, m[w], o));
+        if (lane == 0) part[warp][w] = m[w];
+    }
+    __syncthreads();
+    if (threadIdx.x < 3) {
+        const int w = threadIdx.x;
+        const float a = fmaxf(fmaxf(part[0][w], part[1][w]), fmaxf(part[2][w], part[3][w]));
+        // Rounding is monotonic: the largest stored value is the largest value, stored.
+        const float r = as_stored<T>(a);
+        if (r > 0.f)
+            atomicMax(reinterpret_cast<int *>(amax + w * QKV_AMAX_SLOTS +
+                                              blockIdx.x % QKV_AMAX_SLOTS),
+                      __float_as_int(r));
+    }
+}
+
 template <typename T, typename C, int D>
 __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, int l_off,
                                          int len_tot, int heads, const T *q_scale,
                                          const T *k_scale, const C *cos_t, const C *sin_t,
                                          long long cs_batch, T *out, float eps, int groups,
-                                         int me, T *out_me, long long me_base) {
+                                         int me, T *out_me, long long me_base, float m[3]) {
     constexpr int E = D / 32; // elements per lane (even)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long idx = static_cast<long long>(blockIdx.x) * 4 + warp;
@@ -379,8 +420,11 @@ __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, in
                      : out + ((static_cast<long long>(which) * B + b) * heads + h) * len_tot * D +
                            pos * D + lane * E;
 #pragma unroll
-        for (int e = 0; e < E; e += 2)
+        for (int e = 0; e < E; e += 2) {
             store2<T>(dst + e, make_float2(x[which][e], x[which][e + 1]));
+            // fmaxf skips a NaN.
+            m[which] = fmaxf(m[which], fmaxf(fabsf(x[which][e]), fabsf(x[which][e + 1])));
+        }
     }
 }
 } // namespace mold_ew
@@ -390,10 +434,12 @@ __device__ __forceinline__ void qkv_prep(const T *qkv, long long ld, int len, in
                                     int len_tot, int heads, const T *q_scale,                  \
                                     const T *k_scale, const C *cos_t, const C *sin_t,          \
                                     long long cs_batch, T *out, float eps, int groups, int me, \
-                                    T *out_me, long long me_base) {                            \
+                                    T *out_me, long long me_base, float *amax) {               \
+        float m[3] = {0.f, 0.f, 0.f};                                                          \
         mold_ew::qkv_prep<T, C, D>(qkv, ld, len, l_off, len_tot, heads, q_scale, k_scale,       \
                                    cos_t, sin_t, cs_batch, out, eps, groups, me, out_me,       \
-                                   me_base);                                                   \
+                                   me_base, m);                                                \
+        if (amax != nullptr) mold_ew::qkv_amax<T>(m, amax);                                    \
     }
 #define MOLD_QKV_PREP_ALL(SUFFIX, T, D)                                                        \
     MOLD_QKV_PREP(mold_qkv_prep_##SUFFIX##_d##D, T, T, D)                                     \

@@ -18,7 +18,8 @@
 //   of 8, 16-byte aligned) quantized to e4m3 with one scale per tensor, for cuDNN's FP8
 //   attention. amax3: block (x, y) writes the largest magnitude of its share of tensor y to
 //   partial[y * P + x] (P = gridDim.x). quantize3: every block takes tensor y's amax over
-//   the P partials, scales by 448 / amax (1 for a zero or non-finite tensor) and writes its
+//   its P partials (amax3's, or those elementwise.cu's q/k/v preparation takes as it writes
+//   q, k and v: then amax3 does not run), scales by 448 / amax (1 for a zero or non-finite tensor) and writes its
 //   share as e4m3 at q3 + y * n; block (0, y) writes the descale amax / 448 to scales[4 * y], block (0, 0)
 //   also the probabilities' descale 1 / 448 and scale 448 at scales[12] and scales[16], and
 //   block (0, 2) v's factor 448 / amax at scales[20]: the attention output's scale, as its
@@ -45,26 +46,31 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
-// Row `blockIdx.x`'s factor 448 / amax, amax the largest of the block's threads' `m` (1
-// for a zero or non-finite row), its scale amax / 448 written to scale[row]; every thread
-// of the block gets the factor.
-__device__ float block_factor(float m, float *__restrict__ scale) {
+// The largest of the block's threads' `m`, in every thread.
+__device__ float block_max(float m) {
     __shared__ float part[THREADS / 32];
-    __shared__ float inv_s;
-    const int64_t row = blockIdx.x;
+    __shared__ float all;
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
     __syncthreads();
     if (threadIdx.x == 0) {
         float a = 0.0f;
         for (int w = 0; w < THREADS / 32; ++w) a = fmaxf(a, part[w]);
-        // A zero (or non-finite) row keeps scale 1: its values are 0 either way.
-        bool ok = a > 0.0f && isfinite(a);
-        inv_s = ok ? __fdiv_rn(E4M3_MAX, a) : 1.0f;
-        scale[row] = ok ? __fdiv_rn(a, E4M3_MAX) : 1.0f;
+        all = a;
     }
     __syncthreads();
-    return inv_s;
+    return all;
+}
+
+// Row `blockIdx.x`'s factor 448 / amax, amax the largest of the block's threads' `m` (1
+// for a zero or non-finite row), its scale amax / 448 written to scale[row]; every thread
+// of the block gets the factor.
+__device__ float block_factor(float m, float *__restrict__ scale) {
+    const float a = block_max(m);
+    // A zero (or non-finite) row keeps scale 1: its values are 0 either way.
+    const bool ok = a > 0.0f && isfinite(a);
+    if (threadIdx.x == 0) scale[blockIdx.x] = ok ? __fdiv_rn(a, E4M3_MAX) : 1.0f;
+    return ok ? __fdiv_rn(E4M3_MAX, a) : 1.0f;
 }
 
 // Row `blockIdx.x`'s factor over its k values (block_factor).
@@ -161,22 +167,6 @@ __device__ void dequantize_rows(const __nv_fp8_storage_t *__restrict__ q,
 template <typename T>
 __device__ __forceinline__ const T *pick3(const T *x0, const T *x1, const T *x2) {
     return blockIdx.y == 0 ? x0 : (blockIdx.y == 1 ? x1 : x2);
-}
-
-// The largest of the block's threads' `m`, in every thread.
-__device__ float block_max(float m) {
-    __shared__ float part[THREADS / 32];
-    __shared__ float all;
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float a = 0.0f;
-        for (int w = 0; w < THREADS / 32; ++w) a = fmaxf(a, part[w]);
-        all = a;
-    }
-    __syncthreads();
-    return all;
 }
 
 template <typename T>

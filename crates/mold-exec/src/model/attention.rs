@@ -204,16 +204,21 @@ fn cudnn_attention(
 /// cannot (before Hopper, no engine for the shape, f32, other head sizes, `MOLD_KERNELS`
 /// without libraries), attention runs as [`attention_with`] would, the reason kept in
 /// [`report`]. On the CPU [`fp8_attention_reference`] emulates its precision.
+///
+/// `amax`: q's, k's and v's largest magnitudes as partial maxima `(3, parts)` f32 where the
+/// q/k/v preparation took them while writing the three
+/// ([`super::ops::qkv_prep_fused_amax`]); then the quantization is one pass, not two.
 pub fn fp8_attention(
     kernels: Kernels,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    amax: Option<&Tensor>,
     meter: &ActivationMeter,
 ) -> CResult<Tensor> {
     let supported = fused_supported(q);
     if supported && kernels.uses_libraries() {
-        match cudnn_fp8_attention(q, k, v)? {
+        match cudnn_fp8_attention(q, k, v, amax)? {
             Ok((out, backend)) => {
                 meter.see(&out);
                 note(&backend, None);
@@ -251,6 +256,7 @@ fn cudnn_fp8_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    amax: Option<&Tensor>,
 ) -> CResult<Result<(Tensor, String), String>> {
     let version = match super::cudnn::version() {
         Ok(v) => v,
@@ -271,7 +277,7 @@ fn cudnn_fp8_attention(
         Err(why) => return Ok(Err(why)),
     };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (qkv, scales) = super::fp8::cuda::quantize_qkv(&q, &k, &v)?;
+    let (qkv, scales) = super::fp8::cuda::quantize_qkv(&q, &k, &v, amax)?;
     let o = plan.run(&qkv, &scales)?;
     // The e4m3 output widened with v's descale.
     Ok(Ok((
@@ -285,6 +291,7 @@ fn cudnn_fp8_attention(
     _: &Tensor,
     _: &Tensor,
     _: &Tensor,
+    _: Option<&Tensor>,
 ) -> CResult<Result<(Tensor, String), String>> {
     Ok(Err("a CPU build".into()))
 }
@@ -582,7 +589,7 @@ mod tests {
             "FP8 attention against exact: {err}"
         );
         let before = report().calls.get("emulated FP8").copied().unwrap_or(0);
-        let ran = fp8_attention(Kernels::Auto, &q, &k, &v, &meter).unwrap();
+        let ran = fp8_attention(Kernels::Auto, &q, &k, &v, None, &meter).unwrap();
         assert_eq!(
             crate::verify::max_relative_error(&ran, &emulated).unwrap(),
             0.0

@@ -359,18 +359,57 @@ pub fn qkv_prep_fused(
     sin: &Tensor,
     eps: f32,
 ) -> CResult<Tensor> {
-    Ok(fused::qkv_prep(segs, heads, QkvLayout::default(), cos, sin, eps)?.0)
+    Ok(fused::qkv_prep(segs, heads, QkvLayout::default(), cos, sin, eps)?.out)
+}
+
+/// Partial maxima per tensor [`qkv_prep_fused_amax`] folds each block's largest magnitudes
+/// into (`QKV_AMAX_SLOTS` in kernels/elementwise.cu).
+pub const QKV_AMAX_SLOTS: usize = 32;
+
+/// [`qkv_prep_fused`] that also takes the largest magnitude of q, k and v as it writes them:
+/// `(3, b, heads, L, d)` and `(3, QKV_AMAX_SLOTS)` f32 partial maxima (each tensor's amax is
+/// the largest of its row), for FP8 attention's per-tensor scales without a pass over q, k
+/// and v of their own ([`super::attention::fp8_attention`]). The same values as a pass over
+/// the written tensors: the maxima are of the values as stored, NaN skipped.
+pub fn qkv_prep_fused_amax(
+    segs: &[QkvSegment],
+    heads: usize,
+    cos: &Tensor,
+    sin: &Tensor,
+    eps: f32,
+) -> CResult<(Tensor, Tensor)> {
+    let layout = QkvLayout {
+        amax: true,
+        ..QkvLayout::default()
+    };
+    let p = fused::qkv_prep(segs, heads, layout, cos, sin, eps)?;
+    match p.amax {
+        Some(a) => Ok((p.out, a)),
+        None => candle_core::bail!("mold qkv-prep: no maxima taken"),
+    }
 }
 
 /// The fused q/k/v kernel's output layout: `(3, b, heads, L, d)` (the default), or the
 /// all-to-all's messages over `groups` ranks, with group `own.0`'s piece written at element
-/// `own.1` of a second buffer of `extra` elements instead of its place among them.
+/// `own.1` of a second buffer of `extra` elements instead of its place among them. With
+/// `amax`, the values' largest magnitudes are taken as they are written
+/// ([`qkv_prep_fused_amax`]).
 #[derive(Clone, Copy, Default)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct QkvLayout {
     groups: usize,
     own: Option<(usize, usize)>,
     extra: usize,
+    amax: bool,
+}
+
+/// What the fused q/k/v kernel wrote: its output, the receive buffer holding the own piece
+/// (`QkvLayout::own`) and the partial maxima (`QkvLayout::amax`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct Prepared {
+    out: Tensor,
+    me: Option<Tensor>,
+    amax: Option<Tensor>,
 }
 
 /// Where [`qkv_prep_fused_groups`] writes the rank's own piece: straight into the buffer
@@ -426,8 +465,9 @@ pub fn qkv_prep_fused_groups(
         groups,
         own: own.map(|o| (o.rank, o.before * row(o.rank))),
         extra: own.map_or(0, |o| o.total * row(o.rank)),
+        amax: false,
     };
-    let (flat, me) = fused::qkv_prep(segs, heads, layout, cos, sin, eps)?;
+    let Prepared { out: flat, me, .. } = fused::qkv_prep(segs, heads, layout, cos, sin, eps)?;
     let recv = match (me, own) {
         (Some(t), Some(o)) => {
             let hs = super::sequence::split(heads, o.rank, groups).len();
@@ -476,7 +516,7 @@ mod fused {
         _: &Tensor,
         _: &Tensor,
         _: f32,
-    ) -> CResult<(Tensor, Option<Tensor>)> {
+    ) -> CResult<super::Prepared> {
         candle_core::bail!("fused kernels need a CUDA build")
     }
     use super::CResult;
@@ -1254,7 +1294,7 @@ mod fused {
         cos: &Tensor,
         sin: &Tensor,
         eps: f32,
-    ) -> CResult<(Tensor, Option<Tensor>)> {
+    ) -> CResult<super::Prepared> {
         let first = segs[0].qkv;
         let dev = match first.device() {
             candle_core::Device::Cuda(d) => d.clone(),
@@ -1276,6 +1316,11 @@ mod fused {
             Some(_) => Some(out::<T>(&dev, layout.extra.max(1))?),
             None => None,
         };
+        // The partial maxima start at 0 (the kernel folds into them).
+        let amax = match layout.amax {
+            true => Some(dev.alloc_zeros::<f32>(3 * super::QKV_AMAX_SLOTS)?),
+            false => None,
+        };
         let cs_batch: i64 = if cd0 == 1 {
             0
         } else {
@@ -1295,7 +1340,15 @@ mod fused {
         // Tables in the activations' dtype as given, else in f32 (`_f32tab` kernels).
         if cos.dtype() == first.dtype() && sin.dtype() == first.dtype() {
             let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-            qkv_launch::<T, T>(segs, &shape, &cos, &sin, (&y, y_me.as_ref()), &dev, "")?;
+            qkv_launch::<T, T>(
+                segs,
+                &shape,
+                &cos,
+                &sin,
+                (&y, y_me.as_ref(), amax.as_ref()),
+                &dev,
+                "",
+            )?;
         } else {
             let cos = cos.to_dtype(DType::F32)?.contiguous()?;
             let sin = sin.to_dtype(DType::F32)?.contiguous()?;
@@ -1304,7 +1357,15 @@ mod fused {
             } else {
                 "_f32tab"
             };
-            qkv_launch::<T, f32>(segs, &shape, &cos, &sin, (&y, y_me.as_ref()), &dev, tab)?;
+            qkv_launch::<T, f32>(
+                segs,
+                &shape,
+                &cos,
+                &sin,
+                (&y, y_me.as_ref(), amax.as_ref()),
+                &dev,
+                tab,
+            )?;
         }
         let shape: candle_core::Shape = if layout.groups == 0 {
             (3, b, heads, len_tot, d).into()
@@ -1320,7 +1381,19 @@ mod fused {
             )
         };
         let me = y_me.map(|y| wrap(y, (layout.extra,).into()));
-        Ok((wrap(y, shape), me))
+        let amax = amax.map(|a| {
+            Tensor::from_storage(
+                candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(a, dev.clone())),
+                (3, super::QKV_AMAX_SLOTS),
+                candle_core::op::BackpropOp::none(),
+                false,
+            )
+        });
+        Ok(super::Prepared {
+            out: wrap(y, shape),
+            me,
+            amax,
+        })
     }
 
     struct QkvShape {
@@ -1344,7 +1417,11 @@ mod fused {
         sh: &QkvShape,
         cos: &Tensor,
         sin: &Tensor,
-        (y, y_me): (&CudaSlice<T>, Option<&CudaSlice<T>>),
+        (y, y_me, amax): (
+            &CudaSlice<T>,
+            Option<&CudaSlice<T>>,
+            Option<&CudaSlice<f32>>,
+        ),
         dev: &CudaDevice,
         tab: &str,
     ) -> CResult<()> {
@@ -1398,6 +1475,12 @@ mod fused {
                 .arg(&sh.me)
                 .arg(y_me.unwrap_or(y))
                 .arg(&sh.me_base);
+            // The maxima's buffer, or a null pointer (none taken).
+            let null = 0u64;
+            match amax {
+                Some(m) => a.arg(m),
+                None => a.arg(&null),
+            };
             // SAFETY: argument order and types match the kernel.
             unsafe { a.launch(cfg) }.w()?;
             l_off += len;
@@ -1412,7 +1495,7 @@ mod fused {
         cos: &Tensor,
         sin: &Tensor,
         eps: f32,
-    ) -> CResult<(Tensor, Option<Tensor>)> {
+    ) -> CResult<super::Prepared> {
         match segs[0].qkv.dtype() {
             DType::BF16 => qkv_prep_t::<bf16>(segs, heads, layout, cos, sin, eps),
             DType::F16 => qkv_prep_t::<f16>(segs, heads, layout, cos, sin, eps),

@@ -25,6 +25,11 @@ pub fn split(n: usize, rank: usize, world: usize) -> Range<usize> {
 pub enum Qkv {
     /// Each `(b, heads, L_r, head_dim)`: every head of the rank's tensor-parallel shard.
     Heads(Tensor, Tensor, Tensor),
+    /// [`Qkv::Heads`] with the three tensors' largest magnitudes, partial maxima `(3,
+    /// parts)` f32 the fused preparation took as it wrote them
+    /// ([`ops::qkv_prep_fused_amax`]): FP8 attention's scales on one rank without a pass
+    /// of their own.
+    Measured(Tensor, Tensor, Tensor, Tensor),
     /// The q/k/v all-to-all's messages, as [`messages`] lays them out (or the fused
     /// preparation writes them, `ops::qkv_prep_fused_groups`): message j `(L_r, 3, b,
     /// heads_j, head_dim)`, heads `split(heads, j, n)` of q, k and v token-major. `recv`,
@@ -75,8 +80,8 @@ pub struct QkvInFlight<'a> {
 }
 
 enum QkvState<'a> {
-    /// One rank: nothing to exchange.
-    Local(Tensor, Tensor, Tensor),
+    /// One rank: nothing to exchange (with the maxima of [`Qkv::Measured`]).
+    Local(Tensor, Tensor, Tensor, Option<Tensor>),
     Moving {
         exchange: Box<dyn Exchange + 'a>,
         lens: Vec<usize>,
@@ -121,11 +126,19 @@ pub fn start<'a>(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx<'a>) -> Result<Q
     let (send, into) = match qkv {
         Qkv::Heads(q, k, v) if n == 1 => {
             return Ok(QkvInFlight {
-                state: QkvState::Local(q, k, v),
+                state: QkvState::Local(q, k, v, None),
                 fp8,
             })
         }
-        Qkv::Heads(q, k, v) => (messages(&q, &k, &v, n)?, None),
+        Qkv::Measured(q, k, v, amax) if n == 1 => {
+            return Ok(QkvInFlight {
+                state: QkvState::Local(q, k, v, Some(amax)),
+                fp8,
+            })
+        }
+        // The maxima are of this rank's tokens of every head, not of every token of the
+        // heads its attention covers: not used.
+        Qkv::Heads(q, k, v) | Qkv::Measured(q, k, v, _) => (messages(&q, &k, &v, n)?, None),
         Qkv::Messages { send, recv } => (send, recv),
     };
     if send.len() != n || lens.len() != n {
@@ -163,9 +176,9 @@ impl<'a> QkvInFlight<'a> {
     pub fn attend(self, ctx: &Ctx<'a>) -> Result<OutInFlight<'a>> {
         let fp8 = self.fp8;
         let (exchange, lens, heads_each, b, d) = match self.state {
-            QkvState::Local(q, k, v) => {
+            QkvState::Local(q, k, v, amax) => {
                 return Ok(OutInFlight {
-                    state: OutState::Done(local(&q, &k, &v, fp8, ctx)?),
+                    state: OutState::Done(local(&q, &k, &v, amax.as_ref(), fp8, ctx)?),
                 })
             }
             QkvState::Moving {
@@ -183,7 +196,7 @@ impl<'a> QkvInFlight<'a> {
         ctx.mark("all-to-all (q, k, v)", &all);
         // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
         let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
-        let out = local(&part(0)?, &part(1)?, &part(2)?, fp8, ctx)?; // (b, L, hs·d)
+        let out = local(&part(0)?, &part(1)?, &part(2)?, None, fp8, ctx)?; // (b, L, hs·d)
         drop(all);
         // Each rank's tokens back to it; the head groups side by side, in rank order.
         let me = ctx.sp.rank();
@@ -221,18 +234,26 @@ impl OutInFlight<'_> {
 
 /// q, k, v for [`attention`] by the fused preparation (CUDA; the families' blocks check
 /// `ops::qkv_prep_supported` first), with the RoPE tables `(cos, sin)`: on one rank
-/// `(b, heads, L, d)`; under sequence parallelism written as the all-to-all's messages,
-/// this rank's own piece straight into the buffer the others' arrive in — after the
-/// tokens of the ranks before it, `lens` being every rank's count.
+/// `(b, heads, L, d)` — where attention runs in FP8 (`fp8`, [`fp8_attention`]) with their
+/// largest magnitudes taken in the same pass ([`Qkv::Measured`]); under sequence
+/// parallelism written as the all-to-all's messages, this rank's own piece straight into
+/// the buffer the others' arrive in — after the tokens of the ranks before it, `lens` being
+/// every rank's count.
 pub fn prepare_fused(
     segs: &[ops::QkvSegment],
     heads: usize,
     (cos, sin): (&Tensor, &Tensor),
     eps: f32,
     lens: &[usize],
+    fp8: bool,
     ctx: &Ctx,
 ) -> Result<Qkv> {
     let (n, me) = (ctx.sp.world_size(), ctx.sp.rank());
+    if n == 1 && fp8 {
+        let (t, amax) = ops::qkv_prep_fused_amax(segs, heads, cos, sin, eps)?;
+        ctx.mark("qk norm + rope + layout", &t);
+        return Ok(Qkv::Measured(t.i(0)?, t.i(1)?, t.i(2)?, amax));
+    }
     if n == 1 {
         let t = ops::qkv_prep_fused(segs, heads, cos, sin, eps)?;
         ctx.mark("qk norm + rope + layout", &t);
@@ -280,10 +301,17 @@ pub(crate) fn join_heads(got: &[Tensor]) -> Result<Tensor> {
     crate::model::ops::join_columns(got)
 }
 
-fn local(q: &Tensor, k: &Tensor, v: &Tensor, fp8: bool, ctx: &Ctx) -> Result<Tensor> {
+fn local(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    amax: Option<&Tensor>,
+    fp8: bool,
+    ctx: &Ctx,
+) -> Result<Tensor> {
     use crate::model::attention::{attention_with, fp8_attention};
     let out = if fp8 {
-        fp8_attention(ctx.kernels, q, k, v, ctx.meter)?
+        fp8_attention(ctx.kernels, q, k, v, amax, ctx.meter)?
     } else {
         attention_with(ctx.kernels, q, k, v, ctx.meter)?
     };

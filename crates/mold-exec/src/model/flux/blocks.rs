@@ -92,12 +92,15 @@ fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> CResult<Tensor> 
 /// (double blocks: txt then img, each with its own q/k norms; single blocks: one): q/k
 /// RMSNorm, RoPE, `(b, heads, L, head_dim)` layout, segments concatenated along L — or,
 /// under sequence parallelism, laid out as the all-to-all's messages ([`Qkv`]). On CUDA
-/// one fused kernel per segment; elsewhere candle's ops.
+/// one fused kernel per segment (in a block whose attention runs in FP8, `fp8_block` and
+/// [`sequence::fp8_attention`], also taking q's, k's and v's largest magnitudes); elsewhere
+/// candle's ops.
 fn prepare_qkv(
     segs: &[(&Tensor, &QkNorm)],
     heads: usize,
     pe: &Tensor,
     lens: &[usize],
+    fp8_block: bool,
     ctx: &Ctx,
 ) -> CResult<Qkv> {
     let fsegs: Vec<ops::QkvSegment> = segs
@@ -112,7 +115,8 @@ fn prepare_qkv(
     if ctx.kernels.use_fused(supported, "q/k/v preparation")? {
         // The table in the activations' dtype, as the candle path below rotates with it.
         let (cos, sin) = (pe.i(0)?, pe.i(1)?);
-        return sequence::prepare_fused(&fsegs, heads, (&cos, &sin), EPS as f32, lens, ctx);
+        let fp8 = sequence::fp8_attention(fp8_block);
+        return sequence::prepare_fused(&fsegs, heads, (&cos, &sin), EPS as f32, lens, fp8, ctx);
     }
     let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
     for (x, norm) in segs {
@@ -391,6 +395,7 @@ impl DoubleBlock {
             self.heads,
             pe,
             lens,
+            iq.is_fp8(),
             ctx,
         )?;
         drop((img_qkv, txt_qkv));
@@ -578,7 +583,8 @@ impl SingleBlock {
         drop(normed);
         ctx.meter.see_all(&[&x_qkv, &mlp]);
         ctx.mark("norm + qkv/mlp linear + gelu", &mlp);
-        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, ctx)?;
+        let fp8 = self.linear1.is_fp8();
+        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, fp8, ctx)?;
         drop(x_qkv);
         let attn = attention(qkv, lens, self.linear1.is_fp8(), ctx)?;
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
@@ -615,7 +621,8 @@ impl SingleBlock {
             .forward_rows_in(&normed, 0, 3 * self.h_local, false, kn)?;
         ctx.meter.see(&x_qkv);
         ctx.mark("norm + qkv linear", &x_qkv);
-        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, ctx)?;
+        let fp8 = self.linear1.is_fp8();
+        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, fp8, ctx)?;
         drop(x_qkv);
         let fp8 = sequence::fp8_attention(self.linear1.is_fp8());
         let moving = sequence::start(qkv, lens, fp8, ctx)?;

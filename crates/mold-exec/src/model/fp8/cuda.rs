@@ -965,8 +965,15 @@ const AMAX_BLOCKS: u32 = 264;
 /// one scale per tensor for cuDNN's FP8 attention: the values `(3, b, h, L, d)` and
 /// [`QKV_SCALES`] f32 scales, one every 16 bytes — q's, k's and v's descales (amax / 448),
 /// then the probabilities' descale 1 / 448 and scale 448 — written on the GPU (no copy to or
-/// from the host). Two passes: each tensor's amax, then its values.
-pub(crate) fn quantize_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Tensor)> {
+/// from the host). Two passes: each tensor's amax, then its values; with `amax`, the
+/// tensors' partial maxima `(3, parts)` f32 taken as they were written
+/// ([`crate::model::ops::qkv_prep_fused_amax`]), only the second.
+pub(crate) fn quantize_qkv(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    amax: Option<&Tensor>,
+) -> CResult<(Tensor, Tensor)> {
     use candle_core::op::BackpropOp;
     let dims = q.dims().to_vec();
     let n = q.elem_count();
@@ -1002,10 +1009,37 @@ pub(crate) fn quantize_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tenso
             .into_cuda_function())
     };
     let (fa, fq) = (load("mold_fp8_amax3")?, load("mold_fp8_quantize3")?);
-    let parts = AMAX_BLOCKS as i32;
-    // SAFETY: amax3 writes every partial, quantize3 every value and the six scales it
-    // returns (the padding between them is zeroed, never read).
-    let mut partial = unsafe { dev.alloc::<f32>(3 * AMAX_BLOCKS as usize)? };
+    // The partial maxima given, `(3, parts)` f32 on this GPU.
+    let parts = match amax {
+        None => AMAX_BLOCKS as i32,
+        Some(a) => {
+            let (three, parts) = a.dims2()?;
+            if three != 3 || a.dtype() != DType::F32 || !a.is_contiguous() || parts == 0 {
+                candle_core::bail!(
+                    "FP8 attention: maxima {:?} {:?}, want (3, parts) f32",
+                    a.dims(),
+                    a.dtype()
+                );
+            }
+            parts as i32
+        }
+    };
+    let held = amax.map(|a| a.storage_and_layout());
+    let given = match &held {
+        None => None,
+        Some((st, l)) => match &**st {
+            Storage::Cuda(c) => Some(c.as_cuda_slice::<f32>()?.slice(l.start_offset()..)),
+            _ => candle_core::bail!("FP8 attention: the maxima are not on the GPU"),
+        },
+    };
+    // SAFETY: amax3 writes every partial (where it runs), quantize3 every value and the six
+    // scales it returns (the padding between them is zeroed, never read).
+    let mut partial = unsafe {
+        dev.alloc::<f32>(match given {
+            Some(_) => 1,
+            None => 3 * AMAX_BLOCKS as usize,
+        })?
+    };
     let mut values = unsafe { dev.alloc::<float8::F8E4M3>(3 * n)? };
     let mut scales = dev.alloc_zeros::<f32>(QKV_SCALES)?;
     let stream = dev.cuda_stream();
@@ -1021,19 +1055,19 @@ pub(crate) fn quantize_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tenso
             let x0 = qs.as_cuda_slice::<$t>()?.slice(ql.start_offset()..);
             let x1 = ks.as_cuda_slice::<$t>()?.slice(kl.start_offset()..);
             let x2 = vs.as_cuda_slice::<$t>()?.slice(vl.start_offset()..);
-            let mut a = stream.launch_builder(&fa);
-            a.arg(&x0).arg(&x1).arg(&x2).arg(&n64).arg(&mut partial);
-            // SAFETY: the arguments match the kernel; each tensor holds n values.
-            unsafe { a.launch(grid(AMAX_BLOCKS)) }.map_err(|e| err("amax kernel", e))?;
+            if given.is_none() {
+                let mut a = stream.launch_builder(&fa);
+                a.arg(&x0).arg(&x1).arg(&x2).arg(&n64).arg(&mut partial);
+                // SAFETY: the arguments match the kernel; each tensor holds n values.
+                unsafe { a.launch(grid(AMAX_BLOCKS)) }.map_err(|e| err("amax kernel", e))?;
+            }
             let mut b = stream.launch_builder(&fq);
-            b.arg(&x0)
-                .arg(&x1)
-                .arg(&x2)
-                .arg(&n64)
-                .arg(&partial)
-                .arg(&parts)
-                .arg(&mut values)
-                .arg(&mut scales);
+            b.arg(&x0).arg(&x1).arg(&x2).arg(&n64);
+            match &given {
+                Some(g) => b.arg(g),
+                None => b.arg(&partial),
+            };
+            b.arg(&parts).arg(&mut values).arg(&mut scales);
             // SAFETY: as above; `values` holds the three tensors' 3n values.
             unsafe { b.launch(grid(pieces)) }.map_err(|e| err("quantize kernel", e))?;
         }};

@@ -226,13 +226,15 @@ impl Block {
     }
 
     /// q, k, v of the joint sequence `[txt; img]`, `(b, heads, L, head_dim)`: q/k RMSNorm
-    /// per stream, RoPE, the segments concatenated. One fused kernel per segment on CUDA.
+    /// per stream, RoPE, the segments concatenated. One fused kernel per segment on CUDA
+    /// (with `fp8`, attention in FP8, also taking their largest magnitudes).
     fn prepare_qkv(
         &self,
         txt_qkv: &Tensor,
         img_qkv: &Tensor,
         pe: &Tensor,
         lens: &[usize],
+        fp8: bool,
         ctx: &Ctx,
     ) -> CResult<sequence::Qkv> {
         let segs = [(txt_qkv, &self.txt.norm), (img_qkv, &self.img.norm)];
@@ -254,6 +256,7 @@ impl Block {
                 (&cos, &sin),
                 EPS as f32,
                 lens,
+                fp8,
                 ctx,
             );
         }
@@ -326,9 +329,9 @@ impl Block {
         drop(txt_in);
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
-        let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, lens, ctx)?;
-        drop((img_qkv, txt_qkv));
         let fp8 = sequence::fp8_attention(iq.weight.is_fp8());
+        let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, lens, fp8, ctx)?;
+        drop((img_qkv, txt_qkv));
         let attn = sequence::attention(qkv, lens, fp8, ctx)?;
         let tl = match split {
             Some(s) => s.txt,
