@@ -1,5 +1,5 @@
 //! FP8 attention on the first CUDA GPU ([`mold_exec::model::attention::fp8_attention`]:
-//! q, k, v quantized on the GPU, cuDNN's FP8 flash attention, its e4m3 output widened)
+//! q, k, v quantized on the GPU, cuDNN's FP8 flash attention, its e4m3 output widened here)
 //! against exact attention in f32 and against its own emulation
 //! ([`fp8_attention_reference`]), on bf16 inputs at head size 128, for each sequence length
 //! given, with mild scores (q and k in [-1, 1), v in [-4, 4)) and peaked ones (q and k in
@@ -109,6 +109,8 @@ fn run() -> Result<bool, String> {
             &meter,
         )
         .map_err(e)?
+        .widen()
+        .map_err(e)?
         .to_device(&Device::Cpu)
         .map_err(e)?;
         let after = mold_exec::attention_report();
@@ -175,6 +177,8 @@ fn maxima_in_preparation(
     }];
     let (t, amax) = qkv_prep_fused_amax(&seg, heads, &cos, &sin, 1e-6).map_err(e)?;
     let got: Vec<f32> = amax
+        .flatten_from(1)
+        .map_err(e)?
         .max(1)
         .map_err(e)?
         .to_device(&Device::Cpu)
@@ -200,8 +204,12 @@ fn maxima_in_preparation(
         }
     }
     let (q, k, v) = (t.i(0).map_err(e)?, t.i(1).map_err(e)?, t.i(2).map_err(e)?);
-    let alone = fp8_attention(Kernels::Auto, &q, &k, &v, None, meter).map_err(e)?;
-    let given = fp8_attention(Kernels::Auto, &q, &k, &v, Some(&amax), meter).map_err(e)?;
+    let alone = fp8_attention(Kernels::Auto, &q, &k, &v, None, meter)
+        .and_then(|o| o.widen())
+        .map_err(e)?;
+    let given = fp8_attention(Kernels::Auto, &q, &k, &v, Some(&amax), meter)
+        .and_then(|o| o.widen())
+        .map_err(e)?;
     let bits = |t: &Tensor| -> Result<Vec<u16>, String> {
         Ok(t.flatten_all()
             .map_err(e)?

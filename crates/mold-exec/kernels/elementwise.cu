@@ -270,8 +270,10 @@ MOLD_EW_LN_MODULATE_FP8(mold_ln_modulate_fp8_f16, __half)
 // With `amax` (else null): the largest magnitude of the q, k and v values written (as
 // stored, in T; NaN skipped, as fp8.cu's amax3 does), for FP8 attention's per-tensor scales
 // without a pass of their own: each block's maxima are folded by atomicMax (non-negative
-// floats order as their bits) into amax[which * QKV_AMAX_SLOTS + blockIdx.x % QKV_AMAX_SLOTS],
-// which the caller zeroes; fp8.cu's quantize3 reads them as its partial maxima.
+// floats order as their bits) into slot blockIdx.x % QKV_AMAX_SLOTS of tensor `which`, at
+// amax[(which * QKV_AMAX_SLOTS + slot) * QKV_AMAX_STRIDE]: a 128-byte line each, so that the
+// blocks' atomics spread over the L2's slices instead of queueing at one line. The caller
+// zeroes the buffer; fp8.cu's quantize3 reads the slots as its partial maxima.
 // Launch: grid (ceil(len * heads / 4), B), block 128.
 namespace mold_ew {
 template <typename T> __device__ __forceinline__ float tof(T v);
@@ -291,7 +293,8 @@ template <> __device__ __forceinline__ float as_stored<__half>(float v) {
 }
 template <> __device__ __forceinline__ float as_stored<float>(float v) { return v; }
 
-constexpr int QKV_AMAX_SLOTS = 32;
+constexpr int QKV_AMAX_SLOTS = 64;
+constexpr int QKV_AMAX_STRIDE = 32;
 
 // The block's (4 warps') largest magnitudes m[0..3] folded into amax (see qkv_prep). Every
 // thread of the block calls it.
@@ -311,8 +314,9 @@ template <typename T> __device__ __forceinline__ void qkv_amax(float m[3], float
         // Rounding is monotonic: the largest stored value is the largest value, stored.
         const float r = as_stored<T>(a);
         if (r > 0.f)
-            atomicMax(reinterpret_cast<int *>(amax + w * QKV_AMAX_SLOTS +
-                                              blockIdx.x % QKV_AMAX_SLOTS),
+            atomicMax(reinterpret_cast<int *>(
+                          amax + (w * QKV_AMAX_SLOTS + blockIdx.x % QKV_AMAX_SLOTS) *
+                                     QKV_AMAX_STRIDE),
                       __float_as_int(r));
     }
 }

@@ -18,15 +18,14 @@
 //   of 8, 16-byte aligned) quantized to e4m3 with one scale per tensor, for cuDNN's FP8
 //   attention. amax3: block (x, y) writes the largest magnitude of its share of tensor y to
 //   partial[y * P + x] (P = gridDim.x). quantize3: every block takes tensor y's amax over
-//   its P partials (amax3's, or those elementwise.cu's q/k/v preparation takes as it writes
-//   q, k and v: then amax3 does not run), scales by 448 / amax (1 for a zero or non-finite tensor) and writes its
+//   its P partials, partial[(y * P + i) * stride] (amax3's, stride 1, or those elementwise.cu's
+//   q/k/v preparation takes as it writes q, k and v, a 128-byte line apart: then amax3 does
+//   not run), scales by 448 / amax (1 for a zero or non-finite tensor) and writes its
 //   share as e4m3 at q3 + y * n; block (0, y) writes the descale amax / 448 to scales[4 * y], block (0, 0)
 //   also the probabilities' descale 1 / 448 and scale 448 at scales[12] and scales[16], and
 //   block (0, 2) v's factor 448 / amax at scales[20]: the attention output's scale, as its
 //   values are averages of v's (one value per 16 bytes: cuDNN's scalar tensors are 16-byte
 //   aligned). Launch: grid (P or any, 3), block 256.
-// dequantize_tensor: out = q * scale[0] in bf16/f16, n values (a multiple of 8, 16-byte
-//   aligned), 8 at a time. Launch: grid (any), block 256.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -189,10 +188,11 @@ __device__ void amax3(const T *__restrict__ x0, const T *__restrict__ x1,
 template <typename T>
 __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
                           const T *__restrict__ x2, int64_t n, const float *__restrict__ partial,
-                          int parts, __nv_fp8_storage_t *__restrict__ q3,
+                          int parts, int pstride, __nv_fp8_storage_t *__restrict__ q3,
                           float *__restrict__ scales) {
     float m = 0.0f;
-    for (int i = threadIdx.x; i < parts; i += THREADS) m = fmaxf(m, partial[blockIdx.y * parts + i]);
+    for (int i = threadIdx.x; i < parts; i += THREADS)
+        m = fmaxf(m, partial[(blockIdx.y * (int64_t)parts + i) * pstride]);
     const float a = block_max(m);
     const bool ok = a > 0.0f && isfinite(a);
     const float inv = ok ? __fdiv_rn(E4M3_MAX, a) : 1.0f;
@@ -223,32 +223,6 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
     }
 }
 
-template <typename T>
-__device__ void dequantize_tensor(const __nv_fp8_storage_t *__restrict__ q, int64_t n,
-                                  const float *__restrict__ scale, T *__restrict__ out) {
-    const float s = scale[0];
-    const uint2 *qv = reinterpret_cast<const uint2 *>(q);
-    uint4 *ov = reinterpret_cast<uint4 *>(out);
-    for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < n / 8;
-         i += (int64_t)gridDim.x * THREADS) {
-        union {
-            uint2 u;
-            __nv_fp8_storage_t b[8];
-        } in;
-        in.u = qv[i];
-        union {
-            uint4 u;
-            T v[8];
-        } o;
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-            __half_raw h = __nv_cvt_fp8_to_halfraw(in.b[t], __NV_E4M3);
-            o.v[t] = from_f<T>(__fmul_rn(__half2float(__half(h)), s));
-        }
-        ov[i] = o.u;
-    }
-}
-
 } // namespace mold_fp8
 
 #define MOLD_FP8(T, SUFFIX)                                                                    \
@@ -275,12 +249,8 @@ __device__ void dequantize_tensor(const __nv_fp8_storage_t *__restrict__ q, int6
     }                                                                                          \
     extern "C" __global__ void mold_fp8_quantize3_##SUFFIX(                                   \
         const T *x0, const T *x1, const T *x2, int64_t n, const float *partial, int parts,     \
-        __nv_fp8_storage_t *q3, float *scales) {                                               \
-        mold_fp8::quantize3<T>(x0, x1, x2, n, partial, parts, q3, scales);                    \
-    }                                                                                          \
-    extern "C" __global__ void mold_fp8_dequantize_tensor_##SUFFIX(                           \
-        const __nv_fp8_storage_t *q, int64_t n, const float *scale, T *out) {                  \
-        mold_fp8::dequantize_tensor<T>(q, n, scale, out);                                     \
+        int pstride, __nv_fp8_storage_t *q3, float *scales) {                                  \
+        mold_fp8::quantize3<T>(x0, x1, x2, n, partial, parts, pstride, q3, scales);           \
     }
 
 MOLD_FP8(__nv_bfloat16, bf16)

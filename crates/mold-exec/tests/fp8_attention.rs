@@ -44,9 +44,12 @@ fn fp8_attention_runs_in_fp8_blocks_only_when_asked() {
     let (fp8, calls) = run(mold_plan::DType::Fp8, true);
     // flux-tiny: 2 double and 3 single blocks, one attention each.
     assert_eq!(calls, 5);
+    // By FP8's rounding (a step of e4m3 is 6.25 % of a value; measured 5.2e-2 with the
+    // e4m3 output going to the projection as it is, 4.9e-2 when it was widened and quantized
+    // again there), not by the O(1) of a wrong scale.
     let moved = max_relative_error(&fp8, &products).unwrap();
     assert!(
-        moved > 0.0 && moved < 5e-2,
+        moved > 0.0 && moved < 1e-1,
         "FP8 attention moved the output by {moved}"
     );
     // A dense plan's attention stays in its dtype even when FP8 attention is asked for.

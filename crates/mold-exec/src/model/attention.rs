@@ -13,6 +13,8 @@
 //! mold's own kernel, `cudnn` requires cuDNN; `fused` makes an unsupported case an error
 //! instead of a silent fallback. [`report`] says which ran, and why cuDNN did not.
 
+use super::fp8::Fp8Rows;
+use super::mat::Input;
 use super::ops::Kernels;
 use super::ActivationMeter;
 use candle_core::{Tensor, D};
@@ -199,13 +201,16 @@ fn cudnn_attention(
 /// blocks): on CUDA, where cuDNN's FP8 flash attention takes the shape (Hopper and later,
 /// bf16/f16, head size 64 or 128; `kernels` allowing libraries), q, k and v are quantized to
 /// e4m3 with one scale each (the largest magnitude of each tensor maps to 448; two passes
-/// over them, no copy to the host) and cuDNN runs it; its output, e4m3 on Hopper (with v's
-/// scale: each output value is an average of v's), is widened to q's dtype. Where cuDNN
+/// over them, no copy to the host) and cuDNN runs it; its output, e4m3 on Hopper with v's
+/// scale (each output value is an average of v's), is returned as it is, as the rows the
+/// output projection's FP8 product takes ([`Input::Fp8`], every token with v's scale: no
+/// widening, and no second rounding by the projection's own quantizing pass). Where cuDNN
 /// cannot (before Hopper, no engine for the shape, f32, other head sizes, `MOLD_KERNELS`
 /// without libraries), attention runs as [`attention_with`] would, the reason kept in
-/// [`report`]. On the CPU [`fp8_attention_reference`] emulates its precision.
+/// [`report`], and the output is [`Input::Dense`]. On the CPU [`fp8_attention_rows_reference`]
+/// emulates its precision.
 ///
-/// `amax`: q's, k's and v's largest magnitudes as partial maxima `(3, parts)` f32 where the
+/// `amax`: q's, k's and v's largest magnitudes as partial maxima `(3, parts, stride)` f32 where the
 /// q/k/v preparation took them while writing the three
 /// ([`super::ops::qkv_prep_fused_amax`]); then the quantization is one pass, not two.
 pub fn fp8_attention(
@@ -215,18 +220,19 @@ pub fn fp8_attention(
     v: &Tensor,
     amax: Option<&Tensor>,
     meter: &ActivationMeter,
-) -> CResult<Tensor> {
+) -> CResult<Input> {
     let supported = fused_supported(q);
+    let dense = || attention_with(kernels, q, k, v, meter).map(Input::Dense);
     if supported && kernels.uses_libraries() {
         match cudnn_fp8_attention(q, k, v, amax)? {
             Ok((out, backend)) => {
-                meter.see(&out);
+                meter.see(out.rows().values());
                 note(&backend, None);
-                return out.flatten_from(2);
+                return Ok(Input::Fp8(out));
             }
             Err(why) => {
                 refused(format!("FP8 attention: {why}"));
-                return attention_with(kernels, q, k, v, meter);
+                return dense();
             }
         }
     }
@@ -234,16 +240,16 @@ pub fn fp8_attention(
         refused(format!(
             "FP8 attention: needs cuDNN (MOLD_KERNELS={kernels:?} runs attention without it)"
         ));
-        return attention_with(kernels, q, k, v, meter);
+        return dense();
     }
     if q.device().is_cuda() {
         // f32, or a head size cuDNN's kernels do not take: the emulation would build the
         // scores on the host.
         refused("FP8 attention: needs bf16/f16 and head size 64 or 128".into());
-        return attention_with(kernels, q, k, v, meter);
+        return dense();
     }
     note("emulated FP8", None);
-    fp8_attention_reference(q, k, v, meter)
+    fp8_attention_rows_reference(q, k, v, meter).map(Input::Fp8)
 }
 
 /// Keeps a reason cuDNN did not run a call, without counting a call.
@@ -257,7 +263,7 @@ fn cudnn_fp8_attention(
     k: &Tensor,
     v: &Tensor,
     amax: Option<&Tensor>,
-) -> CResult<Result<(Tensor, String), String>> {
+) -> CResult<Result<(Fp8Rows, String), String>> {
     let version = match super::cudnn::version() {
         Ok(v) => v,
         Err(e) => return Ok(Err(e)),
@@ -278,10 +284,15 @@ fn cudnn_fp8_attention(
     };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (qkv, scales) = super::fp8::cuda::quantize_qkv(&q, &k, &v, amax)?;
-    let o = plan.run(&qkv, &scales)?;
-    // The e4m3 output widened with v's descale.
+    let o = plan.run(&qkv, &scales)?; // (b, L, h, d) e4m3
+    let (b, l, h, d) = o.dims4()?;
+    // Every token's scale is v's descale, as the GPU holds it.
+    let s = scales
+        .narrow(0, super::fp8::cuda::V_DESCALE, 1)?
+        .broadcast_as(b * l)?
+        .contiguous()?;
     Ok(Ok((
-        super::fp8::cuda::dequantize_tensor(&o, &scales, super::fp8::cuda::V_DESCALE, q.dtype())?,
+        Fp8Rows::new(o.reshape((b * l, h * d))?, s, &[b, l, h * d], q.dtype())?,
         format!("cudnn {version} (FP8 SDPA)"),
     )))
 }
@@ -292,7 +303,7 @@ fn cudnn_fp8_attention(
     _: &Tensor,
     _: &Tensor,
     _: Option<&Tensor>,
-) -> CResult<Result<(Tensor, String), String>> {
+) -> CResult<Result<(Fp8Rows, String), String>> {
     Ok(Err("a CPU build".into()))
 }
 
@@ -300,17 +311,29 @@ fn cudnn_fp8_attention(
 /// scores; for tests and the CPU): q, k and v each rounded to e4m3 with one scale per
 /// tensor and widened back, exact scores and softmax, the probabilities rounded to e4m3
 /// at scale 448 (their largest possible value, 1, maps to 448) and widened back, the
-/// product with v rounded to e4m3 with v's scale (as Hopper's kernels write it) and widened
-/// back, then to q's dtype. What cuDNN's kernel rounds, not its bits: it
-/// rounds each tile's probabilities before the softmax is normalised.
+/// product with v rounded to e4m3 with v's scale (as Hopper's kernels write it), widened
+/// to q's dtype: [`fp8_attention_rows_reference`]'s rows widened.
 pub fn fp8_attention_reference(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     meter: &ActivationMeter,
 ) -> CResult<Tensor> {
+    fp8_attention_rows_reference(q, k, v, meter)?.dequantize()
+}
+
+/// FP8 attention's output emulated as [`fp8_attention`] hands it to the projection on
+/// Hopper: its e4m3 values `(b · L, heads · d)` on q's device, every token with v's scale
+/// (the roundings of [`fp8_attention_reference`]). What cuDNN's kernel rounds, not its
+/// bits: it rounds each tile's probabilities before the softmax is normalised.
+pub fn fp8_attention_rows_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    meter: &ActivationMeter,
+) -> CResult<Fp8Rows> {
     use super::fp8::{fake_quantize_tensor, round_e4m3, E4M3_MAX};
-    let dtype = q.dtype();
+    let (dtype, dev) = (q.dtype(), q.device().clone());
     let (q, k, v) = (
         fake_quantize_tensor(q)?,
         fake_quantize_tensor(k)?,
@@ -336,18 +359,22 @@ pub fn fp8_attention_reference(
     let out = p8.matmul(&v)?; // (b·h, Lq, d)
     let v_amax = v.abs()?.max_all()?.to_scalar::<f32>()?;
     let (inv, s) = super::fp8::row_scale(v_amax);
-    let odims = out.dims().to_vec();
-    let o8: Vec<f32> = out
+    // (b, Lq, h, d): the tokens' rows.
+    let out = out
+        .reshape((b, h, lq, dim))?
+        .transpose(1, 2)?
+        .to_device(&candle_core::Device::Cpu)?;
+    let o8: Vec<_> = out
         .flatten_all()?
         .to_vec1::<f32>()?
         .into_iter()
-        .map(|x| round_e4m3(x * inv).to_f32() * s)
+        .map(|x| round_e4m3(x * inv))
         .collect();
-    let out = Tensor::from_vec(o8, odims, p.device())?;
-    out.reshape((b, h, lq, dim))?
-        .transpose(1, 2)?
-        .flatten_from(2)?
-        .to_dtype(dtype)
+    let rows = b * lq;
+    let o8 = Tensor::from_vec(o8, (rows, h * dim), &candle_core::Device::Cpu)?.to_device(&dev)?;
+    let scales =
+        Tensor::from_vec(vec![s; rows], rows, &candle_core::Device::Cpu)?.to_device(&dev)?;
+    Fp8Rows::new(o8, scales, &[b, lq, h * dim], dtype)
 }
 
 /// The composition of candle ops (materialises the `L × L` scores).
@@ -590,8 +617,10 @@ mod tests {
         );
         let before = report().calls.get("emulated FP8").copied().unwrap_or(0);
         let ran = fp8_attention(Kernels::Auto, &q, &k, &v, None, &meter).unwrap();
+        // Its e4m3 rows, as the projection after it takes them.
+        assert!(matches!(ran, Input::Fp8(_)));
         assert_eq!(
-            crate::verify::max_relative_error(&ran, &emulated).unwrap(),
+            crate::verify::max_relative_error(&ran.widen().unwrap(), &emulated).unwrap(),
             0.0
         );
         assert!(report().calls["emulated FP8"] > before);

@@ -196,6 +196,12 @@ impl RowParallel {
     /// This rank's partial product (no bias), `Σᵢ xs[i] Wᵢᵀ` with `xs[i]` the input
     /// features of `cols[i]`: all-reduce it, then [`Self::add_bias`].
     pub fn partial(&self, xs: &[&Tensor], k: Kernels) -> candle_core::Result<Tensor> {
+        let xs: Vec<Input> = xs.iter().map(|x| Input::Dense((*x).clone())).collect();
+        self.partial_in(&xs.iter().collect::<Vec<_>>(), k)
+    }
+    /// [`Self::partial`] of inputs that may be quantized ahead (FP8 attention's output goes
+    /// to its projection as it is: [`Mat::matmul_in`]).
+    pub fn partial_in(&self, xs: &[&Input], k: Kernels) -> candle_core::Result<Tensor> {
         if xs.len() != self.weights.len() {
             candle_core::bail!(
                 "row-parallel linear over {} input segments given {}",
@@ -206,10 +212,10 @@ impl RowParallel {
         let mut acc: Option<Tensor> = None;
         for (x, w) in xs.iter().zip(&self.weights) {
             acc = Some(match acc {
-                None => w.matmul(x, k)?,
+                None => w.matmul_in(x, k)?,
                 // On CUDA the next product is accumulated into the sum in the matmul
                 // (cuBLASLt, beta = 1) instead of a separate add over the output.
-                Some(a) => w.add_matmul(a, x, k)?,
+                Some(a) => w.add_matmul_in(a, x, k)?,
             });
         }
         acc.ok_or_else(|| candle_core::Error::Msg("row-parallel linear without input".into()))
@@ -220,15 +226,15 @@ impl RowParallel {
         self.weight_of(i)?.matmul(x, k)
     }
     /// `acc + x Wᵢᵀ`, accumulated in the product where the libraries run it (`acc`
-    /// consumed).
+    /// consumed); `x` may be quantized ahead ([`Mat::add_matmul_in`]).
     pub fn add_segment(
         &self,
         acc: Tensor,
         i: usize,
-        x: &Tensor,
+        x: &Input,
         k: Kernels,
     ) -> candle_core::Result<Tensor> {
-        self.weight_of(i)?.add_matmul(acc, x, k)
+        self.weight_of(i)?.add_matmul_in(acc, x, k)
     }
     fn weight_of(&self, i: usize) -> candle_core::Result<&Mat> {
         self.weights.get(i).ok_or_else(|| {

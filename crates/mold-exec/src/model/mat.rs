@@ -11,11 +11,51 @@ use candle_core::Tensor;
 type CResult<T> = candle_core::Result<T>;
 
 /// A product's input: as computed, or quantized per token ahead for FP8 products (by the
-/// norm before them, [`super::ops::ln_modulate_fp8`]).
+/// norm before them, [`super::ops::ln_modulate_fp8`]; by FP8 attention, whose e4m3 output
+/// goes to the output projection as it is, [`super::attention::fp8_attention`]).
 #[derive(Clone, Debug)]
 pub enum Input {
     Dense(Tensor),
     Fp8(Fp8Rows),
+}
+
+impl Input {
+    /// The activation's shape.
+    pub fn dims(&self) -> &[usize] {
+        match self {
+            Input::Dense(t) => t.dims(),
+            Input::Fp8(x) => x.dims(),
+        }
+    }
+
+    /// Tokens `start..start + len` of a `(b, L, k)` input: a view of the rows where they
+    /// are contiguous (one sample, or the whole sequence); otherwise widened first.
+    pub fn narrow_tokens(&self, start: usize, len: usize) -> CResult<Input> {
+        match self {
+            Input::Dense(t) => Ok(Input::Dense(t.narrow(1, start, len)?)),
+            Input::Fp8(x) => match x.narrow_tokens(start, len)? {
+                Some(n) => Ok(Input::Fp8(n)),
+                None => Ok(Input::Dense(x.dequantize()?.narrow(1, start, len)?)),
+            },
+        }
+    }
+
+    /// In the activations' dtype (an input quantized ahead widened back).
+    pub fn widen(self) -> CResult<Tensor> {
+        match self {
+            Input::Dense(t) => Ok(t),
+            Input::Fp8(x) => x.dequantize(),
+        }
+    }
+
+    /// A tensor that stands for it in marks and meters (the e4m3 values of one quantized
+    /// ahead).
+    pub fn tensor(&self) -> &Tensor {
+        match self {
+            Input::Dense(t) => t,
+            Input::Fp8(x) => x.rows().values(),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -117,6 +157,26 @@ impl Mat {
         match self {
             Mat::Dense(_) => self.linear(x, b, false, k),
             Mat::Fp8(w) => fp8::linear_weight_only(x, w, b, k),
+        }
+    }
+
+    /// [`Mat::matmul`] of an [`Input`]: an input quantized ahead goes to the FP8 product as
+    /// it is ([`fp8::linear_rows`]; widened back for a dense weight).
+    pub fn matmul_in(&self, x: &Input, k: Kernels) -> CResult<Tensor> {
+        match (self, x) {
+            (_, Input::Dense(x)) => self.matmul(x, k),
+            (Mat::Fp8(w), Input::Fp8(x)) => fp8::linear_rows(x, w, None, false, k),
+            (Mat::Dense(_), Input::Fp8(x)) => self.matmul(&x.dequantize()?, k),
+        }
+    }
+
+    /// [`Mat::add_matmul`] of an [`Input`] (an input quantized ahead: its product, then the
+    /// sum).
+    pub fn add_matmul_in(&self, acc: Tensor, x: &Input, k: Kernels) -> CResult<Tensor> {
+        match (self, x) {
+            (_, Input::Dense(x)) => self.add_matmul(acc, x, k),
+            (Mat::Fp8(w), Input::Fp8(x)) => acc + fp8::linear_rows(x, w, None, false, k)?,
+            (Mat::Dense(_), Input::Fp8(x)) => self.add_matmul(acc, &x.dequantize()?, k),
         }
     }
 

@@ -363,12 +363,15 @@ pub fn qkv_prep_fused(
 }
 
 /// Partial maxima per tensor [`qkv_prep_fused_amax`] folds each block's largest magnitudes
-/// into (`QKV_AMAX_SLOTS` in kernels/elementwise.cu).
-pub const QKV_AMAX_SLOTS: usize = 32;
+/// into (`QKV_AMAX_SLOTS` in kernels/elementwise.cu), each the first of
+/// [`QKV_AMAX_STRIDE`] floats (one 128-byte line: the blocks' atomics spread over the L2).
+pub const QKV_AMAX_SLOTS: usize = 64;
+/// Floats from one of [`qkv_prep_fused_amax`]'s partial maxima to the next (the rest 0).
+pub const QKV_AMAX_STRIDE: usize = 32;
 
 /// [`qkv_prep_fused`] that also takes the largest magnitude of q, k and v as it writes them:
-/// `(3, b, heads, L, d)` and `(3, QKV_AMAX_SLOTS)` f32 partial maxima (each tensor's amax is
-/// the largest of its row), for FP8 attention's per-tensor scales without a pass over q, k
+/// `(3, b, heads, L, d)` and `(3, QKV_AMAX_SLOTS, QKV_AMAX_STRIDE)` f32 partial maxima in
+/// `[.., .., 0]`, the rest 0 (each tensor's amax is the largest of its slice), for FP8 attention's per-tensor scales without a pass over q, k
 /// and v of their own ([`super::attention::fp8_attention`]). The same values as a pass over
 /// the written tensors: the maxima are of the values as stored, NaN skipped.
 pub fn qkv_prep_fused_amax(
@@ -1318,7 +1321,9 @@ mod fused {
         };
         // The partial maxima start at 0 (the kernel folds into them).
         let amax = match layout.amax {
-            true => Some(dev.alloc_zeros::<f32>(3 * super::QKV_AMAX_SLOTS)?),
+            true => {
+                Some(dev.alloc_zeros::<f32>(3 * super::QKV_AMAX_SLOTS * super::QKV_AMAX_STRIDE)?)
+            }
             false => None,
         };
         let cs_batch: i64 = if cd0 == 1 {
@@ -1384,7 +1389,7 @@ mod fused {
         let amax = amax.map(|a| {
             Tensor::from_storage(
                 candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(a, dev.clone())),
-                (3, super::QKV_AMAX_SLOTS),
+                (3, super::QKV_AMAX_SLOTS, super::QKV_AMAX_STRIDE),
                 candle_core::op::BackpropOp::none(),
                 false,
             )

@@ -8,6 +8,7 @@
 //! rank's own counts, so nothing is padded and the result equals one rank's computation
 //! (up to the attention kernel's own rounding). Each rank needs at least one head.
 
+use super::mat::Input;
 use super::{ops, Ctx};
 use crate::comm::Exchange;
 use candle_core::{IndexOp, Result, Shape, Tensor};
@@ -26,7 +27,7 @@ pub enum Qkv {
     /// Each `(b, heads, L_r, head_dim)`: every head of the rank's tensor-parallel shard.
     Heads(Tensor, Tensor, Tensor),
     /// [`Qkv::Heads`] with the three tensors' largest magnitudes, partial maxima `(3,
-    /// parts)` f32 the fused preparation took as it wrote them
+    /// parts, stride)` f32 the fused preparation took as it wrote them
     /// ([`ops::qkv_prep_fused_amax`]): FP8 attention's scales on one rank without a pass
     /// of their own.
     Measured(Tensor, Tensor, Tensor, Tensor),
@@ -58,8 +59,9 @@ impl Qkv {
 /// Attention over the whole sequence for a rank that holds a slice of it: [`start`],
 /// [`QkvInFlight::attend`] and [`OutInFlight::finish`] one after the other, with nothing
 /// queued between them.
-/// `fp8`: attention in FP8 ([`fp8_attention`]).
-pub fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> Result<Tensor> {
+/// `fp8`: attention in FP8 ([`fp8_attention`]); on one rank its e4m3 output may come back
+/// as it is, for the output projection's FP8 product ([`Input::Fp8`]).
+pub fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> Result<Input> {
     start(qkv, lens, fp8, ctx)?.attend(ctx)?.finish(ctx)
 }
 
@@ -100,7 +102,7 @@ pub struct OutInFlight<'a> {
 }
 
 enum OutState<'a> {
-    Done(Tensor),
+    Done(Input),
     Moving(Box<dyn Exchange + 'a>),
 }
 
@@ -196,7 +198,8 @@ impl<'a> QkvInFlight<'a> {
         ctx.mark("all-to-all (q, k, v)", &all);
         // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
         let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
-        let out = local(&part(0)?, &part(1)?, &part(2)?, None, fp8, ctx)?; // (b, L, hs·d)
+        // (b, L, hs·d), widened to be sent.
+        let out = local(&part(0)?, &part(1)?, &part(2)?, None, fp8, ctx)?.widen()?;
         drop(all);
         // Each rank's tokens back to it; the head groups side by side, in rank order.
         let me = ctx.sp.rank();
@@ -219,14 +222,15 @@ impl<'a> QkvInFlight<'a> {
 }
 
 impl OutInFlight<'_> {
-    /// This rank's tokens of attention over every head, `(b, L_r, heads · head_dim)`.
-    pub fn finish(self, ctx: &Ctx) -> Result<Tensor> {
+    /// This rank's tokens of attention over every head, `(b, L_r, heads · head_dim)`
+    /// (FP8 attention's e4m3 rows as they are on one rank).
+    pub fn finish(self, ctx: &Ctx) -> Result<Input> {
         match self.state {
             OutState::Done(t) => Ok(t),
             OutState::Moving(exchange) => {
                 let out = join_heads(&exchange.finish()?)?;
                 ctx.mark("all-to-all (output)", &out);
-                Ok(out)
+                Ok(Input::Dense(out))
             }
         }
     }
@@ -308,14 +312,14 @@ fn local(
     amax: Option<&Tensor>,
     fp8: bool,
     ctx: &Ctx,
-) -> Result<Tensor> {
+) -> Result<Input> {
     use crate::model::attention::{attention_with, fp8_attention};
     let out = if fp8 {
         fp8_attention(ctx.kernels, q, k, v, amax, ctx.meter)?
     } else {
-        attention_with(ctx.kernels, q, k, v, ctx.meter)?
+        Input::Dense(attention_with(ctx.kernels, q, k, v, ctx.meter)?)
     };
-    ctx.mark("attention", &out);
+    ctx.mark("attention", out.tensor());
     Ok(out)
 }
 

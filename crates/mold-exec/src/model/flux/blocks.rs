@@ -84,7 +84,7 @@ pub fn rope_table(pe: &Tensor) -> CResult<Tensor> {
 /// Attention over this rank's heads, q, k and v already normed and rotated
 /// ([`prepare_qkv`]); returns `(b, L, heads * head_dim)`. Under sequence parallelism `L`
 /// is this rank's tokens and `lens` every rank's count ([`sequence::attention`]).
-fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> CResult<Tensor> {
+fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> CResult<Input> {
     sequence::attention(qkv, lens, sequence::fp8_attention(fp8), ctx)
 }
 
@@ -404,7 +404,7 @@ impl DoubleBlock {
             Some(s) => s.txt,
             None => txt.dim(1)?,
         };
-        let il = attn.dim(1)? - tl;
+        let il = attn.dims()[1] - tl;
         let streams = [&self.txt, &self.img];
         let sums = layers::row_parallel_sums(
             attn,
@@ -415,7 +415,7 @@ impl DoubleBlock {
             |attn, i, s, n| {
                 streams[i]
                     .proj
-                    .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+                    .partial_in(&[&attn.narrow_tokens([0, tl][i] + s, n)?], kn)
             },
         )?;
         let [txt_proj, img_proj]: [Tensor; 2] = sums.try_into().map_err(|_| pair_err())?;
@@ -588,7 +588,7 @@ impl SingleBlock {
         drop(x_qkv);
         let attn = attention(qkv, lens, self.linear1.is_fp8(), ctx)?;
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
-        let len = attn.dim(1)?;
+        let len = attn.dims()[1];
         let reduced = layers::row_parallel_sums(
             (attn, mlp),
             &[len],
@@ -596,8 +596,9 @@ impl SingleBlock {
             ctx,
             split,
             |(attn, mlp), _, s, n| {
+                let mlp = Input::Dense(mlp.narrow(1, s, n)?);
                 self.linear2
-                    .partial(&[&attn.narrow(1, s, n)?, &mlp.narrow(1, s, n)?], kn)
+                    .partial_in(&[&attn.narrow_tokens(s, n)?, &mlp], kn)
             },
         )?
         .pop()

@@ -966,8 +966,8 @@ const AMAX_BLOCKS: u32 = 264;
 /// [`QKV_SCALES`] f32 scales, one every 16 bytes — q's, k's and v's descales (amax / 448),
 /// then the probabilities' descale 1 / 448 and scale 448 — written on the GPU (no copy to or
 /// from the host). Two passes: each tensor's amax, then its values; with `amax`, the
-/// tensors' partial maxima `(3, parts)` f32 taken as they were written
-/// ([`crate::model::ops::qkv_prep_fused_amax`]), only the second.
+/// tensors' partial maxima `(3, parts, stride)` f32 (each slot's maximum in `[.., .., 0]`)
+/// taken as they were written ([`crate::model::ops::qkv_prep_fused_amax`]), only the second.
 pub(crate) fn quantize_qkv(
     q: &Tensor,
     k: &Tensor,
@@ -1010,18 +1010,18 @@ pub(crate) fn quantize_qkv(
     };
     let (fa, fq) = (load("mold_fp8_amax3")?, load("mold_fp8_quantize3")?);
     // The partial maxima given, `(3, parts)` f32 on this GPU.
-    let parts = match amax {
-        None => AMAX_BLOCKS as i32,
+    let (parts, pstride) = match amax {
+        None => (AMAX_BLOCKS as i32, 1i32),
         Some(a) => {
-            let (three, parts) = a.dims2()?;
-            if three != 3 || a.dtype() != DType::F32 || !a.is_contiguous() || parts == 0 {
+            let (three, parts, stride) = a.dims3()?;
+            if three != 3 || a.dtype() != DType::F32 || !a.is_contiguous() || parts * stride == 0 {
                 candle_core::bail!(
-                    "FP8 attention: maxima {:?} {:?}, want (3, parts) f32",
+                    "FP8 attention: maxima {:?} {:?}, want (3, parts, stride) f32",
                     a.dims(),
                     a.dtype()
                 );
             }
-            parts as i32
+            (parts as i32, stride as i32)
         }
     };
     let held = amax.map(|a| a.storage_and_layout());
@@ -1067,7 +1067,10 @@ pub(crate) fn quantize_qkv(
                 Some(g) => b.arg(g),
                 None => b.arg(&partial),
             };
-            b.arg(&parts).arg(&mut values).arg(&mut scales);
+            b.arg(&parts)
+                .arg(&pstride)
+                .arg(&mut values)
+                .arg(&mut scales);
             // SAFETY: as above; `values` holds the three tensors' 3n values.
             unsafe { b.launch(grid(pieces)) }.map_err(|e| err("quantize kernel", e))?;
         }};
@@ -1100,77 +1103,3 @@ pub(crate) fn quantize_qkv(
 pub(crate) const QKV_SCALES: usize = 24;
 /// Where v's descale is among [`quantize_qkv`]'s scales: the attention output's too.
 pub(crate) const V_DESCALE: usize = 8;
-
-/// `q · scales[at]` in `dtype` (bf16/f16): an e4m3 tensor (values a multiple of 8, 16-byte
-/// aligned, contiguous, on the GPU) widened with a scale the GPU holds — FP8 attention's
-/// output with v's descale ([`quantize_qkv`]'s `scales[V_DESCALE]`).
-pub(crate) fn dequantize_tensor(
-    q: &Tensor,
-    scales: &Tensor,
-    at: usize,
-    dtype: DType,
-) -> CResult<Tensor> {
-    use candle_core::op::BackpropOp;
-    let n = q.elem_count();
-    if q.dtype() != DType::F8E4M3 || !n.is_multiple_of(8) || at >= scales.elem_count() {
-        candle_core::bail!(
-            "FP8 dequantize: {:?} {:?}, scale {at} of {}",
-            q.dims(),
-            q.dtype(),
-            scales.elem_count()
-        );
-    }
-    let (qs, ql) = q.storage_and_layout();
-    let (ss, sl) = scales.storage_and_layout();
-    let (Storage::Cuda(qs), Storage::Cuda(ss)) = (&*qs, &*ss) else {
-        candle_core::bail!("FP8 dequantize: not on the GPU");
-    };
-    if !ql.is_contiguous() || !ql.start_offset().is_multiple_of(16) || !sl.is_contiguous() {
-        candle_core::bail!("FP8 dequantize: the values are not contiguous and 16-byte aligned");
-    }
-    let dev = qs.device.clone();
-    let f = dev
-        .get_or_load_custom_fatbin(
-            &format!("mold_fp8_dequantize_tensor_{}", suffix(dtype)?),
-            MODULE,
-            FATBIN,
-        )?
-        .into_cuda_function();
-    let qv = qs
-        .as_cuda_slice::<float8::F8E4M3>()?
-        .slice(ql.start_offset()..);
-    let sv = ss.as_cuda_slice::<f32>()?.slice(sl.start_offset() + at..);
-    let stream = dev.cuda_stream();
-    let n64 = n as i64;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            (n / 8).div_ceil(THREADS as usize).clamp(1, 4 * 132 * 4) as u32,
-            1,
-            1,
-        ),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    macro_rules! run {
-        ($t:ty) => {{
-            // SAFETY: the kernel writes every value.
-            let mut out = unsafe { dev.alloc::<$t>(n)? };
-            let mut b = stream.launch_builder(&f);
-            b.arg(&qv).arg(&n64).arg(&sv).arg(&mut out);
-            // SAFETY: the arguments match the kernel; n values each side.
-            unsafe { b.launch(cfg) }.map_err(|e| err("dequantize kernel", e))?;
-            CudaStorage::wrap_cuda_slice(out, dev.clone())
-        }};
-    }
-    let st = match dtype {
-        DType::BF16 => run!(half::bf16),
-        DType::F16 => run!(half::f16),
-        dt => candle_core::bail!("FP8 dequantize: unsupported dtype {dt:?}"),
-    };
-    Ok(Tensor::from_storage(
-        Storage::Cuda(st),
-        q.shape().clone(),
-        BackpropOp::none(),
-        false,
-    ))
-}

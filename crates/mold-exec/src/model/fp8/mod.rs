@@ -331,6 +331,25 @@ impl Fp8Rows {
         &self.dims
     }
 
+    /// Tokens `start..start + len` of a `(b, L, k)` activation, as a view of its rows where
+    /// they are contiguous (`b` = 1, or all `L` tokens); `None` where they are not.
+    pub fn narrow_tokens(&self, start: usize, len: usize) -> CResult<Option<Fp8Rows>> {
+        let [b, l, k] = self.dims[..] else {
+            candle_core::bail!("tokens of an activation shaped {:?}", self.dims);
+        };
+        if start + len > l {
+            candle_core::bail!("tokens {start}..{} of {l}", start + len);
+        }
+        if b != 1 && len != l {
+            return Ok(None);
+        }
+        Ok(Some(Fp8Rows {
+            rows: self.rows.narrow_rows(start * b, len * b)?,
+            dims: vec![b, len, k],
+            dtype: self.dtype,
+        }))
+    }
+
     /// `q · scale[token]` in the activation's dtype and shape.
     pub fn dequantize(&self) -> CResult<Tensor> {
         self.rows
@@ -388,7 +407,8 @@ pub fn takes_rows(
 /// input widened back and [`linear`]'s paths. That fallback is not bit for bit what the
 /// unquantized input would give (a weight-only product then multiplies the widened e4m3
 /// values, not the bf16 ones): it is taken only where cuBLASLt refuses a shape on its first
-/// product, which [`takes_rows`] answers from then on.
+/// product, which [`takes_rows`] answers from then on. Off the GPU the product is emulated
+/// on the rows as they are ([`linear_rows_reference`]).
 pub fn linear_rows(
     x: &Fp8Rows,
     w: &Fp8Weight,
@@ -396,6 +416,9 @@ pub fn linear_rows(
     gelu: bool,
     k: Kernels,
 ) -> CResult<Tensor> {
+    if !x.rows.q.device().is_cuda() {
+        return linear_rows_reference(x, w, b, gelu);
+    }
     #[cfg(feature = "cuda")]
     if x.rows.q.device().is_cuda() && k.uses_libraries() {
         for epilogue_gelu in [gelu, false] {
@@ -467,15 +490,38 @@ pub fn linear_reference(
     gelu: bool,
 ) -> CResult<Tensor> {
     let xq = fake_quantize_rows(x)?;
-    let wd = w.dequantize(DType::F32)?.to_device(x.device())?;
-    let mut y = super::gemm::matmul(&xq, &wd)?;
+    widened_product(&xq, w, b, gelu, x.dtype())
+}
+
+/// [`linear_reference`] of an input quantized ahead: its rows widened as they are (no
+/// second rounding), then the same f32 product, in the activation's dtype and shape.
+pub fn linear_rows_reference(
+    x: &Fp8Rows,
+    w: &Fp8Weight,
+    b: Option<&Tensor>,
+    gelu: bool,
+) -> CResult<Tensor> {
+    let xq = x.rows.dequantize(DType::F32)?.reshape(x.dims())?;
+    widened_product(&xq, w, b, gelu, x.dtype)
+}
+
+/// `act(x Wᵀ + b)` in f32 of an f32 input, the weight widened, rounded once to `dtype`.
+fn widened_product(
+    xq: &Tensor,
+    w: &Fp8Weight,
+    b: Option<&Tensor>,
+    gelu: bool,
+    dtype: DType,
+) -> CResult<Tensor> {
+    let wd = w.dequantize(DType::F32)?.to_device(xq.device())?;
+    let mut y = super::gemm::matmul(xq, &wd)?;
     if let Some(b) = b {
         y = y.broadcast_add(&b.to_dtype(DType::F32)?)?;
     }
     if gelu {
         y = y.gelu()?;
     }
-    y.to_dtype(x.dtype())
+    y.to_dtype(dtype)
 }
 
 /// `act(x Wᵀ + b)` for `x` `(…, k)` and an FP8 weight `(n, k)`: FP8 products where the GPU

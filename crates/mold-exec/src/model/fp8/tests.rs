@@ -212,6 +212,58 @@ fn an_input_quantized_ahead_is_the_same_product() {
     assert!(fused.is_none());
 }
 
+/// Rows quantized with a scale that is not their own largest magnitude (FP8 attention's
+/// output: every token with v's scale) go into the product as they are: its result is the
+/// product of the widened rows, not of the rows quantized a second time per token; and
+/// tokens narrowed out of them are the same rows.
+#[test]
+fn rows_with_another_scale_are_multiplied_as_they_are() {
+    let x = Tensor::randn(0f32, 1.0, (1, 6, 32), &Device::Cpu).unwrap();
+    let w = Tensor::randn(0f32, 0.2, (16, 32), &Device::Cpu).unwrap();
+    let q = Fp8Weight::quantize(&w).unwrap();
+    // One scale for the whole tensor, as fake_quantize_tensor rounds it.
+    let flat: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+    let amax = flat.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (inv, s) = row_scale(amax);
+    let vals: Vec<F8E4M3> = flat.iter().map(|v| round_e4m3(v * inv)).collect();
+    let rows = Fp8Rows::new(
+        Tensor::from_vec(vals, (6, 32), &Device::Cpu).unwrap(),
+        Tensor::from_vec(vec![s; 6], 6, &Device::Cpu).unwrap(),
+        &[1, 6, 32],
+        DType::F32,
+    )
+    .unwrap();
+    let widened = rows.dequantize().unwrap();
+    assert_eq!(bits(&widened), bits(&fake_quantize_tensor(&x).unwrap()));
+    let got = linear_rows(&rows, &q, None, false, Kernels::Auto).unwrap();
+    let exact = widened
+        .broadcast_matmul(&q.dequantize(DType::F32).unwrap().t().unwrap())
+        .unwrap();
+    let err = crate::max_relative_error(&got, &exact).unwrap();
+    assert!(err < 1e-6, "the rows' product: {err}");
+    // Quantized again per token (what widening first would give): another result.
+    let twice = linear(&widened, &q, None, false, Kernels::Auto).unwrap();
+    assert!(crate::max_relative_error(&twice, &exact).unwrap() > 1e-4);
+    // Tokens 2..5 of one sample: the same rows and scales.
+    let part = rows.narrow_tokens(2, 3).unwrap().unwrap();
+    assert_eq!(part.dims(), &[1, 3, 32]);
+    assert_eq!(
+        bits(&part.dequantize().unwrap()),
+        bits(&widened.narrow(1, 2, 3).unwrap())
+    );
+    // Of two samples, a part of the tokens is not rows side by side.
+    let two = Fp8Rows::new(
+        rows.rows().values().clone(),
+        rows.rows().scales().clone(),
+        &[2, 3, 32],
+        DType::F32,
+    )
+    .unwrap();
+    assert!(two.narrow_tokens(1, 2).unwrap().is_none());
+    assert!(two.narrow_tokens(0, 3).unwrap().is_some());
+    assert!(rows.narrow_tokens(5, 2).is_err());
+}
+
 /// A conditioning vector's product (the modulation: `Mat::linear_vec`) widens the FP8 weight
 /// and keeps its input as given: an f32 product of the input and the dequantized weight,
 /// not the product of the input quantized per token that every other FP8 product is.

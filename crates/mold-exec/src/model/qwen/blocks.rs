@@ -337,7 +337,7 @@ impl Block {
             Some(s) => s.txt,
             None => txt.dim(1)?,
         };
-        let il = attn.dim(1)? - tl;
+        let il = attn.dims()[1] - tl;
 
         // One all-reduce for both streams' output projections (none in a group of one;
         // under token split one reduce-scatter); their biases in the gated residual's pass.
@@ -351,7 +351,7 @@ impl Block {
             |attn, i, s, n| {
                 streams[i]
                     .out
-                    .partial(&[&attn.narrow(1, [0, tl][i] + s, n)?], kn)
+                    .partial_in(&[&attn.narrow_tokens([0, tl][i] + s, n)?], kn)
             },
         )?;
         let [txt_attn, img_attn]: [Tensor; 2] = sums
