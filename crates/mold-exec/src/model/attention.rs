@@ -210,8 +210,8 @@ fn cudnn_attention(
 /// [`report`], and the output is [`Input::Dense`]. On the CPU [`fp8_attention_rows_reference`]
 /// emulates its precision.
 ///
-/// `amax`: q's, k's and v's largest magnitudes as partial maxima `(3, parts, stride)` f32 where the
-/// q/k/v preparation took them while writing the three
+/// `amax`: q's, k's and v's largest magnitudes as partial maxima `(3, parts, stride)` f32
+/// where the q/k/v preparation took them while writing the three
 /// ([`super::ops::qkv_prep_fused_amax`]); then the quantization is one pass, not two.
 pub fn fp8_attention(
     kernels: Kernels,

@@ -371,8 +371,9 @@ pub const QKV_AMAX_STRIDE: usize = 32;
 
 /// [`qkv_prep_fused`] that also takes the largest magnitude of q, k and v as it writes them:
 /// `(3, b, heads, L, d)` and `(3, QKV_AMAX_SLOTS, QKV_AMAX_STRIDE)` f32 partial maxima in
-/// `[.., .., 0]`, the rest 0 (each tensor's amax is the largest of its slice), for FP8 attention's per-tensor scales without a pass over q, k
-/// and v of their own ([`super::attention::fp8_attention`]). The same values as a pass over
+/// `[.., .., 0]`, the rest 0 (each tensor's amax is the largest of its slice), for FP8
+/// attention's per-tensor scales without a pass over q, k and v of their own
+/// ([`super::attention::fp8_attention`]). The same values as a pass over
 /// the written tensors: the maxima are of the values as stored, NaN skipped.
 pub fn qkv_prep_fused_amax(
     segs: &[QkvSegment],
@@ -1342,18 +1343,11 @@ mod fused {
             me: layout.own.map_or(-1, |o| o.0 as i32),
             me_base: layout.own.map_or(0, |o| o.1 as i64),
         };
+        let bufs = (&y, y_me.as_ref(), amax.as_ref());
         // Tables in the activations' dtype as given, else in f32 (`_f32tab` kernels).
         if cos.dtype() == first.dtype() && sin.dtype() == first.dtype() {
             let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-            qkv_launch::<T, T>(
-                segs,
-                &shape,
-                &cos,
-                &sin,
-                (&y, y_me.as_ref(), amax.as_ref()),
-                &dev,
-                "",
-            )?;
+            qkv_launch::<T, T>(segs, &shape, &cos, &sin, bufs, &dev, "")?;
         } else {
             let cos = cos.to_dtype(DType::F32)?.contiguous()?;
             let sin = sin.to_dtype(DType::F32)?.contiguous()?;
@@ -1362,15 +1356,7 @@ mod fused {
             } else {
                 "_f32tab"
             };
-            qkv_launch::<T, f32>(
-                segs,
-                &shape,
-                &cos,
-                &sin,
-                (&y, y_me.as_ref(), amax.as_ref()),
-                &dev,
-                tab,
-            )?;
+            qkv_launch::<T, f32>(segs, &shape, &cos, &sin, bufs, &dev, tab)?;
         }
         let shape: candle_core::Shape = if layout.groups == 0 {
             (3, b, heads, len_tot, d).into()
