@@ -200,8 +200,8 @@ fn cudnn_attention(
 /// Attention with q, k, v and the probabilities in FP8 (`MOLD_FP8_ATTENTION=on`, FP8
 /// blocks): on CUDA, where cuDNN's FP8 flash attention takes the shape (Hopper and later,
 /// bf16/f16, head size 64 or 128; `kernels` allowing libraries), q, k and v are quantized to
-/// e4m3 with one scale each (the largest magnitude of each tensor maps to 448; two passes
-/// over them, no copy to the host) and cuDNN runs it; its output, e4m3 on Hopper with v's
+/// e4m3 with one scale each (the largest magnitude of each tensor maps to 448; on the GPU,
+/// no copy to the host) and cuDNN runs it; its output, e4m3 on Hopper with v's
 /// scale (each output value is an average of v's), is returned as it is, as the rows the
 /// output projection's FP8 product takes ([`Input::Fp8`], every token with v's scale: no
 /// widening, and no second rounding by the projection's own quantizing pass). Where cuDNN

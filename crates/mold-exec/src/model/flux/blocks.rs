@@ -586,7 +586,7 @@ impl SingleBlock {
         let fp8 = self.linear1.is_fp8();
         let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, fp8, ctx)?;
         drop(x_qkv);
-        let attn = attention(qkv, lens, self.linear1.is_fp8(), ctx)?;
+        let attn = attention(qkv, lens, fp8, ctx)?;
         // [attn, gelu(mlp)] · linear2ᵀ as attn · W_attnᵀ + gelu(mlp) · W_mlpᵀ.
         let len = attn.dims()[1];
         let reduced = layers::row_parallel_sums(
@@ -622,11 +622,17 @@ impl SingleBlock {
             .forward_rows_in(&normed, 0, 3 * self.h_local, false, kn)?;
         ctx.meter.see(&x_qkv);
         ctx.mark("norm + qkv linear", &x_qkv);
-        let fp8 = self.linear1.is_fp8();
-        let qkv = prepare_qkv(&[(&x_qkv, &self.norm)], self.heads, pe, lens, fp8, ctx)?;
+        let fp8_block = self.linear1.is_fp8();
+        let qkv = prepare_qkv(
+            &[(&x_qkv, &self.norm)],
+            self.heads,
+            pe,
+            lens,
+            fp8_block,
+            ctx,
+        )?;
         drop(x_qkv);
-        let fp8 = sequence::fp8_attention(self.linear1.is_fp8());
-        let moving = sequence::start(qkv, lens, fp8, ctx)?;
+        let moving = sequence::start(qkv, lens, sequence::fp8_attention(fp8_block), ctx)?;
         let mlp =
             self.linear1
                 .forward_rows_in(&normed, 3 * self.h_local, self.mlp_local, true, kn)?;

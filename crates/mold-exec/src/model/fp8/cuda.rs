@@ -1009,7 +1009,7 @@ pub(crate) fn quantize_qkv(
             .into_cuda_function())
     };
     let (fa, fq) = (load("mold_fp8_amax3")?, load("mold_fp8_quantize3")?);
-    // The partial maxima given, `(3, parts)` f32 on this GPU.
+    // The partial maxima given, `(3, parts, stride)` f32 on this GPU.
     let (parts, pstride) = match amax {
         None => (AMAX_BLOCKS as i32, 1i32),
         Some(a) => {

@@ -420,7 +420,7 @@ pub fn linear_rows(
         return linear_rows_reference(x, w, b, gelu);
     }
     #[cfg(feature = "cuda")]
-    if x.rows.q.device().is_cuda() && k.uses_libraries() {
+    if k.uses_libraries() {
         for epilogue_gelu in [gelu, false] {
             if cuda::rows_apply(x, w, b, epilogue_gelu).is_ok() {
                 match cuda::linear_rows(x, w, b, epilogue_gelu) {
