@@ -278,7 +278,13 @@ fn not_as_the_box_runs(a: &Args, get: impl Fn(&str) -> Option<String>) -> Option
     if get("MOLD_KERNELS").is_some_and(|v| !matches!(v.trim(), "" | "auto")) {
         return Some("MOLD_KERNELS is not auto, so the operations ran other kernels".into());
     }
-    if mold_exec::Fp8Options::from_vars(&get).is_ok_and(|o| o != mold_exec::Fp8Options::default()) {
+    // MOLD_FP8_ATTENTION is not among them: calibration measures attention in both.
+    if mold_exec::Fp8Options::from_vars(&get).is_ok_and(|o| {
+        mold_exec::Fp8Options {
+            attention: None,
+            ..o
+        } != mold_exec::Fp8Options::default()
+    }) {
         return Some(
             "a MOLD_FP8_* variable is not its default, so FP8 products ran otherwise".into(),
         );

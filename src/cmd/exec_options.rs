@@ -231,7 +231,12 @@ pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
         ),
         (
             "fp8_attention".into(),
-            if o.fp8.attention { "on" } else { "off" }.into(),
+            match o.fp8.attention {
+                None => "as the plan says",
+                Some(true) => "on",
+                Some(false) => "off",
+            }
+            .into(),
             src("MOLD_FP8_ATTENTION"),
         ),
         (
@@ -335,8 +340,16 @@ mod tests {
         )
         .unwrap()
         .fp8;
-        assert!(!f.quantize_in_norm && !f.fast_accumulation && f.plain_quantize && f.attention);
-        assert!(!opts(None, &[]).unwrap().fp8.attention);
+        assert!(!f.quantize_in_norm && !f.fast_accumulation && f.plain_quantize);
+        assert_eq!(f.attention, Some(true));
+        assert_eq!(opts(None, &[]).unwrap().fp8.attention, None);
+        assert_eq!(
+            opts(None, &[("MOLD_FP8_ATTENTION", "off")])
+                .unwrap()
+                .fp8
+                .attention,
+            Some(false)
+        );
         let o = opts(Some(Streaming::Pageable), &env).unwrap();
         assert_eq!(o.streaming, Streaming::Pageable);
         assert!(!opts(None, &[("MOLD_PROFILE", "0")]).unwrap().profiling);

@@ -76,6 +76,13 @@ pub struct Args {
     /// fits: both are planned, the better kept. FP8 changes the image slightly.
     #[arg(long)]
     pub allow_fp8: bool,
+    /// Run the FP8 transformer's attention in FP8 too (`attention: fp8`: q, k, v and the
+    /// probabilities in e4m3, cuDNN's FP8 flash attention on Hopper and later; elsewhere
+    /// attention stays bf16). Faster, and further from bf16 than FP8 products alone
+    /// (BENCHMARKS.md). Needs the transformer in FP8: --dtype transformer=fp8, an FP8
+    /// checkpoint, or --allow-fp8 choosing FP8.
+    #[arg(long)]
+    pub fp8_attention: bool,
     /// Never stream transformer blocks from host memory.
     #[arg(long)]
     pub no_stream: bool,
@@ -444,6 +451,13 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
             .map_err(|e: String| anyhow::anyhow!("--dtype {name}: {e}"))?;
         req.dtypes.insert(name.to_string(), d);
     }
+    req.fp8_attention = a.fp8_attention;
+    if a.fp8_attention && !a.allow_fp8 && req.dtype("transformer") != DType::Fp8 {
+        bail!(
+            "--fp8-attention: the transformer is planned in {}: FP8 attention runs in FP8 blocks; add --dtype transformer=fp8 (or --allow-fp8 to let the planner choose)",
+            req.dtype("transformer")
+        );
+    }
 
     let c = &mut req.constraints;
     if let Some(tp) = file.tp {
@@ -597,6 +611,14 @@ pub fn run(a: Args) -> Result<i32> {
         None
     };
     let mut outcome = plan_with_fp8_allowed(&a, &req)?;
+    if a.fp8_attention
+        && outcome
+            .plan
+            .transformer()
+            .is_some_and(|t| !t.fp8_attention())
+    {
+        eprintln!("--fp8-attention: the transformer stays dense, so its attention does too");
+    }
     let mut record = None;
     let mut yaml = outcome.plan.to_yaml();
     if let Some((weights, steps, rounds, options, limit)) = &tuning {

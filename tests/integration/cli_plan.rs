@@ -424,7 +424,7 @@ fn sp_flag_writes_a_v2_sequence_parallel_plan() {
     );
     let text = read(&p);
     assert!(
-        text.contains("version: 4") && text.contains("sp: 2"),
+        text.contains("version: 5") && text.contains("sp: 2"),
         "{text}"
     );
     assert!(s.contains("sequence parallel ×2"), "{s}");

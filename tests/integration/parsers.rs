@@ -510,8 +510,8 @@ fn nonsense_of_the_right_type_is_refused_naming_the_field() {
         (
             valid_plan(),
             plan_err,
-            "version: 4",
             "version: 5",
+            "version: 6",
             "version",
         ),
         (

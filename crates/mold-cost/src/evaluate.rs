@@ -265,7 +265,7 @@ struct Pass {
 
 /// Evaluates a plan that [`crate::validate`] accepted.
 pub fn evaluate(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Evaluation {
-    let ctx = Ctx::new(model, machine, &plan.workload);
+    let ctx = Ctx::for_plan(model, machine, plan);
     let mode = plan.cfg_mode();
     let mut held: Vec<Held> = vec![Held::default(); machine.devices.len()];
     let idx = |id: &DeviceId| machine.devices.iter().position(|d| &d.id == id);

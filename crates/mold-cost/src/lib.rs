@@ -97,7 +97,7 @@ pub use validate::{check_machine, validate, MachineCheck};
 
 use mold_machine::{Collective, CollectiveOp, Machine};
 use mold_models::{Attention, BlockKind, ComponentSpec, ModelSpec, Tokens, Workkind};
-use mold_plan::{DType, DeviceId, Workload};
+use mold_plan::{DType, DeviceId, Plan, Workload};
 use serde::Serialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -183,6 +183,9 @@ pub struct Ctx<'a> {
     /// Samples in one transformer pass: the workload's batch (true CFG runs two passes
     /// of it a step; [`evaluate`] composes them).
     pub batch: u64,
+    /// The transformer's attention in FP8 in its FP8 blocks (a plan's `attention: fp8`,
+    /// [`Ctx::for_plan`]): priced from the tables' `fp8_attention`.
+    pub fp8_attention: bool,
 }
 
 impl<'a> Ctx<'a> {
@@ -193,6 +196,16 @@ impl<'a> Ctx<'a> {
             workload,
             tokens: model.tokens(workload),
             batch: workload.batch as u64,
+            fp8_attention: false,
+        }
+    }
+
+    /// The context that prices `plan`: its workload, and its transformer's attention
+    /// precision.
+    pub fn for_plan(model: &'a ModelSpec, machine: &'a Machine, plan: &'a Plan) -> Self {
+        Ctx {
+            fp8_attention: plan.transformer().is_some_and(|t| t.fp8_attention()),
+            ..Ctx::new(model, machine, &plan.workload)
         }
     }
 

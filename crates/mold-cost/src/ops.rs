@@ -56,6 +56,9 @@ pub struct BlockOps {
     /// Every matrix product, in the order the block runs them (batch folded into `m`).
     pub gemms: Vec<Gemm>,
     pub attention: AttentionShape,
+    /// Attention in FP8 ([`mold_machine::OpTables::fp8_attention`]): an FP8 block of a
+    /// plan with `attention: fp8`.
+    pub fp8_attention: bool,
     /// Samples: the attention runs once per sample.
     pub batch: u64,
     /// Element-wise bytes read and written ([`Ctx::elementwise_bytes`]).
@@ -180,6 +183,7 @@ pub fn block_ops(
             seq: tokens.img.saturating_add(tokens.txt),
             head_dim: kind.head_dim as u64,
         },
+        fp8_attention: false,
         batch,
         elementwise_bytes: elementwise_bytes(kind, local, batch, act, tp),
         ahead: Vec::new(),
@@ -334,6 +338,8 @@ pub fn loglog(points: &[(f64, f64)], x: f64, floor: bool) -> Option<(f64, bool)>
 pub struct OpsTime {
     pub gemm_s: f64,
     pub attention_s: f64,
+    /// Which attention `attention_s` prices.
+    pub attention: AttentionPrice,
     pub elementwise_s: f64,
     pub extrapolated: Vec<Extrapolated>,
 }
@@ -342,6 +348,18 @@ impl OpsTime {
     pub fn total_s(&self) -> f64 {
         self.gemm_s + self.attention_s + self.elementwise_s
     }
+}
+
+/// The attention a block's price holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum AttentionPrice {
+    /// In the activations' dtype.
+    Dense,
+    /// In FP8, from the table's `fp8_attention`.
+    Fp8,
+    /// FP8 attention asked for, but the table has no FP8 attention at this shape: priced as
+    /// its attention (what the executor runs where cuDNN's FP8 attention does not).
+    Fp8Unmeasured,
 }
 
 /// Why a block on a device is not priced from tables.
@@ -410,14 +428,28 @@ pub fn time_from(t: &OpTables, ops: &BlockOps) -> Result<OpsTime, NotCovered> {
         };
     }
     let a = ops.attention;
-    let curve = t.attention_curve(a.heads, a.head_dim);
+    // FP8 attention from its own points; where they were not measured (a GPU without
+    // cuDNN's FP8 attention, where the executor runs the table's attention instead) from
+    // the table's attention.
+    let fp8 = ops
+        .fp8_attention
+        .then(|| t.fp8_attention_curve(a.heads, a.head_dim));
+    let attention = match &fp8 {
+        Some(c) if !c.is_empty() => AttentionPrice::Fp8,
+        Some(_) => AttentionPrice::Fp8Unmeasured,
+        None => AttentionPrice::Dense,
+    };
+    let (curve, what) = match fp8 {
+        Some(c) if !c.is_empty() => (c, "FP8 attention"),
+        _ => (t.attention_curve(a.heads, a.head_dim), "attention"),
+    };
     let (s, out) = loglog(&curve, a.seq as f64, false).ok_or(NotCovered::Attention {
         heads: a.heads,
         head_dim: a.head_dim,
     })?;
     if out {
         extrapolated.push(Extrapolated {
-            what: format!("attention heads={} head_dim={}", a.heads, a.head_dim),
+            what: format!("{what} heads={} head_dim={}", a.heads, a.head_dim),
             size: a.seq,
             measured: range(&curve),
         });
@@ -425,6 +457,7 @@ pub fn time_from(t: &OpTables, ops: &BlockOps) -> Result<OpsTime, NotCovered> {
     Ok(OpsTime {
         gemm_s,
         attention_s: s * ops.batch as f64,
+        attention,
         elementwise_s: ops.elementwise_bytes as f64 / (t.elementwise_gbps * 1e9),
         extrapolated,
     })
@@ -485,6 +518,7 @@ impl Ctx<'_> {
             t,
             &BlockOps {
                 ahead: self.modulation_windows(),
+                fp8_attention: self.fp8_attention && dtype == DType::Fp8,
                 ..ops
             },
         )
@@ -690,12 +724,13 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
     let Some(tc) = plan.transformer() else {
         return Vec::new();
     };
-    let ctx = Ctx::new(model, machine, &plan.workload);
+    let ctx = Ctx::for_plan(model, machine, plan);
     let (mut covered, mut total) = (0usize, 0usize);
     let mut tables: Vec<String> = Vec::new();
     let mut gaps: Vec<String> = Vec::new();
     let mut outside: Vec<String> = Vec::new();
     let mut per_block: Vec<String> = Vec::new();
+    let mut fp8_unmeasured: Vec<String> = Vec::new();
     let push = |v: &mut Vec<String>, s: String| {
         if !v.contains(&s) {
             v.push(s);
@@ -726,7 +761,7 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
                         push(
                             &mut per_block,
                             format!(
-                                "{} block on {id}{}: products {}, attention {}, \
+                                "{} block on {id}{}: products {}, attention {}{}, \
                                  element-wise {} = {}",
                                 kind.name,
                                 if group.devices.len() > 1 {
@@ -736,12 +771,22 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
                                 },
                                 ms_text(t.gemm_s),
                                 ms_text(t.attention_s),
+                                if t.attention == AttentionPrice::Fp8 {
+                                    " (FP8)"
+                                } else {
+                                    ""
+                                },
                                 ms_text(t.elementwise_s),
                                 ms_text(t.total_s())
                             ),
                         );
                         for e in t.extrapolated {
                             push(&mut outside, format!("{} {group}: {e}", kind.name));
+                        }
+                        if t.attention == AttentionPrice::Fp8Unmeasured {
+                            if let Some(d) = machine.device(id) {
+                                push(&mut fp8_unmeasured, d.name.clone());
+                            }
                         }
                     }
                     Err(e) => push(&mut gaps, format!("{} on {id} ({group}): {e}", kind.name)),
@@ -787,6 +832,12 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
     }
     for o in outside {
         out.push(format!("extrapolated at the nearest point's rate: {o}"));
+    }
+    for d in fp8_unmeasured {
+        out.push(format!(
+            "FP8 attention: not measured on {d}, priced as the table's attention (what runs where cuDNN's FP8 attention does not); `mold devices --calibrate --model {} --dtype fp8` measures it",
+            model.id
+        ));
     }
     // Encoders and the VAE: measured runs where the tables have them.
     let (mut measured, mut modelled, mut beyond) = (Vec::new(), Vec::new(), Vec::new());

@@ -52,6 +52,7 @@ fn tables_for(model: &ModelSpec, dtype: DType, machine: &Machine, gemm_scale: f6
                 seconds: 4.0 * (a.heads * a.head_dim * a.seq * a.seq) as f64 / 300e12,
             })
             .collect(),
+        fp8_attention: Vec::new(),
         elementwise_gbps: 1500.0,
         layout_copy_gbps: None,
         htod_busy_ratio: None,
@@ -737,4 +738,84 @@ fn the_single_block_s_all_to_alls_hide_behind_its_mlp_products_over_a_peer_domai
         "{} vs {want}",
         bc.alltoall_s
     );
+}
+
+/// FP8 attention: an FP8 block of a plan with `attention: fp8` prices its attention from
+/// the FP8 table's `fp8_attention` points, nothing else; without those points, as the
+/// table's attention, said as a note; a dense block, or a plan without it, never.
+#[test]
+fn fp8_attention_is_priced_from_its_own_points() {
+    let model = mold_models::find("flux-dev").unwrap();
+    let mut m = two();
+    let mut t = tables_for(&model, DType::Fp8, &m, 1.0);
+    let dense = t.clone();
+    t.fp8_attention = t
+        .attention
+        .iter()
+        .map(|a| AttentionPoint {
+            seconds: a.seconds * 0.7,
+            ..*a
+        })
+        .collect();
+    t.validate("ops[0]").unwrap();
+    m.set_op_tables(t.clone());
+    m.set_op_tables(tables_for(&model, DType::Bf16, &m, 1.0));
+    let w = model.default_workload.clone();
+    let one = Group::single(DeviceId::Cuda(0));
+    let cuda0 = DeviceId::Cuda(0);
+    let plain = Ctx::new(&model, &m, &w);
+    let fp8 = Ctx {
+        fp8_attention: true,
+        ..Ctx::new(&model, &m, &w)
+    };
+    for kind in &model.transformer.kinds {
+        let a = plain
+            .block_from_tables(kind, &one, DType::Fp8, &cuda0)
+            .unwrap();
+        let b = fp8
+            .block_from_tables(kind, &one, DType::Fp8, &cuda0)
+            .unwrap();
+        assert!(
+            (b.attention_s / a.attention_s - 0.7).abs() < 1e-9,
+            "{}",
+            kind.name
+        );
+        assert_eq!((b.gemm_s, b.elementwise_s), (a.gemm_s, a.elementwise_s));
+        assert!(b.extrapolated.is_empty());
+        assert_eq!(
+            (a.attention, b.attention),
+            (AttentionPrice::Dense, AttentionPrice::Fp8)
+        );
+        // The whole block, as the planner and simulator see it.
+        assert!(
+            fp8.block(kind, &one, DType::Fp8).compute_s
+                < plain.block(kind, &one, DType::Fp8).compute_s
+        );
+        // A dense block keeps its attention.
+        assert_eq!(
+            fp8.block_from_tables(kind, &one, DType::Bf16, &cuda0),
+            plain.block_from_tables(kind, &one, DType::Bf16, &cuda0)
+        );
+    }
+    // No FP8 attention measured: attention's price, and a note saying so.
+    let mut unmeasured = m.clone();
+    unmeasured.set_op_tables(dense);
+    let kind = &model.transformer.kinds[0];
+    let ctx = Ctx {
+        fp8_attention: true,
+        ..Ctx::new(&model, &unmeasured, &w)
+    };
+    let got = ctx
+        .block_from_tables(kind, &one, DType::Fp8, &cuda0)
+        .unwrap();
+    let base = plain
+        .block_from_tables(kind, &one, DType::Fp8, &cuda0)
+        .unwrap();
+    assert_eq!(got.attention_s, base.attention_s);
+    assert_eq!(got.attention, AttentionPrice::Fp8Unmeasured);
+    // A table in another dtype holding FP8 attention is refused.
+    let mut wrong = tables_for(&model, DType::Bf16, &m, 1.0);
+    wrong.fp8_attention = t.fp8_attention.clone();
+    let e = wrong.validate("ops[0]").unwrap_err();
+    assert_eq!(e.0, "ops[0].fp8_attention");
 }

@@ -89,6 +89,7 @@ fn plan_on(model: &str, parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
             name: c.name.clone(),
             role: c.role,
             dtype: c.default_dtype,
+            attention: None,
             parts: vec![part(&[], &[0], false)],
         })
         .collect();
@@ -96,6 +97,7 @@ fn plan_on(model: &str, parts: Vec<Part>, m: &Machine) -> (Plan, ModelSpec) {
         name: "transformer".into(),
         role: ComponentRole::Transformer,
         dtype: model.transformer.default_dtype,
+        attention: None,
         parts,
     });
     let plan = Plan {

@@ -49,7 +49,9 @@ fn run() -> Result<(), String> {
         })
     };
     let (txt, seed) = (num(1, 512)? as usize, num(2, 1)?);
-    mold_exec::model::fp8::configure(mold_exec::Fp8Options::from_vars(|k| std::env::var(k).ok())?);
+    let fp8 = mold_exec::Fp8Options::from_vars(|k| std::env::var(k).ok())?;
+    mold_exec::model::fp8::configure(fp8);
+    let fp8_attention = fp8.attention.unwrap_or(false);
     let dev = Device::cuda_if_available(0).map_err(|e| e.to_string())?;
     let ckpt = Checkpoint::open(std::path::Path::new(weights)).map_err(|e| e.to_string())?;
     let dtype = if dev.is_cuda() {
@@ -66,13 +68,29 @@ fn run() -> Result<(), String> {
         };
         let inputs = mold_exec::model::qwen::random_inputs(&cfg, w, h, txt, 1, seed)
             .map_err(|e| e.to_string())?;
-        fp8_block_errors(&cfg, &ckpt, &inputs, &dev, dtype, Kernels::Auto)
+        fp8_block_errors(
+            &cfg,
+            &ckpt,
+            &inputs,
+            &dev,
+            dtype,
+            Kernels::Auto,
+            fp8_attention,
+        )
     } else {
         let cfg = mold_exec::FluxConfig::by_name(model)
             .ok_or_else(|| format!("{model}: not a model this measures"))?;
         let inputs =
             mold_exec::random_inputs(&cfg, w, h, txt, 1, seed).map_err(|e| e.to_string())?;
-        fp8_block_errors(&cfg, &ckpt, &inputs, &dev, dtype, Kernels::Auto)
+        fp8_block_errors(
+            &cfg,
+            &ckpt,
+            &inputs,
+            &dev,
+            dtype,
+            Kernels::Auto,
+            fp8_attention,
+        )
     }
     .map_err(|e| e.to_string())?;
     println!(

@@ -25,7 +25,9 @@
 //   also the probabilities' descale 1 / 448 and scale 448 at scales[12] and scales[16], and
 //   block (0, 2) v's factor 448 / amax at scales[20]: the attention output's scale, as its
 //   values are averages of v's (one value per 16 bytes: cuDNN's scalar tensors are 16-byte
-//   aligned). Launch: grid (P or any, 3), block 256.
+//   aligned); the blocks (.., 2) also write v's descale (the value at scales[8]) to each of
+//   the output's `tokens` rows, v_tokens[0 .. tokens]: its per-token scales. Launch: grid
+//   (P or any, 3), block 256.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -80,6 +82,21 @@ __device__ float row_factor(const T *__restrict__ xr, float *__restrict__ scale,
     return block_factor(m, scale);
 }
 
+// 8 values of T (16 bytes) times `inv`, each rounded to e4m3 (nearest even, saturated at
+// ±448, a NaN kept): 8 bytes.
+template <typename T> __device__ __forceinline__ uint2 pack8_e4m3(uint4 v, float inv) {
+    static_assert(sizeof(T) == 2, "8 values in 16 bytes");
+    const T *e = reinterpret_cast<const T *>(&v);
+    union {
+        uint2 u;
+        __nv_fp8_storage_t b[8];
+    } out;
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+        out.b[t] = __nv_cvt_float_to_fp8(__fmul_rn(to_f(e[t]), inv), __NV_SATFINITE, __NV_E4M3);
+    return out.u;
+}
+
 // Pieces of 8 values a thread holds at most: rows up to 8 · 8 · THREADS = 16384 values.
 constexpr int VEC_PIECES = 8;
 
@@ -107,18 +124,7 @@ __device__ void quantize_rows_vec(const T *__restrict__ x, __nv_fp8_storage_t *_
 #pragma unroll
     for (int j = 0; j < VEC_PIECES; ++j) {
         const int i = threadIdx.x + j * THREADS;
-        if (i < n) {
-            const T *e = reinterpret_cast<const T *>(&v[j]);
-            union {
-                uint2 u;
-                __nv_fp8_storage_t b[8];
-            } out;
-#pragma unroll
-            for (int t = 0; t < 8; ++t)
-                out.b[t] = __nv_cvt_float_to_fp8(__fmul_rn(to_f(e[t]), inv), __NV_SATFINITE,
-                                                 __NV_E4M3);
-            qr[i] = out.u;
-        }
+        if (i < n) qr[i] = pack8_e4m3<T>(v[j], inv);
     }
 }
 
@@ -189,15 +195,17 @@ template <typename T>
 __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
                           const T *__restrict__ x2, int64_t n, const float *__restrict__ partial,
                           int parts, int pstride, __nv_fp8_storage_t *__restrict__ q3,
-                          float *__restrict__ scales) {
+                          float *__restrict__ scales, int64_t tokens,
+                          float *__restrict__ v_tokens) {
     float m = 0.0f;
     for (int i = threadIdx.x; i < parts; i += THREADS)
         m = fmaxf(m, partial[(blockIdx.y * (int64_t)parts + i) * pstride]);
     const float a = block_max(m);
     const bool ok = a > 0.0f && isfinite(a);
     const float inv = ok ? __fdiv_rn(E4M3_MAX, a) : 1.0f;
+    const float descale = ok ? __fdiv_rn(a, E4M3_MAX) : 1.0f;
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        scales[4 * blockIdx.y] = ok ? __fdiv_rn(a, E4M3_MAX) : 1.0f;
+        scales[4 * blockIdx.y] = descale;
         // v's factor is the attention output's scale too: |o| <= amax(v).
         if (blockIdx.y == 2) scales[20] = inv;
         if (blockIdx.y == 0) {
@@ -205,21 +213,17 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
             scales[16] = E4M3_MAX;
         }
     }
+    // Every token of the attention output has v's descale: v's blocks write it per token.
+    if (blockIdx.y == 2)
+        for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < tokens;
+             i += (int64_t)gridDim.x * THREADS)
+            v_tokens[i] = descale;
     const uint4 *x = reinterpret_cast<const uint4 *>(pick3(x0, x1, x2));
     uint2 *q = reinterpret_cast<uint2 *>(q3 + blockIdx.y * n);
     const int64_t pieces = n / 8;
     for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < pieces;
          i += (int64_t)gridDim.x * THREADS) {
-        const uint4 v = x[i];
-        const T *e = reinterpret_cast<const T *>(&v);
-        union {
-            uint2 u;
-            __nv_fp8_storage_t b[8];
-        } out;
-#pragma unroll
-        for (int t = 0; t < 8; ++t)
-            out.b[t] = __nv_cvt_float_to_fp8(__fmul_rn(to_f(e[t]), inv), __NV_SATFINITE, __NV_E4M3);
-        q[i] = out.u;
+        q[i] = pack8_e4m3<T>(x[i], inv);
     }
 }
 
@@ -249,8 +253,9 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
     }                                                                                          \
     extern "C" __global__ void mold_fp8_quantize3_##SUFFIX(                                   \
         const T *x0, const T *x1, const T *x2, int64_t n, const float *partial, int parts,     \
-        int pstride, __nv_fp8_storage_t *q3, float *scales) {                                  \
-        mold_fp8::quantize3<T>(x0, x1, x2, n, partial, parts, pstride, q3, scales);           \
+        int pstride, __nv_fp8_storage_t *q3, float *scales, int64_t tokens, float *v_tokens) { \
+        mold_fp8::quantize3<T>(x0, x1, x2, n, partial, parts, pstride, q3, scales, tokens,    \
+                               v_tokens);                                                      \
     }
 
 MOLD_FP8(__nv_bfloat16, bf16)

@@ -51,7 +51,8 @@ fn acts_error<A: Activations>(a: &A, b: &A) -> Result<f64> {
 
 /// FP8's error through `model` on `inputs`: the checkpoint's weights read in `dtype`, dense
 /// and with every product quantized to FP8 (as an FP8 plan loads them), one call of the
-/// transformer on `dev` with `kernels`.
+/// transformer on `dev` with `kernels`; the FP8 blocks' attention in FP8 where
+/// `fp8_attention` (as a plan's `attention: fp8`).
 pub fn fp8_block_errors<M: Transformer>(
     model: &M,
     ckpt: &Checkpoint,
@@ -59,6 +60,7 @@ pub fn fp8_block_errors<M: Transformer>(
     dev: &Device,
     dtype: DType,
     kernels: Kernels,
+    fp8_attention: bool,
 ) -> Result<BlockErrors> {
     model.check_inputs(inputs)?;
     let dense = CheckpointSource {
@@ -81,6 +83,7 @@ pub fn fp8_block_errors<M: Transformer>(
         profile: None,
         ahead: None,
         slot,
+        fp8_attention,
     };
     let stem = model.load_stem(&dense)?.to_device(dev)?;
     let start = model.stem(&stem, inputs, dtype, dev, &ctx(0))?;
@@ -138,6 +141,7 @@ mod tests {
             &Device::Cpu,
             DType::F32,
             Kernels::Auto,
+            false,
         )
         .unwrap();
         let _ = std::fs::remove_dir_all(&dir);

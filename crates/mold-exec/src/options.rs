@@ -62,18 +62,20 @@ pub struct Fp8Options {
     /// Quantize inputs with the plain kernel, which reads a row twice, instead of the one
     /// that reads it once in 16-byte pieces (`MOLD_FP8_QUANTIZE=plain`; the same bits).
     pub plain_quantize: bool,
-    /// Attention in FP8 in blocks whose weights are held in FP8 (`MOLD_FP8_ATTENTION=on`; off
-    /// by default): q, k and v quantized to e4m3 with one scale each, the probabilities in
-    /// e4m3, cuDNN's FP8 flash attention (Hopper and later), the output widened to the
-    /// activations' dtype. Where cuDNN cannot run it, attention runs in the activations'
-    /// dtype (the run's report says why); on the CPU its precision is emulated.
-    pub attention: bool,
+    /// Attention in FP8 in blocks whose weights are held in FP8: `None` (the default) as
+    /// the plan says (its transformer's `attention: fp8`, `mold plan --fp8-attention`);
+    /// `MOLD_FP8_ATTENTION=on|off` overrides the plan either way. q, k and v quantized to
+    /// e4m3 with one scale each, the probabilities in e4m3, cuDNN's FP8 flash attention
+    /// (Hopper and later), its e4m3 output the output projection's FP8 input. Where cuDNN
+    /// cannot run it, attention runs in the activations' dtype (the run's report says why);
+    /// on the CPU its precision is emulated. Per executor, not process-wide.
+    pub attention: Option<bool>,
 }
 
 impl Fp8Options {
     /// Reads `MOLD_FP8_FUSE` (on|off), `MOLD_FP8_FAST_ACCUM` (on|off), `MOLD_FP8_QUANTIZE`
-    /// (pieces|plain) and `MOLD_FP8_ATTENTION` (on|off) through `get` (the CLI passes its environment); unset ones keep their
-    /// defaults. A bad value is refused in one line naming the variable.
+    /// (pieces|plain) and `MOLD_FP8_ATTENTION` (on|off) through `get` (the CLI passes its
+    /// environment); unset ones keep their defaults. A bad value is refused in one line naming the variable.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Fp8Options, String> {
         let d = Fp8Options::default();
         let pick = |k: &str, on: &str, off: &str, default: bool, what: &str| match get(k) {
@@ -106,13 +108,16 @@ impl Fp8Options {
                 d.plain_quantize,
                 "give pieces (the default: each row read once in 16-byte pieces) or plain",
             )?,
-            attention: pick(
-                "MOLD_FP8_ATTENTION",
-                "on",
-                "off",
-                d.attention,
-                "give off (the default: attention in the activations' dtype) or on (FP8 attention in FP8 blocks)",
-            )?,
+            attention: match get("MOLD_FP8_ATTENTION") {
+                None => d.attention,
+                Some(_) => Some(pick(
+                    "MOLD_FP8_ATTENTION",
+                    "on",
+                    "off",
+                    false,
+                    "give on (FP8 attention in FP8 blocks) or off (attention in the activations' dtype), or leave it unset for what the plan says",
+                )?),
+            },
         })
     }
 }
@@ -123,7 +128,7 @@ impl Default for Fp8Options {
             quantize_in_norm: true,
             fast_accumulation: true,
             plain_quantize: false,
-            attention: false,
+            attention: None,
         }
     }
 }

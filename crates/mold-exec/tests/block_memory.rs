@@ -192,6 +192,7 @@ fn a_block_s_activations_stay_within_what_the_cost_model_counts() {
         profile: None,
         ahead: None,
         slot: 0,
+        fp8_attention: false,
     };
     let tokens = Tokens {
         img: img as u64,

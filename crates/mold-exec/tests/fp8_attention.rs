@@ -1,7 +1,7 @@
-//! FP8 attention (`MOLD_FP8_ATTENTION=on`) in an FP8 plan: the executor applies the option,
-//! the blocks whose products are FP8 run their attention in FP8 (emulated here), and the
-//! output moves by FP8's rounding — no further. One test in its own binary: the options
-//! are process-wide.
+//! FP8 attention in an FP8 plan: a plan's `attention: fp8` (or `MOLD_FP8_ATTENTION`
+//! overriding the plan either way) makes the blocks whose products are FP8 run their
+//! attention in FP8 (emulated here), and the output moves by FP8's rounding — no further.
+//! One test in its own binary: the attention report's counts are process-wide.
 
 mod common;
 
@@ -15,29 +15,37 @@ fn fp8_attention_runs_in_fp8_blocks_only_when_asked() {
     let ckpt = tiny_checkpoint(24);
     let x = tiny_inputs(24);
     let all = ["double 0..2", "single 0..3"];
-    let run_on = |p: mold_plan::Part, dtype: mold_plan::DType, fp8_attention: bool| {
-        let opts = ExecOptions {
-            fp8: Fp8Options {
-                attention: fp8_attention,
+    // `asked`: the plan's `attention: fp8`; `over`: the options' override.
+    let run_with =
+        |p: mold_plan::Part, dtype: mold_plan::DType, asked: bool, over: Option<bool>| {
+            let opts = ExecOptions {
+                fp8: Fp8Options {
+                    attention: over,
+                    ..Default::default()
+                },
                 ..Default::default()
-            },
-            ..Default::default()
+            };
+            let mut p = plan_with(vec![p], dtype);
+            p.components[0].attention = asked.then_some(mold_plan::DType::Fp8);
+            let exec = Executor::with_options(&cfg, &p, &ckpt, opts).unwrap();
+            assert_eq!(
+                exec.fp8_attention(),
+                dtype == mold_plan::DType::Fp8 && over.unwrap_or(asked)
+            );
+            let before = attention::report()
+                .calls
+                .get("emulated FP8")
+                .copied()
+                .unwrap_or(0);
+            let out = exec.forward(&x).unwrap();
+            let after = attention::report()
+                .calls
+                .get("emulated FP8")
+                .copied()
+                .unwrap_or(0);
+            (out, after - before)
         };
-        let p = plan_with(vec![p], dtype);
-        let exec = Executor::with_options(&cfg, &p, &ckpt, opts).unwrap();
-        let before = attention::report()
-            .calls
-            .get("emulated FP8")
-            .copied()
-            .unwrap_or(0);
-        let out = exec.forward(&x).unwrap();
-        let after = attention::report()
-            .calls
-            .get("emulated FP8")
-            .copied()
-            .unwrap_or(0);
-        (out, after - before)
-    };
+    let run_on = |p, dtype, fp8_attention| run_with(p, dtype, fp8_attention, None);
     let run = |dtype, fp8_attention| run_on(part(&["emu:0"], &all, false), dtype, fp8_attention);
     let (products, none) = run(mold_plan::DType::Fp8, false);
     assert_eq!(none, 0, "FP8 attention ran without being asked");
@@ -52,8 +60,16 @@ fn fp8_attention_runs_in_fp8_blocks_only_when_asked() {
         moved > 0.0 && moved < 1e-1,
         "FP8 attention moved the output by {moved}"
     );
-    // A dense plan's attention stays in its dtype even when FP8 attention is asked for.
-    let (_, dense_calls) = run(mold_plan::DType::Bf16, true);
+    // The override: on for a plan that does not ask (the same run as the plan asking),
+    // off for one that does.
+    let one = || part(&["emu:0"], &all, false);
+    let (forced, calls) = run_with(one(), mold_plan::DType::Fp8, false, Some(true));
+    assert_eq!(calls, 5);
+    assert_eq!(max_relative_error(&forced, &fp8).unwrap(), 0.0);
+    let (_, calls) = run_with(one(), mold_plan::DType::Fp8, true, Some(false));
+    assert_eq!(calls, 0, "MOLD_FP8_ATTENTION=off did not override the plan");
+    // A dense plan's attention stays in its dtype even when FP8 attention is forced.
+    let (_, dense_calls) = run_with(one(), mold_plan::DType::Bf16, false, Some(true));
     assert_eq!(dense_calls, 0);
     // Sharded: TP2 (each rank's heads, its own scales) and SP2 (all the heads of each rank's
     // share after the all-to-all) run FP8 attention too. Their distance from the unsharded

@@ -22,14 +22,22 @@ fn an_executor_applies_its_fp8_options() {
         quantize_in_norm: false,
         fast_accumulation: false,
         plain_quantize: true,
-        attention: true,
+        attention: Some(true),
     };
     let opts = ExecOptions {
         fp8: off,
         ..Default::default()
     };
     let _exec = Executor::with_options(&cfg, &p, &ckpt, opts).unwrap();
-    assert_eq!(fp8::options(), off);
+    // The products' options are the process's; attention's is the executor's (its plan's,
+    // or the override), so the process keeps none.
+    assert_eq!(
+        fp8::options(),
+        Fp8Options {
+            attention: None,
+            ..off
+        }
+    );
     let _exec = Executor::new(&cfg, &p, &ckpt).unwrap();
     assert_eq!(fp8::options(), Fp8Options::default());
 }

@@ -30,6 +30,12 @@ pub struct OpTables {
     /// `head_dim`. Sorted by (head_dim, heads, seq).
     #[serde(default)]
     pub attention: Vec<AttentionPoint>,
+    /// FP8 attention of one sample, as a plan with `attention: fp8` runs it in its FP8
+    /// blocks: q, k and v quantized to e4m3 (one pass, their maxima given) and cuDNN's FP8
+    /// flash attention. Only in FP8 tables, where it was measured (a GPU with cuDNN's FP8
+    /// attention, or the CPU's emulation); empty otherwise. Sorted as `attention`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fp8_attention: Vec<AttentionPoint>,
     /// Bytes per second (GB/s) the model's element-wise kernels (the norm with its
     /// modulation, the gated residual) reach: bytes read and written over their time.
     pub elementwise_gbps: f64,
@@ -116,6 +122,15 @@ pub struct AttentionPoint {
     pub seconds: f64,
 }
 
+/// The measured sequences of `points` over `heads` heads of `head_dim`, by sequence.
+fn curve_of(points: &[AttentionPoint], heads: u64, head_dim: u64) -> Vec<(f64, f64)> {
+    points
+        .iter()
+        .filter(|p| p.heads == heads && p.head_dim == head_dim)
+        .map(|p| (p.seq as f64, p.seconds))
+        .collect()
+}
+
 /// Collectives over groups of `devices` ranks of the profile's devices, by message size.
 /// `bytes` is, per rank: the tensor reduced (all-reduce), the tensor gathered on every
 /// rank (all-gather: the output), the tensor sent in pieces to the ranks (all-to-all).
@@ -181,11 +196,12 @@ impl OpTables {
     /// The measured sequences of attention over `heads` heads of `head_dim`, with their
     /// times, by increasing sequence.
     pub fn attention_curve(&self, heads: u64, head_dim: u64) -> Vec<(f64, f64)> {
-        self.attention
-            .iter()
-            .filter(|p| p.heads == heads && p.head_dim == head_dim)
-            .map(|p| (p.seq as f64, p.seconds))
-            .collect()
+        curve_of(&self.attention, heads, head_dim)
+    }
+
+    /// [`Self::attention_curve`] of FP8 attention ([`OpTables::fp8_attention`]).
+    pub fn fp8_attention_curve(&self, heads: u64, head_dim: u64) -> Vec<(f64, f64)> {
+        curve_of(&self.fp8_attention, heads, head_dim)
     }
 
     /// The measured sizes of `op` over `devices` ranks, with their times, by size.
@@ -220,6 +236,8 @@ impl OpTables {
     pub fn sort(&mut self) {
         self.gemm.sort_by_key(|p| (p.n, p.k, p.m));
         self.attention.sort_by_key(|p| (p.head_dim, p.heads, p.seq));
+        self.fp8_attention
+            .sort_by_key(|p| (p.head_dim, p.heads, p.seq));
         for l in [
             &mut self.collectives.all_reduce,
             &mut self.collectives.all_gather,
@@ -295,13 +313,27 @@ impl OpTables {
             |p| p.seconds,
             "(n, k, m)",
         )?;
-        list(
-            &format!("{at}.attention"),
-            &self.attention,
-            |p| vec![("head_dim", p.head_dim), ("heads", p.heads), ("seq", p.seq)],
-            |p| p.seconds,
-            "(head_dim, heads, seq)",
-        )?;
+        for (name, points) in [
+            ("attention", &self.attention),
+            ("fp8_attention", &self.fp8_attention),
+        ] {
+            list(
+                &format!("{at}.{name}"),
+                points,
+                |p| vec![("head_dim", p.head_dim), ("heads", p.heads), ("seq", p.seq)],
+                |p| p.seconds,
+                "(head_dim, heads, seq)",
+            )?;
+        }
+        if !self.fp8_attention.is_empty() && self.dtype != DType::Fp8 {
+            return err(
+                format!("{at}.fp8_attention"),
+                format!(
+                    "in a {} table: FP8 attention runs in FP8 blocks only; move it to the model's `dtype: fp8` table or remove it",
+                    self.dtype
+                ),
+            );
+        }
         for op in [
             CollectiveOp::AllReduce,
             CollectiveOp::AllGather,

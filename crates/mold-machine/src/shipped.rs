@@ -242,13 +242,20 @@ impl Machine {
 /// Whether `d` multiplies FP8 in tensor cores: compute capability 8.9 (Ada) or later, as
 /// its profile records it.
 pub fn fp8_products(d: &crate::Device) -> bool {
-    let Some(cc) = d.compute_capability.as_deref() else {
-        return false;
-    };
+    capability(d).is_some_and(|c| c >= (8, 9))
+}
+
+/// Whether `d` runs cuDNN's FP8 flash attention: compute capability 9.0 (Hopper) or later.
+pub fn fp8_attention(d: &crate::Device) -> bool {
+    capability(d).is_some_and(|c| c >= (9, 0))
+}
+
+fn capability(d: &crate::Device) -> Option<(u32, u32)> {
+    let cc = d.compute_capability.as_deref()?;
     let mut parts = cc.trim().splitn(2, '.');
-    let major = parts.next().and_then(|x| x.parse::<u32>().ok());
-    let minor = parts.next().map_or(Some(0), |x| x.parse::<u32>().ok());
-    matches!((major, minor), (Some(a), Some(b)) if (a, b) >= (8, 9))
+    let major = parts.next()?.parse::<u32>().ok()?;
+    let minor = parts.next().map_or(Some(0), |x| x.parse::<u32>().ok())?;
+    Some((major, minor))
 }
 
 /// `t`, measured on `src`, as a spec-sheet estimate for `dst`: each time scaled by how
@@ -284,6 +291,15 @@ pub fn scaled(
     }
     for a in &mut out.attention {
         a.seconds *= by_rate;
+    }
+    // cuDNN's FP8 attention runs on Hopper and later: elsewhere the executor runs the
+    // table's attention instead, and the cost model prices that.
+    if fp8_attention(dst) {
+        for a in &mut out.fp8_attention {
+            a.seconds *= by_rate;
+        }
+    } else {
+        out.fp8_attention.clear();
     }
     out.elementwise_gbps /= by_bandwidth;
     out.layout_copy_gbps = out.layout_copy_gbps.map(|g| g / by_bandwidth);

@@ -1,9 +1,10 @@
 //! The placement plan: mold's contract between `plan`, `sim` and `exec`.
 //!
-//! A plan is YAML with `version: 4`; unknown fields are refused. A `version: 1` plan (no
+//! A plan is YAML with `version: 5`; unknown fields are refused. A `version: 1` plan (no
 //! `tp`/`sp`: a part's devices were one tensor-parallel group), a `version: 2` plan (no
-//! `replicas`: one copy of the placement) and a `version: 3` plan (no `cfg` nor
-//! `memory_phases`: true CFG serial, everything resident) are migrated on load. It records the model,
+//! `replicas`: one copy of the placement), a `version: 3` plan (no `cfg` nor
+//! `memory_phases`: true CFG serial, everything resident) and a `version: 4` plan (no
+//! component `attention`: attention in the activations' dtype) are migrated on load. It records the model,
 //! the workload, the machine it was made for, where each component's parts run, the
 //! replicas serving requests side by side, and what the planner predicted. Semantic checks that need the model catalogue or the machine
 //! (block coverage, device existence, tensor-parallel divisibility) live with the cost
@@ -21,9 +22,9 @@ use std::path::Path;
 
 /// The plan schema version this build writes. Version 2 added a part's parallel layout
 /// (`tp`, `sp`), version 3 `replicas`, version 4 `cfg` (how true CFG's two passes run)
-/// and `memory_phases`; older plans are migrated on load ([`migrate_v1`],
-/// [`migrate_v2`], [`migrate_v3`]).
-pub const PLAN_VERSION: u32 = 4;
+/// and `memory_phases`, version 5 a component's `attention` (FP8 attention); older plans
+/// are migrated on load ([`migrate_v1`], [`migrate_v2`], [`migrate_v3`], [`migrate_v4`]).
+pub const PLAN_VERSION: u32 = 5;
 
 /// The oldest plan version this build still reads (migrating it).
 pub const OLDEST_READ_VERSION: u32 = 1;
@@ -106,6 +107,9 @@ impl Plan {
         }
         if version <= 3 {
             migrated(migrate_v3(&mut value))?;
+        }
+        if version <= 4 {
+            migrated(migrate_v4(&mut value))?;
         }
         let plan: Plan = from_value_with_path(value).map_err(|message| PlanError::Parse {
             source_name: source_name.to_string(),
@@ -204,6 +208,38 @@ impl Plan {
                         c.name.escape_debug()
                     ),
                 ));
+            }
+            match c.attention {
+                None => {}
+                Some(DType::Fp8) if c.role != ComponentRole::Transformer => {
+                    return Err(invalid(
+                        format!("components[{ci}].attention"),
+                        format!(
+                            "fp8 on {} component `{}`: FP8 attention is the transformer's; remove `attention`",
+                            match c.role {
+                                ComponentRole::Encoder => "encoder",
+                                _ => "VAE",
+                            },
+                            c.name.escape_debug()
+                        ),
+                    ));
+                }
+                Some(DType::Fp8) if c.dtype != DType::Fp8 => {
+                    return Err(invalid(
+                        format!("components[{ci}].attention"),
+                        format!(
+                            "fp8 with `dtype: {}`: FP8 attention runs in blocks whose products are FP8: set `dtype: fp8`, or remove `attention`",
+                            c.dtype
+                        ),
+                    ));
+                }
+                Some(DType::Fp8) => {}
+                Some(d) => {
+                    return Err(invalid(
+                        format!("components[{ci}].attention"),
+                        format!("{d}: only `fp8` is written here; remove `attention` for attention in the activations' dtype"),
+                    ));
+                }
             }
             if c.parts.is_empty() {
                 return Err(invalid(
@@ -485,6 +521,29 @@ pub fn migrate_v3(value: &mut serde_yaml_ng::Value) -> Result<(), (String, Strin
         map.insert(Value::from("cfg"), Value::Mapping(c));
     }
     map.insert(Value::from("memory_phases"), Value::from("resident"));
+    Ok(())
+}
+
+/// Migrates a `version: 4` plan to version 5 in place: a version 4 plan ran attention in
+/// the activations' dtype, which a version 5 plan says by leaving a component's
+/// `attention` out, so only the version changes. A component's `attention` in a plan
+/// that says version 4 or older is refused: the field is version 5's.
+pub fn migrate_v4(value: &mut serde_yaml_ng::Value) -> Result<(), (String, String)> {
+    use serde_yaml_ng::Value;
+    let Some(map) = value.as_mapping_mut() else {
+        return Ok(());
+    };
+    if let Some(cs) = map.get("components").and_then(|c| c.as_sequence()) {
+        for (i, c) in cs.iter().enumerate() {
+            if c.get("attention").is_some() {
+                return Err((
+                    format!("components[{i}].attention"),
+                    format!("`attention` is a version 5 field: set `version: {PLAN_VERSION}` or remove it"),
+                ));
+            }
+        }
+    }
+    map.insert(Value::from("version"), Value::from(5u32));
     Ok(())
 }
 

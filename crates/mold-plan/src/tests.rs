@@ -1,7 +1,7 @@
 use super::*;
 
 pub(crate) const SAMPLE: &str = r#"
-version: 4
+version: 5
 model:
   id: flux-dev
 workload:
@@ -84,9 +84,9 @@ fn refuses_unknown_fields_naming_them() {
 
 #[test]
 fn version_messages() {
-    for v in [0, 5] {
+    for v in [0, 6] {
         let e = Plan::from_yaml(
-            &SAMPLE.replace("version: 4", &format!("version: {v}")),
+            &SAMPLE.replace("version: 5", &format!("version: {v}")),
             "p.yaml",
         )
         .unwrap_err()
@@ -96,7 +96,7 @@ fn version_messages() {
             "{e}"
         );
     }
-    let e = Plan::from_yaml(&SAMPLE.replace("version: 4\n", ""), "p.yaml")
+    let e = Plan::from_yaml(&SAMPLE.replace("version: 5\n", ""), "p.yaml")
         .unwrap_err()
         .to_string();
     assert!(e.contains("version") && e.contains("missing"), "{e}");
@@ -346,5 +346,6 @@ fn tp_sp_plan_snapshot() {
     insta::assert_snapshot!(p.to_yaml());
 }
 
+mod attention;
 mod cfg;
 mod replicas;

@@ -421,7 +421,20 @@ pub struct ComponentPlan {
     pub name: String,
     pub role: ComponentRole,
     pub dtype: DType,
+    /// The transformer's attention precision where it is not the activations': `fp8`
+    /// (q, k, v and the probabilities in e4m3, cuDNN's FP8 flash attention on Hopper and
+    /// later) in blocks whose products are FP8 (`dtype: fp8`). Absent: attention in the
+    /// activations' dtype. Written only when set (version 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<DType>,
     pub parts: Vec<Part>,
+}
+
+impl ComponentPlan {
+    /// Whether the component's attention runs in FP8 (`attention: fp8`).
+    pub fn fp8_attention(&self) -> bool {
+        self.attention == Some(DType::Fp8)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -1,7 +1,6 @@
 //! Why no plan fits, in numbers, and the cheapest relaxation that would make one fit.
 
 use crate::{search, Request, SpChoice, TpChoice};
-use mold_cost::Ctx;
 use mold_plan::{ByteSize, DType};
 
 fn gb(b: u64) -> String {
@@ -10,7 +9,7 @@ fn gb(b: u64) -> String {
 
 /// A one-paragraph explanation: what does not fit where, by how much, and what to relax.
 pub fn explain(req: &Request) -> String {
-    let ctx = Ctx::new(&req.model, &req.machine, &req.workload);
+    let ctx = req.cost_ctx();
     let dtype = req.dtype("transformer");
     let t = &req.model.transformer;
     let total = t.weight_bytes(dtype);

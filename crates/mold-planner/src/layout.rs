@@ -126,6 +126,7 @@ pub(crate) fn unpriced(
                 name: c.name.clone(),
                 role: c.role,
                 dtype: req.dtype(&c.name),
+                attention: None,
                 parts: vec![Part {
                     blocks: vec![],
                     devices: vec![dev],
@@ -148,6 +149,7 @@ pub(crate) fn unpriced(
             name: "transformer".into(),
             role: ComponentRole::Transformer,
             dtype: req.dtype("transformer"),
+            attention: req.attention(),
             parts: layout(req, choice),
         },
     );

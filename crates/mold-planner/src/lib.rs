@@ -191,6 +191,9 @@ pub struct Request {
     /// Whether the components are loaded one phase at a time (a one-shot request) or
     /// all at once (a server).
     pub memory_phases: MemoryPhases,
+    /// The transformer's attention in FP8 (`--fp8-attention`), where its products are FP8:
+    /// the plan says `attention: fp8` and is priced with the tables' FP8 attention.
+    pub fp8_attention: bool,
 }
 
 impl Request {
@@ -213,6 +216,21 @@ impl Request {
             serving: Serving::default(),
             cfg: CfgChoice::Auto,
             memory_phases: MemoryPhases::Resident,
+            fp8_attention: false,
+        }
+    }
+
+    /// The transformer's attention precision as the plan writes it: `fp8` where asked
+    /// for and the transformer is in FP8.
+    pub fn attention(&self) -> Option<DType> {
+        (self.fp8_attention && self.dtype("transformer") == DType::Fp8).then_some(DType::Fp8)
+    }
+
+    /// The cost model's context for this request.
+    pub fn cost_ctx(&self) -> mold_cost::Ctx<'_> {
+        mold_cost::Ctx {
+            fp8_attention: self.attention().is_some(),
+            ..mold_cost::Ctx::new(&self.model, &self.machine, &self.workload)
         }
     }
 

@@ -104,7 +104,7 @@ pub(crate) struct Problem<'a> {
 
 impl<'a> Problem<'a> {
     pub fn new(req: &'a Request) -> Problem<'a> {
-        let ctx = Ctx::new(&req.model, &req.machine, &req.workload);
+        let ctx = req.cost_ctx();
         let allowed: Vec<DeviceId> = req
             .machine
             .devices

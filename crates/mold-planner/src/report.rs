@@ -59,7 +59,9 @@ fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String 
         while i < c.parts.len() {
             let p = &c.parts[i];
             let name = if i == 0 { c.name.as_str() } else { "" };
-            let dtype = if i == 0 {
+            let dtype = if i == 0 && c.fp8_attention() {
+                format!("{} (attention fp8)", c.dtype)
+            } else if i == 0 {
                 c.dtype.to_string()
             } else {
                 String::new()
@@ -254,7 +256,7 @@ pub fn summary(o: &Outcome) -> String {
         secs(e.decode_s)
     );
     // Loading, which a one-shot `mold exec` pays before the request and `mold serve` once.
-    let ctx = mold_cost::Ctx::new(&o.model, &o.machine, w);
+    let ctx = mold_cost::Ctx::for_plan(&o.model, &o.machine, p);
     let load = mold_cost::load_time(p, &ctx);
     let _ = writeln!(
         s,

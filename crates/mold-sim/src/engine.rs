@@ -197,7 +197,7 @@ pub fn simulate_with(
         plan,
         model,
         machine,
-        ctx: Ctx::new(model, machine, &plan.workload),
+        ctx: Ctx::for_plan(model, machine, plan),
         opts,
         devs,
         events: Vec::new(),

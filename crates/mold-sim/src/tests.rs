@@ -122,6 +122,7 @@ fn toy_plan(model: &ModelSpec, machine: &Machine, parts: Vec<Part>, steps: u32) 
             name: "transformer".into(),
             role: ComponentRole::Transformer,
             dtype: DType::Bf16,
+            attention: None,
             parts,
         }],
         replicas: None,

@@ -32,6 +32,7 @@ fn plan_of(model: &str, parts: Vec<Part>, m: &Machine, mode: Option<CfgMode>) ->
             name: c.name.clone(),
             role: c.role,
             dtype: c.default_dtype,
+            attention: None,
             parts: vec![part("", 0, 0, 0)],
         })
         .collect();
@@ -39,6 +40,7 @@ fn plan_of(model: &str, parts: Vec<Part>, m: &Machine, mode: Option<CfgMode>) ->
         name: "transformer".into(),
         role: ComponentRole::Transformer,
         dtype: spec.transformer.default_dtype,
+        attention: None,
         parts,
     });
     Plan {

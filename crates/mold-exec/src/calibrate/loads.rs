@@ -8,9 +8,10 @@
 //! these.
 
 use crate::error::{ExecError, Result};
-use crate::model::attention::attention_with;
+use crate::model::attention::{attention_with, fp8_attention};
 use crate::model::fp8::Fp8Weight;
 use crate::model::layers::{ColumnParallel, RowParallel};
+use crate::model::mat::Input;
 use crate::model::mat::Mat;
 use crate::model::ops::{self, Kernels};
 use crate::model::{ActivationMeter, WeightSource};
@@ -160,6 +161,50 @@ pub(super) fn attention_load(
     );
     let meter = ActivationMeter::default();
     Ok(Box::new(move || attention_with(k, &q, &kt, &v, &meter)))
+}
+
+/// FP8 attention over `a` as an FP8 block with `attention: fp8` runs it
+/// ([`fp8_attention`]): random q, k and v with their largest magnitudes given (as the q/k/v
+/// preparation takes them), quantized to e4m3 in one pass, cuDNN's FP8 flash attention.
+/// `Ok(Err(why))` where it does not run in FP8 here (cuDNN cannot, or `k` runs attention
+/// without libraries): a run of it would time the dense attention it falls back to.
+pub(super) fn fp8_attention_load(
+    dev: &Device,
+    dtype: DType,
+    a: AttentionShape,
+    batch: u64,
+    k: Kernels,
+) -> candle_core::Result<Result<Load<'static>, String>> {
+    let dims = [batch.max(1), a.heads, a.seq, a.head_dim];
+    let (q, kt, v) = (
+        random(&dims, dtype, dev)?,
+        random(&dims, dtype, dev)?,
+        random(&dims, dtype, dev)?,
+    );
+    // The maxima as the preparation leaves them: one partial maximum per slot, each the
+    // first float of its stride; here the whole tensor's in slot 0.
+    let mut partial = vec![0f32; 3 * ops::QKV_AMAX_SLOTS * ops::QKV_AMAX_STRIDE];
+    for (i, t) in [&q, &kt, &v].into_iter().enumerate() {
+        partial[i * ops::QKV_AMAX_SLOTS * ops::QKV_AMAX_STRIDE] = t
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_dtype(DType::F32)?
+            .to_scalar::<f32>()?;
+    }
+    let amax = Tensor::from_vec(partial, (3, ops::QKV_AMAX_SLOTS, ops::QKV_AMAX_STRIDE), dev)?;
+    let meter = ActivationMeter::default();
+    if let Input::Dense(_) = fp8_attention(k, &q, &kt, &v, Some(&amax), &meter)? {
+        let why = crate::model::attention::report()
+            .cudnn_refusals
+            .into_iter()
+            .rfind(|r| r.starts_with("FP8 attention"))
+            .unwrap_or_else(|| "FP8 attention fell back to the activations' dtype".into());
+        return Ok(Err(why));
+    }
+    Ok(Ok(Box::new(move || {
+        fp8_attention(k, &q, &kt, &v, Some(&amax), &meter).map(|o| o.tensor().clone())
+    })))
 }
 
 /// mold's element-wise kernels over `(1, rows, width)` whose bytes the cost model prices

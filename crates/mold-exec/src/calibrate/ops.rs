@@ -23,8 +23,8 @@ use super::bench::{OpBench, Timing};
 use super::collectives::measure_collectives;
 use super::copy;
 use super::loads::{
-    attention_load, block_loads, elementwise_loads, gemm_load, layout_copy_load, random, Load,
-    Precision, Slot,
+    attention_load, block_loads, elementwise_loads, fp8_attention_load, gemm_load,
+    layout_copy_load, random, Load, Precision, Slot,
 };
 use super::mix;
 use super::timing::{median_time, sustained_time};
@@ -142,6 +142,12 @@ pub fn measure_ops(
             seconds,
         });
     }
+    let fp8_attention = if target.dtype == mold_plan::DType::Fp8 {
+        measure_fp8_attention(&dev, dtype, shapes, &attention, &mixed, bench, progress)
+            .map_err(|e| on(e, "FP8 attention"))?
+    } else {
+        Vec::new()
+    };
     progress(&format!(
         "element-wise kernels on {id} ({} x {})",
         shapes.elementwise.0, shapes.elementwise.1
@@ -185,6 +191,7 @@ pub fn measure_ops(
         device: target.device_name.into(),
         gemm,
         attention,
+        fp8_attention,
         elementwise_gbps,
         layout_copy_gbps,
         htod_busy_ratio,
@@ -195,6 +202,59 @@ pub fn measure_ops(
     };
     t.sort();
     Ok(t)
+}
+
+/// FP8 attention at `shapes`' attention shapes ([`fp8_attention_load`]), as an FP8 plan
+/// with `attention: fp8` runs it; none where it does not run in FP8 here (said in
+/// `progress`). Where the table's attention was timed inside its block's mix, an FP8
+/// point is that time × FP8 attention's over attention's, the two timed alone the same
+/// way: FP8 attention stands in the mix where attention stood.
+fn measure_fp8_attention(
+    dev: &Device,
+    dtype: DType,
+    shapes: &CalibrationShapes,
+    attention: &[AttentionPoint],
+    mixed: &mix::MixTimes,
+    bench: &OpBench,
+    progress: &mut dyn FnMut(&str),
+) -> candle_core::Result<Vec<AttentionPoint>> {
+    progress(&format!("FP8 attention: {} shapes", shapes.attention.len()));
+    let mut out = Vec::new();
+    for (a, p) in shapes.attention.iter().zip(attention) {
+        let run = match fp8_attention_load(dev, dtype, *a, 1, bench.kernels)? {
+            Ok(run) => run,
+            Err(why) => {
+                progress(&format!("FP8 attention not measured: {why}"));
+                return Ok(Vec::new());
+            }
+        };
+        let fp8_s = median(dev, bench, run)?;
+        let seconds = if mixed.attention_s(a).is_some() {
+            let alone = median(
+                dev,
+                bench,
+                attention_load(dev, dtype, *a, 1, bench.kernels)?,
+            )?;
+            p.seconds * fp8_s / alone
+        } else {
+            fp8_s
+        };
+        progress(&format!(
+            "FP8 attention over {} heads x {} tokens of {}: {:.3} ms ({:.3}x attention's)",
+            a.heads,
+            a.seq,
+            a.head_dim,
+            seconds * 1e3,
+            seconds / p.seconds
+        ));
+        out.push(AttentionPoint {
+            heads: a.heads,
+            seq: a.seq,
+            head_dim: a.head_dim,
+            seconds,
+        });
+    }
+    Ok(out)
 }
 
 /// One product ([`gemm_load`]) timed.

@@ -176,6 +176,8 @@ pub struct Executor<M: Transformer> {
     dtype: DType,
     /// The products' weights are FP8 ([`weights_dtype`]).
     fp8: bool,
+    /// The FP8 blocks' attention runs in FP8 ([`Executor::fp8_attention`]).
+    fp8_attention: bool,
     parts: Vec<PartRt<M>>,
     opts: ExecOptions,
     /// One per device that runs streamed blocks (pipelined streaming).
@@ -324,6 +326,8 @@ impl<M: Transformer> Executor<M> {
         model.validate().map_err(ExecError::Config)?;
         let comp = transformer_of(plan)?;
         let (dtype, fp8) = weights_dtype(comp.dtype)?;
+        // The plan's attention precision, unless the options override it.
+        let fp8_attention = fp8 && opts.fp8.attention.unwrap_or(comp.fp8_attention());
         let steps = check_parts(model, &comp.parts)?;
         ckpt.check(model, &plan.model.id)?;
         let specs = comp
@@ -343,7 +347,7 @@ impl<M: Transformer> Executor<M> {
             None => None,
             Some((mesh, local)) => Some(DistRt::new(mesh, local, &comp.parts)?),
         };
-        Self::build(model, ckpt, specs, dtype, fp8, opts, dist)
+        Self::build(model, ckpt, specs, (dtype, fp8, fp8_attention), opts, dist)
     }
 
     /// The reference: the same model, unsharded, every block resident on one device,
@@ -380,8 +384,7 @@ impl<M: Transformer> Executor<M> {
             model,
             ckpt,
             vec![spec],
-            dtype,
-            fp8,
+            (dtype, fp8, false),
             ExecOptions::default(),
             None,
         )
@@ -435,8 +438,7 @@ impl<M: Transformer> Executor<M> {
         model: &M,
         ckpt: &Checkpoint,
         specs: Vec<PartSpec>,
-        dtype: DType,
-        fp8: bool,
+        (dtype, fp8, fp8_attention): (DType, bool, bool),
         opts: ExecOptions,
         dist: Option<DistRt>,
     ) -> Result<Self> {
@@ -780,6 +782,7 @@ impl<M: Transformer> Executor<M> {
             model: model.clone(),
             dtype,
             fp8,
+            fp8_attention,
             parts,
             opts,
             rings: rings.into_iter().map(|(d, r)| (d, Mutex::new(r))).collect(),
@@ -845,6 +848,13 @@ impl<M: Transformer> Executor<M> {
     /// The compute dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Whether the FP8 blocks' attention runs in FP8: the plan's `attention: fp8`, unless
+    /// [`crate::Fp8Options::attention`] overrides it; never in a plan whose products are
+    /// not FP8.
+    pub fn fp8_attention(&self) -> bool {
+        self.fp8_attention
     }
 
     /// The model this runs.

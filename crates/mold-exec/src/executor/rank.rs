@@ -281,6 +281,7 @@ impl<M: Transformer> Executor<M> {
             profile: self.opts.profiling.then_some(profile),
             ahead: self.opts.modulation_ahead.then_some(&rank.ahead),
             slot: 0,
+            fp8_attention: self.fp8_attention,
         };
         // Start the clock here: the stem's first phase is not charged with whatever ran
         // on this thread since its last mark (the previous call, or waiting for a

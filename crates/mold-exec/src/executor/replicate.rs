@@ -199,6 +199,7 @@ impl<M: Transformer> Executor<M> {
             model: self.model.clone(),
             dtype: self.dtype,
             fp8: self.fp8,
+            fp8_attention: self.fp8_attention,
             parts,
             opts: self.opts.clone(),
             rings: Vec::new(),

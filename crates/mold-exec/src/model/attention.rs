@@ -283,14 +283,10 @@ fn cudnn_fp8_attention(
         Err(why) => return Ok(Err(why)),
     };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (qkv, scales) = super::fp8::cuda::quantize_qkv(&q, &k, &v, amax)?;
+    // Every token's scale is v's descale: the quantizing kernel writes it per token too.
+    let (qkv, scales, s) = super::fp8::cuda::quantize_qkv(&q, &k, &v, amax)?;
     let o = plan.run(&qkv, &scales)?; // (b, L, h, d) e4m3
     let (b, l, h, d) = o.dims4()?;
-    // Every token's scale is v's descale, as the GPU holds it.
-    let s = scales
-        .narrow(0, super::fp8::cuda::V_DESCALE, 1)?
-        .broadcast_as(b * l)?
-        .contiguous()?;
     Ok(Ok((
         Fp8Rows::new(o.reshape((b * l, h * d))?, s, &[b, l, h * d], q.dtype())?,
         format!("cudnn {version} (FP8 SDPA)"),

@@ -413,6 +413,7 @@ mod tests {
                             profile: None,
                             ahead: None,
                             slot: 0,
+                            fp8_attention: false,
                         };
                         let mut calls = Vec::new();
                         let sums =

@@ -275,6 +275,9 @@ pub struct Ctx<'a> {
     pub ahead: Option<&'a modulation::ModulationCache>,
     /// The running block's position in the model (its key in [`Ctx::ahead`]).
     pub slot: usize,
+    /// Attention in FP8 in blocks whose products are FP8 ([`sequence::fp8_attention`]):
+    /// the plan's `attention: fp8`, or [`crate::Fp8Options::attention`] overriding it.
+    pub fp8_attention: bool,
 }
 
 impl Ctx<'_> {

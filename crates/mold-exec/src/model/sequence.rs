@@ -66,10 +66,11 @@ pub fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> Result<Input
 }
 
 /// Whether a block whose weights are held in FP8 (`fp8_block`) runs its attention in FP8:
-/// where the process's FP8 options ask for it (`MOLD_FP8_ATTENTION=on`,
-/// [`crate::model::attention::fp8_attention`]); otherwise in the activations' dtype.
-pub fn fp8_attention(fp8_block: bool) -> bool {
-    fp8_block && crate::model::fp8::options().attention
+/// where the run asks for it ([`Ctx::fp8_attention`]: the plan's `attention: fp8`, or
+/// `MOLD_FP8_ATTENTION=on`; [`crate::model::attention::fp8_attention`]); otherwise in the
+/// activations' dtype.
+pub fn fp8_attention(fp8_block: bool, ctx: &Ctx) -> bool {
+    fp8_block && ctx.fp8_attention
 }
 
 /// The q/k/v all-to-all started ([`start`]); work queued before [`QkvInFlight::attend`]

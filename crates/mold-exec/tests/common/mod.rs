@@ -82,6 +82,7 @@ pub fn plan_with(parts: Vec<Part>, dtype: mold_plan::DType) -> Plan {
             name: "transformer".into(),
             role: ComponentRole::Transformer,
             dtype,
+            attention: None,
             parts,
         }],
         replicas: None,

@@ -26,7 +26,7 @@ fn with_fields(text: &str, fields: &str) -> String {
 
 #[test]
 fn version_3_is_migrated_serial_and_resident() {
-    let v3 = with_cfg_scale(&SAMPLE.replace("version: 4", "version: 3"));
+    let v3 = with_cfg_scale(&SAMPLE.replace("version: 5", "version: 3"));
     let p = Plan::from_yaml(&v3, "v3.yaml").unwrap();
     assert_eq!(p.version, PLAN_VERSION);
     assert_eq!(
@@ -44,7 +44,7 @@ fn version_3_is_migrated_serial_and_resident() {
     );
     assert_eq!(Plan::from_yaml(&yaml, "v4.yaml").unwrap(), p);
     // Without a cfg_scale: no `cfg`.
-    let p = Plan::from_yaml(&SAMPLE.replace("version: 4", "version: 3"), "v3.yaml").unwrap();
+    let p = Plan::from_yaml(&SAMPLE.replace("version: 5", "version: 3"), "v3.yaml").unwrap();
     assert_eq!((p.cfg, p.cfg_mode()), (None, None));
     assert_eq!(p.memory_phases, MemoryPhases::Resident);
     // A version 3 plan naming a version 4 field is refused, naming it.

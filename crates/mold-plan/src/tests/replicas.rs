@@ -124,7 +124,7 @@ fn replica_plans_refuse_a_plan_built_in_code() {
 
 #[test]
 fn version_2_is_migrated_as_one_replica() {
-    let v2 = SAMPLE.replace("version: 4", "version: 2");
+    let v2 = SAMPLE.replace("version: 5", "version: 2");
     let p = Plan::from_yaml(&v2, "v2.yaml").unwrap();
     assert_eq!(p.version, PLAN_VERSION);
     assert_eq!(p.replica_plans().unwrap(), vec![p.clone()]);
@@ -138,7 +138,7 @@ fn version_2_is_migrated_as_one_replica() {
     assert_eq!(Plan::from_yaml(&yaml, "v4.yaml").unwrap(), p);
     // A version 2 plan naming a version 3 field is refused, naming it.
     let e = Plan::from_yaml(
-        &with_replicas(TWO).replace("version: 4", "version: 2"),
+        &with_replicas(TWO).replace("version: 5", "version: 2"),
         "v2.yaml",
     )
     .unwrap_err()

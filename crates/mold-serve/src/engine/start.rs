@@ -41,7 +41,7 @@ fn pool_of(d: &Deployment) -> Result<Pool, StartError> {
         })
         .collect();
     let plan = &d.replicas[0];
-    let ctx = mold_cost::Ctx::new(&d.model, &d.machine, &plan.workload);
+    let ctx = mold_cost::Ctx::for_plan(&d.model, &d.machine, plan);
     let mut components = Vec::new();
     for name in COMPONENTS {
         let c = plan

@@ -188,6 +188,7 @@ fn with_component_runs(plan: &Plan, first: bool) -> Machine {
         device: m.devices[0].name.clone(),
         gemm: vec![],
         attention: vec![],
+        fp8_attention: vec![],
         elementwise_gbps: 1000.0,
         layout_copy_gbps: None,
         htod_busy_ratio: None,

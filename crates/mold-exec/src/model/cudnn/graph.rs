@@ -190,6 +190,9 @@ pub struct Plan {
     pub form: Form,
 }
 
+/// A tensor's layout in the graph: `[dims, strides]` (elements).
+type Layout4 = [[i64; 4]; 2];
+
 /// Descriptors of a graph under construction, kept alive until the plan is built; ops and
 /// tensors are referred to by their index in `keep`.
 pub(super) struct Builder {
@@ -278,8 +281,8 @@ impl Builder {
         &mut self,
         ops: &mut Vec<usize>,
         s: usize,
-        [sdims, sstr]: [[i64; 4]; 2],
-        [rdims, rstr]: [[i64; 4]; 2],
+        [sdims, sstr]: Layout4,
+        [rdims, rstr]: Layout4,
         stats: Option<usize>,
         p_dtype: i32,
     ) -> R<usize> {
@@ -302,6 +305,27 @@ impl Builder {
         let p = self.virt(sdims, sstr, p_dtype)?;
         ops.push(self.pointwise(ffi::POINTWISE_DIV, exp, Some(sum), p)?);
         Ok(p)
+    }
+
+    /// What the composite graphs (bf16/f16 and FP8) share before the first matmul: Kᵀ, its
+    /// B operand, pushed as a view of K (uid [`UID_K`], `key`'s dtype) with dims
+    /// `(b, h, d, Lk)` and K's strides with the last two swapped; then `[dims, strides]` of
+    /// the scores `(b, h, Lq, Lk)` and of a row's reductions `(b, h, Lq, 1)`, both compact.
+    fn scores_of(&mut self, key: &Key) -> R<(usize, Layout4, Layout4)> {
+        let (b, h, lq, lk, d) = (key.b, key.h, key.lq, key.lk, key.d);
+        let ks = key.k_strides;
+        let kt = self.push(tensor(
+            self.api,
+            UID_K,
+            [b, h, d, lk],
+            [ks[0], ks[1], ks[3], ks[2]],
+            key.dtype,
+            false,
+            false,
+        )?);
+        let scores = [[b, h, lq, lk], [h * lq * lk, lq * lk, lk, 1]];
+        let rows = [[b, h, lq, 1], [h * lq, lq, 1, 1]];
+        Ok((kt, scores, rows))
     }
 
     fn matmul(&mut self, a: usize, b: usize, c: usize) -> R<usize> {
@@ -405,21 +429,7 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
             ops.push(g.push(op));
         }
         Form::Composite => {
-            // Kᵀ as a view: dims (b, h, d, Lk), K's strides with the last two swapped.
-            let ks = key.k_strides;
-            let kt = g.push(tensor(
-                api,
-                UID_K,
-                [b, h, d, lk],
-                [ks[0], ks[1], ks[3], ks[2]],
-                dt,
-                false,
-                false,
-            )?);
-            let sdims = [b, h, lq, lk];
-            let sstr = [h * lq * lk, lq * lk, lk, 1];
-            let rdims = [b, h, lq, 1];
-            let rstr = [h * lq, lq, 1, 1];
+            let (kt, [sdims, sstr], [rdims, rstr]) = g.scores_of(key)?;
             let f = ffi::DATA_FLOAT;
             let s = g.virt(sdims, sstr, f)?;
             ops.push(g.matmul(q, kt, s)?);
@@ -438,16 +448,7 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
             if bias.is_some() {
                 return Err("FP8 attention is built without a bias here".into());
             }
-            let ks = key.k_strides;
-            let kt = g.push(tensor(
-                api,
-                UID_K,
-                [b, h, d, lk],
-                [ks[0], ks[1], ks[3], ks[2]],
-                dt,
-                false,
-                false,
-            )?);
+            let (kt, [sdims, sstr], [rdims, rstr]) = g.scores_of(key)?;
             let f = ffi::DATA_FLOAT;
             let mut scalar = |uid: i64, by_value: bool| -> R<usize> {
                 Ok(g.push(tensor(
@@ -468,10 +469,6 @@ pub fn build(api: &'static Api, handle: Handle, key: &Key, form: Form, gpu: &str
             let so = scalar(UID_SCALE_O, false)?;
             let amax_s = scalar(UID_AMAX_S, false)?;
             let amax_o = scalar(UID_AMAX_O, false)?;
-            let sdims = [b, h, lq, lk];
-            let sstr = [h * lq * lk, lq * lk, lk, 1];
-            let rdims = [b, h, lq, 1];
-            let rstr = [h * lq, lq, 1, 1];
             let stats = g.push(tensor(api, UID_STATS, rdims, rstr, f, false, false)?);
             let s0 = g.virt(sdims, sstr, f)?;
             ops.push(g.matmul(q, kt, s0)?);

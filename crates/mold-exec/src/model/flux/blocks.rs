@@ -85,7 +85,7 @@ pub fn rope_table(pe: &Tensor) -> CResult<Tensor> {
 /// ([`prepare_qkv`]); returns `(b, L, heads * head_dim)`. Under sequence parallelism `L`
 /// is this rank's tokens and `lens` every rank's count ([`sequence::attention`]).
 fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> CResult<Input> {
-    sequence::attention(qkv, lens, sequence::fp8_attention(fp8), ctx)
+    sequence::attention(qkv, lens, sequence::fp8_attention(fp8, ctx), ctx)
 }
 
 /// q, k, v for attention from the fused projections of the sequence segments in order
@@ -115,7 +115,7 @@ fn prepare_qkv(
     if ctx.kernels.use_fused(supported, "q/k/v preparation")? {
         // The table in the activations' dtype, as the candle path below rotates with it.
         let (cos, sin) = (pe.i(0)?, pe.i(1)?);
-        let fp8 = sequence::fp8_attention(fp8_block);
+        let fp8 = sequence::fp8_attention(fp8_block, ctx);
         return sequence::prepare_fused(&fsegs, heads, (&cos, &sin), EPS as f32, lens, fp8, ctx);
     }
     let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
@@ -632,7 +632,7 @@ impl SingleBlock {
             ctx,
         )?;
         drop(x_qkv);
-        let moving = sequence::start(qkv, lens, sequence::fp8_attention(fp8_block), ctx)?;
+        let moving = sequence::start(qkv, lens, sequence::fp8_attention(fp8_block, ctx), ctx)?;
         let mlp =
             self.linear1
                 .forward_rows_in(&normed, 3 * self.h_local, self.mlp_local, true, kn)?;

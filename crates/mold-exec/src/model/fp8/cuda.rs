@@ -964,19 +964,24 @@ const AMAX_BLOCKS: u32 = 264;
 /// q, k and v (each `(b, h, L, d)` bf16/f16, contiguous, on one GPU) quantized to e4m3 with
 /// one scale per tensor for cuDNN's FP8 attention: the values `(3, b, h, L, d)` and
 /// [`QKV_SCALES`] f32 scales, one every 16 bytes — q's, k's and v's descales (amax / 448),
-/// then the probabilities' descale 1 / 448 and scale 448 — written on the GPU (no copy to or
-/// from the host). Two passes: each tensor's amax, then its values; with `amax`, the
-/// tensors' partial maxima `(3, parts, stride)` f32 (each slot's maximum in `[.., .., 0]`)
-/// taken as they were written ([`crate::model::ops::qkv_prep_fused_amax`]), only the second.
+/// then the probabilities' descale 1 / 448 and scale 448 — and v's descale once per token,
+/// `(b · L)` f32 (the attention output's per-token scales, the value at index 8), all
+/// written on the GPU (no copy to or from the host). Two passes: each tensor's amax, then
+/// its values; with `amax`, the tensors' partial maxima `(3, parts, stride)` f32 (each
+/// slot's maximum in `[.., .., 0]`) taken as they were written
+/// ([`crate::model::ops::qkv_prep_fused_amax`]), only the second.
 pub(crate) fn quantize_qkv(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     amax: Option<&Tensor>,
-) -> CResult<(Tensor, Tensor)> {
+) -> CResult<(Tensor, Tensor, Tensor)> {
     use candle_core::op::BackpropOp;
     let dims = q.dims().to_vec();
     let n = q.elem_count();
+    // The attention output's tokens: (b, h, L, d) has b · L.
+    let (batch, _, len, _) = q.dims4()?;
+    let tokens = batch * len;
     for (name, t) in [("k", k), ("v", v)] {
         if t.dims() != dims.as_slice() || t.dtype() != q.dtype() {
             candle_core::bail!(
@@ -1032,18 +1037,13 @@ pub(crate) fn quantize_qkv(
             _ => candle_core::bail!("FP8 attention: the maxima are not on the GPU"),
         },
     };
-    // SAFETY: amax3 writes every partial (where it runs), quantize3 every value and the six
-    // scales it returns (the padding between them is zeroed, never read).
-    let mut partial = unsafe {
-        dev.alloc::<f32>(match given {
-            Some(_) => 1,
-            None => 3 * AMAX_BLOCKS as usize,
-        })?
-    };
+    // SAFETY: quantize3 writes every value, every token's scale and the six scales it
+    // returns (the padding between them is zeroed, never read).
     let mut values = unsafe { dev.alloc::<float8::F8E4M3>(3 * n)? };
+    let mut v_tokens = unsafe { dev.alloc::<f32>(tokens)? };
     let mut scales = dev.alloc_zeros::<f32>(QKV_SCALES)?;
     let stream = dev.cuda_stream();
-    let n64 = n as i64;
+    let (n64, tokens64) = (n as i64, tokens as i64);
     let grid = |x: u32| LaunchConfig {
         grid_dim: (x, 3, 1),
         block_dim: (THREADS, 1, 1),
@@ -1055,23 +1055,31 @@ pub(crate) fn quantize_qkv(
             let x0 = qs.as_cuda_slice::<$t>()?.slice(ql.start_offset()..);
             let x1 = ks.as_cuda_slice::<$t>()?.slice(kl.start_offset()..);
             let x2 = vs.as_cuda_slice::<$t>()?.slice(vl.start_offset()..);
-            if given.is_none() {
-                let mut a = stream.launch_builder(&fa);
-                a.arg(&x0).arg(&x1).arg(&x2).arg(&n64).arg(&mut partial);
-                // SAFETY: the arguments match the kernel; each tensor holds n values.
-                unsafe { a.launch(grid(AMAX_BLOCKS)) }.map_err(|e| err("amax kernel", e))?;
-            }
+            // The partial maxima amax3 writes, where none are given.
+            let partial;
             let mut b = stream.launch_builder(&fq);
             b.arg(&x0).arg(&x1).arg(&x2).arg(&n64);
             match &given {
                 Some(g) => b.arg(g),
-                None => b.arg(&partial),
+                None => {
+                    // SAFETY: amax3 writes every partial.
+                    let mut p = unsafe { dev.alloc::<f32>(3 * AMAX_BLOCKS as usize)? };
+                    let mut a = stream.launch_builder(&fa);
+                    a.arg(&x0).arg(&x1).arg(&x2).arg(&n64).arg(&mut p);
+                    // SAFETY: the arguments match the kernel; each tensor holds n values.
+                    unsafe { a.launch(grid(AMAX_BLOCKS)) }.map_err(|e| err("amax kernel", e))?;
+                    partial = p;
+                    b.arg(&partial)
+                }
             };
             b.arg(&parts)
                 .arg(&pstride)
                 .arg(&mut values)
-                .arg(&mut scales);
-            // SAFETY: as above; `values` holds the three tensors' 3n values.
+                .arg(&mut scales)
+                .arg(&tokens64)
+                .arg(&mut v_tokens);
+            // SAFETY: as above; `values` holds the three tensors' 3n values, `v_tokens` the
+            // b · L tokens' scales.
             unsafe { b.launch(grid(pieces)) }.map_err(|e| err("quantize kernel", e))?;
         }};
     }
@@ -1094,6 +1102,10 @@ pub(crate) fn quantize_qkv(
             CudaStorage::wrap_cuda_slice(scales, dev.clone()),
             Shape::from(QKV_SCALES),
         ),
+        wrap(
+            CudaStorage::wrap_cuda_slice(v_tokens, dev.clone()),
+            Shape::from(tokens),
+        ),
     ))
 }
 
@@ -1101,5 +1113,3 @@ pub(crate) fn quantize_qkv(
 /// v's descales, the probabilities' descale and scale, and the attention output's scale
 /// (v's factor 448 / amax: the output's values are averages of v's, so its descale is v's).
 pub(crate) const QKV_SCALES: usize = 24;
-/// Where v's descale is among [`quantize_qkv`]'s scales: the attention output's too.
-pub(crate) const V_DESCALE: usize = 8;

@@ -361,7 +361,6 @@ impl Fp8Rows {
 static QUANTIZE_IN_NORM: AtomicBool = AtomicBool::new(true);
 static FAST_ACCUMULATION: AtomicBool = AtomicBool::new(true);
 static PLAIN_QUANTIZE: AtomicBool = AtomicBool::new(false);
-static ATTENTION: AtomicBool = AtomicBool::new(false);
 
 /// Sets how this process's FP8 products run (the executor applies its
 /// [`crate::options::Fp8Options`]; until then, their defaults).
@@ -369,7 +368,6 @@ pub fn configure(o: Fp8Options) {
     QUANTIZE_IN_NORM.store(o.quantize_in_norm, Ordering::Relaxed);
     FAST_ACCUMULATION.store(o.fast_accumulation, Ordering::Relaxed);
     PLAIN_QUANTIZE.store(o.plain_quantize, Ordering::Relaxed);
-    ATTENTION.store(o.attention, Ordering::Relaxed);
 }
 
 /// How this process's FP8 products run now ([`configure`]).
@@ -378,7 +376,7 @@ pub fn options() -> Fp8Options {
         quantize_in_norm: QUANTIZE_IN_NORM.load(Ordering::Relaxed),
         fast_accumulation: FAST_ACCUMULATION.load(Ordering::Relaxed),
         plain_quantize: PLAIN_QUANTIZE.load(Ordering::Relaxed),
-        attention: ATTENTION.load(Ordering::Relaxed),
+        attention: None,
     }
 }
 

@@ -329,7 +329,7 @@ impl Block {
         drop(txt_in);
         ctx.meter.see(&img_qkv);
         ctx.mark("norm + qkv linear", &txt_qkv);
-        let fp8 = sequence::fp8_attention(iq.weight.is_fp8());
+        let fp8 = sequence::fp8_attention(iq.weight.is_fp8(), ctx);
         let qkv = self.prepare_qkv(&txt_qkv, &img_qkv, pe, lens, fp8, ctx)?;
         drop((img_qkv, txt_qkv));
         let attn = sequence::attention(qkv, lens, fp8, ctx)?;

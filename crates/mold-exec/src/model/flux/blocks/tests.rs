@@ -46,6 +46,7 @@ fn ctx<'a>(comm: &'a dyn Comm, meter: &'a ActivationMeter) -> Ctx<'a> {
         profile: None,
         ahead: None,
         slot: 0,
+        fp8_attention: false,
     }
 }
 
