@@ -796,3 +796,63 @@ fn allow_fp8_does_not_compare_a_measured_price_with_an_estimate() {
     let p = mold_plan::Plan::load(&out).unwrap();
     assert_eq!(p.transformer().unwrap().dtype, mold_plan::DType::Bf16);
 }
+
+/// `--fp8-attention`: the FP8 transformer's attention in FP8 (`attention: fp8`), priced from
+/// the profile's measured FP8 attention (the H200 profile has it: a shorter step than the
+/// same plan without), `mold sim` saying so; refused in one line for a dense transformer.
+#[test]
+fn fp8_attention_is_planned_priced_and_refused_where_it_cannot_run() {
+    let d = tempdir("fp8-attention");
+    let m = "sim/machines/2x-h200-measured.yaml";
+    let one = |extra: &[&str], out: &std::path::Path| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "flux-dev",
+            "--machine",
+            m,
+            "--devices",
+            "cuda:0",
+            "--dtype",
+            "transformer=fp8",
+        ];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["-o", out.to_str().unwrap()]);
+        let o = mold(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    let (with, without) = (d.join("attn.yaml"), d.join("plain.yaml"));
+    let s = one(&["--fp8-attention"], &with);
+    one(&[], &without);
+    assert!(s.contains("fp8 (attention fp8)"), "{s}");
+    let (a, b) = (
+        mold_plan::Plan::load(&with).unwrap(),
+        mold_plan::Plan::load(&without).unwrap(),
+    );
+    assert!(a.transformer().unwrap().fp8_attention());
+    assert!(!b.transformer().unwrap().fp8_attention());
+    assert!(std::fs::read_to_string(&with)
+        .unwrap()
+        .contains("  attention: fp8\n"));
+    assert!(!std::fs::read_to_string(&without)
+        .unwrap()
+        .contains("attention"));
+    assert!(
+        a.predicted.step_time_s < b.predicted.step_time_s,
+        "{} against {}",
+        a.predicted.step_time_s,
+        b.predicted.step_time_s
+    );
+    let o = mold(&["sim", with.to_str().unwrap(), "--machine", m]);
+    let sim = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success() && sim.contains("(FP8)"), "{sim}");
+    // A dense transformer: refused before planning, naming the flag and the fix.
+    let e = plan_err(&["--model", "flux-dev", "--machine", m, "--fp8-attention"]);
+    assert!(
+        e.contains("--fp8-attention")
+            && e.contains("--dtype transformer=fp8")
+            && !e.trim().contains('\n'),
+        "{e}"
+    );
+}

@@ -50,19 +50,33 @@ fn device_list(devs: &[DeviceId]) -> String {
     }
 }
 
+/// A component's dtype as the placement shows it: `fp8 (attention fp8)` where its attention
+/// runs in FP8 too.
+fn dtype_label(c: &mold_plan::ComponentPlan) -> String {
+    if c.fp8_attention() {
+        format!("{} (attention fp8)", c.dtype)
+    } else {
+        c.dtype.to_string()
+    }
+}
+
 /// Where each component and block range runs, one line a part, naming each parallel
 /// group's layout, and its link when `machine` is given.
 fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String {
     let mut out = String::new();
+    // The dtype column: as wide as its widest label, at least 5.
+    let dw = plan
+        .components
+        .iter()
+        .map(|c| dtype_label(c).len())
+        .fold(5, usize::max);
     for c in &plan.components {
         let mut i = 0;
         while i < c.parts.len() {
             let p = &c.parts[i];
             let name = if i == 0 { c.name.as_str() } else { "" };
-            let dtype = if i == 0 && c.fp8_attention() {
-                format!("{} (attention fp8)", c.dtype)
-            } else if i == 0 {
-                c.dtype.to_string()
+            let dtype = if i == 0 {
+                dtype_label(c)
             } else {
                 String::new()
             };
@@ -105,7 +119,7 @@ fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String 
                     .join(", ");
                 let _ = writeln!(
                     out,
-                    "  {name:<12} {dtype:<5} {:<14} {blocks:<28} {tp}{} resident, {} streamed from host spread among them ({buffers} buffers; {} parts in the plan)",
+                    "  {name:<12} {dtype:<dw$} {:<14} {blocks:<28} {tp}{} resident, {} streamed from host spread among them ({buffers} buffers; {} parts in the plan)",
                     device_list(&p.devices),
                     count(Residency::Resident),
                     count(Residency::Streamed),
@@ -140,8 +154,11 @@ fn placement_on(plan: &Plan, machine: Option<&mold_machine::Machine>) -> String 
                 (ComponentRole::Vae, _, n) if n > 1 => format!("row bands ×{n}, one a device"),
                 _ => String::new(),
             };
-            let _ =
-                writeln!(out, "  {name:<12} {dtype:<5} {devs:<14} {blocks:<28} {how}").map(|_| ());
+            let _ = writeln!(
+                out,
+                "  {name:<12} {dtype:<dw$} {devs:<14} {blocks:<28} {how}"
+            )
+            .map(|_| ());
             i += 1;
         }
     }

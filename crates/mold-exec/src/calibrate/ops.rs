@@ -532,6 +532,52 @@ mod tests {
         assert!(Timing::MIXED.describe().contains("inside their blocks"));
     }
 
+    /// An FP8 table measures FP8 attention at every attention shape (the CPU's emulation
+    /// here; cuDNN's FP8 flash attention on a GPU), from inside the blocks' mix as attention
+    /// stands there; a table in another dtype holds none.
+    #[test]
+    fn an_fp8_table_measures_fp8_attention_too() {
+        let model = mold_models::find("flux-tiny").unwrap();
+        let req = ShapeRequest::default_for(&model, 1, vec![]);
+        let bench = OpBench {
+            timing: Timing::Mixed {
+                round: Duration::from_millis(1),
+                span: Duration::from_millis(2),
+            },
+            ..OpBench::default()
+        };
+        let measure = |dtype| {
+            let shapes = calibration_shapes(&model, dtype, &req);
+            let mut said = Vec::new();
+            let t = measure_ops(
+                &OpTarget {
+                    model: "flux-tiny",
+                    dtype,
+                    device_name: "emulated device (CPU)",
+                    devices: &emu(1),
+                },
+                &shapes,
+                &bench,
+                &mut |s| said.push(s.to_string()),
+            )
+            .unwrap();
+            t.validate("ops[0]").unwrap();
+            (t, shapes, said)
+        };
+        let (t, shapes, said) = measure(mold_plan::DType::Fp8);
+        assert_eq!(t.fp8_attention.len(), shapes.attention.len());
+        for (p, a) in t.fp8_attention.iter().zip(&t.attention) {
+            assert_eq!((p.heads, p.seq, p.head_dim), (a.heads, a.seq, a.head_dim));
+            assert!(p.seconds > 0.0 && p.seconds.is_finite());
+        }
+        assert!(
+            said.iter().any(|s| s.starts_with("FP8 attention over")),
+            "{said:?}"
+        );
+        let (dense, _, _) = measure(mold_plan::DType::F32);
+        assert!(dense.fp8_attention.is_empty());
+    }
+
     #[test]
     fn a_benchmark_that_cannot_run_is_refused_in_one_line() {
         let b = OpBench::default();
