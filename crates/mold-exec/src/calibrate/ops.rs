@@ -494,13 +494,12 @@ mod tests {
             .is_none());
     }
 
-    /// The mixed timing fills the same table: every product and attention shape, from
-    /// inside the blocks, with an element-wise rate.
-    #[test]
-    fn mixed_timing_measures_into_a_valid_table() {
+    /// flux-tiny's shapes in `dtype` measured on one emulated device with the mixed timing:
+    /// the table (validated), the shapes and what the measurement said.
+    fn tiny_mixed(dtype: mold_plan::DType) -> (OpTables, CalibrationShapes, Vec<String>) {
         let model = mold_models::find("flux-tiny").unwrap();
         let req = ShapeRequest::default_for(&model, 1, vec![]);
-        let shapes = calibration_shapes(&model, mold_plan::DType::F32, &req);
+        let shapes = calibration_shapes(&model, dtype, &req);
         let bench = OpBench {
             timing: Timing::Mixed {
                 round: Duration::from_millis(1),
@@ -512,7 +511,7 @@ mod tests {
         let t = measure_ops(
             &OpTarget {
                 model: "flux-tiny",
-                dtype: mold_plan::DType::F32,
+                dtype,
                 device_name: "emulated device (CPU)",
                 devices: &emu(1),
             },
@@ -522,6 +521,14 @@ mod tests {
         )
         .unwrap();
         t.validate("ops[0]").unwrap();
+        (t, shapes, said)
+    }
+
+    /// The mixed timing fills the same table: every product and attention shape, from
+    /// inside the blocks, with an element-wise rate.
+    #[test]
+    fn mixed_timing_measures_into_a_valid_table() {
+        let (t, shapes, said) = tiny_mixed(mold_plan::DType::F32);
         assert_eq!(t.gemm.len(), shapes.gemm.len());
         assert_eq!(t.attention.len(), shapes.attention.len());
         assert!(t.elementwise_gbps > 0.0);
@@ -537,34 +544,7 @@ mod tests {
     /// stands there; a table in another dtype holds none.
     #[test]
     fn an_fp8_table_measures_fp8_attention_too() {
-        let model = mold_models::find("flux-tiny").unwrap();
-        let req = ShapeRequest::default_for(&model, 1, vec![]);
-        let bench = OpBench {
-            timing: Timing::Mixed {
-                round: Duration::from_millis(1),
-                span: Duration::from_millis(2),
-            },
-            ..OpBench::default()
-        };
-        let measure = |dtype| {
-            let shapes = calibration_shapes(&model, dtype, &req);
-            let mut said = Vec::new();
-            let t = measure_ops(
-                &OpTarget {
-                    model: "flux-tiny",
-                    dtype,
-                    device_name: "emulated device (CPU)",
-                    devices: &emu(1),
-                },
-                &shapes,
-                &bench,
-                &mut |s| said.push(s.to_string()),
-            )
-            .unwrap();
-            t.validate("ops[0]").unwrap();
-            (t, shapes, said)
-        };
-        let (t, shapes, said) = measure(mold_plan::DType::Fp8);
+        let (t, shapes, said) = tiny_mixed(mold_plan::DType::Fp8);
         assert_eq!(t.fp8_attention.len(), shapes.attention.len());
         for (p, a) in t.fp8_attention.iter().zip(&t.attention) {
             assert_eq!((p.heads, p.seq, p.head_dim), (a.heads, a.seq, a.head_dim));
@@ -574,8 +554,7 @@ mod tests {
             said.iter().any(|s| s.starts_with("FP8 attention over")),
             "{said:?}"
         );
-        let (dense, _, _) = measure(mold_plan::DType::F32);
-        assert!(dense.fp8_attention.is_empty());
+        assert!(tiny_mixed(mold_plan::DType::F32).0.fp8_attention.is_empty());
     }
 
     #[test]
