@@ -799,7 +799,8 @@ fn allow_fp8_does_not_compare_a_measured_price_with_an_estimate() {
 
 /// `--fp8-attention`: the FP8 transformer's attention in FP8 (`attention: fp8`), priced from
 /// the profile's measured FP8 attention (the H200 profile has it: a shorter step than the
-/// same plan without), `mold sim` saying so; refused in one line for a dense transformer.
+/// same plan without), `mold sim` saying so; kept as asked where it is priced slower, with a
+/// word; refused in one line for a dense transformer.
 #[test]
 fn fp8_attention_is_planned_priced_and_refused_where_it_cannot_run() {
     let d = tempdir("fp8-attention");
@@ -847,6 +848,57 @@ fn fp8_attention_is_planned_priced_and_refused_where_it_cannot_run() {
     let o = mold(&["sim", with.to_str().unwrap(), "--machine", m]);
     let sim = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(o.status.success() && sim.contains("(FP8)"), "{sim}");
+    // Sequence parallel over four H200s at 512² (6 heads a rank over 1536 tokens): the
+    // tables price FP8 attention slower than bf16 attention there (its quantizing pass
+    // outweighs the faster kernel); the plan keeps it as asked and says so.
+    let small = d.join("small.yaml");
+    let o = mold(&[
+        "plan",
+        "--model",
+        "flux-dev",
+        "--machine",
+        "sim/machines/4x-h200-measured.yaml",
+        "--sp",
+        "4",
+        "--tp",
+        "off",
+        "--dtype",
+        "transformer=fp8",
+        "--fp8-attention",
+        "--size",
+        "512x512",
+        "-o",
+        small.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--fp8-attention: FP8 attention is priced no faster here")
+            && stderr(&o).contains("kept as asked"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(mold_plan::Plan::load(&small)
+        .unwrap()
+        .transformer()
+        .unwrap()
+        .fp8_attention());
+    // At 1024² on one GPU it is priced faster: no word.
+    assert!(!stderr(&mold(&[
+        "plan",
+        "--model",
+        "flux-dev",
+        "--machine",
+        m,
+        "--devices",
+        "cuda:0",
+        "--dtype",
+        "transformer=fp8",
+        "--fp8-attention",
+        "-o",
+        small.to_str().unwrap(),
+        "--force",
+    ]))
+    .contains("priced no faster"));
     // A dense transformer: refused before planning, naming the flag and the fix.
     let e = plan_err(&["--model", "flux-dev", "--machine", m, "--fp8-attention"]);
     assert!(

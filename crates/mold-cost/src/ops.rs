@@ -454,6 +454,21 @@ pub fn time_from(t: &OpTables, ops: &BlockOps) -> Result<OpsTime, NotCovered> {
             measured: range(&curve),
         });
     }
+    // FP8 attention hands the projection after it its output already quantized: that
+    // product's own quantizing pass, which its table time holds (a row-parallel product
+    // timed on an input in the activations' dtype), is not run. Priced as the pass's bytes
+    // (the bf16/f16 input read — FP8 attention takes no other —, e4m3 and a scale a row
+    // written) at the element-wise rate.
+    if attention == AttentionPrice::Fp8 {
+        let width = a.heads.saturating_mul(a.head_dim);
+        let saved: f64 = ops
+            .gemms
+            .iter()
+            .filter(|g| g.run == Run::Partial && g.k == width)
+            .map(|g| (g.m as f64 * (g.k as f64 * 3.0 + 4.0)) / (t.elementwise_gbps * 1e9))
+            .sum();
+        gemm_s = (gemm_s - saved).max(0.0);
+    }
     Ok(OpsTime {
         gemm_s,
         attention_s: s * ops.batch as f64,

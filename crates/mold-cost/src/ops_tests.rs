@@ -741,8 +741,9 @@ fn the_single_block_s_all_to_alls_hide_behind_its_mlp_products_over_a_peer_domai
 }
 
 /// FP8 attention: an FP8 block of a plan with `attention: fp8` prices its attention from
-/// the FP8 table's `fp8_attention` points, nothing else; without those points, as the
-/// table's attention, said as a note; a dense block, or a plan without it, never.
+/// the FP8 table's `fp8_attention` points, less the projection's quantizing pass it makes
+/// unneeded; without those points, as the table's attention (nothing less), said as a note;
+/// a dense block, or a plan without it, never.
 #[test]
 fn fp8_attention_is_priced_from_its_own_points() {
     let model = mold_models::find("flux-dev").unwrap();
@@ -780,7 +781,22 @@ fn fp8_attention_is_priced_from_its_own_points() {
             "{}",
             kind.name
         );
-        assert_eq!((b.gemm_s, b.elementwise_s), (a.gemm_s, a.elementwise_s));
+        // The attention projection's own quantizing pass is not run: its bytes at the
+        // element-wise rate come off the products.
+        let ops = block_ops(kind, plain.tokens, 1, 1, 1, 2).unwrap();
+        let width = ops.attention.heads * ops.attention.head_dim;
+        let projections: Vec<_> = ops
+            .gemms
+            .iter()
+            .filter(|g| g.run == Run::Partial && g.k == width)
+            .collect();
+        assert!(!projections.is_empty(), "{}", kind.name);
+        let saved: f64 = projections
+            .iter()
+            .map(|g| g.m as f64 * (3.0 * g.k as f64 + 4.0) / (t.elementwise_gbps * 1e9))
+            .sum();
+        assert!((a.gemm_s - b.gemm_s - saved).abs() < 1e-12, "{}", kind.name);
+        assert_eq!(b.elementwise_s, a.elementwise_s);
         assert!(b.extrapolated.is_empty());
         assert_eq!(
             (a.attention, b.attention),
