@@ -452,7 +452,9 @@ pub fn request(a: &Args) -> Result<(Request, String, String)> {
         req.dtypes.insert(name.to_string(), d);
     }
     req.fp8_attention = a.fp8_attention;
-    if a.fp8_attention && !a.allow_fp8 && req.dtype("transformer") != DType::Fp8 {
+    // `--allow-fp8` may still choose FP8, unless a transformer dtype was given.
+    let may_choose = a.allow_fp8 && !a.dtype.iter().any(|s| s.starts_with("transformer="));
+    if a.fp8_attention && !may_choose && req.dtype("transformer") != DType::Fp8 {
         bail!(
             "--fp8-attention: the transformer is planned in {}: FP8 attention runs in FP8 blocks; add --dtype transformer=fp8 (or --allow-fp8 to let the planner choose)",
             req.dtype("transformer")

@@ -883,7 +883,7 @@ fn fp8_attention_is_planned_priced_and_refused_where_it_cannot_run() {
         .unwrap()
         .fp8_attention());
     // At 1024² on one GPU it is priced faster: no word.
-    assert!(!stderr(&mold(&[
+    let o = mold(&[
         "plan",
         "--model",
         "flux-dev",
@@ -897,8 +897,9 @@ fn fp8_attention_is_planned_priced_and_refused_where_it_cannot_run() {
         "-o",
         small.to_str().unwrap(),
         "--force",
-    ]))
-    .contains("priced no faster"));
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("priced no faster"), "{}", stderr(&o));
     // A dense transformer: refused before planning, naming the flag and the fix.
     let e = plan_err(&["--model", "flux-dev", "--machine", m, "--fp8-attention"]);
     assert!(
@@ -907,4 +908,16 @@ fn fp8_attention_is_planned_priced_and_refused_where_it_cannot_run() {
             && !e.trim().contains('\n'),
         "{e}"
     );
+    // Nor with --allow-fp8 when the transformer's dtype is given dense.
+    let e = plan_err(&[
+        "--model",
+        "flux-dev",
+        "--machine",
+        m,
+        "--allow-fp8",
+        "--dtype",
+        "transformer=bf16",
+        "--fp8-attention",
+    ]);
+    assert!(e.contains("--fp8-attention"), "{e}");
 }

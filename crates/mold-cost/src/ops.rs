@@ -59,6 +59,8 @@ pub struct BlockOps {
     /// Attention in FP8 ([`mold_machine::OpTables::fp8_attention`]): an FP8 block of a
     /// plan with `attention: fp8`.
     pub fp8_attention: bool,
+    /// Sequence-parallel degree: above 1 the rank's attention runs after an all-to-all.
+    pub sp: u64,
     /// Samples: the attention runs once per sample.
     pub batch: u64,
     /// Element-wise bytes read and written ([`Ctx::elementwise_bytes`]).
@@ -184,6 +186,7 @@ pub fn block_ops(
             head_dim: kind.head_dim as u64,
         },
         fp8_attention: false,
+        sp,
         batch,
         elementwise_bytes: elementwise_bytes(kind, local, batch, act, tp),
         ahead: Vec::new(),
@@ -454,13 +457,20 @@ pub fn time_from(t: &OpTables, ops: &BlockOps) -> Result<OpsTime, NotCovered> {
             measured: range(&curve),
         });
     }
-    // FP8 attention hands the projection after it its output already quantized: that
-    // product's own quantizing pass, which its table time holds (a row-parallel product
+    // On one rank FP8 attention hands the projection after it its output already quantized:
+    // that product's own quantizing pass, which its table time holds (a row-parallel product
     // timed on an input in the activations' dtype), is not run. Priced as the pass's bytes
     // (the bf16/f16 input read — FP8 attention takes no other —, e4m3 and a scale a row
-    // written) at the element-wise rate.
-    if attention == AttentionPrice::Fp8 {
-        let width = a.heads.saturating_mul(a.head_dim);
+    // written) at the element-wise rate. Under sequence parallelism it runs on what the
+    // all-to-all brought, without maxima taken ahead (a pass over q, k and v for them) and
+    // its output widened to be sent back (e4m3 read, bf16/f16 written): those two passes
+    // are charged instead, and the projection quantizes its own input.
+    let width = a.heads.saturating_mul(a.head_dim);
+    let mut attention_s = s * ops.batch as f64;
+    if attention == AttentionPrice::Fp8 && ops.sp > 1 {
+        let elems = (ops.batch.max(1) * a.seq * width) as f64;
+        attention_s += (3.0 * 2.0 + 3.0) * elems / (t.elementwise_gbps * 1e9);
+    } else if attention == AttentionPrice::Fp8 {
         let saved: f64 = ops
             .gemms
             .iter()
@@ -471,7 +481,7 @@ pub fn time_from(t: &OpTables, ops: &BlockOps) -> Result<OpsTime, NotCovered> {
     }
     Ok(OpsTime {
         gemm_s,
-        attention_s: s * ops.batch as f64,
+        attention_s,
         attention,
         elementwise_s: ops.elementwise_bytes as f64 / (t.elementwise_gbps * 1e9),
         extrapolated,
@@ -849,10 +859,21 @@ pub fn describe(plan: &Plan, model: &ModelSpec, machine: &Machine) -> Vec<String
         out.push(format!("extrapolated at the nearest point's rate: {o}"));
     }
     for d in fp8_unmeasured {
-        out.push(format!(
-            "FP8 attention: not measured on {d}, priced as the table's attention (what runs where cuDNN's FP8 attention does not); `mold devices --calibrate --model {} --dtype fp8` measures it",
-            model.id
-        ));
+        let hopper = machine
+            .devices
+            .iter()
+            .find(|x| x.name == d)
+            .is_some_and(mold_machine::shipped::fp8_attention);
+        out.push(if hopper {
+            format!(
+                "FP8 attention: not measured on {d}, priced as the table's attention (what runs where cuDNN's FP8 attention does not); `mold devices --calibrate --model {} --dtype fp8` measures it",
+                model.id
+            )
+        } else {
+            format!(
+                "FP8 attention: {d} runs attention in bf16 (cuDNN's FP8 attention needs Hopper or later, or its compute capability is not in the profile): priced so"
+            )
+        });
     }
     // Encoders and the VAE: measured runs where the tables have them.
     let (mut measured, mut modelled, mut beyond) = (Vec::new(), Vec::new(), Vec::new());

@@ -813,6 +813,23 @@ fn fp8_attention_is_priced_from_its_own_points() {
             plain.block_from_tables(kind, &one, DType::Bf16, &cuda0)
         );
     }
+    // Under sequence parallelism: the points, plus a pass over q, k and v for their maxima
+    // and the output's widening (9 bytes an element at the element-wise rate); the
+    // projection quantizes its own input, as priced.
+    let sp2 = Group::sequence(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]);
+    for kind in &model.transformer.kinds {
+        let a = plain.block_from_tables(kind, &sp2, DType::Fp8, &cuda0).unwrap();
+        let b = fp8.block_from_tables(kind, &sp2, DType::Fp8, &cuda0).unwrap();
+        let shape = block_ops(kind, plain.tokens, 1, 1, 2, 2).unwrap().attention;
+        let elems = (shape.seq * shape.heads * shape.head_dim) as f64;
+        let passes = 9.0 * elems / (t.elementwise_gbps * 1e9);
+        assert!(
+            (b.attention_s - (0.7 * a.attention_s + passes)).abs() < 1e-12,
+            "{}",
+            kind.name
+        );
+        assert_eq!(b.gemm_s, a.gemm_s);
+    }
     // No FP8 attention measured: attention's price, and a note saying so.
     let mut unmeasured = m.clone();
     unmeasured.set_op_tables(dense);
