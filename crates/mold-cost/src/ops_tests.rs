@@ -818,8 +818,12 @@ fn fp8_attention_is_priced_from_its_own_points() {
     // projection quantizes its own input, as priced.
     let sp2 = Group::sequence(vec![DeviceId::Cuda(0), DeviceId::Cuda(1)]);
     for kind in &model.transformer.kinds {
-        let a = plain.block_from_tables(kind, &sp2, DType::Fp8, &cuda0).unwrap();
-        let b = fp8.block_from_tables(kind, &sp2, DType::Fp8, &cuda0).unwrap();
+        let a = plain
+            .block_from_tables(kind, &sp2, DType::Fp8, &cuda0)
+            .unwrap();
+        let b = fp8
+            .block_from_tables(kind, &sp2, DType::Fp8, &cuda0)
+            .unwrap();
         let shape = block_ops(kind, plain.tokens, 1, 1, 2, 2).unwrap().attention;
         let elems = (shape.seq * shape.heads * shape.head_dim) as f64;
         let passes = 9.0 * elems / (t.elementwise_gbps * 1e9);
