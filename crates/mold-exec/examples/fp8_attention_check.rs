@@ -13,7 +13,9 @@
 //! Then, at each length, q, k and v written by the fused q/k/v preparation with their largest
 //! magnitudes taken in the same pass ([`mold_exec::model::ops::qkv_prep_fused_amax`]): the
 //! maxima must equal the written tensors' own, and FP8 attention given them must give the same
-//! bits as FP8 attention taking them in a pass of its own.
+//! bits as FP8 attention taking them in a pass of its own. And q, k and v as sequence
+//! parallelism hands them over, strided views of the all-to-all's `(L, 3, b, h, d)` buffer
+//! (read in place by the quantizing pass), must give the bits of the same values contiguous.
 //!
 //!   fp8_attention_check [--lengths 1000,4608] [--heads 8] [--tol 2]
 use candle_core::IndexOp;
@@ -142,7 +144,72 @@ fn run() -> Result<bool, String> {
     for &l in &lengths {
         ok &= maxima_in_preparation(&gpu, l, heads, &meter)?;
     }
+    for (i, &l) in lengths.iter().enumerate() {
+        ok &= views_of_the_exchange(&gpu, l, heads, 1 + usize::from(i == 0), &meter)?;
+    }
     Ok(ok)
+}
+
+/// q, k and v as sequence parallelism hands them to attention, strided views of the q/k/v
+/// all-to-all's `(L, 3, b, h, d)` buffer read in place, against the same values contiguous:
+/// the same bits.
+fn views_of_the_exchange(
+    gpu: &Device,
+    l: usize,
+    heads: usize,
+    b: usize,
+    meter: &ActivationMeter,
+) -> Result<bool, String> {
+    let e = |e: candle_core::Error| e.to_string();
+    let d = 128;
+    let make = |seed: u64, scale: f64| -> Result<Tensor, String> {
+        (Tensor::from_vec(
+            values(b * heads * l * d, seed),
+            (b, heads, l, d),
+            &Device::Cpu,
+        )
+        .map_err(e)?
+            * scale)
+            .map_err(e)?
+            .to_dtype(DType::BF16)
+            .map_err(e)?
+            .to_device(gpu)
+            .map_err(e)
+    };
+    let (q, k, v) = (make(21, 2.0)?, make(22, 1.0)?, make(23, 5.0)?);
+    // (3, b, h, L, d) -> (L, 3, b, h, d), the buffer's layout.
+    let buf = Tensor::stack(&[&q, &k, &v], 0)
+        .and_then(|t| t.permute((3, 0, 1, 2, 4)))
+        .and_then(|t| t.contiguous())
+        .map_err(e)?;
+    let part = |i: usize| buf.i((.., i)).and_then(|t| t.permute((1, 2, 0, 3)));
+    let (vq, vk, vv) = (
+        part(0).map_err(e)?,
+        part(1).map_err(e)?,
+        part(2).map_err(e)?,
+    );
+    let run = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Vec<u16>, String> {
+        Ok(fp8_attention(Kernels::Auto, q, k, v, None, meter)
+            .and_then(|o| o.widen())
+            .and_then(|o| o.flatten_all())
+            .and_then(|o| o.to_device(&Device::Cpu))
+            .and_then(|o| o.to_vec1::<half::bf16>())
+            .map_err(e)?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect())
+    };
+    let equal = run(&vq, &vk, &vv)? == run(&q, &k, &v)?;
+    println!(
+        "L {l}, {heads} heads, batch {b}: FP8 attention on the all-to-all buffer's views {} | {}",
+        if equal {
+            "= on contiguous q, k, v, bit for bit"
+        } else {
+            "differs from contiguous"
+        },
+        if equal { "ok" } else { "FAIL" }
+    );
+    Ok(equal)
 }
 
 /// q, k, v of `l` tokens from the fused preparation with their maxima taken as written: the

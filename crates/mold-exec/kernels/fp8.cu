@@ -16,7 +16,8 @@
 //   FP8 products). Launch: grid (rows, ceil(k / 256)), block 256.
 // amax3 / quantize3: three tensors (attention's q, k and v) of n values each (n a multiple
 //   of 8, 16-byte aligned) quantized to e4m3 with one scale per tensor, for cuDNN's FP8
-//   attention. amax3: block (x, y) writes the largest magnitude of its share of tensor y to
+//   attention. The three are (b, h, L, d) views with the same strides (d contiguous, every
+//   8-value piece 16-byte aligned: View4), read in place; quantize3 writes them contiguous. amax3: block (x, y) writes the largest magnitude of its share of tensor y to
 //   partial[y * P + x] (P = gridDim.x). quantize3: every block takes tensor y's amax over
 //   its P partials, partial[(y * P + i) * stride] (amax3's, stride 1, or those elementwise.cu's
 //   q/k/v preparation takes as it writes q, k and v, a 128-byte line apart: then amax3 does
@@ -174,15 +175,33 @@ __device__ __forceinline__ const T *pick3(const T *x0, const T *x1, const T *x2)
     return blockIdx.y == 0 ? x0 : (blockIdx.y == 1 ? x1 : x2);
 }
 
+// Where 8-value piece i of a (b, h, L, d) view with strides (sb, sh, sl, 1) starts, in values
+// (d a multiple of 8): i · 8 where the view is contiguous (`dense`), as one rank's q, k and v
+// are; under sequence parallelism they are views of the all-to-all's (L, 3, b, h, d) buffer,
+// read in place (each 8-value piece still 16 contiguous bytes).
+struct View4 {
+    bool dense;
+    uint32_t h, l, dp; // heads, tokens, pieces a row (d / 8)
+    int64_t sb, sh, sl;
+};
+
+__device__ __forceinline__ int64_t piece_at(const View4 &w, int64_t i) {
+    if (w.dense) return i * 8;
+    const uint32_t row = (uint32_t)(i / w.dp), p = (uint32_t)(i - (int64_t)row * w.dp);
+    const uint32_t li = row % w.l, bh = row / w.l;
+    return (int64_t)(bh / w.h) * w.sb + (int64_t)(bh % w.h) * w.sh + (int64_t)li * w.sl +
+           (int64_t)p * 8;
+}
+
 template <typename T>
 __device__ void amax3(const T *__restrict__ x0, const T *__restrict__ x1,
-                      const T *__restrict__ x2, int64_t n, float *__restrict__ partial) {
-    const uint4 *x = reinterpret_cast<const uint4 *>(pick3(x0, x1, x2));
+                      const T *__restrict__ x2, int64_t n, View4 w, float *__restrict__ partial) {
+    const T *x = pick3(x0, x1, x2);
     const int64_t pieces = n / 8;
     float m = 0.0f;
     for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < pieces;
          i += (int64_t)gridDim.x * THREADS) {
-        const uint4 v = x[i];
+        const uint4 v = *reinterpret_cast<const uint4 *>(x + piece_at(w, i));
         const T *e = reinterpret_cast<const T *>(&v);
 #pragma unroll
         for (int t = 0; t < 8; ++t) m = fmaxf(m, fabsf(to_f(e[t])));
@@ -193,7 +212,8 @@ __device__ void amax3(const T *__restrict__ x0, const T *__restrict__ x1,
 
 template <typename T>
 __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
-                          const T *__restrict__ x2, int64_t n, const float *__restrict__ partial,
+                          const T *__restrict__ x2, int64_t n, View4 w,
+                          const float *__restrict__ partial,
                           int parts, int pstride, __nv_fp8_storage_t *__restrict__ q3,
                           float *__restrict__ scales, int64_t tokens,
                           float *__restrict__ v_tokens) {
@@ -218,12 +238,12 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
         for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < tokens;
              i += (int64_t)gridDim.x * THREADS)
             v_tokens[i] = descale;
-    const uint4 *x = reinterpret_cast<const uint4 *>(pick3(x0, x1, x2));
+    const T *x = pick3(x0, x1, x2);
     uint2 *q = reinterpret_cast<uint2 *>(q3 + blockIdx.y * n);
     const int64_t pieces = n / 8;
     for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < pieces;
          i += (int64_t)gridDim.x * THREADS) {
-        q[i] = pack8_e4m3<T>(x[i], inv);
+        q[i] = pack8_e4m3<T>(*reinterpret_cast<const uint4 *>(x + piece_at(w, i)), inv);
     }
 }
 
@@ -247,15 +267,19 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
         const __nv_fp8_storage_t *q, const float *scale, T *out, int k) {                     \
         mold_fp8::dequantize_rows<T>(q, scale, out, k);                                       \
     }                                                                                          \
-    extern "C" __global__ void mold_fp8_amax3_##SUFFIX(const T *x0, const T *x1, const T *x2,  \
-                                                      int64_t n, float *partial) {             \
-        mold_fp8::amax3<T>(x0, x1, x2, n, partial);                                           \
+    extern "C" __global__ void mold_fp8_amax3_##SUFFIX(                                       \
+        const T *x0, const T *x1, const T *x2, int64_t n, int dense, uint32_t h, uint32_t l,   \
+        uint32_t dp, int64_t sb, int64_t sh, int64_t sl, float *partial) {                     \
+        mold_fp8::amax3<T>(x0, x1, x2, n, mold_fp8::View4{dense != 0, h, l, dp, sb, sh, sl},   \
+                           partial);                                                           \
     }                                                                                          \
     extern "C" __global__ void mold_fp8_quantize3_##SUFFIX(                                   \
-        const T *x0, const T *x1, const T *x2, int64_t n, const float *partial, int parts,     \
+        const T *x0, const T *x1, const T *x2, int64_t n, int dense, uint32_t h, uint32_t l,   \
+        uint32_t dp, int64_t sb, int64_t sh, int64_t sl, const float *partial, int parts,      \
         int pstride, __nv_fp8_storage_t *q3, float *scales, int64_t tokens, float *v_tokens) { \
-        mold_fp8::quantize3<T>(x0, x1, x2, n, partial, parts, pstride, q3, scales, tokens,    \
-                               v_tokens);                                                      \
+        mold_fp8::quantize3<T>(x0, x1, x2, n,                                                 \
+                               mold_fp8::View4{dense != 0, h, l, dp, sb, sh, sl}, partial,     \
+                               parts, pstride, q3, scales, tokens, v_tokens);                  \
     }
 
 MOLD_FP8(__nv_bfloat16, bf16)

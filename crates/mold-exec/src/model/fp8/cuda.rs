@@ -961,7 +961,9 @@ fn launch<T: CudaDType + DeviceRepr>(
 /// quantizing pass reads (a few hundred floats), enough to fill the GPU.
 const AMAX_BLOCKS: u32 = 264;
 
-/// q, k and v (each `(b, h, L, d)` bf16/f16, contiguous, on one GPU) quantized to e4m3 with
+/// q, k and v (each `(b, h, L, d)` bf16/f16 on one GPU, contiguous or views with one set of
+/// strides whose rows of `d` values are contiguous, read in place: under sequence
+/// parallelism the all-to-all's `(L, 3, b, h, d)` buffer) quantized to e4m3 with
 /// one scale per tensor for cuDNN's FP8 attention: the values `(3, b, h, L, d)` and
 /// [`QKV_SCALES`] f32 scales, one every 16 bytes — q's, k's and v's descales (amax / 448),
 /// then the probabilities' descale 1 / 448 and scale 448 — and v's descale once per token,
@@ -1001,11 +1003,23 @@ pub(crate) fn quantize_qkv(
     let (Storage::Cuda(qs), Storage::Cuda(ks), Storage::Cuda(vs)) = (&*qs, &*ks, &*vs) else {
         candle_core::bail!("FP8 attention: q, k and v are not on the GPU");
     };
-    for (name, l) in [("q", ql), ("k", kl), ("v", vl)] {
-        if !l.is_contiguous() || !(l.start_offset() * 2).is_multiple_of(16) {
-            candle_core::bail!("FP8 attention: {name} is not contiguous and 16-byte aligned");
-        }
+    let strides = ql.stride().to_vec();
+    let dense = ql.is_contiguous() && kl.is_contiguous() && vl.is_contiguous();
+    let dim_d = dims[3];
+    if !super::views_in_place([ql, kl, vl]) {
+        candle_core::bail!(
+            "FP8 attention: q, k, v (strides {:?}, {:?}, {:?}) are not views of rows of {dim_d} values 16-byte aligned with one set of strides",
+            ql.stride(),
+            kl.stride(),
+            vl.stride()
+        );
     }
+    let (h32, l32, dp32) = (dims[1] as u32, dims[2] as u32, (dim_d / 8) as u32);
+    if batch * dims[1] * dims[2] > u32::MAX as usize {
+        candle_core::bail!("FP8 attention: {:?} has more rows than 2^32", dims);
+    }
+    let (sb, sh, sl) = (strides[0] as i64, strides[1] as i64, strides[2] as i64);
+    let dense = i32::from(dense);
     let dev = qs.device.clone();
     let dt = qs.dtype();
     let load = |name: &str| -> CResult<_> {
@@ -1059,13 +1073,17 @@ pub(crate) fn quantize_qkv(
             let partial;
             let mut b = stream.launch_builder(&fq);
             b.arg(&x0).arg(&x1).arg(&x2).arg(&n64);
+            b.arg(&dense).arg(&h32).arg(&l32).arg(&dp32);
+            b.arg(&sb).arg(&sh).arg(&sl);
             match &given {
                 Some(g) => b.arg(g),
                 None => {
                     // SAFETY: amax3 writes every partial.
                     let mut p = unsafe { dev.alloc::<f32>(3 * AMAX_BLOCKS as usize)? };
                     let mut a = stream.launch_builder(&fa);
-                    a.arg(&x0).arg(&x1).arg(&x2).arg(&n64).arg(&mut p);
+                    a.arg(&x0).arg(&x1).arg(&x2).arg(&n64);
+                    a.arg(&dense).arg(&h32).arg(&l32).arg(&dp32);
+                    a.arg(&sb).arg(&sh).arg(&sl).arg(&mut p);
                     // SAFETY: the arguments match the kernel; each tensor holds n values.
                     unsafe { a.launch(grid(AMAX_BLOCKS)) }.map_err(|e| err("amax kernel", e))?;
                     partial = p;

@@ -625,5 +625,22 @@ pub fn add_linear(acc: Tensor, x: &Tensor, w: &Fp8Weight, k: Kernels) -> CResult
     acc + linear(x, w, None, false, k)?
 }
 
+/// Whether the GPU's q/k/v quantizing pass (`cuda::quantize_qkv`) reads q, k and v (`(b, h, L, d)`, 2-byte values) where they are:
+/// one set of strides, each row of `d` values contiguous and every 8-value piece 16-byte
+/// aligned (contiguous tensors of d a multiple of 8 are; so are the views of the sequence
+/// parallel all-to-all's `(L, 3, b, h, d)` buffer).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn views_in_place(layouts: [&candle_core::Layout; 3]) -> bool {
+    let [ql, ..] = layouts;
+    let st = ql.stride();
+    st.len() == 4
+        && st[3] == 1
+        && ql.dims()[3].is_multiple_of(8)
+        && st[..3].iter().all(|s| s.is_multiple_of(8))
+        && layouts
+            .iter()
+            .all(|l| l.stride() == st && (l.start_offset() * 2).is_multiple_of(16))
+}
+
 #[cfg(test)]
 mod tests;

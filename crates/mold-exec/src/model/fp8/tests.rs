@@ -470,3 +470,37 @@ fn an_fp8_checkpoint_keeps_its_values_in_an_fp8_plan() {
         assert!((x - y).abs() <= y.abs() * 1e-6, "{x} against {y}");
     }
 }
+
+/// The GPU's q/k/v quantizing pass reads in place the views sequence parallelism hands
+/// attention (of the all-to-all's `(L, 3, b, h, d)` buffer) and contiguous tensors, and not
+/// tensors of other strides, rows not contiguous or pieces not 16-byte aligned (those are
+/// copied first).
+#[test]
+fn qkv_views_read_in_place_only_where_rows_line_up() {
+    use candle_core::IndexOp;
+    let dev = candle_core::Device::Cpu;
+    let (l, b, h, d) = (6usize, 2usize, 3usize, 16usize);
+    let buf = Tensor::zeros((l, 3, b, h, d), DType::BF16, &dev).unwrap();
+    let part = |i: usize| buf.i((.., i)).unwrap().permute((1, 2, 0, 3)).unwrap();
+    let (q, k, v) = (part(0), part(1), part(2));
+    assert!(!q.is_contiguous());
+    assert!(views_in_place([q.layout(), k.layout(), v.layout()]));
+    let c = Tensor::zeros((b, h, l, d), DType::BF16, &dev).unwrap();
+    assert!(views_in_place([c.layout(), c.layout(), c.layout()]));
+    // One tensor of other strides.
+    assert!(!views_in_place([q.layout(), c.layout(), v.layout()]));
+    // Rows not contiguous: d is not the innermost dimension.
+    let t = c.transpose(2, 3).unwrap();
+    assert!(!views_in_place([t.layout(), t.layout(), t.layout()]));
+    // Pieces not 16-byte aligned: rows of 12 values, and a view starting 4 values in.
+    let odd = Tensor::zeros((b, h, l, 12), DType::BF16, &dev).unwrap();
+    assert!(!views_in_place([odd.layout(), odd.layout(), odd.layout()]));
+    let off = buf
+        .narrow(4, 4, 8)
+        .unwrap()
+        .i((.., 0))
+        .unwrap()
+        .permute((1, 2, 0, 3))
+        .unwrap();
+    assert!(!views_in_place([off.layout(), off.layout(), off.layout()]));
+}
