@@ -60,7 +60,8 @@ pub struct Fp8Options {
     /// `MOLD_FP8_FAST_ACCUM=off`.
     pub fast_accumulation: bool,
     /// Quantize inputs with the plain kernel, which reads a row twice, instead of the one
-    /// that reads it once in 16-byte pieces (`MOLD_FP8_QUANTIZE=plain`; the same bits).
+    /// that reads it once in 16-byte pieces, and widen e4m3 rows one value a thread instead
+    /// of eight (`MOLD_FP8_QUANTIZE=plain`; the same bits).
     pub plain_quantize: bool,
     /// Attention in FP8 in blocks whose weights are held in FP8: `None` (the default) as
     /// the plan says (its transformer's `attention: fp8`, `mold plan --fp8-attention`);
