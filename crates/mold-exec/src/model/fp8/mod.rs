@@ -631,15 +631,24 @@ pub fn add_linear(acc: Tensor, x: &Tensor, w: &Fp8Weight, k: Kernels) -> CResult
 /// parallel all-to-all's `(L, 3, b, h, d)` buffer).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn views_in_place(layouts: [&candle_core::Layout; 3]) -> bool {
+    // A dimension of one value is never stepped along: its stride does not matter (candle
+    // leaves any there, and calls such a tensor contiguous).
+    let steps = |l: &candle_core::Layout| -> Vec<usize> {
+        l.stride()
+            .iter()
+            .zip(l.dims())
+            .map(|(&s, &n)| if n == 1 { 0 } else { s })
+            .collect()
+    };
     let [ql, ..] = layouts;
-    let st = ql.stride();
+    let st = steps(ql);
     st.len() == 4
-        && st[3] == 1
+        && ql.stride()[3] == 1
         && ql.dims()[3].is_multiple_of(8)
         && st[..3].iter().all(|s| s.is_multiple_of(8))
-        && layouts
-            .iter()
-            .all(|l| l.stride() == st && (l.start_offset() * 2).is_multiple_of(16))
+        && layouts.iter().all(|l| {
+            l.dims() == ql.dims() && steps(l) == st && (l.start_offset() * 2).is_multiple_of(16)
+        })
 }
 
 #[cfg(test)]

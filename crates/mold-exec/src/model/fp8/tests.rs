@@ -503,4 +503,13 @@ fn qkv_views_read_in_place_only_where_rows_line_up() {
         .permute((1, 2, 0, 3))
         .unwrap();
     assert!(!views_in_place([off.layout(), off.layout(), off.layout()]));
+    // A dimension of one value keeps any stride (candle calls such a tensor contiguous).
+    let one = candle_core::Layout::new((1, h, l, d).into(), vec![3, l * d, d, 1], 0);
+    assert!(one.is_contiguous());
+    assert!(views_in_place([&one, &one, &one]));
+    let other = candle_core::Layout::new((1, h, l, d).into(), vec![5, l * d, d, 1], 8);
+    assert!(views_in_place([&one, &other, &one]));
+    // Different shapes with the same strides are not one view.
+    let short = candle_core::Layout::new((1, h, l - 1, d).into(), vec![3, l * d, d, 1], 0);
+    assert!(!views_in_place([&one, &short, &one]));
 }
