@@ -16,6 +16,7 @@ blocks a step runs, say) to set it beside the cost model's per-block figures.
 """
 import argparse
 import collections
+import gzip
 import json
 import re
 import statistics
@@ -37,8 +38,10 @@ def classify(kind, name):
 
 
 def load(path, device):
+    # The trace as libtrace.so wrote it, or gzipped (as benches/step-trace keeps it).
+    opener = gzip.open if path.endswith(".gz") else open
     ev = []
-    with open(path, newline="") as f:
+    with opener(path, "rt", newline="") as f:
         header = f.readline()
         if not header.startswith("start_ns"):
             sys.exit(f"classes.py: {path} is not a kernel-trace CSV (header {header.strip()!r})")

@@ -12,29 +12,9 @@ that hangs for milliseconds) shows here too.
 """
 import argparse
 import collections
-import gzip
 import sys
 
-
-def load(path, device):
-    opener = gzip.open if path.endswith(".gz") else open
-    ev = []
-    with opener(path, "rt", newline="") as f:
-        header = f.readline()
-        if not header.startswith("start_ns"):
-            sys.exit(f"waits.py: {path} is not a kernel-trace CSV (header {header.strip()!r})")
-        for line in f:
-            parts = line.rstrip("\n").split(",", 5)
-            if len(parts) < 6:
-                continue
-            s, e, dev, _stream, kind, name = parts
-            if int(dev) != device:
-                continue
-            s, e = int(s), int(e)
-            if e >= s > 0:
-                ev.append((s, e, kind, name))
-    ev.sort()
-    return ev
+from classes import load
 
 
 def waits(ev, min_ns):
