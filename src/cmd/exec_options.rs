@@ -240,6 +240,14 @@ pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
             src("MOLD_FP8_ATTENTION"),
         ),
         (
+            "fp8_sm_carveout".into(),
+            match o.fp8.sm_carveout {
+                0 => "none".into(),
+                n => format!("{n} SMs left beside the products"),
+            },
+            src("MOLD_FP8_SM_CARVEOUT"),
+        ),
+        (
             "deterministic".into(),
             o.deterministic.to_string(),
             src("MOLD_DETERMINISTIC"),
@@ -343,6 +351,23 @@ mod tests {
         assert!(!f.quantize_in_norm && !f.fast_accumulation && f.plain_quantize);
         assert_eq!(f.attention, Some(true));
         assert_eq!(opts(None, &[]).unwrap().fp8.attention, None);
+        assert_eq!(opts(None, &[]).unwrap().fp8.sm_carveout, 0);
+        assert_eq!(
+            opts(None, &[("MOLD_FP8_SM_CARVEOUT", " 16")])
+                .unwrap()
+                .fp8
+                .sm_carveout,
+            16
+        );
+        for bad in ["-1", "2000", "many"] {
+            let e = opts(None, &[("MOLD_FP8_SM_CARVEOUT", bad)])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("MOLD_FP8_SM_CARVEOUT") && e.contains("0 (the default) to 1024"),
+                "{e}"
+            );
+        }
         assert_eq!(
             opts(None, &[("MOLD_FP8_ATTENTION", "off")])
                 .unwrap()
@@ -423,6 +448,7 @@ mod tests {
             ("MOLD_FP8_FAST_ACCUM", "fast"),
             ("MOLD_FP8_QUANTIZE", "a\nb"),
             ("MOLD_FP8_ATTENTION", "fp8"),
+            ("MOLD_FP8_SM_CARVEOUT", "a\nb"),
             ("MOLD_STREAMING", "a\nb"),
             ("MOLD_KERNELS", "a\nb"),
             ("MOLD_FAULT", "a\nb"),

@@ -71,11 +71,19 @@ pub struct Fp8Options {
     /// cannot run it, attention runs in the activations' dtype (the run's report says why);
     /// on the CPU its precision is emulated. Per executor, not process-wide.
     pub attention: Option<bool>,
+    /// SMs the FP8 products leave to the work beside them (`MOLD_FP8_SM_CARVEOUT=N`, default
+    /// 0: none): cuBLASLt's SM count target (`CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`) set to
+    /// the GPU's SMs less N, so that a product whose kernel keeps one block per SM does not
+    /// wait for the SMs an NCCL exchange's kernels hold (under sequence parallelism over
+    /// more than two GPUs, and tensor parallelism, NCCL's kernels run beside the products).
+    /// The same bits only where cuBLASLt picks the same algorithm; for measuring.
+    pub sm_carveout: u32,
 }
 
 impl Fp8Options {
     /// Reads `MOLD_FP8_FUSE` (on|off), `MOLD_FP8_FAST_ACCUM` (on|off), `MOLD_FP8_QUANTIZE`
-    /// (pieces|plain) and `MOLD_FP8_ATTENTION` (on|off) through `get` (the CLI passes its
+    /// (pieces|plain), `MOLD_FP8_ATTENTION` (on|off) and `MOLD_FP8_SM_CARVEOUT` (a number of
+    /// SMs, 0 to 1024) through `get` (the CLI passes its
     /// environment); unset ones keep their defaults. A bad value is refused in one line naming the variable.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Fp8Options, String> {
         let d = Fp8Options::default();
@@ -119,6 +127,17 @@ impl Fp8Options {
                     "give on (FP8 attention in FP8 blocks) or off (attention in the activations' dtype), or leave it unset for what the plan says",
                 )?),
             },
+            sm_carveout: match get("MOLD_FP8_SM_CARVEOUT") {
+                None => d.sm_carveout,
+                Some(v) => match v.trim().parse::<u32>() {
+                    Ok(n) if n <= 1024 => n,
+                    _ => {
+                        return Err(format!(
+                            "MOLD_FP8_SM_CARVEOUT={v:?}: give the SMs the FP8 products leave to the work beside them, 0 (the default) to 1024"
+                        ))
+                    }
+                },
+            },
         })
     }
 }
@@ -130,6 +149,7 @@ impl Default for Fp8Options {
             fast_accumulation: true,
             plain_quantize: false,
             attention: None,
+            sm_carveout: 0,
         }
     }
 }

@@ -23,6 +23,7 @@ fn an_executor_applies_its_fp8_options() {
         fast_accumulation: false,
         plain_quantize: true,
         attention: Some(true),
+        sm_carveout: 16,
     };
     let opts = ExecOptions {
         fp8: off,

@@ -244,7 +244,8 @@ unsafe fn set_desc<T>(
 
 impl Product {
     /// `out (n × m) = act(scale_w · scale_x · Wᵀx + bias) + beta · out`, with cuBLASLt's
-    /// fast accumulation where `fast_accum`; scale and bias pointers are set by [`run`].
+    /// fast accumulation where `fast_accum` and told to use `sm_target` SMs where given
+    /// ([`sm_target`]); scale and bias pointers are set by [`run`].
     #[allow(clippy::too_many_arguments)]
     unsafe fn new(
         m: usize,
@@ -254,6 +255,7 @@ impl Product {
         bias: bool,
         gelu: bool,
         fast_accum: bool,
+        sm_target: Option<i32>,
     ) -> CResult<Product> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         let desc = lt::create_matmul_desc(
@@ -293,6 +295,9 @@ impl Product {
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
         if fast_accum {
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
+        }
+        if let Some(sms) = sm_target {
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms)?;
         }
         if bias {
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &lt_type(out)?)?;
@@ -475,9 +480,20 @@ unsafe fn run(
     // Each product's descriptors and algorithm are made once per handle (a step runs a few
     // hundred products of a dozen shapes), not once per product.
     let fast = super::options().fast_accumulation;
-    let pk: ShapeKey = (m, n, k, out_dt == DType::BF16, bias.is_some(), gelu, fast);
+    let sm_target = sm_target(&stream, super::options().sm_carveout);
+    let pk: ShapeKey = (
+        m,
+        n,
+        k,
+        out_dt == DType::BF16,
+        bias.is_some(),
+        gelu,
+        fast,
+        sm_target,
+    );
     if let std::collections::hash_map::Entry::Vacant(e) = prepared.entry(pk) {
-        let p = Product::new(m, n, k, out_dt, bias.is_some(), gelu, fast).map_err(refuse)?;
+        let p =
+            Product::new(m, n, k, out_dt, bias.is_some(), gelu, fast, sm_target).map_err(refuse)?;
         point(&p).map_err(refuse)?;
         let algo = choose(lt_handle, &p, pk, &stream).map_err(refuse)?;
         e.insert((p, algo));
@@ -508,8 +524,23 @@ unsafe fn run(
 }
 
 /// A product's shape and epilogue on one device: m, n, k, bf16 output, bias, GELU, fast
-/// accumulation.
-type ShapeKey = (usize, usize, usize, bool, bool, bool, bool);
+/// accumulation, and the SMs cuBLASLt is told to target (where some are left out).
+type ShapeKey = (usize, usize, usize, bool, bool, bool, bool, Option<i32>);
+
+/// The SMs the products on `stream`'s GPU target when `carveout` of them are left to the
+/// work beside them ([`crate::Fp8Options::sm_carveout`]): the GPU's less `carveout`, at
+/// least one; `None` for none left out (cuBLASLt's own choice) or where the GPU does not say.
+fn sm_target(stream: &Arc<CudaStream>, carveout: u32) -> Option<i32> {
+    if carveout == 0 {
+        return None;
+    }
+    use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute as A;
+    let sms = stream
+        .context()
+        .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .ok()?;
+    Some(sms.saturating_sub(carveout as i32).max(1))
+}
 
 /// The algorithm for product `pk` on `stream`'s device: cuBLASLt's heuristic, asked once per
 /// device and shape in a process. (For these products — FP8 with outer-vector scales — the

@@ -361,6 +361,7 @@ impl Fp8Rows {
 static QUANTIZE_IN_NORM: AtomicBool = AtomicBool::new(true);
 static FAST_ACCUMULATION: AtomicBool = AtomicBool::new(true);
 static PLAIN_QUANTIZE: AtomicBool = AtomicBool::new(false);
+static SM_CARVEOUT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Sets how this process's FP8 products run (the executor applies its
 /// [`crate::options::Fp8Options`]; until then, their defaults).
@@ -368,6 +369,7 @@ pub fn configure(o: Fp8Options) {
     QUANTIZE_IN_NORM.store(o.quantize_in_norm, Ordering::Relaxed);
     FAST_ACCUMULATION.store(o.fast_accumulation, Ordering::Relaxed);
     PLAIN_QUANTIZE.store(o.plain_quantize, Ordering::Relaxed);
+    SM_CARVEOUT.store(o.sm_carveout, Ordering::Relaxed);
 }
 
 /// How this process's FP8 products run now ([`configure`]).
@@ -377,6 +379,7 @@ pub fn options() -> Fp8Options {
         fast_accumulation: FAST_ACCUMULATION.load(Ordering::Relaxed),
         plain_quantize: PLAIN_QUANTIZE.load(Ordering::Relaxed),
         attention: None,
+        sm_carveout: SM_CARVEOUT.load(Ordering::Relaxed),
     }
 }
 
