@@ -715,16 +715,6 @@ fn tune_args(
     Ok((weights, steps, rounds, options, limit))
 }
 
-/// Whether objective value `x` is better than `y` for `req`'s objective: more images a minute
-/// for throughput, fewer seconds or bytes otherwise.
-fn better(req: &Request, x: f64, y: f64) -> bool {
-    if req.objective == Objective::Throughput {
-        x > y
-    } else {
-        x < y
-    }
-}
-
 /// `asked` as planned; with `--fp8-attention`, a word where it could not apply (a dense
 /// transformer) or where the tables price it no faster than attention in the activations'
 /// dtype for this workload (short sequences, a few heads a shard: its quantizing pass
@@ -794,7 +784,14 @@ fn plan_with_fp8_allowed(a: &Args, req: &Request) -> Result<mold_planner::Outcom
     let dense = mold_planner::plan(req);
     let fp8 = mold_planner::plan(&r8);
     let score = |o: &mold_planner::Outcome| o.plan.solver.objective_value;
-    let better = |x: f64, y: f64| better(req, x, y);
+    // Images a minute for throughput (more is better); seconds or bytes otherwise.
+    let better = |x: f64, y: f64| {
+        if req.objective == Objective::Throughput {
+            x > y
+        } else {
+            x < y
+        }
+    };
     let name = asked.map_or("its default dtype".to_string(), |d| d.to_string());
     Ok(match (dense, fp8) {
         (Ok(d), Ok(_)) if unlike.is_some() => {

@@ -20,7 +20,8 @@
 // amax3 / quantize3: three tensors (attention's q, k and v) of n values each (n a multiple
 //   of 8, 16-byte aligned) quantized to e4m3 with one scale per tensor, for cuDNN's FP8
 //   attention. The three are (b, h, L, d) views with the same strides (d contiguous, every
-//   8-value piece 16-byte aligned: View4), read in place; quantize3 writes them contiguous. amax3: block (x, y) writes the largest magnitude of its share of tensor y to
+//   8-value piece 16-byte aligned: View4), read in place; quantize3 writes them contiguous.
+//   amax3: block (x, y) writes the largest magnitude of its share of tensor y to
 //   partial[y * P + x] (P = gridDim.x). quantize3: every block takes tensor y's amax over
 //   its P partials, partial[(y * P + i) * stride] (amax3's, stride 1, or those elementwise.cu's
 //   q/k/v preparation takes as it writes q, k and v, a 128-byte line apart: then amax3 does

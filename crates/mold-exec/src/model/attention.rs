@@ -285,13 +285,7 @@ fn cudnn_fp8_attention(
     // Every token's scale is v's descale: the quantizing kernel writes it per token too. It
     // reads q, k and v where they are (under sequence parallelism, strided views of the
     // all-to-all's buffer) and writes them contiguous, as the plan reads them.
-    let in_place = super::fp8::views_in_place([q.layout(), k.layout(), v.layout()]);
-    let (q, k, v) = if in_place {
-        (q.clone(), k.clone(), v.clone())
-    } else {
-        (q.contiguous()?, k.contiguous()?, v.contiguous()?)
-    };
-    let (qkv, scales, s) = super::fp8::cuda::quantize_qkv(&q, &k, &v, amax)?;
+    let (qkv, scales, s) = super::fp8::cuda::quantize_qkv(q, k, v, amax)?;
     let o = plan.run(&qkv, &scales)?; // (b, L, h, d) e4m3
     let (b, l, h, d) = o.dims4()?;
     Ok(Ok((

@@ -57,6 +57,8 @@ struct Handle {
     ws: CudaSlice<u8>,
     /// Each product's descriptors and algorithm, made on its first run here.
     prepared: HashMap<ShapeKey, (Product, sys::cublasLtMatmulAlgo_t)>,
+    /// The GPU's SMs (0 where it does not say), for [`super::sm_target`].
+    sms: i32,
 }
 
 // SAFETY: a cuBLASLt handle may be used from any thread, one call at a time (the mutex).
@@ -79,12 +81,18 @@ fn handle(dev: &CudaDevice) -> CResult<Arc<Mutex<Handle>>> {
             .bind_to_thread()
             .map_err(|e| err("context", e))?;
         let h = lt::create_handle().map_err(|e| err("cuBLASLt handle", e))?;
+        use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute as A;
+        let sms = stream
+            .context()
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap_or(0);
         // SAFETY: a workspace is scratch memory; cuBLASLt writes before it reads.
         match unsafe { stream.alloc::<u8>(WORKSPACE) } {
             Ok(ws) => Ok(Handle {
                 h,
                 ws,
                 prepared: HashMap::new(),
+                sms,
             }),
             Err(e) => {
                 // SAFETY: just created, not shared.
@@ -464,6 +472,7 @@ unsafe fn run(
         h: lt_handle,
         ws,
         prepared,
+        sms,
     } = &mut *h;
     let lt_handle = *lt_handle;
     // This call's operands; cuBLASLt answers a heuristic query for outer-vector scales only
@@ -480,7 +489,7 @@ unsafe fn run(
     // Each product's descriptors and algorithm are made once per handle (a step runs a few
     // hundred products of a dozen shapes), not once per product.
     let fast = super::options().fast_accumulation;
-    let sm_target = sm_target(&stream, super::options().sm_carveout);
+    let sm_target = super::sm_target(*sms, super::options().sm_carveout);
     let pk: ShapeKey = (
         m,
         n,
@@ -526,21 +535,6 @@ unsafe fn run(
 /// A product's shape and epilogue on one device: m, n, k, bf16 output, bias, GELU, fast
 /// accumulation, and the SMs cuBLASLt is told to target (where some are left out).
 type ShapeKey = (usize, usize, usize, bool, bool, bool, bool, Option<i32>);
-
-/// The SMs the products on `stream`'s GPU target when `carveout` of them are left to the
-/// work beside them ([`crate::Fp8Options::sm_carveout`]): the GPU's less `carveout`, at
-/// least one; `None` for none left out (cuBLASLt's own choice) or where the GPU does not say.
-fn sm_target(stream: &Arc<CudaStream>, carveout: u32) -> Option<i32> {
-    if carveout == 0 {
-        return None;
-    }
-    use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute as A;
-    let sms = stream
-        .context()
-        .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .ok()?;
-    Some(sms.saturating_sub(carveout as i32).max(1))
-}
 
 /// The algorithm for product `pk` on `stream`'s device: cuBLASLt's heuristic, asked once per
 /// device and shape in a process. (For these products — FP8 with outer-vector scales — the
@@ -1033,6 +1027,19 @@ pub(crate) fn quantize_qkv(
     if !n.is_multiple_of(8) || n >= i64::MAX as usize {
         candle_core::bail!("FP8 attention: {n} values a tensor, not a multiple of 8");
     }
+    // Views the passes cannot read in place (other strides, rows not contiguous, pieces not
+    // 16-byte aligned) are copied first, contiguous from offset 0.
+    let copied;
+    let (q, k, v) = if super::views_in_place([q.layout(), k.layout(), v.layout()]) {
+        (q, k, v)
+    } else {
+        copied = [
+            q.force_contiguous()?,
+            k.force_contiguous()?,
+            v.force_contiguous()?,
+        ];
+        (&copied[0], &copied[1], &copied[2])
+    };
     let (qs, ql) = q.storage_and_layout();
     let (ks, kl) = k.storage_and_layout();
     let (vs, vl) = v.storage_and_layout();
@@ -1042,14 +1049,6 @@ pub(crate) fn quantize_qkv(
     let strides = ql.stride().to_vec();
     let dense = ql.is_contiguous() && kl.is_contiguous() && vl.is_contiguous();
     let dim_d = dims[3];
-    if !super::views_in_place([ql, kl, vl]) {
-        candle_core::bail!(
-            "FP8 attention: q, k, v (strides {:?}, {:?}, {:?}) are not views of rows of {dim_d} values 16-byte aligned with one set of strides",
-            ql.stride(),
-            kl.stride(),
-            vl.stride()
-        );
-    }
     let (h32, l32, dp32) = (dims[1] as u32, dims[2] as u32, (dim_d / 8) as u32);
     if batch * dims[1] * dims[2] > u32::MAX as usize {
         candle_core::bail!("FP8 attention: {:?} has more rows than 2^32", dims);

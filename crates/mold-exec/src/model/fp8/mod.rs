@@ -630,8 +630,8 @@ pub fn add_linear(acc: Tensor, x: &Tensor, w: &Fp8Weight, k: Kernels) -> CResult
 
 /// Whether the GPU's q/k/v quantizing pass (`cuda::quantize_qkv`) reads q, k and v (`(b, h, L, d)`, 2-byte values) where they are:
 /// one set of strides, each row of `d` values contiguous and every 8-value piece 16-byte
-/// aligned (contiguous tensors of d a multiple of 8 are; so are the views of the sequence
-/// parallel all-to-all's `(L, 3, b, h, d)` buffer).
+/// aligned (so are the views of the sequence parallel all-to-all's `(L, 3, b, h, d)`
+/// buffer); or all three contiguous from a 16-byte boundary.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn views_in_place(layouts: [&candle_core::Layout; 3]) -> bool {
     // A dimension of one value is never stepped along: its stride does not matter (candle
@@ -644,14 +644,29 @@ pub(crate) fn views_in_place(layouts: [&candle_core::Layout; 3]) -> bool {
             .collect()
     };
     let [ql, ..] = layouts;
+    let aligned = |l: &candle_core::Layout| (l.start_offset() * 2).is_multiple_of(16);
+    if layouts
+        .iter()
+        .all(|l| l.is_contiguous() && aligned(l) && l.dims() == ql.dims())
+    {
+        return true;
+    }
     let st = steps(ql);
     st.len() == 4
         && ql.stride()[3] == 1
         && ql.dims()[3].is_multiple_of(8)
         && st[..3].iter().all(|s| s.is_multiple_of(8))
-        && layouts.iter().all(|l| {
-            l.dims() == ql.dims() && steps(l) == st && (l.start_offset() * 2).is_multiple_of(16)
-        })
+        && layouts
+            .iter()
+            .all(|l| l.dims() == ql.dims() && steps(l) == st && aligned(l))
+}
+
+/// The SMs a GPU of `sms` SMs has its products target when `carveout` of them are left to
+/// the work beside them ([`crate::Fp8Options::sm_carveout`]): `sms` less `carveout`, at least
+/// one; `None` for none left out (cuBLASLt's own choice) or where the GPU does not say.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn sm_target(sms: i32, carveout: u32) -> Option<i32> {
+    (carveout > 0 && sms > 0).then(|| sms.saturating_sub(carveout as i32).max(1))
 }
 
 #[cfg(test)]

@@ -472,9 +472,9 @@ fn an_fp8_checkpoint_keeps_its_values_in_an_fp8_plan() {
 }
 
 /// The GPU's q/k/v quantizing pass reads in place the views sequence parallelism hands
-/// attention (of the all-to-all's `(L, 3, b, h, d)` buffer) and contiguous tensors, and not
-/// tensors of other strides, rows not contiguous or pieces not 16-byte aligned (those are
-/// copied first).
+/// attention (of the all-to-all's `(L, 3, b, h, d)` buffer) and contiguous tensors from a
+/// 16-byte boundary, and not tensors of other strides, rows not contiguous or pieces not
+/// 16-byte aligned (it copies those first).
 #[test]
 fn qkv_views_read_in_place_only_where_rows_line_up() {
     use candle_core::IndexOp;
@@ -492,9 +492,19 @@ fn qkv_views_read_in_place_only_where_rows_line_up() {
     // Rows not contiguous: d is not the innermost dimension.
     let t = c.transpose(2, 3).unwrap();
     assert!(!views_in_place([t.layout(), t.layout(), t.layout()]));
-    // Pieces not 16-byte aligned: rows of 12 values, and a view starting 4 values in.
-    let odd = Tensor::zeros((b, h, l, 12), DType::BF16, &dev).unwrap();
+    // Pieces not 16-byte aligned: a view of rows of 12 values, and one starting 4 values
+    // in; contiguous tensors need no whole pieces a row, only a 16-byte start.
+    let odd = Tensor::zeros((l, 3, b, h, 12), DType::BF16, &dev).unwrap();
+    let odd = odd.i((.., 0)).unwrap().permute((1, 2, 0, 3)).unwrap();
     assert!(!views_in_place([odd.layout(), odd.layout(), odd.layout()]));
+    let twelve = Tensor::zeros((b, h, l, 12), DType::BF16, &dev).unwrap();
+    assert!(views_in_place([
+        twelve.layout(),
+        twelve.layout(),
+        twelve.layout()
+    ]));
+    let late = candle_core::Layout::contiguous_with_offset((b, h, l, d), 4);
+    assert!(!views_in_place([&late, &late, &late]));
     let off = buf
         .narrow(4, 4, 8)
         .unwrap()
@@ -512,4 +522,14 @@ fn qkv_views_read_in_place_only_where_rows_line_up() {
     // Different shapes with the same strides are not one view.
     let short = candle_core::Layout::new((1, h, l - 1, d).into(), vec![3, l * d, d, 1], 0);
     assert!(!views_in_place([&one, &short, &one]));
+}
+
+/// `MOLD_FP8_SM_CARVEOUT`: the products target the GPU's SMs less the carveout, at least one;
+/// cuBLASLt's own choice where none is left out or the GPU's count is unknown.
+#[test]
+fn products_target_the_sms_left() {
+    assert_eq!(sm_target(132, 0), None);
+    assert_eq!(sm_target(132, 16), Some(116));
+    assert_eq!(sm_target(132, 1024), Some(1));
+    assert_eq!(sm_target(0, 16), None);
 }
