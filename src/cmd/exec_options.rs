@@ -248,6 +248,16 @@ pub fn describe(env: &EnvVars) -> Vec<(String, String, String)> {
             src("MOLD_FP8_SM_CARVEOUT"),
         ),
         (
+            "fp8_exchange".into(),
+            if o.fp8.exchange_e4m3 {
+                "e4m3 (FP8 attention's q, k, v and output under sequence parallelism)"
+            } else {
+                "wide (in the activations' dtype)"
+            }
+            .into(),
+            src("MOLD_FP8_EXCHANGE"),
+        ),
+        (
             "deterministic".into(),
             o.deterministic.to_string(),
             src("MOLD_DETERMINISTIC"),
@@ -352,6 +362,20 @@ mod tests {
         assert_eq!(f.attention, Some(true));
         assert_eq!(opts(None, &[]).unwrap().fp8.attention, None);
         assert_eq!(opts(None, &[]).unwrap().fp8.sm_carveout, 0);
+        assert!(opts(None, &[]).unwrap().fp8.exchange_e4m3);
+        assert!(
+            !opts(None, &[("MOLD_FP8_EXCHANGE", "Wide")])
+                .unwrap()
+                .fp8
+                .exchange_e4m3
+        );
+        let e = opts(None, &[("MOLD_FP8_EXCHANGE", "bf16")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("MOLD_FP8_EXCHANGE") && e.contains("e4m3") && e.contains("wide"),
+            "{e}"
+        );
         assert_eq!(
             opts(None, &[("MOLD_FP8_SM_CARVEOUT", " 16")])
                 .unwrap()

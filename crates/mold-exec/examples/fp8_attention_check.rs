@@ -16,7 +16,12 @@
 //! bits as FP8 attention taking them in a pass of its own. And q, k and v as sequence
 //! parallelism hands them over, strided views of the all-to-all's `(L, 3, b, h, d)` buffer
 //! (read in place by the quantizing pass), must give the bits of the same values contiguous,
-//! and the GPU's widening of FP8 attention's e4m3 output those of the host's.
+//! and the GPU's widening of FP8 attention's e4m3 output those of the host's. Last, the same
+//! q, k and v over a sequence-parallel group of two ranks on this one GPU (threads, the
+//! exchange staged through the host: [`mold_exec::comm::ThreadComm`]), q, k and v sent in
+//! e4m3 with the scales the group agrees on (`mold_exec::model::sequence::exchange_e4m3`),
+//! read in place by cuDNN from the receive buffer, the output sent back in e4m3: each rank's
+//! rows and scales must be those of FP8 attention on one rank for its tokens, bit for bit.
 //!
 //!   fp8_attention_check [--lengths 1000,4608] [--heads 8] [--tol 2]
 use candle_core::IndexOp;
@@ -149,7 +154,118 @@ fn run() -> Result<bool, String> {
     for (i, &l) in lengths.iter().enumerate() {
         ok &= views_of_the_exchange(&gpu, l, heads, 1 + usize::from(i == 0), &meter)?;
     }
+    for &l in &lengths {
+        ok &= over_a_group(&gpu, l, heads)?;
+    }
     Ok(ok)
+}
+
+/// FP8 attention over a sequence-parallel group of two ranks on one GPU (q, k and v sent in
+/// e4m3) against FP8 attention on one rank: each rank's rows and scales, bit for bit.
+/// FP8 attention's e4m3 output as bytes and its per-token scales.
+type Rows = (Vec<u8>, Vec<f32>);
+
+fn over_a_group(gpu: &Device, l: usize, heads: usize) -> Result<bool, String> {
+    use mold_exec::comm::{Comm, LocalComm, ThreadComm};
+    use mold_exec::model::sequence::{attention, split, Qkv};
+    use mold_exec::model::Ctx;
+    let e = |e: candle_core::Error| e.to_string();
+    let (b, d, world) = (1usize, 128usize, 2usize);
+    let make = |seed: u64, scale: f64| -> Result<Tensor, String> {
+        (Tensor::from_vec(
+            values(b * heads * l * d, seed),
+            (b, heads, l, d),
+            &Device::Cpu,
+        )
+        .map_err(e)?
+            * scale)
+            .map_err(e)?
+            .to_dtype(DType::BF16)
+            .map_err(e)?
+            .to_device(gpu)
+            .map_err(e)
+    };
+    let (q, k, v) = (make(31, 2.0)?, make(32, 1.5)?, make(33, 6.0)?);
+    let rows_of = |i: Input| -> Result<Rows, String> {
+        let Input::Fp8(r) = i else {
+            return Err("FP8 attention did not return e4m3 rows".into());
+        };
+        let vals = r
+            .rows()
+            .values()
+            .flatten_all()
+            .and_then(|t| t.to_device(&Device::Cpu))
+            .and_then(|t| t.to_vec1::<float8::F8E4M3>())
+            .map_err(e)?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        let sc = r
+            .rows()
+            .scales()
+            .to_device(&Device::Cpu)
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(e)?;
+        Ok((vals, sc))
+    };
+    let meter = ActivationMeter::default();
+    let one = rows_of(fp8_attention(Kernels::Auto, &q, &k, &v, None, &meter).map_err(e)?)?;
+    let comms = ThreadComm::group(world);
+    let lens: Vec<usize> = (0..world).map(|r| split(l, r, world).len()).collect();
+    let got: Vec<Result<Rows, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let (q, k, v, lens) = (&q, &k, &v, &lens);
+                s.spawn(move || -> Result<Rows, String> {
+                    let meter = ActivationMeter::default();
+                    let ctx = Ctx {
+                        comm: &LocalComm,
+                        sp: c,
+                        meter: &meter,
+                        kernels: Kernels::Auto,
+                        token_split: false,
+                        profile: None,
+                        ahead: None,
+                        slot: 0,
+                        fp8_attention: true,
+                    };
+                    let mine = split(l, c.rank(), world);
+                    let pick = |t: &Tensor| t.narrow(2, mine.start, mine.len());
+                    let qkv = Qkv::new(
+                        pick(q).map_err(e)?,
+                        pick(k).map_err(e)?,
+                        pick(v).map_err(e)?,
+                        world,
+                    )
+                    .map_err(e)?;
+                    rows_of(attention(qkv, lens, true, &ctx).map_err(e)?)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+            .collect()
+    });
+    let mut vals = Vec::new();
+    let mut sc = Vec::new();
+    for g in got {
+        let (v, s) = g?;
+        vals.extend(v);
+        sc.extend(s);
+    }
+    let same_vals = vals == one.0;
+    let same_scales = sc == one.1;
+    let differ = vals.iter().zip(&one.0).filter(|(a, b)| a != b).count();
+    let pass = same_vals && same_scales;
+    println!(
+        "L {l}, {heads} heads over {world} ranks, q, k, v and output sent in e4m3: rows {} ({differ} of {} values differ), scales {} | {}",
+        if same_vals { "= one rank's, bit for bit" } else { "differ from one rank's" },
+        one.0.len(),
+        if same_scales { "= one rank's" } else { "differ" },
+        if pass { "ok" } else { "FAIL" }
+    );
+    Ok(pass)
 }
 
 /// q, k and v as sequence parallelism hands them to attention, strided views of the q/k/v

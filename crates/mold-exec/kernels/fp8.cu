@@ -275,6 +275,57 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
     }
 }
 
+
+// quantize_thirds: the q/k/v all-to-all's messages in e4m3 (sequence parallelism with FP8
+//   attention). x holds n values (n a multiple of 8, 16-byte aligned) laid out as `(.., 3,
+//   inner)`: value e belongs to tensor (first + e / inner) % 3 (inner a multiple of 8: a
+//   piece never straddles two); each is scaled by 448 / amax of its tensor, amax folded as
+//   quantize3 folds it from partial[(y * parts + i) * pstride] (every rank's maxima one
+//   after another: one scale per tensor agreed by the group, as one GPU takes it), and
+//   written as e4m3 to q (n values, same layout). Where `scales` is not null, block 0 writes
+//   the six scales as quantize3 does, and the blocks write v's descale to v_tokens[0 ..
+//   tokens]. The same factors, so the same bits, as quantize3 given the same maxima.
+//   Launch: grid any, block 256.
+template <typename T>
+__device__ void quantize_thirds(const T *__restrict__ x, int64_t n, int64_t inner, int first,
+                                const float *__restrict__ partial, int parts, int pstride,
+                                __nv_fp8_storage_t *__restrict__ q, float *__restrict__ scales,
+                                int64_t tokens, float *__restrict__ v_tokens) {
+    float inv[3], descale[3];
+#pragma unroll
+    for (int y = 0; y < 3; ++y) {
+        float m = 0.0f;
+        for (int i = threadIdx.x; i < parts; i += THREADS)
+            m = fmaxf(m, partial[(y * (int64_t)parts + i) * pstride]);
+        const float a = block_max(m);
+        const bool ok = a > 0.0f && isfinite(a);
+        inv[y] = ok ? __fdiv_rn(E4M3_MAX, a) : 1.0f;
+        descale[y] = ok ? __fdiv_rn(a, E4M3_MAX) : 1.0f;
+    }
+    if (scales != nullptr) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
+            scales[0] = descale[0];
+            scales[4] = descale[1];
+            scales[8] = descale[2];
+            scales[12] = __fdiv_rn(1.0f, E4M3_MAX);
+            scales[16] = E4M3_MAX;
+            scales[20] = inv[2];
+        }
+        for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < tokens;
+             i += (int64_t)gridDim.x * THREADS)
+            v_tokens[i] = descale[2];
+    }
+    const uint4 *xv = reinterpret_cast<const uint4 *>(x);
+    uint2 *qv = reinterpret_cast<uint2 *>(q);
+    const int64_t pieces = n / 8;
+    for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < pieces;
+         i += (int64_t)gridDim.x * THREADS) {
+        const int w = (int)((first + (i * 8) / inner) % 3);
+        const float f = w == 0 ? inv[0] : (w == 1 ? inv[1] : inv[2]);
+        qv[i] = pack8_e4m3<T>(xv[i], f);
+    }
+}
+
 } // namespace mold_fp8
 
 #define MOLD_FP8(T, SUFFIX)                                                                    \
@@ -312,6 +363,12 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
         mold_fp8::quantize3<T>(x0, x1, x2, n,                                                 \
                                mold_fp8::View4{dense != 0, h, l, dp, sb, sh, sl}, partial,     \
                                parts, pstride, q3, scales, tokens, v_tokens);                  \
+    }                                                                                          \
+    extern "C" __global__ void mold_fp8_quantize_thirds_##SUFFIX(                             \
+        const T *x, int64_t n, int64_t inner, int first, const float *partial, int parts,      \
+        int pstride, __nv_fp8_storage_t *q, float *scales, int64_t tokens, float *v_tokens) {  \
+        mold_fp8::quantize_thirds<T>(x, n, inner, first, partial, parts, pstride, q, scales,   \
+                                     tokens, v_tokens);                                        \
     }
 
 MOLD_FP8(__nv_bfloat16, bf16)

@@ -78,12 +78,18 @@ pub struct Fp8Options {
     /// more than two GPUs, and tensor parallelism, NCCL's kernels run beside the products).
     /// The same bits only where cuBLASLt picks the same algorithm; for measuring.
     pub sm_carveout: u32,
+    /// Under sequence parallelism with FP8 attention, q, k and v sent in e4m3 with one
+    /// scale per tensor agreed by the group, and the output back in e4m3 (`true`, the
+    /// default; [`crate::model::sequence::exchange_e4m3`]); `false`
+    /// (`MOLD_FP8_EXCHANGE=wide`): sent in the activations' dtype, each rank quantizing the
+    /// heads it receives with scales of its own.
+    pub exchange_e4m3: bool,
 }
 
 impl Fp8Options {
     /// Reads `MOLD_FP8_FUSE` (on|off), `MOLD_FP8_FAST_ACCUM` (on|off), `MOLD_FP8_QUANTIZE`
-    /// (pieces|plain), `MOLD_FP8_ATTENTION` (on|off) and `MOLD_FP8_SM_CARVEOUT` (a number of
-    /// SMs, 0 to 1024) through `get` (the CLI passes its
+    /// (pieces|plain), `MOLD_FP8_ATTENTION` (on|off), `MOLD_FP8_SM_CARVEOUT` (a number of
+    /// SMs, 0 to 1024) and `MOLD_FP8_EXCHANGE` (e4m3|wide) through `get` (the CLI passes its
     /// environment); unset ones keep their defaults. A bad value is refused in one line naming the variable.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Fp8Options, String> {
         let d = Fp8Options::default();
@@ -138,6 +144,13 @@ impl Fp8Options {
                     }
                 },
             },
+            exchange_e4m3: pick(
+                "MOLD_FP8_EXCHANGE",
+                "e4m3",
+                "wide",
+                d.exchange_e4m3,
+                "give e4m3 (the default: FP8 attention's q, k, v and output sent in e4m3 under sequence parallelism) or wide (in the activations' dtype)",
+            )?,
         })
     }
 }
@@ -150,6 +163,7 @@ impl Default for Fp8Options {
             plain_quantize: false,
             attention: None,
             sm_carveout: 0,
+            exchange_e4m3: true,
         }
     }
 }

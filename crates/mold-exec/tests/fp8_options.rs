@@ -24,6 +24,7 @@ fn an_executor_applies_its_fp8_options() {
         plain_quantize: true,
         attention: Some(true),
         sm_carveout: 16,
+        exchange_e4m3: false,
     };
     let opts = ExecOptions {
         fp8: off,

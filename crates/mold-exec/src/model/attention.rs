@@ -17,7 +17,7 @@ use super::fp8::Fp8Rows;
 use super::mat::Input;
 use super::ops::Kernels;
 use super::ActivationMeter;
-use candle_core::{Tensor, D};
+use candle_core::{DType, IndexOp, Tensor, D};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -69,7 +69,6 @@ pub fn fused_supported(q: &Tensor) -> bool {
 
 #[cfg(feature = "cuda")]
 fn fused_supported_impl(q: &Tensor) -> bool {
-    use candle_core::DType;
     q.device().is_cuda()
         && matches!(q.dtype(), DType::BF16 | DType::F16)
         && matches!(q.dim(D::Minus1), Ok(64) | Ok(128))
@@ -78,6 +77,30 @@ fn fused_supported_impl(q: &Tensor) -> bool {
 
 #[cfg(not(feature = "cuda"))]
 fn fused_supported_impl(_q: &Tensor) -> bool {
+    false
+}
+
+/// Whether cuDNN's FP8 attention can run on `device` (CUDA, Hopper or later, cuDNN
+/// loaded); the shape is not checked.
+pub fn fp8_attention_available(device: &candle_core::Device) -> bool {
+    fp8_available_impl(device)
+}
+
+#[cfg(feature = "cuda")]
+fn fp8_available_impl(device: &candle_core::Device) -> bool {
+    let candle_core::Device::Cuda(dev) = device else {
+        return false;
+    };
+    let (major, _) = dev
+        .cuda_stream()
+        .context()
+        .compute_capability()
+        .unwrap_or((0, 0));
+    major >= 9 && super::cudnn::version().is_ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fp8_available_impl(_: &candle_core::Device) -> bool {
     false
 }
 
@@ -329,12 +352,35 @@ pub fn fp8_attention_rows_reference(
     v: &Tensor,
     meter: &ActivationMeter,
 ) -> CResult<Fp8Rows> {
-    use super::fp8::{fake_quantize_tensor, round_e4m3, E4M3_MAX};
-    let (dtype, dev) = (q.dtype(), q.device().clone());
+    use super::fp8::{amax_host, quantize_host};
+    let amax = [amax_host(q)?, amax_host(k)?, amax_host(v)?];
+    let (q8, k8, v8) = (
+        quantize_host(q, amax[0])?,
+        quantize_host(k, amax[1])?,
+        quantize_host(v, amax[2])?,
+    );
+    fp8_attention_quantized_reference(&q8, &k8, &v8, amax, q.dtype(), meter)
+}
+
+/// [`fp8_attention_rows_reference`] of q, k and v already in e4m3 (`(b, h, L, d)` F8E4M3,
+/// views or not), each with the scale its largest magnitude `amax[i]` gives
+/// ([`super::fp8::row_scale`]): under sequence parallelism every rank's q, k and v are
+/// quantized with the scales the group agreed on and sent in e4m3 (`sequence::start`).
+/// The output rows carry v's scale; `dtype` is the activations'.
+pub fn fp8_attention_quantized_reference(
+    q8: &Tensor,
+    k8: &Tensor,
+    v8: &Tensor,
+    amax: [f32; 3],
+    dtype: DType,
+    meter: &ActivationMeter,
+) -> CResult<Fp8Rows> {
+    use super::fp8::{round_e4m3, row_scale, widen_host, E4M3_MAX};
+    let dev = q8.device().clone();
     let (q, k, v) = (
-        fake_quantize_tensor(q)?,
-        fake_quantize_tensor(k)?,
-        fake_quantize_tensor(v)?,
+        widen_host(q8, row_scale(amax[0]).1)?,
+        widen_host(k8, row_scale(amax[1]).1)?,
+        widen_host(v8, row_scale(amax[2]).1)?,
     );
     let dim = q.dim(D::Minus1)?;
     let scale = 1.0 / (dim as f64).sqrt();
@@ -354,13 +400,10 @@ pub fn fp8_attention_rows_reference(
         .collect();
     let p8 = Tensor::from_vec(p8, dims, p.device())?;
     let out = p8.matmul(&v)?; // (b·h, Lq, d)
-    let v_amax = v.abs()?.max_all()?.to_scalar::<f32>()?;
-    let (inv, s) = super::fp8::row_scale(v_amax);
+                              // The output's scale is v's: each value is an average of v's (as the GPU takes it).
+    let (inv, s) = row_scale(amax[2]);
     // (b, Lq, h, d): the tokens' rows.
-    let out = out
-        .reshape((b, h, lq, dim))?
-        .transpose(1, 2)?
-        .to_device(&candle_core::Device::Cpu)?;
+    let out = out.reshape((b, h, lq, dim))?.transpose(1, 2)?;
     let o8: Vec<_> = out
         .flatten_all()?
         .to_vec1::<f32>()?
@@ -372,6 +415,107 @@ pub fn fp8_attention_rows_reference(
     let scales =
         Tensor::from_vec(vec![s; rows], rows, &candle_core::Device::Cpu)?.to_device(&dev)?;
     Fp8Rows::new(o8, scales, &[b, lq, h * dim], dtype)
+}
+
+/// FP8 attention over q, k and v sent in e4m3 (sequence parallelism,
+/// `sequence::start`): `all` the all-to-all's receive buffer `(L, 3, b, h, d)` of e4m3
+/// values, read in place, quantized with the scales `scales` gives. Returns the output
+/// `(b, L, h · d)` in e4m3 with v's scale (every token's, [`Fp8Scales::v_descale`]). On CUDA
+/// cuDNN's FP8 attention (an error where it cannot run: the group chose this path because
+/// every rank's GPU takes it); on the CPU [`fp8_attention_quantized_reference`].
+pub fn fp8_attention_tokens(
+    all: &Tensor,
+    scales: &Fp8Scales,
+    dtype: DType,
+    meter: &ActivationMeter,
+) -> CResult<Tensor> {
+    let (l, _, b, h, d) = all.dims5()?;
+    // (b, h, L, d) views of the (L, 3, b, h, d) buffer.
+    let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
+    let out = match scales {
+        Fp8Scales::Host(amax) => {
+            let rows = fp8_attention_quantized_reference(
+                &part(0)?,
+                &part(1)?,
+                &part(2)?,
+                *amax,
+                dtype,
+                meter,
+            )?;
+            note("emulated FP8", None);
+            rows.rows().values().reshape((b, l, h * d))?
+        }
+        Fp8Scales::Device { scales, .. } => {
+            let out = cudnn_fp8_tokens(all, scales, (b, h, l, d), dtype)?;
+            meter.see(&out);
+            out
+        }
+    };
+    Ok(out)
+}
+
+/// The scales of q, k and v sent in e4m3 under sequence parallelism, one per tensor,
+/// agreed by the group (`sequence::start`).
+#[derive(Clone, Debug)]
+pub enum Fp8Scales {
+    /// On the GPU: the [`super::fp8`] `QKV_SCALES` floats cuDNN's FP8 attention takes
+    /// (q's, k's, v's descales, ...), and v's descale once per row of the rank's output.
+    Device { scales: Tensor, v_tokens: Tensor },
+    /// On the host (the CPU emulation): q's, k's and v's largest magnitudes.
+    Host([f32; 3]),
+}
+
+impl Fp8Scales {
+    /// v's descale for each of `rows` rows of the attention output, on `device`.
+    pub fn v_descale(&self, rows: usize, device: &candle_core::Device) -> CResult<Tensor> {
+        match self {
+            Fp8Scales::Device { v_tokens, .. } => {
+                if v_tokens.dims() != [rows] {
+                    candle_core::bail!(
+                        "FP8 attention: {:?} token scales for {rows} rows",
+                        v_tokens.dims()
+                    );
+                }
+                Ok(v_tokens.clone())
+            }
+            Fp8Scales::Host(amax) => {
+                let s = super::fp8::row_scale(amax[2]).1;
+                Tensor::from_vec(vec![s; rows], rows, &candle_core::Device::Cpu)?.to_device(device)
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cudnn_fp8_tokens(
+    all: &Tensor,
+    scales: &Tensor,
+    dims: (usize, usize, usize, usize),
+    dtype: DType,
+) -> CResult<Tensor> {
+    use super::cudnn::{fp8_attention_plan_for, Fp8Layout};
+    let version = super::cudnn::version().map_err(candle_core::Error::msg)?;
+    let plan =
+        fp8_attention_plan_for(dims, dtype, all.device(), Fp8Layout::Tokens)?.map_err(|why| {
+            candle_core::Error::Msg(format!(
+                "FP8 attention on q, k and v sent in e4m3: cuDNN cannot run it here ({why}); \
+                 plan without `attention: fp8` (`mold plan` without --fp8-attention)"
+            ))
+        })?;
+    let o = plan.run(all, scales)?; // (b, L, h, d) e4m3
+    note(&format!("cudnn {version} (FP8 SDPA)"), None);
+    let (b, h, l, d) = dims;
+    o.reshape((b, l, h * d))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cudnn_fp8_tokens(
+    _: &Tensor,
+    _: &Tensor,
+    _: (usize, usize, usize, usize),
+    _: DType,
+) -> CResult<Tensor> {
+    candle_core::bail!("FP8 attention on the GPU: a CPU build")
 }
 
 /// The composition of candle ops (materialises the `L × L` scores).

@@ -432,6 +432,9 @@ pub struct OwnPiece {
 pub struct Messages {
     pub send: Vec<Tensor>,
     pub recv: Option<Tensor>,
+    /// The partial maxima of q, k and v over this rank's tokens of every head, as
+    /// [`qkv_prep_fused_amax`] takes them, where asked.
+    pub amax: Option<Tensor>,
 }
 
 /// [`qkv_prep_fused`] writing the messages of a sequence-parallel all-to-all over
@@ -440,12 +443,15 @@ pub struct Messages {
 /// the pieces one buffer. So no copy puts the messages together, and the pieces received
 /// from every rank, one after another, are all tokens of a group of heads. With `own`,
 /// the rank's own piece is written where the pieces are received, so it is not copied
-/// there either.
+/// there either. With `amax`, the values' largest magnitudes are taken as they are
+/// written ([`Messages::amax`]).
+#[allow(clippy::too_many_arguments)]
 pub fn qkv_prep_fused_groups(
     segs: &[QkvSegment],
     heads: usize,
     groups: usize,
     own: Option<OwnPiece>,
+    amax: bool,
     cos: &Tensor,
     sin: &Tensor,
     eps: f32,
@@ -469,9 +475,13 @@ pub fn qkv_prep_fused_groups(
         groups,
         own: own.map(|o| (o.rank, o.before * row(o.rank))),
         extra: own.map_or(0, |o| o.total * row(o.rank)),
-        amax: false,
+        amax,
     };
-    let Prepared { out: flat, me, .. } = fused::qkv_prep(segs, heads, layout, cos, sin, eps)?;
+    let Prepared {
+        out: flat,
+        me,
+        amax,
+    } = fused::qkv_prep(segs, heads, layout, cos, sin, eps)?;
     let recv = match (me, own) {
         (Some(t), Some(o)) => {
             let hs = super::sequence::split(heads, o.rank, groups).len();
@@ -492,7 +502,7 @@ pub fn qkv_prep_fused_groups(
             Ok(piece)
         })
         .collect::<CResult<Vec<_>>>()?;
-    Ok(Messages { send, recv })
+    Ok(Messages { send, recv, amax })
 }
 
 /// Tensors `(b, L, w_j)` put side by side along the last dimension, `(b, L, Σ w_j)`: the

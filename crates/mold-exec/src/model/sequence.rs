@@ -8,10 +8,12 @@
 //! rank's own counts, so nothing is padded and the result equals one rank's computation
 //! (up to the attention kernel's own rounding). Each rank needs at least one head.
 
+use super::attention::Fp8Scales;
+use super::fp8::Fp8Rows;
 use super::mat::Input;
 use super::{ops, Ctx};
 use crate::comm::Exchange;
-use candle_core::{IndexOp, Result, Shape, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Shape, Tensor};
 use std::ops::Range;
 
 /// Rank `rank`'s share of `n` tokens over `world` ranks: contiguous, the first `n %
@@ -36,9 +38,13 @@ pub enum Qkv {
     /// heads_j, head_dim)`, heads `split(heads, j, n)` of q, k and v token-major. `recv`,
     /// where given, is the buffer the pieces are received into, `(L, 3, b, heads_r,
     /// head_dim)`, the rank's own piece already in it (and message `rank` a view of it).
+    /// `amax`: the partial maxima `(3, parts, stride)` f32 of this rank's q, k and v (every
+    /// head) where the fused preparation took them, for the e4m3 exchange
+    /// ([`exchange_e4m3`]).
     Messages {
         send: Vec<Tensor>,
         recv: Option<Tensor>,
+        amax: Option<Tensor>,
     },
 }
 
@@ -52,6 +58,7 @@ impl Qkv {
         Ok(Qkv::Messages {
             send: messages(&q, &k, &v, n)?,
             recv: None,
+            amax: None,
         })
     }
 }
@@ -63,6 +70,35 @@ impl Qkv {
 /// as it is, for the output projection's FP8 product ([`Input::Fp8`]).
 pub fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> Result<Input> {
     start(qkv, lens, fp8, ctx)?.attend(ctx)?.finish(ctx)
+}
+
+/// Whether q, k and v reach FP8 attention in e4m3 under sequence parallelism (`--fp8-attention`
+/// over a sequence-parallel group; `MOLD_FP8_EXCHANGE=wide` sends them in the activations'
+/// dtype instead): each rank takes the largest magnitudes of its q, k and v (every head,
+/// its tokens), the group exchanges them, every rank quantizes its messages with the one
+/// scale per tensor they give — the scale one GPU takes over the whole tensors — and sends
+/// e4m3, half the bytes; attention reads the received buffer in place, and its e4m3 output
+/// goes back in e4m3 and on to the output projection as its quantized rows
+/// ([`Input::Fp8`]), as on one GPU: no pass takes the maxima of the received heads, none
+/// quantizes them, none widens the output, the projection does not round it again. Where
+/// cuDNN's FP8 attention runs (CUDA: bf16/f16, head size 64 or 128, Hopper or later,
+/// libraries allowed) and in the CPU emulation; elsewhere they go in the activations'
+/// dtype and each rank quantizes what it receives. Depends only on what every rank of a
+/// group of like GPUs shares, so every rank decides alike.
+pub fn exchange_e4m3(dtype: DType, d: usize, device: &Device, kernels: ops::Kernels) -> bool {
+    if !super::fp8::options().exchange_e4m3 {
+        return false;
+    }
+    match device {
+        Device::Cpu => true,
+        Device::Cuda(_) => {
+            matches!(dtype, DType::BF16 | DType::F16)
+                && matches!(d, 64 | 128)
+                && kernels.uses_libraries()
+                && super::attention::fp8_attention_available(device)
+        }
+        _ => false,
+    }
 }
 
 /// Whether a block whose weights are held in FP8 (`fp8_block`) runs its attention in FP8:
@@ -93,6 +129,9 @@ enum QkvState<'a> {
         /// Batch and head size.
         b: usize,
         d: usize,
+        /// Where q, k and v come in e4m3 ([`exchange_e4m3`]): their scales, and the
+        /// activations' dtype.
+        e4m3: Option<(Fp8Scales, DType)>,
     },
 }
 
@@ -105,6 +144,13 @@ pub struct OutInFlight<'a> {
 enum OutState<'a> {
     Done(Input),
     Moving(Box<dyn Exchange + 'a>),
+    /// FP8 attention's output coming back in e4m3, every token with v's scale.
+    MovingE4m3 {
+        exchange: Box<dyn Exchange + 'a>,
+        scales: Fp8Scales,
+        dtype: DType,
+        b: usize,
+    },
 }
 
 /// Starts attention over the whole sequence for a rank that holds a slice of it: the
@@ -126,7 +172,7 @@ enum OutState<'a> {
 pub fn start<'a>(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx<'a>) -> Result<QkvInFlight<'a>> {
     let sp = ctx.sp;
     let (n, me) = (sp.world_size(), sp.rank());
-    let (send, into) = match qkv {
+    let (send, into, amax) = match qkv {
         Qkv::Heads(q, k, v) if n == 1 => {
             return Ok(QkvInFlight {
                 state: QkvState::Local(q, k, v, None),
@@ -141,8 +187,8 @@ pub fn start<'a>(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx<'a>) -> Result<Q
         }
         // The maxima are of this rank's tokens of every head, not of every token of the
         // heads its attention covers: not used.
-        Qkv::Heads(q, k, v) | Qkv::Measured(q, k, v, _) => (messages(&q, &k, &v, n)?, None),
-        Qkv::Messages { send, recv } => (send, recv),
+        Qkv::Heads(q, k, v) | Qkv::Measured(q, k, v, _) => (messages(&q, &k, &v, n)?, None, None),
+        Qkv::Messages { send, recv, amax } => (send, recv, amax),
     };
     if send.len() != n || lens.len() != n {
         candle_core::bail!(
@@ -160,6 +206,13 @@ pub fn start<'a>(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx<'a>) -> Result<Q
     }
     // Every rank's tokens of this rank's heads come back, one after another.
     let shapes: Vec<Shape> = lens.iter().map(|&lj| (lj, 3, b, hs, d).into()).collect();
+    let dtype = send[me].dtype();
+    let (send, into, e4m3) = if fp8 && exchange_e4m3(dtype, d, send[me].device(), ctx.kernels) {
+        let (send, recv, scales) = quantize_for_exchange(send, amax, lens, b, ctx)?;
+        (send, recv, Some((scales, dtype)))
+    } else {
+        (send, into, None)
+    };
     let exchange = sp.all_to_all_start(send, shapes, Some(into))?;
     Ok(QkvInFlight {
         fp8,
@@ -169,8 +222,70 @@ pub fn start<'a>(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx<'a>) -> Result<Q
             heads_each,
             b,
             d,
+            e4m3,
         },
     })
+}
+
+/// The q/k/v messages in e4m3 ([`exchange_e4m3`]): this rank's maxima (the preparation's
+/// `amax`, else taken from the messages), every rank's exchanged, the messages quantized
+/// with the scales they give. Returns the e4m3 messages, the receive buffer (on CUDA, the
+/// own piece already in it) and the scales.
+fn quantize_for_exchange(
+    send: Vec<Tensor>,
+    amax: Option<Tensor>,
+    lens: &[usize],
+    b: usize,
+    ctx: &Ctx,
+) -> Result<(Vec<Tensor>, Option<Tensor>, Fp8Scales)> {
+    let (n, me) = (ctx.sp.world_size(), ctx.sp.rank());
+    let local = match amax {
+        Some(a) => a,
+        None => messages_amax(&send)?,
+    };
+    let got = ctx
+        .sp
+        .all_to_all(&vec![local.clone(); n], &vec![local.shape().clone(); n])?;
+    // (3, n · parts, stride): every rank's partial maxima of q, then of k, then of v.
+    let maxima = Tensor::cat(&got, 1)?;
+    ctx.mark("q/k/v scales (all-to-all)", &maxima);
+    let tokens = b * lens[me];
+    #[cfg(feature = "cuda")]
+    if send[me].device().is_cuda() {
+        let before: usize = lens[..me].iter().sum();
+        let total: usize = lens.iter().sum();
+        let q = super::fp8::cuda::quantize_messages(&send, me, (before, total), &maxima, tokens)?;
+        ctx.mark("q/k/v to e4m3", &q.recv);
+        let scales = Fp8Scales::Device {
+            scales: q.scales,
+            v_tokens: q.v_tokens,
+        };
+        return Ok((q.send, Some(q.recv), scales));
+    }
+    let _ = tokens;
+    let a: Vec<f32> = maxima.flatten_from(1)?.max(1)?.to_vec1()?;
+    let amax = [a[0], a[1], a[2]];
+    let send = send
+        .iter()
+        .map(|m| super::fp8::quantize_thirds_host(m, 0, amax))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((send, None, Fp8Scales::Host(amax)))
+}
+
+/// The largest magnitudes of q, k and v in messages `(L, 3, b, heads_j, d)`, `(3, 1, 1)`
+/// f32 (NaN skipped where the backend's maximum skips it).
+fn messages_amax(send: &[Tensor]) -> Result<Tensor> {
+    let each = send
+        .iter()
+        .map(|m| {
+            m.abs()?
+                .transpose(0, 1)?
+                .flatten_from(1)?
+                .max(1)?
+                .to_dtype(DType::F32)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::stack(&each, 0)?.max(0)?.reshape((3, 1, 1))
 }
 
 impl<'a> QkvInFlight<'a> {
@@ -178,7 +293,7 @@ impl<'a> QkvInFlight<'a> {
     /// each rank its tokens back.
     pub fn attend(self, ctx: &Ctx<'a>) -> Result<OutInFlight<'a>> {
         let fp8 = self.fp8;
-        let (exchange, lens, heads_each, b, d) = match self.state {
+        let (exchange, lens, heads_each, b, d, e4m3) = match self.state {
             QkvState::Local(q, k, v, amax) => {
                 return Ok(OutInFlight {
                     state: OutState::Done(local(&q, &k, &v, amax.as_ref(), fp8, ctx)?),
@@ -190,26 +305,42 @@ impl<'a> QkvInFlight<'a> {
                 heads_each,
                 b,
                 d,
-            } => (exchange, lens, heads_each, b, d),
+                e4m3,
+            } => (exchange, lens, heads_each, b, d, e4m3),
         };
         let all = exchange
             .finish()?
             .pop()
             .ok_or_else(|| candle_core::Error::Msg("all-to-all: nothing received".into()))?;
         ctx.mark("all-to-all (q, k, v)", &all);
+        let me = ctx.sp.rank();
+        if let Some((scales, dtype)) = e4m3 {
+            // (b, L, hs·d) e4m3, every token with v's scale: sent back as it is.
+            let out = super::attention::fp8_attention_tokens(&all, &scales, dtype, ctx.meter)?;
+            ctx.mark("attention", &out);
+            drop(all);
+            let send = token_pieces(&out, &lens)?;
+            drop(out);
+            let shapes: Vec<Shape> = heads_each
+                .iter()
+                .map(|&h| (b, lens[me], h * d).into())
+                .collect();
+            return Ok(OutInFlight {
+                state: OutState::MovingE4m3 {
+                    exchange: ctx.sp.all_to_all_start(send, shapes, None)?,
+                    scales,
+                    dtype,
+                    b,
+                },
+            });
+        }
         // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
         let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
         // (b, L, hs·d), widened to be sent.
         let out = local(&part(0)?, &part(1)?, &part(2)?, None, fp8, ctx)?.widen()?;
         drop(all);
         // Each rank's tokens back to it; the head groups side by side, in rank order.
-        let me = ctx.sp.rank();
-        let mut send = Vec::with_capacity(lens.len());
-        let mut off = 0;
-        for &lj in &lens {
-            send.push(out.narrow(1, off, lj)?.contiguous()?);
-            off += lj;
-        }
+        let send = token_pieces(&out, &lens)?;
         drop(out);
         let shapes: Vec<Shape> = heads_each
             .iter()
@@ -233,8 +364,40 @@ impl OutInFlight<'_> {
                 ctx.mark("all-to-all (output)", &out);
                 Ok(Input::Dense(out))
             }
+            OutState::MovingE4m3 {
+                exchange,
+                scales,
+                dtype,
+                b,
+            } => {
+                // The head groups side by side, (b, L_r, heads · d) e4m3: one scale for all.
+                let got = exchange.finish()?;
+                let out = if got.len() == 1 {
+                    got[0].clone()
+                } else {
+                    Tensor::cat(&got, 2)?
+                };
+                ctx.mark("all-to-all (output)", &out);
+                let (_, l, k) = out.dims3()?;
+                let rows = out.reshape((b * l, k))?;
+                let s = scales.v_descale(b * l, rows.device())?;
+                Ok(Input::Fp8(Fp8Rows::new(rows, s, &[b, l, k], dtype)?))
+            }
         }
     }
+}
+
+/// Each rank's tokens of `(b, L, w)`, contiguous, in rank order (`lens[j]` tokens for rank
+/// j): the attention output's all-to-all back.
+fn token_pieces(out: &Tensor, lens: &[usize]) -> Result<Vec<Tensor>> {
+    let mut off = 0;
+    lens.iter()
+        .map(|&lj| {
+            let t = out.narrow(1, off, lj)?.contiguous();
+            off += lj;
+            t
+        })
+        .collect()
 }
 
 /// q, k, v for [`attention`] by the fused preparation (CUDA; the families' blocks check
@@ -267,16 +430,23 @@ pub fn prepare_fused(
     if lens.len() != n {
         candle_core::bail!("sequence parallel attention: {n} ranks, shares {lens:?}");
     }
+    // With q, k and v sent in e4m3 the maxima are taken as they are written, and the own
+    // piece stays among the messages: it is quantized into the receive buffer.
+    let first = segs[0].qkv;
+    let d = segs[0].q_scale.dims1()?;
+    let e4m3 = fp8 && exchange_e4m3(first.dtype(), d, first.device(), ctx.kernels);
     let own = ops::OwnPiece {
         rank: me,
         before: lens[..me].iter().sum(),
         total: lens.iter().sum(),
     };
-    let m = ops::qkv_prep_fused_groups(segs, heads, n, Some(own), cos, sin, eps)?;
+    let own = (!e4m3).then_some(own);
+    let m = ops::qkv_prep_fused_groups(segs, heads, n, own, e4m3, cos, sin, eps)?;
     ctx.mark("qk norm + rope + layout", &m.send[n - 1]);
     Ok(Qkv::Messages {
         send: m.send,
         recv: m.recv,
+        amax: m.amax,
     })
 }
 
@@ -371,8 +541,102 @@ mod tests {
         ));
         assert!(matches!(
             Qkv::new(q, k, v, 2).unwrap(),
-            Qkv::Messages { send, recv: None } if send.len() == 2
+            Qkv::Messages { send, recv: None, amax: None } if send.len() == 2
         ));
+    }
+
+    /// FP8 attention over a sequence-parallel group (CPU emulation; q, k and v sent in e4m3
+    /// with the scales the group agrees on, the output back in e4m3) gives every rank the
+    /// rows one rank computes for its tokens, bit for bit, with the same scale: uneven
+    /// tokens and heads included. Quantizing each rank's received heads with scales of its
+    /// own (the exchange in the activations' dtype) does not.
+    #[test]
+    fn fp8_attention_over_a_group_equals_one_rank_bit_for_bit() {
+        use crate::comm::{Comm, ThreadComm};
+        use crate::model::ActivationMeter;
+        use crate::Kernels;
+        use candle_core::Device;
+        let (b, heads, l, d) = (1usize, 5usize, 7usize, 8usize);
+        // Each head's values on its own scale, so per-head maxima differ from the whole's.
+        let make = |seed: u64| {
+            let v: Vec<f32> = (0..b * heads * l * d)
+                .map(|i| {
+                    let x = ((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0;
+                    x * (1 + (i / (l * d)) % heads) as f32
+                })
+                .collect();
+            Tensor::from_vec(v, (b, heads, l, d), &Device::Cpu).unwrap()
+        };
+        let (q, k, v) = (make(1), make(2), make(3));
+        let run = |world: usize| -> Vec<(Vec<u8>, Vec<f32>)> {
+            let comms = ThreadComm::group(world);
+            std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .iter()
+                    .map(|c| {
+                        let (q, k, v) = (&q, &k, &v);
+                        s.spawn(move || {
+                            let meter = ActivationMeter::default();
+                            let ctx = Ctx {
+                                comm: &crate::comm::LocalComm,
+                                sp: c,
+                                meter: &meter,
+                                kernels: Kernels::Candle,
+                                token_split: false,
+                                profile: None,
+                                ahead: None,
+                                slot: 0,
+                                fp8_attention: true,
+                            };
+                            let lens: Vec<usize> =
+                                (0..world).map(|r| split(l, r, world).len()).collect();
+                            let mine = split(l, c.rank(), world);
+                            let pick = |t: &Tensor| t.narrow(2, mine.start, mine.len()).unwrap();
+                            let qkv = Qkv::new(pick(q), pick(k), pick(v), world).unwrap();
+                            let Input::Fp8(rows) = attention(qkv, &lens, true, &ctx).unwrap()
+                            else {
+                                panic!("FP8 attention's rows");
+                            };
+                            assert_eq!(rows.dims(), &[b, mine.len(), heads * d]);
+                            let vals: Vec<u8> = rows
+                                .rows()
+                                .values()
+                                .flatten_all()
+                                .unwrap()
+                                .to_vec1::<float8::F8E4M3>()
+                                .unwrap()
+                                .iter()
+                                .map(|x| x.to_bits())
+                                .collect();
+                            let sc: Vec<f32> = rows.rows().scales().to_vec1().unwrap();
+                            (vals, sc)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        let one = run(1).pop().unwrap();
+        for world in [2usize, 3] {
+            let got = run(world);
+            let vals: Vec<u8> = got.iter().flat_map(|(v, _)| v.clone()).collect();
+            let sc: Vec<f32> = got.iter().flat_map(|(_, s)| s.clone()).collect();
+            assert_eq!(vals, one.0, "world {world}: values");
+            assert_eq!(sc, one.1, "world {world}: scales");
+        }
+        // The exchange in the activations' dtype: each rank's scales are of its own heads.
+        let wide = crate::model::attention::fp8_attention_rows_reference(
+            &q.narrow(1, 0, 3).unwrap(),
+            &k.narrow(1, 0, 3).unwrap(),
+            &v.narrow(1, 0, 3).unwrap(),
+            &ActivationMeter::default(),
+        )
+        .unwrap();
+        let s0: Vec<f32> = wide.rows().scales().to_vec1().unwrap();
+        assert_ne!(
+            s0[0], one.1[0],
+            "the heads of rank 0 alone have another v scale"
+        );
     }
 
     #[test]

@@ -235,15 +235,36 @@ fn plan_for(
     Ok((st, plan))
 }
 
+/// How the e4m3 q, k and v [`Fp8Attention::run`] takes lie in their one buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Layout {
+    /// `(3, b, h, L, d)` contiguous, as `quantize_qkv` writes them.
+    Heads,
+    /// `(L, 3, b, h, d)`: the sequence-parallel all-to-all's receive buffer of e4m3
+    /// messages, read in place (`sequence::start`).
+    Tokens,
+}
+
 /// cuDNN's FP8 attention for self-attention over `q` `(b, h, L, d)` (bf16/f16, on a GPU):
 /// the plan, found (or built, or refused) before anything is quantized. The reason when
 /// cuDNN cannot run it here (before Hopper, another dtype, or no engine).
 pub fn fp8_attention_plan(q: &Tensor) -> CResult<Result<Fp8Attention, String>> {
     let (b, h, l, d) = q.dims4()?;
-    if !matches!(q.dtype(), DType::BF16 | DType::F16) {
-        return Ok(Err(format!("dtype {:?}", q.dtype())));
+    fp8_attention_plan_for((b, h, l, d), q.dtype(), q.device(), Fp8Layout::Heads)
+}
+
+/// [`fp8_attention_plan`] for q, k and v `(b, h, L, d)` of activations in `dtype` on
+/// `device`, their e4m3 values laid out as `layout` says.
+pub fn fp8_attention_plan_for(
+    (b, h, l, d): (usize, usize, usize, usize),
+    dtype: DType,
+    device: &candle_core::Device,
+    layout: Fp8Layout,
+) -> CResult<Result<Fp8Attention, String>> {
+    if !matches!(dtype, DType::BF16 | DType::F16) {
+        return Ok(Err(format!("dtype {dtype:?}")));
     }
-    let candle_core::Device::Cuda(dev) = q.device() else {
+    let candle_core::Device::Cuda(dev) = device else {
         return Ok(Err("not a CUDA tensor".into()));
     };
     let (major, minor) = dev
@@ -257,7 +278,10 @@ pub fn fp8_attention_plan(q: &Tensor) -> CResult<Result<Fp8Attention, String>> {
         )));
     }
     let (b, h, l, d) = (b as i64, h as i64, l as i64, d as i64);
-    let st4 = [h * l * d, l * d, d, 1];
+    let st4 = match layout {
+        Fp8Layout::Heads => [h * l * d, l * d, d, 1],
+        Fp8Layout::Tokens => [h * d, d, 3 * b * h * d, 1],
+    };
     let key = graph::Key {
         dtype: ffi::DATA_FP8_E4M3,
         b,
@@ -277,6 +301,7 @@ pub fn fp8_attention_plan(q: &Tensor) -> CResult<Result<Fp8Attention, String>> {
                 scale: (1.0 / (d as f64).sqrt()) as f32,
                 plan,
                 state,
+                layout,
             },
         }),
         Err(e) => Err(e),
@@ -291,15 +316,20 @@ pub struct Fp8Attention {
 
 impl Fp8Attention {
     /// `softmax(q kᵀ / √d) v` ([`graph::Form::Fp8`]): `qkv` the e4m3 values of q, k and v
-    /// `(3, b, h, L, d)` contiguous and `scales` their scales as [`crate::model::fp8`]'s
+    /// in one contiguous buffer laid out as the plan's [`Fp8Layout`] (`(3, b, h, L, d)` or
+    /// `(L, 3, b, h, d)`) and `scales` their scales as [`crate::model::fp8`]'s
     /// `quantize_qkv` writes them; the output `(b, L, h, d)` in e4m3 scaled by v's factor
     /// (`scales[20]`; its descale is v's, `scales[8]`) — Hopper's FP8 attention kernels write
     /// FP8 only.
     pub fn run(&self, qkv: &Tensor, scales: &Tensor) -> CResult<Tensor> {
         let [b, h, l, d] = self.dims;
-        if qkv.dims() != [3, b, h, l, d] || !qkv.is_contiguous() || qkv.dtype() != DType::F8E4M3 {
+        let want: [usize; 5] = match self.op.layout {
+            Fp8Layout::Heads => [3, b, h, l, d],
+            Fp8Layout::Tokens => [l, 3, b, h, d],
+        };
+        if qkv.dims() != want || !qkv.is_contiguous() || qkv.dtype() != DType::F8E4M3 {
             candle_core::bail!(
-                "cudnn-attention: FP8 q, k, v are {:?} {:?}, the plan's (3, {b}, {h}, {l}, {d}) e4m3",
+                "cudnn-attention: FP8 q, k, v are {:?} {:?}, the plan's {want:?} e4m3",
                 qkv.dims(),
                 qkv.dtype()
             );
@@ -312,6 +342,7 @@ struct CudnnAttnFp8 {
     scale: f32,
     plan: Arc<graph::Plan>,
     state: Arc<Mutex<DeviceState>>,
+    layout: Fp8Layout,
 }
 
 impl candle_core::CustomOp2 for CudnnAttnFp8 {
@@ -336,8 +367,16 @@ impl candle_core::CustomOp2 for CudnnAttnFp8 {
         scales: &CudaStorage,
         sl: &Layout,
     ) -> CResult<(CudaStorage, Shape)> {
-        let (_, b, h, l, d) = ql.shape().dims5()?;
+        let (b, h, l, d) = match (self.layout, ql.shape().dims5()?) {
+            (Fp8Layout::Heads, (_, b, h, l, d)) => (b, h, l, d),
+            (Fp8Layout::Tokens, (l, _, b, h, d)) => (b, h, l, d),
+        };
         let n = b * h * l * d;
+        // From q's first value to k's and to v's.
+        let step = match self.layout {
+            Fp8Layout::Heads => n,
+            Fp8Layout::Tokens => b * h * d,
+        } as u64;
         if !ql.is_contiguous() || !sl.is_contiguous() || sl.shape().elem_count() < 21 {
             candle_core::bail!(
                 "cudnn-attention-fp8: q/k/v or scales not as quantize_qkv writes them"
@@ -361,12 +400,11 @@ impl candle_core::CustomOp2 for CudnnAttnFp8 {
             let (pa, _ga) = amax.device_ptr(&stream);
             let (pst, _gst) = stats.device_ptr(&stream);
             let (pw, _gw) = ws.device_ptr(&stream);
-            let nb = n as u64;
-            let ptrs = [pqkv, pqkv + nb, pqkv + 2 * nb, po];
+            let ptrs = [pqkv, pqkv + step, pqkv + 2 * step, po];
             for (what, p) in [
                 ("q", pqkv),
-                ("k", pqkv + nb),
-                ("v", pqkv + 2 * nb),
+                ("k", pqkv + step),
+                ("v", pqkv + 2 * step),
                 ("output", po),
                 ("scales", ps),
             ] {

@@ -1166,3 +1166,165 @@ pub(crate) fn quantize_qkv(
 /// v's descales, the probabilities' descale and scale, and the attention output's scale
 /// (v's factor 448 / amax: the output's values are averages of v's, so its descale is v's).
 pub(crate) const QKV_SCALES: usize = 24;
+
+/// What [`quantize_messages`] returns: the e4m3 messages to send (message `me` a view of
+/// `recv`), the receive buffer with this rank's own piece in place, the [`QKV_SCALES`]
+/// scales cuDNN's FP8 attention takes, and v's descale once per row of this rank's
+/// attention output (its per-token scales once the heads come back).
+pub(crate) struct QuantizedMessages {
+    pub send: Vec<Tensor>,
+    pub recv: Tensor,
+    pub scales: Tensor,
+    pub v_tokens: Tensor,
+}
+
+/// The q/k/v all-to-all's messages in e4m3 (sequence parallelism, FP8 attention): message j
+/// `(L_me, 3, b, heads_j, d)` bf16/f16, contiguous, each of q, k and v scaled by 448 / its
+/// amax, amax the largest of `maxima` `(3, parts, stride)` f32 (every rank's partial
+/// maxima one after another, so every rank takes the same scales, and the same as one GPU
+/// would over the whole tensors: `quantize_qkv`'s factors given the same maxima). Message
+/// `me` is written straight into the receive buffer `(total, 3, b, heads_me, d)` e4m3 at
+/// token `before`, the others into buffers of their own. `tokens`: the rows of this rank's
+/// attention output once its heads come back (b · L_me).
+pub(crate) fn quantize_messages(
+    send: &[Tensor],
+    me: usize,
+    (before, total): (usize, usize),
+    maxima: &Tensor,
+    tokens: usize,
+) -> CResult<QuantizedMessages> {
+    use candle_core::op::BackpropOp;
+    let own = send
+        .get(me)
+        .ok_or_else(|| err("messages", format!("no message {me} of {}", send.len())))?;
+    let dt = own.dtype();
+    let (l, three, b, hs, d) = own.dims5()?;
+    if three != 3 || before + l > total {
+        candle_core::bail!(
+            "FP8 q/k/v messages: message {me} is {:?}, tokens {before}.. of {total}",
+            own.dims()
+        );
+    }
+    let (y3, parts, pstride) = maxima.dims3()?;
+    if y3 != 3 || maxima.dtype() != DType::F32 || !maxima.is_contiguous() || parts * pstride == 0 {
+        candle_core::bail!(
+            "FP8 q/k/v messages: maxima {:?} {:?}, want (3, parts, stride) f32",
+            maxima.dims(),
+            maxima.dtype()
+        );
+    }
+    let dev = match own.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => candle_core::bail!("FP8 q/k/v messages: not on a GPU"),
+    };
+    let f = dev
+        .get_or_load_custom_fatbin(
+            &format!("mold_fp8_quantize_thirds_{}", suffix(dt)?),
+            MODULE,
+            FATBIN,
+        )?
+        .into_cuda_function();
+    let (ms, ml) = maxima.storage_and_layout();
+    let Storage::Cuda(mc) = &*ms else {
+        candle_core::bail!("FP8 q/k/v messages: the maxima are not on the GPU");
+    };
+    let mv = mc.as_cuda_slice::<f32>()?.slice(ml.start_offset()..);
+    let row = 3 * b * hs * d;
+    // SAFETY: every value of the receive buffer is written: the own piece here, the others'
+    // by the all-to-all; every scale the kernel returns and every token's scale by it.
+    let mut recv = unsafe { dev.alloc::<float8::F8E4M3>(total * row)? };
+    let mut scales = dev.alloc_zeros::<f32>(QKV_SCALES)?;
+    let mut v_tokens = unsafe { dev.alloc::<f32>(tokens.max(1))? };
+    let stream = dev.cuda_stream();
+    let (parts, pstride) = (parts as i32, pstride as i32);
+    let wrap = |st: CudaStorage, shape: Shape| {
+        Tensor::from_storage(Storage::Cuda(st), shape, BackpropOp::none(), false)
+    };
+    let mut out: Vec<Option<Tensor>> = Vec::with_capacity(send.len());
+    for (j, m) in send.iter().enumerate() {
+        let (lj, t3, bj, hj, dj) = m.dims5()?;
+        let n = m.elem_count();
+        let inner = bj * hj * dj;
+        if lj != l || t3 != 3 || bj != b || dj != d || m.dtype() != dt || !m.is_contiguous() {
+            candle_core::bail!(
+                "FP8 q/k/v messages: message {j} is {:?} {:?}, message {me} {:?} {dt:?}",
+                m.dims(),
+                m.dtype(),
+                own.dims()
+            );
+        }
+        if !inner.is_multiple_of(8) || n >= i64::MAX as usize {
+            candle_core::bail!("FP8 q/k/v messages: {inner} values a token's third, not 8·k");
+        }
+        let (xs, xl) = m.storage_and_layout();
+        let Storage::Cuda(xc) = &*xs else {
+            candle_core::bail!("FP8 q/k/v messages: message {j} is not on the GPU");
+        };
+        let (n64, inner64, first) = (n as i64, inner as i64, 0i32);
+        let pieces = (n / 8).div_ceil(THREADS as usize).clamp(1, 4 * 132 * 4) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (pieces, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let tokens64 = tokens as i64;
+        let null = 0u64;
+        // SAFETY (both arms): the arguments match the kernel's signature; `dst` holds the
+        // message's n values; `scales` and `v_tokens` hold QKV_SCALES and `tokens` floats.
+        macro_rules! go {
+            ($t:ty, $dst:expr, $own:expr) => {{
+                let x = xc.as_cuda_slice::<$t>()?.slice(xl.start_offset()..);
+                let mut a = stream.launch_builder(&f);
+                a.arg(&x).arg(&n64).arg(&inner64).arg(&first).arg(&mv);
+                a.arg(&parts).arg(&pstride).arg($dst);
+                if $own {
+                    a.arg(&mut scales).arg(&tokens64).arg(&mut v_tokens);
+                } else {
+                    a.arg(&null).arg(&tokens64).arg(&null);
+                }
+                unsafe { a.launch(cfg) }.map_err(|e| err("message kernel", e))?;
+            }};
+        }
+        if j == me {
+            let mut dst = recv.slice_mut(before * row..(before + l) * row);
+            match dt {
+                DType::BF16 => go!(half::bf16, &mut dst, true),
+                _ => go!(half::f16, &mut dst, true),
+            }
+            out.push(None);
+        } else {
+            // SAFETY: the kernel writes all n values.
+            let mut dst = unsafe { dev.alloc::<float8::F8E4M3>(n)? };
+            match dt {
+                DType::BF16 => go!(half::bf16, &mut dst, false),
+                _ => go!(half::f16, &mut dst, false),
+            }
+            out.push(Some(wrap(
+                CudaStorage::wrap_cuda_slice(dst, dev.clone()),
+                m.shape().clone(),
+            )));
+        }
+    }
+    let recv = wrap(
+        CudaStorage::wrap_cuda_slice(recv, dev.clone()),
+        Shape::from((total, 3, b, hs, d)),
+    );
+    let mine = recv.narrow(0, before, l)?;
+    let send = out
+        .into_iter()
+        .map(|t| t.unwrap_or_else(|| mine.clone()))
+        .collect();
+    Ok(QuantizedMessages {
+        send,
+        recv,
+        scales: wrap(
+            CudaStorage::wrap_cuda_slice(scales, dev.clone()),
+            Shape::from(QKV_SCALES),
+        ),
+        v_tokens: wrap(
+            CudaStorage::wrap_cuda_slice(v_tokens, dev.clone()),
+            Shape::from(tokens.max(1)),
+        )
+        .narrow(0, 0, tokens)?,
+    })
+}

@@ -362,6 +362,7 @@ static QUANTIZE_IN_NORM: AtomicBool = AtomicBool::new(true);
 static FAST_ACCUMULATION: AtomicBool = AtomicBool::new(true);
 static PLAIN_QUANTIZE: AtomicBool = AtomicBool::new(false);
 static SM_CARVEOUT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+static EXCHANGE_E4M3: AtomicBool = AtomicBool::new(true);
 
 /// Sets how this process's FP8 products run (the executor applies its
 /// [`crate::options::Fp8Options`]; until then, their defaults).
@@ -370,6 +371,7 @@ pub fn configure(o: Fp8Options) {
     FAST_ACCUMULATION.store(o.fast_accumulation, Ordering::Relaxed);
     PLAIN_QUANTIZE.store(o.plain_quantize, Ordering::Relaxed);
     SM_CARVEOUT.store(o.sm_carveout, Ordering::Relaxed);
+    EXCHANGE_E4M3.store(o.exchange_e4m3, Ordering::Relaxed);
 }
 
 /// How this process's FP8 products run now ([`configure`]).
@@ -380,6 +382,7 @@ pub fn options() -> Fp8Options {
         plain_quantize: PLAIN_QUANTIZE.load(Ordering::Relaxed),
         attention: None,
         sm_carveout: SM_CARVEOUT.load(Ordering::Relaxed),
+        exchange_e4m3: EXCHANGE_E4M3.load(Ordering::Relaxed),
     }
 }
 
@@ -480,6 +483,60 @@ pub fn fake_quantize_tensor(x: &Tensor) -> CResult<Tensor> {
         .map(|v| round_e4m3(v * inv).to_f32() * s)
         .collect();
     Tensor::from_vec(out, x.dims(), &Device::Cpu)?.to_device(x.device())
+}
+
+/// The largest magnitude of `x`'s values (NaN skipped), on the host: FP8 attention's amax
+/// of q, k or v in the CPU emulation.
+pub fn amax_host(x: &Tensor) -> CResult<f32> {
+    let data = x
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    Ok(data.iter().fold(0f32, |m, v| m.max(v.abs())))
+}
+
+/// `x` rounded to e4m3 with the scale `amax` gives ([`row_scale`]), on the host, returned
+/// as F8E4M3 on `x`'s device: what [`fake_quantize_tensor`] widens back.
+pub fn quantize_host(x: &Tensor, amax: f32) -> CResult<Tensor> {
+    quantize_thirds_host(&x.unsqueeze(0)?, 0, [amax; 3])?.squeeze(0)
+}
+
+/// `x` `(a, 3, ..)` rounded to e4m3 with a scale per index of dimension 1 (q's, k's and
+/// v's, from their largest magnitudes `amax`, [`row_scale`]), on the host, returned as
+/// F8E4M3 on `x`'s device: the CPU emulation of kernels/fp8.cu's `quantize_thirds` (the q/k/v
+/// all-to-all's messages). `first` offsets the thirds (a tensor `(a, 1, ..)` takes
+/// `amax[first]`).
+pub fn quantize_thirds_host(x: &Tensor, first: usize, amax: [f32; 3]) -> CResult<Tensor> {
+    let dims = x.dims().to_vec();
+    if dims.len() < 2 {
+        candle_core::bail!("quantizing thirds of a tensor shaped {dims:?}");
+    }
+    let inner: usize = dims[2..].iter().product();
+    let data = x
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let inv = amax.map(|a| row_scale(a).0);
+    let q: Vec<F8E4M3> = data
+        .par_iter()
+        .enumerate()
+        .map(|(e, v)| round_e4m3(v * inv[(first + e / inner.max(1)) % 3]))
+        .collect();
+    Tensor::from_vec(q, dims, &Device::Cpu)?.to_device(x.device())
+}
+
+/// e4m3 values (F8E4M3, any layout) times `descale`, in f32 on the host, returned on their
+/// device.
+pub fn widen_host(q: &Tensor, descale: f32) -> CResult<Tensor> {
+    let dims = q.dims().to_vec();
+    let data = q
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<F8E4M3>()?;
+    let out: Vec<f32> = data.par_iter().map(|v| v.to_f32() * descale).collect();
+    Tensor::from_vec(out, dims, &Device::Cpu)?.to_device(q.device())
 }
 
 /// `act(x Wᵀ + b)` emulated: the input quantized per token and widened back, the weight
