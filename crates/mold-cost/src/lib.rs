@@ -25,7 +25,9 @@
 //!   executor's all-gather is: a latency-bound collective of a few hundred KiB at most);
 //! - sequence parallel pays two all-to-alls per block (q, k and v in one message of three
 //!   head shards, the attention output back in one), a head shard being `⌈tokens/sp⌉ ·
-//!   hidden/tp` elements per rank of which `(sp−1)/sp` is sent, priced latency + bytes /
+//!   hidden/tp` elements per rank of which `(sp−1)/sp` is sent (in e4m3, after one more
+//!   latency for the maxima's exchange, where FP8 attention takes them so:
+//!   `Ctx::exchanges_e4m3`), priced latency + bytes /
 //!   bandwidth over the sequence-parallel group's link (or the measured tables), less
 //!   what runs beside them where the group is two GPUs of one peer domain on one node (the
 //!   executor's copy-engine all-to-alls, [`copies_beside`]): FLUX's single block hides each
@@ -356,9 +358,16 @@ impl<'a> Ctx<'a> {
                         .sum::<f64>()
         });
         // Each all-to-all: this rank's token shard of its head columns, all but the
-        // 1/sp it keeps sent to the others.
-        let shard =
-            mold_models::product(&[self.batch, local, kind.hidden.div_ceil(tp as u64), act]);
+        // 1/sp it keeps sent to the others; in e4m3 where FP8 attention takes them so
+        // (mold-exec's `sequence::exchange_e4m3`), after the group's maxima are exchanged.
+        let e4m3 = sp > 1 && self.exchanges_e4m3(kind, group, dtype);
+        let sent_bytes = if e4m3 { 1 } else { act };
+        let shard = mold_models::product(&[
+            self.batch,
+            local,
+            kind.hidden.div_ceil(tp as u64),
+            sent_bytes,
+        ]);
         // As the executor runs them: q, k and v in one all-to-all, the output in another,
         // and the output's join copied on the rank's memory.
         let alltoall_s = if sp > 1 {
@@ -397,6 +406,8 @@ impl<'a> Ctx<'a> {
                             }
                         })
                         .sum::<f64>()
+                        // The maxima's exchange before the q/k/v one: its latency.
+                        + if e4m3 { alltoall_s(&c, 0.0, n) } else { 0.0 }
                 })
                 .fold(0.0, f64::max);
             let copy_bytes = (alltoall_copy_shards(self.batch) * shard as f64) as u64;
@@ -448,6 +459,24 @@ impl<'a> Ctx<'a> {
             weight_bytes,
             activation_bytes,
         }
+    }
+
+    /// Whether a block of `kind` on `group` sends FP8 attention's q, k, v and output in
+    /// e4m3 under sequence parallelism (mold-exec's `sequence::exchange_e4m3`): an FP8
+    /// block of a plan with `attention: fp8` on devices whose tables measured FP8
+    /// attention (where they did not, the executor runs attention in the activations'
+    /// dtype, and sends that).
+    fn exchanges_e4m3(&self, kind: &BlockKind, group: &Group, dtype: DType) -> bool {
+        let (tp, sp) = (group.tp.max(1) as u64, group.sp.max(1) as u64);
+        let heads = (kind.heads as u64).div_ceil(tp * sp);
+        self.fp8_attention
+            && dtype == DType::Fp8
+            && group.devices.iter().all(|id| {
+                self.op_tables(id, dtype).is_some_and(|t| {
+                    !t.fp8_attention_curve(heads, kind.head_dim as u64)
+                        .is_empty()
+                })
+            })
     }
 
     /// The slowest of `groups`' collectives, `price(link, ranks, measured)` each (0 for

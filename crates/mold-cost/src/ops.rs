@@ -457,24 +457,25 @@ pub fn time_from(t: &OpTables, ops: &BlockOps) -> Result<OpsTime, NotCovered> {
             measured: range(&curve),
         });
     }
-    // On one rank FP8 attention hands the projection after it its output already quantized:
-    // that product's own quantizing pass, which its table time holds (a row-parallel product
+    // FP8 attention hands the projection after it its output already quantized: that
+    // product's own quantizing pass, which its table time holds (a row-parallel product
     // timed on an input in the activations' dtype), is not run. Priced as the pass's bytes
     // (the bf16/f16 input read — FP8 attention takes no other —, e4m3 and a scale a row
-    // written) at the element-wise rate. Under sequence parallelism it runs on what the
-    // all-to-all brought, without maxima taken ahead (a pass over q, k and v for them) and
-    // its output widened to be sent back (e4m3 read, bf16/f16 written): those two passes
-    // are charged instead, and the projection quantizes its own input.
-    let width = a.heads.saturating_mul(a.head_dim);
-    let mut attention_s = s * ops.batch as f64;
-    if attention == AttentionPrice::Fp8 && ops.sp > 1 {
-        let elems = (ops.batch.max(1) * a.seq * width) as f64;
-        attention_s += (3.0 * 2.0 + 3.0) * elems / (t.elementwise_gbps * 1e9);
-    } else if attention == AttentionPrice::Fp8 {
+    // written) at the element-wise rate. Under sequence parallelism the same: q, k and v are
+    // quantized before they are sent (the pass the table's time holds, on as many values)
+    // and the e4m3 output comes back as it is (mold-exec's `sequence::exchange_e4m3`; the
+    // exchanges' bytes and the scales' exchange are the all-to-alls', [`super::Ctx`]).
+    // The projection's input: every head of the rank's tensor-parallel shard (under
+    // sequence parallelism `sp` times the heads its attention covers).
+    let d = a.head_dim.max(1);
+    let takes_attention =
+        |k: u64| k.is_multiple_of(d) && (k / d).div_ceil(ops.sp.max(1)) == a.heads;
+    let attention_s = s * ops.batch as f64;
+    if attention == AttentionPrice::Fp8 {
         let saved: f64 = ops
             .gemms
             .iter()
-            .filter(|g| g.run == Run::Partial && g.k == width)
+            .filter(|g| g.run == Run::Partial && takes_attention(g.k))
             .map(|g| (g.m as f64 * (g.k as f64 * 3.0 + 4.0)) / (t.elementwise_gbps * 1e9))
             .sum();
         gemm_s = (gemm_s - saved).max(0.0);

@@ -21,7 +21,9 @@
 //! exchange staged through the host: [`mold_exec::comm::ThreadComm`]), q, k and v sent in
 //! e4m3 with the scales the group agrees on (`mold_exec::model::sequence::exchange_e4m3`),
 //! read in place by cuDNN from the receive buffer, the output sent back in e4m3: each rank's
-//! rows and scales must be those of FP8 attention on one rank for its tokens, bit for bit.
+//! rows and scales must be those of FP8 attention on one rank for its tokens, bit for bit;
+//! where the machine has two GPUs, again with a rank on each, over the group `mold exec` makes
+//! ([`mold_exec::comm::make_group`]: the copy engines' all-to-alls, NCCL for the rest).
 //!
 //!   fp8_attention_check [--lengths 1000,4608] [--heads 8] [--tol 2]
 use candle_core::IndexOp;
@@ -154,8 +156,12 @@ fn run() -> Result<bool, String> {
     for (i, &l) in lengths.iter().enumerate() {
         ok &= views_of_the_exchange(&gpu, l, heads, 1 + usize::from(i == 0), &meter)?;
     }
+    let two = Device::new_cuda(1).ok();
     for &l in &lengths {
-        ok &= over_a_group(&gpu, l, heads)?;
+        ok &= over_a_group(&[gpu.clone(), gpu.clone()], false, l, heads)?;
+        if let Some(g1) = &two {
+            ok &= over_a_group(&[gpu.clone(), g1.clone()], true, l, heads)?;
+        }
     }
     Ok(ok)
 }
@@ -165,12 +171,15 @@ fn run() -> Result<bool, String> {
 /// FP8 attention's e4m3 output as bytes and its per-token scales.
 type Rows = (Vec<u8>, Vec<f32>);
 
-fn over_a_group(gpu: &Device, l: usize, heads: usize) -> Result<bool, String> {
-    use mold_exec::comm::{Comm, LocalComm, ThreadComm};
+/// Rank r runs on `gpus[r]`; `real`: over the group `mold exec` makes for them, else over
+/// threads staged through the host.
+fn over_a_group(gpus: &[Device], real: bool, l: usize, heads: usize) -> Result<bool, String> {
+    use mold_exec::comm::{make_group, Comm, CommOptions, LocalComm, ThreadComm};
     use mold_exec::model::sequence::{attention, split, Qkv};
     use mold_exec::model::Ctx;
     let e = |e: candle_core::Error| e.to_string();
-    let (b, d, world) = (1usize, 128usize, 2usize);
+    let (b, d, world) = (1usize, 128usize, gpus.len());
+    let gpu = &gpus[0];
     let make = |seed: u64, scale: f64| -> Result<Tensor, String> {
         (Tensor::from_vec(
             values(b * heads * l * d, seed),
@@ -210,18 +219,29 @@ fn over_a_group(gpu: &Device, l: usize, heads: usize) -> Result<bool, String> {
     };
     let meter = ActivationMeter::default();
     let one = rows_of(fp8_attention(Kernels::Auto, &q, &k, &v, None, &meter).map_err(e)?)?;
-    let comms = ThreadComm::group(world);
+    let comms: Vec<Box<dyn Comm>> = if real {
+        let ids: Vec<mold_plan::DeviceId> = (0..world)
+            .map(|i| mold_plan::DeviceId::Cuda(i as u32))
+            .collect();
+        make_group(&ids, &CommOptions::default(), None)
+    } else {
+        ThreadComm::group(world)
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Comm>)
+            .collect()
+    };
     let lens: Vec<usize> = (0..world).map(|r| split(l, r, world).len()).collect();
     let got: Vec<Result<Rows, String>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
             .map(|c| {
                 let (q, k, v, lens) = (&q, &k, &v, &lens);
+                let dev = gpus[c.rank()].clone();
                 s.spawn(move || -> Result<Rows, String> {
                     let meter = ActivationMeter::default();
                     let ctx = Ctx {
                         comm: &LocalComm,
-                        sp: c,
+                        sp: c.as_ref(),
                         meter: &meter,
                         kernels: Kernels::Auto,
                         token_split: false,
@@ -231,7 +251,10 @@ fn over_a_group(gpu: &Device, l: usize, heads: usize) -> Result<bool, String> {
                         fp8_attention: true,
                     };
                     let mine = split(l, c.rank(), world);
-                    let pick = |t: &Tensor| t.narrow(2, mine.start, mine.len());
+                    let pick = |t: &Tensor| {
+                        t.narrow(2, mine.start, mine.len())
+                            .and_then(|t| t.to_device(&dev))
+                    };
                     let qkv = Qkv::new(
                         pick(q).map_err(e)?,
                         pick(k).map_err(e)?,
@@ -259,7 +282,8 @@ fn over_a_group(gpu: &Device, l: usize, heads: usize) -> Result<bool, String> {
     let differ = vals.iter().zip(&one.0).filter(|(a, b)| a != b).count();
     let pass = same_vals && same_scales;
     println!(
-        "L {l}, {heads} heads over {world} ranks, q, k, v and output sent in e4m3: rows {} ({differ} of {} values differ), scales {} | {}",
+        "L {l}, {heads} heads over {world} ranks ({}), q, k, v and output sent in e4m3: rows {} ({differ} of {} values differ), scales {} | {}",
+        if real { "one a GPU, mold exec's group" } else { "threads on one GPU" },
         if same_vals { "= one rank's, bit for bit" } else { "differ from one rank's" },
         one.0.len(),
         if same_scales { "= one rank's" } else { "differ" },

@@ -33,6 +33,16 @@
 //   aligned); the blocks (.., 2) also write v's descale (the value at scales[8]) to each of
 //   the output's `tokens` rows, v_tokens[0 .. tokens]: its per-token scales. Launch: grid
 //   (P or any, 3), block 256.
+// quantize_thirds: the q/k/v all-to-all's messages in e4m3 (sequence parallelism with FP8
+//   attention). x holds n values (n a multiple of 8, 16-byte aligned) laid out as `(.., 3,
+//   inner)`: value e belongs to tensor (first + e / inner) % 3 (inner a multiple of 8: a
+//   piece never straddles two); each is scaled by 448 / amax of its tensor, amax folded as
+//   quantize3 folds it from partial[(y * parts + i) * pstride] (every rank's maxima one
+//   after another: one scale per tensor agreed by the group, as one GPU takes it), and
+//   written as e4m3 to q (n values, same layout). Where `scales` is not null, block 0 writes
+//   the six scales as quantize3 does, and the blocks write v's descale to v_tokens[0 ..
+//   tokens]. The same factors, so the same bits, as quantize3 given the same maxima.
+//   Launch: grid any, block 256.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -276,16 +286,6 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
 }
 
 
-// quantize_thirds: the q/k/v all-to-all's messages in e4m3 (sequence parallelism with FP8
-//   attention). x holds n values (n a multiple of 8, 16-byte aligned) laid out as `(.., 3,
-//   inner)`: value e belongs to tensor (first + e / inner) % 3 (inner a multiple of 8: a
-//   piece never straddles two); each is scaled by 448 / amax of its tensor, amax folded as
-//   quantize3 folds it from partial[(y * parts + i) * pstride] (every rank's maxima one
-//   after another: one scale per tensor agreed by the group, as one GPU takes it), and
-//   written as e4m3 to q (n values, same layout). Where `scales` is not null, block 0 writes
-//   the six scales as quantize3 does, and the blocks write v's descale to v_tokens[0 ..
-//   tokens]. The same factors, so the same bits, as quantize3 given the same maxima.
-//   Launch: grid any, block 256.
 template <typename T>
 __device__ void quantize_thirds(const T *__restrict__ x, int64_t n, int64_t inner, int first,
                                 const float *__restrict__ partial, int parts, int pstride,

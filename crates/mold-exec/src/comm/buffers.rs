@@ -36,6 +36,7 @@ pub(crate) fn address(t: &Tensor, stream: &CudaStream) -> Result<(CUdeviceptr, u
         DType::U32 => at!(u32),
         DType::I64 => at!(i64),
         DType::U8 => at!(u8),
+        DType::F8E4M3 => at!(float8::F8E4M3),
         dt => candle_core::bail!("transfer buffer: unsupported dtype {dt:?}"),
     })
 }
@@ -73,6 +74,7 @@ pub(crate) fn uninit(
         DType::U32 => mk!(u32),
         DType::I64 => mk!(i64),
         DType::U8 => mk!(u8),
+        DType::F8E4M3 => mk!(float8::F8E4M3),
         dt => candle_core::bail!("transfer buffer: unsupported dtype {dt:?}"),
     };
     let t = Tensor::from_storage(

@@ -184,6 +184,8 @@ pub(super) fn all_to_all(
         DType::F16 => all_to_all_t::<f16>(a, D::ncclFloat16),
         DType::F32 => all_to_all_t::<f32>(a, D::ncclFloat32),
         DType::F64 => all_to_all_t::<f64>(a, D::ncclFloat64),
+        // Moved, never summed: bytes (FP8 attention's q, k, v and output).
+        DType::F8E4M3 => all_to_all_t::<float8::F8E4M3>(a, D::ncclUint8),
         dt => candle_core::bail!("NCCL all-to-all: unsupported dtype {dt:?}"),
     }
 }
