@@ -1237,6 +1237,8 @@ mod fused {
             DType::BF16 => join_columns_t::<bf16>(pieces, &dev).map(Some),
             DType::F16 => join_columns_t::<f16>(pieces, &dev).map(Some),
             DType::F32 => join_columns_t::<f32>(pieces, &dev).map(Some),
+            // FP8 attention's e4m3 output under sequence parallelism: bytes, moved as they are.
+            DType::F8E4M3 => join_columns_t::<float8::F8E4M3>(pieces, &dev).map(Some),
             _ => Ok(None),
         }
     }

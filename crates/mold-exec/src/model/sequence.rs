@@ -371,12 +371,7 @@ impl OutInFlight<'_> {
                 b,
             } => {
                 // The head groups side by side, (b, L_r, heads · d) e4m3: one scale for all.
-                let got = exchange.finish()?;
-                let out = if got.len() == 1 {
-                    got[0].clone()
-                } else {
-                    Tensor::cat(&got, 2)?
-                };
+                let out = join_heads(&exchange.finish()?)?;
                 ctx.mark("all-to-all (output)", &out);
                 let (_, l, k) = out.dims3()?;
                 let rows = out.reshape((b * l, k))?;
