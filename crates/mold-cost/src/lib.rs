@@ -361,6 +361,7 @@ impl<'a> Ctx<'a> {
         // 1/sp it keeps sent to the others; in e4m3 where FP8 attention takes them so
         // (mold-exec's `sequence::exchange_e4m3`), after the group's maxima are exchanged.
         let e4m3 = sp > 1 && self.exchanges_e4m3(kind, group, dtype);
+
         let sent_bytes = if e4m3 { 1 } else { act };
         let shard = mold_models::product(&[
             self.batch,
@@ -406,8 +407,17 @@ impl<'a> Ctx<'a> {
                             }
                         })
                         .sum::<f64>()
-                        // The maxima's exchange before the q/k/v one: its latency.
-                        + if e4m3 { alltoall_s(&c, 0.0, n) } else { 0.0 }
+                        // The maxima's exchange before the q/k/v one (each rank's partial
+                        // maxima, [`FP8_MAXIMA_BYTES`]), as measured where the tables have it.
+                        + if e4m3 {
+                            let bytes = FP8_MAXIMA_BYTES as f64;
+                            self.collective_from_tables(g, CollectiveOp::AllToAll, bytes, dtype)
+                                .unwrap_or_else(|| {
+                                    alltoall_s(&c, bytes * (n - 1) as f64 / n as f64, n)
+                                })
+                        } else {
+                            0.0
+                        }
                 })
                 .fold(0.0, f64::max);
             let copy_bytes = (alltoall_copy_shards(self.batch) * shard as f64) as u64;
@@ -862,6 +872,11 @@ pub fn copies_beside(machine: &Machine, g: &[DeviceId]) -> bool {
         && !machine.spans_nodes(g)
         && machine.domain_of(g).is_some()
 }
+
+/// Bytes a rank sends in the maxima's exchange before FP8 attention's e4m3 q/k/v
+/// all-to-all (mold-exec's `sequence::start`: q's, k's and v's partial maxima as the q/k/v
+/// preparation takes them, `(3, 64, 32)` f32).
+pub const FP8_MAXIMA_BYTES: u64 = 3 * 64 * 32 * 4;
 
 /// Memory traffic of the all-to-alls' copies, in shards, for a batch of `batch`. The q/k/v
 /// preparation writes the messages in place, the rank's own piece straight into the buffer
