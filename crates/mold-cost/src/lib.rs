@@ -25,8 +25,8 @@
 //!   executor's all-gather is: a latency-bound collective of a few hundred KiB at most);
 //! - sequence parallel pays two all-to-alls per block (q, k and v in one message of three
 //!   head shards, the attention output back in one), a head shard being `⌈tokens/sp⌉ ·
-//!   hidden/tp` elements per rank of which `(sp−1)/sp` is sent (in e4m3, after one more
-//!   latency for the maxima's exchange, where FP8 attention takes them so:
+//!   hidden/tp` elements per rank of which `(sp−1)/sp` is sent (in e4m3, after an
+//!   all-gather of the ranks' maxima, where FP8 attention takes them so:
 //!   `Ctx::exchanges_e4m3`), priced latency + bytes /
 //!   bandwidth over the sequence-parallel group's link (or the measured tables), less
 //!   what runs beside them where the group is two GPUs of one peer domain on one node (the
@@ -407,13 +407,14 @@ impl<'a> Ctx<'a> {
                             }
                         })
                         .sum::<f64>()
-                        // The maxima's exchange before the q/k/v one (each rank's partial
-                        // maxima, [`FP8_MAXIMA_BYTES`]), as measured where the tables have it.
+                        // The maxima's all-gather before the q/k/v all-to-all (each rank's
+                        // partial maxima, [`FP8_MAXIMA_BYTES`]), as measured where the tables
+                        // have it.
                         + if e4m3 {
-                            let bytes = FP8_MAXIMA_BYTES as f64;
-                            self.collective_from_tables(g, CollectiveOp::AllToAll, bytes, dtype)
+                            let bytes = (FP8_MAXIMA_BYTES * n as u64) as f64;
+                            self.collective_from_tables(g, CollectiveOp::AllGather, bytes, dtype)
                                 .unwrap_or_else(|| {
-                                    alltoall_s(&c, bytes * (n - 1) as f64 / n as f64, n)
+                                    allgather_s(&c, bytes * (n - 1) as f64 / n as f64, n)
                                 })
                         } else {
                             0.0
@@ -873,7 +874,7 @@ pub fn copies_beside(machine: &Machine, g: &[DeviceId]) -> bool {
         && machine.domain_of(g).is_some()
 }
 
-/// Bytes a rank sends in the maxima's exchange before FP8 attention's e4m3 q/k/v
+/// Bytes a rank contributes to the maxima's all-gather before FP8 attention's e4m3 q/k/v
 /// all-to-all (mold-exec's `sequence::start`: q's, k's and v's partial maxima as the q/k/v
 /// preparation takes them, `(3, 64, 32)` f32).
 pub const FP8_MAXIMA_BYTES: u64 = 3 * 64 * 32 * 4;

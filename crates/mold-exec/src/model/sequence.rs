@@ -75,7 +75,7 @@ pub fn attention(qkv: Qkv, lens: &[usize], fp8: bool, ctx: &Ctx) -> Result<Input
 /// Whether q, k and v reach FP8 attention in e4m3 under sequence parallelism (`--fp8-attention`
 /// over a sequence-parallel group; `MOLD_FP8_EXCHANGE=wide` sends them in the activations'
 /// dtype instead): each rank takes the largest magnitudes of its q, k and v (every head,
-/// its tokens), the group exchanges them, every rank quantizes its messages with the one
+/// its tokens), the group all-gathers them, every rank quantizes its messages with the one
 /// scale per tensor they give — the scale one GPU takes over the whole tensors — and sends
 /// e4m3, half the bytes; attention reads the received buffer in place, and its e4m3 output
 /// goes back in e4m3 and on to the output projection as its quantized rows
@@ -243,12 +243,18 @@ fn quantize_for_exchange(
         Some(a) => a,
         None => messages_amax(&send)?,
     };
-    let got = ctx
+    // Every rank's maxima by an all-gather (NCCL's on GPUs, queued on the compute stream:
+    // the ranks' threads do not meet as for the copy engines' all-to-alls), then `(3, n ·
+    // parts, stride)`: every rank's partial maxima of q, then of k, then of v.
+    let (three, parts, stride) = local.dims3()?;
+    let maxima = ctx
         .sp
-        .all_to_all(&vec![local.clone(); n], &vec![local.shape().clone(); n])?;
-    // (3, n · parts, stride): every rank's partial maxima of q, then of k, then of v.
-    let maxima = Tensor::cat(&got, 1)?;
-    ctx.mark("q/k/v scales (all-to-all)", &maxima);
+        .all_gather_cat(&local.contiguous()?)?
+        .reshape((n, three, parts, stride))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((three, n * parts, stride))?;
+    ctx.mark("q/k/v scales (all-gather)", &maxima);
     let tokens = b * lens[me];
     #[cfg(feature = "cuda")]
     if send[me].device().is_cuda() {
