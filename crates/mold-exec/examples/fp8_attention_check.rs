@@ -46,6 +46,23 @@ fn main() {
     }
 }
 
+/// `(b, h, L, d)` values from [`values`] times `scale`, in bf16 on `gpu`.
+fn bf16_on(
+    gpu: &Device,
+    shape: (usize, usize, usize, usize),
+    seed: u64,
+    scale: f64,
+) -> Result<Tensor, String> {
+    let e = |e: candle_core::Error| e.to_string();
+    let (b, h, l, d) = shape;
+    (Tensor::from_vec(values(b * h * l * d, seed), shape, &Device::Cpu).map_err(e)? * scale)
+        .map_err(e)?
+        .to_dtype(DType::BF16)
+        .map_err(e)?
+        .to_device(gpu)
+        .map_err(e)
+}
+
 /// `n` values in [-1, 1) from a 64-bit LCG seeded by `seed` (the same on every machine).
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed
@@ -180,20 +197,7 @@ fn over_a_group(gpus: &[Device], real: bool, l: usize, heads: usize) -> Result<b
     let e = |e: candle_core::Error| e.to_string();
     let (b, d, world) = (1usize, 128usize, gpus.len());
     let gpu = &gpus[0];
-    let make = |seed: u64, scale: f64| -> Result<Tensor, String> {
-        (Tensor::from_vec(
-            values(b * heads * l * d, seed),
-            (b, heads, l, d),
-            &Device::Cpu,
-        )
-        .map_err(e)?
-            * scale)
-            .map_err(e)?
-            .to_dtype(DType::BF16)
-            .map_err(e)?
-            .to_device(gpu)
-            .map_err(e)
-    };
+    let make = |seed: u64, scale: f64| bf16_on(gpu, (b, heads, l, d), seed, scale);
     let (q, k, v) = (make(31, 2.0)?, make(32, 1.5)?, make(33, 6.0)?);
     let rows_of = |i: Input| -> Result<Rows, String> {
         let Input::Fp8(r) = i else {
@@ -304,20 +308,7 @@ fn views_of_the_exchange(
 ) -> Result<bool, String> {
     let e = |e: candle_core::Error| e.to_string();
     let d = 128;
-    let make = |seed: u64, scale: f64| -> Result<Tensor, String> {
-        (Tensor::from_vec(
-            values(b * heads * l * d, seed),
-            (b, heads, l, d),
-            &Device::Cpu,
-        )
-        .map_err(e)?
-            * scale)
-            .map_err(e)?
-            .to_dtype(DType::BF16)
-            .map_err(e)?
-            .to_device(gpu)
-            .map_err(e)
-    };
+    let make = |seed: u64, scale: f64| bf16_on(gpu, (b, heads, l, d), seed, scale);
     let (q, k, v) = (make(21, 2.0)?, make(22, 1.0)?, make(23, 5.0)?);
     // (3, b, h, L, d) -> (L, 3, b, h, d), the buffer's layout.
     let buf = Tensor::stack(&[&q, &k, &v], 0)

@@ -319,43 +319,40 @@ impl<'a> QkvInFlight<'a> {
             .pop()
             .ok_or_else(|| candle_core::Error::Msg("all-to-all: nothing received".into()))?;
         ctx.mark("all-to-all (q, k, v)", &all);
-        let me = ctx.sp.rank();
-        if let Some((scales, dtype)) = e4m3 {
+        let out = match &e4m3 {
             // (b, L, hs·d) e4m3, every token with v's scale: sent back as it is.
-            let out = super::attention::fp8_attention_tokens(&all, &scales, dtype, ctx.meter)?;
-            ctx.mark("attention", &out);
-            drop(all);
-            let send = token_pieces(&out, &lens)?;
-            drop(out);
-            let shapes: Vec<Shape> = heads_each
-                .iter()
-                .map(|&h| (b, lens[me], h * d).into())
-                .collect();
-            return Ok(OutInFlight {
-                state: OutState::MovingE4m3 {
-                    exchange: ctx.sp.all_to_all_start(send, shapes, None)?,
-                    scales,
-                    dtype,
-                    b,
-                },
-            });
-        }
-        // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
-        let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
-        // (b, L, hs·d), widened to be sent.
-        let out = local(&part(0)?, &part(1)?, &part(2)?, None, fp8, ctx)?.widen()?;
+            Some((scales, dtype)) => {
+                let out = super::attention::fp8_attention_tokens(&all, scales, *dtype, ctx.meter)?;
+                ctx.mark("attention", &out);
+                out
+            }
+            None => {
+                // (b, hs, L, d) views of the (L, 3, b, hs, d) buffer.
+                let part = |i: usize| all.i((.., i))?.permute((1, 2, 0, 3));
+                // (b, L, hs·d), widened to be sent.
+                local(&part(0)?, &part(1)?, &part(2)?, None, fp8, ctx)?.widen()?
+            }
+        };
         drop(all);
         // Each rank's tokens back to it; the head groups side by side, in rank order.
         let send = token_pieces(&out, &lens)?;
         drop(out);
+        let me = ctx.sp.rank();
         let shapes: Vec<Shape> = heads_each
             .iter()
             .map(|&h| (b, lens[me], h * d).into())
             .collect();
         let exchange = ctx.sp.all_to_all_start(send, shapes, None)?;
-        Ok(OutInFlight {
-            state: OutState::Moving(exchange),
-        })
+        let state = match e4m3 {
+            Some((scales, dtype)) => OutState::MovingE4m3 {
+                exchange,
+                scales,
+                dtype,
+                b,
+            },
+            None => OutState::Moving(exchange),
+        };
+        Ok(OutInFlight { state })
     }
 }
 

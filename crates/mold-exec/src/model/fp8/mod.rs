@@ -471,18 +471,8 @@ pub fn fake_quantize_rows(x: &Tensor) -> CResult<Tensor> {
 /// 448) and widened back, in f32 on the host, returned in f32 on `x`'s device: what FP8
 /// attention sees of q, k and v (the CPU emulation of kernels/fp8.cu's `quantize3`).
 pub fn fake_quantize_tensor(x: &Tensor) -> CResult<Tensor> {
-    let data = x
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let amax = data.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let (inv, s) = row_scale(amax);
-    let out: Vec<f32> = data
-        .par_iter()
-        .map(|v| round_e4m3(v * inv).to_f32() * s)
-        .collect();
-    Tensor::from_vec(out, x.dims(), &Device::Cpu)?.to_device(x.device())
+    let amax = amax_host(x)?;
+    widen_host(&quantize_host(x, amax)?, row_scale(amax).1)
 }
 
 /// The largest magnitude of `x`'s values (NaN skipped), on the host: FP8 attention's amax
