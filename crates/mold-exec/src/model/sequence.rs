@@ -546,15 +546,22 @@ mod tests {
     /// FP8 attention over a sequence-parallel group (CPU emulation; q, k and v sent in e4m3
     /// with the scales the group agrees on, the output back in e4m3) gives every rank the
     /// rows one rank computes for its tokens, bit for bit, with the same scale: uneven
-    /// tokens and heads included. Quantizing each rank's received heads with scales of its
-    /// own (the exchange in the activations' dtype) does not.
+    /// tokens and heads, and a batch of two (each rank's tokens of each sample), included.
+    /// Quantizing each rank's received heads with scales of its own (the exchange in the
+    /// activations' dtype) does not.
     #[test]
     fn fp8_attention_over_a_group_equals_one_rank_bit_for_bit() {
+        for b in [1usize, 2] {
+            fp8_attention_over_a_group(b);
+        }
+    }
+
+    fn fp8_attention_over_a_group(b: usize) {
         use crate::comm::{Comm, ThreadComm};
         use crate::model::ActivationMeter;
         use crate::Kernels;
         use candle_core::Device;
-        let (b, heads, l, d) = (1usize, 5usize, 7usize, 8usize);
+        let (heads, l, d) = (5usize, 7usize, 8usize);
         // Each head's values on its own scale, so per-head maxima differ from the whole's.
         let make = |seed: u64| {
             let v: Vec<f32> = (0..b * heads * l * d)
@@ -615,12 +622,20 @@ mod tests {
             })
         };
         let one = run(1).pop().unwrap();
+        let width = heads * d;
         for world in [2usize, 3] {
             let got = run(world);
-            let vals: Vec<u8> = got.iter().flat_map(|(v, _)| v.clone()).collect();
-            let sc: Vec<f32> = got.iter().flat_map(|(_, s)| s.clone()).collect();
-            assert_eq!(vals, one.0, "world {world}: values");
-            assert_eq!(sc, one.1, "world {world}: scales");
+            // Sample by sample, each rank's tokens in rank order: one rank's rows.
+            let (mut vals, mut sc) = (Vec::new(), Vec::new());
+            for bi in 0..b {
+                for (r, (v, s)) in got.iter().enumerate() {
+                    let lr = split(l, r, world).len();
+                    vals.extend_from_slice(&v[bi * lr * width..(bi + 1) * lr * width]);
+                    sc.extend_from_slice(&s[bi * lr..(bi + 1) * lr]);
+                }
+            }
+            assert_eq!(vals, one.0, "batch {b}, world {world}: values");
+            assert_eq!(sc, one.1, "batch {b}, world {world}: scales");
         }
         // The exchange in the activations' dtype: each rank's scales are of its own heads.
         let wide = crate::model::attention::fp8_attention_rows_reference(
