@@ -769,6 +769,23 @@ fn fp8_attention_is_priced_from_its_own_points() {
         fp8_attention: true,
         ..Ctx::new(&model, &m, &w)
     };
+    // The attention projection's own quantizing pass at the element-wise rate, over `sp`
+    // ranks: the products whose input is every head of the rank's shard (`sp` times the
+    // heads its attention covers), the e4m3 values and a scale a row written.
+    let projection_pass = |kind: &mold_models::BlockKind, sp: u64| -> f64 {
+        let ops = block_ops(kind, plain.tokens, 1, 1, sp as u32, 2).unwrap();
+        let width = sp * ops.attention.heads * ops.attention.head_dim;
+        let projections: Vec<_> = ops
+            .gemms
+            .iter()
+            .filter(|g| g.run == Run::Partial && g.k == width)
+            .collect();
+        assert!(!projections.is_empty(), "{} sp {sp}", kind.name);
+        projections
+            .iter()
+            .map(|g| g.m as f64 * (3.0 * g.k as f64 + 4.0) / (t.elementwise_gbps * 1e9))
+            .sum()
+    };
     for kind in &model.transformer.kinds {
         let a = plain
             .block_from_tables(kind, &one, DType::Fp8, &cuda0)
@@ -783,18 +800,7 @@ fn fp8_attention_is_priced_from_its_own_points() {
         );
         // The attention projection's own quantizing pass is not run: its bytes at the
         // element-wise rate come off the products.
-        let ops = block_ops(kind, plain.tokens, 1, 1, 1, 2).unwrap();
-        let width = ops.attention.heads * ops.attention.head_dim;
-        let projections: Vec<_> = ops
-            .gemms
-            .iter()
-            .filter(|g| g.run == Run::Partial && g.k == width)
-            .collect();
-        assert!(!projections.is_empty(), "{}", kind.name);
-        let saved: f64 = projections
-            .iter()
-            .map(|g| g.m as f64 * (3.0 * g.k as f64 + 4.0) / (t.elementwise_gbps * 1e9))
-            .sum();
+        let saved = projection_pass(kind, 1);
         assert!((a.gemm_s - b.gemm_s - saved).abs() < 1e-12, "{}", kind.name);
         assert_eq!(b.elementwise_s, a.elementwise_s);
         assert!(b.extrapolated.is_empty());
@@ -832,18 +838,7 @@ fn fp8_attention_is_priced_from_its_own_points() {
             "{}",
             kind.name
         );
-        let ops = block_ops(kind, plain.tokens, 1, 1, 2, 2).unwrap();
-        let width = 2 * ops.attention.heads * ops.attention.head_dim;
-        let projections: Vec<_> = ops
-            .gemms
-            .iter()
-            .filter(|g| g.run == Run::Partial && g.k == width)
-            .collect();
-        assert!(!projections.is_empty(), "{}", kind.name);
-        let saved: f64 = projections
-            .iter()
-            .map(|g| g.m as f64 * (3.0 * g.k as f64 + 4.0) / (t.elementwise_gbps * 1e9))
-            .sum();
+        let saved = projection_pass(kind, 2);
         assert!((a.gemm_s - b.gemm_s - saved).abs() < 1e-12, "{}", kind.name);
         let (wide, e4m3) = (
             plain.block(kind, &sp2, DType::Fp8).alltoall_s,

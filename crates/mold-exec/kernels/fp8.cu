@@ -35,7 +35,7 @@
 //   (P or any, 3), block 256.
 // quantize_thirds: the q/k/v all-to-all's messages in e4m3 (sequence parallelism with FP8
 //   attention). x holds n values (n a multiple of 8, 16-byte aligned) laid out as `(.., 3,
-//   inner)`: value e belongs to tensor (first + e / inner) % 3 (inner a multiple of 8: a
+//   inner)`: value e belongs to tensor (e / inner) % 3 (inner a multiple of 8: a
 //   piece never straddles two); each is scaled by 448 / amax of its tensor, amax folded as
 //   quantize3 folds it from partial[(y * parts + i) * pstride] (every rank's maxima one
 //   after another: one scale per tensor agreed by the group, as one GPU takes it), and
@@ -287,7 +287,7 @@ __device__ void quantize3(const T *__restrict__ x0, const T *__restrict__ x1,
 
 
 template <typename T>
-__device__ void quantize_thirds(const T *__restrict__ x, int64_t n, int64_t inner, int first,
+__device__ void quantize_thirds(const T *__restrict__ x, int64_t n, int64_t inner,
                                 const float *__restrict__ partial, int parts, int pstride,
                                 __nv_fp8_storage_t *__restrict__ q, float *__restrict__ scales,
                                 int64_t tokens, float *__restrict__ v_tokens) {
@@ -320,7 +320,7 @@ __device__ void quantize_thirds(const T *__restrict__ x, int64_t n, int64_t inne
     const int64_t pieces = n / 8;
     for (int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x; i < pieces;
          i += (int64_t)gridDim.x * THREADS) {
-        const int w = (int)((first + (i * 8) / inner) % 3);
+        const int w = (int)(((i * 8) / inner) % 3);
         const float f = w == 0 ? inv[0] : (w == 1 ? inv[1] : inv[2]);
         qv[i] = pack8_e4m3<T>(xv[i], f);
     }
@@ -365,10 +365,10 @@ __device__ void quantize_thirds(const T *__restrict__ x, int64_t n, int64_t inne
                                parts, pstride, q3, scales, tokens, v_tokens);                  \
     }                                                                                          \
     extern "C" __global__ void mold_fp8_quantize_thirds_##SUFFIX(                             \
-        const T *x, int64_t n, int64_t inner, int first, const float *partial, int parts,      \
-        int pstride, __nv_fp8_storage_t *q, float *scales, int64_t tokens, float *v_tokens) {  \
-        mold_fp8::quantize_thirds<T>(x, n, inner, first, partial, parts, pstride, q, scales,   \
-                                     tokens, v_tokens);                                        \
+        const T *x, int64_t n, int64_t inner, const float *partial, int parts, int pstride,    \
+        __nv_fp8_storage_t *q, float *scales, int64_t tokens, float *v_tokens) {               \
+        mold_fp8::quantize_thirds<T>(x, n, inner, partial, parts, pstride, q, scales, tokens,  \
+                                     v_tokens);                                                \
     }
 
 MOLD_FP8(__nv_bfloat16, bf16)

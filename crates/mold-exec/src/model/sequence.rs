@@ -255,6 +255,8 @@ fn quantize_for_exchange(
         .contiguous()?
         .reshape((three, n * parts, stride))?;
     ctx.mark("q/k/v scales (all-gather)", &maxima);
+    // The rows of this rank's attention output once its heads come back (the GPU's
+    // per-token scales; the emulation makes its own).
     let tokens = b * lens[me];
     #[cfg(feature = "cuda")]
     if send[me].device().is_cuda() {
@@ -273,7 +275,7 @@ fn quantize_for_exchange(
     let amax = [a[0], a[1], a[2]];
     let send = send
         .iter()
-        .map(|m| super::fp8::quantize_thirds_host(m, 0, amax))
+        .map(|m| super::fp8::quantize_thirds_host(m, amax))
         .collect::<Result<Vec<_>>>()?;
     Ok((send, None, Fp8Scales::Host(amax)))
 }

@@ -1260,7 +1260,7 @@ pub(crate) fn quantize_messages(
         let Storage::Cuda(xc) = &*xs else {
             candle_core::bail!("FP8 q/k/v messages: message {j} is not on the GPU");
         };
-        let (n64, inner64, first) = (n as i64, inner as i64, 0i32);
+        let (n64, inner64) = (n as i64, inner as i64);
         let pieces = (n / 8).div_ceil(THREADS as usize).clamp(1, 4 * 132 * 4) as u32;
         let cfg = LaunchConfig {
             grid_dim: (pieces, 1, 1),
@@ -1275,7 +1275,7 @@ pub(crate) fn quantize_messages(
             ($t:ty, $dst:expr, $own:expr) => {{
                 let x = xc.as_cuda_slice::<$t>()?.slice(xl.start_offset()..);
                 let mut a = stream.launch_builder(&f);
-                a.arg(&x).arg(&n64).arg(&inner64).arg(&first).arg(&mv);
+                a.arg(&x).arg(&n64).arg(&inner64).arg(&mv);
                 a.arg(&parts).arg(&pstride).arg($dst);
                 if $own {
                     a.arg(&mut scales).arg(&tokens64).arg(&mut v_tokens);

@@ -489,15 +489,14 @@ pub fn amax_host(x: &Tensor) -> CResult<f32> {
 /// `x` rounded to e4m3 with the scale `amax` gives ([`row_scale`]), on the host, returned
 /// as F8E4M3 on `x`'s device: what [`fake_quantize_tensor`] widens back.
 pub fn quantize_host(x: &Tensor, amax: f32) -> CResult<Tensor> {
-    quantize_thirds_host(&x.unsqueeze(0)?, 0, [amax; 3])?.squeeze(0)
+    quantize_thirds_host(&x.unsqueeze(0)?, [amax; 3])?.squeeze(0)
 }
 
 /// `x` `(a, 3, ..)` rounded to e4m3 with a scale per index of dimension 1 (q's, k's and
 /// v's, from their largest magnitudes `amax`, [`row_scale`]), on the host, returned as
 /// F8E4M3 on `x`'s device: the CPU emulation of kernels/fp8.cu's `quantize_thirds` (the q/k/v
-/// all-to-all's messages). `first` offsets the thirds (a tensor `(a, 1, ..)` takes
-/// `amax[first]`).
-pub fn quantize_thirds_host(x: &Tensor, first: usize, amax: [f32; 3]) -> CResult<Tensor> {
+/// all-to-all's messages).
+pub fn quantize_thirds_host(x: &Tensor, amax: [f32; 3]) -> CResult<Tensor> {
     let dims = x.dims().to_vec();
     if dims.len() < 2 {
         candle_core::bail!("quantizing thirds of a tensor shaped {dims:?}");
@@ -512,7 +511,7 @@ pub fn quantize_thirds_host(x: &Tensor, first: usize, amax: [f32; 3]) -> CResult
     let q: Vec<F8E4M3> = data
         .par_iter()
         .enumerate()
-        .map(|(e, v)| round_e4m3(v * inv[(first + e / inner.max(1)) % 3]))
+        .map(|(e, v)| round_e4m3(v * inv[(e / inner.max(1)) % 3]))
         .collect();
     Tensor::from_vec(q, dims, &Device::Cpu)?.to_device(x.device())
 }
